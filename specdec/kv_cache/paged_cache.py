@@ -1,0 +1,82 @@
+"""K/V tensors of every layer, stored in fixed-size blocks, plus their block manager.
+
+Each layer's keys (and values) are one tensor `[num_blocks * block_size, kv_heads, head_dim]`:
+the flat positions the block manager hands out index its first dimension directly, so a
+write is one `index_copy_` and a gather is one `index_select`, on any device.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+
+from specdec.errors import InvalidArgumentError
+from specdec.kv_cache.block_manager import BlockManager
+
+
+class PagedKVCache:
+    """The KV pool of one model: storage tensors and the block bookkeeping over them."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.keys: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @classmethod
+    def for_model(
+        cls,
+        config: PretrainedConfig,
+        *,
+        token_budget: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> PagedKVCache:
+        """A pool holding at least `token_budget` tokens for a Llama-style `config`."""
+        if token_budget <= 0:
+            raise InvalidArgumentError(f"token_budget must be > 0, got {token_budget}")
+        if block_size <= 0:
+            raise InvalidArgumentError(f"block_size must be > 0, got {block_size}")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            num_blocks=-(-token_budget // block_size),
+            block_size=block_size,
+            dtype=dtype,
+            device=device,
+        )
+
+    @property
+    def block_size(self) -> int:
+        return self.blocks.block_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.blocks.num_blocks * self.blocks.block_size
+
+    def bytes_per_token(self) -> int:
+        """Memory one cached token costs across all layers (keys and values)."""
+        per_layer = self.keys[0][0].numel() * self.keys[0].element_size()
+        return 2 * per_layer * len(self.keys)
+
+    def block_tables(self, slot_ids: list[str]) -> torch.Tensor:
+        """Block tables of `slot_ids`, right-padded with block 0. # [batch, max_blocks]"""
+        tables = [self.blocks.block_table(slot) for slot in slot_ids]
+        width = max(1, max(len(t) for t in tables))
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return torch.tensor(padded, dtype=torch.long, device=self.device)

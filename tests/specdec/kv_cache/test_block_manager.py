@@ -1,0 +1,532 @@
+"""Tests for the paged KV block manager: unit tests per method and error, plus a stateful
+hypothesis test against a reference model (slot -> length)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from specdec.errors import (
+    CapacityExhaustedError,
+    InvalidArgumentError,
+    SlotExistsError,
+    SlotNotFoundError,
+)
+from specdec.kv_cache.block_manager import BlockManager
+
+
+def snapshot(bm: BlockManager) -> tuple:
+    """Everything observable about a manager, to check that a failed call changed nothing."""
+    return (
+        bm.num_free_blocks,
+        {s: (bm.length(s), bm.block_table(s)) for s in bm.slot_ids()},
+        [bm.refcount(b) for b in range(bm.num_blocks)],
+    )
+
+
+# ---- construction ---------------------------------------------------------------------------
+
+
+def test_fresh_manager_is_all_free() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    assert bm.num_blocks == 8 and bm.block_size == 4
+    assert bm.num_free_blocks == 8
+    assert bm.free_tokens == 32
+    assert bm.slot_ids() == []
+    bm.check_invariants()
+
+
+def test_default_block_size_is_16() -> None:
+    assert BlockManager(4).block_size == 16
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "block_size"), [(0, 16), (-1, 16), (4, 0), (4, -2), (4.0, 16), (True, 16)]
+)
+def test_constructor_rejects_bad_sizes(num_blocks: object, block_size: object) -> None:
+    with pytest.raises(InvalidArgumentError):
+        BlockManager(num_blocks, block_size)  # type: ignore[arg-type]
+
+
+# ---- allocate / has_slot / slot_ids ---------------------------------------------------------
+
+
+def test_allocate_registers_empty_slot() -> None:
+    bm = BlockManager(4, 4)
+    bm.allocate("a")
+    assert bm.has_slot("a") and not bm.has_slot("b")
+    assert bm.slot_ids() == ["a"]
+    assert bm.length("a") == 0
+    assert bm.block_table("a") == []
+    assert bm.num_free_blocks == 4
+    bm.check_invariants()
+
+
+def test_allocate_duplicate_raises_and_keeps_slot() -> None:
+    bm = BlockManager(4, 4)
+    bm.allocate("a")
+    bm.append("a", 5)
+    before = snapshot(bm)
+    with pytest.raises(SlotExistsError):
+        bm.allocate("a")
+    assert snapshot(bm) == before
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda bm: bm.length("x"),
+        lambda bm: bm.block_table("x"),
+        lambda bm: bm.positions("x"),
+        lambda bm: bm.blocks_needed("x", 1),
+        lambda bm: bm.can_append("x", 1),
+        lambda bm: bm.append("x", 1),
+        lambda bm: bm.append_many([("a", 1), ("x", 1)]),
+        lambda bm: bm.truncate_to("x", 0),
+        lambda bm: bm.free("x"),
+    ],
+)
+def test_unknown_slot_raises_not_found(call) -> None:
+    bm = BlockManager(4, 4)
+    bm.allocate("a")
+    before = snapshot(bm)
+    with pytest.raises(SlotNotFoundError) as info:
+        call(bm)
+    assert "'x'" in str(info.value)
+    assert info.value.status_code_name == "NOT_FOUND"
+    assert snapshot(bm) == before
+
+
+# ---- append / blocks_needed / can_append ----------------------------------------------------
+
+
+def test_blocks_needed_counts_room_in_last_block() -> None:
+    bm = BlockManager(8, 4)
+    bm.allocate("a")
+    assert bm.blocks_needed("a", 0) == 0
+    assert bm.blocks_needed("a", 1) == 1
+    assert bm.blocks_needed("a", 4) == 1
+    assert bm.blocks_needed("a", 5) == 2
+    bm.append("a", 3)
+    assert bm.blocks_needed("a", 1) == 0
+    assert bm.blocks_needed("a", 2) == 1
+    assert bm.blocks_needed("a", 6) == 2
+
+
+def test_append_takes_blocks_in_fifo_order_and_returns_slot_mapping() -> None:
+    bm = BlockManager(8, 4)
+    bm.allocate("a")
+    bm.allocate("b")
+    assert bm.append("a", 3) == [0, 1, 2]  # block 0
+    assert bm.append("b", 2) == [4, 5]  # block 1
+    assert bm.append("a", 3) == [3, 8, 9]  # rest of block 0, then block 2
+    assert bm.block_table("a") == [0, 2]
+    assert bm.block_table("b") == [1]
+    assert bm.length("a") == 6 and bm.length("b") == 2
+    assert bm.num_free_blocks == 5
+    assert bm.free_tokens == 20
+    assert bm.refcount(0) == bm.refcount(1) == bm.refcount(2) == 1
+    assert bm.refcount(3) == 0
+    bm.check_invariants()
+
+
+def test_append_zero_tokens_is_noop() -> None:
+    bm = BlockManager(2, 4)
+    bm.allocate("a")
+    assert bm.append("a", 0) == []
+    assert bm.block_table("a") == []
+    bm.check_invariants()
+
+
+def test_append_exactly_fills_pool() -> None:
+    bm = BlockManager(2, 4)
+    bm.allocate("a")
+    assert bm.can_append("a", 8)
+    assert bm.append("a", 8) == list(range(8))
+    assert bm.num_free_blocks == 0
+    assert bm.can_append("a", 0)
+    assert not bm.can_append("a", 1)
+
+
+def test_append_exhaustion_changes_nothing() -> None:
+    bm = BlockManager(3, 4)
+    bm.allocate("a")
+    bm.allocate("b")
+    bm.append("a", 6)
+    before = snapshot(bm)
+    assert not bm.can_append("b", 5)
+    with pytest.raises(CapacityExhaustedError) as info:
+        bm.append("b", 5)
+    assert info.value.status_code_name == "RESOURCE_EXHAUSTED"
+    assert snapshot(bm) == before
+    bm.check_invariants()
+    # the room left in a's last block is still usable without new blocks
+    assert bm.append("a", 2) == [6, 7]
+    assert bm.length("a") == 8
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "3", None, True])
+def test_append_rejects_bad_counts(bad: object) -> None:
+    bm = BlockManager(2, 4)
+    bm.allocate("a")
+    for call in (bm.append, bm.blocks_needed, bm.can_append):
+        with pytest.raises(InvalidArgumentError):
+            call("a", bad)  # type: ignore[arg-type]
+    assert bm.length("a") == 0
+
+
+# ---- positions ------------------------------------------------------------------------------
+
+
+def test_positions_follow_block_table() -> None:
+    bm = BlockManager(6, 4)
+    for s in "abc":
+        bm.allocate(s)
+    bm.append("a", 4)  # block 0
+    bm.append("b", 4)  # block 1
+    bm.append("c", 1)  # block 2
+    bm.free("b")  # block 1 to the back of the free list: 3, 4, 5, 1
+    bm.append("a", 9)  # blocks 3, 4, 5
+    table = bm.block_table("a")
+    assert table == [0, 3, 4, 5]
+    expected = [table[i // 4] * 4 + i % 4 for i in range(13)]
+    assert bm.positions("a") == expected
+    assert bm.positions("a", 3, 9) == expected[3:9]
+    assert bm.positions("a", 13) == []
+    assert bm.positions("a", 5, 5) == []
+
+
+@pytest.mark.parametrize(("start", "end"), [(-1, None), (0, 14), (5, 4), (14, None)])
+def test_positions_rejects_bad_range(start: int, end: int | None) -> None:
+    bm = BlockManager(6, 4)
+    bm.allocate("a")
+    bm.append("a", 13)
+    with pytest.raises(InvalidArgumentError):
+        bm.positions("a", start, end)
+
+
+def test_block_table_is_a_copy() -> None:
+    bm = BlockManager(4, 4)
+    bm.allocate("a")
+    bm.append("a", 5)
+    bm.block_table("a").append(99)
+    assert bm.block_table("a") == [0, 1]
+    bm.check_invariants()
+
+
+# ---- truncate_to ----------------------------------------------------------------------------
+
+
+def test_truncate_keeps_partial_last_block_and_frees_blocks_at_or_after() -> None:
+    bm = BlockManager(8, 4)
+    bm.allocate("a")
+    bm.append("a", 14)  # blocks 0..3, last holds 2 tokens
+    bm.truncate_to("a", 5)  # keeps block 0 (full) and block 1 (1 token); frees 2, 3
+    assert bm.length("a") == 5
+    assert bm.block_table("a") == [0, 1]
+    assert bm.num_free_blocks == 6
+    assert bm.refcount(2) == bm.refcount(3) == 0
+    bm.check_invariants()
+    # the next append reuses the kept partial block first
+    assert bm.append("a", 3) == [5, 6, 7]
+    assert bm.block_table("a") == [0, 1]
+
+
+def test_truncate_at_block_boundary_frees_block_starting_there() -> None:
+    bm = BlockManager(8, 4)
+    bm.allocate("a")
+    bm.append("a", 9)  # blocks 0, 1, 2
+    bm.truncate_to("a", 8)  # block 2 starts at 8: freed
+    assert bm.block_table("a") == [0, 1]
+    bm.truncate_to("a", 4)  # block 1 starts at 4: freed
+    assert bm.block_table("a") == [0]
+    assert bm.num_free_blocks == 7
+    bm.check_invariants()
+
+
+def test_truncate_to_zero_frees_all_blocks_but_keeps_slot() -> None:
+    bm = BlockManager(4, 4)
+    bm.allocate("a")
+    bm.append("a", 10)
+    bm.truncate_to("a", 0)
+    assert bm.has_slot("a")
+    assert bm.length("a") == 0
+    assert bm.block_table("a") == []
+    assert bm.num_free_blocks == 4
+    bm.check_invariants()
+
+
+def test_truncate_to_current_length_is_noop() -> None:
+    bm = BlockManager(4, 4)
+    bm.allocate("a")
+    bm.append("a", 6)
+    before = snapshot(bm)
+    bm.truncate_to("a", 6)
+    assert snapshot(bm) == before
+
+
+@pytest.mark.parametrize("bad", [-1, 7, 100, 2.0, None])
+def test_truncate_rejects_bad_lengths(bad: object) -> None:
+    bm = BlockManager(4, 4)
+    bm.allocate("a")
+    bm.append("a", 6)
+    before = snapshot(bm)
+    with pytest.raises(InvalidArgumentError):
+        bm.truncate_to("a", bad)  # type: ignore[arg-type]
+    assert snapshot(bm) == before
+
+
+def test_freed_blocks_go_to_back_of_free_list() -> None:
+    bm = BlockManager(4, 4)
+    bm.allocate("a")
+    bm.allocate("b")
+    bm.append("a", 4)  # block 0
+    bm.truncate_to("a", 0)  # free list: 1, 2, 3, 0
+    bm.append("b", 16)
+    assert bm.block_table("b") == [1, 2, 3, 0]
+
+
+# ---- free -----------------------------------------------------------------------------------
+
+
+def test_free_returns_every_block_and_forgets_slot() -> None:
+    bm = BlockManager(6, 4)
+    bm.allocate("a")
+    bm.allocate("b")
+    bm.append("a", 9)
+    bm.append("b", 3)
+    bm.free("a")
+    assert not bm.has_slot("a")
+    assert bm.slot_ids() == ["b"]
+    assert bm.num_free_blocks == 5
+    assert all(bm.refcount(b) == 0 for b in (0, 1, 2))
+    assert bm.block_table("b") == [3] and bm.refcount(3) == 1
+    bm.check_invariants()
+    with pytest.raises(SlotNotFoundError):
+        bm.free("a")
+    bm.allocate("a")  # the id can be reused
+    assert bm.length("a") == 0
+
+
+def test_free_empty_slot() -> None:
+    bm = BlockManager(2, 4)
+    bm.allocate("a")
+    bm.free("a")
+    assert bm.slot_ids() == [] and bm.num_free_blocks == 2
+
+
+# ---- append_many ----------------------------------------------------------------------------
+
+
+def test_append_many_returns_positions_per_request() -> None:
+    bm = BlockManager(8, 4)
+    bm.allocate("a")
+    bm.allocate("b")
+    bm.append("a", 2)  # block 0
+    out = bm.append_many([("a", 3), ("b", 4), ("a", 1)])
+    assert out == [[2, 3, 4], [8, 9, 10, 11], [5]]
+    assert bm.block_table("a") == [0, 1]
+    assert bm.block_table("b") == [2]
+    assert bm.append_many([]) == []
+    bm.check_invariants()
+
+
+def test_append_many_is_all_or_nothing_on_exhaustion() -> None:
+    bm = BlockManager(4, 4)
+    bm.allocate("a")
+    bm.allocate("b")
+    bm.append("a", 2)
+    before = snapshot(bm)
+    # a alone fits (needs 1 more block), b alone fits (3 blocks), together they need 4 > 3
+    assert bm.can_append("a", 6) and bm.can_append("b", 9)
+    with pytest.raises(CapacityExhaustedError):
+        bm.append_many([("a", 6), ("b", 9)])
+    assert snapshot(bm) == before
+    bm.check_invariants()
+
+
+def test_append_many_counts_repeated_slot_cumulatively() -> None:
+    bm = BlockManager(2, 4)
+    bm.allocate("a")
+    before = snapshot(bm)
+    # each part alone needs 1-2 blocks; together they need 3 > 2
+    with pytest.raises(CapacityExhaustedError):
+        bm.append_many([("a", 5), ("a", 5)])
+    assert snapshot(bm) == before
+    assert bm.append_many([("a", 5), ("a", 3)]) == [[0, 1, 2, 3, 4], [5, 6, 7]]
+
+
+@pytest.mark.parametrize("bad", [[("a", 1), ("x", 1)], [("a", 1), ("b", -1)]])
+def test_append_many_validates_whole_batch_first(bad: list[tuple[str, int]]) -> None:
+    bm = BlockManager(4, 4)
+    bm.allocate("a")
+    bm.allocate("b")
+    before = snapshot(bm)
+    with pytest.raises((SlotNotFoundError, InvalidArgumentError)):
+        bm.append_many(bad)
+    assert snapshot(bm) == before
+
+
+# ---- check_invariants -----------------------------------------------------------------------
+
+
+def test_check_invariants_detects_corruption() -> None:
+    bm = BlockManager(4, 4)
+    bm.allocate("a")
+    bm.append("a", 5)
+    bm._free.append(0)  # a block both owned and free
+    with pytest.raises(RuntimeError):
+        bm.check_invariants()
+
+    bm = BlockManager(4, 4)
+    bm.allocate("a")
+    bm.append("a", 5)
+    bm._lengths["a"] = 9  # 2 blocks cannot hold 9 tokens
+    with pytest.raises(RuntimeError):
+        bm.check_invariants()
+
+    bm = BlockManager(4, 4)
+    bm.allocate("a")
+    bm.append("a", 5)
+    bm._free.popleft()  # a leaked block: neither free nor owned
+    with pytest.raises(RuntimeError):
+        bm.check_invariants()
+
+
+# ---- stateful property test -----------------------------------------------------------------
+
+SLOTS = ("s0", "s1", "s2", "s3")
+NUM_BLOCKS = 12
+BLOCK_SIZE = 4
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random allocate/append/append_many/truncate/free against a dict slot -> length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
+        self.model: dict[str, int] = {}
+
+    def expected_free(self, lengths: dict[str, int]) -> int:
+        return NUM_BLOCKS - sum(ceil_div(n, BLOCK_SIZE) for n in lengths.values())
+
+    def check_positions(self, slot: str, start: int, got: list[int]) -> None:
+        assert got == self.bm.positions(slot, start, start + len(got))
+        table = self.bm.block_table(slot)
+        for i, pos in enumerate(got, start):
+            assert pos == table[i // BLOCK_SIZE] * BLOCK_SIZE + i % BLOCK_SIZE
+
+    @rule(slot=st.sampled_from(SLOTS))
+    def allocate(self, slot: str) -> None:
+        if slot in self.model:
+            with pytest.raises(SlotExistsError):
+                self.bm.allocate(slot)
+        else:
+            self.bm.allocate(slot)
+            self.model[slot] = 0
+
+    @rule(slot=st.sampled_from(SLOTS), n=st.integers(0, 3 * BLOCK_SIZE + 1))
+    def append(self, slot: str, n: int) -> None:
+        if slot not in self.model:
+            with pytest.raises(SlotNotFoundError):
+                self.bm.append(slot, n)
+            return
+        new = dict(self.model, **{slot: self.model[slot] + n})
+        if self.expected_free(new) < 0:
+            assert not self.bm.can_append(slot, n)
+            with pytest.raises(CapacityExhaustedError):
+                self.bm.append(slot, n)
+            return
+        assert self.bm.can_append(slot, n)
+        start = self.model[slot]
+        got = self.bm.append(slot, n)
+        assert len(got) == n
+        self.model = new
+        self.check_positions(slot, start, got)
+
+    @rule(
+        reqs=st.lists(
+            st.tuples(st.sampled_from(SLOTS), st.integers(0, 2 * BLOCK_SIZE + 1)), max_size=4
+        )
+    )
+    def append_many(self, reqs: list[tuple[str, int]]) -> None:
+        if any(s not in self.model for s, _ in reqs):
+            with pytest.raises(SlotNotFoundError):
+                self.bm.append_many(reqs)
+            return
+        new = dict(self.model)
+        for s, n in reqs:
+            new[s] += n
+        if self.expected_free(new) < 0:
+            with pytest.raises(CapacityExhaustedError):
+                self.bm.append_many(reqs)
+            return
+        starts = []
+        running = dict(self.model)
+        for s, n in reqs:
+            starts.append(running[s])
+            running[s] += n
+        got = self.bm.append_many(reqs)
+        self.model = new
+        assert [len(g) for g in got] == [n for _, n in reqs]
+        for (s, _), start, positions in zip(reqs, starts, got):
+            self.check_positions(s, start, positions)
+
+    @rule(slot=st.sampled_from(SLOTS), frac=st.floats(0, 1.2), overshoot=st.booleans())
+    def truncate(self, slot: str, frac: float, overshoot: bool) -> None:
+        if slot not in self.model:
+            with pytest.raises(SlotNotFoundError):
+                self.bm.truncate_to(slot, 0)
+            return
+        length = self.model[slot]
+        if overshoot:
+            with pytest.raises(InvalidArgumentError):
+                self.bm.truncate_to(slot, length + 1)
+            return
+        new_len = min(length, int(length * frac))
+        kept = self.bm.block_table(slot)[: ceil_div(new_len, BLOCK_SIZE)]
+        kept_positions = self.bm.positions(slot, 0, new_len)
+        self.bm.truncate_to(slot, new_len)
+        self.model[slot] = new_len
+        # surviving tokens keep their blocks and positions
+        assert self.bm.block_table(slot) == kept
+        assert self.bm.positions(slot) == kept_positions
+
+    @rule(slot=st.sampled_from(SLOTS))
+    def free(self, slot: str) -> None:
+        if slot not in self.model:
+            with pytest.raises(SlotNotFoundError):
+                self.bm.free(slot)
+            return
+        self.bm.free(slot)
+        del self.model[slot]
+
+    @invariant()
+    def agrees_with_model(self) -> None:
+        self.bm.check_invariants()
+        assert sorted(self.bm.slot_ids()) == sorted(self.model)
+        for slot, n in self.model.items():
+            assert self.bm.length(slot) == n
+            assert len(self.bm.block_table(slot)) == ceil_div(n, BLOCK_SIZE)
+        assert self.bm.num_free_blocks == self.expected_free(self.model)
+        assert self.bm.free_tokens == self.bm.num_free_blocks * BLOCK_SIZE
+        owned = [b for s in self.model for b in self.bm.block_table(s)]
+        assert len(owned) == len(set(owned))  # no block owned twice
+        assert all(self.bm.refcount(b) == 1 for b in owned)
+        assert len(owned) + self.bm.num_free_blocks == NUM_BLOCKS  # nothing leaked
+
+
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestBlockManagerMachine = BlockManagerMachine.TestCase
