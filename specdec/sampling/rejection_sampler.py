@@ -1,0 +1,171 @@
+"""Speculative-decoding acceptance: rejection sampling and its greedy special case.
+
+Speculative sampling (Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers
+via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding
+with Speculative Sampling"). For one request the draft proposed tokens t_1..t_k, t_i
+sampled from q_i; the target scored all of them in one pass, giving p_1..p_{k+1}
+(p_i is the target's distribution for the position of t_i, p_{k+1} the one after t_k).
+
+* **accepted** tokens: for i = 1..k in order, t_i is kept with probability
+  min(1, p_i(t_i) / q_i(t_i)); the accepted tokens are the prefix up to the first rejection.
+* **recovered** token: at the first rejection i, a replacement is sampled from the
+  residual norm(max(0, p_i − q_i)) (from p_i itself if the residual is numerically all
+  zero, i.e. p_i == q_i) and the round stops.
+* **bonus** token: if all k were accepted, one more token is sampled from p_{k+1}.
+
+Each round therefore emits num_accepted + 1 tokens, and every emitted token is
+distributed exactly as the target would have sampled it — provided q is the very
+distribution the draft sampled from and p carries the request's sampling transforms.
+With k = 0 the round is plain sampling from p_1.
+
+Greedy requests use `greedy_accept` (accept while argmax(p_i) == t_i, then the target's
+argmax), which draws no random numbers. Feeding greedy rows' one-hot p (see
+`transforms.logits_to_probs`) to `rejection_sample` gives the same tokens.
+
+Randomness: with a list of per-row generators each row draws, from its own generator,
+first its k uniforms and then one categorical sample, so a seeded request reproduces
+whatever it is batched with. A single shared generator or None (torch's default RNG)
+draws the whole batch in two calls — much faster for large statistical batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.errors import InvalidArgumentError
+from specdec.sampling.transforms import Generators, sample
+
+
+@dataclass(frozen=True)
+class RejectionResult:
+    """Outcome of one speculation round for each request of the batch."""
+
+    #: Per request: the accepted draft tokens, then exactly one recovered or bonus token.
+    output_tokens: list[list[int]]
+    #: Per request: how many draft tokens were accepted (len(output_tokens[b]) - 1).
+    num_accepted: list[int]
+
+
+def _check(
+    target: torch.Tensor, draft_tokens: torch.Tensor, num_draft_tokens: Sequence[int] | torch.Tensor
+) -> tuple[list[int], torch.Tensor]:
+    """Validated per-row k as a list and a mask [batch, k_max] of real draft positions."""
+    batch, k_plus_1 = target.shape[:2]
+    k_max = k_plus_1 - 1
+    if tuple(draft_tokens.shape) != (batch, k_max):
+        raise InvalidArgumentError(
+            f"draft_tokens: expected shape {(batch, k_max)}, got {tuple(draft_tokens.shape)}"
+        )
+    ks = num_draft_tokens.tolist() if isinstance(num_draft_tokens, torch.Tensor) else list(num_draft_tokens)
+    if len(ks) != batch or any(not 0 <= k <= k_max for k in ks):
+        raise InvalidArgumentError(f"num_draft_tokens: expected {batch} values in [0, {k_max}], got {ks}")
+    k_t = torch.tensor(ks, dtype=torch.int64, device=target.device)  # [batch]
+    valid = torch.arange(k_max, device=target.device)[None, :] < k_t[:, None]  # [batch, k_max]
+    return ks, valid
+
+
+def _result(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, last: torch.Tensor) -> RejectionResult:
+    drafted, accepted, final = draft_tokens.tolist(), num_accepted.tolist(), last.tolist()
+    return RejectionResult(
+        output_tokens=[row[:n] + [t] for row, n, t in zip(drafted, accepted, final)],
+        num_accepted=accepted,
+    )
+
+
+def acceptance_probs(
+    target_probs: torch.Tensor,  # [batch, >= k, vocab]
+    draft_probs: torch.Tensor,  # [batch, k, vocab]
+    draft_tokens: torch.Tensor,  # [batch, k], valid ids only
+) -> torch.Tensor:
+    """min(1, p_i(t_i) / q_i(t_i)) per draft position → [batch, k] float32.
+
+    Where q_i(t_i) == 0 (impossible for a token the draft sampled) it is 1 if p_i(t_i) > 0
+    else 0.
+    """
+    k = draft_tokens.shape[1]
+    index = draft_tokens[..., None]  # [batch, k, 1]
+    p = target_probs[:, :k].gather(-1, index).squeeze(-1).float()  # [batch, k]
+    q = draft_probs.gather(-1, index).squeeze(-1).float()  # [batch, k]
+    return torch.where(q > 0, (p / q).clamp(max=1.0), (p > 0).float())
+
+
+def recovery_probs(
+    target_probs: torch.Tensor,  # [batch, vocab] p_i at the rejected position
+    draft_probs: torch.Tensor,  # [batch, vocab] q_i at the rejected position
+) -> torch.Tensor:
+    """norm(max(0, p − q)) → [batch, vocab] float32; p itself where the residual is all zero."""
+    p = target_probs.float()  # [batch, vocab]
+    residual = (p - draft_probs.float()).clamp(min=0.0)  # [batch, vocab]
+    total = residual.sum(dim=-1, keepdim=True)  # [batch, 1]
+    return torch.where(total > 0, residual / total.clamp(min=torch.finfo(p.dtype).tiny), p)
+
+
+def _uniforms(ks: list[int], k_max: int, generators: Generators, device: torch.device) -> torch.Tensor:
+    """[batch, k_max] uniforms in [0, 1); per-row generators draw exactly k_b values each."""
+    if generators is None or isinstance(generators, torch.Generator):
+        return torch.rand(len(ks), k_max, generator=generators, device=device)
+    if len(generators) != len(ks):
+        raise InvalidArgumentError(f"generators: got {len(generators)} for {len(ks)} rows")
+    rows = [
+        torch.cat([torch.rand(k, generator=g, device=device), torch.ones(k_max - k, device=device)])
+        for k, g in zip(ks, generators)
+    ]  # [k_max] each; padding 1.0 is never accepted
+    return torch.stack(rows) if rows else torch.empty(0, k_max, device=device)
+
+
+def rejection_sample(
+    target_probs: torch.Tensor,  # [batch, k_max+1, vocab] p, request's transforms applied
+    draft_probs: torch.Tensor,  # [batch, k_max, vocab] the exact q each draft token was sampled from
+    draft_tokens: torch.Tensor,  # [batch, k_max] int, padded past each row's k
+    num_draft_tokens: Sequence[int] | torch.Tensor,  # [batch] k per row, 0 <= k <= k_max
+    generators: Generators = None,
+) -> RejectionResult:
+    """One speculative-sampling round for a batch (see the module docstring)."""
+    batch, k_plus_1, vocab = target_probs.shape
+    k_max = k_plus_1 - 1
+    if tuple(draft_probs.shape) != (batch, k_max, vocab):
+        raise InvalidArgumentError(
+            f"draft_probs: expected shape {(batch, k_max, vocab)}, got {tuple(draft_probs.shape)}"
+        )
+    ks, valid = _check(target_probs, draft_tokens, num_draft_tokens)  # valid: [batch, k_max]
+    device = target_probs.device
+    tokens = torch.where(valid, draft_tokens.to(device=device, dtype=torch.int64), 0)  # [batch, k_max]
+
+    uniforms = _uniforms(ks, k_max, generators, device)  # [batch, k_max]
+    accepted = (uniforms < acceptance_probs(target_probs, draft_probs, tokens)) & valid  # [batch, k_max]
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [batch]
+
+    rows = torch.arange(batch, device=device)  # [batch]
+    p_next = target_probs[rows, num_accepted].float()  # [batch, vocab] p at the first unaccepted position
+    if k_max > 0:
+        q_next = draft_probs[rows, num_accepted.clamp(max=k_max - 1)]  # [batch, vocab]
+        rejected = num_accepted < valid.sum(dim=1)  # [batch]
+        final = torch.where(rejected[:, None], recovery_probs(p_next, q_next), p_next)  # [batch, vocab]
+    else:
+        final = p_next
+    last = sample(final, generators)  # [batch] recovered or bonus token
+    return _result(tokens, num_accepted, last)
+
+
+def greedy_accept(
+    target_logits: torch.Tensor,  # [batch, k_max+1, vocab] (penalized logits, or probs: only argmax matters)
+    draft_tokens: torch.Tensor,  # [batch, k_max] int, padded past each row's k
+    num_draft_tokens: Sequence[int] | torch.Tensor,  # [batch]
+) -> RejectionResult:
+    """Greedy round: accept t_i while argmax(target_i) == t_i, then emit the target's
+    argmax at the first mismatch (or at position k, the bonus). Draws no randomness.
+
+    Apply the repetition penalty first (`transforms.chunk_apply_repetition_penalty`) for
+    requests that use one: greedy decoding takes the argmax of the penalized logits.
+    """
+    _, valid = _check(target_logits, draft_tokens, num_draft_tokens)  # valid: [batch, k_max]
+    k_max = target_logits.shape[1] - 1
+    best = target_logits.argmax(dim=-1)  # [batch, k_max+1]
+    tokens = draft_tokens.to(device=best.device, dtype=torch.int64)  # [batch, k_max]
+    matches = (best[:, :k_max] == tokens) & valid  # [batch, k_max]
+    num_accepted = matches.long().cumprod(dim=1).sum(dim=1)  # [batch]
+    last = best.gather(1, num_accepted[:, None]).squeeze(1)  # [batch]
+    return _result(tokens, num_accepted, last)

@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from specdec.errors import InvalidArgumentError
+from specdec.sampling.params import SamplingParams
+
+
+def test_defaults_are_plain_sampling() -> None:
+    params = SamplingParams()
+    assert (params.temperature, params.top_k, params.top_p, params.repetition_penalty, params.seed) == (
+        1.0,
+        0,
+        1.0,
+        1.0,
+        None,
+    )
+    assert not params.is_greedy
+
+
+def test_temperature_zero_is_greedy() -> None:
+    assert SamplingParams(temperature=0).is_greedy
+    assert SamplingParams(temperature=0.0, top_k=5, seed=3).is_greedy
+    assert not SamplingParams(temperature=1e-6).is_greedy
+
+
+def test_frozen() -> None:
+    params = SamplingParams()
+    with pytest.raises(AttributeError):
+        params.temperature = 0.5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -0.1),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("top_k", -1),
+        ("top_k", 2.5),
+        ("top_k", True),
+        ("top_p", 0.0),
+        ("top_p", -0.5),
+        ("top_p", 1.01),
+        ("top_p", math.nan),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("repetition_penalty", math.inf),
+        ("seed", -1),
+        ("seed", 2**64),
+        ("seed", 1.5),
+    ],
+)
+def test_invalid_values_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(InvalidArgumentError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_boundary_values_are_valid() -> None:
+    SamplingParams(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1e-3, seed=0)
+    SamplingParams(temperature=100.0, top_k=128_256, top_p=1e-9, repetition_penalty=10.0, seed=2**64 - 1)
+
+
+def test_invalid_argument_maps_to_grpc_status() -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        SamplingParams(top_p=0)
+    assert info.value.status_code_name == "INVALID_ARGUMENT"

@@ -1,0 +1,200 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from specdec.errors import InvalidArgumentError
+from specdec.sampling.params import SamplingParams
+from specdec.sampling.transforms import (
+    SamplingTensors,
+    apply_repetition_penalty,
+    chunk_apply_repetition_penalty,
+    chunk_logits_to_probs,
+    logits_to_probs,
+    make_generator,
+    sample,
+)
+
+VOCAB = 50
+
+
+def _hf_probs(logits: torch.Tensor, params: SamplingParams, context: list[int]) -> torch.Tensor:
+    """What `transformers.generate` computes for one row: processors as generate builds them."""
+    processors = LogitsProcessorList()
+    if params.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+    if params.is_greedy:
+        scores = processors(torch.tensor([context], dtype=torch.long), logits[None])
+        return torch.nn.functional.one_hot(scores.argmax(-1), logits.shape[-1]).float()[0]
+    if params.temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k != 0:
+        processors.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        processors.append(TopPLogitsWarper(params.top_p))
+    scores = processors(torch.tensor([context], dtype=torch.long), logits[None])
+    return scores.softmax(-1)[0]
+
+
+def _random_case(seed: int, n: int) -> tuple[torch.Tensor, list[SamplingParams], list[list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+    # Half the rows have integer logits, so top-k / top-p ties are exercised.
+    logits = torch.randn(n, VOCAB, generator=g) * 3
+    logits[::2] = torch.randint(-4, 5, (n - n // 2, VOCAB), generator=g).float()
+
+    def pick(options: list) -> object:
+        return options[int(torch.randint(len(options), (), generator=g))]
+
+    params = [
+        SamplingParams(
+            temperature=pick([0.0, 0.3, 0.7, 1.0, 1.5]),
+            top_k=pick([0, 0, 1, 3, 10, VOCAB, VOCAB + 7]),
+            top_p=pick([1.0, 1.0, 0.05, 0.5, 0.9, 0.95]),
+            repetition_penalty=pick([1.0, 1.0, 0.7, 1.3, 2.0]),
+        )
+        for _ in range(n)
+    ]
+    context = [
+        torch.randint(0, VOCAB, (int(torch.randint(0, 12, (), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
+    return logits, params, context
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_logits_to_probs_matches_transformers(seed: int) -> None:
+    logits, params, context = _random_case(seed, n=16)
+    ours = logits_to_probs(logits, params, context=context)  # [n, vocab]
+    assert ours.dtype == torch.float32
+    for row in range(len(params)):
+        theirs = _hf_probs(logits[row], params[row], context[row])
+        # Same ops in the same order: bit-identical, including which tokens are cut.
+        assert torch.equal(ours[row], theirs), (row, params[row])
+
+
+def test_repetition_penalty_matches_transformers_exactly() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, VOCAB, generator=g) * 4  # [6, vocab]
+    context = [[1, 2, 2, 49], [], [0], [5, 7, 9, 11, 13], [3, VOCAB + 3], [49, 48, 1]]
+    penalties = [1.2, 1.2, 0.5, 2.0, 1.7, 1.0]
+    ours = apply_repetition_penalty(logits, context, penalties)
+    for row, (ids, penalty) in enumerate(zip(context, penalties)):
+        processor = RepetitionPenaltyLogitsProcessor(penalty)
+        input_ids = torch.tensor([ids], dtype=torch.long).view(1, len(ids))
+        theirs = processor(input_ids, logits[row : row + 1].clone())
+        assert torch.equal(ours[row], theirs[0])
+    # The padded-tensor form of the context (pad -1) gives the same result.
+    padded = torch.full((6, 5), -1, dtype=torch.long)
+    for row, ids in enumerate(context):
+        padded[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    assert torch.equal(apply_repetition_penalty(logits, padded, torch.tensor(penalties)), ours)
+
+
+def test_repetition_penalty_signs_and_scalar_penalty() -> None:
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
+    out = apply_repetition_penalty(logits, [[0, 1]], 2.0)
+    assert out.tolist() == [[1.0, -4.0, 2.0, -2.0]]
+
+
+def test_greedy_rows_are_one_hot_at_penalized_argmax() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0], [1.0, 3.0, 2.5]])
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, repetition_penalty=2.0)]
+    probs = logits_to_probs(logits, params, [[], [1]])
+    assert probs.tolist() == [[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]
+
+
+def test_sampling_tensors_reusable_and_row_count_checked() -> None:
+    logits, params, context = _random_case(99, n=5)
+    tensors = SamplingTensors.from_params(params, logits.device)
+    assert torch.equal(logits_to_probs(logits, tensors, context), logits_to_probs(logits, params, context))
+    with pytest.raises(InvalidArgumentError, match="params"):
+        logits_to_probs(logits, params[:4])
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_chunk_helper_equals_position_by_position(as_tensor: bool) -> None:
+    g = torch.Generator().manual_seed(7)
+    batch, t_len = 4, 5
+    logits = torch.randn(batch, t_len, VOCAB, generator=g) * 3  # [batch, T, vocab]
+    params = [
+        SamplingParams(repetition_penalty=1.5, top_p=0.9),
+        SamplingParams(temperature=0, repetition_penalty=3.0),
+        SamplingParams(temperature=0.8, top_k=5, repetition_penalty=0.8),
+        SamplingParams(),
+    ]
+    prior = [[1, 2, 3], [], [4], [5, 6]]
+    # The chunk tokens are what each position emits: positions repeat earlier ones.
+    chunk = [[7, 1, 7, 8], [2, 2, 9], [10, 11, 4, 10], [5]]
+    if as_tensor:
+        prior_arg = torch.tensor([[1, 2, 3], [-1, -1, -1], [4, -1, -1], [5, 6, -1]])
+        chunk_arg = torch.tensor([[7, 1, 7, 8], [2, 2, 9, -1], [10, 11, 4, 10], [5, -1, -1, -1]])
+    else:
+        prior_arg, chunk_arg = prior, chunk
+    ours = chunk_logits_to_probs(logits, params, prior_arg, chunk_arg)  # [batch, T, vocab]
+    for t in range(t_len):
+        context = [p + c[:t] for p, c in zip(prior, chunk)]
+        expected = logits_to_probs(logits[:, t], params, context=context)  # [batch, vocab]
+        torch.testing.assert_close(ours[:, t], expected, rtol=0, atol=0)
+    penalties = [p.repetition_penalty for p in params]
+    penalized = chunk_apply_repetition_penalty(logits, prior_arg, chunk_arg, penalties)  # [batch, T, vocab]
+    for t in range(t_len):
+        context = [p + c[:t] for p, c in zip(prior, chunk)]
+        expected = apply_repetition_penalty(logits[:, t], context, penalties)
+        assert torch.equal(penalized[:, t], expected)
+
+
+def test_chunk_helper_without_context_is_plain_transform() -> None:
+    logits = torch.randn(2, 3, VOCAB, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(top_k=4), SamplingParams(repetition_penalty=2.0)]
+    ours = chunk_logits_to_probs(logits, params)  # [2, 3, vocab]
+    expected = logits_to_probs(logits.reshape(6, VOCAB), [params[0]] * 3 + [params[1]] * 3)  # [6, vocab]
+    assert torch.equal(ours, expected.view(2, 3, VOCAB))
+
+
+def test_seeded_sampling_is_reproducible() -> None:
+    probs = torch.softmax(torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(2)), -1)
+    runs = []
+    for _ in range(2):
+        generators = [make_generator(seed, probs.device) for seed in (11, 12, 13)]
+        runs.append(torch.stack([sample(probs, generators) for _ in range(20)]))
+    assert torch.equal(runs[0], runs[1])
+    assert runs[0].dtype == torch.int64 and runs[0].shape == (20, 3)
+
+
+def test_seeded_sampling_independent_of_batch_composition() -> None:
+    g = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(5, VOCAB, generator=g), -1)  # [5, vocab]
+    alone_gen = [make_generator(42, "cpu")]
+    alone = [sample(probs[2:3], alone_gen).item() for _ in range(30)]
+    batch_gens = [make_generator(s, probs.device) for s in (1, 2, 42, 4, 5)]
+    batched = [sample(probs, batch_gens)[2].item() for _ in range(30)]
+    assert alone == batched
+    # Changing the neighbours (and their seeds) does not change row 2's draws.
+    other = torch.softmax(torch.randn(5, VOCAB, generator=g), -1)
+    other[2] = probs[2]
+    other_gens = [make_generator(s, probs.device) for s in (7, None, 42, 9, None)]
+    assert [sample(other, other_gens)[2].item() for _ in range(30)] == alone
+
+
+def test_sample_shared_generator_and_default_rng() -> None:
+    probs = torch.softmax(torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(4)), -1)
+    a = sample(probs, torch.Generator().manual_seed(5))
+    b = sample(probs, torch.Generator().manual_seed(5))
+    assert torch.equal(a, b) and a.shape == (4,)
+    assert sample(probs, None).shape == (4,)
+    assert sample(probs[:0], []).shape == (0,)
+    with pytest.raises(InvalidArgumentError, match="generators"):
+        sample(probs, [make_generator(1, "cpu")])
+
+
+def test_unseeded_generators_differ() -> None:
+    probs = torch.full((1, 1000), 1e-3)
+    draws = {tuple(sample(probs.expand(8, -1), [make_generator(None, "cpu")] * 8).tolist()) for _ in range(3)}
+    assert len(draws) > 1
