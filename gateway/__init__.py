@@ -1,0 +1,1 @@
+"""Gateway: streaming Generate, the speculative accept/reject loop and the scheduler."""

@@ -1,0 +1,46 @@
+"""Build the runtime a service runs: a loaded model, optional int8 quantization, our forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.errors import InvalidArgumentError
+from specdec.model.llama import PagedLlama
+from specdec.model.loader import LoadedModel, load_model
+from specdec.model.quantize import quantize_int8
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+QUANTIZATIONS = ("none", "int8")
+
+
+@dataclass
+class ModelRuntime:
+    """What a service needs to run a model: weights, tokenizer and the paged forward."""
+
+    loaded: LoadedModel
+    forward: PagedLlama
+    quantization: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.forward.dtype
+
+
+def build_runtime(
+    model: str, *, dtype: str = "float32", device: str = "cpu", quantization: str = "none"
+) -> ModelRuntime:
+    """Load `model` in `dtype` on `device`, optionally int8-quantize it, wrap our forward around it.
+
+    The int8 kernels only pay off with bfloat16 activations on CPU (see `quantize`), so the
+    embedded default draft is `quantization="int8", dtype="bfloat16"`.
+    """
+    if dtype not in DTYPES:
+        raise InvalidArgumentError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if quantization not in QUANTIZATIONS:
+        raise InvalidArgumentError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    loaded = load_model(model, dtype=DTYPES[dtype], device=device)
+    if quantization == "int8":
+        quantize_int8(loaded.model)
+    return ModelRuntime(loaded=loaded, forward=PagedLlama(loaded.model), quantization=quantization)
