@@ -1,0 +1,118 @@
+"""The draft engine: lazy prefill, implicit rollback and K autoregressive drafting steps.
+
+Each drafting step is one batched forward across every request still drafting. Tokens
+are sampled from q, the request's transformed distribution, with a per-slot generator
+(seeded once per slot), so a seeded request drafts the same tokens whatever it is batched
+with. When q travels in a narrower dtype, the token is sampled from the rounded q so
+the gateway judges it against exactly the distribution it was drawn from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.errors import InvalidArgumentError
+from specdec.model_engine import ModelEngine
+from specdec.sampling.params import SamplingParams
+from specdec.sampling.transforms import logits_to_probs, make_generator, sample
+
+
+@dataclass(frozen=True)
+class ProposeItem:
+    slot_id: str
+    valid_len: int
+    new_tokens: list[int]
+    k: int
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class Proposal:
+    slot_id: str
+    tokens: list[int]  # [k]
+    probs: torch.Tensor | None  # [k, vocab] q in the wire dtype; None for greedy requests
+    cached_len: int
+
+
+class DraftEngine(ModelEngine):
+    """The proposer: keeps its own cache per slot and drafts k tokens per request."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def release(self, slot_id: str) -> None:
+        super().release(slot_id)
+        self.generators.pop(slot_id, None)
+
+    def propose(self, items: list[ProposeItem], probs_dtype: torch.dtype = torch.float32) -> list[Proposal]:
+        """Roll back, feed new tokens (whole prompt for unseen slots), then draft k tokens each."""
+        new_slots = self._validate(items)
+        self._allocate(new_slots)
+        for item in items:
+            if item.slot_id in new_slots:
+                self.generators[item.slot_id] = make_generator(item.sampling.seed, self.cache.device)
+        try:
+            for item in items:
+                self._rollback(item.slot_id, item.valid_len)
+            logits = self._run([(item.slot_id, list(item.new_tokens)) for item in items], logits="last")
+            return self._draft(items, logits, probs_dtype)
+        except BaseException:
+            self._free_quietly(new_slots)
+            raise
+
+    def _validate(self, items: list[ProposeItem]) -> list[str]:
+        """Check the whole batch; return the slot ids seen for the first time."""
+        self._check_batch([item.slot_id for item in items])
+        new_slots = []
+        for item in items:
+            if item.slot_id in self.tokens:
+                self._check_rollback(item.slot_id, item.valid_len, "valid_len")
+            elif item.valid_len != 0:
+                raise InvalidArgumentError(
+                    f"valid_len: slot {item.slot_id!r} is new to the draft, so valid_len must be 0 (got {item.valid_len})"
+                )
+            else:
+                new_slots.append(item.slot_id)
+            if not item.new_tokens:
+                raise InvalidArgumentError(f"new_tokens: slot {item.slot_id!r} sent none (at least the last accepted token is needed)")
+            self._check_tokens("new_tokens", item.slot_id, item.new_tokens)
+            if not 1 <= item.k <= self.config.max_spec_tokens:
+                raise InvalidArgumentError(f"k: {item.k} for slot {item.slot_id!r} is outside [1, {self.config.max_spec_tokens}]")
+            # The k-th drafted token is returned but not cached: its position must still fit.
+            self._check_length(item.slot_id, item.valid_len + len(item.new_tokens) + item.k)
+        self._check_new_slots(len(new_slots))
+        return new_slots
+
+    def _draft(self, items: list[ProposeItem], logits: list[torch.Tensor], probs_dtype: torch.dtype) -> list[Proposal]:
+        drafted: list[list[int]] = [[] for _ in items]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in items]
+        current = dict(enumerate(logits))  # row -> next-token logits [vocab]
+        for step in range(max(item.k for item in items)):
+            rows = [i for i, item in enumerate(items) if item.k > step]
+            params = [items[i].sampling for i in rows]
+            context = [self.tokens[items[i].slot_id] for i in rows]
+            probs = logits_to_probs(torch.stack([current[i] for i in rows]), params, context)  # [n, vocab] f32
+            probs = probs.to(probs_dtype).float()  # what the gateway will see; sample from exactly that
+            for n, i in enumerate(rows):
+                if items[i].sampling.is_greedy:
+                    token = int(probs[n].argmax())
+                else:
+                    token = int(sample(probs[n : n + 1], [self.generators[items[i].slot_id]])[0])
+                    q_rows[i].append(probs[n])
+                drafted[i].append(token)
+            feed = [i for i in rows if items[i].k > step + 1]  # the last drafted token is not fed
+            if feed:
+                out = self._run([(items[i].slot_id, [drafted[i][-1]]) for i in feed], logits="last")
+                current = dict(zip(feed, out))
+        return [
+            Proposal(
+                slot_id=item.slot_id,
+                tokens=drafted[i],
+                probs=torch.stack(q_rows[i]).to(probs_dtype) if q_rows[i] else None,
+                cached_len=len(self.tokens[item.slot_id]),
+            )
+            for i, item in enumerate(items)
+        ]

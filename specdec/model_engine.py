@@ -1,0 +1,161 @@
+"""What the draft and target engines share: a model, its paged KV pool and the slot table.
+
+An engine is synchronous and single-threaded (the service runs it on its model worker
+thread). Slot ids are chosen by the gateway and opaque here. Every public method validates
+its whole batch before changing anything, so a bad request fails alone and never frees or
+corrupts what belongs to other requests.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.errors import CapacityExhaustedError, InvalidArgumentError, SlotNotFoundError
+from specdec.model.runtime import ModelRuntime
+from specdec.model.tokenizer_info import TokenizerInfo
+from specdec.serving.config import ModelServiceConfig
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Facts a service advertises through its Info rpc."""
+
+    model_name: str
+    tokenizer: TokenizerInfo
+    max_seq_len: int
+    block_size: int
+    free_kv_tokens: int
+    total_kv_tokens: int
+    max_slots: int
+    active_slots: int
+    max_spec_tokens: int
+    dtype: str
+    device: str
+    quantization: str
+
+
+class ModelEngine:
+    """A model over a paged KV pool, with per-slot token histories."""
+
+    def __init__(self, runtime: ModelRuntime, config: ModelServiceConfig) -> None:
+        self.runtime = runtime
+        self.config = config
+        self.forward = runtime.forward
+        self.cache = self.forward.new_cache(token_budget=config.kv_token_budget, block_size=config.block_size)
+        self.tokenizer_info = TokenizerInfo.of(runtime.loaded.model, runtime.loaded.tokenizer)
+        model_limit = int(getattr(runtime.loaded.model.config, "max_position_embeddings", 0) or 0)
+        limits = [self.cache.capacity_tokens] + [n for n in (config.max_seq_len, model_limit) if n > 0]
+        self.max_seq_len = min(limits)
+        #: Token ids held in each slot's cache, in order (the draft's repetition-penalty context).
+        self.tokens: dict[str, list[int]] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.forward.vocab_size
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            model_name=self.runtime.loaded.name,
+            tokenizer=self.tokenizer_info,
+            max_seq_len=self.max_seq_len,
+            block_size=self.cache.block_size,
+            free_kv_tokens=self.cache.blocks.free_tokens,
+            total_kv_tokens=self.cache.capacity_tokens,
+            max_slots=self.config.max_slots,
+            active_slots=len(self.tokens),
+            max_spec_tokens=self.config.max_spec_tokens,
+            dtype=str(self.forward.dtype).removeprefix("torch."),
+            device=str(self.cache.device),
+            quantization="" if self.runtime.quantization == "none" else self.runtime.quantization,
+        )
+
+    def cached_len(self, slot_id: str) -> int:
+        return len(self._require_slot(slot_id))
+
+    def truncate(self, slot_id: str, new_len: int) -> int:
+        """Explicit rollback: keep the first `new_len` cached tokens. Returns the new length."""
+        self._check_rollback(slot_id, new_len, "new_len")
+        self._rollback(slot_id, new_len)
+        return new_len
+
+    def release(self, slot_id: str) -> None:
+        """Free every block of the slot and forget it."""
+        self._require_slot(slot_id)
+        self.cache.blocks.free(slot_id)
+        del self.tokens[slot_id]
+
+    # -- validation (no side effects) -------------------------------------------------
+
+    def _require_slot(self, slot_id: str) -> list[int]:
+        try:
+            return self.tokens[slot_id]
+        except KeyError:
+            raise SlotNotFoundError(f"slot {slot_id!r} not found") from None
+
+    @staticmethod
+    def _check_batch(slot_ids: Sequence[str]) -> None:
+        if not slot_ids:
+            raise InvalidArgumentError("items: batch is empty")
+        if any(not slot_id for slot_id in slot_ids):
+            raise InvalidArgumentError("slot_id: must not be empty")
+        duplicates = [slot for slot, n in Counter(slot_ids).items() if n > 1]
+        if duplicates:
+            raise InvalidArgumentError(f"slot_id: {duplicates[0]!r} appears more than once in the batch")
+
+    def _check_tokens(self, field: str, slot_id: str, tokens: Iterable[int]) -> None:
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidArgumentError(
+                f"{field}: token id {bad[0]} of slot {slot_id!r} is outside the vocabulary [0, {self.vocab_size})"
+            )
+
+    def _check_rollback(self, slot_id: str, valid_len: int, field: str) -> None:
+        cached = len(self._require_slot(slot_id))
+        if not 0 <= valid_len <= cached:
+            raise InvalidArgumentError(f"{field}: {valid_len} is outside [0, {cached}] (cached length of slot {slot_id!r})")
+
+    def _check_length(self, slot_id: str, total: int) -> None:
+        if total > self.max_seq_len:
+            raise InvalidArgumentError(
+                f"tokens: slot {slot_id!r} would reach {total} tokens, past max_seq_len {self.max_seq_len}"
+            )
+
+    def _check_new_slots(self, count: int) -> None:
+        if len(self.tokens) + count > self.config.max_slots:
+            raise CapacityExhaustedError(
+                f"slots: {len(self.tokens)} of {self.config.max_slots} in use, {count} more requested"
+            )
+
+    # -- mutation -----------------------------------------------------------------------
+
+    def _allocate(self, slot_ids: Sequence[str]) -> None:
+        for slot_id in slot_ids:
+            self.cache.blocks.allocate(slot_id)
+            self.tokens[slot_id] = []
+
+    def _free_quietly(self, slot_ids: Sequence[str]) -> None:
+        for slot_id in slot_ids:
+            if slot_id in self.tokens:
+                self.release(slot_id)
+
+    def _rollback(self, slot_id: str, valid_len: int) -> None:
+        self.cache.blocks.truncate_to(slot_id, valid_len)
+        del self.tokens[slot_id][valid_len:]
+
+    def _run(self, chunks: list[tuple[str, list[int]]], logits: str) -> list[torch.Tensor]:
+        """One batched forward that appends each chunk to its slot; all or nothing."""
+        before = {slot_id: len(self.tokens[slot_id]) for slot_id, _ in chunks}
+        try:
+            out = self.forward.run(self.cache, chunks, logits=logits)
+        except BaseException:
+            for slot_id, length in before.items():  # undo a partial append
+                if self.cache.blocks.length(slot_id) > length:
+                    self.cache.blocks.truncate_to(slot_id, length)
+            raise
+        for slot_id, tokens in chunks:
+            self.tokens[slot_id].extend(tokens)
+        return out

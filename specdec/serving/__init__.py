@@ -1,0 +1,1 @@
+"""gRPC plumbing the three services share: error mapping, model worker thread, server factory."""

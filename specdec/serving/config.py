@@ -1,0 +1,80 @@
+"""Configuration shared by the two model services, and its command-line flags."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+from specdec.errors import InvalidArgumentError
+from specdec.model.loader import DEFAULT_MODEL
+from specdec.model.runtime import DTYPES, QUANTIZATIONS
+from specdec.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
+
+C = TypeVar("C", bound="ModelServiceConfig")
+
+
+@dataclass(frozen=True)
+class ModelServiceConfig:
+    """What a model service (draft or target) loads, how big its pools are, where it listens."""
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    device: str = "cpu"
+    quantization: str = "none"
+    host: str = "127.0.0.1"
+    port: int = 0
+    #: Concurrent slots (requests) the service holds.
+    max_slots: int = 64
+    #: KV-cache capacity in tokens, summed over all slots.
+    kv_token_budget: int = 16384
+    block_size: int = 16
+    #: Largest K (draft tokens per request and round) accepted.
+    max_spec_tokens: int = 16
+    #: Longest sequence a slot may hold; 0 means the model's own limit.
+    max_seq_len: int = 0
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidArgumentError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidArgumentError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if not 0 <= self.port <= 65535:
+            raise InvalidArgumentError(f"port must be in 0..65535, got {self.port}")
+        for name in ("max_slots", "kv_token_budget", "block_size", "max_spec_tokens", "max_message_bytes"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_seq_len < 0:
+            raise InvalidArgumentError(f"max_seq_len must be >= 0, got {self.max_seq_len}")
+
+
+_HELP = {
+    "model": "embedded name (smollm2-135m), .gguf file, local directory or hub id",
+    "dtype": "compute dtype of the forward pass",
+    "device": "torch device, e.g. cpu or cuda:0",
+    "quantization": "weight quantization (int8 = weight-only int8; pairs with --dtype bfloat16 on CPU)",
+    "host": "address to bind",
+    "port": "port to bind (0 = any free port, printed at start)",
+    "max_slots": "concurrent request slots",
+    "kv_token_budget": "KV-cache capacity in tokens over all slots",
+    "block_size": "tokens per KV-cache block",
+    "max_spec_tokens": "largest K per request and round",
+    "max_seq_len": "longest sequence per slot (0 = the model's limit)",
+    "max_message_bytes": "largest gRPC message sent or received",
+}
+_CHOICES: dict[str, Any] = {"dtype": sorted(DTYPES), "quantization": list(QUANTIZATIONS)}
+
+
+def add_config_flags(parser: argparse.ArgumentParser, defaults: ModelServiceConfig) -> None:
+    """One `--flag` per config field, defaulting to `defaults`' values."""
+    for field in fields(defaults):
+        default = getattr(defaults, field.name)
+        parser.add_argument(
+            f"--{field.name.replace('_', '-')}", dest=field.name, type=type(default), default=default,
+            choices=_CHOICES.get(field.name), help=f"{_HELP[field.name]} (default: {default})",
+        )
+
+
+def config_from_args(cls: type[C], args: argparse.Namespace) -> C:
+    return cls(**{field.name: getattr(args, field.name) for field in fields(cls)})

@@ -1,0 +1,47 @@
+"""Protobuf <-> domain conversions shared by the services."""
+
+from __future__ import annotations
+
+from specdec.model_engine import EngineInfo
+from specdec.sampling.params import SamplingParams
+from specdec.v1 import common_pb2
+
+
+def engine_info_to_pb(info: EngineInfo) -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(
+        model_name=info.model_name,
+        vocab_size=info.tokenizer.vocab_size,
+        eos_token_ids=list(info.tokenizer.eos_token_ids),
+        tokenizer_fingerprint=info.tokenizer.fingerprint,
+        max_seq_len=info.max_seq_len,
+        block_size=info.block_size,
+        free_kv_tokens=info.free_kv_tokens,
+        total_kv_tokens=info.total_kv_tokens,
+        max_slots=info.max_slots,
+        active_slots=info.active_slots,
+        max_spec_tokens=info.max_spec_tokens,
+        dtype=info.dtype,
+        device=info.device,
+        quantization=info.quantization,
+    )
+
+
+def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
+    """Proto defaults (0) mean "off" for top_p and repetition_penalty; validation names the field."""
+    return SamplingParams(
+        temperature=message.temperature,
+        top_k=message.top_k,
+        top_p=message.top_p or 1.0,
+        repetition_penalty=message.repetition_penalty or 1.0,
+        seed=message.seed if message.HasField("seed") else None,
+    )
+
+
+def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
+    message = common_pb2.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        repetition_penalty=params.repetition_penalty,
+    )
+    if params.seed is not None:
+        message.seed = params.seed
+    return message

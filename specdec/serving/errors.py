@@ -1,0 +1,68 @@
+"""One error-mapping layer from engine exceptions to gRPC status codes.
+
+Engines raise `specdec.errors.SpecdecError` subclasses for expected failures; those map
+to their declared status with their message. Anything else is a bug: INTERNAL, with the
+traceback logged here (never sent to the client).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from specdec.errors import SpecdecError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and client-facing message for an exception."""
+    if isinstance(error, SpecdecError):
+        return grpc.StatusCode[error.status_code_name], str(error)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(error).__name__}); see the server log"
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: Exception, method: str) -> None:
+    code, message = status_of(error)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("%s failed", method, exc_info=error)
+    else:
+        log.info("%s: %s: %s", method, code.name, message)
+    await context.abort(code, message)
+
+
+def grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Decorate a unary servicer method so engine errors become precise gRPC statuses."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+        try:
+            return await method(self, request, context)
+        except (grpc.aio.AbortError, grpc.aio.UsageError):
+            raise
+        except Exception as error:  # noqa: BLE001 - this is the mapping layer
+            await _abort(context, error, method.__qualname__)
+            raise  # unreachable: abort raises
+
+    return wrapper
+
+
+def grpc_stream_errors(method: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterator[T]]:
+    """Like `grpc_errors`, for server-streaming methods (async generators)."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[T]:
+        try:
+            async for item in method(self, request, context):
+                yield item
+        except (grpc.aio.AbortError, grpc.aio.UsageError):
+            raise
+        except Exception as error:  # noqa: BLE001 - this is the mapping layer
+            await _abort(context, error, method.__qualname__)
+
+    return wrapper

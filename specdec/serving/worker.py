@@ -1,0 +1,31 @@
+"""A dedicated thread for model work, so the asyncio event loop never blocks on torch.
+
+All engine calls of a service go through one worker thread: the engine and its KV cache
+are touched by a single thread (no locks needed), while the event loop keeps answering
+health checks, Info and cancellations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import ParamSpec, TypeVar
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class ModelWorker:
+    """Runs callables one at a time on a single named thread."""
+
+    def __init__(self, name: str) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,12 @@
+"""Target service configuration: the big model, fp32 by default so greedy output is exact."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.serving.config import ModelServiceConfig
+
+
+@dataclass(frozen=True)
+class TargetConfig(ModelServiceConfig):
+    port: int = 50052
