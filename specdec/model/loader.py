@@ -75,10 +75,22 @@ def embedded_model_path(name: str) -> Path:
     return _package_file(name, *EMBEDDED_MODELS[name])
 
 
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    """A tokenizer from an embedded name (`llama-3.2`), a local directory or a hub id."""
+def load_tokenizer(name_or_path: str, *, cache_dir: Path | str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer alone, from any source `load_model` takes or an embedded tokenizer name (`llama-3.2`).
+
+    For GGUF sources the converted cache directory is used when present; otherwise the
+    tokenizer is read from the GGUF file itself (no weights are dequantized).
+    """
     if name_or_path in EMBEDDED_TOKENIZERS:
         return AutoTokenizer.from_pretrained(_package_file(name_or_path, *EMBEDDED_TOKENIZERS[name_or_path]))
+    gguf = embedded_model_path(name_or_path) if name_or_path in EMBEDDED_MODELS else None
+    if gguf is None and name_or_path.endswith(".gguf"):
+        gguf = Path(name_or_path)
+    if gguf is not None:
+        converted = _gguf_cache_dir(gguf, cache_dir)
+        if (converted / "config.json").is_file():
+            return AutoTokenizer.from_pretrained(converted)
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     return AutoTokenizer.from_pretrained(name_or_path)
 
 
@@ -108,6 +120,13 @@ def load_model(
     return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path, source=source)
 
 
+def _gguf_cache_dir(gguf: Path, cache_dir: Path | str | None) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return root / "gguf" / f"{gguf.stem}-{key}"
+
+
 def _safetensors_from_gguf(gguf: Path, cache_dir: Path | str | None) -> Path:
     """Return a safetensors directory converted from `gguf`, converting on first use.
 
@@ -115,10 +134,7 @@ def _safetensors_from_gguf(gguf: Path, cache_dir: Path | str | None) -> Path:
     converted again. The directory is written under a temporary name and renamed into
     place, so a crash mid-conversion never leaves a half-written cache entry.
     """
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / "gguf" / f"{gguf.stem}-{key}"
+    target = _gguf_cache_dir(gguf, cache_dir)
     if (target / "config.json").is_file():
         return target
     log.info("converting %s to safetensors in %s (first load only)", gguf, target)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,15 +18,21 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
+#: Called once the server has stopped: release worker threads, channels, schedulers.
+StopHook = Callable[[], None | Awaitable[None]]
+
+
 class RunningServer:
     """A started server, its bound port and its health servicer."""
 
     def __init__(self, server: grpc.aio.Server, port: int, health_servicer: health.aio.HealthServicer,
-                 service_names: Sequence[str], on_stop: Callable[[], None] | None) -> None:
+                 service_names: Sequence[str], on_stop: StopHook | None) -> None:
         self.server = server
         self.port = port
         self.health = health_servicer
         self.service_names = list(service_names)
+        #: Port of the Prometheus /metrics endpoint, for servers that export one.
+        self.metrics_port: int | None = None
         self._on_stop = on_stop
 
     async def stop(self, grace: float | None = 5.0) -> None:
@@ -33,7 +40,9 @@ class RunningServer:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         if self._on_stop is not None:
-            self._on_stop()
+            result = self._on_stop()
+            if inspect.isawaitable(result):
+                await result
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
@@ -46,7 +55,7 @@ async def start_server(
     host: str,
     port: int,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    on_stop: Callable[[], None] | None = None,
+    on_stop: StopHook | None = None,
 ) -> RunningServer:
     """Create, register and start a server; `port=0` binds a free port (returned)."""
     options = [

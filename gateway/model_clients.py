@@ -1,0 +1,110 @@
+"""Async clients of the target and draft services, speaking domain types.
+
+The gateway's scheduler calls these; they own the protobuf conversion in both directions
+and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from specdec.sampling.params import SamplingParams
+from specdec.serving.convert import sampling_to_pb
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.wire.tensor_codec import decode_tensor
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    slot_id: str
+    valid_len: int
+    new_tokens: list[int]
+    k: int
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class DraftProposal:
+    tokens: list[int]  # [k]
+    probs: torch.Tensor | None  # [k, vocab] float32, rows normalized; None for greedy
+
+
+def _channel(address: str, max_message_bytes: int) -> grpc.aio.Channel:
+    options = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+    return grpc.aio.insecure_channel(address, options=options)
+
+
+class TargetClient:
+    def __init__(self, address: str, max_message_bytes: int) -> None:
+        self.channel = _channel(address, max_message_bytes)
+        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+
+    async def info(self) -> common_pb2.ModelInfo:
+        return await self.stub.Info(common_pb2.InfoRequest(), wait_for_ready=True, timeout=120)
+
+    async def prefill(self, prompts: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+        """Last-position logits [vocab] per slot."""
+        request = target_pb2.PrefillRequest(
+            items=[target_pb2.PrefillItem(slot_id=s, prompt_tokens=t) for s, t in prompts.items()]
+        )
+        response = await self.stub.Prefill(request)
+        return {r.slot_id: decode_tensor(r.logits) for r in response.results}
+
+    async def verify(self, chunks: dict[str, tuple[int, list[int]]]) -> dict[str, torch.Tensor]:
+        """slot -> (valid_len, [g, t1..tK]) in; slot -> logits [K+1, vocab] out."""
+        request = target_pb2.VerifyRequest(
+            items=[target_pb2.VerifyItem(slot_id=s, valid_len=v, tokens=t) for s, (v, t) in chunks.items()]
+        )
+        response = await self.stub.Verify(request)
+        return {r.slot_id: decode_tensor(r.logits) for r in response.results}
+
+    async def release(self, slot_id: str) -> None:
+        await self.stub.Release(common_pb2.ReleaseRequest(slot_id=slot_id))
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class DraftClient:
+    def __init__(self, address: str, max_message_bytes: int, probs_dtype: int) -> None:
+        self.channel = _channel(address, max_message_bytes)
+        self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
+        self.probs_dtype = probs_dtype
+
+    async def info(self) -> common_pb2.ModelInfo:
+        return await self.stub.Info(common_pb2.InfoRequest(), wait_for_ready=True, timeout=120)
+
+    async def propose(self, requests: list[DraftRequest]) -> dict[str, DraftProposal]:
+        message = draft_pb2.ProposeRequest(
+            items=[
+                draft_pb2.ProposeItem(
+                    slot_id=r.slot_id, valid_len=r.valid_len, new_tokens=r.new_tokens, k=r.k,
+                    sampling=sampling_to_pb(r.sampling),
+                )
+                for r in requests
+            ],
+            probs_dtype=self.probs_dtype,
+        )
+        response = await self.stub.Propose(message)
+        proposals = {}
+        for result in response.results:
+            probs = None
+            if result.HasField("probs"):
+                q = decode_tensor(result.probs).float()  # [k, vocab]
+                # The draft sampled from the (possibly rounded) q with multinomial, which
+                # normalizes: normalize the same way so acceptance uses that very q.
+                probs = q / q.sum(dim=-1, keepdim=True)
+            proposals[result.slot_id] = DraftProposal(tokens=list(result.tokens), probs=probs)
+        return proposals
+
+    async def release(self, slot_id: str) -> None:
+        await self.stub.Release(common_pb2.ReleaseRequest(slot_id=slot_id))
+
+    async def close(self) -> None:
+        await self.channel.close()

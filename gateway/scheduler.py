@@ -1,0 +1,253 @@
+"""The gateway's one scheduler: admission between rounds, then batched rounds for all requests.
+
+A single asyncio task owns every `Sequence`. Each iteration it (1) retires cancelled
+requests, (2) admits waiting requests while both services have slot and KV room for them
+(one batched Prefill, first token sampled here), and (3) runs one speculation round —
+ONE batched Propose and ONE batched Verify — for every running request. Admission
+reserves each request's worst-case KV footprint up front, so a running request never
+meets a full pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.metrics import GatewayMetrics
+from gateway.model_clients import DraftClient, TargetClient
+from gateway.sequence import FinishReason, Sequence
+from gateway.speculative_step import run_round
+from specdec.errors import CapacityExhaustedError, InvalidArgumentError
+from specdec.sampling.transforms import logits_to_probs, sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    """What one model service can hold, read from its Info at start-up."""
+
+    name: str
+    total_kv_tokens: int
+    block_size: int
+    max_slots: int
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        target: TargetClient,
+        draft: DraftClient | None,
+        pools: list[PoolLimits],
+        *,
+        max_seq_len: int,
+        max_batch_size: int,
+        max_queue: int,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.target = target
+        self.draft = draft
+        self.pools = pools
+        self.max_seq_len = max_seq_len
+        self.max_batch_size = max_batch_size
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self._reserved_blocks = {pool.name: 0 for pool in pools}
+        self._reservation: dict[str, dict[str, int]] = {}
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # -- public ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="specdec-scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for seq in [*self.waiting, *self.running]:
+            seq.error_status = grpc.StatusCode.UNAVAILABLE
+            seq.finish(FinishReason.ERROR, "gateway shutting down")
+        await asyncio.gather(*(self._release(seq) for seq in self.running), return_exceptions=True)
+
+    def submit(self, seq: Sequence) -> None:
+        """Queue a request (validated by the caller). RESOURCE_EXHAUSTED when the queue is full."""
+        needed = self._footprint(seq)
+        for pool in self.pools:
+            if pool.blocks_for(needed) * pool.block_size > pool.total_kv_tokens:
+                raise CapacityExhaustedError(
+                    f"request needs {needed} KV tokens, the {pool.name} pool holds {pool.total_kv_tokens}"
+                )
+        if len(self.waiting) >= self.max_queue:
+            raise CapacityExhaustedError(f"admission queue is full ({self.max_queue} waiting)")
+        self.waiting.append(seq)
+        self.metrics.waiting_requests.set(len(self.waiting))
+        self._wakeup.set()
+
+    def cancel(self, seq: Sequence) -> None:
+        """Called from the RPC handler when the client goes away; acted on between rounds."""
+        seq.cancelled = True
+        self._wakeup.set()
+
+    # -- loop --------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            await self._retire_cancelled()
+            await self._admit()
+            if not self.running:
+                self._wakeup.clear()
+                if not self.waiting:
+                    await self._wakeup.wait()
+                continue
+            await self._round()
+
+    async def _round(self) -> None:
+        batch = list(self.running)
+        try:
+            started = time.perf_counter()
+            outcome = await run_round(self.target, self.draft, batch, self.max_seq_len)
+            self.metrics.rpc_latency.labels(method="Round").observe(time.perf_counter() - started)
+        except Exception as error:  # noqa: BLE001 - a failed round fails its requests, not the gateway
+            await self._fail(batch, error)
+            return
+        ks = [k for k, _ in outcome.values() if k > 0]
+        self.metrics.current_k.set(sum(ks) / len(ks) if ks else 0)
+        for seq in batch:
+            k, result = outcome[seq.slot_id]
+            seq.counts.record(k, result.num_accepted[0])
+            self.metrics.record_round(k, result.num_accepted[0])
+        for seq in batch:
+            if seq.done:
+                await self._retire(seq, seq.finish_reason)  # type: ignore[arg-type]
+
+    async def _admit(self) -> None:
+        admitted: list[Sequence] = []
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
+            seq = self.waiting[0]
+            if seq.cancelled:
+                self.waiting.popleft()
+                seq.finish(FinishReason.CANCELLED)
+                continue
+            if not self._reserve(seq):
+                break  # FIFO: the head waits for room; later requests do not overtake it
+            admitted.append(self.waiting.popleft())
+        self.metrics.waiting_requests.set(len(self.waiting))
+        if not admitted:
+            return
+        try:
+            started = time.perf_counter()
+            logits = await self.target.prefill({s.slot_id: s.prompt for s in admitted})
+            self.metrics.rpc_latency.labels(method="Prefill").observe(time.perf_counter() - started)
+        except Exception as error:  # noqa: BLE001
+            for seq in admitted:
+                self._unreserve(seq)
+            await self._fail(admitted, error, release=False)
+            return
+        for seq in admitted:
+            self.running.append(seq)
+            self.metrics.prompt_tokens.inc(len(seq.prompt))
+            seq.target_valid = len(seq.prompt)
+            probs = logits_to_probs(logits[seq.slot_id][None], [seq.sampling], [seq.prompt])  # [1, vocab]
+            first = int(probs.argmax()) if seq.sampling.is_greedy else int(sample(probs, [seq.generator])[0])
+            seq.emit([first], self.max_seq_len)
+            if seq.done:
+                await self._retire(seq, seq.finish_reason)  # type: ignore[arg-type]
+        self.metrics.active_requests.set(len(self.running))
+
+    # -- bookkeeping -------------------------------------------------------------------
+
+    def _footprint(self, seq: Sequence) -> int:
+        """Most KV tokens the request can occupy in either service."""
+        return min(len(seq.prompt) + seq.max_new_tokens + seq.spec_length, self.max_seq_len)
+
+    def _reserve(self, seq: Sequence) -> bool:
+        needed = self._footprint(seq)
+        blocks = {pool.name: pool.blocks_for(needed) for pool in self.pools}
+        for pool in self.pools:
+            if self._reserved_blocks[pool.name] + blocks[pool.name] > pool.total_kv_tokens // pool.block_size:
+                return False
+            if len(self._reservation) + 1 > pool.max_slots:
+                return False
+        for name, n in blocks.items():
+            self._reserved_blocks[name] += n
+        self._reservation[seq.slot_id] = blocks
+        self._publish_free()
+        return True
+
+    def _unreserve(self, seq: Sequence) -> None:
+        for name, n in self._reservation.pop(seq.slot_id, {}).items():
+            self._reserved_blocks[name] -= n
+        self._publish_free()
+
+    def _publish_free(self) -> None:
+        for pool in self.pools:
+            free = pool.total_kv_tokens - self._reserved_blocks[pool.name] * pool.block_size
+            self.metrics.free_kv_tokens.labels(service=pool.name).set(free)
+
+    async def _retire_cancelled(self) -> None:
+        for seq in [s for s in self.running if s.cancelled]:
+            await self._retire(seq, FinishReason.CANCELLED)
+
+    async def _retire(self, seq: Sequence, reason: FinishReason, error: str = "") -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.finish(reason, error)
+        await self._release(seq)
+        self._unreserve(seq)
+        self.metrics.active_requests.set(len(self.running))
+        self.metrics.finished.labels(finish_reason=seq.finish_reason.value).inc()  # type: ignore[union-attr]
+        self.metrics.generation_tokens.inc(seq.completion_tokens)
+        self.metrics.request_latency.observe(seq.finished_at - seq.created_at)  # type: ignore[operator]
+        if seq.first_token_at is not None:
+            self.metrics.ttft.observe(seq.first_token_at - seq.created_at)
+            if seq.completion_tokens > 1:
+                self.metrics.inter_token.observe((seq.finished_at - seq.first_token_at) / (seq.completion_tokens - 1))  # type: ignore[operator]
+
+    async def _release(self, seq: Sequence) -> None:
+        """Free the request's slots in both services; a slot already gone is fine."""
+        calls = [self.target.release(seq.slot_id)]
+        if self.draft is not None and seq.has_draft_slot:
+            calls.append(self.draft.release(seq.slot_id))
+        for result in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(result, grpc.aio.AioRpcError) and result.code() == grpc.StatusCode.NOT_FOUND:
+                continue
+            if isinstance(result, BaseException):
+                log.warning("release of slot %s failed: %s", seq.slot_id, result)
+
+    async def _fail(self, seqs: list[Sequence], error: Exception, *, release: bool = True) -> None:
+        if isinstance(error, grpc.aio.AioRpcError):
+            status, message = error.code(), f"{error.code().name} from a model service: {error.details()}"
+            log.error("failing %d request(s): %s", len(seqs), message)
+        else:
+            status, message = grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
+            log.exception("failing %d request(s)", len(seqs), exc_info=error)
+        for seq in seqs:
+            seq.error_status = status
+            if release:
+                await self._retire(seq, FinishReason.ERROR, message)
+            else:
+                seq.finish(FinishReason.ERROR, message)
+
+
+def check_prompt(prompt: list[int], max_seq_len: int) -> None:
+    if not prompt:
+        raise InvalidArgumentError("prompt: the prompt encodes to no tokens")
+    if len(prompt) >= max_seq_len:
+        raise InvalidArgumentError(
+            f"prompt: {len(prompt)} tokens leave no room to generate within max_seq_len {max_seq_len}"
+        )

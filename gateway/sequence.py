@@ -1,0 +1,123 @@
+"""One request's state inside the gateway: tokens, cache bookkeeping, stop rules, stats, outbox."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from gateway.detokenizer import StopStringDetokenizer
+from specdec.sampling.params import SamplingParams
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass
+class Delta:
+    """What one round adds to the stream."""
+
+    tokens: list[int]
+    text: str
+
+
+@dataclass
+class Finished:
+    """The last event of a stream."""
+
+    reason: FinishReason
+    error: str = ""
+
+
+@dataclass
+class SpeculationCounts:
+    rounds: int = 0  # rounds with K >= 1
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_sum: float = 0.0  # sum over rounds of accepted / K
+
+    def record(self, k: int, num_accepted: int) -> None:
+        if k > 0:
+            self.rounds += 1
+            self.draft_tokens += k
+            self.accepted_tokens += num_accepted
+            self.acceptance_sum += num_accepted / k
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.acceptance_sum / self.rounds if self.rounds else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per speculative round (accepted + the recovered/bonus token)."""
+        return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
+
+
+@dataclass
+class Sequence:
+    """A request being served. Owned by the scheduler task; the RPC handler reads `outbox`."""
+
+    slot_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    spec_length: int  # K requested for this sequence; 0 = plain decoding
+    detokenizer: StopStringDetokenizer
+    generator: torch.Generator
+    #: Prompt + accepted tokens (tokens past max_new_tokens / max length are dropped).
+    tokens: list[int] = field(default_factory=list)
+    #: Tokens of `tokens` each service holds as valid KV entries.
+    target_valid: int = 0
+    draft_valid: int = 0
+    has_draft_slot: bool = False
+    completion_tokens: int = 0
+    counts: SpeculationCounts = field(default_factory=SpeculationCounts)
+    outbox: asyncio.Queue[Delta | Finished] = field(default_factory=asyncio.Queue)
+    finish_reason: FinishReason | None = None
+    #: gRPC status the stream ends with after a FINISH_REASON_ERROR message.
+    error_status: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    cancelled: bool = False
+    created_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def emit(self, new_tokens: list[int], max_seq_len: int) -> None:
+        """Append accepted tokens, applying EOS, stop strings, max_new_tokens and max length."""
+        room = min(self.max_new_tokens - self.completion_tokens, max_seq_len - len(self.tokens))
+        kept = new_tokens[: max(room, 0)]
+        self.tokens.extend(kept)
+        update = self.detokenizer.add(kept)
+        self.completion_tokens += len(update.tokens)
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        text = update.text
+        if update.stopped:
+            self.finish_reason = FinishReason.STOP
+        elif len(kept) < len(new_tokens) or self.completion_tokens >= self.max_new_tokens or len(self.tokens) >= max_seq_len:
+            self.finish_reason = FinishReason.LENGTH
+            text += self.detokenizer.finish()
+        if update.tokens or text:
+            self.outbox.put_nowait(Delta(update.tokens, text))
+
+    def finish(self, reason: FinishReason, error: str = "") -> None:
+        """End the stream (idempotent for the reason already set)."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+        self.finished_at = time.perf_counter()
+        self.outbox.put_nowait(Finished(self.finish_reason, error))

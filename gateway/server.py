@@ -1,0 +1,199 @@
+"""The gateway gRPC servicer and its factory.
+
+Start-up connects to both model services, reads their Info, and refuses to start when the
+draft's tokenizer differs from the target's (or from the tokenizer the gateway loaded),
+or when the configured K exceeds what the services accept.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.config import GatewayConfig
+from gateway.detokenizer import StopStringDetokenizer
+from gateway.metrics import GatewayMetrics
+from gateway.model_clients import DraftClient, TargetClient
+from gateway.scheduler import PoolLimits, Scheduler, check_prompt
+from gateway.sequence import Delta, FinishReason, Sequence
+from specdec.errors import InvalidArgumentError, SpecdecError
+from specdec.model.chat import encode_chat
+from specdec.model.loader import load_tokenizer
+from specdec.model.tokenizer_info import TokenizerInfo, check_compatible, tokenizer_fingerprint
+from specdec.serving.convert import sampling_from_pb
+from specdec.serving.errors import grpc_errors, grpc_stream_errors
+from specdec.serving.grpc_server import RunningServer, start_server
+from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from specdec.sampling.transforms import make_generator
+from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+_FINISH_TO_PB = {
+    FinishReason.STOP: gateway_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: gateway_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: gateway_pb2.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: gateway_pb2.FINISH_REASON_ERROR,
+}
+
+
+def _tokenizer_info(info: common_pb2.ModelInfo) -> TokenizerInfo:
+    return TokenizerInfo(info.vocab_size, tuple(sorted(info.eos_token_ids)), info.tokenizer_fingerprint)
+
+
+@dataclass
+class GatewayState:
+    """Everything the servicer needs, built once at start-up."""
+
+    config: GatewayConfig
+    target: TargetClient
+    draft: DraftClient | None
+    target_info: common_pb2.ModelInfo
+    draft_info: common_pb2.ModelInfo | None
+    tokenizer: PreTrainedTokenizerBase
+    scheduler: Scheduler
+    metrics: GatewayMetrics
+    max_seq_len: int
+    max_spec_length: int
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+
+    @grpc_errors
+    async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.GatewayInfo:
+        s = self.state
+        info = gateway_pb2.GatewayInfo(
+            target=await s.target.info(),
+            speculative_enabled=s.config.speculative,
+            default_spec_length=s.config.spec_length,
+            max_spec_length=s.max_spec_length,
+            max_new_tokens_default=s.config.max_new_tokens_default,
+        )
+        if s.draft is not None:
+            info.draft.CopyFrom(await s.draft.info())
+        return info
+
+    @grpc_stream_errors
+    async def Generate(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        seq = self._new_sequence(request)
+        self.state.scheduler.submit(seq)
+        try:
+            while True:
+                event = await seq.outbox.get()
+                if isinstance(event, Delta):
+                    yield gateway_pb2.GenerateResponse(token_ids=event.tokens, text=event.text)
+                    continue
+                yield gateway_pb2.GenerateResponse(completion=self._completion(seq, event.error))
+                if event.reason == FinishReason.ERROR:
+                    await context.abort(seq.error_status, event.error)
+                return
+        finally:
+            if not seq.done:  # the client went away (cancelled or deadline): free its slots
+                self.state.scheduler.cancel(seq)
+
+    def _new_sequence(self, request: gateway_pb2.GenerateRequest) -> Sequence:
+        s = self.state
+        which = request.WhichOneof("input")
+        if which == "prompt":
+            prompt = list(s.tokenizer(request.prompt)["input_ids"])
+        elif which == "chat":
+            prompt = encode_chat(s.tokenizer, [{"role": m.role, "content": m.content} for m in request.chat.messages])
+        else:
+            raise InvalidArgumentError("input: set either prompt or chat")
+        check_prompt(prompt, s.max_seq_len)
+        if request.max_new_tokens < 0:
+            raise InvalidArgumentError(f"max_new_tokens: must be >= 0, got {request.max_new_tokens}")
+        sampling = sampling_from_pb(request.sampling)
+        spec = request.speculation
+        speculate = spec.enabled if spec.HasField("enabled") else s.config.speculative
+        if speculate and s.draft is None:
+            raise InvalidArgumentError("speculation.enabled: this gateway runs without a draft model")
+        spec_length = spec.spec_length if spec.HasField("spec_length") else s.config.spec_length
+        if speculate and not 1 <= spec_length <= s.max_spec_length:
+            raise InvalidArgumentError(f"speculation.spec_length: {spec_length} is outside [1, {s.max_spec_length}]")
+        eos = set(s.target_info.eos_token_ids)
+        return Sequence(
+            slot_id=uuid.uuid4().hex,
+            prompt=prompt,
+            sampling=sampling,
+            max_new_tokens=request.max_new_tokens or s.config.max_new_tokens_default,
+            spec_length=spec_length if speculate else 0,
+            detokenizer=StopStringDetokenizer(s.tokenizer, list(request.stop), eos),
+            generator=make_generator(sampling.seed, "cpu"),
+        )
+
+    @staticmethod
+    def _completion(seq: Sequence, error: str) -> gateway_pb2.Completion:
+        ttft = (seq.first_token_at or seq.finished_at or seq.created_at) - seq.created_at
+        total = (seq.finished_at or seq.created_at) - seq.created_at
+        decode_time = total - ttft
+        rate = (seq.completion_tokens - 1) / decode_time if seq.completion_tokens > 1 and decode_time > 0 else 0.0
+        return gateway_pb2.Completion(
+            finish_reason=_FINISH_TO_PB[seq.finish_reason or FinishReason.ERROR],
+            usage=gateway_pb2.Usage(prompt_tokens=len(seq.prompt), completion_tokens=seq.completion_tokens),
+            speculation=gateway_pb2.SpeculationStats(
+                acceptance_rate=seq.counts.acceptance_rate,
+                mean_acceptance_length=seq.counts.mean_acceptance_length,
+                num_rounds=seq.counts.rounds,
+                num_draft_tokens=seq.counts.draft_tokens,
+                num_accepted_tokens=seq.counts.accepted_tokens,
+            ),
+            timings=gateway_pb2.Timings(time_to_first_token_s=ttft, total_s=total, tokens_per_s=rate),
+            error_message=error,
+        )
+
+
+async def create_gateway(config: GatewayConfig) -> RunningServer:
+    """Connect to the model services, check them, start the scheduler and the server."""
+    target = TargetClient(config.target_address, config.max_message_bytes)
+    probs_dtype = common_pb2.DTYPE_BFLOAT16 if config.draft_probs_dtype == "bfloat16" else common_pb2.DTYPE_FLOAT32
+    draft = DraftClient(config.draft_address, config.max_message_bytes, probs_dtype) if config.draft_address else None
+    target_info = await target.info()
+    draft_info = await draft.info() if draft is not None else None
+    tokenizer = load_tokenizer(target_info.model_name)
+    if tokenizer_fingerprint(tokenizer) != target_info.tokenizer_fingerprint:
+        raise SpecdecError(f"the gateway's tokenizer for {target_info.model_name!r} differs from the target's")
+    limits = [target_info]
+    if draft_info is not None:
+        check_compatible(_tokenizer_info(draft_info), _tokenizer_info(target_info))
+        limits.append(draft_info)
+    max_spec_length = min(info.max_spec_tokens for info in limits)
+    if draft is not None and config.spec_length > max_spec_length:
+        raise InvalidArgumentError(f"spec_length {config.spec_length} exceeds the services' maximum {max_spec_length}")
+    max_seq_len = min(info.max_seq_len for info in limits)
+    metrics = GatewayMetrics()
+    pools = [
+        PoolLimits(name, info.total_kv_tokens, info.block_size, info.max_slots)
+        for name, info in zip(("target", "draft"), limits)
+    ]
+    scheduler = Scheduler(
+        target, draft, pools, max_seq_len=max_seq_len, max_batch_size=config.max_batch_size,
+        max_queue=config.max_queue, metrics=metrics,
+    )
+    state = GatewayState(config, target, draft, target_info, draft_info, tokenizer, scheduler, metrics, max_seq_len, max_spec_length)
+    servicer = GatewayServicer(state)
+    scheduler.start()
+
+    async def close() -> None:
+        await scheduler.stop()
+        await target.close()
+        if draft is not None:
+            await draft.close()
+        metrics.close()
+
+    running = await start_server(
+        lambda server: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server),
+        [SERVICE_NAME], host=config.host, port=config.port, max_message_bytes=config.max_message_bytes,
+        on_stop=close,
+    )
+    if config.metrics_port >= 0:
+        running.metrics_port = metrics.serve(config.metrics_port, config.host)
+    return running
