@@ -1,41 +1,57 @@
-"""`make demo` until the gateway lands: stream a greedy generation through our paged runtime."""
+"""`make demo`: start draft, target and gateway, stream one generation, shut everything down."""
 
 from __future__ import annotations
 
+import re
+import signal
+import socket
+import subprocess
 import sys
-import time
 
-from specdec.model.chat import encode_chat
-from specdec.model.runtime import build_runtime
-from specdec.model.tokenizer_info import TokenizerInfo
+from specdec.client import GenerationResult, SpecdecClient, apply_completion
 
-PROMPT = "Explain speculative decoding in two sentences."
+PROMPT = "Write a short poem about the ocean at night."
 
 
-def main(max_new_tokens: int = 64) -> None:
-    runtime = build_runtime("smollm2-135m", dtype="float32")
-    tokenizer = runtime.loaded.tokenizer
-    eos = set(TokenizerInfo.of(runtime.loaded.model, tokenizer).eos_token_ids)
-    prompt = encode_chat(tokenizer, [{"role": "user", "content": PROMPT}])
-    cache = runtime.forward.new_cache(token_budget=len(prompt) + max_new_tokens + 16)
-    cache.blocks.allocate("demo")
-    print(f"> {PROMPT}\n", flush=True)
-    start = time.perf_counter()
-    chunk, generated, shown = prompt, [], ""
-    while len(generated) < max_new_tokens:
-        token = int(runtime.forward.run(cache, [("demo", chunk)])[0].argmax())
-        if token in eos:
-            break
-        generated.append(token)
-        text = tokenizer.decode(generated, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # hold back an incomplete UTF-8 character
-            sys.stdout.write(text[len(shown):])
-            sys.stdout.flush()
-            shown = text
-        chunk = [token]
-    elapsed = time.perf_counter() - start
-    print(f"\n\n[{len(generated)} tokens in {elapsed:.1f} s, {len(generated) / elapsed:.1f} tok/s]")
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def main() -> int:
+    port = _free_port()
+    print(f"starting draft (int8), target (fp32) and gateway on 127.0.0.1:{port} ...", flush=True)
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert serve.stdout is not None
+        for line in serve.stdout:
+            if re.search(r"gateway listening on", line):
+                break
+        else:
+            print("specdec serve exited before the gateway was ready", file=sys.stderr)
+            return 1
+        print(f"\n> {PROMPT}\n", flush=True)
+        result = GenerationResult()
+        with SpecdecClient(f"127.0.0.1:{port}") as client:
+            for response in client.stream([{"role": "user", "content": PROMPT}], max_new_tokens=96):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                result.token_ids.extend(response.token_ids)
+                if response.HasField("completion"):
+                    apply_completion(result, response.completion)
+        print(
+            f"\n\n[{result.completion_tokens} tokens, finish: {result.finish_reason}, "
+            f"acceptance rate {result.acceptance_rate:.2f}, mean acceptance length "
+            f"{result.mean_acceptance_length:.2f}, {result.tokens_per_s:.1f} tok/s]"
+        )
+        return 0
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(60)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""The `specdec` command: `specdec serve` runs the trio, `specdec generate` streams from it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import grpc
+
+from gateway.config import GatewayConfig
+from gateway.launcher import ServiceProcess, spawn_service
+from gateway.server import create_gateway
+from specdec.client import GenerationResult, SpecdecClient, apply_completion
+from specdec.model.loader import DEFAULT_MODEL
+
+DEFAULT_GATEWAY = "127.0.0.1:50050"
+
+
+def _serve_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address every service binds (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=50050, help="gateway port (default: 50050)")
+    parser.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (-1 = off, 0 = any)")
+    parser.add_argument("--target-model", default=DEFAULT_MODEL, help="target model (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--draft-model", default=None, help="draft model (default: the target model, int8-quantized)")
+    parser.add_argument("--target-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--draft-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--draft-quantization", default="int8", choices=["none", "int8"])
+    parser.add_argument("--device", default="cpu", help="torch device of both model services")
+    parser.add_argument("--spec-length", type=int, default=4, help="draft tokens per round, K (default: 4)")
+    parser.add_argument("--no-speculative", action="store_true", help="plain decoding; no draft service is started")
+    parser.add_argument("--kv-token-budget", type=int, default=16384, help="KV tokens per model service")
+    parser.add_argument("--max-batch-size", type=int, default=16, help="requests decoded together")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="default completion length")
+
+
+def _generate_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the user message (or raw text with --raw)")
+    parser.add_argument("--gateway", default=DEFAULT_GATEWAY, help=f"gateway address (default: {DEFAULT_GATEWAY})")
+    parser.add_argument("--raw", action="store_true", help="send the prompt as raw text, not as a chat message")
+    parser.add_argument("--system", default=None, help="system message for the chat")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--spec-length", type=int, default=None, help="draft tokens per round for this request")
+    parser.add_argument("--no-speculative", action="store_true", help="plain decoding for this request")
+    parser.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through `finally`, which stops the children
+
+
+def serve(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # while the children start; asyncio takes over later
+    common = ["--host", args.host, "--device", args.device, "--kv-token-budget", str(args.kv_token_budget)]
+    children: list[ServiceProcess] = []
+    try:
+        target = spawn_service("target_server", [*common, "--model", args.target_model, "--dtype", args.target_dtype])
+        children.append(target)
+        draft_address = ""
+        if not args.no_speculative:
+            draft = spawn_service("draft_server", [
+                *common, "--model", args.draft_model or args.target_model,
+                "--dtype", args.draft_dtype, "--quantization", args.draft_quantization,
+            ])
+            children.append(draft)
+            draft_address = draft.address
+        config = GatewayConfig(
+            target_address=target.address, draft_address=draft_address, host=args.host, port=args.port,
+            speculative=not args.no_speculative, spec_length=args.spec_length,
+            max_new_tokens_default=args.max_new_tokens, max_batch_size=args.max_batch_size,
+            metrics_port=args.metrics_port,
+        )
+        asyncio.run(_run_gateway(config))
+        return 0
+    finally:
+        for child in reversed(children):
+            child.stop()
+
+
+async def _run_gateway(config: GatewayConfig) -> None:
+    running = await create_gateway(config)
+    extra = f", metrics on :{running.metrics_port}" if running.metrics_port is not None else ""
+    print(f"specdec gateway listening on {config.host}:{running.port}{extra}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await running.stop(5.0)
+
+
+def generate(args: argparse.Namespace) -> int:
+    if args.raw:
+        prompt: str | list[dict[str, str]] = args.prompt
+    else:
+        prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+    options = dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+        speculative=False if args.no_speculative else None, spec_length=args.spec_length,
+    )
+    result = GenerationResult()
+    try:
+        with SpecdecClient(args.gateway, timeout=args.timeout) as client:
+            for response in client.stream(prompt, **options):
+                result.token_ids.extend(response.token_ids)
+                result.text += response.text
+                if not args.json:
+                    sys.stdout.write(response.text)
+                    sys.stdout.flush()
+                if response.HasField("completion"):
+                    apply_completion(result, response.completion)
+    except grpc.RpcError as error:
+        print(f"\nerror: {error.code().name}: {error.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 1
+    if args.json:
+        print(json.dumps(result.as_dict(), ensure_ascii=False))
+    else:
+        print(
+            f"\n\n[{result.completion_tokens} tokens, finish: {result.finish_reason}, "
+            f"acceptance rate {result.acceptance_rate:.2f}, mean acceptance length {result.mean_acceptance_length:.2f}, "
+            f"{result.tokens_per_s:.1f} tok/s, first token {result.time_to_first_token_s * 1000:.0f} ms]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specdec", description="Speculative-decoding LLM server")
+    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    commands = parser.add_subparsers(dest="command", required=True)
+    _serve_flags(commands.add_parser("serve", help="start draft, target and gateway; stop all on Ctrl-C / SIGTERM"))
+    _generate_flags(commands.add_parser("generate", help="stream a generation from a running gateway"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        return serve(args)
+    return generate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""A small synchronous Python client for the gateway.
+
+    from specdec.client import SpecdecClient
+
+    with SpecdecClient("127.0.0.1:50050") as client:
+        for chunk in client.stream("Tell me a joke", max_new_tokens=64):
+            print(chunk.text, end="", flush=True)
+        result = client.generate([{"role": "user", "content": "Hi!"}], temperature=0.7, seed=1)
+        print(result.text, result.acceptance_rate)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+Prompt = str | Sequence[Mapping[str, str]]
+
+
+@dataclass
+class GenerationResult:
+    """A finished generation, assembled from the stream."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    acceptance_rate: float = 0.0
+    mean_acceptance_length: float = 0.0
+    time_to_first_token_s: float = 0.0
+    tokens_per_s: float = 0.0
+    #: Token ids of each streamed message, to see how many tokens each round delivered.
+    chunks: list[list[int]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "time_to_first_token_s": round(self.time_to_first_token_s, 4),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+        }
+
+
+def build_request(
+    prompt: Prompt,
+    *,
+    max_new_tokens: int = 0,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    speculative: bool | None = None,
+    spec_length: int | None = None,
+) -> gateway_pb2.GenerateRequest:
+    """A GenerateRequest: a string is a raw prompt, a list of {role, content} is a chat."""
+    sampling = common_pb2.SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty
+    )
+    if seed is not None:
+        sampling.seed = seed
+    speculation = gateway_pb2.SpeculationOptions()
+    if speculative is not None:
+        speculation.enabled = speculative
+    if spec_length is not None:
+        speculation.spec_length = spec_length
+    request = gateway_pb2.GenerateRequest(
+        max_new_tokens=max_new_tokens, sampling=sampling, stop=list(stop), speculation=speculation
+    )
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.chat.messages.extend(gateway_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+    return request
+
+
+class SpecdecClient:
+    """Blocking client of the gateway's Generate and Info rpcs."""
+
+    def __init__(self, address: str = "127.0.0.1:50050", *, timeout: float | None = None) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+        self.timeout = timeout
+
+    def __enter__(self) -> SpecdecClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def info(self) -> gateway_pb2.GatewayInfo:
+        return self.stub.Info(common_pb2.InfoRequest(), timeout=self.timeout, wait_for_ready=True)
+
+    def stream(self, prompt: Prompt, **options: object) -> Iterator[gateway_pb2.GenerateResponse]:
+        """The raw response stream; raises grpc.RpcError on a non-OK status."""
+        request = build_request(prompt, **options)  # type: ignore[arg-type]
+        return self.stub.Generate(request, timeout=self.timeout, wait_for_ready=True)
+
+    def generate(self, prompt: Prompt, **options: object) -> GenerationResult:
+        """Run a generation to the end and return the assembled result."""
+        return collect(self.stream(prompt, **options))
+
+
+def collect(responses: Iterator[gateway_pb2.GenerateResponse]) -> GenerationResult:
+    result = GenerationResult()
+    for response in responses:
+        if response.token_ids:
+            result.chunks.append(list(response.token_ids))
+        result.token_ids.extend(response.token_ids)
+        result.text += response.text
+        if response.HasField("completion"):
+            apply_completion(result, response.completion)
+    return result
+
+
+def apply_completion(result: GenerationResult, completion: gateway_pb2.Completion) -> None:
+    result.finish_reason = gateway_pb2.FinishReason.Name(completion.finish_reason).removeprefix("FINISH_REASON_").lower()
+    result.prompt_tokens = completion.usage.prompt_tokens
+    result.completion_tokens = completion.usage.completion_tokens
+    result.acceptance_rate = completion.speculation.acceptance_rate
+    result.mean_acceptance_length = completion.speculation.mean_acceptance_length
+    result.time_to_first_token_s = completion.timings.time_to_first_token_s
+    result.tokens_per_s = completion.timings.tokens_per_s
