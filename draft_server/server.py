@@ -67,7 +67,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 async def create_server(config: DraftConfig, engine: DraftEngine | None = None) -> RunningServer:
     """Load the model (unless an engine is given) and start serving; returns the bound server."""
     if engine is None:
-        runtime = build_runtime(config.model, dtype=config.dtype, device=config.device, quantization=config.quantization)
+        runtime = build_runtime(
+            config.model, dtype=config.dtype, device=config.device,
+            quantization=config.quantization, num_layers=config.num_layers,
+        )
         engine = DraftEngine(runtime, config)
     worker = ModelWorker("draft-model")
     servicer = DraftServicer(engine, worker)

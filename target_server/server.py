@@ -70,7 +70,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 async def create_server(config: TargetConfig, engine: TargetEngine | None = None) -> RunningServer:
     """Load the model (unless an engine is given) and start serving; returns the bound server."""
     if engine is None:
-        runtime = build_runtime(config.model, dtype=config.dtype, device=config.device, quantization=config.quantization)
+        runtime = build_runtime(
+            config.model, dtype=config.dtype, device=config.device,
+            quantization=config.quantization, num_layers=config.num_layers,
+        )
         engine = TargetEngine(runtime, config)
     worker = ModelWorker("target-model")
     servicer = TargetServicer(engine, worker)

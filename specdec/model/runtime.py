@@ -28,10 +28,30 @@ class ModelRuntime:
         return self.forward.dtype
 
 
+def keep_first_layers(loaded: LoadedModel, num_layers: int) -> None:
+    """Drop every decoder layer past the first `num_layers` (in place).
+
+    A first-N-layer copy of the target is a cheap, deliberately weak draft: it agrees with
+    the target on only a few percent of tokens, which exercises the reject path.
+    """
+    layers = loaded.model.model.layers
+    if not 1 <= num_layers <= len(layers):
+        raise InvalidArgumentError(f"num_layers must be in [1, {len(layers)}], got {num_layers}")
+    loaded.model.model.layers = layers[:num_layers]
+    loaded.model.config.num_hidden_layers = num_layers
+    loaded.name = f"{loaded.name} (first {num_layers} layers)"
+
+
 def build_runtime(
-    model: str, *, dtype: str = "float32", device: str = "cpu", quantization: str = "none"
+    model: str,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    quantization: str = "none",
+    num_layers: int = 0,
 ) -> ModelRuntime:
-    """Load `model` in `dtype` on `device`, optionally int8-quantize it, wrap our forward around it.
+    """Load `model` in `dtype` on `device`, optionally cut it to its first `num_layers` decoder
+    layers and int8-quantize it, and wrap our forward around it.
 
     The int8 kernels only pay off with bfloat16 activations on CPU (see `quantize`), so the
     embedded default draft is `quantization="int8", dtype="bfloat16"`.
@@ -41,6 +61,8 @@ def build_runtime(
     if quantization not in QUANTIZATIONS:
         raise InvalidArgumentError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     loaded = load_model(model, dtype=DTYPES[dtype], device=device)
+    if num_layers:
+        keep_first_layers(loaded, num_layers)
     if quantization == "int8":
         quantize_int8(loaded.model)
     return ModelRuntime(loaded=loaded, forward=PagedLlama(loaded.model), quantization=quantization)

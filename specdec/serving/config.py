@@ -22,6 +22,8 @@ class ModelServiceConfig:
     dtype: str = "float32"
     device: str = "cpu"
     quantization: str = "none"
+    #: Keep only the first N decoder layers (0 = all): a weak draft for testing rejections.
+    num_layers: int = 0
     host: str = "127.0.0.1"
     port: int = 0
     #: Concurrent slots (requests) the service holds.
@@ -45,6 +47,8 @@ class ModelServiceConfig:
         for name in ("max_slots", "kv_token_budget", "block_size", "max_spec_tokens", "max_message_bytes"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_layers < 0:
+            raise InvalidArgumentError(f"num_layers must be >= 0, got {self.num_layers}")
         if self.max_seq_len < 0:
             raise InvalidArgumentError(f"max_seq_len must be >= 0, got {self.max_seq_len}")
 
@@ -54,6 +58,7 @@ _HELP = {
     "dtype": "compute dtype of the forward pass",
     "device": "torch device, e.g. cpu or cuda:0",
     "quantization": "weight quantization (int8 = weight-only int8; pairs with --dtype bfloat16 on CPU)",
+    "num_layers": "keep only the first N decoder layers (0 = all; a weak draft for tests)",
     "host": "address to bind",
     "port": "port to bind (0 = any free port, printed at start)",
     "max_slots": "concurrent request slots",
