@@ -1,0 +1,137 @@
+"""Real gateway stacks on loopback: fp32 target + a draft + the gateway, all over gRPC.
+
+Everything runs in-process on the session's background event loop (see
+tests/service_fixtures.py); clients are the public `SpecdecClient`. Two stacks share the
+session's fp32 target model:
+
+* `int8_stack`: the embedded default draft, int8 weights with bf16 activations (α ≈ 0.93);
+* `weak_stack`: a first-2-layer copy of the target as draft, almost always rejected.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from draft_server.config import DraftConfig
+from draft_server.engine import DraftEngine
+from draft_server.server import create_server as create_draft_server
+from gateway.config import GatewayConfig
+from gateway.server import create_gateway
+from service_fixtures import LoopThread, fp32_runtime, service_loop  # noqa: F401 - fixtures by name
+from specdec.client import SpecdecClient
+from specdec.model.loader import LoadedModel
+from specdec.model.runtime import ModelRuntime, build_runtime
+from specdec.model_engine import ModelEngine
+from specdec.serving.grpc_server import RunningServer
+from target_server.config import TargetConfig
+from target_server.engine import TargetEngine
+from target_server.server import create_server as create_target_server
+
+POOL: dict[str, Any] = dict(kv_token_budget=8192, block_size=16, max_slots=32, max_spec_tokens=8)
+
+
+@dataclass
+class Stack:
+    """A running trio and handles to inspect it."""
+
+    target: TargetEngine
+    draft: DraftEngine | None
+    gateway: RunningServer
+    servers: list[RunningServer] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.gateway.port}"
+
+    def client(self, timeout: float = 120.0) -> SpecdecClient:
+        return SpecdecClient(self.address, timeout=timeout)
+
+    def engines(self) -> list[ModelEngine]:
+        return [e for e in (self.target, self.draft) if e is not None]
+
+    def wait_until_idle(self, timeout: float = 30.0) -> None:
+        """Block until neither service holds a slot (every request released), or fail."""
+        deadline = time.monotonic() + timeout
+        while any(engine.tokens for engine in self.engines()):
+            if time.monotonic() > deadline:
+                held = {type(e).__name__: list(e.tokens) for e in self.engines()}
+                raise AssertionError(f"slots still held after {timeout} s: {held}")
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def int8_runtime() -> ModelRuntime:
+    return build_runtime("smollm2-135m", dtype="bfloat16", quantization="int8")
+
+
+@pytest.fixture(scope="session")
+def weak_runtime() -> ModelRuntime:
+    return build_runtime("smollm2-135m", dtype="float32", num_layers=2)
+
+
+@pytest.fixture(scope="session")
+def start_stack(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterator[Callable[..., Stack]]:
+    """`start_stack(draft_runtime | None, target=dict(...), **gateway_overrides)` -> a running Stack."""
+    stacks: list[Stack] = []
+
+    def start(draft_runtime: ModelRuntime | None, *, target: dict[str, Any] | None = None,
+              draft: dict[str, Any] | None = None, **gateway: Any) -> Stack:
+        target_config = TargetConfig(port=0, **{**POOL, **(target or {})})
+        target_engine = TargetEngine(fp32_runtime, target_config)
+        servers = [service_loop.run(create_target_server(target_config, target_engine))]
+        draft_engine = None
+        if draft_runtime is not None:
+            draft_config = DraftConfig(port=0, dtype=str(draft_runtime.dtype).removeprefix("torch."),
+                                       quantization=draft_runtime.quantization, **{**POOL, **(draft or {})})
+            draft_engine = DraftEngine(draft_runtime, draft_config)
+            servers.append(service_loop.run(create_draft_server(draft_config, draft_engine)))
+        config = GatewayConfig(
+            target_address=f"127.0.0.1:{servers[0].port}",
+            draft_address=f"127.0.0.1:{servers[1].port}" if draft_engine else "",
+            port=0,
+            **{"speculative": draft_engine is not None, **gateway},
+        )
+        gateway_server = service_loop.run(create_gateway(config))
+        stack = Stack(target_engine, draft_engine, gateway_server, servers)
+        stacks.append(stack)
+        return stack
+
+    yield start
+    for stack in stacks:
+        for server in [stack.gateway, *stack.servers]:
+            service_loop.run(server.stop(grace=1.0))
+
+
+@pytest.fixture(scope="session")
+def int8_stack(start_stack: Callable[..., Stack], int8_runtime: ModelRuntime) -> Stack:
+    return start_stack(int8_runtime)
+
+
+@pytest.fixture(scope="session")
+def weak_stack(start_stack: Callable[..., Stack], weak_runtime: ModelRuntime) -> Stack:
+    return start_stack(weak_runtime)
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(smollm2: LoadedModel) -> Callable[[list[int], int], list[int]]:
+    """`hf_greedy(prompt_ids, n)`: transformers generate(do_sample=False) on the target, EOS stripped
+    (the gateway never emits EOS)."""
+
+    def generate(prompt: list[int], max_new_tokens: int) -> list[int]:
+        with torch.inference_mode():
+            out = smollm2.model.generate(
+                torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                pad_token_id=smollm2.tokenizer.eos_token_id,
+            )
+        generated = out[0, len(prompt):].tolist()
+        eos = smollm2.tokenizer.eos_token_id
+        return generated[: generated.index(eos)] if eos in generated else generated
+
+    return generate
