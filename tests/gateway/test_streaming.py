@@ -1,0 +1,120 @@
+"""Streaming behaviour: multi-token messages, concurrency, stop rules, length limits, cancellation."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from specdec.client import build_request, collect
+
+STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
+QUESTIONS = [
+    "What is 2 + 2?", "Name a planet.", "Say hello in French.", "What colour is the sky?",
+    "Give me a synonym for happy.", "What is the opposite of cold?", "Name a fruit.", "Count to five.",
+    "What is water made of?", "Name a musical instrument.",
+]
+
+
+def _chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def test_a_round_with_several_accepted_tokens_arrives_as_one_message(int8_stack) -> None:  # type: ignore[no-untyped-def]
+    with int8_stack.client() as client:
+        result = client.generate(STORY, max_new_tokens=40, spec_length=4)
+    assert max(len(chunk) for chunk in result.chunks) > 1, result.chunks
+    assert sum(len(chunk) for chunk in result.chunks) == len(result.token_ids) == result.completion_tokens
+    assert result.mean_acceptance_length > 1.0
+
+
+def test_concurrent_streams_match_each_request_alone(int8_stack) -> None:  # type: ignore[no-untyped-def]
+    with int8_stack.client() as client:
+        alone = [client.generate(_chat(q), max_new_tokens=16) for q in QUESTIONS]
+        with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+            together = list(pool.map(lambda q: client.generate(_chat(q), max_new_tokens=16), QUESTIONS))
+    assert len(together) == len(QUESTIONS) >= 8
+    for question, a, b in zip(QUESTIONS, alone, together):
+        assert b.finish_reason in ("stop", "length")
+        assert b.token_ids == a.token_ids, question
+    int8_stack.wait_until_idle()
+
+
+def test_max_new_tokens_is_exact(int8_stack) -> None:  # type: ignore[no-untyped-def]
+    with int8_stack.client() as client:
+        for n in (1, 2, 5, 13):
+            result = client.generate(STORY, max_new_tokens=n, spec_length=4)
+            assert result.finish_reason == "length"
+            assert len(result.token_ids) == result.completion_tokens == n
+
+
+def test_stop_string_across_a_token_boundary(int8_stack, smollm2) -> None:  # type: ignore[no-untyped-def]
+    tokenizer = smollm2.tokenizer
+    with int8_stack.client() as client:
+        free = client.generate(STORY, max_new_tokens=40)
+        # A stop string made of the end of one token and the start of the next.
+        pieces = [tokenizer.decode([t]) for t in free.token_ids]
+        index = next(i for i in range(5, len(pieces) - 1) if len(pieces[i].strip()) >= 2 and len(pieces[i + 1].strip()) >= 2)
+        prefix = "".join(pieces[:index])
+        stop = pieces[index][-2:] + pieces[index + 1][:2]
+        assert stop not in prefix + pieces[index][:-2]  # its first occurrence straddles the boundary
+        result = client.generate(STORY, max_new_tokens=40, stop=[stop])
+    assert result.finish_reason == "stop"
+    cut = free.text.index(stop)
+    assert result.text == free.text[:cut]
+    assert stop not in result.text
+    assert result.token_ids == free.token_ids[: index + 2]  # tokens after the one completing it are dropped
+
+
+def test_stop_string_with_plain_decoding(int8_stack) -> None:  # type: ignore[no-untyped-def]
+    with int8_stack.client() as client:
+        free = client.generate(STORY, max_new_tokens=30, speculative=False)
+        word = free.text.split()[3]
+        result = client.generate(STORY, max_new_tokens=30, speculative=False, stop=[word])
+    assert result.finish_reason == "stop"
+    assert result.text == free.text[: free.text.index(word)]
+
+
+def test_max_sequence_length_edge(start_stack, int8_runtime, hf_greedy, smollm2) -> None:  # type: ignore[no-untyped-def]
+    """Near max_seq_len K shrinks so K+1 fits, then falls back to K=0; output stays exact."""
+    from specdec.model.chat import encode_chat
+
+    prompt_ids = encode_chat(smollm2.tokenizer, STORY)
+    limit = len(prompt_ids) + 7
+    stack = start_stack(int8_runtime, target=dict(max_seq_len=limit), draft=dict(max_seq_len=limit))
+    with stack.client() as client:
+        result = client.generate(STORY, max_new_tokens=50, spec_length=4)
+        assert result.finish_reason == "length"
+        assert result.prompt_tokens + result.completion_tokens == limit
+        assert result.token_ids == hf_greedy(prompt_ids, 7)
+        with pytest.raises(grpc.RpcError) as error:
+            client.generate([{"role": "user", "content": "word " * 200}], max_new_tokens=5)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_seq_len" in error.value.details()
+    stack.wait_until_idle()
+
+
+def test_cancelled_stream_frees_its_slots_in_both_services(int8_stack) -> None:  # type: ignore[no-untyped-def]
+    with int8_stack.client() as client:
+        call = client.stub.Generate(build_request(STORY, max_new_tokens=400), timeout=120)
+        received = 0
+        for response in call:
+            received += len(response.token_ids)
+            if received >= 3:
+                break
+        assert all(engine.tokens for engine in int8_stack.engines()), "both services should hold the slot"
+        call.cancel()
+    int8_stack.wait_until_idle()
+    for engine in int8_stack.engines():
+        assert engine.cache.blocks.num_free_blocks == engine.cache.blocks.num_blocks
+
+
+def test_deadline_exceeded_frees_slots(int8_stack) -> None:  # type: ignore[no-untyped-def]
+    with int8_stack.client() as client:
+        with pytest.raises(grpc.RpcError) as error:
+            collect(client.stub.Generate(build_request(STORY, max_new_tokens=400), timeout=1.5))
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(0.1)
+    int8_stack.wait_until_idle()
