@@ -1,0 +1,105 @@
+"""Sampling through the gateway: seeded reproducibility, exact output distribution, coherence.
+
+The distribution test compares the second generated token — the first one decided by a
+speculation round (the first comes from the prefill logits) — against its exact marginal
+under the target, P(t2) = sum over t1 of p(t1) p(t2 | t1), computed with `transformers`.
+Speculative runs with the int8 draft (mostly accepted) and the 2-layer draft (mostly
+rejected: recovered tokens) and plain runs must all fit it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdec.model.chat import encode_chat
+from specdec.model.loader import LoadedModel
+
+PROMPT = [{"role": "user", "content": "Pick a random animal and name it."}]
+TOP_K = 4
+SAMPLES = 160
+
+
+@pytest.fixture(scope="module")
+def exact_second_token(smollm2: LoadedModel) -> dict[int, float]:
+    prompt = encode_chat(smollm2.tokenizer, PROMPT)
+
+    def top_k_probs(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = smollm2.model(torch.tensor([ids])).logits[0, -1].float()
+        kth = logits.topk(TOP_K).values[-1]
+        return torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+
+    first = top_k_probs(prompt)
+    marginal: Counter[int] = Counter()
+    for t1 in torch.nonzero(first).flatten().tolist():
+        second = top_k_probs(prompt + [t1])
+        for t2 in torch.nonzero(second).flatten().tolist():
+            marginal[t2] += float(first[t1] * second[t2])
+    return dict(marginal)
+
+
+def _second_tokens(stack, seeds: range, **options) -> list[int]:  # type: ignore[no-untyped-def]
+    with stack.client() as client, ThreadPoolExecutor(16) as pool:
+        results = pool.map(
+            lambda seed: client.generate(PROMPT, max_new_tokens=2, temperature=1.0, top_k=TOP_K, seed=seed, **options),
+            seeds,
+        )
+        return [r.token_ids[1] for r in results]
+
+
+def _fits(samples: list[int], exact: dict[int, float]) -> float:
+    """Chi-square p-value of samples against the exact distribution (rare cells pooled)."""
+    counts = Counter(samples)
+    assert set(counts) <= set(exact), f"sampled tokens outside the target's support: {set(counts) - set(exact)}"
+    n = len(samples)
+    common = sorted(t for t, p in exact.items() if p * n >= 5)
+    observed = [counts[t] for t in common] + [n - sum(counts[t] for t in common)]
+    expected = [exact[t] * n for t in common] + [n - sum(exact[t] * n for t in common)]
+    if expected[-1] < 1e-9:
+        observed, expected = observed[:-1], expected[:-1]
+    return float(chisquare(observed, expected).pvalue)
+
+
+@pytest.mark.parametrize(
+    "stack_name, options",
+    [("int8_stack", {"spec_length": 3}), ("weak_stack", {"spec_length": 3}), ("int8_stack", {"speculative": False})],
+    ids=["int8-draft", "2-layer-draft", "plain"],
+)
+def test_second_token_follows_the_target_distribution(
+    stack_name: str, options: dict, exact_second_token: dict[int, float], request: pytest.FixtureRequest
+) -> None:
+    stack = request.getfixturevalue(stack_name)
+    samples = _second_tokens(stack, range(SAMPLES), **options)
+    p_value = _fits(samples, exact_second_token)
+    assert p_value > 1e-3, (p_value, Counter(samples).most_common(), sorted(exact_second_token.items(), key=lambda kv: -kv[1]))
+    stack.wait_until_idle()
+
+
+def test_seeded_requests_reproduce_exactly(int8_stack) -> None:  # type: ignore[no-untyped-def]
+    options = dict(max_new_tokens=24, temperature=0.9, top_p=0.95, repetition_penalty=1.1, spec_length=4)
+    with int8_stack.client() as client:
+        first = client.generate(PROMPT, seed=1234, **options)
+        second = client.generate(PROMPT, seed=1234, **options)
+        others = [client.generate(PROMPT, seed=s, **options) for s in (1, 2, 3)]
+    assert first.token_ids == second.token_ids and first.text == second.text
+    assert any(o.token_ids != first.token_ids for o in others)
+
+
+def test_sampled_text_is_coherent(int8_stack) -> None:  # type: ignore[no-untyped-def]
+    with int8_stack.client() as client:
+        result = client.generate(
+            [{"role": "user", "content": "Describe a sunny day at the beach."}],
+            max_new_tokens=48, temperature=0.7, top_p=0.9, seed=7,
+        )
+    words = result.text.split()
+    assert len(words) >= 10
+    assert "\ufffd" not in result.text
+    letters = sum(ch.isalpha() for ch in result.text)
+    assert letters / len(result.text) > 0.6
+    common = {"the", "a", "and", "of", "to", "is", "in", "sun", "beach", "sand", "water", "with", "on"}
+    assert len(common & {w.strip(".,!").lower() for w in words}) >= 3, result.text
