@@ -1,0 +1,120 @@
+"""Bad input and overload get precise statuses; gateway start-up refuses bad configurations."""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from gateway.config import GatewayConfig
+from gateway.server import create_gateway
+from specdec.client import build_request
+from specdec.errors import InvalidArgumentError
+from specdec.model.tokenizer_info import TokenizerMismatchError
+from specdec.v1 import gateway_pb2
+
+STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
+
+
+def _status(stack, request: gateway_pb2.GenerateRequest) -> grpc.RpcError:  # type: ignore[no-untyped-def]
+    with stack.client() as client, pytest.raises(grpc.RpcError) as info:
+        list(client.stub.Generate(request, timeout=60))
+    return info.value
+
+
+@pytest.mark.parametrize(
+    "request_, field",
+    [
+        (gateway_pb2.GenerateRequest(), "input"),
+        (build_request(""), "prompt"),
+        (build_request([]), "chat"),
+        (build_request("hi", temperature=-1.0), "temperature"),
+        (build_request("hi", top_p=1.5), "top_p"),
+        (build_request("hi", top_k=-3), "top_k"),
+        (build_request("hi", max_new_tokens=-2), "max_new_tokens"),
+        (build_request("hi", spec_length=0), "spec_length"),
+        (build_request("hi", spec_length=99), "spec_length"),
+    ],
+    ids=["no-input", "empty-prompt", "empty-chat", "temperature", "top_p", "top_k", "max_new_tokens", "spec-0", "spec-99"],
+)
+def test_invalid_requests_are_invalid_argument(int8_stack, request_: gateway_pb2.GenerateRequest, field: str) -> None:  # type: ignore[no-untyped-def]
+    error = _status(int8_stack, request_)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in error.details()
+
+
+def test_speculation_without_a_draft_is_refused(start_stack) -> None:  # type: ignore[no-untyped-def]
+    stack = start_stack(None)
+    error = _status(stack, build_request("hi", speculative=True))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with stack.client() as client:
+        assert client.generate("hi", max_new_tokens=3).completion_tokens == 3  # plain decoding works
+
+
+def test_full_queue_is_resource_exhausted(start_stack, int8_runtime) -> None:  # type: ignore[no-untyped-def]
+    stack = start_stack(int8_runtime, max_batch_size=1, max_queue=1)
+    with stack.client() as client, ThreadPoolExecutor(4) as pool:
+        calls = [client.stub.Generate(build_request(STORY, max_new_tokens=60), timeout=120) for _ in range(4)]
+        outcomes = list(pool.map(lambda call: _outcome(call), calls))
+    assert outcomes.count("ok") >= 2  # one running, one queued
+    assert "RESOURCE_EXHAUSTED" in outcomes
+    stack.wait_until_idle()
+
+
+def _outcome(call) -> str:  # type: ignore[no-untyped-def]
+    try:
+        for _ in call:
+            pass
+        return "ok"
+    except grpc.RpcError as error:
+        return error.code().name
+
+
+def test_requests_beyond_kv_capacity_wait_and_then_complete(start_stack, int8_runtime) -> None:  # type: ignore[no-untyped-def]
+    """Admission reserves each request's worst-case KV footprint: with room for one request
+    at a time, the second waits in the queue instead of failing mid-generation."""
+    stack = start_stack(int8_runtime, target=dict(kv_token_budget=192), draft=dict(kv_token_budget=192))
+    with stack.client() as client, ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: client.generate(STORY, max_new_tokens=100, spec_length=4), range(2)))
+    assert [r.completion_tokens for r in results] == [100, 100]
+    assert results[0].token_ids == results[1].token_ids
+    stack.wait_until_idle()
+
+
+def test_config_validation() -> None:
+    with pytest.raises(InvalidArgumentError, match="requires a draft"):
+        GatewayConfig(target_address="127.0.0.1:1", speculative=True)
+    with pytest.raises(InvalidArgumentError, match="spec_length"):
+        GatewayConfig(target_address="127.0.0.1:1", draft_address="127.0.0.1:2", spec_length=0)
+    with pytest.raises(InvalidArgumentError, match="draft_probs_dtype"):
+        GatewayConfig(target_address="127.0.0.1:1", speculative=False, draft_probs_dtype="int4")
+
+
+def test_gateway_refuses_spec_length_above_the_services_maximum(int8_stack, service_loop) -> None:  # type: ignore[no-untyped-def]
+    target, draft = (f"127.0.0.1:{s.port}" for s in int8_stack.servers)
+    config = GatewayConfig(target_address=target, draft_address=draft, port=0, spec_length=9)
+    with pytest.raises(InvalidArgumentError, match="maximum 8"):
+        service_loop.run(create_gateway(config))
+
+
+def test_gateway_refuses_a_draft_with_another_tokenizer(int8_stack, service_loop) -> None:  # type: ignore[no-untyped-def]
+    """A draft whose tokenizer fingerprint differs from the target's must not be used."""
+    draft_engine = int8_stack.draft
+    original = draft_engine.tokenizer_info
+    draft_engine.tokenizer_info = dataclasses.replace(original, fingerprint="0" * 64)
+    try:
+        target, draft = (f"127.0.0.1:{s.port}" for s in int8_stack.servers)
+        with pytest.raises(TokenizerMismatchError, match="fingerprints differ"):
+            service_loop.run(create_gateway(GatewayConfig(target_address=target, draft_address=draft, port=0)))
+    finally:
+        draft_engine.tokenizer_info = original
+
+
+def test_gateway_info_describes_both_models(int8_stack) -> None:  # type: ignore[no-untyped-def]
+    with int8_stack.client() as client:
+        info = client.info()
+    assert info.speculative_enabled and info.default_spec_length == 4 and info.max_spec_length == 8
+    assert info.target.tokenizer_fingerprint == info.draft.tokenizer_fingerprint
+    assert info.target.dtype == "float32" and info.draft.quantization == "int8"
