@@ -81,8 +81,9 @@ class DraftEngine(ModelEngine):
             self._check_tokens("new_tokens", item.slot_id, item.new_tokens)
             if not 1 <= item.k <= self.config.max_spec_tokens:
                 raise InvalidArgumentError(f"k: {item.k} for slot {item.slot_id!r} is outside [1, {self.config.max_spec_tokens}]")
+            self._check_length(item.slot_id, item.valid_len + len(item.new_tokens), "new_tokens")
             # The k-th drafted token is returned but not cached: its position must still fit.
-            self._check_length(item.slot_id, item.valid_len + len(item.new_tokens) + item.k)
+            self._check_length(item.slot_id, item.valid_len + len(item.new_tokens) + item.k, "k")
         self._check_new_slots(len(new_slots))
         return new_slots
 

@@ -118,10 +118,10 @@ class ModelEngine:
         if not 0 <= valid_len <= cached:
             raise InvalidArgumentError(f"{field}: {valid_len} is outside [0, {cached}] (cached length of slot {slot_id!r})")
 
-    def _check_length(self, slot_id: str, total: int) -> None:
+    def _check_length(self, slot_id: str, total: int, field: str = "tokens") -> None:
         if total > self.max_seq_len:
             raise InvalidArgumentError(
-                f"tokens: slot {slot_id!r} would reach {total} tokens, past max_seq_len {self.max_seq_len}"
+                f"{field}: slot {slot_id!r} would reach {total} tokens, past max_seq_len {self.max_seq_len}"
             )
 
     def _check_new_slots(self, count: int) -> None:

@@ -42,7 +42,7 @@ class TargetEngine(ModelEngine):
             if not item.prompt_tokens:
                 raise InvalidArgumentError(f"prompt_tokens: slot {item.slot_id!r} has an empty prompt")
             self._check_tokens("prompt_tokens", item.slot_id, item.prompt_tokens)
-            self._check_length(item.slot_id, len(item.prompt_tokens))
+            self._check_length(item.slot_id, len(item.prompt_tokens), "prompt_tokens")
         self._check_new_slots(len(items))
         slot_ids = [item.slot_id for item in items]
         self._allocate(slot_ids)

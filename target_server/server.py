@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from specdec.model.runtime import build_runtime
@@ -83,5 +85,5 @@ async def create_server(config: TargetConfig, engine: TargetEngine | None = None
         host=config.host,
         port=config.port,
         max_message_bytes=config.max_message_bytes,
-        on_stop=worker.shutdown,
+        on_stop=lambda: asyncio.to_thread(worker.shutdown),  # waits for the running batch off the loop
     )

@@ -1,0 +1,93 @@
+"""The `specdec` command line: generate (streaming and --json) and serve (the whole trio)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from specdec.client import SpecdecClient
+
+CLI = [sys.executable, "-m", "gateway.cli"]
+
+
+def _generate(address: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, "generate", "--gateway", address, *args], capture_output=True, text=True, timeout=180)
+
+
+def test_generate_json_prints_one_object(int8_stack) -> None:  # type: ignore[no-untyped-def]
+    done = _generate(int8_stack.address, "Name three fruits.", "--max-new-tokens", "12", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert set(result) >= {"text", "token_ids", "finish_reason", "acceptance_rate", "mean_acceptance_length", "tokens_per_s"}
+    assert len(result["token_ids"]) == 12 and result["finish_reason"] == "length"
+    with int8_stack.client() as client:
+        same = client.generate([{"role": "user", "content": "Name three fruits."}], max_new_tokens=12)
+    assert result["token_ids"] == same.token_ids and result["text"] == same.text
+
+
+def test_generate_streams_text_and_prints_statistics(int8_stack) -> None:  # type: ignore[no-untyped-def]
+    done = _generate(int8_stack.address, "Say hi.", "--max-new-tokens", "8", "--temperature", "0.8", "--seed", "3")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()
+    assert "acceptance rate" in done.stderr and "tok/s" in done.stderr
+
+
+def test_generate_error_exits_non_zero_with_status(int8_stack) -> None:  # type: ignore[no-untyped-def]
+    done = _generate(int8_stack.address, "hi", "--spec-length", "99", "--json")
+    assert done.returncode != 0
+    assert "INVALID_ARGUMENT" in done.stderr and "spec_length" in done.stderr
+    assert done.stdout == ""
+
+
+@pytest.mark.slow
+def test_serve_runs_the_trio_and_stops_it_on_sigterm() -> None:
+    serve = subprocess.Popen(
+        [*CLI, "serve", "--port", "0", "--metrics-port", "0", "--kv-token-budget", "2048"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        assert serve.stdout is not None
+        address, metrics_port = None, None
+        for line in serve.stdout:
+            if match := re.search(r"gateway listening on (\S+?:\d+), metrics on :(\d+)", line):
+                address, metrics_port = match.group(1), int(match.group(2))
+                break
+        assert address, "specdec serve never became ready"
+        with SpecdecClient(address, timeout=120) as client:
+            result = client.generate([{"role": "user", "content": "Hello!"}], max_new_tokens=10)
+            info = client.info()
+        assert result.completion_tokens == 10 and info.draft.quantization == "int8"
+        import urllib.request
+
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        assert "specdec_num_draft_tokens_total" in metrics
+        children = _children(serve.pid)
+        assert len(children) == 2, children  # draft_server and target_server
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(60) == 0
+        for pid in children:
+            assert not _alive(pid), f"child {pid} survived"
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purposes.
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    return bool(state) and not state.startswith("Z")

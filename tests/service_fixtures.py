@@ -1,0 +1,212 @@
+"""Real target / draft gRPC servers on loopback, for the service tests.
+
+The servers run in-process on one background asyncio loop (a daemon thread) and tests talk
+to them through ordinary synchronous channels, so no async test plugin is needed. Engines
+are built from the session's fp32 SmolLM2 (`smollm2` in tests/conftest.py): no second load.
+The draft uses the same fp32 model, so its greedy draft is the model's own greedy continuation.
+
+Imported by the `conftest.py` of each service test folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2_grpc
+
+from draft_server.config import DraftConfig
+from draft_server.engine import DraftEngine
+from draft_server.server import create_server as create_draft_server
+from specdec.model.llama import PagedLlama
+from specdec.model.loader import LoadedModel
+from specdec.model.runtime import ModelRuntime
+from specdec.model_engine import ModelEngine
+from specdec.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, RunningServer
+from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
+from target_server.config import TargetConfig
+from target_server.engine import TargetEngine
+from target_server.server import create_server as create_target_server
+
+T = TypeVar("T")
+
+#: Deadline of every test RPC, so a hung server fails the test instead of the session.
+RPC_TIMEOUT_S = 60.0
+#: Small pools: big enough for every test, cheap to allocate per test (~94 MB of fp32 KV).
+SMALL_POOL: dict[str, Any] = dict(kv_token_budget=2048, block_size=16, max_slots=32, max_spec_tokens=8)
+
+
+class LoopThread:
+    """An asyncio event loop running forever on a daemon thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-test-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = RPC_TIMEOUT_S) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+@dataclass
+class Service:
+    """A running server, the engine behind it and a client channel to it."""
+
+    engine: ModelEngine
+    running: RunningServer
+    channel: grpc.Channel
+    stub: Any  # TargetServiceStub or DraftServiceStub
+    health: health_pb2_grpc.HealthStub
+
+    @property
+    def port(self) -> int:
+        return self.running.port
+
+    def info(self) -> common_pb2.ModelInfo:
+        return self.stub.Info(common_pb2.InfoRequest())
+
+
+def _client_channel(port: int) -> grpc.Channel:
+    """A loopback channel with the services' message limit and a default deadline per call."""
+    # Like any client of these services, lift gRPC's 4 MB default receive limit: a verify
+    # reply of three requests at K = 8 is already 27 x 49,152 fp32 logits (5.3 MB).
+    options = [
+        ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+    ]
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
+    return grpc.intercept_channel(channel, _TimeoutInterceptor())
+
+
+class _TimeoutInterceptor(grpc.UnaryUnaryClientInterceptor):
+    """Give every unary call a deadline unless it sets its own."""
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+        if client_call_details.timeout is None:
+            details = _Details(
+                client_call_details.method, RPC_TIMEOUT_S, client_call_details.metadata,
+                client_call_details.credentials, client_call_details.wait_for_ready,
+                getattr(client_call_details, "compression", None),
+            )
+            return continuation(details, request)
+        return continuation(client_call_details, request)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):  # type: ignore[no-untyped-def]
+        self.method = method
+        self.timeout = timeout
+        self.metadata = metadata
+        self.credentials = credentials
+        self.wait_for_ready = wait_for_ready
+        self.compression = compression
+
+
+def _service_factory(
+    loop: LoopThread,
+    make: Callable[..., tuple[ModelEngine, Coroutine[Any, Any, RunningServer]]],
+    stub_cls: type,
+) -> Iterator[Callable[..., Service]]:
+    started: list[Service] = []
+
+    def start(**overrides: Any) -> Service:
+        engine, coro = make(**{**SMALL_POOL, **overrides})
+        running = loop.run(coro)
+        channel = _client_channel(running.port)
+        service = Service(engine, running, channel, stub_cls(channel), health_pb2_grpc.HealthStub(channel))
+        started.append(service)
+        return service
+
+    yield start
+    for service in started:
+        service.channel.close()
+        loop.run(service.running.stop(grace=1.0))
+
+
+@pytest.fixture(scope="session")
+def service_loop() -> Iterator[LoopThread]:
+    loop = LoopThread()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="session")
+def fp32_runtime(smollm2: LoadedModel) -> ModelRuntime:
+    """The session's fp32 SmolLM2 wrapped for the engines (the forward holds no state)."""
+    return ModelRuntime(loaded=smollm2, forward=PagedLlama(smollm2.model), quantization="none")
+
+
+@pytest.fixture
+def start_target(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterator[Callable[..., Service]]:
+    """`start_target(**config_overrides)` -> a running fp32 target server (stopped at teardown)."""
+
+    def make(**fields: Any) -> tuple[ModelEngine, Coroutine[Any, Any, RunningServer]]:
+        config = TargetConfig(port=0, **fields)
+        engine = TargetEngine(fp32_runtime, config)
+        return engine, create_target_server(config, engine)
+
+    yield from _service_factory(service_loop, make, target_pb2_grpc.TargetServiceStub)
+
+
+@pytest.fixture
+def start_draft(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterator[Callable[..., Service]]:
+    """`start_draft(**config_overrides)` -> a running fp32 draft server (stopped at teardown)."""
+
+    def make(**fields: Any) -> tuple[ModelEngine, Coroutine[Any, Any, RunningServer]]:
+        config = DraftConfig(port=0, dtype="float32", quantization="none", **fields)
+        engine = DraftEngine(fp32_runtime, config)
+        return engine, create_draft_server(config, engine)
+
+    yield from _service_factory(service_loop, make, draft_pb2_grpc.DraftServiceStub)
+
+
+@pytest.fixture
+def target(start_target: Callable[..., Service]) -> Service:
+    return start_target()
+
+
+@pytest.fixture
+def draft(start_draft: Callable[..., Service]) -> Service:
+    return start_draft()
+
+
+# -- references and helpers ---------------------------------------------------------------
+
+
+def reference_logits(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:
+    """`transformers`' own forward over the whole sequence: fp32 logits [len(tokens), vocab]."""
+    with torch.inference_mode():
+        return loaded.model(torch.tensor([tokens])).logits[0].float()
+
+
+def greedy_continuation(loaded: LoadedModel, tokens: list[int], n: int) -> list[int]:
+    """The model's own greedy (argmax) continuation of `tokens`, `n` tokens long.
+
+    `transformers`' forward with its own KV cache: one prefill, then one token per step.
+    """
+    out: list[int] = []
+    with torch.inference_mode():
+        step = loaded.model(torch.tensor([tokens]), use_cache=True)
+        for _ in range(n):
+            out.append(int(step.logits[0, -1].argmax()))
+            step = loaded.model(torch.tensor([out[-1:]]), past_key_values=step.past_key_values, use_cache=True)
+    return out
+
+
+def rpc_error(call: Callable[[Any], Any], request: Any) -> grpc.RpcError:
+    """The RpcError `call(request)` raises (fails the test if it succeeds)."""
+    with pytest.raises(grpc.RpcError) as info:
+        call(request)
+    return info.value

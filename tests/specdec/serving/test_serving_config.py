@@ -1,0 +1,80 @@
+"""Entry-point flags, config validation and the one error-mapping layer (no model needed)."""
+
+from __future__ import annotations
+
+import argparse
+
+import grpc
+import pytest
+
+from draft_server.config import DraftConfig
+from specdec.errors import CapacityExhaustedError, InvalidArgumentError, SlotExistsError, SlotNotFoundError
+from specdec.serving.config import add_config_flags, config_from_args
+from specdec.serving.errors import status_of
+from specdec.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
+from target_server.config import TargetConfig
+
+
+def parse(config_cls: type[TargetConfig] | type[DraftConfig], *argv: str) -> TargetConfig | DraftConfig:
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, config_cls())
+    return config_from_args(config_cls, parser.parse_args(argv))
+
+
+def test_defaults() -> None:
+    target, draft = parse(TargetConfig), parse(DraftConfig)
+    assert target.host == draft.host == "127.0.0.1"
+    assert (target.dtype, target.quantization) == ("float32", "none")
+    assert (draft.dtype, draft.quantization) == ("bfloat16", "int8")  # the quantized self-draft
+    assert target.port != draft.port
+    assert target.max_message_bytes == DEFAULT_MAX_MESSAGE_BYTES > 4 * 1024 * 1024  # above gRPC's 4 MB default
+
+
+def test_every_flag_reaches_the_config() -> None:
+    config = parse(
+        TargetConfig, "--model", "m.gguf", "--dtype", "bfloat16", "--device", "cpu", "--quantization", "int8",
+        "--host", "0.0.0.0", "--port", "0", "--max-slots", "3", "--kv-token-budget", "100", "--block-size", "8",
+        "--max-spec-tokens", "5", "--max-seq-len", "64", "--max-message-bytes", "1000",
+    )
+    assert config == TargetConfig(
+        model="m.gguf", dtype="bfloat16", device="cpu", quantization="int8", host="0.0.0.0", port=0, max_slots=3,
+        kv_token_budget=100, block_size=8, max_spec_tokens=5, max_seq_len=64, max_message_bytes=1000,
+    )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(dtype="float64"), dict(quantization="int4"), dict(port=70000), dict(port=-1), dict(max_slots=0),
+        dict(kv_token_budget=0), dict(block_size=0), dict(max_spec_tokens=0), dict(max_message_bytes=0),
+        dict(max_seq_len=-1),
+    ],
+)
+def test_bad_config_raises_a_typed_error(fields: dict[str, object]) -> None:
+    with pytest.raises(InvalidArgumentError, match=next(iter(fields))):
+        TargetConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_bad_flag_choice_is_a_usage_error() -> None:
+    with pytest.raises(SystemExit):
+        parse(DraftConfig, "--quantization", "int4")
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (InvalidArgumentError("k: too big"), grpc.StatusCode.INVALID_ARGUMENT),
+        (SlotNotFoundError("slot 'x' not found"), grpc.StatusCode.NOT_FOUND),
+        (SlotExistsError("slot_id: slot 'x' already exists"), grpc.StatusCode.ALREADY_EXISTS),
+        (CapacityExhaustedError("no blocks"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ],
+)
+def test_engine_errors_map_to_their_status_with_their_message(error: Exception, code: grpc.StatusCode) -> None:
+    assert status_of(error) == (code, str(error))
+    assert "'x' not found" == str(SlotNotFoundError("'x' not found"))  # no KeyError quoting
+
+
+def test_bugs_map_to_internal_without_leaking_the_message() -> None:
+    code, message = status_of(RuntimeError("secret detail"))
+    assert code == grpc.StatusCode.INTERNAL
+    assert "secret" not in message and "RuntimeError" in message

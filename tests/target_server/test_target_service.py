@@ -1,0 +1,371 @@
+"""The target gRPC service, end to end over loopback: a real server, the embedded fp32 model.
+
+Every logit the service returns is checked against `transformers`' own forward over the
+same tokens (the in-process reference), at the 1e-4 tolerance of the parity tests.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2
+
+from service_fixtures import Service, reference_logits, rpc_error
+from specdec.model.loader import LoadedModel
+from specdec.model.tokenizer_info import TokenizerInfo
+from specdec.v1 import common_pb2, target_pb2
+from specdec.wire.tensor_codec import decode_tensor
+from target_server.server import SERVICE_NAME
+
+ATOL = 1e-4
+TEXTS = [
+    "The capital of France is",
+    "def add(a, b):\n    return",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2: LoadedModel) -> list[list[int]]:
+    """Three prompts of different lengths."""
+    tokens = [smollm2.tokenizer.encode(text) for text in TEXTS]
+    assert len({len(t) for t in tokens}) == len(tokens)
+    return tokens
+
+
+def prefill(service: Service, items: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """Prefill slot -> prompt; returns slot -> last-position logits [vocab]."""
+    response = service.stub.Prefill(
+        target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(slot_id=s, prompt_tokens=p) for s, p in items.items()])
+    )
+    assert [r.slot_id for r in response.results] == list(items)
+    for result, prompt in zip(response.results, items.values()):
+        assert result.cached_len == len(prompt)
+    return {r.slot_id: decode_tensor(r.logits) for r in response.results}
+
+
+def verify(service: Service, items: list[tuple[str, int, list[int]]]) -> dict[str, torch.Tensor]:
+    """Verify (slot, valid_len, [g, t1..tK]) items; returns slot -> logits [K + 1, vocab]."""
+    response = service.stub.Verify(
+        target_pb2.VerifyRequest(
+            items=[target_pb2.VerifyItem(slot_id=s, valid_len=v, tokens=t) for s, v, t in items]
+        )
+    )
+    assert [r.slot_id for r in response.results] == [s for s, _, _ in items]
+    for result, (_, valid_len, tokens) in zip(response.results, items):
+        assert result.cached_len == valid_len + len(tokens)
+    return {r.slot_id: decode_tensor(r.logits) for r in response.results}
+
+
+def release(service: Service, slot_id: str) -> None:
+    service.stub.Release(common_pb2.ReleaseRequest(slot_id=slot_id))
+
+
+def truncate(service: Service, slot_id: str, new_len: int) -> int:
+    return service.stub.Truncate(common_pb2.TruncateRequest(slot_id=slot_id, new_len=new_len)).cached_len
+
+
+# -- Info ---------------------------------------------------------------------------------
+
+
+def test_info_advertises_model_tokenizer_and_capacity(target: Service, smollm2: LoadedModel) -> None:
+    info = target.info()
+    expected = TokenizerInfo.of(smollm2.model, smollm2.tokenizer)
+    assert info.model_name == smollm2.name
+    assert info.vocab_size == expected.vocab_size == smollm2.model.config.vocab_size
+    assert tuple(info.eos_token_ids) == expected.eos_token_ids and info.eos_token_ids
+    assert info.tokenizer_fingerprint == expected.fingerprint and len(info.tokenizer_fingerprint) == 64
+    assert info.block_size == 16
+    assert info.total_kv_tokens == info.free_kv_tokens == 2048
+    assert info.max_seq_len == 2048  # the pool is smaller than the model's 8192 positions
+    assert (info.max_slots, info.active_slots, info.max_spec_tokens) == (32, 0, 8)
+    assert (info.dtype, info.device, info.quantization) == ("float32", "cpu", "")
+
+
+def test_free_kv_tokens_drop_after_prefill_and_return_after_release(target: Service) -> None:
+    start = target.info().free_kv_tokens
+    prefill(target, {"a": list(range(100, 120)), "b": list(range(200, 205))})  # 20 + 5 tokens
+    info = target.info()
+    assert info.free_kv_tokens == start - 3 * 16  # two blocks for a, one for b
+    assert info.active_slots == 2
+    release(target, "a")
+    assert target.info().free_kv_tokens == start - 16
+    release(target, "b")
+    info = target.info()
+    assert (info.free_kv_tokens, info.active_slots) == (start, 0)
+
+
+# -- Prefill and Verify against the in-process forward -----------------------------------
+
+
+def test_prefill_batch_of_different_lengths_matches_in_process_forward(
+    target: Service, smollm2: LoadedModel, prompts: list[list[int]]
+) -> None:
+    logits = prefill(target, {f"p{i}": p for i, p in enumerate(prompts)})
+    for i, prompt in enumerate(prompts):
+        got = logits[f"p{i}"]
+        assert got.dtype == torch.float32 and got.shape == (smollm2.model.config.vocab_size,)
+        torch.testing.assert_close(got, reference_logits(smollm2, prompt)[-1], atol=ATOL, rtol=0)
+
+
+def test_verify_logits_match_in_process_forward(
+    target: Service, smollm2: LoadedModel, prompts: list[list[int]]
+) -> None:
+    """One batched Verify with K = 0, 3 and 5: K + 1 rows each, fp32 like the model computed them."""
+    prefill(target, {f"p{i}": p for i, p in enumerate(prompts)})
+    chunks = [[42], [11, 300, 301, 302], [13, 7, 8, 9, 10, 11]]
+    logits = verify(target, [(f"p{i}", len(p), c) for i, (p, c) in enumerate(zip(prompts, chunks))])
+    for i, (prompt, chunk) in enumerate(zip(prompts, chunks)):
+        got = logits[f"p{i}"]
+        assert got.dtype == torch.float32 and got.shape == (len(chunk), smollm2.model.config.vocab_size)
+        expected = reference_logits(smollm2, prompt + chunk)[len(prompt) :]
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+def test_verify_after_rollback_equals_verify_without_rejected_tokens(
+    target: Service, smollm2: LoadedModel, prompts: list[list[int]]
+) -> None:
+    prompt = prompts[2]
+    n = len(prompt)
+    prefill(target, {"rolled": prompt, "clean": prompt})
+    # "rolled" sees a draft whose last three tokens get rejected; "clean" never sees them.
+    verify(target, [("rolled", n, [500, 501, 502, 503]), ("clean", n, [500])])
+    # Round 2: only g=500 was kept; both continue from n + 1 with the same chunk.
+    logits = verify(target, [("rolled", n + 1, [600, 601, 602]), ("clean", n + 1, [600, 601, 602])])
+    torch.testing.assert_close(logits["rolled"], logits["clean"], atol=ATOL, rtol=0)
+    expected = reference_logits(smollm2, prompt + [500, 600, 601, 602])[n + 1 :]
+    torch.testing.assert_close(logits["rolled"], expected, atol=ATOL, rtol=0)
+
+
+def test_batch_at_different_lengths_equals_each_request_alone(
+    target: Service, prompts: list[list[int]]
+) -> None:
+    chunks = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10]]
+    batched_prefill = prefill(target, {f"b{i}": p for i, p in enumerate(prompts)})
+    batched_verify = verify(target, [(f"b{i}", len(p), c) for i, (p, c) in enumerate(zip(prompts, chunks))])
+    for i, (prompt, chunk) in enumerate(zip(prompts, chunks)):
+        alone_prefill = prefill(target, {f"a{i}": prompt})[f"a{i}"]
+        alone_verify = verify(target, [(f"a{i}", len(prompt), chunk)])[f"a{i}"]
+        torch.testing.assert_close(batched_prefill[f"b{i}"], alone_prefill, atol=ATOL, rtol=0)
+        torch.testing.assert_close(batched_verify[f"b{i}"], alone_verify, atol=ATOL, rtol=0)
+
+
+def test_truncate_rpc_then_verify(target: Service, smollm2: LoadedModel, prompts: list[list[int]]) -> None:
+    prompt = prompts[1]
+    n = len(prompt)
+    prefill(target, {"s": prompt + [900, 901, 902, 903]})
+    assert truncate(target, "s", n) == n
+    assert truncate(target, "s", n) == n  # truncating to the current length is a no-op
+    logits = verify(target, [("s", n, [77, 78])])["s"]
+    torch.testing.assert_close(logits, reference_logits(smollm2, prompt + [77, 78])[n:], atol=ATOL, rtol=0)
+
+
+def test_release_returns_every_block(target: Service, prompts: list[list[int]]) -> None:
+    start = target.info()
+    assert start.free_kv_tokens == start.total_kv_tokens
+    prefill(target, {f"s{i}": p * 3 for i, p in enumerate(prompts)})
+    verify(target, [(f"s{i}", len(p) * 3, list(range(30, 39))) for i, p in enumerate(prompts)])
+    verify(target, [(f"s{i}", len(p) * 3 + 2, [5, 6]) for i, p in enumerate(prompts)])  # rollback 7
+    truncate(target, "s0", 3)
+    assert target.info().free_kv_tokens < start.free_kv_tokens
+    for i in range(len(prompts)):
+        release(target, f"s{i}")
+    end = target.info()
+    assert (end.free_kv_tokens, end.active_slots) == (start.free_kv_tokens, 0)
+    target.engine.cache.blocks.check_invariants()
+
+
+def test_many_slots_at_once(start_target: Callable[..., Service], smollm2: LoadedModel) -> None:
+    """24 slots prefilled in one batch, then decoded (K = 0) in one batch, then all released."""
+    service = start_target(max_slots=24, kv_token_budget=24 * 32)
+    slots = {f"m{i:02d}": [(7 * i + j) % 4000 + 10 for j in range(3 + i % 9)] for i in range(24)}
+    last = prefill(service, slots)
+    assert service.info().active_slots == 24
+    decoded = verify(service, [(s, len(p), [int(last[s].argmax())]) for s, p in slots.items()])
+    for slot in ("m00", "m07", "m23"):  # spot-check against the reference
+        prompt = slots[slot]
+        expected = reference_logits(smollm2, prompt + [int(last[slot].argmax())])[len(prompt) :]
+        torch.testing.assert_close(decoded[slot], expected, atol=ATOL, rtol=0)
+    for slot in slots:
+        release(service, slot)
+    info = service.info()
+    assert (info.free_kv_tokens, info.active_slots) == (info.total_kv_tokens, 0)
+
+
+def test_health_check_answers_while_prefill_runs_on_the_worker(target: Service, prompts: list[list[int]]) -> None:
+    """While the model worker is busy inside Prefill, the event loop still serves health checks."""
+    engine = target.engine
+    started, finish = threading.Event(), threading.Event()
+    real_prefill = engine.prefill
+
+    def slow_prefill(items):  # type: ignore[no-untyped-def]
+        started.set()
+        finish.wait(timeout=30)
+        return real_prefill(items)
+
+    engine.prefill = slow_prefill  # type: ignore[method-assign]
+    request = target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(slot_id="long", prompt_tokens=prompts[2])])
+    pending = target.stub.Prefill.future(request)
+    try:
+        assert started.wait(timeout=30), "Prefill never reached the worker"
+        for service in ("", SERVICE_NAME):
+            reply = target.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert not pending.done()
+    finally:
+        finish.set()
+    assert pending.result().results[0].cached_len == len(prompts[2])
+
+
+# -- error statuses -------------------------------------------------------------------------
+
+
+def test_unknown_slot_is_not_found(target: Service) -> None:
+    calls = [
+        (target.stub.Verify, target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(slot_id="nope", tokens=[1])])),
+        (target.stub.Truncate, common_pb2.TruncateRequest(slot_id="nope", new_len=0)),
+        (target.stub.Release, common_pb2.ReleaseRequest(slot_id="nope")),
+    ]
+    for call, request in calls:
+        error = rpc_error(call, request)
+        assert error.code() == grpc.StatusCode.NOT_FOUND
+        assert "nope" in error.details()
+
+
+def test_existing_slot_on_prefill_is_already_exists_and_the_batch_changes_nothing(
+    target: Service, smollm2: LoadedModel, prompts: list[list[int]]
+) -> None:
+    prefill(target, {"a": prompts[0]})
+    before = target.info()
+    request = target_pb2.PrefillRequest(
+        items=[
+            target_pb2.PrefillItem(slot_id="fresh", prompt_tokens=prompts[1]),
+            target_pb2.PrefillItem(slot_id="a", prompt_tokens=prompts[2]),
+        ]
+    )
+    error = rpc_error(target.stub.Prefill, request)
+    assert error.code() == grpc.StatusCode.ALREADY_EXISTS and "'a'" in error.details()
+    after = target.info()
+    assert (after.free_kv_tokens, after.active_slots) == (before.free_kv_tokens, before.active_slots)
+    assert rpc_error(target.stub.Release, common_pb2.ReleaseRequest(slot_id="fresh")).code() == grpc.StatusCode.NOT_FOUND
+    n = len(prompts[0])
+    logits = verify(target, [("a", n, [5])])["a"]  # "a" still holds its prompt
+    torch.testing.assert_close(logits, reference_logits(smollm2, prompts[0] + [5])[n:], atol=ATOL, rtol=0)
+
+
+def test_kv_pool_full_is_resource_exhausted_and_frees_nothing_of_others(
+    start_target: Callable[..., Service], smollm2: LoadedModel
+) -> None:
+    service = start_target(kv_token_budget=64)  # 4 blocks of 16
+    a, b = list(range(1000, 1030)), list(range(2000, 2030))  # 30 tokens = 2 blocks each
+    prefill(service, {"a": a})
+    # Prefill: 2 blocks free, the batch needs 3.
+    request = target_pb2.PrefillRequest(
+        items=[target_pb2.PrefillItem(slot_id="x", prompt_tokens=b[:10]), target_pb2.PrefillItem(slot_id="y", prompt_tokens=b)]
+    )
+    error = rpc_error(service.stub.Prefill, request)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    info = service.info()
+    assert (info.free_kv_tokens, info.active_slots) == (32, 1)
+    prefill(service, {"b": b})  # the pool is now full
+    # Verify: a needs a third block, none is free.
+    error = rpc_error(
+        service.stub.Verify,
+        target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(slot_id="a", valid_len=30, tokens=[1, 2, 3])]),
+    )
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert service.info().free_kv_tokens == 0
+    # Neither slot lost anything: both still score their next token correctly.
+    logits = verify(service, [("a", 30, [7]), ("b", 30, [8])])
+    torch.testing.assert_close(logits["a"], reference_logits(smollm2, a + [7])[30:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits["b"], reference_logits(smollm2, b + [8])[30:], atol=ATOL, rtol=0)
+
+
+def test_slot_table_full_is_resource_exhausted(start_target: Callable[..., Service]) -> None:
+    service = start_target(max_slots=2)
+    prefill(service, {"a": [1, 2]})
+    request = target_pb2.PrefillRequest(
+        items=[target_pb2.PrefillItem(slot_id=s, prompt_tokens=[3, 4]) for s in ("b", "c")]
+    )
+    error = rpc_error(service.stub.Prefill, request)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "slots" in error.details()
+    assert service.info().active_slots == 1
+
+
+def test_invalid_arguments_name_the_field(start_target: Callable[..., Service]) -> None:
+    service = start_target(max_seq_len=40, max_spec_tokens=4)
+    prefill(service, {"a": list(range(10, 30))})  # 20 cached tokens
+    vocab = service.info().vocab_size
+
+    def prefill_request(*items: tuple[str, list[int]]) -> target_pb2.PrefillRequest:
+        return target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(slot_id=s, prompt_tokens=p) for s, p in items])
+
+    def verify_request(valid_len: int, tokens: list[int]) -> target_pb2.VerifyRequest:
+        return target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(slot_id="a", valid_len=valid_len, tokens=tokens)])
+
+    cases = [
+        (service.stub.Prefill, target_pb2.PrefillRequest(), "items"),
+        (service.stub.Prefill, prefill_request(("new", [])), "prompt_tokens"),
+        (service.stub.Prefill, prefill_request(("new", [1, vocab])), "prompt_tokens"),
+        (service.stub.Prefill, prefill_request(("new", [1, -1])), "prompt_tokens"),
+        (service.stub.Prefill, prefill_request(("", [1])), "slot_id"),
+        (service.stub.Prefill, prefill_request(("dup", [1]), ("dup", [2])), "slot_id"),
+        (service.stub.Prefill, prefill_request(("new", list(range(41)))), ("prompt_tokens", "max_seq_len")),
+        (service.stub.Verify, target_pb2.VerifyRequest(), "items"),
+        (service.stub.Verify, verify_request(21, [1]), "valid_len"),
+        (service.stub.Verify, verify_request(20, []), "tokens"),
+        (service.stub.Verify, verify_request(20, [1, 2, 3, 4, 5, 6]), "max_spec_tokens"),  # K = 5 > 4
+        (service.stub.Verify, verify_request(20, [1, vocab + 5]), "tokens"),
+        (service.stub.Verify, verify_request(20, [-3]), "tokens"),
+        (service.stub.Truncate, common_pb2.TruncateRequest(slot_id="a", new_len=21), "new_len"),
+        (service.stub.Truncate, common_pb2.TruncateRequest(slot_id="a", new_len=-1), "new_len"),
+    ]
+    for call, request, fields in cases:
+        error = rpc_error(call, request)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (request, error.details())
+        for field in (fields,) if isinstance(fields, str) else fields:
+            assert field in error.details(), (field, error.details())
+    # Verify past max_seq_len: 36 cached + 5 new = 41 > 40 (K = 4 is allowed).
+    prefill(service, {"long": list(range(36))})
+    error = rpc_error(service.stub.Verify, target_pb2.VerifyRequest(
+        items=[target_pb2.VerifyItem(slot_id="long", valid_len=36, tokens=[1, 2, 3, 4, 5])]
+    ))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tokens" in error.details() and "max_seq_len" in error.details()
+    # None of the failures touched "a": it still holds its 20 tokens.
+    assert truncate(service, "a", 20) == 20
+    assert service.info().active_slots == 2
+
+
+def test_failed_verify_batch_changes_no_slot(target: Service, smollm2: LoadedModel, prompts: list[list[int]]) -> None:
+    """Validation runs before any rollback: a bad item fails the batch and the good slot keeps its tokens."""
+    prompt = prompts[0]
+    n = len(prompt)
+    prefill(target, {"good": prompt})
+    verify(target, [("good", n, [40, 41, 42])])  # cached n + 3
+    free_before = target.info().free_kv_tokens
+    error = rpc_error(target.stub.Verify, target_pb2.VerifyRequest(items=[
+        target_pb2.VerifyItem(slot_id="good", valid_len=n, tokens=[1]),  # would roll back 3 tokens
+        target_pb2.VerifyItem(slot_id="missing", valid_len=0, tokens=[1]),
+    ]))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert target.info().free_kv_tokens == free_before
+    logits = verify(target, [("good", n + 3, [43])])["good"]  # the 3 tokens are still cached
+    expected = reference_logits(smollm2, prompt + [40, 41, 42, 43])[n + 3 :]
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+def test_a_bug_is_internal_and_the_server_keeps_serving(target: Service, caplog: pytest.LogCaptureFixture) -> None:
+    def broken(slot_id: str, new_len: int) -> int:
+        raise RuntimeError("secret detail")
+
+    target.engine.truncate = broken  # type: ignore[method-assign]
+    error = rpc_error(target.stub.Truncate, common_pb2.TruncateRequest(slot_id="a", new_len=0))
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert "secret" not in error.details()  # the traceback goes to the log, not the client
+    assert any("secret detail" in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
+    assert target.info().active_slots == 0
