@@ -66,15 +66,22 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return common_pb2.ReleaseResponse()
 
 
+def build_engine(config: DraftConfig) -> DraftEngine:
+    runtime = build_runtime(
+        config.model, dtype=config.dtype, device=config.device,
+        quantization=config.quantization, num_layers=config.num_layers,
+    )
+    return DraftEngine(runtime, config)
+
+
 async def create_server(config: DraftConfig, engine: DraftEngine | None = None) -> RunningServer:
     """Load the model (unless an engine is given) and start serving; returns the bound server."""
-    if engine is None:
-        runtime = build_runtime(
-            config.model, dtype=config.dtype, device=config.device,
-            quantization=config.quantization, num_layers=config.num_layers,
-        )
-        engine = DraftEngine(runtime, config)
+    # All torch work of the service happens on this one thread, model loading included: a
+    # second thread running OpenMP kernels (e.g. the main thread that loaded the model)
+    # keeps its own thread team and roughly halves small-kernel speed on a 2-core machine.
     worker = ModelWorker("draft-model")
+    if engine is None:
+        engine = await worker.run(build_engine, config)
     servicer = DraftServicer(engine, worker)
     return await start_server(
         lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server),

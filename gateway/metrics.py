@@ -66,6 +66,13 @@ class GatewayMetrics:
         for position in range(num_accepted):
             self.num_accepted_per_pos.labels(position=str(position)).inc()
 
+    def record_phases(self, propose_s: float | None, verify_s: float) -> None:
+        """Phase times of one round; `propose_s` is None when no request speculated."""
+        self.rpc_latency.labels(method="Verify").observe(verify_s)
+        if propose_s is not None:
+            self.rpc_latency.labels(method="Propose").observe(propose_s)
+        self.draft_overhead.set(propose_s / verify_s if propose_s is not None and verify_s > 0 else 0.0)
+
     def serve(self, port: int, host: str) -> int:
         """Start the /metrics HTTP endpoint; returns the bound port."""
         self._http, _ = start_http_server(port, addr=host, registry=self.registry)

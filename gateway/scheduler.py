@@ -21,9 +21,9 @@ import grpc
 from gateway.metrics import GatewayMetrics
 from gateway.model_clients import DraftClient, TargetClient
 from gateway.sequence import FinishReason, Sequence
-from gateway.speculative_step import run_round
+from gateway.speculative_step import first_tokens, run_round
 from specdec.errors import CapacityExhaustedError, InvalidArgumentError
-from specdec.sampling.transforms import logits_to_probs, sample
+from specdec.serving.worker import ModelWorker
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,9 @@ class Scheduler:
         self._reservation: dict[str, dict[str, int]] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        #: Sampling and acceptance are tensor work: off the event loop, on one thread (see
+        #: `specdec.serving.worker`), which also keeps one OpenMP thread team per process.
+        self.sampler = ModelWorker("gateway-sampler")
 
     # -- public ------------------------------------------------------------------------
 
@@ -83,6 +86,7 @@ class Scheduler:
             seq.error_status = grpc.StatusCode.UNAVAILABLE
             seq.finish(FinishReason.ERROR, "gateway shutting down")
         await asyncio.gather(*(self._release(seq) for seq in self.running), return_exceptions=True)
+        await asyncio.to_thread(self.sampler.shutdown)
 
     def submit(self, seq: Sequence) -> None:
         """Queue a request (validated by the caller). RESOURCE_EXHAUSTED when the queue is full."""
@@ -119,18 +123,17 @@ class Scheduler:
     async def _round(self) -> None:
         batch = list(self.running)
         try:
-            started = time.perf_counter()
-            outcome = await run_round(self.target, self.draft, batch, self.max_seq_len)
-            self.metrics.rpc_latency.labels(method="Round").observe(time.perf_counter() - started)
+            report = await run_round(self.target, self.draft, batch, self.max_seq_len, self.sampler)
         except Exception as error:  # noqa: BLE001 - a failed round fails its requests, not the gateway
             await self._fail(batch, error)
             return
-        ks = [k for k, _ in outcome.values() if k > 0]
-        self.metrics.current_k.set(sum(ks) / len(ks) if ks else 0)
+        speculating = [k for k in report.ks.values() if k > 0]
+        self.metrics.record_phases(report.propose_s if speculating else None, report.verify_s)
+        self.metrics.current_k.set(sum(speculating) / len(speculating) if speculating else 0)
         for seq in batch:
-            k, result = outcome[seq.slot_id]
-            seq.counts.record(k, result.num_accepted[0])
-            self.metrics.record_round(k, result.num_accepted[0])
+            k, accepted = report.ks[seq.slot_id], report.num_accepted[seq.slot_id]
+            seq.counts.record(k, accepted)
+            self.metrics.record_round(k, accepted)
         for seq in batch:
             if seq.done:
                 await self._retire(seq, seq.finish_reason)  # type: ignore[arg-type]
@@ -158,13 +161,12 @@ class Scheduler:
                 self._unreserve(seq)
             await self._fail(admitted, error, release=False)
             return
+        firsts = await self.sampler.run(first_tokens, admitted, logits)
         for seq in admitted:
             self.running.append(seq)
             self.metrics.prompt_tokens.inc(len(seq.prompt))
             seq.target_valid = len(seq.prompt)
-            probs = logits_to_probs(logits[seq.slot_id][None], [seq.sampling], [seq.prompt])  # [1, vocab]
-            first = int(probs.argmax()) if seq.sampling.is_greedy else int(sample(probs, [seq.generator])[0])
-            seq.emit([first], self.max_seq_len)
+            seq.emit([firsts[seq.slot_id]], self.max_seq_len)
             if seq.done:
                 await self._retire(seq, seq.finish_reason)  # type: ignore[arg-type]
         self.metrics.active_requests.set(len(self.running))

@@ -9,12 +9,21 @@ caches on the next round.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 
 from gateway.model_clients import DraftClient, DraftProposal, DraftRequest, TargetClient
 from gateway.sequence import Sequence
 from specdec.sampling.rejection_sampler import RejectionResult, greedy_accept, rejection_sample
-from specdec.sampling.transforms import chunk_apply_repetition_penalty, chunk_logits_to_probs
+from specdec.sampling.transforms import (
+    chunk_apply_repetition_penalty,
+    chunk_logits_to_probs,
+    logits_to_probs,
+    sample,
+)
+from specdec.serving.worker import ModelWorker
 
 
 def plan_k(seq: Sequence, max_seq_len: int) -> int:
@@ -88,18 +97,51 @@ def advance(seq: Sequence, k: int, num_accepted: int) -> None:
         seq.has_draft_slot = True
 
 
+def accept_all(
+    seqs: list[Sequence], logits: dict[str, torch.Tensor], proposals: dict[str, DraftProposal]
+) -> dict[str, RejectionResult]:
+    """`accept` for every sequence: pure tensor work, run on the gateway's sampler thread."""
+    return {s.slot_id: accept(s, logits[s.slot_id], proposals.get(s.slot_id)) for s in seqs}
+
+
+def first_tokens(seqs: list[Sequence], logits: dict[str, torch.Tensor]) -> dict[str, int]:
+    """The first completion token of each newly prefilled sequence, from its last-prompt logits."""
+    out = {}
+    for seq in seqs:
+        probs = logits_to_probs(logits[seq.slot_id][None], [seq.sampling], [seq.prompt])  # [1, vocab]
+        out[seq.slot_id] = int(probs.argmax()) if seq.sampling.is_greedy else int(sample(probs, [seq.generator])[0])
+    return out
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What one round did, for statistics: K and accepted count per slot, and phase times."""
+
+    ks: dict[str, int]
+    num_accepted: dict[str, int]
+    propose_s: float
+    verify_s: float
+
+
 async def run_round(
-    target: TargetClient, draft: DraftClient | None, seqs: list[Sequence], max_seq_len: int
-) -> dict[str, tuple[int, RejectionResult]]:
-    """Propose, verify and accept for every sequence; returns slot -> (K, result)."""
+    target: TargetClient, draft: DraftClient | None, seqs: list[Sequence], max_seq_len: int, sampler: ModelWorker
+) -> RoundReport:
+    """Propose, verify, accept and advance every sequence by one round."""
     ks = {s.slot_id: plan_k(s, max_seq_len) if draft is not None else 0 for s in seqs}
+    started = time.perf_counter()
     proposals = await propose(draft, seqs, ks)
+    proposed = time.perf_counter()
     logits = await verify(target, seqs, proposals)
-    outcome = {}
+    verified = time.perf_counter()
+    results = await sampler.run(accept_all, seqs, logits, proposals)
     for seq in seqs:
         k = len(proposals[seq.slot_id].tokens) if seq.slot_id in proposals else 0
-        result = accept(seq, logits[seq.slot_id], proposals.get(seq.slot_id))
-        advance(seq, k, result.num_accepted[0])
-        seq.emit(result.output_tokens[0], max_seq_len)
-        outcome[seq.slot_id] = (k, result)
-    return outcome
+        ks[seq.slot_id] = k
+        advance(seq, k, results[seq.slot_id].num_accepted[0])
+        seq.emit(results[seq.slot_id].output_tokens[0], max_seq_len)
+    return RoundReport(
+        ks=ks,
+        num_accepted={slot: r.num_accepted[0] for slot, r in results.items()},
+        propose_s=proposed - started,
+        verify_s=verified - proposed,
+    )

@@ -69,15 +69,22 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return common_pb2.ReleaseResponse()
 
 
+def build_engine(config: TargetConfig) -> TargetEngine:
+    runtime = build_runtime(
+        config.model, dtype=config.dtype, device=config.device,
+        quantization=config.quantization, num_layers=config.num_layers,
+    )
+    return TargetEngine(runtime, config)
+
+
 async def create_server(config: TargetConfig, engine: TargetEngine | None = None) -> RunningServer:
     """Load the model (unless an engine is given) and start serving; returns the bound server."""
-    if engine is None:
-        runtime = build_runtime(
-            config.model, dtype=config.dtype, device=config.device,
-            quantization=config.quantization, num_layers=config.num_layers,
-        )
-        engine = TargetEngine(runtime, config)
+    # All torch work of the service happens on this one thread, model loading included: a
+    # second thread running OpenMP kernels (e.g. the main thread that loaded the model)
+    # keeps its own thread team and roughly halves small-kernel speed on a 2-core machine.
     worker = ModelWorker("target-model")
+    if engine is None:
+        engine = await worker.run(build_engine, config)
     servicer = TargetServicer(engine, worker)
     return await start_server(
         lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
