@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-done
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(PROTOS:protos/%.proto=%_pb2.py)
 
-.PHONY: setup protos test demo bench clean
+.PHONY: setup protos test lint demo bench clean
 
 setup: $(STAMP) protos
 
@@ -29,11 +29,17 @@ specdec/v1/%_pb2.py: protos/specdec/v1/%.proto $(STAMP)
 test: setup
 	$(PY) -m pytest -q
 
+lint: setup
+	$(PY) -m ruff check .
+
 demo: setup
 	$(PY) -m specdec.demo
 
+# Speed figures, printed side by side in one run each (not part of the tests).
 bench: setup
 	$(PY) benchmarks/quantized_draft.py
+	$(PY) benchmarks/service_latency.py
+	$(PY) benchmarks/speculative_speedup.py
 
 clean:
 	rm -rf $(VENV) specdec/v1/*_pb2*.py specdec/v1/*_pb2.pyi

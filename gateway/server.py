@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from transformers import PreTrainedTokenizerBase
 
 from gateway.config import GatewayConfig
 from gateway.detokenizer import StopStringDetokenizer
@@ -24,12 +25,11 @@ from specdec.errors import InvalidArgumentError, SpecdecError
 from specdec.model.chat import encode_chat
 from specdec.model.loader import load_tokenizer
 from specdec.model.tokenizer_info import TokenizerInfo, check_compatible, tokenizer_fingerprint
+from specdec.sampling.transforms import make_generator
 from specdec.serving.convert import sampling_from_pb
 from specdec.serving.errors import grpc_errors, grpc_stream_errors
 from specdec.serving.grpc_server import RunningServer, start_server
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from specdec.sampling.transforms import make_generator
-from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name

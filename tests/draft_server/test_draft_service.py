@@ -14,9 +14,9 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
+from service_fixtures import Service, greedy_continuation, rpc_error
 
 from draft_server.server import SERVICE_NAME
-from service_fixtures import Service, greedy_continuation, rpc_error
 from specdec.model.loader import LoadedModel
 from specdec.v1 import common_pb2, draft_pb2
 from specdec.wire.tensor_codec import decode_tensor

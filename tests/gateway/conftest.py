@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 import torch
+from service_fixtures import LoopThread, fp32_runtime, service_loop  # noqa: F401 - fixtures by name
 
 from draft_server.config import DraftConfig
 from draft_server.engine import DraftEngine
 from draft_server.server import create_server as create_draft_server
 from gateway.config import GatewayConfig
 from gateway.server import create_gateway
-from service_fixtures import LoopThread, fp32_runtime, service_loop  # noqa: F401 - fixtures by name
 from specdec.client import SpecdecClient
 from specdec.model.loader import LoadedModel
 from specdec.model.runtime import ModelRuntime, build_runtime

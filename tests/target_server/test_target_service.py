@@ -13,8 +13,8 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
-
 from service_fixtures import Service, reference_logits, rpc_error
+
 from specdec.model.loader import LoadedModel
 from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.v1 import common_pb2, target_pb2

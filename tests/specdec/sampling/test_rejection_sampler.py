@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import scipy.stats
@@ -187,7 +187,7 @@ def exact_first_tokens(
     sampler's own `acceptance_probs` and `recovery_probs`."""
     vocab = p_chain.shape[0]
 
-    @lru_cache(maxsize=None)
+    @cache
     def round_outcomes(state: int) -> list[tuple[float, tuple[int, ...]]]:
         drafts = list(itertools.product(range(vocab), repeat=k))  # every possible t_1..t_k
         tokens = torch.tensor(drafts, dtype=torch.long).view(len(drafts), k)  # [D, k]
@@ -207,7 +207,7 @@ def exact_first_tokens(
             outcomes += [(reach * target[d, k, x].item(), (*draft, x)) for x in range(vocab)]  # bonus
         return outcomes
 
-    @lru_cache(maxsize=None)
+    @cache
     def first(state: int, n: int) -> dict[tuple[int, ...], float]:
         dist: dict[tuple[int, ...], float] = defaultdict(float)
         for prob, seq in round_outcomes(state):
@@ -248,7 +248,6 @@ def simulate(
 ) -> torch.Tensor:
     """First n tokens [rows, n] of repeated speculative rounds, every row with a random k
     per round, all rows drawing from ONE shared generator (fast, deterministic)."""
-    vocab = p_chain.shape[0]
     p32, q32 = p_chain.float(), q_chain.float()
     gen = torch.Generator().manual_seed(seed)
     emitted: list[list[int]] = [[] for _ in range(rows)]
