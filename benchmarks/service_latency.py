@@ -15,7 +15,7 @@ import time
 
 import grpc
 
-from gateway.launcher import spawn_service
+from gateway.launcher import start_service
 from specdec.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -42,7 +42,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=20)
     args = parser.parse_args()
-    target_proc, draft_proc = spawn_service("target_server"), spawn_service("draft_server")
+    target_proc, draft_proc = start_service("target_server"), start_service("draft_server")
+    target_proc.wait_ready(), draft_proc.wait_ready()
     try:
         target = target_pb2_grpc.TargetServiceStub(_channel(target_proc.address))
         draft = draft_pb2_grpc.DraftServiceStub(_channel(draft_proc.address))

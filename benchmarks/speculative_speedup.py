@@ -15,7 +15,7 @@ import statistics
 import threading
 
 from gateway.config import GatewayConfig
-from gateway.launcher import spawn_service
+from gateway.launcher import start_service
 from gateway.server import create_gateway
 from specdec.client import SpecdecClient
 
@@ -34,8 +34,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--draft-args", default="", help="extra flags for the draft service")
     args = parser.parse_args()
-    target = spawn_service("target_server", ["--dtype", "float32"])
-    draft = spawn_service("draft_server", args.draft_args.split())
+    target = start_service("target_server", ["--dtype", "float32"])
+    draft = start_service("draft_server", args.draft_args.split())
+    target.wait_ready(), draft.wait_ready()
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     try:

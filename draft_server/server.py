@@ -2,31 +2,24 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 
 from draft_server.config import DraftConfig
 from draft_server.engine import DraftEngine, ProposeItem
-from specdec.model.runtime import build_runtime
-from specdec.serving.convert import engine_info_to_pb, sampling_from_pb
+from specdec.serving.convert import sampling_from_pb
 from specdec.serving.errors import grpc_errors
-from specdec.serving.grpc_server import RunningServer, start_server
-from specdec.serving.worker import ModelWorker
+from specdec.serving.grpc_server import RunningServer
+from specdec.serving.model_service import SlotServicer, start_model_service
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.wire.tensor_codec import encode_tensor, torch_dtype
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
-class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, engine: DraftEngine, worker: ModelWorker) -> None:
-        self.engine = engine
-        self.worker = worker
+class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
+    """Propose; Info, Truncate and Release come from `SlotServicer`."""
 
-    @grpc_errors
-    async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
-        return engine_info_to_pb(await self.worker.run(self.engine.info))
+    engine: DraftEngine
 
     @grpc_errors
     async def Propose(
@@ -51,43 +44,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             ]
         )
 
-    @grpc_errors
-    async def Truncate(
-        self, request: common_pb2.TruncateRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.TruncateResponse:
-        length = await self.worker.run(self.engine.truncate, request.slot_id, request.new_len)
-        return common_pb2.TruncateResponse(cached_len=length)
-
-    @grpc_errors
-    async def Release(
-        self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.ReleaseResponse:
-        await self.worker.run(self.engine.release, request.slot_id)
-        return common_pb2.ReleaseResponse()
-
-
-def build_engine(config: DraftConfig) -> DraftEngine:
-    runtime = build_runtime(
-        config.model, dtype=config.dtype, device=config.device,
-        quantization=config.quantization, num_layers=config.num_layers,
-    )
-    return DraftEngine(runtime, config)
-
 
 async def create_server(config: DraftConfig, engine: DraftEngine | None = None) -> RunningServer:
     """Load the model (unless an engine is given) and start serving; returns the bound server."""
-    # All torch work of the service happens on this one thread, model loading included: a
-    # second thread running OpenMP kernels (e.g. the main thread that loaded the model)
-    # keeps its own thread team and roughly halves small-kernel speed on a 2-core machine.
-    worker = ModelWorker("draft-model")
-    if engine is None:
-        engine = await worker.run(build_engine, config)
-    servicer = DraftServicer(engine, worker)
-    return await start_server(
-        lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server),
-        [SERVICE_NAME],
-        host=config.host,
-        port=config.port,
-        max_message_bytes=config.max_message_bytes,
-        on_stop=lambda: asyncio.to_thread(worker.shutdown),  # waits for the running batch off the loop
+    return await start_model_service(
+        config, engine, DraftEngine, DraftServicer,
+        draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME,  # type: ignore[arg-type]
     )

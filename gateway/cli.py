@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import grpc
 
 from gateway.config import GatewayConfig
-from gateway.launcher import ServiceProcess, spawn_service
+from gateway.launcher import ServiceProcess, start_service
 from gateway.server import create_gateway
 from specdec.client import GenerationResult, SpecdecClient, apply_completion
 from specdec.model.loader import DEFAULT_MODEL
@@ -65,30 +65,29 @@ def serve(args: argparse.Namespace) -> int:
     common = ["--host", args.host, "--device", args.device, "--kv-token-budget", str(args.kv_token_budget)]
     children: list[ServiceProcess] = []
     try:
-        target = spawn_service("target_server", [*common, "--model", args.target_model, "--dtype", args.target_dtype])
-        children.append(target)
-        draft_address = ""
+        # Both models load at the same time; the gateway starts once both listen.
+        children.append(start_service("target_server", [*common, "--model", args.target_model, "--dtype", args.target_dtype]))
         if not args.no_speculative:
-            draft = spawn_service("draft_server", [
+            children.append(start_service("draft_server", [
                 *common, "--model", args.draft_model or args.target_model,
                 "--dtype", args.draft_dtype, "--quantization", args.draft_quantization,
-            ])
-            children.append(draft)
-            draft_address = draft.address
+            ]))
+        target, *drafts = [child.wait_ready() for child in children]
+        draft_address = drafts[0].address if drafts else ""
         config = GatewayConfig(
             target_address=target.address, draft_address=draft_address, host=args.host, port=args.port,
             speculative=not args.no_speculative, spec_length=args.spec_length,
             max_new_tokens_default=args.max_new_tokens, max_batch_size=args.max_batch_size,
             metrics_port=args.metrics_port,
         )
-        asyncio.run(_run_gateway(config))
+        asyncio.run(run_gateway(config))
         return 0
     finally:
         for child in reversed(children):
             child.stop()
 
 
-async def _run_gateway(config: GatewayConfig) -> None:
+async def run_gateway(config: GatewayConfig) -> None:
     running = await create_gateway(config)
     extra = f", metrics on :{running.metrics_port}" if running.metrics_port is not None else ""
     print(f"specdec gateway listening on {config.host}:{running.port}{extra}", flush=True)

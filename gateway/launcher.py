@@ -1,8 +1,9 @@
 """Start the model services as child processes and wait until they listen.
 
-`specdec serve` and the end-to-end tests use this: each service runs as
+`specdec serve`, the benchmarks and the end-to-end tests use this: each service runs as
 `python -m <module> --port 0 ...`, prints one ready line with its bound address on
 stdout, and is stopped with SIGTERM (graceful) then SIGKILL after a grace period.
+Start several with `start_service` first and `wait_ready` after, so they load in parallel.
 """
 
 from __future__ import annotations
@@ -13,16 +14,44 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 _READY = re.compile(r"listening on (\S+:\d+)")
 
 
-@dataclass
 class ServiceProcess:
-    name: str
-    process: subprocess.Popen[str]
-    address: str
+    """A model service child process and, once ready, the address it listens on."""
+
+    def __init__(self, module: str, args: Sequence[str]) -> None:
+        self.name = module
+        self.address = ""
+        self._ready = threading.Event()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", module, "--port", "0", *args],
+            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, bufsize=1,
+        )
+        threading.Thread(target=self._read_stdout, name=f"{module}-stdout", daemon=True).start()
+
+    def _read_stdout(self) -> None:
+        """Find the ready line, then keep draining so the child never blocks on a full pipe."""
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if not self.address and (match := _READY.search(line)):
+                self.address = match.group(1)
+                self._ready.set()
+            elif self.address:
+                sys.stdout.write(line)
+        self._ready.set()  # EOF: the child exited
+
+    def wait_ready(self, timeout: float = 300.0) -> ServiceProcess:
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.1):
+            if time.monotonic() > deadline:
+                self.stop(grace=1.0)
+                raise TimeoutError(f"{self.name} did not start within {timeout:.0f} s")
+        if not self.address:
+            code = self.process.wait()
+            raise RuntimeError(f"{self.name} exited with code {code} before listening (see its log above)")
+        return self
 
     def stop(self, grace: float = 10.0) -> int:
         """SIGTERM, wait up to `grace` seconds, then SIGKILL. Returns the exit code."""
@@ -36,32 +65,11 @@ class ServiceProcess:
         return int(self.process.returncode)
 
 
+def start_service(module: str, args: Sequence[str] = ()) -> ServiceProcess:
+    """Launch `python -m module --port 0 *args` without waiting for it."""
+    return ServiceProcess(module, args)
+
+
 def spawn_service(module: str, args: Sequence[str] = (), *, timeout: float = 300.0) -> ServiceProcess:
-    """Run `python -m module --port 0 *args` and return once it prints its ready line."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", module, "--port", "0", *args],
-        stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, bufsize=1,
-    )
-    found: list[str] = []
-    ready = threading.Event()
-
-    def read_stdout() -> None:  # keeps draining so the child never blocks on a full pipe
-        assert process.stdout is not None
-        for line in process.stdout:
-            if not found and (match := _READY.search(line)):
-                found.append(match.group(1))
-                ready.set()
-            elif found:
-                sys.stdout.write(line)
-        ready.set()
-
-    threading.Thread(target=read_stdout, name=f"{module}-stdout", daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while not ready.wait(0.1):
-        if time.monotonic() > deadline:
-            process.kill()
-            raise TimeoutError(f"{module} did not start within {timeout:.0f} s")
-    if not found:
-        code = process.wait()
-        raise RuntimeError(f"{module} exited with code {code} before listening (see its log above)")
-    return ServiceProcess(module, process, found[0])
+    """Launch a service and return once it prints its ready line."""
+    return start_service(module, args).wait_ready(timeout)

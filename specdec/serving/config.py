@@ -69,6 +69,7 @@ _HELP = {
     "max_message_bytes": "largest gRPC message sent or received",
 }
 _CHOICES: dict[str, Any] = {"dtype": sorted(DTYPES), "quantization": list(QUANTIZATIONS)}
+_ALIASES: dict[str, list[str]] = {"quantization": ["--quantize"]}
 
 
 def add_config_flags(parser: argparse.ArgumentParser, defaults: ModelServiceConfig) -> None:
@@ -76,7 +77,7 @@ def add_config_flags(parser: argparse.ArgumentParser, defaults: ModelServiceConf
     for field in fields(defaults):
         default = getattr(defaults, field.name)
         parser.add_argument(
-            f"--{field.name.replace('_', '-')}", dest=field.name, type=type(default), default=default,
+            f"--{field.name.replace('_', '-')}", *_ALIASES.get(field.name, []), dest=field.name, type=type(default), default=default,
             choices=_CHOICES.get(field.name), help=f"{_HELP[field.name]} (default: {default})",
         )
 

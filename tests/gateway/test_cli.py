@@ -45,6 +45,28 @@ def test_generate_error_exits_non_zero_with_status(int8_stack) -> None:  # type:
     assert done.stdout == ""
 
 
+def test_gateway_runs_alone_against_running_services(int8_stack) -> None:  # type: ignore[no-untyped-def]
+    target, draft = (f"127.0.0.1:{s.port}" for s in int8_stack.servers)
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "--target", target, "--draft", draft, "--port", "0", "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert gateway.stdout is not None
+        line = gateway.stdout.readline()
+        match = re.search(r"gateway listening on (\S+:\d+)", line)
+        assert match, line
+        done = _generate(match.group(1), "Name three fruits.", "--max-new-tokens", "6", "--json")
+        assert done.returncode == 0, done.stderr
+        assert len(json.loads(done.stdout)["token_ids"]) == 6
+        gateway.send_signal(signal.SIGTERM)
+        assert gateway.wait(30) == 0
+    finally:
+        if gateway.poll() is None:
+            gateway.kill()
+    int8_stack.wait_until_idle()
+
+
 @pytest.mark.slow
 def test_serve_runs_the_trio_and_stops_it_on_sigterm() -> None:
     serve = subprocess.Popen(

@@ -34,12 +34,17 @@ def test_every_flag_reaches_the_config() -> None:
     config = parse(
         TargetConfig, "--model", "m.gguf", "--dtype", "bfloat16", "--device", "cpu", "--quantization", "int8",
         "--host", "0.0.0.0", "--port", "0", "--max-slots", "3", "--kv-token-budget", "100", "--block-size", "8",
-        "--max-spec-tokens", "5", "--max-seq-len", "64", "--max-message-bytes", "1000",
+        "--max-spec-tokens", "5", "--max-seq-len", "64", "--max-message-bytes", "1000", "--num-layers", "2",
     )
     assert config == TargetConfig(
         model="m.gguf", dtype="bfloat16", device="cpu", quantization="int8", host="0.0.0.0", port=0, max_slots=3,
-        kv_token_budget=100, block_size=8, max_spec_tokens=5, max_seq_len=64, max_message_bytes=1000,
+        kv_token_budget=100, block_size=8, max_spec_tokens=5, max_seq_len=64, max_message_bytes=1000, num_layers=2,
     )
+
+
+def test_quantize_is_an_alias_of_quantization() -> None:
+    assert parse(DraftConfig, "--quantize", "none").quantization == "none"
+    assert parse(TargetConfig, "--quantize", "int8").quantization == "int8"
 
 
 @pytest.mark.parametrize(

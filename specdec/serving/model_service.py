@@ -1,0 +1,88 @@
+"""What the target and draft servicers share: Info / Truncate / Release, and start-up.
+
+Both services hold slots in a `ModelEngine`, so these rpcs are the same on both; each
+service adds its own work rpcs (Prefill / Verify, or Propose) on top.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+
+from specdec.model.runtime import ModelRuntime, build_runtime
+from specdec.model_engine import ModelEngine
+from specdec.serving.config import ModelServiceConfig
+from specdec.serving.convert import engine_info_to_pb
+from specdec.serving.errors import grpc_errors
+from specdec.serving.grpc_server import RunningServer, start_server
+from specdec.serving.worker import ModelWorker
+from specdec.v1 import common_pb2
+
+E = TypeVar("E", bound=ModelEngine)
+C = TypeVar("C", bound=ModelServiceConfig)
+
+
+class SlotServicer:
+    """Info, Truncate and Release over an engine, run on the service's model worker."""
+
+    def __init__(self, engine: ModelEngine, worker: ModelWorker) -> None:
+        self.engine = engine
+        self.worker = worker
+
+    @grpc_errors
+    async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
+        return engine_info_to_pb(await self.worker.run(self.engine.info))
+
+    @grpc_errors
+    async def Truncate(
+        self, request: common_pb2.TruncateRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.TruncateResponse:
+        length = await self.worker.run(self.engine.truncate, request.slot_id, request.new_len)
+        return common_pb2.TruncateResponse(cached_len=length)
+
+    @grpc_errors
+    async def Release(
+        self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ReleaseResponse:
+        await self.worker.run(self.engine.release, request.slot_id)
+        return common_pb2.ReleaseResponse()
+
+
+def build_engine(engine_cls: Callable[[ModelRuntime, C], E], config: C) -> E:
+    """Load the configured model and wrap an engine of `engine_cls` around it."""
+    runtime = build_runtime(
+        config.model, dtype=config.dtype, device=config.device,
+        quantization=config.quantization, num_layers=config.num_layers,
+    )
+    return engine_cls(runtime, config)
+
+
+async def start_model_service(
+    config: C,
+    engine: E | None,
+    engine_cls: Callable[[ModelRuntime, C], E],
+    make_servicer: Callable[[E, ModelWorker], object],
+    add_servicer: Callable[[object, grpc.aio.Server], None],
+    service_name: str,
+) -> RunningServer:
+    """Build the engine (unless given) on the model worker and start serving.
+
+    All torch work of a service happens on its one worker thread, model loading included:
+    a second thread that has run OpenMP kernels (e.g. the main thread, had it loaded the
+    model) keeps its own thread team, which roughly halves small-kernel speed on 2 cores.
+    """
+    worker = ModelWorker(service_name.rsplit(".", 1)[-1])
+    if engine is None:
+        engine = await worker.run(build_engine, engine_cls, config)
+    servicer = make_servicer(engine, worker)
+    return await start_server(
+        lambda server: add_servicer(servicer, server),
+        [service_name],
+        host=config.host,
+        port=config.port,
+        max_message_bytes=config.max_message_bytes,
+        on_stop=lambda: asyncio.to_thread(worker.shutdown),  # waits for the running batch off the loop
+    )
