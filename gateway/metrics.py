@@ -30,6 +30,9 @@ class GatewayMetrics:
             ["position"], registry=r,
         )
         self.num_emitted_tokens = Counter("specdec_num_emitted_tokens", "Tokens emitted by rounds (accepted + recovered/bonus)", registry=r)
+        self.draft_failures = Counter(
+            "specdec_draft_failures", "Rounds whose Propose failed and that ran without speculation", registry=r
+        )
         self.current_k = Gauge("specdec_spec_length", "Mean K of the last round's speculating requests", registry=r)
         self.draft_overhead = Gauge(
             "specdec_draft_overhead_ratio", "Propose time / Verify time in the last round", registry=r

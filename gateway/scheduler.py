@@ -127,6 +127,8 @@ class Scheduler:
         except Exception as error:  # noqa: BLE001 - a failed round fails its requests, not the gateway
             await self._fail(batch, error)
             return
+        if report.draft_failed:
+            self.metrics.draft_failures.inc()
         speculating = [k for k in report.ks.values() if k > 0]
         self.metrics.record_phases(report.propose_s if speculating else None, report.verify_s)
         self.metrics.current_k.set(sum(speculating) / len(speculating) if speculating else 0)

@@ -77,6 +77,7 @@ class Sequence:
     #: Tokens of `tokens` each service holds as valid KV entries.
     target_valid: int = 0
     draft_valid: int = 0
+    #: A Propose was sent for this request, so the draft may hold a slot to release.
     has_draft_slot: bool = False
     completion_tokens: int = 0
     counts: SpeculationCounts = field(default_factory=SpeculationCounts)

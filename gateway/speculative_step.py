@@ -9,9 +9,11 @@ caches on the next round.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
+import grpc
 import torch
 
 from gateway.model_clients import DraftClient, DraftProposal, DraftRequest, TargetClient
@@ -25,6 +27,8 @@ from specdec.sampling.transforms import (
 )
 from specdec.serving.worker import ModelWorker
 
+log = logging.getLogger(__name__)
+
 
 def plan_k(seq: Sequence, max_seq_len: int) -> int:
     """Draft length for this round: the request's K, shrunk so that the K+1 tokens a round
@@ -35,22 +39,17 @@ def plan_k(seq: Sequence, max_seq_len: int) -> int:
 
 async def propose(draft: DraftClient | None, seqs: list[Sequence], ks: dict[str, int]) -> dict[str, DraftProposal]:
     """One batched Propose for every sequence with K >= 1."""
-    requests = [
-        DraftRequest(
-            slot_id=s.slot_id,
-            valid_len=s.draft_valid if s.has_draft_slot else 0,
-            new_tokens=s.tokens[s.draft_valid if s.has_draft_slot else 0 :],
-            k=ks[s.slot_id],
-            sampling=s.sampling,
-        )
-        for s in seqs
-        if ks[s.slot_id] > 0
-    ]
-    if not requests:
+    speculating = [s for s in seqs if ks[s.slot_id] > 0]
+    if not speculating:
         return {}
     if draft is None:
         raise RuntimeError("K > 0 was planned without a draft service")
-    return await draft.propose(requests)
+    for seq in speculating:
+        seq.has_draft_slot = True  # from now on the draft may hold a slot: release it at the end
+    return await draft.propose([
+        DraftRequest(s.slot_id, s.draft_valid, s.tokens[s.draft_valid :], ks[s.slot_id], s.sampling)
+        for s in speculating
+    ])
 
 
 async def verify(target: TargetClient, seqs: list[Sequence], proposals: dict[str, DraftProposal]) -> dict[str, torch.Tensor]:
@@ -94,7 +93,6 @@ def advance(seq: Sequence, k: int, num_accepted: int) -> None:
     seq.target_valid = length + num_accepted
     if k > 0:
         seq.draft_valid = length + min(num_accepted, k - 1)
-        seq.has_draft_slot = True
 
 
 def accept_all(
@@ -121,6 +119,8 @@ class RoundReport:
     num_accepted: dict[str, int]
     propose_s: float
     verify_s: float
+    #: Propose failed and the round ran as plain decoding.
+    draft_failed: bool = False
 
 
 async def run_round(
@@ -129,7 +129,18 @@ async def run_round(
     """Propose, verify, accept and advance every sequence by one round."""
     ks = {s.slot_id: plan_k(s, max_seq_len) if draft is not None else 0 for s in seqs}
     started = time.perf_counter()
-    proposals = await propose(draft, seqs, ks)
+    draft_error = None
+    try:
+        proposals = await propose(draft, seqs, ks)
+    except grpc.aio.AioRpcError as error:
+        # The draft only ever speeds things up: without it the round is plain decoding
+        # (K = 0), with the very same output. The next Propose resends each whole
+        # sequence (valid_len 0), which rebuilds the draft's cache whatever it kept.
+        log.warning("Propose failed (%s: %s); this round decodes without speculation", error.code().name, error.details())
+        draft_error = error
+        proposals = {}
+        for seq in seqs:
+            seq.draft_valid = 0
     proposed = time.perf_counter()
     logits = await verify(target, seqs, proposals)
     verified = time.perf_counter()
@@ -144,4 +155,5 @@ async def run_round(
         num_accepted={slot: r.num_accepted[0] for slot, r in results.items()},
         propose_s=proposed - started,
         verify_s=verified - proposed,
+        draft_failed=draft_error is not None,
     )
