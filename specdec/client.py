@@ -32,6 +32,10 @@ class GenerationResult:
     completion_tokens: int = 0
     acceptance_rate: float = 0.0
     mean_acceptance_length: float = 0.0
+    #: Speculation rounds (K >= 1), draft tokens proposed and accepted over the request.
+    num_rounds: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     time_to_first_token_s: float = 0.0
     tokens_per_s: float = 0.0
     #: Token ids of each streamed message, to see how many tokens each round delivered.
@@ -133,5 +137,8 @@ def apply_completion(result: GenerationResult, completion: gateway_pb2.Completio
     result.completion_tokens = completion.usage.completion_tokens
     result.acceptance_rate = completion.speculation.acceptance_rate
     result.mean_acceptance_length = completion.speculation.mean_acceptance_length
+    result.num_rounds = completion.speculation.num_rounds
+    result.num_draft_tokens = completion.speculation.num_draft_tokens
+    result.num_accepted_tokens = completion.speculation.num_accepted_tokens
     result.time_to_first_token_s = completion.timings.time_to_first_token_s
     result.tokens_per_s = completion.timings.tokens_per_s
