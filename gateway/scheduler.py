@@ -111,14 +111,22 @@ class Scheduler:
 
     async def _loop(self) -> None:
         while True:
-            await self._retire_cancelled()
-            await self._admit()
-            if not self.running:
-                self._wakeup.clear()
-                if not self.waiting:
-                    await self._wakeup.wait()
-                continue
-            await self._round()
+            try:
+                await self._iteration()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # noqa: BLE001 - a bug fails the requests in flight, never the loop
+                await self._fail(list(self.running), error)
+
+    async def _iteration(self) -> None:
+        await self._retire_cancelled()
+        await self._admit()
+        if not self.running:
+            self._wakeup.clear()
+            if not self.waiting:
+                await self._wakeup.wait()
+            return
+        await self._round()
 
     async def _round(self) -> None:
         batch = list(self.running)
@@ -163,9 +171,9 @@ class Scheduler:
                 self._unreserve(seq)
             await self._fail(admitted, error, release=False)
             return
+        self.running.extend(admitted)  # they hold target slots now: a failure below releases them
         firsts = await self.sampler.run(first_tokens, admitted, logits)
         for seq in admitted:
-            self.running.append(seq)
             self.metrics.prompt_tokens.inc(len(seq.prompt))
             seq.target_valid = len(seq.prompt)
             seq.emit([firsts[seq.slot_id]], self.max_seq_len)
@@ -248,10 +256,13 @@ class Scheduler:
                 seq.finish(FinishReason.ERROR, message)
 
 
-def check_prompt(prompt: list[int], max_seq_len: int) -> None:
+def check_prompt(prompt: list[int], max_seq_len: int, vocab_size: int) -> None:
+    """Reject prompts the services would refuse, before they can fail a whole Prefill batch."""
     if not prompt:
         raise InvalidArgumentError("prompt: the prompt encodes to no tokens")
     if len(prompt) >= max_seq_len:
         raise InvalidArgumentError(
             f"prompt: {len(prompt)} tokens leave no room to generate within max_seq_len {max_seq_len}"
         )
+    if max(prompt) >= vocab_size:
+        raise InvalidArgumentError(f"prompt: token id {max(prompt)} is outside the target's vocabulary of {vocab_size}")

@@ -71,7 +71,10 @@ class Sequence:
     max_new_tokens: int
     spec_length: int  # K requested for this sequence; 0 = plain decoding
     detokenizer: StopStringDetokenizer
+    #: The gateway's own random stream (acceptance, recovered/bonus and first tokens).
     generator: torch.Generator
+    #: Sampling params sent to the draft: the same transforms, an independent seed.
+    draft_sampling: SamplingParams
     #: Prompt + accepted tokens (tokens past max_new_tokens / max length are dropped).
     tokens: list[int] = field(default_factory=list)
     #: Tokens of `tokens` each service holds as valid KV entries.

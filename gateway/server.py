@@ -7,6 +7,7 @@ or when the configured K exceeds what the services accept.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -25,6 +26,7 @@ from specdec.errors import InvalidArgumentError, SpecdecError
 from specdec.model.chat import encode_chat
 from specdec.model.loader import load_tokenizer
 from specdec.model.tokenizer_info import TokenizerInfo, check_compatible, tokenizer_fingerprint
+from specdec.sampling.params import independent_seed
 from specdec.sampling.transforms import make_generator
 from specdec.serving.convert import sampling_from_pb
 from specdec.serving.errors import grpc_errors, grpc_stream_errors
@@ -32,6 +34,8 @@ from specdec.serving.grpc_server import RunningServer, start_server
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
+#: Random stream of the draft's proposals (see `independent_seed`).
+DRAFT_STREAM = 1
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 _FINISH_TO_PB = {
     FinishReason.STOP: gateway_pb2.FINISH_REASON_STOP,
@@ -108,7 +112,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             prompt = encode_chat(s.tokenizer, [{"role": m.role, "content": m.content} for m in request.chat.messages])
         else:
             raise InvalidArgumentError("input: set either prompt or chat")
-        check_prompt(prompt, s.max_seq_len)
+        check_prompt(prompt, s.max_seq_len, s.target_info.vocab_size)
         if request.max_new_tokens < 0:
             raise InvalidArgumentError(f"max_new_tokens: must be >= 0, got {request.max_new_tokens}")
         sampling = sampling_from_pb(request.sampling)
@@ -128,6 +132,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             spec_length=spec_length if speculate else 0,
             detokenizer=StopStringDetokenizer(s.tokenizer, list(request.stop), eos),
             generator=make_generator(sampling.seed, "cpu"),
+            draft_sampling=dataclasses.replace(
+                sampling, seed=None if sampling.seed is None else independent_seed(sampling.seed, DRAFT_STREAM)
+            ),
         )
 
     @staticmethod

@@ -47,7 +47,7 @@ async def propose(draft: DraftClient | None, seqs: list[Sequence], ks: dict[str,
     for seq in speculating:
         seq.has_draft_slot = True  # from now on the draft may hold a slot: release it at the end
     return await draft.propose([
-        DraftRequest(s.slot_id, s.draft_valid, s.tokens[s.draft_valid :], ks[s.slot_id], s.sampling)
+        DraftRequest(s.slot_id, s.draft_valid, s.tokens[s.draft_valid :], ks[s.slot_id], s.draft_sampling)
         for s in speculating
     ])
 

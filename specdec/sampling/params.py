@@ -59,3 +59,17 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when the request decodes by argmax (temperature 0)."""
         return self.temperature == 0
+
+
+def independent_seed(seed: int, stream: int) -> int:
+    """A seed for random stream number `stream` of a request seeded with `seed`.
+
+    Speculative sampling needs the draft's draws (which token to propose) and the
+    gateway's draws (accept or not, recovered token) to be independent. Seeding both
+    generators with the request's own seed would correlate them, so each side derives
+    its own seed with this splitmix64 mix. Deterministic: seeded requests reproduce.
+    """
+    z = (seed + (stream + 1) * 0x9E3779B97F4A7C15) % _MAX_SEED
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % _MAX_SEED
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % _MAX_SEED
+    return z ^ (z >> 31)

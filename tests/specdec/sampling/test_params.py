@@ -67,3 +67,13 @@ def test_invalid_argument_maps_to_grpc_status() -> None:
     with pytest.raises(InvalidArgumentError) as info:
         SamplingParams(top_p=0)
     assert info.value.status_code_name == "INVALID_ARGUMENT"
+
+
+def test_independent_seeds_differ_per_stream_and_are_stable() -> None:
+    from specdec.sampling.params import independent_seed
+
+    seeds = {independent_seed(seed, stream) for seed in range(50) for stream in range(3)}
+    assert len(seeds) == 150  # no collisions between requests or streams
+    assert all(0 <= s < 2**64 for s in seeds)
+    assert independent_seed(1234, 1) == independent_seed(1234, 1)
+    assert independent_seed(2**64 - 1, 5) < 2**64
