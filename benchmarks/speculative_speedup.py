@@ -1,10 +1,12 @@
-"""Single-request decode speed with and without speculation, measured side by side in one run.
+"""Decode speed with and without speculation, measured side by side in one run.
 
-    .venv/bin/python benchmarks/speculative_speedup.py [--tokens 96] [--spec-length 4] [--rounds 2]
+    .venv/bin/python benchmarks/speculative_speedup.py [--tokens 96] [--spec-length 4] [--rounds 2] [--concurrency 1]
 
 Starts the real trio (target fp32, int8 draft, gateway) as `specdec serve` would, then
-alternates speculative and plain greedy requests over the same prompts so machine noise
-hits both alike. Reports tokens/s (after the first token), acceptance and the ratio.
+alternates speculative and plain greedy runs over the same prompts so machine noise hits
+both alike. With --concurrency 1 it reports single-request tokens/s (after the first
+token); with N > 1 it sends N requests at once and reports aggregate tokens/s (all
+completion tokens over the wall time of the batch).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import argparse
 import asyncio
 import statistics
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 from gateway.config import GatewayConfig
 from gateway.launcher import start_service
@@ -32,6 +36,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--spec-length", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
+    parser.add_argument("--spec-disable-batch-size", type=int, default=0,
+                        help="the gateway setting; 0 (default here) speculates at any batch size")
     parser.add_argument("--draft-args", default="", help="extra flags for the draft service")
     args = parser.parse_args()
     target = start_service("target_server", ["--dtype", "float32"])
@@ -41,13 +48,26 @@ def main() -> None:
     threading.Thread(target=loop.run_forever, daemon=True).start()
     try:
         config = GatewayConfig(target_address=target.address, draft_address=draft.address, port=0,
-                               spec_length=args.spec_length)
+                               spec_length=args.spec_length, spec_disable_batch_size=args.spec_disable_batch_size)
         gateway = asyncio.run_coroutine_threadsafe(create_gateway(config), loop).result()
         rates: dict[str, list[float]] = {"speculative": [], "plain": []}
         acceptance, lengths = [], []
         with SpecdecClient(f"127.0.0.1:{gateway.port}") as client:
             client.generate([{"role": "user", "content": "warm up"}], max_new_tokens=8)
             for _ in range(args.rounds):
+                if args.concurrency > 1:
+                    chats = [[{"role": "user", "content": p}] for p in PROMPTS] * (args.concurrency // len(PROMPTS) + 1)
+                    chats = chats[: args.concurrency]
+                    for mode, options in (("speculative", {"spec_length": args.spec_length}), ("plain", {"speculative": False})):
+                        with ThreadPoolExecutor(args.concurrency) as pool:
+                            start = time.perf_counter()
+                            results = list(pool.map(lambda c, o=options: client.generate(c, max_new_tokens=args.tokens, **o), chats))
+                            elapsed = time.perf_counter() - start
+                        rates[mode].append(sum(r.completion_tokens for r in results) / elapsed)
+                        if mode == "speculative":
+                            acceptance += [r.acceptance_rate for r in results]
+                            lengths += [r.mean_acceptance_length for r in results]
+                    continue
                 for prompt in PROMPTS:
                     chat = [{"role": "user", "content": prompt}]
                     spec = client.generate(chat, max_new_tokens=args.tokens, spec_length=args.spec_length)
@@ -63,7 +83,8 @@ def main() -> None:
         draft.stop()
         target.stop()
     spec_rate, plain_rate = statistics.mean(rates["speculative"]), statistics.mean(rates["plain"])
-    print(f"requests: {len(rates['plain'])} x 2, {args.tokens} greedy tokens each, K={args.spec_length}")
+    what = f"{args.concurrency} concurrent requests (aggregate)" if args.concurrency > 1 else "single request"
+    print(f"{what}, {args.tokens} greedy tokens each, K={args.spec_length}, {len(rates['plain'])} runs per mode")
     print(f"plain decoding      {plain_rate:6.1f} tok/s")
     print(f"speculative         {spec_rate:6.1f} tok/s   acceptance rate {statistics.mean(acceptance):.3f}, "
           f"mean acceptance length {statistics.mean(lengths):.2f}")

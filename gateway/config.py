@@ -21,6 +21,10 @@ class GatewayConfig:
     speculative: bool = True
     #: Draft tokens per round (K) unless a request asks for another value.
     spec_length: int = 4
+    #: Rounds with at least this many running requests skip speculation (0 = never skip).
+    #: Verifying K+1 positions per request pays off while the target is memory-bound; on
+    #: CPU a batch of 8 is already compute-bound and speculation costs more than it saves.
+    spec_disable_batch_size: int = 6
     max_new_tokens_default: int = 256
     #: Requests decoding at once; more wait in the queue.
     max_batch_size: int = 16
@@ -39,6 +43,8 @@ class GatewayConfig:
             raise InvalidArgumentError("speculation requires a draft: set draft_address or disable speculation")
         if self.spec_length < 1:
             raise InvalidArgumentError(f"spec_length must be >= 1, got {self.spec_length}")
+        if self.spec_disable_batch_size < 0:
+            raise InvalidArgumentError(f"spec_disable_batch_size must be >= 0, got {self.spec_disable_batch_size}")
         for name in ("max_new_tokens_default", "max_batch_size", "max_queue", "max_message_bytes"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")

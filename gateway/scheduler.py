@@ -51,6 +51,7 @@ class Scheduler:
         max_seq_len: int,
         max_batch_size: int,
         max_queue: int,
+        spec_disable_batch_size: int,
         metrics: GatewayMetrics,
     ) -> None:
         self.target = target
@@ -59,6 +60,7 @@ class Scheduler:
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
+        self.spec_disable_batch_size = spec_disable_batch_size
         self.metrics = metrics
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -130,8 +132,9 @@ class Scheduler:
 
     async def _round(self) -> None:
         batch = list(self.running)
+        crowded = 0 < self.spec_disable_batch_size <= len(batch)
         try:
-            report = await run_round(self.target, self.draft, batch, self.max_seq_len, self.sampler)
+            report = await run_round(self.target, None if crowded else self.draft, batch, self.max_seq_len, self.sampler)
         except Exception as error:  # noqa: BLE001 - a failed round fails its requests, not the gateway
             await self._fail(batch, error)
             return

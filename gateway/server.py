@@ -183,7 +183,7 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
     ]
     scheduler = Scheduler(
         target, draft, pools, max_seq_len=max_seq_len, max_batch_size=config.max_batch_size,
-        max_queue=config.max_queue, metrics=metrics,
+        max_queue=config.max_queue, spec_disable_batch_size=config.spec_disable_batch_size, metrics=metrics,
     )
     state = GatewayState(config, target, draft, target_info, draft_info, tokenizer, scheduler, metrics, max_seq_len, max_spec_length)
     servicer = GatewayServicer(state)

@@ -95,7 +95,8 @@ def start_stack(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterato
             target_address=f"127.0.0.1:{servers[0].port}",
             draft_address=f"127.0.0.1:{servers[1].port}" if draft_engine else "",
             port=0,
-            **{"speculative": draft_engine is not None, **gateway},
+            # Speculate at any batch size by default, so concurrent tests exercise batched rounds.
+            **{"speculative": draft_engine is not None, "spec_disable_batch_size": 0, **gateway},
         )
         gateway_server = service_loop.run(create_gateway(config))
         stack = Stack(target_engine, draft_engine, gateway_server, servers)
