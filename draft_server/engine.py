@@ -15,17 +15,8 @@ import torch
 
 from specdec.errors import InvalidArgumentError
 from specdec.model_engine import ModelEngine
-from specdec.sampling.params import SamplingParams
+from specdec.rpc_items import ProposeItem
 from specdec.sampling.transforms import logits_to_probs, make_generator, sample
-
-
-@dataclass(frozen=True)
-class ProposeItem:
-    slot_id: str
-    valid_len: int
-    new_tokens: list[int]
-    k: int
-    sampling: SamplingParams
 
 
 @dataclass(frozen=True)

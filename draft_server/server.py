@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 
 from draft_server.config import DraftConfig
-from draft_server.engine import DraftEngine, ProposeItem
-from specdec.serving.convert import sampling_from_pb
+from draft_server.engine import DraftEngine
+from specdec.serving.convert import propose_item_from_pb
 from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer
 from specdec.serving.model_service import SlotServicer, start_model_service
@@ -25,13 +25,7 @@ class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
     async def Propose(
         self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
     ) -> draft_pb2.ProposeResponse:
-        items = [
-            ProposeItem(
-                slot_id=item.slot_id, valid_len=item.valid_len, new_tokens=list(item.new_tokens),
-                k=item.k, sampling=sampling_from_pb(item.sampling),
-            )
-            for item in request.items
-        ]
+        items = [propose_item_from_pb(item) for item in request.items]
         probs_dtype = torch_dtype(request.probs_dtype or common_pb2.DTYPE_FLOAT32)
         proposals = await self.worker.run(self.engine.propose, items, probs_dtype)
         return draft_pb2.ProposeResponse(

@@ -11,19 +11,10 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from specdec.sampling.params import SamplingParams
-from specdec.serving.convert import sampling_to_pb
+from specdec.rpc_items import PrefillItem, ProposeItem, VerifyItem
+from specdec.serving.convert import prefill_item_to_pb, propose_item_to_pb, verify_item_to_pb
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.wire.tensor_codec import decode_tensor
-
-
-@dataclass(frozen=True)
-class DraftRequest:
-    slot_id: str
-    valid_len: int
-    new_tokens: list[int]
-    k: int
-    sampling: SamplingParams
 
 
 @dataclass(frozen=True)
@@ -48,19 +39,15 @@ class TargetClient:
     async def info(self) -> common_pb2.ModelInfo:
         return await self.stub.Info(common_pb2.InfoRequest(), wait_for_ready=True, timeout=120)
 
-    async def prefill(self, prompts: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    async def prefill(self, items: list[PrefillItem]) -> dict[str, torch.Tensor]:
         """Last-position logits [vocab] per slot."""
-        request = target_pb2.PrefillRequest(
-            items=[target_pb2.PrefillItem(slot_id=s, prompt_tokens=t) for s, t in prompts.items()]
-        )
+        request = target_pb2.PrefillRequest(items=[prefill_item_to_pb(item) for item in items])
         response = await self.stub.Prefill(request)
         return {r.slot_id: decode_tensor(r.logits) for r in response.results}
 
-    async def verify(self, chunks: dict[str, tuple[int, list[int]]]) -> dict[str, torch.Tensor]:
-        """slot -> (valid_len, [g, t1..tK]) in; slot -> logits [K+1, vocab] out."""
-        request = target_pb2.VerifyRequest(
-            items=[target_pb2.VerifyItem(slot_id=s, valid_len=v, tokens=t) for s, (v, t) in chunks.items()]
-        )
+    async def verify(self, items: list[VerifyItem]) -> dict[str, torch.Tensor]:
+        """Logits [K+1, vocab] per slot."""
+        request = target_pb2.VerifyRequest(items=[verify_item_to_pb(item) for item in items])
         response = await self.stub.Verify(request)
         return {r.slot_id: decode_tensor(r.logits) for r in response.results}
 
@@ -80,17 +67,8 @@ class DraftClient:
     async def info(self) -> common_pb2.ModelInfo:
         return await self.stub.Info(common_pb2.InfoRequest(), wait_for_ready=True, timeout=120)
 
-    async def propose(self, requests: list[DraftRequest]) -> dict[str, DraftProposal]:
-        message = draft_pb2.ProposeRequest(
-            items=[
-                draft_pb2.ProposeItem(
-                    slot_id=r.slot_id, valid_len=r.valid_len, new_tokens=r.new_tokens, k=r.k,
-                    sampling=sampling_to_pb(r.sampling),
-                )
-                for r in requests
-            ],
-            probs_dtype=self.probs_dtype,
-        )
+    async def propose(self, items: list[ProposeItem]) -> dict[str, DraftProposal]:
+        message = draft_pb2.ProposeRequest(items=[propose_item_to_pb(item) for item in items], probs_dtype=self.probs_dtype)
         response = await self.stub.Propose(message)
         proposals = {}
         for result in response.results:

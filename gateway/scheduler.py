@@ -23,6 +23,7 @@ from gateway.model_clients import DraftClient, TargetClient
 from gateway.sequence import FinishReason, Sequence
 from gateway.speculative_step import first_tokens, run_round
 from specdec.errors import CapacityExhaustedError, InvalidArgumentError
+from specdec.rpc_items import PrefillItem
 from specdec.serving.worker import ModelWorker
 
 log = logging.getLogger(__name__)
@@ -167,7 +168,7 @@ class Scheduler:
             return
         try:
             started = time.perf_counter()
-            logits = await self.target.prefill({s.slot_id: s.prompt for s in admitted})
+            logits = await self.target.prefill([PrefillItem(s.slot_id, s.prompt) for s in admitted])
             self.metrics.rpc_latency.labels(method="Prefill").observe(time.perf_counter() - started)
         except Exception as error:  # noqa: BLE001
             for seq in admitted:

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from gateway.model_clients import DraftClient, DraftProposal, DraftRequest, TargetClient
+from gateway.model_clients import DraftClient, DraftProposal, TargetClient
 from gateway.sequence import Sequence
+from specdec.rpc_items import ProposeItem, VerifyItem
 from specdec.sampling.rejection_sampler import RejectionResult, greedy_accept, rejection_sample
 from specdec.sampling.transforms import (
     chunk_apply_repetition_penalty,
@@ -47,7 +48,7 @@ async def propose(draft: DraftClient | None, seqs: list[Sequence], ks: dict[str,
     for seq in speculating:
         seq.has_draft_slot = True  # from now on the draft may hold a slot: release it at the end
     return await draft.propose([
-        DraftRequest(s.slot_id, s.draft_valid, s.tokens[s.draft_valid :], ks[s.slot_id], s.draft_sampling)
+        ProposeItem(s.slot_id, s.draft_valid, s.tokens[s.draft_valid :], ks[s.slot_id], s.draft_sampling)
         for s in speculating
     ])
 
@@ -55,12 +56,10 @@ async def propose(draft: DraftClient | None, seqs: list[Sequence], ks: dict[str,
 async def verify(target: TargetClient, seqs: list[Sequence], proposals: dict[str, DraftProposal]) -> dict[str, torch.Tensor]:
     """One batched Verify: [pending tokens, t1..tK] after each sequence's valid prefix."""
     empty = DraftProposal(tokens=[], probs=None)
-    return await target.verify(
-        {
-            s.slot_id: (s.target_valid, s.tokens[s.target_valid :] + proposals.get(s.slot_id, empty).tokens)
-            for s in seqs
-        }
-    )
+    return await target.verify([
+        VerifyItem(s.slot_id, s.target_valid, s.tokens[s.target_valid :] + proposals.get(s.slot_id, empty).tokens)
+        for s in seqs
+    ])
 
 
 def accept(seq: Sequence, logits: torch.Tensor, proposal: DraftProposal | None) -> RejectionResult:

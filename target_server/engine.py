@@ -8,19 +8,7 @@ import torch
 
 from specdec.errors import InvalidArgumentError, SlotExistsError
 from specdec.model_engine import ModelEngine
-
-
-@dataclass(frozen=True)
-class PrefillItem:
-    slot_id: str
-    prompt_tokens: list[int]
-
-
-@dataclass(frozen=True)
-class VerifyItem:
-    slot_id: str
-    valid_len: int
-    tokens: list[int]  # [g, t1 .. tK]
+from specdec.rpc_items import PrefillItem, VerifyItem
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import grpc
 
+from specdec.serving.convert import prefill_item_from_pb, verify_item_from_pb
 from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer
 from specdec.serving.model_service import SlotServicer, start_model_service
 from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec.wire.tensor_codec import encode_tensor
 from target_server.config import TargetConfig
-from target_server.engine import PrefillItem, TargetEngine, VerifyItem
+from target_server.engine import TargetEngine
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
@@ -24,7 +25,7 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
     async def Prefill(
         self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.PrefillResponse:
-        items = [PrefillItem(item.slot_id, list(item.prompt_tokens)) for item in request.items]
+        items = [prefill_item_from_pb(item) for item in request.items]
         results = await self.worker.run(self.engine.prefill, items)
         return target_pb2.PrefillResponse(
             results=[
@@ -37,7 +38,7 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
     async def Verify(
         self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.VerifyResponse:
-        items = [VerifyItem(item.slot_id, item.valid_len, list(item.tokens)) for item in request.items]
+        items = [verify_item_from_pb(item) for item in request.items]
         results = await self.worker.run(self.engine.verify, items)
         return target_pb2.VerifyResponse(
             results=[

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from specdec.model_engine import EngineInfo
+from specdec.rpc_items import PrefillItem, ProposeItem, VerifyItem
 from specdec.sampling.params import SamplingParams
-from specdec.v1 import common_pb2
+from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
 
 def engine_info_to_pb(info: EngineInfo) -> common_pb2.ModelInfo:
@@ -45,3 +46,30 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     if params.seed is not None:
         message.seed = params.seed
     return message
+
+
+def prefill_item_from_pb(item: target_pb2.PrefillItem) -> PrefillItem:
+    return PrefillItem(item.slot_id, list(item.prompt_tokens))
+
+
+def prefill_item_to_pb(item: PrefillItem) -> target_pb2.PrefillItem:
+    return target_pb2.PrefillItem(slot_id=item.slot_id, prompt_tokens=item.prompt_tokens)
+
+
+def verify_item_from_pb(item: target_pb2.VerifyItem) -> VerifyItem:
+    return VerifyItem(item.slot_id, item.valid_len, list(item.tokens))
+
+
+def verify_item_to_pb(item: VerifyItem) -> target_pb2.VerifyItem:
+    return target_pb2.VerifyItem(slot_id=item.slot_id, valid_len=item.valid_len, tokens=item.tokens)
+
+
+def propose_item_from_pb(item: draft_pb2.ProposeItem) -> ProposeItem:
+    return ProposeItem(item.slot_id, item.valid_len, list(item.new_tokens), item.k, sampling_from_pb(item.sampling))
+
+
+def propose_item_to_pb(item: ProposeItem) -> draft_pb2.ProposeItem:
+    return draft_pb2.ProposeItem(
+        slot_id=item.slot_id, valid_len=item.valid_len, new_tokens=item.new_tokens, k=item.k,
+        sampling=sampling_to_pb(item.sampling),
+    )
