@@ -14,9 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from specdec.errors import InvalidArgumentError
+from specdec.model.runtime import ModelRuntime
 from specdec.model_engine import ModelEngine
 from specdec.rpc_items import ProposeItem
 from specdec.sampling.transforms import logits_to_probs, make_generator, sample
+from specdec.serving.config import ModelServiceConfig
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,9 @@ class Proposal:
 class DraftEngine(ModelEngine):
     """The proposer: keeps its own cache per slot and drafts k tokens per request."""
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
+    def __init__(self, runtime: ModelRuntime, config: ModelServiceConfig) -> None:
+        super().__init__(runtime, config)
+        #: Each slot's random stream, seeded on first sight and advanced across rounds.
         self.generators: dict[str, torch.Generator] = {}
 
     def release(self, slot_id: str) -> None:
