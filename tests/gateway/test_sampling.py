@@ -43,6 +43,12 @@ def exact_second_token(smollm2: LoadedModel) -> dict[int, float]:
     return dict(marginal)
 
 
+@pytest.fixture(scope="module")
+def bf16_q_stack(start_stack, weak_runtime):  # type: ignore[no-untyped-def]
+    """The mostly-rejected 2-layer draft sending q in bf16: exact only if it samples from the rounded q."""
+    return start_stack(weak_runtime, draft_probs_dtype="bfloat16")
+
+
 def _second_tokens(stack, seeds: range, **options) -> list[int]:  # type: ignore[no-untyped-def]
     with stack.client() as client, ThreadPoolExecutor(16) as pool:
         results = pool.map(
@@ -67,8 +73,13 @@ def _fits(samples: list[int], exact: dict[int, float]) -> float:
 
 @pytest.mark.parametrize(
     "stack_name, options",
-    [("int8_stack", {"spec_length": 3}), ("weak_stack", {"spec_length": 3}), ("int8_stack", {"speculative": False})],
-    ids=["int8-draft", "2-layer-draft", "plain"],
+    [
+        ("int8_stack", {"spec_length": 3}),
+        ("weak_stack", {"spec_length": 3}),
+        ("bf16_q_stack", {"spec_length": 3}),
+        ("int8_stack", {"speculative": False}),
+    ],
+    ids=["int8-draft", "2-layer-draft", "2-layer-draft-bf16-q", "plain"],
 )
 def test_second_token_follows_the_target_distribution(
     stack_name: str, options: dict, exact_second_token: dict[int, float], request: pytest.FixtureRequest
