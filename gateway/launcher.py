@@ -1,6 +1,6 @@
 """Start the model services as child processes and wait until they listen.
 
-`specdec serve`, the benchmarks and the end-to-end tests use this: each service runs as
+`specdec serve` and the benchmarks use this: each service runs as
 `python -m <module> --port 0 ...`, prints one ready line with its bound address on
 stdout, and is stopped with SIGTERM (graceful) then SIGKILL after a grace period.
 Start several with `start_service` first and `wait_ready` after, so they load in parallel.
@@ -69,7 +69,3 @@ def start_service(module: str, args: Sequence[str] = ()) -> ServiceProcess:
     """Launch `python -m module --port 0 *args` without waiting for it."""
     return ServiceProcess(module, args)
 
-
-def spawn_service(module: str, args: Sequence[str] = (), *, timeout: float = 300.0) -> ServiceProcess:
-    """Launch a service and return once it prints its ready line."""
-    return start_service(module, args).wait_ready(timeout)

@@ -8,6 +8,7 @@ corrupts what belongs to other requests.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from specdec.errors import CapacityExhaustedError, InvalidArgumentError, SlotNot
 from specdec.model.runtime import ModelRuntime
 from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.serving.config import ModelServiceConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,11 @@ class ModelEngine:
         self.max_seq_len = min(limits)
         #: Token ids held in each slot's cache, in order (the draft's repetition-penalty context).
         self.tokens: dict[str, list[int]] = {}
+        log.info(
+            "%s: KV pool of %d tokens (%d blocks of %d), %.0f MiB; max_seq_len %d",
+            runtime.loaded.name, self.cache.capacity_tokens, self.cache.blocks.num_blocks, self.cache.block_size,
+            self.cache.capacity_tokens * self.cache.bytes_per_token() / 2**20, self.max_seq_len,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -72,9 +80,6 @@ class ModelEngine:
             device=str(self.cache.device),
             quantization="" if self.runtime.quantization == "none" else self.runtime.quantization,
         )
-
-    def cached_len(self, slot_id: str) -> int:
-        return len(self._require_slot(slot_id))
 
     def truncate(self, slot_id: str, new_len: int) -> int:
         """Explicit rollback: keep the first `new_len` cached tokens. Returns the new length."""
