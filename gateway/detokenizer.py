@@ -52,7 +52,7 @@ class StopStringDetokenizer:
         return self._flush(self._text())
 
     def _text(self) -> str:
-        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        return str(self.tokenizer.decode(self.tokens, skip_special_tokens=True))
 
     def _flush(self, text: str) -> str:
         if not text.startswith(self.emitted):  # decoding is prefix-stable for byte-level BPE

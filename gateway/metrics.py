@@ -13,6 +13,8 @@ one process (tests) without clashing.
 
 from __future__ import annotations
 
+from wsgiref.simple_server import WSGIServer
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -20,6 +22,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 class GatewayMetrics:
     def __init__(self) -> None:
+        self._http: WSGIServer | None = None
         self.registry = CollectorRegistry()
         r = self.registry
         self.num_drafts = Counter("specdec_num_drafts", "Speculation rounds with K >= 1, per request", registry=r)
@@ -82,7 +85,7 @@ class GatewayMetrics:
         return int(self._http.server_port)
 
     def close(self) -> None:
-        if getattr(self, "_http", None) is not None:
+        if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
             self._http = None

@@ -59,7 +59,7 @@ class TargetClient:
 
 
 class DraftClient:
-    def __init__(self, address: str, max_message_bytes: int, probs_dtype: int) -> None:
+    def __init__(self, address: str, max_message_bytes: int, probs_dtype: common_pb2.DType) -> None:
         self.channel = _channel(address, max_message_bytes)
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
         self.probs_dtype = probs_dtype

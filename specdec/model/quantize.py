@@ -55,6 +55,10 @@ class Int8Linear(nn.Module):
     attribute.
     """
 
+    weight_int8: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         if weight_int8.dtype != torch.int8 or weight_int8.dim() != 2:

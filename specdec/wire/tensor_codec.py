@@ -15,7 +15,7 @@ import torch
 from specdec.errors import InvalidArgumentError
 from specdec.v1 import common_pb2
 
-_TORCH_TO_WIRE: dict[torch.dtype, int] = {
+_TORCH_TO_WIRE: dict[torch.dtype, common_pb2.DType] = {
     torch.float32: common_pb2.DTYPE_FLOAT32,
     torch.bfloat16: common_pb2.DTYPE_BFLOAT16,
     torch.float16: common_pb2.DTYPE_FLOAT16,
@@ -30,7 +30,7 @@ _BITS_DTYPE: dict[torch.dtype, torch.dtype] = {
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
-def wire_dtype(dtype: torch.dtype) -> int:
+def wire_dtype(dtype: torch.dtype) -> common_pb2.DType:
     """The `specdec.v1.DType` value for a torch dtype (InvalidArgumentError if unsupported)."""
     try:
         return _TORCH_TO_WIRE[dtype]
