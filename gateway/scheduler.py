@@ -223,8 +223,13 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         seq.finish(reason, error)
+        # Count the request before the first await: its client cannot read the final
+        # message (and scrape) before these counters include it.
+        self._record_finished(seq)
         await self._release(seq)
-        self._unreserve(seq)
+        self._unreserve(seq)  # only once both services freed the slot
+
+    def _record_finished(self, seq: Sequence) -> None:
         self.metrics.active_requests.set(len(self.running))
         self.metrics.finished.labels(finish_reason=seq.finish_reason.value).inc()  # type: ignore[union-attr]
         self.metrics.generation_tokens.inc(seq.completion_tokens)
