@@ -58,8 +58,10 @@ def test_full_queue_is_resource_exhausted(start_stack, int8_runtime) -> None:  #
     with stack.client() as client, ThreadPoolExecutor(4) as pool:
         calls = [client.stub.Generate(build_request(STORY, max_new_tokens=60), timeout=120) for _ in range(4)]
         outcomes = list(pool.map(lambda call: _outcome(call), calls))
-    assert outcomes.count("ok") >= 2  # one running, one queued
-    assert "RESOURCE_EXHAUSTED" in outcomes
+    # At most one running and one queued while the first 60-token request decodes; whether
+    # the second arrives before or after the first was admitted decides if it is queued.
+    assert 1 <= outcomes.count("ok") <= 2
+    assert outcomes.count("RESOURCE_EXHAUSTED") == 4 - outcomes.count("ok")
     stack.wait_until_idle()
 
 
