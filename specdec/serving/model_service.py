@@ -34,7 +34,9 @@ class SlotServicer:
 
     @grpc_errors
     async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
-        return engine_info_to_pb(await self.worker.run(self.engine.info))
+        # Answered on the event loop, not queued behind the running batch: `info()` only
+        # reads counters (each read is atomic under the GIL), never tensors.
+        return engine_info_to_pb(self.engine.info())
 
     @grpc_errors
     async def Truncate(

@@ -197,7 +197,7 @@ def test_many_slots_at_once(start_target: Callable[..., Service], smollm2: Loade
 
 
 def test_health_check_answers_while_prefill_runs_on_the_worker(target: Service, prompts: list[list[int]]) -> None:
-    """While the model worker is busy inside Prefill, the event loop still serves health checks."""
+    """While the model worker is busy inside Prefill, the event loop still serves health checks and Info."""
     engine = target.engine
     started, finish = threading.Event(), threading.Event()
     real_prefill = engine.prefill
@@ -215,6 +215,7 @@ def test_health_check_answers_while_prefill_runs_on_the_worker(target: Service, 
         for service in ("", SERVICE_NAME):
             reply = target.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert target.stub.Info(common_pb2.InfoRequest(), timeout=5).vocab_size == 49_152
         assert not pending.done()
     finally:
         finish.set()
