@@ -7,11 +7,10 @@ machine `specdec serve` starts all three.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
-from gateway.cli import run_gateway
+from gateway.cli import start_gateway
 from gateway.config import GatewayConfig
 from specdec.errors import SpecdecError
 
@@ -45,8 +44,7 @@ def main() -> int:
         )
     except SpecdecError as error:
         parser.error(str(error))
-    asyncio.run(run_gateway(config))
-    return 0
+    return start_gateway(config)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from gateway.config import GatewayConfig
 from gateway.launcher import ServiceProcess, start_service
 from gateway.server import create_gateway
 from specdec.client import GenerationResult, SpecdecClient, apply_completion
+from specdec.errors import SpecdecError
 from specdec.model.loader import DEFAULT_MODEL
 
 DEFAULT_GATEWAY = "127.0.0.1:50050"
@@ -76,7 +77,11 @@ def serve(args: argparse.Namespace) -> int:
                 *common, "--model", args.draft_model or args.target_model,
                 "--dtype", args.draft_dtype, "--quantization", args.draft_quantization,
             ]))
-        target, *drafts = [child.wait_ready() for child in children]
+        try:
+            target, *drafts = [child.wait_ready() for child in children]
+        except (RuntimeError, TimeoutError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
         draft_address = drafts[0].address if drafts else ""
         config = GatewayConfig(
             target_address=target.address, draft_address=draft_address, host=args.host, port=args.port,
@@ -85,14 +90,14 @@ def serve(args: argparse.Namespace) -> int:
             max_new_tokens_default=args.max_new_tokens, max_batch_size=args.max_batch_size,
             metrics_port=args.metrics_port,
         )
-        asyncio.run(run_gateway(config))
-        return 0
+        return start_gateway(config)
     finally:
         for child in reversed(children):
             child.stop()
 
 
 async def run_gateway(config: GatewayConfig) -> None:
+    """Start the gateway and serve until SIGINT / SIGTERM."""
     running = await create_gateway(config)
     extra = f", metrics on :{running.metrics_port}" if running.metrics_port is not None else ""
     print(f"specdec gateway listening on {config.host}:{running.port}{extra}", flush=True)
@@ -102,6 +107,19 @@ async def run_gateway(config: GatewayConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await running.stop(5.0)
+
+
+def start_gateway(config: GatewayConfig) -> int:
+    """Run the gateway to the end; a refused start-up prints one line and returns 1."""
+    try:
+        asyncio.run(run_gateway(config))
+    except SpecdecError as error:  # e.g. tokenizer mismatch, spec_length above the services' maximum
+        print(f"error: gateway refused to start: {error}", file=sys.stderr)
+        return 1
+    except grpc.aio.AioRpcError as error:
+        print(f"error: a model service did not answer: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def generate(args: argparse.Namespace) -> int:

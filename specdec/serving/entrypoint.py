@@ -36,4 +36,8 @@ def run_model_service(
         print(READY_MESSAGE.format(name=name, host=config.host, port=running.port), flush=True)
         await serve_until_signal(running)
 
-    asyncio.run(serve())
+    try:
+        asyncio.run(serve())
+    except (SpecdecError, OSError) as error:  # bad model path, port in use, ...: no traceback
+        logging.getLogger(name).error("cannot start: %s", error)
+        raise SystemExit(1) from None
