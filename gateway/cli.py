@@ -15,9 +15,10 @@ import grpc
 from gateway.config import GatewayConfig
 from gateway.launcher import ServiceProcess, start_service
 from gateway.server import create_gateway
-from specdec.client import GenerationResult, SpecdecClient, apply_completion
+from specdec.client import SpecdecClient, collect
 from specdec.errors import SpecdecError
 from specdec.model.loader import DEFAULT_MODEL
+from specdec.serving.grpc_server import serve_until_signal
 
 DEFAULT_GATEWAY = "127.0.0.1:50050"
 
@@ -101,12 +102,7 @@ async def run_gateway(config: GatewayConfig) -> None:
     running = await create_gateway(config)
     extra = f", metrics on :{running.metrics_port}" if running.metrics_port is not None else ""
     print(f"specdec gateway listening on {config.host}:{running.port}{extra}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await running.stop(5.0)
+    await serve_until_signal(running, grace=5.0)
 
 
 def start_gateway(config: GatewayConfig) -> int:
@@ -134,17 +130,13 @@ def generate(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
         speculative=False if args.no_speculative else None, spec_length=args.spec_length,
     )
-    result = GenerationResult()
+    def echo(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
     try:
         with SpecdecClient(args.gateway, timeout=args.timeout) as client:
-            for response in client.stream(prompt, **options):
-                result.token_ids.extend(response.token_ids)
-                result.text += response.text
-                if not args.json:
-                    sys.stdout.write(response.text)
-                    sys.stdout.flush()
-                if response.HasField("completion"):
-                    apply_completion(result, response.completion)
+            result = collect(client.stream(prompt, **options), on_text=None if args.json else echo)
     except grpc.RpcError as error:
         print(f"\nerror: {error.code().name}: {error.details()}", file=sys.stderr)  # type: ignore[attr-defined]
         return 1

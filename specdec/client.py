@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -119,9 +119,14 @@ class SpecdecClient:
         return collect(self.stream(prompt, **options))
 
 
-def collect(responses: Iterator[gateway_pb2.GenerateResponse]) -> GenerationResult:
+def collect(
+    responses: Iterator[gateway_pb2.GenerateResponse], on_text: Callable[[str], object] | None = None
+) -> GenerationResult:
+    """Assemble a stream into a result, passing each text delta to `on_text` as it arrives."""
     result = GenerationResult()
     for response in responses:
+        if on_text is not None and response.text:
+            on_text(response.text)
         if response.token_ids:
             result.chunks.append(list(response.token_ids))
         result.token_ids.extend(response.token_ids)

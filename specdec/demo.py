@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-from specdec.client import GenerationResult, SpecdecClient, apply_completion
+from gateway.cli import main as generate_cli
 
 PROMPT = "Write a short poem about the ocean at night."
 
@@ -34,20 +34,8 @@ def main() -> int:
             print("specdec serve exited before the gateway was ready", file=sys.stderr)
             return 1
         print(f"\n> {PROMPT}\n", flush=True)
-        result = GenerationResult()
-        with SpecdecClient(f"127.0.0.1:{port}") as client:
-            for response in client.stream([{"role": "user", "content": PROMPT}], max_new_tokens=96):
-                sys.stdout.write(response.text)
-                sys.stdout.flush()
-                result.token_ids.extend(response.token_ids)
-                if response.HasField("completion"):
-                    apply_completion(result, response.completion)
-        print(
-            f"\n\n[{result.completion_tokens} tokens, finish: {result.finish_reason}, "
-            f"acceptance rate {result.acceptance_rate:.2f}, mean acceptance length "
-            f"{result.mean_acceptance_length:.2f}, {result.tokens_per_s:.1f} tok/s]"
-        )
-        return 0
+        # Exactly what a user runs against the gateway: `specdec generate`.
+        return generate_cli(["generate", PROMPT, "--gateway", f"127.0.0.1:{port}", "--max-new-tokens", "96"])
     finally:
         serve.send_signal(signal.SIGTERM)
         serve.wait(60)
