@@ -38,6 +38,10 @@ class PoolLimits:
     block_size: int
     max_slots: int
 
+    @property
+    def num_blocks(self) -> int:
+        return self.total_kv_tokens // self.block_size
+
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
@@ -65,7 +69,7 @@ class Scheduler:
         self.metrics = metrics
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
-        self._reserved_blocks = {pool.name: 0 for pool in pools}
+        #: Admitted request -> KV blocks reserved for it in each pool (by pool name).
         self._reservation: dict[str, dict[str, int]] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -95,7 +99,7 @@ class Scheduler:
         """Queue a request (validated by the caller). RESOURCE_EXHAUSTED when the queue is full."""
         needed = self._footprint(seq)
         for pool in self.pools:
-            if pool.blocks_for(needed) * pool.block_size > pool.total_kv_tokens:
+            if pool.blocks_for(needed) > pool.num_blocks:
                 raise CapacityExhaustedError(
                     f"request needs {needed} KV tokens, the {pool.name} pool holds {pool.total_kv_tokens}"
                 )
@@ -195,24 +199,24 @@ class Scheduler:
         needed = self._footprint(seq)
         blocks = {pool.name: pool.blocks_for(needed) for pool in self.pools}
         for pool in self.pools:
-            if self._reserved_blocks[pool.name] + blocks[pool.name] > pool.total_kv_tokens // pool.block_size:
+            if self._reserved(pool) + blocks[pool.name] > pool.num_blocks:
                 return False
             if len(self._reservation) + 1 > pool.max_slots:
                 return False
-        for name, n in blocks.items():
-            self._reserved_blocks[name] += n
         self._reservation[seq.slot_id] = blocks
         self._publish_free()
         return True
 
     def _unreserve(self, seq: Sequence) -> None:
-        for name, n in self._reservation.pop(seq.slot_id, {}).items():
-            self._reserved_blocks[name] -= n
+        self._reservation.pop(seq.slot_id, None)
         self._publish_free()
+
+    def _reserved(self, pool: PoolLimits) -> int:
+        return sum(blocks[pool.name] for blocks in self._reservation.values())
 
     def _publish_free(self) -> None:
         for pool in self.pools:
-            free = pool.total_kv_tokens - self._reserved_blocks[pool.name] * pool.block_size
+            free = pool.total_kv_tokens - self._reserved(pool) * pool.block_size
             self.metrics.free_kv_tokens.labels(service=pool.name).set(free)
 
     async def _retire_cancelled(self) -> None:
