@@ -16,16 +16,14 @@ import time
 import grpc
 
 from gateway.launcher import start_service
-from specdec.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
+from specdec.serving.grpc_server import message_size_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 PROMPT = list(range(1000, 1040))  # 40 in-vocabulary token ids
 
 
 def _channel(address: str) -> grpc.Channel:
-    limit = DEFAULT_MAX_MESSAGE_BYTES
-    return grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", limit),
-                                                   ("grpc.max_send_message_length", limit)])
+    return grpc.insecure_channel(address, options=message_size_options())
 
 
 def _time(fn, iterations: int) -> float:  # type: ignore[no-untyped-def]

@@ -13,6 +13,7 @@ import torch
 
 from specdec.rpc_items import PrefillItem, ProposeItem, VerifyItem
 from specdec.serving.convert import prefill_item_to_pb, propose_item_to_pb, verify_item_to_pb
+from specdec.serving.grpc_server import message_size_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.wire.tensor_codec import decode_tensor
 
@@ -24,11 +25,7 @@ class DraftProposal:
 
 
 def _channel(address: str, max_message_bytes: int) -> grpc.aio.Channel:
-    options = [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-    ]
-    return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.insecure_channel(address, options=message_size_options(max_message_bytes))
 
 
 class TargetClient:

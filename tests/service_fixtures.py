@@ -28,7 +28,7 @@ from specdec.model.llama import PagedLlama
 from specdec.model.loader import LoadedModel
 from specdec.model.runtime import ModelRuntime
 from specdec.model_engine import ModelEngine
-from specdec.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, RunningServer
+from specdec.serving.grpc_server import RunningServer, message_size_options
 from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from target_server.config import TargetConfig
 from target_server.engine import TargetEngine
@@ -82,11 +82,7 @@ def _client_channel(port: int) -> grpc.Channel:
     """A loopback channel with the services' message limit and a default deadline per call."""
     # Like any client of these services, lift gRPC's 4 MB default receive limit: a verify
     # reply of three requests at K = 8 is already 27 x 49,152 fp32 logits (5.3 MB).
-    options = [
-        ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
-    ]
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=message_size_options())
     return grpc.intercept_channel(channel, _TimeoutInterceptor())
 
 

@@ -18,6 +18,18 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
+def message_size_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Channel / server options lifting gRPC's 4 MB default in both directions.
+
+    Every peer of the model services needs them: a verify reply of a few requests is
+    already several MB of logits.
+    """
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
 #: Called once the server has stopped: release worker threads, channels, schedulers.
 StopHook = Callable[[], None | Awaitable[None]]
 
@@ -58,11 +70,7 @@ async def start_server(
     on_stop: StopHook | None = None,
 ) -> RunningServer:
     """Create, register and start a server; `port=0` binds a free port (returned)."""
-    options = [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-    ]
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=message_size_options(max_message_bytes))
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
