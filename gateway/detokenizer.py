@@ -33,17 +33,23 @@ class StopStringDetokenizer:
         self.emitted = ""  # text sent so far
 
     def add(self, tokens: list[int]) -> TextUpdate:
-        taken: list[int] = []
-        for token in tokens:
-            if token in self.eos_token_ids:
-                return TextUpdate(taken, self._flush(self._text()), True)
-            self.tokens.append(token)
-            taken.append(token)
-            cut = self._find_stop()
-            if cut is not None:
-                return TextUpdate(taken, self._flush(self._text()[:cut]), True)
+        eos_at = next((i for i, t in enumerate(tokens) if t in self.eos_token_ids), len(tokens))
+        taken = tokens[:eos_at]  # EOS and anything after it are never emitted
+        before = len(self.tokens)
+        self.tokens.extend(taken)
         text = self._text()
-        safe = text.rstrip(REPLACEMENT_CHAR) if text.endswith(REPLACEMENT_CHAR) else text
+        if self._find_stop(text) is not None:
+            # Keep only the tokens up to the one that completes the stop string. This re-decodes
+            # prefixes, but only in the round that stops.
+            for n in range(1, len(taken) + 1):
+                self.tokens[before:] = taken[:n]
+                prefix_text = self._text()
+                cut = self._find_stop(prefix_text)
+                if cut is not None:
+                    return TextUpdate(taken[:n], self._flush(prefix_text[:cut]), True)
+        if eos_at < len(tokens):
+            return TextUpdate(taken, self._flush(text), True)
+        safe = text.rstrip(REPLACEMENT_CHAR)  # an incomplete UTF-8 character waits for its bytes
         safe = safe[: len(safe) - self._partial_stop_len(safe)]
         return TextUpdate(taken, self._flush(safe), False)
 
@@ -61,11 +67,10 @@ class StopStringDetokenizer:
         self.emitted = text
         return delta
 
-    def _find_stop(self) -> int | None:
-        """Index of the earliest stop string in the not-yet-emitted tail, if any."""
+    def _find_stop(self, text: str) -> int | None:
+        """Index of the earliest stop string in the not-yet-emitted tail of `text`, if any."""
         if not self.stop:
             return None
-        text = self._text()
         start = max(0, len(self.emitted) - max(len(s) for s in self.stop) + 1)
         hits = [i for s in self.stop if (i := text.find(s, start)) != -1]
         return min(hits) if hits else None
