@@ -51,11 +51,30 @@ class DraftEngine(ModelEngine):
         try:
             for item in items:
                 self._rollback(item.slot_id, item.valid_len)
-            logits = self._run([(item.slot_id, list(item.new_tokens)) for item in items], logits="last")
+            logits = self._feed([(item.slot_id, list(item.new_tokens)) for item in items])
             return self._draft(items, logits, probs_dtype)
         except BaseException:
             self._free_quietly(new_slots)
             raise
+
+    def _feed(self, chunks: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
+        """Last-position logits after feeding each chunk, in chunk order.
+
+        Lazy prefills (whole prompts) and the usual 1-2 accepted tokens run as separate
+        forwards: padded into one [B, T] batch, every short feed would pay for the longest
+        prompt's width.
+        """
+        short_limit = self.config.max_spec_tokens + 1  # the most a round can add
+        groups = [
+            [i for i, (_, tokens) in enumerate(chunks) if len(tokens) <= short_limit],
+            [i for i, (_, tokens) in enumerate(chunks) if len(tokens) > short_limit],
+        ]
+        out: list[torch.Tensor | None] = [None] * len(chunks)
+        for group in groups:
+            if group:
+                for i, row in zip(group, self._run([chunks[i] for i in group], logits="last")):
+                    out[i] = row
+        return [row for row in out if row is not None]
 
     def _validate(self, items: list[ProposeItem]) -> list[str]:
         """Check the whole batch; return the slot ids seen for the first time."""

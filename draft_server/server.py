@@ -27,7 +27,7 @@ class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
     ) -> draft_pb2.ProposeResponse:
         items = [propose_item_from_pb(item) for item in request.items]
         probs_dtype = torch_dtype(request.probs_dtype or common_pb2.DTYPE_FLOAT32)
-        proposals = await self.worker.run(self.engine.propose, items, probs_dtype)
+        proposals, compute_s = await self.worker.run_timed(self.engine.propose, items, probs_dtype)
         return draft_pb2.ProposeResponse(
             results=[
                 draft_pb2.ProposeResult(
@@ -35,7 +35,8 @@ class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
                     probs=encode_tensor(p.probs) if p.probs is not None else None,
                 )
                 for p in proposals
-            ]
+            ],
+            compute_s=compute_s,
         )
 
 

@@ -24,8 +24,8 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=defaults.port)
     parser.add_argument("--metrics-port", type=int, default=defaults.metrics_port, help="-1 = off, 0 = any free port")
     parser.add_argument("--spec-length", type=int, default=defaults.spec_length)
-    parser.add_argument("--spec-disable-batch-size", type=int, default=defaults.spec_disable_batch_size,
-                        help="skip speculation in rounds with this many running requests (0 = never)")
+    parser.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=defaults.adaptive_k,
+                        help="choose K in 0..--spec-length each round from measured costs and acceptance")
     parser.add_argument("--no-speculative", action="store_true", help="plain decoding unless a request asks otherwise")
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens_default)
     parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
@@ -38,7 +38,7 @@ def main() -> int:
         config = GatewayConfig(
             target_address=args.target, draft_address=args.draft, host=args.host, port=args.port,
             speculative=bool(args.draft) and not args.no_speculative, spec_length=args.spec_length,
-            spec_disable_batch_size=args.spec_disable_batch_size,
+            adaptive_k=args.adaptive_k,
             max_new_tokens_default=args.max_new_tokens, max_batch_size=args.max_batch_size,
             max_queue=args.max_queue, draft_probs_dtype=args.draft_probs_dtype, metrics_port=args.metrics_port,
         )

@@ -35,8 +35,8 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device of both model services")
     parser.add_argument("--spec-length", type=int, default=4, help="draft tokens per round, K (default: 4)")
     parser.add_argument("--no-speculative", action="store_true", help="plain decoding; no draft service is started")
-    parser.add_argument("--spec-disable-batch-size", type=int, default=6,
-                        help="skip speculation in rounds with this many running requests (0 = never; default: 6)")
+    parser.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=True,
+                        help="choose K in 0..--spec-length each round from measured costs and acceptance (default: on)")
     parser.add_argument("--draft-probs-dtype", default="float32", choices=["float32", "bfloat16"],
                         help="wire precision of the draft's q vectors (exact either way; bf16 halves them)")
     parser.add_argument("--kv-token-budget", type=int, default=16384, help="KV tokens per model service")
@@ -87,7 +87,7 @@ def serve(args: argparse.Namespace) -> int:
         config = GatewayConfig(
             target_address=target.address, draft_address=draft_address, host=args.host, port=args.port,
             speculative=not args.no_speculative, spec_length=args.spec_length,
-            spec_disable_batch_size=args.spec_disable_batch_size, draft_probs_dtype=args.draft_probs_dtype,
+            adaptive_k=args.adaptive_k, draft_probs_dtype=args.draft_probs_dtype,
             max_new_tokens_default=args.max_new_tokens, max_batch_size=args.max_batch_size,
             metrics_port=args.metrics_port,
         )

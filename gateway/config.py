@@ -19,12 +19,13 @@ class GatewayConfig:
     port: int = 50050
     #: Speculate by default (requests may opt out).
     speculative: bool = True
-    #: Draft tokens per round (K) unless a request asks for another value.
+    #: Draft tokens per round (K) unless a request asks for another value; with adaptive_k,
+    #: the largest K the planner may choose.
     spec_length: int = 4
-    #: Rounds with at least this many running requests skip speculation (0 = never skip).
-    #: Verifying K+1 positions per request pays off while the target is memory-bound; on
-    #: CPU a batch of 8 is already compute-bound and speculation costs more than it saves.
-    spec_disable_batch_size: int = 6
+    #: Choose K in 0..spec_length per request and round from the services' measured costs
+    #: and the observed acceptance (0 when speculation does not pay, e.g. in crowded rounds
+    #: on a compute-bound target). Off: every round drafts spec_length tokens.
+    adaptive_k: bool = True
     max_new_tokens_default: int = 256
     #: Requests decoding at once; more wait in the queue.
     max_batch_size: int = 16
@@ -43,8 +44,6 @@ class GatewayConfig:
             raise InvalidArgumentError("speculation requires a draft: set draft_address or disable speculation")
         if self.spec_length < 1:
             raise InvalidArgumentError(f"spec_length must be >= 1, got {self.spec_length}")
-        if self.spec_disable_batch_size < 0:
-            raise InvalidArgumentError(f"spec_disable_batch_size must be >= 0, got {self.spec_disable_batch_size}")
         for name in ("max_new_tokens_default", "max_batch_size", "max_queue", "max_message_bytes"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -6,6 +6,8 @@ existing dashboards carry over:
     acceptance rate          = rate(specdec_num_accepted_tokens_total[1m]) / rate(specdec_num_draft_tokens_total[1m])
     mean acceptance length   = 1 + rate(specdec_num_accepted_tokens_total[1m]) / rate(specdec_num_drafts_total[1m])
     per-position acceptance  = rate(specdec_num_accepted_tokens_per_pos_total[1m]) / ignoring(position) group_left rate(specdec_num_drafts_total[1m])
+    round time by phase      = rate(specdec_round_time_seconds_total[1m]) / ignoring(phase) group_left sum(rate(specdec_round_time_seconds_total[1m]))
+    speculation turned off   = rate(specdec_speculation_off_rounds_total[5m]) by (reason)
 
 Each gateway owns its registry (no process-global state), so several gateways can live in
 one process (tests) without clashing.
@@ -16,6 +18,10 @@ from __future__ import annotations
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from gateway.k_planner import OFF_REASONS
+from gateway.sequence import ROUND_PHASES
+from gateway.speculative_step import RoundReport
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -40,6 +46,19 @@ class GatewayMetrics:
         self.draft_overhead = Gauge(
             "specdec_draft_overhead_ratio", "Propose time / Verify time in the last round", registry=r
         )
+        self.speculation_off = Counter(
+            "specdec_speculation_off_rounds",
+            "Rounds in which the planner drafted nothing for some request that could speculate, by reason",
+            ["reason"], registry=r,
+        )
+        self.round_time = Counter(
+            "specdec_round_time_seconds", "Round wall time by phase (see gateway.sequence.ROUND_PHASES)",
+            ["phase"], registry=r,
+        )
+        for reason in OFF_REASONS:
+            self.speculation_off.labels(reason=reason)
+        for phase in ROUND_PHASES:
+            self.round_time.labels(phase=phase)
         self.active_requests = Gauge("specdec_num_requests_running", "Requests decoding", registry=r)
         self.waiting_requests = Gauge("specdec_num_requests_waiting", "Requests queued for admission", registry=r)
         self.free_kv_tokens = Gauge(
@@ -72,12 +91,17 @@ class GatewayMetrics:
         for position in range(num_accepted):
             self.num_accepted_per_pos.labels(position=str(position)).inc()
 
-    def record_phases(self, propose_s: float | None, verify_s: float) -> None:
-        """Phase times of one round; `propose_s` is None when no request speculated."""
-        self.rpc_latency.labels(method="Verify").observe(verify_s)
-        if propose_s is not None:
-            self.rpc_latency.labels(method="Propose").observe(propose_s)
-        self.draft_overhead.set(propose_s / verify_s if propose_s is not None and verify_s > 0 else 0.0)
+    def record_phases(self, phases: dict[str, float], report: RoundReport) -> None:
+        """One round's timings: RPC latencies, the phase split, mean K and draft overhead."""
+        self.rpc_latency.labels(method="Verify").observe(report.verify.wall_s)
+        speculating = [k for k in report.ks.values() if k > 0]
+        if speculating:
+            self.rpc_latency.labels(method="Propose").observe(report.propose.wall_s)
+        for name, seconds in phases.items():
+            self.round_time.labels(phase=name).inc(seconds)
+        verify_s = report.verify.wall_s
+        self.draft_overhead.set(report.propose.wall_s / verify_s if speculating and verify_s > 0 else 0.0)
+        self.current_k.set(sum(speculating) / len(speculating) if speculating else 0)
 
     def serve(self, port: int, host: str) -> int:
         """Start the /metrics HTTP endpoint; returns the bound port."""

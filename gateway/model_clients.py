@@ -6,7 +6,9 @@ and nothing else.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import grpc
 import torch
@@ -16,6 +18,18 @@ from specdec.serving.convert import prefill_item_to_pb, propose_item_to_pb, veri
 from specdec.serving.grpc_server import message_size_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.wire.tensor_codec import decode_tensor
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Timed(Generic[T]):
+    """A model service's reply with its two costs: compute on the service, and the call's
+    wall time as the gateway saw it (compute + queueing + (de)serialisation + transport)."""
+
+    value: T
+    compute_s: float
+    wall_s: float
 
 
 @dataclass(frozen=True)
@@ -36,17 +50,21 @@ class TargetClient:
     async def info(self) -> common_pb2.ModelInfo:
         return await self.stub.Info(common_pb2.InfoRequest(), wait_for_ready=True, timeout=120)
 
-    async def prefill(self, items: list[PrefillItem]) -> dict[str, torch.Tensor]:
+    async def prefill(self, items: list[PrefillItem]) -> Timed[dict[str, torch.Tensor]]:
         """Last-position logits [vocab] per slot."""
+        started = time.perf_counter()
         request = target_pb2.PrefillRequest(items=[prefill_item_to_pb(item) for item in items])
         response = await self.stub.Prefill(request)
-        return {r.slot_id: decode_tensor(r.logits) for r in response.results}
+        logits = {r.slot_id: decode_tensor(r.logits) for r in response.results}
+        return Timed(logits, response.compute_s, time.perf_counter() - started)
 
-    async def verify(self, items: list[VerifyItem]) -> dict[str, torch.Tensor]:
+    async def verify(self, items: list[VerifyItem]) -> Timed[dict[str, torch.Tensor]]:
         """Logits [K+1, vocab] per slot."""
+        started = time.perf_counter()
         request = target_pb2.VerifyRequest(items=[verify_item_to_pb(item) for item in items])
         response = await self.stub.Verify(request)
-        return {r.slot_id: decode_tensor(r.logits) for r in response.results}
+        logits = {r.slot_id: decode_tensor(r.logits) for r in response.results}
+        return Timed(logits, response.compute_s, time.perf_counter() - started)
 
     async def release(self, slot_id: str) -> None:
         await self.stub.Release(common_pb2.ReleaseRequest(slot_id=slot_id))
@@ -64,7 +82,8 @@ class DraftClient:
     async def info(self) -> common_pb2.ModelInfo:
         return await self.stub.Info(common_pb2.InfoRequest(), wait_for_ready=True, timeout=120)
 
-    async def propose(self, items: list[ProposeItem]) -> dict[str, DraftProposal]:
+    async def propose(self, items: list[ProposeItem]) -> Timed[dict[str, DraftProposal]]:
+        started = time.perf_counter()
         message = draft_pb2.ProposeRequest(items=[propose_item_to_pb(item) for item in items], probs_dtype=self.probs_dtype)
         response = await self.stub.Propose(message)
         proposals = {}
@@ -76,7 +95,7 @@ class DraftClient:
                 # normalizes: normalize the same way so acceptance uses that very q.
                 probs = q / q.sum(dim=-1, keepdim=True)
             proposals[result.slot_id] = DraftProposal(tokens=list(result.tokens), probs=probs)
-        return proposals
+        return Timed(proposals, response.compute_s, time.perf_counter() - started)
 
     async def release(self, slot_id: str) -> None:
         await self.stub.Release(common_pb2.ReleaseRequest(slot_id=slot_id))

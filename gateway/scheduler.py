@@ -13,15 +13,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import time
 from dataclasses import dataclass
 
 import grpc
 
+from gateway.k_planner import KPlanner
 from gateway.metrics import GatewayMetrics
 from gateway.model_clients import DraftClient, TargetClient
 from gateway.sequence import FinishReason, Sequence
-from gateway.speculative_step import first_tokens, run_round
+from gateway.speculative_step import first_tokens, plan_k, run_round
 from specdec.errors import CapacityExhaustedError, InvalidArgumentError
 from specdec.rpc_items import PrefillItem
 from specdec.serving.worker import ModelWorker
@@ -56,7 +56,7 @@ class Scheduler:
         max_seq_len: int,
         max_batch_size: int,
         max_queue: int,
-        spec_disable_batch_size: int,
+        planner: KPlanner,
         metrics: GatewayMetrics,
     ) -> None:
         self.target = target
@@ -65,7 +65,7 @@ class Scheduler:
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
-        self.spec_disable_batch_size = spec_disable_batch_size
+        self.planner = planner
         self.metrics = metrics
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -137,20 +137,25 @@ class Scheduler:
 
     async def _round(self) -> None:
         batch = list(self.running)
-        crowded = 0 < self.spec_disable_batch_size <= len(batch)
+        caps = {s.slot_id: plan_k(s, self.max_seq_len) if self.draft is not None else 0 for s in batch}
+        ks = self.planner.plan(batch, caps, {s.slot_id: s.adaptive for s in batch})
+        if self.planner.last_off_reason is not None:
+            self.metrics.speculation_off.labels(reason=self.planner.last_off_reason).inc()
         try:
-            report = await run_round(self.target, None if crowded else self.draft, batch, self.max_seq_len, self.sampler)
+            report = await run_round(self.target, self.draft, batch, ks, self.sampler, self.max_seq_len)
         except Exception as error:  # noqa: BLE001 - a failed round fails its requests, not the gateway
             await self._fail(batch, error)
             return
         if report.draft_failed:
             self.metrics.draft_failures.inc()
-        speculating = [k for k in report.ks.values() if k > 0]
-        self.metrics.record_phases(report.propose_s if speculating else None, report.verify_s)
-        self.metrics.current_k.set(sum(speculating) / len(speculating) if speculating else 0)
+            self.metrics.speculation_off.labels(reason="draft_unavailable").inc()
+        self.planner.observe(batch, report)
+        phases = report.phases()
+        self.metrics.record_phases(phases, report)
         for seq in batch:
             k, accepted = report.ks[seq.slot_id], report.num_accepted[seq.slot_id]
             seq.counts.record(k, accepted)
+            seq.anatomy.add(phases)
             self.metrics.record_round(k, accepted)
         for seq in batch:
             if seq.done:
@@ -171,9 +176,9 @@ class Scheduler:
         if not admitted:
             return
         try:
-            started = time.perf_counter()
-            logits = await self.target.prefill([PrefillItem(s.slot_id, s.prompt) for s in admitted])
-            self.metrics.rpc_latency.labels(method="Prefill").observe(time.perf_counter() - started)
+            prefilled = await self.target.prefill([PrefillItem(s.slot_id, s.prompt) for s in admitted])
+            self.metrics.rpc_latency.labels(method="Prefill").observe(prefilled.wall_s)
+            logits = prefilled.value
         except Exception as error:  # noqa: BLE001
             for seq in admitted:
                 self._unreserve(seq)
@@ -227,6 +232,7 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         seq.finish(reason, error)
+        self.planner.forget(seq)
         # Count the request before the first await: its client cannot read the final
         # message (and scrape) before these counters include it.
         self._record_finished(seq)

@@ -61,6 +61,23 @@ class SpeculationCounts:
         return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
 
 
+#: Where a round's wall time goes: compute inside the draft and the target, RPC transport
+#: plus (de)serialisation and queueing (the calls' wall time minus that compute), the
+#: gateway's acceptance step, and the rest (scheduling, emitting, Python overhead).
+ROUND_PHASES = ("draft_compute", "verify_compute", "rpc", "accept", "other")
+
+
+@dataclass
+class RoundAnatomy:
+    """Seconds per phase summed over the rounds a request took part in (see ROUND_PHASES)."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ROUND_PHASES, 0.0))
+
+    def add(self, phases: dict[str, float]) -> None:
+        for name, value in phases.items():
+            self.seconds[name] += value
+
+
 @dataclass
 class Sequence:
     """A request being served. Owned by the scheduler task; the RPC handler reads `outbox`."""
@@ -69,7 +86,7 @@ class Sequence:
     prompt: list[int]
     sampling: SamplingParams
     max_new_tokens: int
-    spec_length: int  # K requested for this sequence; 0 = plain decoding
+    spec_length: int  # K for this sequence (its upper bound when adaptive); 0 = plain decoding
     detokenizer: StopStringDetokenizer
     #: The gateway's own random stream (acceptance, recovered/bonus and first tokens).
     generator: torch.Generator
@@ -83,7 +100,10 @@ class Sequence:
     #: A Propose was sent for this request, so the draft may hold a slot to release.
     has_draft_slot: bool = False
     completion_tokens: int = 0
+    #: The gateway picks K in 0..spec_length each round from measured costs and acceptance.
+    adaptive: bool = False
     counts: SpeculationCounts = field(default_factory=SpeculationCounts)
+    anatomy: RoundAnatomy = field(default_factory=RoundAnatomy)
     outbox: asyncio.Queue[Delta | Finished] = field(default_factory=asyncio.Queue)
     finish_reason: FinishReason | None = None
     #: gRPC status the stream ends with after a FINISH_REASON_ERROR message.

@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from gateway.config import GatewayConfig
 from gateway.detokenizer import StopStringDetokenizer
+from gateway.k_planner import KPlanner
 from gateway.metrics import GatewayMetrics
 from gateway.model_clients import DraftClient, TargetClient
 from gateway.scheduler import PoolLimits, Scheduler, check_prompt
@@ -28,7 +29,7 @@ from specdec.model.loader import load_tokenizer
 from specdec.model.tokenizer_info import TokenizerInfo, check_compatible, tokenizer_fingerprint
 from specdec.sampling.params import independent_seed
 from specdec.sampling.transforms import make_generator
-from specdec.serving.convert import sampling_from_pb
+from specdec.serving.convert import forward_costs_from_pb, sampling_from_pb
 from specdec.serving.errors import grpc_errors, grpc_stream_errors
 from specdec.serving.grpc_server import RunningServer, start_server
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -78,6 +79,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             default_spec_length=s.config.spec_length,
             max_spec_length=s.max_spec_length,
             max_new_tokens_default=s.config.max_new_tokens_default,
+            adaptive_k=s.config.adaptive_k and s.scheduler.planner.can_adapt,
         )
         if s.draft is not None:
             info.draft.CopyFrom(await s.draft.info())
@@ -121,6 +123,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if speculate and s.draft is None:
             raise InvalidArgumentError("speculation.enabled: this gateway runs without a draft model")
         spec_length = spec.spec_length if spec.HasField("spec_length") else s.config.spec_length
+        adaptive = spec.adaptive if spec.HasField("adaptive") else s.config.adaptive_k and not spec.HasField("spec_length")
         if speculate and not 1 <= spec_length <= s.max_spec_length:
             raise InvalidArgumentError(f"speculation.spec_length: {spec_length} is outside [1, {s.max_spec_length}]")
         eos = set(s.target_info.eos_token_ids)
@@ -130,6 +133,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             sampling=sampling,
             max_new_tokens=request.max_new_tokens or s.config.max_new_tokens_default,
             spec_length=spec_length if speculate else 0,
+            adaptive=adaptive,
             detokenizer=StopStringDetokenizer(s.tokenizer, list(request.stop), eos),
             generator=make_generator(sampling.seed, "cpu"),
             draft_sampling=dataclasses.replace(
@@ -155,6 +159,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             ),
             timings=gateway_pb2.Timings(time_to_first_token_s=ttft, total_s=total, tokens_per_s=rate),
             error_message=error,
+            anatomy=gateway_pb2.RoundAnatomy(**{f"{name}_s": value for name, value in seq.anatomy.seconds.items()}),
         )
 
 
@@ -177,13 +182,17 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
         raise InvalidArgumentError(f"spec_length {config.spec_length} exceeds the services' maximum {max_spec_length}")
     max_seq_len = min(info.max_seq_len for info in limits)
     metrics = GatewayMetrics()
+    planner = KPlanner(
+        forward_costs_from_pb(target_info),
+        forward_costs_from_pb(draft_info) if draft_info is not None and config.adaptive_k else [],
+    )
     pools = [
         PoolLimits(name, info.total_kv_tokens, info.block_size, info.max_slots)
         for name, info in zip(("target", "draft"), limits)
     ]
     scheduler = Scheduler(
         target, draft, pools, max_seq_len=max_seq_len, max_batch_size=config.max_batch_size,
-        max_queue=config.max_queue, spec_disable_batch_size=config.spec_disable_batch_size, metrics=metrics,
+        max_queue=config.max_queue, planner=planner, metrics=metrics,
     )
     state = GatewayState(config, target, draft, target_info, draft_info, tokenizer, scheduler, metrics, max_seq_len, max_spec_length)
     servicer = GatewayServicer(state)

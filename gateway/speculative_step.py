@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from gateway.model_clients import DraftClient, DraftProposal, TargetClient
+from gateway.model_clients import DraftClient, DraftProposal, TargetClient, Timed
 from gateway.sequence import Sequence
 from specdec.rpc_items import ProposeItem, VerifyItem
 from specdec.sampling.rejection_sampler import RejectionResult, greedy_accept, rejection_sample
@@ -38,11 +38,13 @@ def plan_k(seq: Sequence, max_seq_len: int) -> int:
     return max(0, min(seq.spec_length, room))
 
 
-async def propose(draft: DraftClient | None, seqs: list[Sequence], ks: dict[str, int]) -> dict[str, DraftProposal]:
+async def propose(
+    draft: DraftClient | None, seqs: list[Sequence], ks: dict[str, int]
+) -> Timed[dict[str, DraftProposal]]:
     """One batched Propose for every sequence with K >= 1."""
     speculating = [s for s in seqs if ks[s.slot_id] > 0]
     if not speculating:
-        return {}
+        return Timed({}, 0.0, 0.0)
     if draft is None:
         raise RuntimeError("K > 0 was planned without a draft service")
     for seq in speculating:
@@ -53,7 +55,9 @@ async def propose(draft: DraftClient | None, seqs: list[Sequence], ks: dict[str,
     ])
 
 
-async def verify(target: TargetClient, seqs: list[Sequence], proposals: dict[str, DraftProposal]) -> dict[str, torch.Tensor]:
+async def verify(
+    target: TargetClient, seqs: list[Sequence], proposals: dict[str, DraftProposal]
+) -> Timed[dict[str, torch.Tensor]]:
     """One batched Verify: [pending tokens, t1..tK] after each sequence's valid prefix."""
     empty = DraftProposal(tokens=[], probs=None)
     return await target.verify([
@@ -62,24 +66,67 @@ async def verify(target: TargetClient, seqs: list[Sequence], proposals: dict[str
     ])
 
 
-def accept(seq: Sequence, logits: torch.Tensor, proposal: DraftProposal | None) -> RejectionResult:
-    """Accept a prefix of the draft and add one recovered or bonus token.
+PAD_TOKEN_ID = -1  # marks positions past a request's K in the padded [batch, K_max] tensors
 
-    `logits` [K+1, vocab] are the target's raw logits; they get the request's transforms
-    here, with the repetition-penalty context growing through the draft tokens — the same
-    context the draft used for q.
+
+def _padded_round(
+    seqs: list[Sequence], logits: dict[str, torch.Tensor], proposals: dict[str, DraftProposal]
+) -> tuple[torch.Tensor, torch.Tensor, list[int], list[list[int]]]:
+    """Stack the sequences' verify logits and draft tokens into batch tensors.
+
+    Returns logits [B, K_max+1, vocab], draft tokens [B, K_max] (PAD_TOKEN_ID past each
+    row's K), the K of each row and each row's drafted tokens as lists.
     """
-    drafted = proposal.tokens if proposal else []
-    k = len(drafted)
-    tokens = torch.tensor([drafted], dtype=torch.long).view(1, k)  # [1, K]
-    if seq.sampling.is_greedy:
-        scores = logits[None].float()  # [1, K+1, vocab]
-        if seq.sampling.repetition_penalty != 1.0:
-            scores = chunk_apply_repetition_penalty(scores, [seq.tokens], [drafted], seq.sampling.repetition_penalty)
-        return greedy_accept(scores, tokens, [k])
-    p = chunk_logits_to_probs(logits[None], [seq.sampling], [seq.tokens], [drafted])  # [1, K+1, vocab]
-    q = proposal.probs[None] if proposal and proposal.probs is not None else p.new_zeros(1, 0, p.shape[-1])  # [1, K, vocab]
-    return rejection_sample(p, q, tokens, [k], [seq.generator])
+    drafted = [proposals[s.slot_id].tokens if s.slot_id in proposals else [] for s in seqs]
+    ks = [len(d) for d in drafted]
+    k_max = max(ks)
+    rows = [logits[s.slot_id] for s in seqs]  # [K_b+1, vocab] each
+    vocab = rows[0].shape[-1]
+    stacked = rows[0].new_zeros(len(seqs), k_max + 1, vocab)  # [B, K_max+1, vocab]
+    for b, row in enumerate(rows):
+        stacked[b, : row.shape[0]] = row
+    tokens = torch.tensor([d + [PAD_TOKEN_ID] * (k_max - len(d)) for d in drafted], dtype=torch.long)
+    return stacked, tokens.view(len(seqs), k_max), ks, drafted  # tokens: [B, K_max]
+
+
+def accept_all(
+    seqs: list[Sequence], logits: dict[str, torch.Tensor], proposals: dict[str, DraftProposal]
+) -> dict[str, RejectionResult]:
+    """Accept a prefix of each draft and add one recovered or bonus token, for the whole round.
+
+    One `greedy_accept` call for the greedy requests and one `rejection_sample` call for the
+    sampled ones. The target's raw logits get each request's transforms here, with the
+    repetition-penalty context growing through the draft tokens: the same context the
+    draft used for q. Pure tensor work: it runs on the gateway's sampler thread.
+    """
+    results: dict[str, RejectionResult] = {}
+    greedy = [s for s in seqs if s.sampling.is_greedy]
+    sampled = [s for s in seqs if not s.sampling.is_greedy]
+    if greedy:
+        scores, tokens, ks, drafted = _padded_round(greedy, logits, proposals)  # [G, K+1, vocab], [G, K]
+        scores = scores.float()
+        penalties = [s.sampling.repetition_penalty for s in greedy]
+        if any(p != 1.0 for p in penalties):
+            scores = chunk_apply_repetition_penalty(scores, [s.tokens for s in greedy], drafted, penalties)
+        batch = greedy_accept(scores, tokens, ks)
+        results.update(_split(greedy, batch))
+    if sampled:
+        raw, tokens, ks, drafted = _padded_round(sampled, logits, proposals)  # [S, K+1, vocab], [S, K]
+        p = chunk_logits_to_probs(raw, [s.sampling for s in sampled], [s.tokens for s in sampled], drafted)
+        q = p.new_zeros(len(sampled), tokens.shape[1], p.shape[-1])  # [S, K, vocab]; zero rows past each K
+        for b, seq in enumerate(sampled):
+            drafted_q = proposals[seq.slot_id].probs if seq.slot_id in proposals else None  # [K_b, vocab]
+            if drafted_q is not None:
+                q[b, : drafted_q.shape[0]] = drafted_q
+        batch = rejection_sample(p, q, tokens, ks, [s.generator for s in sampled])
+        results.update(_split(sampled, batch))
+    return results
+
+
+def _split(seqs: list[Sequence], batch: RejectionResult) -> dict[str, RejectionResult]:
+    return {
+        s.slot_id: RejectionResult([batch.output_tokens[b]], [batch.num_accepted[b]]) for b, s in enumerate(seqs)
+    }
 
 
 def advance(seq: Sequence, k: int, num_accepted: int) -> None:
@@ -94,13 +141,6 @@ def advance(seq: Sequence, k: int, num_accepted: int) -> None:
         seq.draft_valid = length + min(num_accepted, k - 1)
 
 
-def accept_all(
-    seqs: list[Sequence], logits: dict[str, torch.Tensor], proposals: dict[str, DraftProposal]
-) -> dict[str, RejectionResult]:
-    """`accept` for every sequence: pure tensor work, run on the gateway's sampler thread."""
-    return {s.slot_id: accept(s, logits[s.slot_id], proposals.get(s.slot_id)) for s in seqs}
-
-
 def first_tokens(seqs: list[Sequence], logits: dict[str, torch.Tensor]) -> dict[str, int]:
     """The first completion token of each newly prefilled sequence, from its last-prompt logits."""
     out = {}
@@ -112,47 +152,74 @@ def first_tokens(seqs: list[Sequence], logits: dict[str, torch.Tensor]) -> dict[
 
 @dataclass(frozen=True)
 class RoundReport:
-    """What one round did, for statistics: K and accepted count per slot, and phase times."""
+    """What one round did, for statistics and the K planner: K and accepted count per slot,
+    and where the round's time went."""
 
     ks: dict[str, int]
     num_accepted: dict[str, int]
-    propose_s: float
-    verify_s: float
+    #: Propose and Verify: compute inside the service, and wall time seen by the gateway.
+    propose: Timed[None]
+    verify: Timed[None]
+    #: The gateway's acceptance step (rejection sampling / greedy matching) for the batch.
+    accept_s: float
+    #: The whole round, wall clock.
+    total_s: float
     #: Propose failed and the round ran as plain decoding.
     draft_failed: bool = False
 
+    def phases(self) -> dict[str, float]:
+        """The round's wall time split by `ROUND_PHASES`."""
+        rpc = self.propose.wall_s - self.propose.compute_s + self.verify.wall_s - self.verify.compute_s
+        counted = self.propose.compute_s + self.verify.compute_s + max(0.0, rpc) + self.accept_s
+        return {
+            "draft_compute": self.propose.compute_s,
+            "verify_compute": self.verify.compute_s,
+            "rpc": max(0.0, rpc),
+            "accept": self.accept_s,
+            "other": max(0.0, self.total_s - counted),
+        }
+
+    @property
+    def overhead_s(self) -> float:
+        """Round time spent outside both services' compute: RPCs, (de)serialisation, acceptance."""
+        return max(0.0, self.total_s - self.propose.compute_s - self.verify.compute_s)
+
 
 async def run_round(
-    target: TargetClient, draft: DraftClient | None, seqs: list[Sequence], max_seq_len: int, sampler: ModelWorker
+    target: TargetClient, draft: DraftClient | None, seqs: list[Sequence], ks: dict[str, int], sampler: ModelWorker,
+    max_seq_len: int,
 ) -> RoundReport:
-    """Propose, verify, accept and advance every sequence by one round."""
-    ks = {s.slot_id: plan_k(s, max_seq_len) if draft is not None else 0 for s in seqs}
+    """Propose, verify, accept and advance every sequence by one round with the planned `ks`."""
     started = time.perf_counter()
     draft_error = None
     try:
-        proposals = await propose(draft, seqs, ks)
+        proposed = await propose(draft, seqs, ks)
     except grpc.aio.AioRpcError as error:
         # The draft only ever speeds things up: without it the round is plain decoding
         # (K = 0), with the very same output. The next Propose resends each whole
         # sequence (valid_len 0), which rebuilds the draft's cache whatever it kept.
         log.warning("Propose failed (%s: %s); this round decodes without speculation", error.code().name, error.details())
         draft_error = error
-        proposals = {}
+        proposed = Timed({}, 0.0, time.perf_counter() - started)
         for seq in seqs:
             seq.draft_valid = 0
-    proposed = time.perf_counter()
-    logits = await verify(target, seqs, proposals)
-    verified = time.perf_counter()
-    results = await sampler.run(accept_all, seqs, logits, proposals)
+    proposals = proposed.value
+    verified = await verify(target, seqs, proposals)
+    accept_started = time.perf_counter()
+    results = await sampler.run(accept_all, seqs, verified.value, proposals)
+    accept_s = time.perf_counter() - accept_started
+    done = {}
     for seq in seqs:
         k = len(proposals[seq.slot_id].tokens) if seq.slot_id in proposals else 0
-        ks[seq.slot_id] = k
+        done[seq.slot_id] = k
         advance(seq, k, results[seq.slot_id].num_accepted[0])
         seq.emit(results[seq.slot_id].output_tokens[0], max_seq_len)
     return RoundReport(
-        ks=ks,
+        ks=done,
         num_accepted={slot: r.num_accepted[0] for slot, r in results.items()},
-        propose_s=proposed - started,
-        verify_s=verified - proposed,
+        propose=Timed(None, proposed.compute_s, proposed.wall_s),
+        verify=Timed(None, verified.compute_s, verified.wall_s),
+        accept_s=accept_s,
+        total_s=time.perf_counter() - started,
         draft_failed=draft_error is not None,
     )

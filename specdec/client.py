@@ -38,6 +38,9 @@ class GenerationResult:
     num_accepted_tokens: int = 0
     time_to_first_token_s: float = 0.0
     tokens_per_s: float = 0.0
+    total_s: float = 0.0
+    #: Seconds the request's rounds spent per phase (draft_compute, verify_compute, rpc, accept, other).
+    anatomy: dict[str, float] = field(default_factory=dict)
     #: Token ids of each streamed message, to see how many tokens each round delivered.
     chunks: list[list[int]] = field(default_factory=list)
 
@@ -50,6 +53,9 @@ class GenerationResult:
             "completion_tokens": self.completion_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "num_rounds": self.num_rounds,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
             "time_to_first_token_s": round(self.time_to_first_token_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 2),
         }
@@ -67,6 +73,7 @@ def build_request(
     stop: Sequence[str] = (),
     speculative: bool | None = None,
     spec_length: int | None = None,
+    adaptive: bool | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest: a string is a raw prompt, a list of {role, content} is a chat."""
     sampling = common_pb2.SamplingParams(
@@ -79,6 +86,8 @@ def build_request(
         speculation.enabled = speculative
     if spec_length is not None:
         speculation.spec_length = spec_length
+    if adaptive is not None:
+        speculation.adaptive = adaptive
     request = gateway_pb2.GenerateRequest(
         max_new_tokens=max_new_tokens, sampling=sampling, stop=list(stop), speculation=speculation
     )
@@ -147,3 +156,6 @@ def apply_completion(result: GenerationResult, completion: gateway_pb2.Completio
     result.num_accepted_tokens = completion.speculation.num_accepted_tokens
     result.time_to_first_token_s = completion.timings.time_to_first_token_s
     result.tokens_per_s = completion.timings.tokens_per_s
+    result.total_s = completion.timings.total_s
+    anatomy = completion.anatomy
+    result.anatomy = {f.name.removesuffix("_s"): getattr(anatomy, f.name) for f in anatomy.DESCRIPTOR.fields}

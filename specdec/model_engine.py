@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.cost_model import ForwardCost
 from specdec.errors import CapacityExhaustedError, InvalidArgumentError, SlotNotFoundError
+from specdec.model.cost_profile import measure_forward_costs
 from specdec.model.runtime import ModelRuntime
 from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.serving.config import ModelServiceConfig
@@ -39,6 +41,7 @@ class EngineInfo:
     dtype: str
     device: str
     quantization: str
+    forward_costs: tuple[ForwardCost, ...] = ()
 
 
 class ModelEngine:
@@ -55,6 +58,12 @@ class ModelEngine:
         self.max_seq_len = min(limits)
         #: Token ids held in each slot's cache, in order (the draft's repetition-penalty context).
         self.tokens: dict[str, list[int]] = {}
+        #: Forward costs measured on this machine at start-up (empty when disabled).
+        self.forward_costs: tuple[ForwardCost, ...] = ()
+        if config.measure_costs:
+            self.forward_costs = tuple(measure_forward_costs(
+                self.forward, self.cache, max_batch=config.max_slots, max_tokens=config.max_spec_tokens + 1,
+            ))
         log.info(
             "%s: KV pool of %d tokens (%d blocks of %d), %.0f MiB; max_seq_len %d",
             runtime.loaded.name, self.cache.capacity_tokens, self.cache.blocks.num_blocks, self.cache.block_size,
@@ -79,6 +88,7 @@ class ModelEngine:
             dtype=str(self.forward.dtype).removeprefix("torch."),
             device=str(self.cache.device),
             quantization="" if self.runtime.quantization == "none" else self.runtime.quantization,
+            forward_costs=self.forward_costs,
         )
 
     def truncate(self, slot_id: str, new_len: int) -> int:
@@ -154,8 +164,9 @@ class ModelEngine:
     def _run(self, chunks: list[tuple[str, list[int]]], logits: str) -> list[torch.Tensor]:
         """One batched forward that appends each chunk to its slot; all or nothing."""
         before = {slot_id: len(self.tokens[slot_id]) for slot_id, _ in chunks}
+        self.cache.blocks.append_many([(slot_id, len(tokens)) for slot_id, tokens in chunks])  # all or nothing
         try:
-            out = self.forward.run(self.cache, chunks, logits=logits)
+            out = self.forward.compute(self.cache, chunks, logits=logits)
         except BaseException:
             for slot_id, length in before.items():  # undo a partial append
                 if self.cache.blocks.length(slot_id) > length:

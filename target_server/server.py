@@ -26,12 +26,13 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
         self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.PrefillResponse:
         items = [prefill_item_from_pb(item) for item in request.items]
-        results = await self.worker.run(self.engine.prefill, items)
+        results, compute_s = await self.worker.run_timed(self.engine.prefill, items)
         return target_pb2.PrefillResponse(
             results=[
                 target_pb2.PrefillResult(slot_id=r.slot_id, logits=encode_tensor(r.logits), cached_len=r.cached_len)
                 for r in results
-            ]
+            ],
+            compute_s=compute_s,
         )
 
     @grpc_errors
@@ -39,12 +40,13 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
         self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.VerifyResponse:
         items = [verify_item_from_pb(item) for item in request.items]
-        results = await self.worker.run(self.engine.verify, items)
+        results, compute_s = await self.worker.run_timed(self.engine.verify, items)
         return target_pb2.VerifyResponse(
             results=[
                 target_pb2.VerifyResult(slot_id=r.slot_id, logits=encode_tensor(r.logits), cached_len=r.cached_len)
                 for r in results
-            ]
+            ],
+            compute_s=compute_s,
         )
 
 

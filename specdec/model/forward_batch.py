@@ -22,7 +22,8 @@ class ForwardBatch:
 
     input_ids: torch.Tensor  # [B, T] new tokens, right-padded with 0
     positions: torch.Tensor  # [B, T] absolute position of each new token
-    token_mask: torch.Tensor  # [B, T] bool, True for real (non-padding) tokens
+    token_rows: torch.Tensor  # [n_real] index of each real (non-padding) token in the flattened [B*T]
+    last_rows: torch.Tensor  # [B] index of each chunk's last token in the flattened [B*T]
     write_index: torch.Tensor  # [n_real] flat cache row of each real token, row-major over (B, T)
     context_index: torch.Tensor  # [B, L] flat cache rows of each request's whole context, padded
     attn_mask: torch.Tensor  # [B, 1, T, L] bool, True where a query may attend a key
@@ -30,20 +31,18 @@ class ForwardBatch:
 
     def flat_rows(self, which: str) -> torch.Tensor:
         """Indices into the flattened [B*T] hidden states: "last" token of each chunk, or "all" real tokens."""
-        width = self.input_ids.shape[1]
-        lens = torch.tensor(self.chunk_lens, device=self.input_ids.device)
-        starts = torch.arange(len(self.chunk_lens), device=self.input_ids.device) * width
         if which == "last":
-            return starts + lens - 1  # [B]
+            return self.last_rows
         if which == "all":
-            return torch.nonzero(self.token_mask.reshape(-1), as_tuple=False).squeeze(1)  # [n_real]
+            return self.token_rows
         raise ValueError(f"which must be 'last' or 'all', got {which!r}")
 
 
 def build_forward_batch(cache: PagedKVCache, chunks: list[tuple[str, list[int]]]) -> ForwardBatch:
-    """Append each chunk to its slot (all or nothing) and return the batch's index tensors.
+    """The index tensors of one forward over chunks ALREADY appended to their slots.
 
-    The slots must exist and already be rolled back to where the chunk starts.
+    Pure: it only reads the block tables (the engine allocated the blocks, e.g. with
+    `cache.blocks.append_many`); each chunk is the last `len(tokens)` tokens of its slot.
     """
     if not chunks:
         raise InvalidArgumentError("batch is empty")
@@ -51,8 +50,11 @@ def build_forward_batch(cache: PagedKVCache, chunks: list[tuple[str, list[int]]]
         if not tokens:
             raise InvalidArgumentError(f"slot {slot_id!r}: chunk has no tokens")
     device = cache.device
-    starts = [cache.blocks.length(slot_id) for slot_id, _ in chunks]
-    write_rows = cache.blocks.append_many([(slot_id, len(tokens)) for slot_id, tokens in chunks])
+    ends = [cache.blocks.length(slot_id) for slot_id, _ in chunks]
+    starts = [end - len(tokens) for end, (_, tokens) in zip(ends, chunks)]
+    if min(starts) < 0:
+        raise InvalidArgumentError("a chunk is longer than its slot: append the chunks to their slots first")
+    write_rows = [cache.blocks.positions(slot_id, start) for (slot_id, _), start in zip(chunks, starts)]
 
     chunk_lens = [len(tokens) for _, tokens in chunks]
     width = max(chunk_lens)
@@ -63,6 +65,7 @@ def build_forward_batch(cache: PagedKVCache, chunks: list[tuple[str, list[int]]]
     len_t = torch.tensor(chunk_lens, dtype=torch.long, device=device)  # [B]
     positions = start_t[:, None] + offsets[None, :]  # [B, T]
     token_mask = offsets[None, :] < len_t[:, None]  # [B, T]
+    flat = torch.arange(len(chunks) * width, device=device).view(len(chunks), width)  # [B, T]
     write_index = torch.tensor([row for rows in write_rows for row in rows], dtype=torch.long, device=device)
 
     context_lens = start_t + len_t  # [B]
@@ -77,7 +80,8 @@ def build_forward_batch(cache: PagedKVCache, chunks: list[tuple[str, list[int]]]
     return ForwardBatch(
         input_ids=input_ids,
         positions=positions,
-        token_mask=token_mask,
+        token_rows=flat[token_mask],
+        last_rows=flat[:, 0] + len_t - 1,
         write_index=write_index,
         context_index=context_index,
         attn_mask=attn_mask[:, None],

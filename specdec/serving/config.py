@@ -36,6 +36,8 @@ class ModelServiceConfig:
     #: Longest sequence a slot may hold; 0 means the model's own limit.
     max_seq_len: int = 0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    #: Time the forward pass over a small grid at start-up and advertise it in Info.
+    measure_costs: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -67,6 +69,7 @@ _HELP = {
     "max_spec_tokens": "largest K per request and round",
     "max_seq_len": "longest sequence per slot (0 = the model's limit)",
     "max_message_bytes": "largest gRPC message sent or received",
+    "measure_costs": "time the forward pass at start-up so the gateway can plan K from real costs",
 }
 _CHOICES: dict[str, Any] = {"dtype": sorted(DTYPES), "quantization": list(QUANTIZATIONS)}
 _ALIASES: dict[str, list[str]] = {"quantization": ["--quantize"]}
@@ -76,6 +79,12 @@ def add_config_flags(parser: argparse.ArgumentParser, defaults: ModelServiceConf
     """One `--flag` per config field, defaulting to `defaults`' values."""
     for field in fields(defaults):
         default = getattr(defaults, field.name)
+        if isinstance(default, bool):
+            parser.add_argument(
+                f"--{field.name.replace('_', '-')}", dest=field.name, action=argparse.BooleanOptionalAction,
+                default=default, help=f"{_HELP[field.name]} (default: {default})",
+            )
+            continue
         parser.add_argument(
             f"--{field.name.replace('_', '-')}", *_ALIASES.get(field.name, []), dest=field.name, type=type(default), default=default,
             choices=_CHOICES.get(field.name), help=f"{_HELP[field.name]} (default: {default})",

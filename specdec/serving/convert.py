@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from specdec.cost_model import ForwardCost
 from specdec.model_engine import EngineInfo
 from specdec.rpc_items import PrefillItem, ProposeItem, VerifyItem
 from specdec.sampling.params import SamplingParams
@@ -24,7 +25,15 @@ def engine_info_to_pb(info: EngineInfo) -> common_pb2.ModelInfo:
         dtype=info.dtype,
         device=info.device,
         quantization=info.quantization,
+        forward_costs=[
+            common_pb2.ForwardCost(batch_size=c.batch_size, tokens=c.tokens, seconds=c.seconds)
+            for c in info.forward_costs
+        ],
     )
+
+
+def forward_costs_from_pb(info: common_pb2.ModelInfo) -> list[ForwardCost]:
+    return [ForwardCost(c.batch_size, c.tokens, c.seconds) for c in info.forward_costs]
 
 
 def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:

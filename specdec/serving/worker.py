@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
@@ -26,6 +27,16 @@ class ModelWorker:
     async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    async def run_timed(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> tuple[T, float]:
+        """`run`, plus the seconds `fn` itself took on the worker (queueing excluded)."""
+
+        def timed() -> tuple[T, float]:
+            started = time.perf_counter()
+            result = fn(*args, **kwargs)
+            return result, time.perf_counter() - started
+
+        return await self.run(timed)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

@@ -33,7 +33,7 @@ from target_server.config import TargetConfig
 from target_server.engine import TargetEngine
 from target_server.server import create_server as create_target_server
 
-POOL: dict[str, Any] = dict(kv_token_budget=8192, block_size=16, max_slots=32, max_spec_tokens=8)
+POOL: dict[str, Any] = dict(kv_token_budget=8192, block_size=16, max_slots=32, max_spec_tokens=8, measure_costs=False)
 
 
 @dataclass
@@ -95,8 +95,9 @@ def start_stack(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterato
             target_address=f"127.0.0.1:{servers[0].port}",
             draft_address=f"127.0.0.1:{servers[1].port}" if draft_engine else "",
             port=0,
-            # Speculate at any batch size by default, so concurrent tests exercise batched rounds.
-            **{"speculative": draft_engine is not None, "spec_disable_batch_size": 0, **gateway},
+            # A fixed K by default, so tests exercise batched rounds at every batch size and the
+            # reject path of the weak draft; the adaptive planner has tests of its own.
+            **{"speculative": draft_engine is not None, "adaptive_k": False, **gateway},
         )
         gateway_server = service_loop.run(create_gateway(config))
         stack = Stack(target_engine, draft_engine, gateway_server, servers)

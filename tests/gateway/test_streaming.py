@@ -120,17 +120,16 @@ def test_deadline_exceeded_frees_slots(int8_stack) -> None:  # type: ignore[no-u
     int8_stack.wait_until_idle()
 
 
-def test_crowded_rounds_skip_speculation_and_stay_exact(start_stack, int8_runtime, int8_stack) -> None:  # type: ignore[no-untyped-def]
-    """With spec_disable_batch_size=2, rounds with two or more running requests decode plainly."""
-    def four_at_once(stack):  # type: ignore[no-untyped-def]
-        with stack.client() as client, ThreadPoolExecutor(4) as pool:
-            return list(pool.map(lambda q: client.generate(_chat(q), max_new_tokens=16), QUESTIONS[:4]))
-
-    crowded_stack = start_stack(int8_runtime, spec_disable_batch_size=2)
-    crowded, free = four_at_once(crowded_stack), four_at_once(int8_stack)
-    with crowded_stack.client() as client:
-        alone = client.generate(_chat(QUESTIONS[0]), max_new_tokens=16)
-    assert alone.num_rounds > 0  # alone, it speculates
-    assert [r.token_ids for r in crowded] == [r.token_ids for r in free]
-    assert sum(r.num_rounds for r in crowded) < sum(r.num_rounds for r in free) / 2
-    crowded_stack.wait_until_idle()
+def test_adaptive_k_turns_a_weak_draft_off_and_stays_exact(start_stack, weak_runtime, weak_stack) -> None:  # type: ignore[no-untyped-def]
+    """With measured costs, the planner stops drafting for a draft that is almost never accepted."""
+    measured = {"measure_costs": True}
+    adaptive_stack = start_stack(weak_runtime, adaptive_k=True, target=measured, draft=measured)
+    with adaptive_stack.client() as client:
+        assert client.info().adaptive_k
+        adaptive = client.generate(_chat(QUESTIONS[0]), max_new_tokens=48)
+    with weak_stack.client() as client:
+        fixed = client.generate(_chat(QUESTIONS[0]), max_new_tokens=48, spec_length=4)
+        plain = client.generate(_chat(QUESTIONS[0]), max_new_tokens=48, speculative=False)
+    assert adaptive.token_ids == fixed.token_ids == plain.token_ids
+    assert adaptive.num_draft_tokens < fixed.num_draft_tokens / 2
+    adaptive_stack.wait_until_idle()

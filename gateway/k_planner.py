@@ -1,0 +1,174 @@
+"""Choose K (draft tokens per request) for every round from measured costs and acceptance.
+
+Each round the planner predicts, with `specdec.cost_model`, how many tokens per second
+the batch would emit for each uniform K from 0 up to the largest allowed, and keeps the
+best. It then turns speculation off for any request whose own K > 0 lowers the batch's
+rate (a request whose draft is rarely accepted). K = 0 for every request is plain
+decoding, so speculation switches itself off when it does not pay: a weak draft, a
+crowded batch on a compute-bound target, an expensive draft step.
+
+Inputs, all measured:
+- forward costs of both services, timed at their start-up (`ModelInfo.forward_costs`),
+  rescaled online by the ratio of the compute time the services report to the predicted
+  one (the machine may be busier than at start-up);
+- the round overhead outside both services' compute (RPCs, acceptance), an EMA;
+- per-position acceptance α_j per request (an EMA, started from the batch-wide EMA).
+A request that runs with K = 0 by choice is re-probed with a small K every
+`probe_every` rounds, so its α estimate (and the decision) can recover.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from gateway.sequence import Sequence
+from gateway.speculative_step import RoundReport
+from specdec.cost_model import CostTable, ForwardCost, RoundCostModel
+
+#: Why a round speculated less than it could, as exported in the metrics.
+OFF_REASONS = ("not_paying", "batch", "draft_unavailable")
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Per-position acceptance probabilities α_1..α_K as exponential moving averages."""
+
+    alphas: list[float]
+    weight: float
+
+    def observe(self, k: int, num_accepted: int) -> None:
+        """A round drafted k tokens and accepted the first `num_accepted`: positions 1..n were
+        accepted, position n+1 (if drafted) was rejected, later ones were never judged."""
+        judged = min(num_accepted + 1, k)
+        self.alphas.extend([self.alphas[-1]] * (judged - len(self.alphas)))  # new positions start from the last
+        for j in range(judged):
+            outcome = 1.0 if j < num_accepted else 0.0
+            self.alphas[j] += self.weight * (outcome - self.alphas[j])
+
+
+@dataclass
+class _Scale:
+    """EMA of measured ÷ predicted seconds for one service."""
+
+    value: float = 1.0
+
+    def observe(self, measured: float, predicted: float, weight: float) -> None:
+        if measured > 0 and predicted > 0:
+            self.value += weight * (measured / predicted - self.value)
+
+
+@dataclass
+class KPlanner:
+    """Plans K per request and round; see the module docstring."""
+
+    target_costs: Seq[ForwardCost]
+    draft_costs: Seq[ForwardCost]
+    #: Prior for every position before any round was observed.
+    prior_alpha: float = 0.8
+    #: EMA weights: a request's own acceptance, the batch-wide prior, costs and overhead.
+    request_weight: float = 0.3
+    global_weight: float = 0.05
+    cost_weight: float = 0.1
+    #: A request kept at K = 0 by choice drafts `probe_k` tokens every `probe_every` rounds.
+    probe_every: int = 16
+    probe_k: int = 2
+    overhead_s: float = 0.0
+    global_alpha: AcceptanceEstimate = field(init=False)
+    _target: CostTable | None = field(init=False)
+    _draft: CostTable | None = field(init=False)
+    _target_scale: _Scale = field(default_factory=_Scale, init=False)
+    _draft_scale: _Scale = field(default_factory=_Scale, init=False)
+    _estimates: dict[str, AcceptanceEstimate] = field(default_factory=dict, init=False)
+    _idle_rounds: dict[str, int] = field(default_factory=dict, init=False)
+    #: Reason the last round drafted nothing for some request that could have speculated.
+    last_off_reason: str | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.global_alpha = AcceptanceEstimate([self.prior_alpha], self.global_weight)
+        self._target = CostTable(self.target_costs) if self.target_costs else None
+        self._draft = CostTable(self.draft_costs) if self.draft_costs else None
+
+    @property
+    def can_adapt(self) -> bool:
+        """Both services advertised their costs (they measure them at start-up by default)."""
+        return self._target is not None and self._draft is not None
+
+    def cost_model(self) -> RoundCostModel:
+        if self._target is None:
+            raise RuntimeError("no target cost table: the target did not measure its costs")
+        return RoundCostModel(
+            target=self._target.scaled(self._target_scale.value),
+            draft=self._draft.scaled(self._draft_scale.value) if self._draft else None,
+            overhead_s=self.overhead_s,
+        )
+
+    def alphas(self, seq: Sequence) -> list[float]:
+        estimate = self._estimates.get(seq.slot_id)
+        return estimate.alphas if estimate is not None else self.global_alpha.alphas
+
+    def plan(self, seqs: list[Sequence], caps: dict[str, int], adaptive: dict[str, bool]) -> dict[str, int]:
+        """K per request: `caps` bounds each (its requested or remaining room), adaptive
+        requests get the planner's choice in 0..cap, the others their cap."""
+        ks = dict(caps)
+        flexible = [s for s in seqs if adaptive[s.slot_id] and caps[s.slot_id] > 0]
+        self.last_off_reason = None
+        if not flexible or not self.can_adapt:
+            return ks
+        model = self.cost_model()
+        alphas = [self.alphas(s) for s in seqs]
+        best_rate, best_k = -1.0, 0
+        for k in range(max(caps[s.slot_id] for s in flexible) + 1):
+            uniform = [min(k, caps[s.slot_id]) if s in flexible else ks[s.slot_id] for s in seqs]
+            rate = model.tokens_per_second(uniform, alphas)
+            if rate > best_rate:
+                best_rate, best_k = rate, k
+        for s in flexible:
+            ks[s.slot_id] = min(best_k, caps[s.slot_id])
+        if best_k == 0:
+            self.last_off_reason = "not_paying" if len(seqs) == 1 else "batch"
+        else:  # drop requests whose own drafting costs the batch more than it yields
+            for s in flexible:
+                trial = dict(ks, **{s.slot_id: 0})
+                rate = model.tokens_per_second([trial[x.slot_id] for x in seqs], alphas)
+                if rate > best_rate:
+                    ks, best_rate = trial, rate
+                    self.last_off_reason = "not_paying"
+        for s in flexible:  # re-probe requests that have been off for a while
+            if ks[s.slot_id] == 0:
+                idle = self._idle_rounds.get(s.slot_id, 0) + 1
+                self._idle_rounds[s.slot_id] = idle
+                if idle >= self.probe_every:
+                    ks[s.slot_id] = min(self.probe_k, caps[s.slot_id])
+            else:
+                self._idle_rounds[s.slot_id] = 0
+        return ks
+
+    def observe(self, seqs: list[Sequence], report: RoundReport) -> None:
+        """Learn from a finished round: acceptance per request, cost scales, overhead."""
+        for seq in seqs:
+            k, accepted = report.ks[seq.slot_id], report.num_accepted[seq.slot_id]
+            if k == 0:
+                continue
+            estimate = self._estimates.get(seq.slot_id)
+            if estimate is None:
+                estimate = AcceptanceEstimate(list(self.global_alpha.alphas), self.request_weight)
+                self._estimates[seq.slot_id] = estimate
+            estimate.observe(k, accepted)
+            self.global_alpha.observe(k, accepted)
+            if k > 0 and seq.slot_id in self._idle_rounds:
+                self._idle_rounds[seq.slot_id] = 0
+        ks = [report.ks[s.slot_id] for s in seqs]
+        if self._target is not None and report.verify.compute_s > 0:  # unscaled table: the EMA tracks the ratio
+            predicted = self._target.seconds(len(ks), 1 + sum(ks) / len(ks))
+            self._target_scale.observe(report.verify.compute_s, predicted, self.cost_weight)
+        spec = [k for k in ks if k > 0]
+        if self._draft is not None and spec and report.propose.compute_s > 0:
+            predicted = sum(self._draft.step(sum(1 for k in spec if k >= j)) for j in range(1, max(spec) + 1))
+            self._draft_scale.observe(report.propose.compute_s, predicted, self.cost_weight)
+        self.overhead_s += self.cost_weight * (report.overhead_s - self.overhead_s)
+
+    def forget(self, seq: Sequence) -> None:
+        """Drop a finished request's state."""
+        self._estimates.pop(seq.slot_id, None)
+        self._idle_rounds.pop(seq.slot_id, None)

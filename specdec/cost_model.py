@@ -1,0 +1,117 @@
+"""The speed model of speculative decoding: what a round costs and what it yields.
+
+A round with K draft tokens costs K draft steps plus one (K+1)-token verify, and emits
+1 + Σ_{i=1..K} Π_{j≤i} α_j tokens on average, where α_j is the chance that draft token j
+is accepted given tokens 1..j-1 were (Leviathan et al. 2023, Thm 3.8, with per-position
+acceptance and a measured verify cost instead of a free one). Plain decoding is K = 0:
+one 1-token step per token. Costs come from the services' own start-up measurements
+(`ForwardCost`), so the model holds on whatever hardware they run.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """Seconds one forward took over `batch_size` requests of `tokens` new tokens each."""
+
+    batch_size: int
+    tokens: int
+    seconds: float
+
+
+def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), extended linearly past both ends; xs ascending."""
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]  # a single point: assume cost proportional to size
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+class CostTable:
+    """Forward-pass seconds for any (batch size, tokens per request), from a measured grid.
+
+    Interpolates linearly in tokens within each measured batch size, then linearly in
+    batch size; outside the grid it extends the nearest segment.
+    """
+
+    def __init__(self, costs: Sequence[ForwardCost], scale: float = 1.0) -> None:
+        if not costs:
+            raise ValueError("a cost table needs at least one measurement")
+        rows: dict[int, dict[int, float]] = {}
+        for cost in costs:
+            rows.setdefault(cost.batch_size, {})[cost.tokens] = cost.seconds
+        self._batches = sorted(rows)
+        self._rows = {b: (sorted(rows[b]), [rows[b][t] for t in sorted(rows[b])]) for b in self._batches}
+        self._costs = tuple(costs)
+        #: Correction factor applied to every figure (measured online ÷ measured at start-up).
+        self.scale = scale
+
+    def scaled(self, factor: float) -> CostTable:
+        """The same table with every figure multiplied by `factor`."""
+        return CostTable(self._costs, factor)
+
+    def seconds(self, batch_size: int, tokens: float) -> float:
+        per_batch = [_interpolate(*self._rows[b], tokens) for b in self._batches]
+        return self.scale * _interpolate(self._batches, per_batch, batch_size)
+
+    def step(self, batch_size: int = 1) -> float:
+        """One 1-token decode step over `batch_size` requests."""
+        return self.seconds(batch_size, 1)
+
+
+def expected_tokens(alphas: Sequence[float], k: int) -> float:
+    """Mean tokens a round emits with `k` draft tokens: accepted ones plus the recovered or bonus one.
+
+    `alphas[j]` is the acceptance probability of draft position j+1 given the earlier ones
+    were accepted; positions past the list reuse its last entry.
+    """
+    total, survive = 1.0, 1.0
+    for j in range(k):
+        survive *= alphas[min(j, len(alphas) - 1)] if alphas else 0.0
+        total += survive
+    return total
+
+
+def expected_speedup(alpha: float, k: int, c: float, s: float) -> float:
+    """S(K) = [(1−α^(K+1))/(1−α)] / (K·c + 1 + K·s) for one request.
+
+    `c` is a draft step ÷ a target step, `s` the extra cost of each verified token ÷ a
+    target step. This is the closed form of `expected_tokens` for a constant α.
+    """
+    return expected_tokens([alpha], k) / (k * c + 1 + k * s)
+
+
+@dataclass(frozen=True)
+class RoundCostModel:
+    """Seconds of one round for a batch, from both services' tables plus a fixed overhead.
+
+    `overhead_s` is what a round costs besides the two services' compute (RPCs,
+    (de)serialisation, acceptance, scheduling), measured online by the gateway.
+    """
+
+    target: CostTable
+    draft: CostTable | None
+    overhead_s: float = 0.0
+
+    def round_seconds(self, ks: Sequence[int]) -> float:
+        """A round where request i drafts ks[i] tokens (0 = plain decoding for it)."""
+        batch = len(ks)
+        spec = [k for k in ks if k > 0]
+        seconds = self.overhead_s + self.target.seconds(batch, 1 + sum(ks) / batch)
+        if spec and self.draft is not None:
+            # Drafting step j runs over the requests with k >= j; the first step also feeds
+            # the tokens accepted last round (about one per request).
+            for step in range(1, max(spec) + 1):
+                seconds += self.draft.step(sum(1 for k in spec if k >= step))
+        return seconds
+
+    def tokens_per_second(self, ks: Sequence[int], alphas: Sequence[Sequence[float]]) -> float:
+        """Expected emitted tokens per second of a round with draft lengths `ks`."""
+        emitted = sum(expected_tokens(a, k) for a, k in zip(alphas, ks))
+        return emitted / self.round_seconds(ks)

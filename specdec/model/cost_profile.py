@@ -1,0 +1,71 @@
+"""Measure what one forward pass costs on this machine, at start-up.
+
+Speculation pays only when the draft is cheap next to the target and a (K+1)-token verify
+costs little more than a 1-token step; both ratios depend on the CPU or GPU, its kernels
+and its thread count. So each service times its own forward over a small grid of batch
+sizes and chunk widths, on temporary slots with a short context, and advertises the table
+(`ModelInfo.forward_costs`); the gateway plans K from it (`specdec.cost_model`).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+from specdec.cost_model import ForwardCost
+from specdec.kv_cache.paged_cache import PagedKVCache
+from specdec.model.llama import PagedLlama
+
+log = logging.getLogger(__name__)
+
+#: Requests per forward and new tokens per request that the profile times.
+BATCH_SIZES = (1, 4, 16)
+CHUNK_WIDTHS = (1, 2, 5, 9)
+#: Largest forward the profile times (batch × tokens); the cost table extends past it linearly.
+MAX_ROWS = 64
+#: Cached tokens each profiling slot holds before the timed forwards (a short chat prompt).
+CONTEXT_LEN = 48
+_SLOT_PREFIX = "\x00profile-"  # never a gateway slot id: those are printable
+
+
+def measure_forward_costs(
+    forward: PagedLlama, cache: PagedKVCache, *, max_batch: int, max_tokens: int, repeats: int = 2
+) -> list[ForwardCost]:
+    """Median seconds of one forward over `b` slots × `t` new tokens, for the grid within limits.
+
+    Uses (and afterwards frees) temporary slots in `cache`; grid points that do not fit the
+    pool are skipped. Token ids are arbitrary: the cost does not depend on them.
+    """
+    batches = [b for b in BATCH_SIZES if b <= max_batch]
+    widths = [t for t in CHUNK_WIDTHS if t <= max_tokens]
+    while batches and batches[-1] * (CONTEXT_LEN + widths[-1] + cache.block_size) > cache.blocks.free_tokens // 2:
+        batches.pop()  # leave at least half the pool free whatever its size
+    slots = [f"{_SLOT_PREFIX}{i}" for i in range(batches[-1])] if batches else []
+    costs: list[ForwardCost] = []
+    try:
+        for slot in slots:
+            cache.blocks.allocate(slot)
+        prompt = [(i * 7919) % forward.vocab_size for i in range(CONTEXT_LEN)]
+        forward.run(cache, [(slot, prompt) for slot in slots])
+        for batch in batches:
+            for width in (t for t in widths if t == 1 or batch * t <= MAX_ROWS):
+                chunk = prompt[:width]
+                times = []
+                for _ in range(repeats + 1):  # the first run warms up kernels and allocator
+                    for slot in slots[:batch]:
+                        cache.blocks.truncate_to(slot, CONTEXT_LEN)
+                    started = time.perf_counter()
+                    forward.run(cache, [(slot, chunk) for slot in slots[:batch]], logits="all")
+                    times.append(time.perf_counter() - started)
+                costs.append(ForwardCost(batch_size=batch, tokens=width, seconds=statistics.median(times[1:])))
+    finally:
+        for slot in slots:
+            if cache.blocks.has_slot(slot):
+                cache.blocks.free(slot)
+    if costs:
+        log.info(
+            "forward costs: 1 token %.1f ms, %d tokens %.1f ms (batch 1)",
+            costs[0].seconds * 1e3, widths[-1], costs[len(widths) - 1].seconds * 1e3,
+        )
+    return costs

@@ -1,0 +1,107 @@
+"""The adaptive-K planner with synthetic costs and acceptance: no services, no models."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from gateway.detokenizer import StopStringDetokenizer
+from gateway.k_planner import AcceptanceEstimate, KPlanner
+from gateway.model_clients import Timed
+from gateway.sequence import Sequence
+from gateway.speculative_step import RoundReport
+from specdec.cost_model import ForwardCost
+from specdec.sampling.params import SamplingParams
+
+# A memory-bound target: a 9-token verify costs 1.3x a step, and batching is nearly free.
+TARGET = [ForwardCost(b, t, 0.040 * (1 + 0.0375 * (t - 1)) * (1 + 0.05 * (b - 1))) for b in (1, 4, 16) for t in (1, 5, 9)]
+
+
+def draft_costs(c: float) -> list[ForwardCost]:
+    return [ForwardCost(b, 1, 0.040 * c * (1 + 0.05 * (b - 1))) for b in (1, 4, 16)]
+
+
+def seq(slot: str) -> Sequence:
+    greedy = SamplingParams()
+    return Sequence(
+        slot_id=slot, prompt=[1, 2, 3], sampling=greedy, max_new_tokens=100, spec_length=8,
+        detokenizer=StopStringDetokenizer.__new__(StopStringDetokenizer), generator=torch.Generator(),
+        draft_sampling=greedy, adaptive=True,
+    )
+
+
+def feed(planner: KPlanner, seqs: list[Sequence], alpha: dict[str, float], rounds: int) -> dict[str, int]:
+    """Run `rounds` planned rounds where request r accepts each draft token with prob alpha[r]."""
+    rng = torch.Generator().manual_seed(0)
+    ks: dict[str, int] = {}
+    for _ in range(rounds):
+        ks = planner.plan(seqs, {s.slot_id: 8 for s in seqs}, {s.slot_id: True for s in seqs})
+        accepted = {}
+        for s in seqs:
+            draws = torch.rand(ks[s.slot_id], generator=rng) < alpha[s.slot_id]
+            accepted[s.slot_id] = int(draws.long().cumprod(0).sum()) if ks[s.slot_id] else 0
+        zero = Timed(None, 0.0, 0.0)
+        planner.observe(seqs, RoundReport(ks, accepted, zero, zero, 0.0, 0.0))
+    return ks
+
+
+def test_acceptance_estimate_updates_only_judged_positions() -> None:
+    estimate = AcceptanceEstimate([0.5], weight=0.5)
+    estimate.observe(k=4, num_accepted=1)  # position 1 accepted, 2 rejected, 3-4 never judged
+    assert estimate.alphas == [0.75, 0.25]
+    estimate.observe(k=4, num_accepted=4)
+    assert estimate.alphas == [0.875, 0.625, 0.625, 0.625]
+
+
+def test_good_cheap_draft_speculates_with_a_long_k() -> None:
+    planner = KPlanner(TARGET, draft_costs(0.1))
+    ks = feed(planner, [seq("a")], {"a": 0.95}, rounds=40)
+    assert ks["a"] >= 5
+
+
+def test_weak_draft_turns_speculation_off_and_reprobes() -> None:
+    planner = KPlanner(TARGET, draft_costs(0.3), probe_every=8)
+    a = seq("a")
+    history = []
+    for _ in range(40):
+        history.append(feed(planner, [a], {"a": 0.05}, rounds=1)["a"])
+    assert history[0] > 0  # the prior is optimistic: it tries first
+    assert history[-16:].count(0) >= 14  # then stays off ...
+    assert any(k > 0 for k in history[-16:])  # ... apart from the periodic probe
+    assert planner.last_off_reason == "not_paying" or history[-1] > 0
+
+
+def test_expensive_draft_never_pays() -> None:
+    planner = KPlanner(TARGET, draft_costs(1.2))
+    ks = feed(planner, [seq("a")], {"a": 0.9}, rounds=5)
+    assert ks["a"] == 0
+
+
+def test_mixed_batch_drops_only_the_request_whose_draft_fails() -> None:
+    planner = KPlanner(TARGET, draft_costs(0.1))
+    good, bad = seq("good"), seq("bad")
+    ks = feed(planner, [good, bad], {"good": 0.95, "bad": 0.0}, rounds=30)
+    assert ks["good"] >= 3 and ks["bad"] == 0
+
+
+def test_fixed_requests_and_missing_costs_keep_their_cap() -> None:
+    a, b = seq("a"), dataclasses.replace(seq("b"), adaptive=False)
+    planner = KPlanner(TARGET, draft_costs(1.5))
+    assert planner.plan([a], {"a": 4}, {"a": True}) == {"a": 0}  # alone, a costly draft does not pay
+    assert planner.plan([a, b], {"a": 4, "b": 0}, {"a": True, "b": False})["b"] == 0
+    assert planner.plan([b], {"b": 3}, {"b": False}) == {"b": 3}  # fixed K is kept whatever it costs
+    no_costs = KPlanner(TARGET, [])
+    assert not no_costs.can_adapt
+    assert no_costs.plan([a], {"a": 4}, {"a": True}) == {"a": 4}
+
+
+def test_cost_scale_follows_the_measured_compute() -> None:
+    planner = KPlanner(TARGET, draft_costs(0.1), cost_weight=0.5)
+    a = seq("a")
+    report = RoundReport({"a": 0}, {"a": 0}, Timed(None, 0.0, 0.0), Timed(None, 0.080, 0.085), 0.0, 0.090)
+    for _ in range(20):
+        planner.observe([a], report)
+    assert planner.cost_model().target.step(1) == pytest.approx(0.080, rel=1e-3)
+    assert planner.overhead_s == pytest.approx(0.010, rel=1e-3)

@@ -1,0 +1,52 @@
+"""The speed model: cost-table interpolation, expected tokens per round, Thm 3.8's speedup."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from specdec.cost_model import CostTable, ForwardCost, RoundCostModel, expected_speedup, expected_tokens
+
+GRID = [
+    ForwardCost(1, 1, 0.010), ForwardCost(1, 5, 0.014), ForwardCost(1, 9, 0.020),
+    ForwardCost(4, 1, 0.016), ForwardCost(4, 5, 0.040),
+]
+
+
+def test_table_hits_measured_points_and_interpolates_between_them() -> None:
+    table = CostTable(GRID)
+    for cost in GRID:
+        assert table.seconds(cost.batch_size, cost.tokens) == pytest.approx(cost.seconds)
+    assert table.seconds(1, 3) == pytest.approx(0.012)  # halfway between 1 and 5 tokens
+    assert table.seconds(2, 1) == pytest.approx(0.012)  # a third of the way from batch 1 to 4
+    assert table.seconds(4, 9) == pytest.approx(0.064)  # past the grid: the last segment extended
+    assert table.scaled(2.0).seconds(1, 5) == pytest.approx(0.028)
+
+
+def test_expected_tokens_matches_the_closed_form() -> None:
+    for alpha in (0.0, 0.3, 0.9):
+        for k in range(6):
+            closed = (1 - alpha ** (k + 1)) / (1 - alpha)
+            assert expected_tokens([alpha], k) == pytest.approx(closed)
+    assert expected_tokens([0.9, 0.5], 3) == pytest.approx(1 + 0.9 + 0.45 + 0.225)  # last entry repeats
+
+
+def test_expected_speedup_is_theorem_3_8_with_verify_cost() -> None:
+    assert expected_speedup(0.9, 0, 0.2, 0.05) == 1.0
+    assert expected_speedup(0.9, 4, 0.0, 0.0) == pytest.approx((1 - 0.9**5) / 0.1)
+    assert expected_speedup(0.9, 4, 0.2, 0.05) == pytest.approx(4.0951 / 2.0)
+    # One draft token pays exactly when alpha > c + s.
+    assert expected_speedup(0.30, 1, 0.2, 0.05) > 1 > expected_speedup(0.20, 1, 0.2, 0.05)
+
+
+def test_round_cost_counts_each_draft_step_over_the_requests_still_drafting() -> None:
+    target = CostTable([ForwardCost(1, 1, 0.010), ForwardCost(1, 9, 0.018), ForwardCost(4, 1, 0.010), ForwardCost(4, 9, 0.018)])
+    draft = CostTable([ForwardCost(1, 1, 0.002), ForwardCost(4, 1, 0.005)])
+    model = RoundCostModel(target=target, draft=draft, overhead_s=0.001)
+    assert model.round_seconds([0, 0]) == pytest.approx(0.011)  # plain: one 1-token verify
+    # ks [4, 2]: draft steps 1-2 run both requests, steps 3-4 one; verify at 1 + 3 tokens per request.
+    expected = 0.001 + 0.013 + 2 * draft.step(2) + 2 * draft.step(1)
+    assert model.round_seconds([4, 2]) == pytest.approx(expected)
+    rate = model.tokens_per_second([4, 2], [[0.5], [1.0]])
+    assert math.isclose(rate, (expected_tokens([0.5], 4) + 3) / expected)
