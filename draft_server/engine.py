@@ -110,13 +110,16 @@ class DraftEngine(ModelEngine):
             context = [self.tokens[items[i].slot_id] for i in rows]
             probs = logits_to_probs(torch.stack([current[i] for i in rows]), params, context)  # [n, vocab] f32
             probs = probs.to(probs_dtype).float()  # what the gateway will see; sample from exactly that
-            for n, i in enumerate(rows):
-                if items[i].sampling.is_greedy:
-                    token = int(probs[n].argmax())
-                else:
-                    token = int(sample(probs[n : n + 1], [self.generators[items[i].slot_id]])[0])
-                    q_rows[i].append(probs[n])
+            tokens = probs.argmax(dim=-1)  # [n]: the greedy rows' tokens
+            sampled = [n for n, i in enumerate(rows) if not items[i].sampling.is_greedy]
+            if sampled:
+                picks = torch.tensor(sampled, device=probs.device)  # [s]
+                generators = [self.generators[items[rows[n]].slot_id] for n in sampled]
+                tokens = tokens.index_copy(0, picks, sample(probs.index_select(0, picks), generators))
+            for n, (i, token) in enumerate(zip(rows, tokens.tolist())):  # one host sync per step
                 drafted[i].append(token)
+                if not items[i].sampling.is_greedy:
+                    q_rows[i].append(probs[n])
             feed = [i for i in rows if items[i].k > step + 1]  # the last drafted token is not fed
             if feed:
                 out = self._run([(items[i].slot_id, [drafted[i][-1]]) for i in feed], logits="last")

@@ -38,6 +38,10 @@ class ModelServiceConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     #: Time the forward pass over a small grid at start-up and advertise it in Info.
     measure_costs: bool = True
+    #: Intra-op threads of the forward pass; 0 keeps torch's default (one per core).
+    threads: int = 0
+    #: Pin the process to these CPU cores ("0", "0,1", "0-3"); empty leaves it unpinned.
+    cpu_cores: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -51,8 +55,26 @@ class ModelServiceConfig:
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_layers < 0:
             raise InvalidArgumentError(f"num_layers must be >= 0, got {self.num_layers}")
+        if self.threads < 0:
+            raise InvalidArgumentError(f"threads must be >= 0, got {self.threads}")
+        parse_cores(self.cpu_cores)
         if self.max_seq_len < 0:
             raise InvalidArgumentError(f"max_seq_len must be >= 0, got {self.max_seq_len}")
+
+
+def parse_cores(spec: str) -> set[int]:
+    """CPU core numbers from "0,2" or "0-3" (empty: none); InvalidArgumentError when malformed."""
+    cores: set[int] = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        low, _, high = part.partition("-")
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            raise InvalidArgumentError(f"cpu_cores: {part!r} is not a core number or range") from None
+        if not 0 <= first <= last:
+            raise InvalidArgumentError(f"cpu_cores: {part!r} is not a valid range")
+        cores.update(range(first, last + 1))
+    return cores
 
 
 _HELP = {
@@ -70,6 +92,8 @@ _HELP = {
     "max_seq_len": "longest sequence per slot (0 = the model's limit)",
     "max_message_bytes": "largest gRPC message sent or received",
     "measure_costs": "time the forward pass at start-up so the gateway can plan K from real costs",
+    "threads": "intra-op threads of the forward pass (0 = one per core)",
+    "cpu_cores": "pin the service to these CPU cores, e.g. 0 or 0-1 (empty = no pinning)",
 }
 _CHOICES: dict[str, Any] = {"dtype": sorted(DTYPES), "quantization": list(QUANTIZATIONS)}
 _ALIASES: dict[str, list[str]] = {"quantization": ["--quantize"]}

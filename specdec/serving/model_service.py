@@ -7,14 +7,16 @@ service adds its own work rpcs (Prefill / Verify, or Propose) on top.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
 import grpc
+import torch
 
 from specdec.model.runtime import ModelRuntime, build_runtime
 from specdec.model_engine import ModelEngine
-from specdec.serving.config import ModelServiceConfig
+from specdec.serving.config import ModelServiceConfig, parse_cores
 from specdec.serving.convert import engine_info_to_pb
 from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer, start_server
@@ -54,7 +56,12 @@ class SlotServicer:
 
 
 def build_engine(engine_cls: Callable[[ModelRuntime, C], E], config: C) -> E:
-    """Load the configured model and wrap an engine of `engine_cls` around it."""
+    """Apply the thread and core settings, load the configured model and wrap an engine
+    of `engine_cls` around it (on the model worker thread, which runs all torch work)."""
+    if cores := parse_cores(config.cpu_cores):
+        os.sched_setaffinity(0, cores)
+    if config.threads:
+        torch.set_num_threads(config.threads)
     runtime = build_runtime(
         config.model, dtype=config.dtype, device=config.device,
         quantization=config.quantization, num_layers=config.num_layers,
