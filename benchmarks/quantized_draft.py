@@ -5,7 +5,8 @@
 α is measured by teacher forcing: the target's greedy continuation is fed to the draft in
 one pass and α is the fraction of positions where the draft's argmax equals the target's
 next token — the per-token acceptance probability of greedy speculative decoding.
-Tokens/s is single-request greedy decoding through our paged forward (one token per step).
+Tokens/s is single-request greedy decoding through our paged forward (one token per step);
+c is a step's cost relative to the fp32 target's (the draft cost ratio of the speed model).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def main() -> None:
         "target fp32": build_runtime(args.model, dtype="float32"),
         "bf16": build_runtime(args.model, dtype="bfloat16"),
         "draft int8 (bf16 act.)": build_runtime(args.model, dtype="bfloat16", quantization="int8"),
+        "draft int4 (bf16 act.)": build_runtime(args.model, dtype="bfloat16", quantization="int4"),
+        "draft int4 (fp32 act.)": build_runtime(args.model, dtype="float32", quantization="int4"),
     }
     tokenizer = variants["target fp32"].loaded.tokenizer
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
@@ -70,11 +73,11 @@ def main() -> None:
             rates[name].append(greedy_decode(runtime, prompt, args.tokens)[1])
             alphas[name].append(agreement(runtime, prompt, reference))
     base = sum(rates["target fp32"]) / len(prompts)
-    print(f"{'variant':<24}{'tok/s':>8}{'vs fp32':>9}{'alpha':>8}")
+    print(f"{'variant':<24}{'tok/s':>8}{'vs fp32':>9}{'c':>7}{'alpha':>8}")
     for name in variants:
         rate = sum(rates[name]) / len(prompts)
         alpha = f"{sum(alphas[name]) / len(prompts):.3f}" if name in alphas else "-"
-        print(f"{name:<24}{rate:>8.1f}{rate / base:>8.2f}x{alpha:>8}")
+        print(f"{name:<24}{rate:>8.1f}{rate / base:>8.2f}x{base / rate:>7.2f}{alpha:>8}")
 
 
 if __name__ == "__main__":

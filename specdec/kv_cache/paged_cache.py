@@ -1,8 +1,9 @@
 """K/V tensors of every layer, stored in fixed-size blocks, plus their block manager.
 
-Each layer's keys (and values) are one tensor `[num_blocks * block_size, kv_heads, head_dim]`:
-the flat positions the block manager hands out index its first dimension directly, so a
-write is one `index_copy_` and a gather is one `index_select`, on any device.
+Each layer's keys and values are one tensor `[num_blocks * block_size, 2, kv_heads, head_dim]`
+(index 0 of the second dimension holds the key, 1 the value): the flat positions the block
+manager hands out index its first dimension directly, so writing a token's key and value
+is one `index_copy_` and gathering a context is one `index_select`, on any device.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ class PagedKVCache:
         self.blocks = BlockManager(num_blocks, block_size)
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.keys: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_blocks * block_size, 2, num_kv_heads, head_dim)
+        #: Per layer: [rows, 2 (key, value), kv_heads, head_dim].
+        self.kv: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @classmethod
     def for_model(
@@ -71,8 +72,7 @@ class PagedKVCache:
 
     def bytes_per_token(self) -> int:
         """Memory one cached token costs across all layers (keys and values)."""
-        per_layer = self.keys[0][0].numel() * self.keys[0].element_size()
-        return 2 * per_layer * len(self.keys)
+        return self.kv[0][0].numel() * self.kv[0].element_size() * len(self.kv)
 
     def block_tables(self, slot_ids: list[str]) -> torch.Tensor:
         """Block tables of `slot_ids`, right-padded with block 0. # [batch, max_blocks]"""

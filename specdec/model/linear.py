@@ -59,7 +59,11 @@ def _time(fn: Callable[[], object], repeats: int = 8) -> float:
 def _prefer_onednn(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
     """Whether oneDNN with a packed weight beats `F.linear` for this shape here (timed once)."""
     weight = torch.randn(out_features, in_features, dtype=dtype) / in_features**0.5  # [out, in]
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    except RuntimeError as error:  # e.g. bf16 on a CPU without avx512bw / avx_ne_convert
+        log.debug("no oneDNN linear for %s here: %s", dtype, error)
+        return False
     aten = onednn = 0.0
     for rows in _BENCH_ROWS:
         x = torch.randn(rows, in_features, dtype=dtype)  # [rows, in]

@@ -75,6 +75,13 @@ def embedded_model_path(name: str) -> Path:
     return _package_file(name, *EMBEDDED_MODELS[name])
 
 
+def gguf_path_of(name_or_path: str) -> Path | None:
+    """The GGUF file a model source reads from (embedded name or `.gguf` path), else None."""
+    if name_or_path in EMBEDDED_MODELS:
+        return embedded_model_path(name_or_path)
+    return Path(name_or_path) if name_or_path.endswith(".gguf") else None
+
+
 def load_tokenizer(name_or_path: str, *, cache_dir: Path | str | None = None) -> PreTrainedTokenizerBase:
     """The tokenizer alone, from any source `load_model` takes or an embedded tokenizer name (`llama-3.2`).
 

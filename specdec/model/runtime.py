@@ -8,11 +8,12 @@ import torch
 
 from specdec.errors import InvalidArgumentError
 from specdec.model.llama import PagedLlama
-from specdec.model.loader import LoadedModel, load_model
+from specdec.model.loader import LoadedModel, gguf_path_of, load_model
 from specdec.model.quantize import quantize_int8
+from specdec.model.quantize_int4 import quantize_int4
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int4")
 
 
 @dataclass
@@ -49,9 +50,11 @@ def build_runtime(
     device: str = "cpu",
     quantization: str = "none",
     num_layers: int = 0,
+    group_size: int = 32,
 ) -> ModelRuntime:
     """Load `model` in `dtype` on `device`, optionally cut it to its first `num_layers` decoder
-    layers and int8-quantize it, and wrap our forward around it.
+    layers and quantize its weights (int8, or int4 in groups of `group_size`), and wrap our
+    forward around it.
 
     The int8 kernels only pay off with bfloat16 activations on CPU (see `quantize`), so the
     embedded default draft is `quantization="int8", dtype="bfloat16"`.
@@ -65,4 +68,11 @@ def build_runtime(
         keep_first_layers(loaded, num_layers)
     if quantization == "int8":
         quantize_int8(loaded.model)
+    elif quantization == "int4":
+        # Decoder projections in 4 bits, from the GGUF's own Q4 blocks when the model came
+        # from one; the output head in int8: a 4-bit head cost ~9 points of acceptance on
+        # SmolLM2 (teacher-forced greedy agreement 0.90 vs 0.98 with an int8 head).
+        quantize_int4(loaded.model, group_size=group_size, gguf_path=gguf_path_of(model), include_lm_head=False)
+        quantize_int8(loaded.model)  # only the head is still an nn.Linear
+        loaded.model.config.specdec_quantization = "int4"
     return ModelRuntime(loaded=loaded, forward=PagedLlama(loaded.model), quantization=quantization)

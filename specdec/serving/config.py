@@ -22,6 +22,8 @@ class ModelServiceConfig:
     dtype: str = "float32"
     device: str = "cpu"
     quantization: str = "none"
+    #: Weights per scale/zero group of int4 quantization.
+    group_size: int = 32
     #: Keep only the first N decoder layers (0 = all): a weak draft for testing rejections.
     num_layers: int = 0
     host: str = "127.0.0.1"
@@ -50,7 +52,7 @@ class ModelServiceConfig:
             raise InvalidArgumentError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if not 0 <= self.port <= 65535:
             raise InvalidArgumentError(f"port must be in 0..65535, got {self.port}")
-        for name in ("max_slots", "kv_token_budget", "block_size", "max_spec_tokens", "max_message_bytes"):
+        for name in ("group_size", "max_slots", "kv_token_budget", "block_size", "max_spec_tokens", "max_message_bytes"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_layers < 0:
@@ -81,7 +83,8 @@ _HELP = {
     "model": "embedded name (smollm2-135m), .gguf file, local directory or hub id",
     "dtype": "compute dtype of the forward pass",
     "device": "torch device, e.g. cpu or cuda:0",
-    "quantization": "weight quantization (int8 = weight-only int8; pairs with --dtype bfloat16 on CPU)",
+    "quantization": "weight-only quantization: int8 per channel, or int4 in groups (from a GGUF's own Q4 blocks when it has them)",
+    "group_size": "weights per scale group of int4 quantization",
     "num_layers": "keep only the first N decoder layers (0 = all; a weak draft for tests)",
     "host": "address to bind",
     "port": "port to bind (0 = any free port, printed at start)",

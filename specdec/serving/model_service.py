@@ -64,7 +64,7 @@ def build_engine(engine_cls: Callable[[ModelRuntime, C], E], config: C) -> E:
         torch.set_num_threads(config.threads)
     runtime = build_runtime(
         config.model, dtype=config.dtype, device=config.device,
-        quantization=config.quantization, num_layers=config.num_layers,
+        quantization=config.quantization, num_layers=config.num_layers, group_size=config.group_size,
     )
     return engine_cls(runtime, config)
 

@@ -50,9 +50,9 @@ def test_quantize_is_an_alias_of_quantization() -> None:
 @pytest.mark.parametrize(
     "fields",
     [
-        dict(dtype="float64"), dict(quantization="int4"), dict(port=70000), dict(port=-1), dict(max_slots=0),
+        dict(dtype="float64"), dict(quantization="int2"), dict(port=70000), dict(port=-1), dict(max_slots=0),
         dict(kv_token_budget=0), dict(block_size=0), dict(max_spec_tokens=0), dict(max_message_bytes=0),
-        dict(max_seq_len=-1),
+        dict(max_seq_len=-1), dict(group_size=0), dict(threads=-1), dict(cpu_cores="0-x"), dict(cpu_cores="3-1"),
     ],
 )
 def test_bad_config_raises_a_typed_error(fields: dict[str, object]) -> None:
@@ -62,7 +62,7 @@ def test_bad_config_raises_a_typed_error(fields: dict[str, object]) -> None:
 
 def test_bad_flag_choice_is_a_usage_error() -> None:
     with pytest.raises(SystemExit):
-        parse(DraftConfig, "--quantization", "int4")
+        parse(DraftConfig, "--quantization", "int2")
 
 
 @pytest.mark.parametrize(
