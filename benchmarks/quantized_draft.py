@@ -58,7 +58,6 @@ def main() -> None:
         "bf16": build_runtime(args.model, dtype="bfloat16"),
         "draft int8 (bf16 act.)": build_runtime(args.model, dtype="bfloat16", quantization="int8"),
         "draft int4 (bf16 act.)": build_runtime(args.model, dtype="bfloat16", quantization="int4"),
-        "draft int4 (fp32 act.)": build_runtime(args.model, dtype="float32", quantization="int4"),
     }
     tokenizer = variants["target fp32"].loaded.tokenizer
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
