@@ -129,11 +129,19 @@ def quantize_int8(model: nn.Module, *, include_lm_head: bool = True) -> nn.Modul
         parent = model.get_submodule(parent_name)
         setattr(parent, child_name, Int8Linear.from_linear(getattr(parent, child_name)))
 
-    config = getattr(model, "config", None)
-    if config is not None:
-        if tied and include_lm_head:
-            config.tie_word_embeddings = False
-            text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-            text_config.tie_word_embeddings = False
-        config.specdec_quantization = "int8"
+    mark_quantized(model, "int8", untied=tied and include_lm_head)
     return model
+
+
+def mark_quantized(model: nn.Module, scheme: str, *, untied: bool) -> None:
+    """Record the quantization in the model's config; when the output head was quantized
+    away from a tied input embedding, untie them in the config so `transformers` does not
+    tie them back."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    if untied:
+        config.tie_word_embeddings = False
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text_config.tie_word_embeddings = False
+    config.specdec_quantization = scheme

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.errors import InvalidArgumentError
+from specdec.model.quantize import mark_quantized
 
 log = logging.getLogger(__name__)
 
@@ -513,11 +514,6 @@ def quantize_int4(
         kernels[kernel] = kernels.get(kernel, 0) + 1
         setattr(parent, child_name, module)
 
-    if config is not None:
-        if tied and include_lm_head:
-            config.tie_word_embeddings = False
-            text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-            text_config.tie_word_embeddings = False
-        config.specdec_quantization = "int4"
+    mark_quantized(model, "int4", untied=tied and include_lm_head)
     log.info("int4: %d linear layers, %d from GGUF blocks, kernels %s", len(targets), from_gguf, kernels)
     return model

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec.model.quantize import Int8Linear, int8_matmul, int8pack_mm_supported, quantize_int8
 
@@ -16,15 +16,6 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 def make_linear(in_features: int = 64, out_features: int = 96, *, bias: bool = False, seed: int = 0) -> nn.Linear:
     torch.manual_seed(seed)
     return nn.Linear(in_features, out_features, bias=bias)
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config).float().eval()
 
 
 # ---- Int8Linear -----------------------------------------------------------------------------

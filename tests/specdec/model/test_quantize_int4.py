@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import quants
+from tiny_models import tiny_llama
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
 from specdec.errors import InvalidArgumentError
@@ -39,15 +39,6 @@ PROMPTS = [
 def random_weight(out: int = 96, in_features: int = 128, *, seed: int = 0) -> torch.Tensor:
     torch.manual_seed(seed)
     return torch.randn(out, in_features) * 0.05  # [out, in]
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config).float().eval()
 
 
 # ---- Int4Weight -------------------------------------------------------------------------------
