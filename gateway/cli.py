@@ -1,4 +1,5 @@
-"""The `specdec` command: `specdec serve` runs the trio, `specdec generate` streams from it."""
+"""The `specdec` command: `specdec serve` runs the trio, `specdec generate` streams from it,
+`specdec bench` measures its speed (the harness in benchmarks/specdec_bench)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from specdec.client import SpecdecClient, collect
 from specdec.errors import SpecdecError
 from specdec.model.loader import DEFAULT_MODEL
 from specdec.serving.grpc_server import serve_until_signal
+from specdec_bench.config import add_bench_flags
+from specdec_bench.config import config_from_args as bench_config_from_args
 
 DEFAULT_GATEWAY = "127.0.0.1:50050"
 
@@ -71,15 +74,18 @@ def serve(args: argparse.Namespace) -> int:
     common = ["--host", args.host, "--device", args.device, "--kv-token-budget", str(args.kv_token_budget)]
     children: list[ServiceProcess] = []
     try:
-        # Both models load at the same time; the gateway starts once both listen.
-        children.append(start_service("target_server", [*common, "--model", args.target_model, "--dtype", args.target_dtype]))
-        if not args.no_speculative:
-            children.append(start_service("draft_server", [
-                *common, "--model", args.draft_model or args.target_model,
-                "--dtype", args.draft_dtype, "--quantization", args.draft_quantization,
-            ]))
+        # One model after the other: each times its forward at start-up (the costs adaptive K
+        # plans with), and two processes timing at once on the same cores skew both tables.
         try:
-            target, *drafts = [child.wait_ready() for child in children]
+            children.append(start_service("target_server", [*common, "--model", args.target_model, "--dtype", args.target_dtype]))
+            target = children[0].wait_ready()
+            drafts = []
+            if not args.no_speculative:
+                children.append(start_service("draft_server", [
+                    *common, "--model", args.draft_model or args.target_model,
+                    "--dtype", args.draft_dtype, "--quantization", args.draft_quantization,
+                ]))
+                drafts.append(children[1].wait_ready())
         except (RuntimeError, TimeoutError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 1
@@ -152,16 +158,38 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    try:
+        config = bench_config_from_args(args)
+    except SpecdecError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:  # tqdm and matplotlib (the `bench` extra) load only when benchmarking
+        from specdec_bench.runner import run
+    except ModuleNotFoundError as error:
+        print(f"error: specdec bench needs {error.name}: pip install -e '.[bench]'", file=sys.stderr)
+        return 1
+    return run(config, argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specdec", description="Speculative-decoding LLM server")
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     commands = parser.add_subparsers(dest="command", required=True)
     _serve_flags(commands.add_parser("serve", help="start draft, target and gateway; stop all on Ctrl-C / SIGTERM"))
     _generate_flags(commands.add_parser("generate", help="stream a generation from a running gateway"))
+    add_bench_flags(commands.add_parser(
+        "bench", help="measure speed: starts the trio, writes results JSON, plots and docs/benchmarks.md",
+        description="Speed harness: W1 single requests (plain vs speculative), transformers' plain and assisted "
+        "generate, fixed-K and concurrency sweeps, the services' measured costs. The last line printed is "
+        "'speedup=… vs_hf_assisted=… efficiency=… alpha=… c=…'.",
+    ))
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         return serve(args)
+    if args.command == "bench":
+        return bench(args, sys.argv[1:] if argv is None else argv)
     return generate(args)
 
 

@@ -13,8 +13,11 @@ Inputs, all measured:
   one (the machine may be busier than at start-up);
 - the round overhead outside both services' compute (RPCs, acceptance), an EMA;
 - per-position acceptance α_j per request (an EMA, started from the batch-wide EMA).
-A request that runs with K = 0 by choice is re-probed with a small K every
-`probe_every` rounds, so its α estimate (and the decision) can recover.
+A request that runs with K = 0 by choice is re-probed with a small K after
+`probe_every` rounds, so its α estimate (and the decision) can recover. A probe is not
+free: the draft first catches up on every token it skipped. So each probe that confirms
+"off" doubles that request's interval (up to `max_probe_every`), and at most one request
+probes per round.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class KPlanner:
     cost_weight: float = 0.1
     #: A request kept at K = 0 by choice drafts `probe_k` tokens every `probe_every` rounds.
     probe_every: int = 16
+    max_probe_every: int = 256
     probe_k: int = 2
     overhead_s: float = 0.0
     global_alpha: AcceptanceEstimate = field(init=False)
@@ -81,6 +85,11 @@ class KPlanner:
     _draft_scale: _Scale = field(default_factory=_Scale, init=False)
     _estimates: dict[str, AcceptanceEstimate] = field(default_factory=dict, init=False)
     _idle_rounds: dict[str, int] = field(default_factory=dict, init=False)
+    _probe_interval: dict[str, int] = field(default_factory=dict, init=False)
+    _probing: set[str] = field(default_factory=set, init=False)
+    #: The planned round feeds the draft tokens it skipped while off: its Propose time says
+    #: little about a draft step's cost.
+    _catching_up: bool = field(default=False, init=False)
     #: Reason the last round drafted nothing for some request that could have speculated.
     last_off_reason: str | None = field(default=None, init=False)
 
@@ -134,15 +143,32 @@ class KPlanner:
                 if rate > best_rate:
                     ks, best_rate = trial, rate
                     self.last_off_reason = "not_paying"
-        for s in flexible:  # re-probe requests that have been off for a while
-            if ks[s.slot_id] == 0:
-                idle = self._idle_rounds.get(s.slot_id, 0) + 1
-                self._idle_rounds[s.slot_id] = idle
-                if idle >= self.probe_every:
-                    ks[s.slot_id] = min(self.probe_k, caps[s.slot_id])
-            else:
-                self._idle_rounds[s.slot_id] = 0
+        self._schedule_probe(flexible, ks, caps)
+        self._catching_up = any(ks[s.slot_id] > 0 and len(s.tokens) - s.draft_valid > 2 for s in seqs)
         return ks
+
+    def _schedule_probe(self, flexible: list[Sequence], ks: dict[str, int], caps: dict[str, int]) -> None:
+        """Count rounds off per request; let the one off longest past its interval probe."""
+        due = []
+        for s in flexible:
+            slot = s.slot_id
+            if ks[slot] > 0:
+                if slot not in self._probing:  # chosen on its merits: speculation pays again
+                    self._probe_interval.pop(slot, None)
+                self._idle_rounds[slot] = 0
+                continue
+            if slot in self._probing:  # the last probe did not turn it back on: back off
+                self._probe_interval[slot] = min(2 * self._probe_interval.get(slot, self.probe_every), self.max_probe_every)
+            idle = self._idle_rounds.get(slot, 0) + 1
+            self._idle_rounds[slot] = idle
+            if idle >= self._probe_interval.get(slot, self.probe_every):
+                due.append((idle, slot))
+        self._probing = set()
+        if due:
+            _, slot = max(due)
+            ks[slot] = min(self.probe_k, caps[slot])
+            self._idle_rounds[slot] = 0
+            self._probing.add(slot)
 
     def observe(self, seqs: list[Sequence], report: RoundReport) -> None:
         """Learn from a finished round: acceptance per request, cost scales, overhead."""
@@ -156,14 +182,12 @@ class KPlanner:
                 self._estimates[seq.slot_id] = estimate
             estimate.observe(k, accepted)
             self.global_alpha.observe(k, accepted)
-            if k > 0 and seq.slot_id in self._idle_rounds:
-                self._idle_rounds[seq.slot_id] = 0
         ks = [report.ks[s.slot_id] for s in seqs]
         if self._target is not None and report.verify.compute_s > 0:  # unscaled table: the EMA tracks the ratio
             predicted = self._target.seconds(len(ks), 1 + sum(ks) / len(ks))
             self._target_scale.observe(report.verify.compute_s, predicted, self.cost_weight)
         spec = [k for k in ks if k > 0]
-        if self._draft is not None and spec and report.propose.compute_s > 0:
+        if self._draft is not None and spec and report.propose.compute_s > 0 and not self._catching_up:
             predicted = sum(self._draft.step(sum(1 for k in spec if k >= j)) for j in range(1, max(spec) + 1))
             self._draft_scale.observe(report.propose.compute_s, predicted, self.cost_weight)
         self.overhead_s += self.cost_weight * (report.overhead_s - self.overhead_s)
@@ -172,3 +196,5 @@ class KPlanner:
         """Drop a finished request's state."""
         self._estimates.pop(seq.slot_id, None)
         self._idle_rounds.pop(seq.slot_id, None)
+        self._probe_interval.pop(seq.slot_id, None)
+        self._probing.discard(seq.slot_id)

@@ -24,19 +24,22 @@ class ServiceProcess:
     def __init__(self, module: str, args: Sequence[str]) -> None:
         self.name = module
         self.address = ""
+        #: The line the address was read from (the gateway's also names its metrics port).
+        self.ready_line = ""
         self._ready = threading.Event()
         self.process = subprocess.Popen(
             [sys.executable, "-m", module, "--port", "0", *args],
             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, bufsize=1,
         )
-        threading.Thread(target=self._read_stdout, name=f"{module}-stdout", daemon=True).start()
+        self._reader = threading.Thread(target=self._read_stdout, name=f"{module}-stdout", daemon=True)
+        self._reader.start()
 
     def _read_stdout(self) -> None:
         """Find the ready line, then keep draining so the child never blocks on a full pipe."""
         assert self.process.stdout is not None
         for line in self.process.stdout:
             if not self.address and (match := _READY.search(line)):
-                self.address = match.group(1)
+                self.address, self.ready_line = match.group(1), line.strip()
                 self._ready.set()
             elif self.address:
                 sys.stdout.write(line)
@@ -62,6 +65,7 @@ class ServiceProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self._reader.join(timeout=5.0)  # its last lines are written before stop() returns
         return int(self.process.returncode)
 
 

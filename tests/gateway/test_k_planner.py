@@ -105,3 +105,19 @@ def test_cost_scale_follows_the_measured_compute() -> None:
         planner.observe([a], report)
     assert planner.cost_model().target.step(1) == pytest.approx(0.080, rel=1e-3)
     assert planner.overhead_s == pytest.approx(0.010, rel=1e-3)
+
+
+def test_probes_back_off_and_never_come_together() -> None:
+    planner = KPlanner(TARGET, draft_costs(0.3), probe_every=4, max_probe_every=16)
+    seqs = [seq(f"r{i}") for i in range(3)]
+    probe_rounds = []
+    for round_index in range(80):
+        ks = feed(planner, seqs, {s.slot_id: 0.0 for s in seqs}, rounds=1)
+        probing = [slot for slot, k in ks.items() if k > 0]
+        if round_index > 8:  # the optimistic prior has been corrected: every request is off
+            assert len(probing) <= 1  # at most one request pays for a catch-up per round
+            if probing:
+                probe_rounds.append(round_index)
+    gaps = [b - a for a, b in zip(probe_rounds, probe_rounds[1:])]
+    assert gaps and max(gaps) >= 4  # intervals grew past the first one ...
+    assert len(probe_rounds) <= 20  # ... so probes got rarer than one every 4 rounds

@@ -1,0 +1,312 @@
+"""Every derived figure of a run, computed from its results document alone.
+
+Definitions (DESIGN.md, "Speed model"):
+
+- speedup: median speculative ÷ median plain decode tokens/s (W1, greedy unless said);
+- c: the draft's 1-token step ÷ the target's 1-token step; s(K, B): the verify slope, the
+  extra cost of each verified token ÷ a 1-token step, (T(B, K+1) − T(B, 1)) ÷ (K·T(B, 1));
+  both from the forward costs the services measured at start-up (`ModelInfo.forward_costs`)
+  and, "online", from the per-request round anatomy of the fixed-K sweep;
+- α: the per-token greedy acceptance probability, the maximum-likelihood estimate of the
+  geometric model behind S(K) from the fixed-K sweep's per-position counters: accepted
+  draft tokens ÷ (accepted + rounds that rejected one). The acceptance *rate* (accepted ÷
+  drafted, vLLM's figure) is lower by construction: positions after a rejection count as
+  not accepted although they were never judged;
+- S(K) = `specdec.cost_model.expected_speedup(α, K, c, s(K))`; the expected speedup of the
+  adaptive gateway is the best S(K) over the Ks it may choose (1.0 when none pays);
+  efficiency = measured ÷ expected.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specdec.cost_model import CostTable, expected_speedup
+from specdec_bench.peers import PeerRecord
+from specdec_bench.results import BenchResults
+from specdec_bench.sweeps import ConcurrencyGroup
+from specdec_bench.workloads import RunRecord
+
+PHASES = ("draft_compute", "verify_compute", "rpc", "accept", "other")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between closest ranks (numpy's default)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass
+class Spread:
+    """Median, extremes and quartiles of a sample."""
+
+    n: int
+    median: float
+    min: float
+    max: float
+    q1: float
+    q3: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        if not values:
+            return cls(0, math.nan, math.nan, math.nan, math.nan, math.nan)
+        return cls(len(values), statistics.median(values), min(values), max(values),
+                   percentile(values, 25), percentile(values, 75))
+
+
+@dataclass
+class W1Summary:
+    """Single-request decode tokens/s, by temperature and mode."""
+
+    temperature: float
+    plain: Spread
+    speculative: Spread
+    speedup: float
+    acceptance_rate: float
+    mean_acceptance_length: float
+    #: Mean K the adaptive planner chose per round, plain (K = 0) rounds included.
+    mean_k: float
+    #: Share of rounds that speculated (K >= 1).
+    speculating: float
+
+
+@dataclass
+class CostSummary:
+    """c, s and per-K S(K), from start-up (Info) or online (anatomy) costs."""
+
+    source: str
+    target_step_s: float
+    draft_step_s: float
+    c: float
+    #: s(K) at batch 1, K = 1..max_k (index K−1).
+    s_by_k: list[float]
+    s_batch_b: float
+    expected_by_k: list[float]
+
+
+@dataclass
+class KRow:
+    k: int
+    tokens_per_s: float
+    speedup: float
+    acceptance_rate: float
+    mean_acceptance_length: float
+    expected: float
+    efficiency: float
+
+
+@dataclass
+class ConcurrencyRow:
+    concurrency: int
+    plain_tokens_per_s: float
+    speculative_tokens_per_s: float
+    speedup: float
+    plain_itl_p50_ms: float
+    plain_itl_p95_ms: float
+    speculative_itl_p50_ms: float
+    speculative_itl_p95_ms: float
+    speculative_mean_k: float
+    speculative_speculating: float
+
+
+@dataclass
+class Summary:
+    """The figures the report prints, plots and writes to the page."""
+
+    greedy: W1Summary
+    sampled: W1Summary
+    alpha: float
+    alpha_source: str
+    #: Conditional acceptance of draft position j+1 given positions 1..j were accepted.
+    alpha_by_position: list[float]
+    #: Unconditional: the share of rounds whose position j+1 was accepted.
+    accepted_by_position: list[float]
+    startup: CostSummary
+    online: CostSummary | None
+    cost_batch: int
+    spec_length: int
+    best_k: int
+    expected: float
+    efficiency: float
+    hf_plain: Spread
+    hf_assisted: Spread
+    hf_matches_ours: float
+    vs_hf_assisted: float
+    vs_hf_plain: float
+    k_rows: list[KRow] = field(default_factory=list)
+    concurrency: list[ConcurrencyRow] = field(default_factory=list)
+    #: Share of round time per phase: "plain" and "speculative" (W1), "K=<k>" (sweep).
+    anatomy: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def final_line(self) -> str:
+        return (
+            f"speedup={self.greedy.speedup:.3f} vs_hf_assisted={self.vs_hf_assisted:.3f} "
+            f"efficiency={self.efficiency:.3f} alpha={self.alpha:.3f} c={self.startup.c:.3f}"
+        )
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 and not math.isnan(b) else math.nan
+
+
+def all_rounds(records: Sequence[RunRecord]) -> int:
+    """Decode rounds of any K: each emits its accepted tokens plus one, after the prefill's first token."""
+    return sum(max(r.completion_tokens - 1 - r.num_accepted_tokens, 0) for r in records)
+
+
+def _w1(records: Sequence[RunRecord], temperature: float) -> W1Summary:
+    rows = [r for r in records if r.temperature == temperature]
+    plain = Spread.of([r.tokens_per_s for r in rows if r.k == 0])
+    spec_rows = [r for r in rows if r.k is None]
+    spec = Spread.of([r.tokens_per_s for r in spec_rows])
+    drafted = sum(r.num_draft_tokens for r in spec_rows)
+    accepted = sum(r.num_accepted_tokens for r in spec_rows)
+    rounds = sum(r.num_rounds for r in spec_rows)
+    return W1Summary(
+        temperature=temperature, plain=plain, speculative=spec, speedup=_ratio(spec.median, plain.median),
+        acceptance_rate=_ratio(accepted, drafted), mean_acceptance_length=1 + _ratio(accepted, rounds),
+        mean_k=_ratio(drafted, all_rounds(spec_rows)), speculating=_ratio(rounds, all_rounds(spec_rows)),
+    )
+
+
+def acceptance_by_position(sweep: Sequence[RunRecord], max_k: int) -> tuple[list[float], list[float], float]:
+    """(conditional α_j, unconditional share, pooled α) from the fixed-K sweep's counters."""
+    runs = [r for r in sweep if r.k and r.num_drafts > 0 and len(r.accepted_per_pos) == r.k]
+    conditional, unconditional = [], []
+    for j in range(max_k):
+        at = [r for r in runs if r.k is not None and r.k > j]
+        reached = sum(r.num_drafts if j == 0 else r.accepted_per_pos[j - 1] for r in at)
+        accepted = sum(r.accepted_per_pos[j] for r in at)
+        conditional.append(_ratio(accepted, reached))
+        unconditional.append(_ratio(accepted, sum(r.num_drafts for r in at)))
+    successes = sum(sum(r.accepted_per_pos) for r in runs)
+    failures = sum(r.num_drafts - r.accepted_per_pos[-1] for r in runs)
+    return conditional, unconditional, _ratio(successes, successes + failures)
+
+
+def _slope(table: CostTable, batch: int, k: int) -> float:
+    step = table.seconds(batch, 1)
+    return (table.seconds(batch, k + 1) - step) / (k * step)
+
+
+def startup_costs(results: BenchResults, alpha: float, max_k: int, batch: int) -> CostSummary:
+    target, draft = CostTable(results.costs.target), CostTable(results.costs.draft)
+    c = draft.step(1) / target.step(1)
+    s_by_k = [_slope(target, 1, k) for k in range(1, max_k + 1)]
+    return CostSummary(
+        source="start-up (ModelInfo.forward_costs)", target_step_s=target.step(1), draft_step_s=draft.step(1), c=c,
+        s_by_k=s_by_k, s_batch_b=_slope(target, batch, results.costs.default_spec_length),
+        expected_by_k=[expected_speedup(alpha, k, c, s) for k, s in enumerate(s_by_k, start=1)],
+    )
+
+
+def online_costs(sweep: Sequence[RunRecord], alpha: float, max_k: int) -> CostSummary | None:
+    """c and s(K) from the compute seconds the services reported for the sweep's own rounds."""
+    plain = [r for r in sweep if r.k == 0 and r.completion_tokens > 1]
+    spec = [r for r in sweep if r.k and r.num_rounds > 0 and r.num_draft_tokens > 0]
+    if not plain or not spec:
+        return None
+    step = sum(r.anatomy.get("verify_compute", 0.0) for r in plain) / sum(r.completion_tokens - 1 for r in plain)
+    draft_step = sum(r.anatomy.get("draft_compute", 0.0) for r in spec) / sum(r.num_draft_tokens for r in spec)
+    c = draft_step / step
+    s_by_k = []
+    for k in range(1, max_k + 1):
+        runs = [r for r in spec if r.k == k]
+        verify = sum(r.anatomy.get("verify_compute", 0.0) for r in runs) / max(sum(r.num_rounds for r in runs), 1)
+        s_by_k.append((verify - step) / (k * step) if runs else math.nan)
+    return CostSummary(
+        source="online (round anatomy of the fixed-K sweep)", target_step_s=step, draft_step_s=draft_step, c=c,
+        s_by_k=s_by_k, s_batch_b=math.nan,
+        expected_by_k=[expected_speedup(alpha, k, c, s) if not math.isnan(s) else math.nan for k, s in enumerate(s_by_k, 1)],
+    )
+
+
+def _k_rows(sweep: Sequence[RunRecord], expected: Sequence[float]) -> list[KRow]:
+    ks = sorted({r.k for r in sweep if r.k is not None})
+    plain = statistics.median([r.tokens_per_s for r in sweep if r.k == 0]) if 0 in ks else math.nan
+    rows = []
+    for k in ks:
+        runs = [r for r in sweep if r.k == k]
+        rate = statistics.median([r.tokens_per_s for r in runs])
+        drafted, accepted = sum(r.num_draft_tokens for r in runs), sum(r.num_accepted_tokens for r in runs)
+        rounds = sum(r.num_rounds for r in runs)
+        exp = expected[k - 1] if 1 <= k <= len(expected) else 1.0
+        speedup = _ratio(rate, plain)
+        rows.append(KRow(k, rate, speedup, _ratio(accepted, drafted), 1 + _ratio(accepted, rounds) if k else 1.0,
+                         exp, _ratio(speedup, exp)))
+    return rows
+
+
+def _concurrency_rows(groups: Sequence[ConcurrencyGroup]) -> list[ConcurrencyRow]:
+    rows = []
+    for level in sorted({g.concurrency for g in groups}):
+        plain = [g for g in groups if g.concurrency == level and g.k == 0]
+        spec = [g for g in groups if g.concurrency == level and g.k is None]
+
+        def rate(gs: list[ConcurrencyGroup]) -> float:
+            return statistics.median([g.tokens_per_s for g in gs]) if gs else math.nan
+
+        def itl(gs: list[ConcurrencyGroup], q: float) -> float:
+            return 1e3 * percentile([r.inter_token_s for g in gs for r in g.requests], q)
+
+        spec_requests = [r for g in spec for r in g.requests]
+        rounds = all_rounds(spec_requests)
+        rows.append(ConcurrencyRow(
+            level, rate(plain), rate(spec), _ratio(rate(spec), rate(plain)), itl(plain, 50), itl(plain, 95),
+            itl(spec, 50), itl(spec, 95), _ratio(sum(r.num_draft_tokens for r in spec_requests), rounds),
+            _ratio(sum(r.num_rounds for r in spec_requests), rounds),
+        ))
+    return rows
+
+
+def anatomy_shares(records: Sequence[RunRecord]) -> dict[str, float]:
+    """Share of the summed round time per phase."""
+    totals = {p: sum(r.anatomy.get(p, 0.0) for r in records) for p in PHASES}
+    whole = sum(totals.values())
+    return {p: _ratio(v, whole) for p, v in totals.items()}
+
+
+def _peer_spread(peers: Sequence[PeerRecord], method: str) -> Spread:
+    return Spread.of([p.tokens_per_s for p in peers if p.method == method and not math.isnan(p.tokens_per_s)])
+
+
+def summarize(results: BenchResults) -> Summary:
+    config = results.meta.get("config", {})
+    temperature = float(config.get("temperature", 0.8))
+    cost_batch = int(config.get("cost_batch", 4))
+    max_k = max([r.k for r in results.k_sweep if r.k] + [results.costs.default_spec_length])
+    greedy, sampled = _w1(results.w1, 0.0), _w1(results.w1, temperature)
+    conditional, unconditional, alpha = acceptance_by_position(results.k_sweep, max_k)
+    source = "fixed-K sweep, per-position counters (geometric MLE)"
+    if math.isnan(alpha):
+        alpha, source = greedy.acceptance_rate, "W1 acceptance rate (no fixed-K sweep)"
+    startup = startup_costs(results, alpha, max_k, cost_batch)
+    online = online_costs(results.k_sweep, alpha, max_k)
+    cap = results.costs.default_spec_length
+    options = [(s, k) for k, s in enumerate(startup.expected_by_k[:cap], start=1)]
+    expected, best_k = max(options + [(1.0, 0)])
+    hf_plain, hf_assisted = _peer_spread(results.peers, "hf_plain"), _peer_spread(results.peers, "hf_assisted")
+    checked = [p.matches_ours for p in results.peers if p.method == "hf_plain" and p.matches_ours is not None]
+    anatomy = {"plain": anatomy_shares([r for r in results.w1 if r.k == 0]),
+               "speculative": anatomy_shares([r for r in results.w1 if r.k is None])}
+    for k in sorted({r.k for r in results.k_sweep if r.k is not None}):
+        anatomy[f"K={k}"] = anatomy_shares([r for r in results.k_sweep if r.k == k])
+    return Summary(
+        greedy=greedy, sampled=sampled, alpha=alpha, alpha_source=source, alpha_by_position=conditional,
+        accepted_by_position=unconditional, startup=startup, online=online, cost_batch=cost_batch, spec_length=cap,
+        best_k=best_k, expected=expected, efficiency=_ratio(greedy.speedup, expected),
+        hf_plain=hf_plain, hf_assisted=hf_assisted,
+        hf_matches_ours=_ratio(sum(checked), len(checked)) if checked else math.nan,
+        vs_hf_assisted=_ratio(greedy.speculative.median, hf_assisted.median),
+        vs_hf_plain=_ratio(greedy.plain.median, hf_plain.median),
+        k_rows=_k_rows(results.k_sweep, startup.expected_by_k),
+        concurrency=_concurrency_rows(results.concurrency), anatomy=anatomy,
+    )

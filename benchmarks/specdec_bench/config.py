@@ -1,0 +1,111 @@
+"""What one benchmark run measures, with a full and a `--quick` preset, and its flags.
+
+Every flag comes from a `BenchConfig` field (help text in the field's metadata). A flag
+left unset takes the preset's value, so `specdec bench --quick --max-new-tokens 64` is the
+quick run with longer generations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+
+from specdec.errors import InvalidArgumentError
+from specdec_bench.workloads import PROMPTS
+
+#: Fewest prompts a run uses (W1 medians over fewer would say little).
+MIN_PROMPTS = 5
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark run. The defaults are the full run; `QUICK` is `--quick`."""
+
+    quick: bool = field(default=False, metadata=_help("the quick preset (well under 5 minutes on 2 cores)"))
+    prompts: int = field(default=6, metadata=_help(f"chat prompts of W1 and the peers ({MIN_PROMPTS}..{len(PROMPTS)})"))
+    max_new_tokens: int = field(default=128, metadata=_help("new tokens per W1, peer and K-sweep request"))
+    repetitions: int = field(default=3, metadata=_help("W1 repetitions of every prompt (plain and speculative interleaved)"))
+    temperature: float = field(default=0.8, metadata=_help("the sampled W1 variant's temperature (fixed seed per prompt)"))
+    seed: int = field(default=1234, metadata=_help("seed of the sampled requests (prompt i uses seed + i)"))
+    peer_repetitions: int = field(default=2, metadata=_help("repetitions of transformers' generate, plain and assisted (0 = skip)"))
+    max_k: int = field(default=8, metadata=_help("the fixed-K sweep runs K = 0..max_k (0 = skip the sweep)"))
+    sweep_prompts: int = field(default=3, metadata=_help("prompts of the fixed-K sweep"))
+    concurrency: tuple[int, ...] = field(default=(1, 2, 4, 8, 16), metadata=_help("concurrency levels, comma-separated (empty = skip)"))
+    concurrency_tokens: int = field(default=128, metadata=_help("new tokens per request of the concurrency sweep"))
+    cost_batch: int = field(default=4, metadata=_help("batch size B of the second verify-slope figure s(B)"))
+    target_args: str = field(default="", metadata=_help("extra flags for `python -m target_server`, e.g. --target-args='--dtype bfloat16'"))
+    draft_args: str = field(default="", metadata=_help("extra flags for `python -m draft_server`, e.g. --draft-args='--quantization int4'"))
+    gateway_args: str = field(default="", metadata=_help("extra flags for `python -m gateway`, e.g. --gateway-args='--spec-length 6'"))
+    results: str = field(default="benchmarks/results/bench.json", metadata=_help("results JSON (relative paths: from the repo root)"))
+    plots_dir: str = field(default="docs/benchmarks", metadata=_help("folder of the PNG plots"))
+    docs: str = field(default="docs/benchmarks.md", metadata=_help("Markdown page to write ('' = none)"))
+    render_only: bool = field(default=False, metadata=_help("measure nothing: redraw the plots and the page from --results"))
+
+    def __post_init__(self) -> None:
+        if not MIN_PROMPTS <= self.prompts <= len(PROMPTS):
+            raise InvalidArgumentError(f"prompts must be in [{MIN_PROMPTS}, {len(PROMPTS)}], got {self.prompts}")
+        if not 1 <= self.sweep_prompts <= len(PROMPTS):
+            raise InvalidArgumentError(f"sweep_prompts must be in [1, {len(PROMPTS)}], got {self.sweep_prompts}")
+        for name in ("max_new_tokens", "repetitions", "concurrency_tokens", "cost_batch"):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_new_tokens < 2 or self.concurrency_tokens < 2:
+            raise InvalidArgumentError("decode speed needs at least 2 new tokens per request")
+        for name in ("peer_repetitions", "max_k"):
+            if getattr(self, name) < 0:
+                raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.temperature <= 0:
+            raise InvalidArgumentError(f"temperature must be > 0 (the greedy variant always runs), got {self.temperature}")
+        if any(level < 1 for level in self.concurrency):
+            raise InvalidArgumentError(f"concurrency levels must be >= 1, got {self.concurrency}")
+        if not self.results:
+            raise InvalidArgumentError("results: a path is required")
+
+
+FULL = BenchConfig()
+QUICK = BenchConfig(
+    quick=True, prompts=5, max_new_tokens=48, repetitions=1, peer_repetitions=1, sweep_prompts=1,
+    concurrency=(1, 4, 16), concurrency_tokens=32,
+    results="benchmarks/results/quick/bench.json", plots_dir="benchmarks/results/quick",
+    docs="benchmarks/results/quick/benchmarks.md",
+)
+
+
+def _int_tuple(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, tuple):
+        return ",".join(map(str, value)) or "''"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def add_bench_flags(parser: argparse.ArgumentParser) -> None:
+    """One `--flag` per `BenchConfig` field; unset flags keep the chosen preset's value."""
+    hints = typing.get_type_hints(BenchConfig)
+    for f in dataclasses.fields(BenchConfig):
+        flag = f"--{f.name.replace('_', '-')}"
+        full, quick = getattr(FULL, f.name), getattr(QUICK, f.name)
+        if hints[f.name] is bool:
+            parser.add_argument(flag, action="store_true", default=None, help=f.metadata["help"])
+            continue
+        shown = _shown(full) if full == quick else f"{_shown(full)}, quick: {_shown(quick)}"
+        kind = _int_tuple if hints[f.name] == tuple[int, ...] else hints[f.name]
+        parser.add_argument(flag, type=kind, default=None, help=f"{f.metadata['help']} (default: {shown})")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The preset `--quick` selects, with every flag that was given applied on top."""
+    preset = QUICK if args.quick else FULL
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig) if getattr(args, f.name) is not None}
+    return dataclasses.replace(preset, **given)

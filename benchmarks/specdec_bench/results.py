@@ -1,0 +1,130 @@
+"""The results document of one run: raw measurements plus the machine, as JSON.
+
+Everything derived (speedups, α, c, s, S(K), efficiency) is recomputed from this file by
+`specdec_bench.analysis`, so the plots and the page can be redrawn from a committed JSON
+(`specdec bench --render-only`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from specdec.cost_model import ForwardCost
+from specdec.v1 import gateway_pb2
+from specdec_bench.peers import PeerRecord
+from specdec_bench.sweeps import ConcurrencyGroup
+from specdec_bench.workloads import RunRecord
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class ServiceCosts:
+    """What the gateway's Info says about speculation and the services' measured forward costs."""
+
+    target: list[ForwardCost]
+    draft: list[ForwardCost]
+    default_spec_length: int
+    max_spec_length: int
+    adaptive_k: bool
+    target_model: str = ""
+    target_dtype: str = ""
+    draft_model: str = ""
+    draft_dtype: str = ""
+    draft_quantization: str = ""
+
+    @classmethod
+    def from_info(cls, info: gateway_pb2.GatewayInfo) -> ServiceCosts:
+        def costs(model: Any) -> list[ForwardCost]:
+            return [ForwardCost(c.batch_size, c.tokens, c.seconds) for c in model.forward_costs]
+
+        return cls(
+            target=costs(info.target), draft=costs(info.draft), default_spec_length=info.default_spec_length,
+            max_spec_length=info.max_spec_length, adaptive_k=info.adaptive_k,
+            target_model=info.target.model_name, target_dtype=info.target.dtype, draft_model=info.draft.model_name,
+            draft_dtype=info.draft.dtype, draft_quantization=info.draft.quantization,
+        )
+
+
+@dataclass
+class BenchResults:
+    """One run: its settings, the machine, and every measurement."""
+
+    meta: dict[str, Any]
+    costs: ServiceCosts
+    w1: list[RunRecord] = field(default_factory=list)
+    peers: list[PeerRecord] = field(default_factory=list)
+    k_sweep: list[RunRecord] = field(default_factory=list)
+    concurrency: list[ConcurrencyGroup] = field(default_factory=list)
+
+    def save(self, path: Path, summary: dict[str, Any] | None = None) -> None:
+        """Write the document; `summary` (derived figures, for readers) is ignored by `load`."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        document = {"schema": SCHEMA_VERSION, **dataclasses.asdict(self), **({"summary": summary} if summary else {})}
+        path.write_text(json.dumps(document, indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> BenchResults:
+        raw = json.loads(path.read_text())
+        if raw.get("schema") != SCHEMA_VERSION:
+            raise ValueError(f"{path}: results schema {raw.get('schema')!r}, this harness reads {SCHEMA_VERSION}")
+        costs = dict(raw["costs"])
+        costs["target"] = [ForwardCost(**c) for c in costs["target"]]
+        costs["draft"] = [ForwardCost(**c) for c in costs["draft"]]
+        return cls(
+            meta=raw["meta"],
+            costs=ServiceCosts(**costs),
+            w1=[RunRecord(**r) for r in raw["w1"]],
+            peers=[PeerRecord(**r) for r in raw["peers"]],
+            k_sweep=[RunRecord(**r) for r in raw["k_sweep"]],
+            concurrency=[
+                ConcurrencyGroup(g["concurrency"], g["k"], g["wall_s"], [RunRecord(**r) for r in g["requests"]])
+                for g in raw["concurrency"]
+            ],
+        )
+
+
+def _lscpu() -> dict[str, str]:
+    if shutil.which("lscpu") is None:
+        return {}
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    return {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in out.splitlines()) if value}
+
+
+def _git_revision() -> str:
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def machine() -> dict[str, Any]:
+    """The CPU (model and flags from lscpu), core count and software versions."""
+    cpu = _lscpu()
+    return {
+        "cpu_model": cpu.get("Model name", platform.processor()),
+        "cpu_flags": cpu.get("Flags", ""),
+        "cpus": os.cpu_count(),
+        "threads_per_core": cpu.get("Thread(s) per core", ""),
+        "hypervisor": cpu.get("Hypervisor vendor", ""),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "git": _git_revision(),
+    }

@@ -1,0 +1,143 @@
+"""One whole benchmark run: start the stack, measure with a progress bar, write and print.
+
+The last line printed (stdout) is the headline, machine-readable:
+`speedup=… vs_hf_assisted=… efficiency=… alpha=… c=…`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tqdm import tqdm
+from transformers.utils import logging as hf_logging
+
+from specdec.client import SpecdecClient
+from specdec_bench import analysis, plots, report
+from specdec_bench.config import BenchConfig
+from specdec_bench.peers import METHODS, run_peers
+from specdec_bench.results import BenchResults, ServiceCosts, machine
+from specdec_bench.stack import running_stack
+from specdec_bench.sweeps import ExactnessError, concurrency_sweep, k_sweep, w1, warm_up
+
+#: Deadline of one request; generous, a crowded 2-core machine is slow.
+REQUEST_TIMEOUT_S = 900.0
+
+
+def repo_root() -> Path:
+    """The checkout this package was installed from (editable install), else the working directory."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() else Path.cwd()
+
+
+def resolve(path: str) -> Path:
+    """Relative paths in the config are relative to the repository root."""
+    p = Path(path)
+    return p if p.is_absolute() else repo_root() / p
+
+
+def _planned_runs(config: BenchConfig) -> int:
+    w1_runs = config.repetitions * config.prompts * 4  # greedy and sampled, plain and speculative
+    peer_runs = config.peer_repetitions * config.prompts * len(METHODS)
+    sweep_runs = config.sweep_prompts * (config.max_k + 1) if config.max_k else 0
+    return w1_runs + peer_runs + sweep_runs + 2 * len(config.concurrency)
+
+
+@dataclass
+class Laps:
+    """Wall seconds per phase of the run, for the results' meta."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    _mark: float = field(default_factory=time.monotonic)
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.seconds[name] = round(now - self._mark, 1)
+        self._mark = now
+
+
+def measure(config: BenchConfig, command: str) -> BenchResults:
+    """Start the stack, run every measurement and return the results (raises ExactnessError)."""
+    started = time.monotonic()
+    laps = Laps()
+    with tqdm(total=_planned_runs(config), unit="run", file=sys.stderr, dynamic_ncols=True) as progress:
+        progress.set_description("starting services")
+        with running_stack(config.target_args, config.draft_args, config.gateway_args) as stack:
+            laps.lap("start_services")
+            with SpecdecClient(stack.address, timeout=REQUEST_TIMEOUT_S) as client:
+                costs = ServiceCosts.from_info(client.info())
+                if config.max_k > costs.max_spec_length:
+                    config = dataclasses.replace(config, max_k=costs.max_spec_length)
+                progress.set_description("warming up")
+                warm_up(client, config.max_k)
+                laps.lap("warm_up")
+                outcome = w1(client, config, progress)
+                laps.lap("w1")
+                peers = run_peers(
+                    stack.target_config, stack.draft_config, prompts=config.prompts, max_new_tokens=config.max_new_tokens,
+                    k=costs.default_spec_length, repetitions=config.peer_repetitions, reference=outcome.greedy_tokens,
+                    progress=progress,
+                ) if config.peer_repetitions else []
+                laps.lap("peers")
+                sweep = k_sweep(client, stack, config, progress) if config.max_k else []
+                laps.lap("k_sweep")
+                groups = concurrency_sweep(client, config, progress)
+                laps.lap("concurrency")
+            services = {"target": dataclasses.asdict(stack.target_config), "draft": dataclasses.asdict(stack.draft_config)}
+        laps.lap("stop_services")
+        progress.set_description("done")
+    meta = {
+        "command": command,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "duration_s": time.monotonic() - started,
+        "phase_s": laps.seconds,
+        "machine": machine(),
+        "config": dataclasses.asdict(config),
+        "services": services,
+    }
+    return BenchResults(meta, costs, outcome.records, peers, sweep, groups)
+
+
+def render(results: BenchResults, config: BenchConfig) -> analysis.Summary:
+    """Summary, plots and (unless --docs '') the Markdown page, all from `results`."""
+    summary = analysis.summarize(results)
+    drawn = plots.draw_all(summary, resolve(config.plots_dir))
+    if config.docs:
+        docs = resolve(config.docs)
+        docs.parent.mkdir(parents=True, exist_ok=True)
+        docs.write_text(report.render_page(results, summary, drawn, docs, resolve(config.results)))
+    return summary
+
+
+def run(config: BenchConfig, argv: Sequence[str]) -> int:
+    """`specdec bench`: measure (unless --render-only), write, print the table and the final line."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the services' weight-loading bars
+    hf_logging.disable_progress_bar()  # and the peers' (transformers is already imported here)
+    results_path = resolve(config.results)
+    if config.render_only:
+        results = BenchResults.load(results_path)
+    else:
+        hf_logging.set_verbosity_error()  # generate()'s advisory warnings would break the progress bar
+        try:
+            results = measure(config, "specdec " + shlex.join(argv))
+        except ExactnessError as error:
+            print(f"\n*** {error} ***", file=sys.stderr)
+            return 2
+        except (RuntimeError, TimeoutError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+        results.save(results_path)  # before rendering, so a plotting failure loses no measurement
+    summary = render(results, config)
+    results.save(results_path, summary=dataclasses.asdict(summary))
+    written = [str(results_path), str(resolve(config.plots_dir))] + ([str(resolve(config.docs))] if config.docs else [])
+    print(f"results: {', '.join(written)}", file=sys.stderr)
+    print(report.summary_table(summary))
+    print(summary.final_line())
+    return 0

@@ -1,0 +1,143 @@
+"""The measurements through the gateway: W1, the fixed-K sweep and the concurrency sweep.
+
+Variants that are compared are interleaved (and their order alternated) so that machine
+noise, which on a shared 2-core box drifts over minutes, hits them alike.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from specdec.client import SpecdecClient
+from specdec_bench.config import BenchConfig
+from specdec_bench.stack import Stack
+from specdec_bench.workloads import RunRecord, mode_name, run_request
+
+
+class Progress(Protocol):
+    """What the sweeps need of a progress bar (tqdm has it)."""
+
+    def update(self, n: float | None = 1) -> bool | None: ...
+
+    def set_description(self, desc: str | None = None, refresh: bool | None = True) -> None: ...
+
+
+class ExactnessError(RuntimeError):
+    """Greedy speculative output differs from plain output: the product's promise is broken."""
+
+
+@dataclass
+class W1Outcome:
+    records: list[RunRecord]
+    #: Greedy plain token ids per prompt: what the other variants must reproduce.
+    greedy_tokens: dict[int, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class ConcurrencyGroup:
+    """`concurrency` requests sent at once in one mode, and the wall time until all finished."""
+
+    concurrency: int
+    k: int | None
+    wall_s: float
+    requests: list[RunRecord]
+
+    @property
+    def mode(self) -> str:
+        return mode_name(self.k)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Aggregate throughput: all completion tokens over the group's wall time."""
+        return sum(r.completion_tokens for r in self.requests) / self.wall_s
+
+
+def _check_exact(prompt: int, what: str, tokens: list[int], reference: list[int]) -> None:
+    if tokens != reference:
+        first = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+        raise ExactnessError(
+            f"EXACTNESS BROKEN: greedy {what} output differs from plain decoding on prompt {prompt} "
+            f"at token {first} ({len(tokens)} vs {len(reference)} tokens)"
+        )
+
+
+def warm_up(client: SpecdecClient, max_k: int) -> None:
+    """One short request per mode, so first-call costs (allocators, kernels) stay out of the figures."""
+    for k in (0, None, max(max_k, 1)):
+        run_request(client, "warm-up", 0, k, max_new_tokens=8)
+
+
+def w1(client: SpecdecClient, config: BenchConfig, progress: Progress) -> W1Outcome:
+    """Single requests: every prompt greedy and sampled, plain and speculative (adaptive K) side by side."""
+    outcome = W1Outcome(records=[])
+    progress.set_description("W1 single request")
+    for rep in range(config.repetitions):
+        for prompt in range(config.prompts):
+            for temperature in (0.0, config.temperature):
+                order: tuple[int | None, ...] = (0, None) if (rep + prompt) % 2 == 0 else (None, 0)
+                tokens: dict[int | None, list[int]] = {}
+                for k in order:
+                    record, result = run_request(
+                        client, "w1", prompt, k, max_new_tokens=config.max_new_tokens, temperature=temperature,
+                        seed=config.seed + prompt, repetition=rep,
+                    )
+                    outcome.records.append(record)
+                    tokens[k] = result.token_ids
+                    progress.update()
+                if temperature == 0.0:
+                    _check_exact(prompt, "speculative", tokens[None], tokens[0])
+                    outcome.greedy_tokens.setdefault(prompt, tokens[0])
+    return outcome
+
+
+def k_sweep(client: SpecdecClient, stack: Stack, config: BenchConfig, progress: Progress) -> list[RunRecord]:
+    """Greedy single requests with a fixed K = 0..max_k (adaptive off), K order alternating per prompt.
+
+    The gateway's counters are read around each request, so every record carries its
+    rounds and its accepted tokens per draft position.
+    """
+    records: list[RunRecord] = []
+    progress.set_description("fixed-K sweep")
+    for prompt in range(config.sweep_prompts):
+        ks = list(range(config.max_k + 1))
+        tokens: dict[int, list[int]] = {}
+        for k in ks if prompt % 2 == 0 else reversed(ks):
+            before = stack.metrics()
+            record, result = run_request(client, "k_sweep", prompt, k, max_new_tokens=config.max_new_tokens)
+            if k > 0:
+                after = stack.metrics()
+                record.num_drafts = round(after.num_drafts - before.num_drafts)
+                record.accepted_per_pos = after.accepted_since(before, k)
+            records.append(record)
+            tokens[k] = result.token_ids
+            progress.update()
+        for k in ks[1:]:
+            _check_exact(prompt, f"K={k}", tokens[k], tokens[0])
+    return records
+
+
+def _group(client: SpecdecClient, config: BenchConfig, level: int, k: int | None) -> ConcurrencyGroup:
+    with ThreadPoolExecutor(level) as pool:
+        started = time.perf_counter()
+        futures = [
+            pool.submit(run_request, client, "concurrency", i % config.prompts, k,
+                        max_new_tokens=config.concurrency_tokens, repetition=i, concurrency=level)
+            for i in range(level)
+        ]
+        records = [future.result()[0] for future in futures]
+        wall = time.perf_counter() - started
+    return ConcurrencyGroup(level, k, wall, records)
+
+
+def concurrency_sweep(client: SpecdecClient, config: BenchConfig, progress: Progress) -> list[ConcurrencyGroup]:
+    """`level` greedy requests at once (prompts cycled), plain and speculative (adaptive K) alternating."""
+    groups: list[ConcurrencyGroup] = []
+    for i, level in enumerate(config.concurrency):
+        progress.set_description(f"concurrency {level}")
+        for k in (0, None) if i % 2 == 0 else (None, 0):
+            groups.append(_group(client, config, level, k))
+            progress.update()
+    return groups

@@ -1,0 +1,110 @@
+"""The benchmark's chat prompts and one measured request through the gateway.
+
+The prompts ask for long answers (so most requests run to `max_new_tokens`) and none of
+them appears in the tests. A request's decode speed is the gateway's own
+`tokens_per_s`: completion tokens after the first over the time after the first token,
+so prefill and queueing stay out of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.client import GenerationResult, SpecdecClient
+
+PROMPTS: tuple[str, ...] = (
+    "Explain how the gears on a bicycle make it easier to ride up a steep hill.",
+    "Describe the life cycle of a butterfly, from egg to adult, in detail.",
+    "Give step-by-step instructions for planting a small vegetable garden.",
+    "What are the main differences between a list and a dictionary in Python? Give examples.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Why do leaves change colour in autumn? Explain the chemistry simply.",
+    "Write a polite email asking a colleague to review a project proposal by Friday.",
+    "Describe how a volcano forms and what happens during an eruption.",
+)
+
+
+def chat(prompt: str) -> list[dict[str, str]]:
+    """A one-turn chat with `prompt` as the user's message."""
+    return [{"role": "user", "content": prompt}]
+
+
+def mode_name(k: int | None) -> str:
+    """`plain` (K = 0), `speculative` (the gateway's adaptive default) or `K=<k>` (fixed)."""
+    return "plain" if k == 0 else "speculative" if k is None else f"K={k}"
+
+
+def speculation_options(k: int | None) -> dict[str, object]:
+    """Request options for `mode_name(k)`: K = 0 is plain, None the gateway's adaptive default."""
+    if k == 0:
+        return {"speculative": False}
+    if k is None:
+        return {}
+    return {"spec_length": k, "adaptive": False}
+
+
+@dataclass
+class RunRecord:
+    """One request as measured through the gateway (everything the analysis needs)."""
+
+    phase: str
+    prompt: int
+    #: 0 = plain, None = speculative with the gateway's adaptive K, else a fixed K.
+    k: int | None
+    temperature: float
+    repetition: int
+    tokens_per_s: float
+    time_to_first_token_s: float
+    total_s: float
+    completion_tokens: int
+    num_rounds: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    #: Seconds per round phase (draft_compute, verify_compute, rpc, accept, other), summed.
+    anatomy: dict[str, float]
+    #: Requests in flight together (1 outside the concurrency sweep).
+    concurrency: int = 1
+    #: From the gateway's metrics around this request (fixed-K sweep only): speculation
+    #: rounds, and accepted draft tokens per position 0..K-1.
+    num_drafts: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def mode(self) -> str:
+        return mode_name(self.k)
+
+    @property
+    def inter_token_s(self) -> float:
+        """Mean time between tokens after the first (the request's own inter-token latency)."""
+        if self.completion_tokens < 2:
+            return 0.0
+        return (self.total_s - self.time_to_first_token_s) / (self.completion_tokens - 1)
+
+
+def run_request(
+    client: SpecdecClient,
+    phase: str,
+    prompt: int,
+    k: int | None,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    repetition: int = 0,
+    concurrency: int = 1,
+) -> tuple[RunRecord, GenerationResult]:
+    """Send `PROMPTS[prompt]` as a chat and return its record and the full result."""
+    result = client.generate(
+        chat(PROMPTS[prompt]), max_new_tokens=max_new_tokens, temperature=temperature,
+        seed=seed if temperature > 0 else None, **speculation_options(k),
+    )
+    if result.finish_reason not in ("length", "stop"):
+        raise RuntimeError(f"{mode_name(k)} request on prompt {prompt} finished with {result.finish_reason!r}")
+    record = RunRecord(
+        phase=phase, prompt=prompt, k=k, temperature=temperature, repetition=repetition,
+        tokens_per_s=result.tokens_per_s, time_to_first_token_s=result.time_to_first_token_s,
+        total_s=result.total_s, completion_tokens=result.completion_tokens, num_rounds=result.num_rounds,
+        num_draft_tokens=result.num_draft_tokens, num_accepted_tokens=result.num_accepted_tokens,
+        anatomy=dict(result.anatomy), concurrency=concurrency,
+    )
+    return record, result

@@ -1,0 +1,82 @@
+"""The benchmark harness's arithmetic and plumbing on synthetic records: no services, no models."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from specdec.cost_model import ForwardCost, expected_speedup
+from specdec_bench.analysis import acceptance_by_position, percentile, summarize
+from specdec_bench.config import QUICK, add_bench_flags, config_from_args
+from specdec_bench.peers import PeerRecord
+from specdec_bench.report import render_page
+from specdec_bench.results import BenchResults, ServiceCosts
+from specdec_bench.sweeps import ConcurrencyGroup
+from specdec_bench.workloads import RunRecord
+
+FINAL_LINE = re.compile(r"^speedup=\d+\.\d{3} vs_hf_assisted=\d+\.\d{3} efficiency=\d+\.\d{3} alpha=\d+\.\d{3} c=\d+\.\d{3}$")
+
+
+def _run(k: int | None, rate: float, *, phase: str = "w1", temperature: float = 0.0, **extra: object) -> RunRecord:
+    fields: dict[str, object] = dict(
+        phase=phase, prompt=0, k=k, temperature=temperature, repetition=0, tokens_per_s=rate,
+        time_to_first_token_s=0.1, total_s=1.1, completion_tokens=11, num_rounds=0, num_draft_tokens=0,
+        num_accepted_tokens=0, anatomy={"draft_compute": 0.2, "verify_compute": 0.7, "rpc": 0.05, "accept": 0.05, "other": 0.0},
+    )
+    return RunRecord(**{**fields, **extra})  # type: ignore[arg-type]
+
+
+def test_alpha_is_the_geometric_mle_and_positions_are_conditional() -> None:
+    # K=2, 10 rounds: position 1 accepted 8 times, position 2 accepted 6 times (given 1).
+    run = _run(2, 1.0, phase="k_sweep", num_drafts=10, accepted_per_pos=[8, 6])
+    conditional, unconditional, alpha = acceptance_by_position([run], 2)
+    assert conditional == pytest.approx([0.8, 0.75])
+    assert unconditional == pytest.approx([0.8, 0.6])
+    assert alpha == pytest.approx(14 / (14 + 4))  # 4 rounds rejected a token
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 95) == pytest.approx(3.85)
+
+
+def test_summary_final_line_page_and_json_round_trip(tmp_path: Path) -> None:
+    costs = ServiceCosts(
+        target=[ForwardCost(1, 1, 0.050), ForwardCost(1, 5, 0.070), ForwardCost(4, 1, 0.080), ForwardCost(4, 5, 0.200)],
+        draft=[ForwardCost(1, 1, 0.010)], default_spec_length=4, max_spec_length=16, adaptive_k=True,
+    )
+    w1 = [_run(0, 10.0), _run(0, 12.0), _run(None, 15.0, num_rounds=4, num_draft_tokens=16, num_accepted_tokens=12),
+          _run(None, 21.0), _run(0, 9.0, temperature=0.8), _run(None, 11.0, temperature=0.8)]
+    sweep = [_run(0, 10.0, phase="k_sweep"),
+             _run(4, 16.0, phase="k_sweep", num_rounds=4, num_draft_tokens=16, num_accepted_tokens=12, num_drafts=4,
+                  accepted_per_pos=[4, 3, 3, 2])]
+    peers = [PeerRecord("hf_plain", 0, 0, 11, 1.0, 0.1, 11.0, True), PeerRecord("hf_assisted", 0, 0, 11, 1.0, 0.1, 12.0, True)]
+    groups = [ConcurrencyGroup(2, 0, 1.0, [_run(0, 10.0, concurrency=2)]), ConcurrencyGroup(2, None, 0.5, [_run(None, 20.0)])]
+    results = BenchResults({"config": {"temperature": 0.8, "cost_batch": 4}}, costs, w1, peers, sweep, groups)
+    path = tmp_path / "bench.json"
+    results.save(path)
+    summary = summarize(BenchResults.load(path))
+    assert summary.greedy.speedup == pytest.approx(18.0 / 11.0)  # medians: (15+21)/2 over (10+12)/2
+    assert summary.vs_hf_assisted == pytest.approx(18.0 / 12.0)
+    assert summary.startup.c == pytest.approx(0.2)
+    assert summary.startup.s_by_k[3] == pytest.approx((0.070 - 0.050) / (4 * 0.050))
+    assert summary.alpha == pytest.approx(12 / (12 + 2))
+    best = max(expected_speedup(summary.alpha, k, 0.2, summary.startup.s_by_k[k - 1]) for k in range(1, 5))
+    assert summary.expected == pytest.approx(best)
+    assert summary.concurrency[0].speedup == pytest.approx(2.0)
+    assert FINAL_LINE.match(summary.final_line())
+    plots = {name: tmp_path / f"{name}.png" for name in
+             ("speedup_vs_k", "throughput_vs_concurrency", "acceptance_by_position", "round_anatomy")}
+    page = render_page(results, summary, plots, tmp_path / "docs" / "benchmarks.md", path)
+    assert "](../speedup_vs_k.png)" in page and summary.final_line() in page
+
+
+def test_quick_preset_and_flag_overrides() -> None:
+    parser = argparse.ArgumentParser()
+    add_bench_flags(parser)
+    config = config_from_args(parser.parse_args(["--quick", "--max-new-tokens", "64", "--concurrency", "1,2"]))
+    assert config.quick and config.prompts == QUICK.prompts and config.results == QUICK.results
+    assert config.max_new_tokens == 64 and config.concurrency == (1, 2)
