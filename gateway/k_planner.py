@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from gateway.sequence import Sequence
 from gateway.speculative_step import RoundReport
-from specdec.cost_model import CostTable, ForwardCost, RoundCostModel
+from specdec.cost_model import CostTable, ForwardCost, RoundCostModel, expected_tokens
 
 #: Why a round speculated less than it could, as exported in the metrics.
 OFF_REASONS = ("not_paying", "batch", "draft_unavailable")
@@ -126,10 +126,11 @@ class KPlanner:
             return ks
         model = self.cost_model()
         alphas = [self.alphas(s) for s in seqs]
+        start = [self._catch_up_cost(s, model, alphas[i]) for i, s in enumerate(seqs)]
         best_rate, best_k = -1.0, 0
         for k in range(max(caps[s.slot_id] for s in flexible) + 1):
             uniform = [min(k, caps[s.slot_id]) if s in flexible else ks[s.slot_id] for s in seqs]
-            rate = model.tokens_per_second(uniform, alphas)
+            rate = model.tokens_per_second(uniform, alphas, start)
             if rate > best_rate:
                 best_rate, best_k = rate, k
         for s in flexible:
@@ -139,13 +140,27 @@ class KPlanner:
         else:  # drop requests whose own drafting costs the batch more than it yields
             for s in flexible:
                 trial = dict(ks, **{s.slot_id: 0})
-                rate = model.tokens_per_second([trial[x.slot_id] for x in seqs], alphas)
+                rate = model.tokens_per_second([trial[x.slot_id] for x in seqs], alphas, start)
                 if rate > best_rate:
                     ks, best_rate = trial, rate
                     self.last_off_reason = "not_paying"
         self._schedule_probe(flexible, ks, caps)
         self._catching_up = any(ks[s.slot_id] > 0 and len(s.tokens) - s.draft_valid > 2 for s in seqs)
         return ks
+
+    @staticmethod
+    def _catch_up_cost(seq: Sequence, model: RoundCostModel, alphas: list[float]) -> float:
+        """What feeding the draft the tokens it has not seen costs beyond a normal step, spread
+        over the rounds the request has left: a prompt the draft never saw (or everything
+        since speculation went off) is a one-off prefill that only a long enough future of
+        speculating repays. Without this a batch of new requests would all start drafting
+        at once and pay seconds of draft prefill for a few rounds of gain."""
+        pending = len(seq.tokens) - seq.draft_valid
+        if model.draft is None or pending <= 2:
+            return 0.0
+        extra = model.draft.seconds(1, pending) - model.draft.step(1)
+        rounds_left = max(1.0, (seq.max_new_tokens - seq.completion_tokens) / expected_tokens(alphas, 2))
+        return max(0.0, extra) / rounds_left
 
     def _schedule_probe(self, flexible: list[Sequence], ks: dict[str, int], caps: dict[str, int]) -> None:
         """Count rounds off per request; let the one off longest past its interval probe."""

@@ -111,7 +111,14 @@ class RoundCostModel:
                 seconds += self.draft.step(sum(1 for k in spec if k >= step))
         return seconds
 
-    def tokens_per_second(self, ks: Sequence[int], alphas: Sequence[Sequence[float]]) -> float:
-        """Expected emitted tokens per second of a round with draft lengths `ks`."""
+    def tokens_per_second(
+        self, ks: Sequence[int], alphas: Sequence[Sequence[float]], start_costs: Sequence[float] | None = None
+    ) -> float:
+        """Expected emitted tokens per second of a round with draft lengths `ks`.
+
+        `start_costs[i]` is a one-off cost request i pays this round if it drafts (the draft
+        catching up on tokens it has not seen), already spread over the rounds it pays for.
+        """
         emitted = sum(expected_tokens(a, k) for a, k in zip(alphas, ks))
-        return emitted / self.round_seconds(ks)
+        extra = sum(c for c, k in zip(start_costs, ks) if k > 0) if start_costs is not None else 0.0
+        return emitted / (self.round_seconds(ks) + extra)
