@@ -16,8 +16,9 @@ Inputs, all measured:
 A request that runs with K = 0 by choice is re-probed with a small K after
 `probe_every` rounds, so its α estimate (and the decision) can recover. A probe is not
 free: the draft first catches up on every token it skipped. So each probe that confirms
-"off" doubles that request's interval (up to `max_probe_every`), and at most one request
-probes per round.
+"off" doubles that request's interval (up to `max_probe_every`), at most one request
+probes per round, and only when the probe costs at most `probe_budget` of the request's
+remaining plain-decoding time.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ class KPlanner:
     #: A request kept at K = 0 by choice drafts `probe_k` tokens every `probe_every` rounds.
     probe_every: int = 16
     max_probe_every: int = 256
+    #: A probe may cost at most this share of the request's remaining plain-decoding time.
+    probe_budget: float = 0.05
     probe_k: int = 2
     overhead_s: float = 0.0
     global_alpha: AcceptanceEstimate = field(init=False)
@@ -144,7 +147,9 @@ class KPlanner:
                 if rate > best_rate:
                     ks, best_rate = trial, rate
                     self.last_off_reason = "not_paying"
-        self._schedule_probe(flexible, ks, caps)
+        plain_round = model.round_seconds([0] * len(seqs))
+        affordable = [s for s in flexible if self._probe_affordable(s, model, plain_round)]
+        self._schedule_probe(flexible, affordable, ks, caps)
         self._catching_up = any(ks[s.slot_id] > 0 and len(s.tokens) - s.draft_valid > 2 for s in seqs)
         return ks
 
@@ -162,8 +167,18 @@ class KPlanner:
         rounds_left = max(1.0, (seq.max_new_tokens - seq.completion_tokens) / expected_tokens(alphas, 2))
         return max(0.0, extra) / rounds_left
 
-    def _schedule_probe(self, flexible: list[Sequence], ks: dict[str, int], caps: dict[str, int]) -> None:
-        """Count rounds off per request; let the one off longest past its interval probe."""
+    def _probe_affordable(self, seq: Sequence, model: RoundCostModel, plain_round: float) -> bool:
+        """A probe's catch-up may cost at most `probe_budget` of the request's remaining plain decoding."""
+        if model.draft is None:
+            return False
+        pending = len(seq.tokens) - seq.draft_valid
+        cost = model.draft.seconds(1, max(pending, 1)) + (self.probe_k - 1) * model.draft.step(1)
+        return cost <= self.probe_budget * (seq.max_new_tokens - seq.completion_tokens) * plain_round
+
+    def _schedule_probe(
+        self, flexible: list[Sequence], affordable: list[Sequence], ks: dict[str, int], caps: dict[str, int]
+    ) -> None:
+        """Count rounds off per request; let the affordable one off longest past its interval probe."""
         due = []
         for s in flexible:
             slot = s.slot_id
@@ -176,7 +191,7 @@ class KPlanner:
                 self._probe_interval[slot] = min(2 * self._probe_interval.get(slot, self.probe_every), self.max_probe_every)
             idle = self._idle_rounds.get(slot, 0) + 1
             self._idle_rounds[slot] = idle
-            if idle >= self._probe_interval.get(slot, self.probe_every):
+            if idle >= self._probe_interval.get(slot, self.probe_every) and s in affordable:
                 due.append((idle, slot))
         self._probing = set()
         if due:
