@@ -67,8 +67,8 @@ def _prefer_onednn(out_features: int, in_features: int, dtype: torch.dtype) -> b
     aten = onednn = 0.0
     for rows in _BENCH_ROWS:
         x = torch.randn(rows, in_features, dtype=dtype)  # [rows, in]
-        aten += _time(lambda x=x: F.linear(x, weight))
-        onednn += _time(lambda x=x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+        aten += _time(functools.partial(F.linear, x, weight))
+        onednn += _time(functools.partial(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], ""))
     log.debug("linear %dx%d %s: aten %.0f us, onednn %.0f us", out_features, in_features, dtype, aten * 1e6, onednn * 1e6)
     return onednn < aten
 
