@@ -124,11 +124,11 @@ def test_probes_back_off_and_never_come_together() -> None:
 
 
 def test_a_draft_prefill_is_worth_it_only_for_a_long_enough_future() -> None:
-    # A draft whose 9-token forward costs 4 steps: catching up on a 200-token sequence is dear.
-    costly_prefill = [*draft_costs(0.15), ForwardCost(1, 9, 0.040 * 0.15 * 4)]
+    # A draft whose 9-token forward costs 8 steps: catching up on 60 tokens costs ~50 steps.
+    costly_prefill = [*draft_costs(0.15), ForwardCost(1, 9, 0.040 * 0.15 * 8)]
     long_future, short_future = seq("long"), seq("short")
-    for s, max_new in ((long_future, 2000), (short_future, 12)):
-        s.tokens = list(range(200))
+    for s, max_new in ((long_future, 2000), (short_future, 6)):
+        s.tokens = list(range(60))
         s.max_new_tokens = max_new
     planner = KPlanner(TARGET, costly_prefill, prior_alpha=0.9)
     assert planner.plan([long_future], {"long": 4}, {"long": True})["long"] > 0
