@@ -154,17 +154,17 @@ class KPlanner:
         plain_round = model.round_seconds([0] * len(seqs))
         affordable = [s for s in flexible if self._probe_affordable(s, model, plain_round)]
         self._schedule_probe(flexible, affordable, ks, caps)
-        self._catching_up = any(ks[s.slot_id] > 0 and len(s.tokens) - s.draft_valid > 2 for s in seqs)
+        self._catching_up = any(ks[s.slot_id] > 0 and s.draft_pending > 2 for s in seqs)
         return ks
 
     @staticmethod
     def _catch_up_cost(seq: Sequence, model: RoundCostModel, alphas: list[float]) -> float:
         """What feeding the draft the tokens it has not seen costs beyond a normal step, spread
-        over the rounds the request has left (at most CATCH_UP_HORIZON): a prompt the draft never saw (or everything
-        since speculation went off) is a one-off prefill that only a long enough future of
-        speculating repays. Without this a batch of new requests would all start drafting
+        over the rounds the request has left (at most CATCH_UP_HORIZON): a prompt the draft
+        never saw (or everything since speculation went off) is a one-off prefill that only
+        a long enough future of speculating repays. Without this a batch of new requests would all start drafting
         at once and pay seconds of draft prefill for a few rounds of gain."""
-        pending = len(seq.tokens) - seq.draft_valid
+        pending = seq.draft_pending
         if model.draft is None or pending <= 2:
             return 0.0
         extra = model.draft.seconds(1, pending) - model.draft.step(1)
@@ -175,8 +175,7 @@ class KPlanner:
         """A probe's catch-up may cost at most `probe_budget` of the request's remaining plain decoding."""
         if model.draft is None:
             return False
-        pending = len(seq.tokens) - seq.draft_valid
-        cost = model.draft.seconds(1, max(pending, 1)) + (self.probe_k - 1) * model.draft.step(1)
+        cost = model.draft.seconds(1, max(seq.draft_pending, 1)) + (self.probe_k - 1) * model.draft.step(1)
         return cost <= self.probe_budget * (seq.max_new_tokens - seq.completion_tokens) * plain_round
 
     def _schedule_probe(
@@ -217,13 +216,11 @@ class KPlanner:
             estimate.observe(k, accepted)
             self.global_alpha.observe(k, accepted)
         ks = [report.ks[s.slot_id] for s in seqs]
-        if self._target is not None and report.verify.compute_s > 0:  # unscaled table: the EMA tracks the ratio
-            predicted = self._target.seconds(len(ks), 1 + sum(ks) / len(ks))
-            self._target_scale.observe(report.verify.compute_s, predicted, self.cost_weight)
-        spec = [k for k in ks if k > 0]
-        if self._draft is not None and spec and report.propose.compute_s > 0 and not self._catching_up:
-            predicted = sum(self._draft.step(sum(1 for k in spec if k >= j)) for j in range(1, max(spec) + 1))
-            self._draft_scale.observe(report.propose.compute_s, predicted, self.cost_weight)
+        if self._target is not None:  # the unscaled tables' prediction: the EMAs track the ratio
+            unscaled = RoundCostModel(self._target, self._draft)
+            self._target_scale.observe(report.verify.compute_s, unscaled.verify_seconds(ks), self.cost_weight)
+            if not self._catching_up:
+                self._draft_scale.observe(report.propose.compute_s, unscaled.draft_seconds(ks), self.cost_weight)
         self.overhead_s += self.cost_weight * (report.overhead_s - self.overhead_s)
 
     def forget(self, seq: Sequence) -> None:

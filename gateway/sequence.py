@@ -118,6 +118,11 @@ class Sequence:
             self.tokens = list(self.prompt)
 
     @property
+    def draft_pending(self) -> int:
+        """Tokens the draft has not cached yet: what its next Propose must feed first."""
+        return len(self.tokens) - self.draft_valid
+
+    @property
     def done(self) -> bool:
         return self.finish_reason is not None
 

@@ -101,15 +101,19 @@ class RoundCostModel:
 
     def round_seconds(self, ks: Sequence[int]) -> float:
         """A round where request i drafts ks[i] tokens (0 = plain decoding for it)."""
-        batch = len(ks)
+        return self.overhead_s + self.verify_seconds(ks) + self.draft_seconds(ks)
+
+    def verify_seconds(self, ks: Sequence[int]) -> float:
+        """The target's one forward over K+1 tokens per request."""
+        return self.target.seconds(len(ks), 1 + sum(ks) / len(ks))
+
+    def draft_seconds(self, ks: Sequence[int]) -> float:
+        """The draft's steps: step j runs over the requests with k >= j (the first step also
+        feeds the tokens accepted last round, about one per request)."""
         spec = [k for k in ks if k > 0]
-        seconds = self.overhead_s + self.target.seconds(batch, 1 + sum(ks) / batch)
-        if spec and self.draft is not None:
-            # Drafting step j runs over the requests with k >= j; the first step also feeds
-            # the tokens accepted last round (about one per request).
-            for step in range(1, max(spec) + 1):
-                seconds += self.draft.step(sum(1 for k in spec if k >= step))
-        return seconds
+        if not spec or self.draft is None:
+            return 0.0
+        return sum(self.draft.step(sum(1 for k in spec if k >= step)) for step in range(1, max(spec) + 1))
 
     def tokens_per_second(
         self, ks: Sequence[int], alphas: Sequence[Sequence[float]], start_costs: Sequence[float] | None = None
