@@ -21,7 +21,7 @@ def _free_port() -> int:
 
 def main() -> int:
     port = _free_port()
-    print(f"starting draft (int8), target (fp32) and gateway on 127.0.0.1:{port} ...", flush=True)
+    print(f"starting draft (int4), target (fp32) and gateway on 127.0.0.1:{port} ...", flush=True)
     serve = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port)], stdout=subprocess.PIPE, text=True
     )

@@ -84,7 +84,7 @@ def test_serve_runs_the_trio_and_stops_it_on_sigterm() -> None:
         with SpecdecClient(address, timeout=120) as client:
             result = client.generate([{"role": "user", "content": "Hello!"}], max_new_tokens=10)
             info = client.info()
-        assert result.completion_tokens == 10 and info.draft.quantization == "int8"
+        assert result.completion_tokens == 10 and info.draft.quantization == "int4"
         import urllib.request
 
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
