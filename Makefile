@@ -33,7 +33,7 @@ lint: setup
 	$(PY) -m ruff check .
 
 demo: setup
-	$(PY) -m specdec.demo
+	$(PY) -m specdec.cli.demo
 
 # Speed harness (not part of the tests): results JSON, plots and docs/benchmarks.md.
 bench: setup

@@ -15,9 +15,9 @@ import time
 
 import grpc
 
-from gateway.launcher import start_service
-from specdec.serving.grpc_server import message_size_options
+from specdec.cli.launcher import start_service
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.wire.limits import message_size_options
 
 PROMPT = list(range(1000, 1040))  # 40 in-vocabulary token ids
 
@@ -40,7 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=20)
     args = parser.parse_args()
-    target_proc, draft_proc = start_service("target_server"), start_service("draft_server")
+    target_proc, draft_proc = start_service("specdec.target_server"), start_service("specdec.draft_server")
     target_proc.wait_ready(), draft_proc.wait_ready()
     try:
         target = target_pb2_grpc.TargetServiceStub(_channel(target_proc.address))
@@ -53,7 +53,7 @@ def main() -> None:
                 items=[target_pb2.VerifyItem(slot_id="b", valid_len=n, tokens=[7] * (k + 1))]))
 
         def propose(temperature: float):  # type: ignore[no-untyped-def]
-            item = draft_pb2.ProposeItem(slot_id=f"d{temperature}", valid_len=0, new_tokens=PROMPT, k=4,
+            item = draft_pb2.ProposeItem(slot_id=f"d{temperature}", valid_len=0, new_tokens=PROMPT, num_speculative_tokens=4,
                                          sampling=common_pb2.SamplingParams(temperature=temperature, seed=1))
             draft.Propose(draft_pb2.ProposeRequest(items=[item]))
             item.valid_len, item.new_tokens[:] = n, [7]

@@ -22,10 +22,10 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from gateway.config import GatewayConfig
-from gateway.launcher import start_service
-from gateway.server import create_gateway
+from specdec.cli.launcher import start_service
 from specdec.client import SpecdecClient
+from specdec.gateway.config import GatewayConfig
+from specdec.gateway.server import create_gateway
 
 PROMPTS = [
     "Give three reasons why people keep a garden.",
@@ -52,13 +52,13 @@ def environment(changes: dict[str, str]) -> Iterator[None]:
 
 def run_variant(draft_flags: list[str], env: dict[str, str], args: argparse.Namespace) -> dict[str, float]:
     with environment(env):
-        target = start_service("target_server", ["--log-level", "WARNING", *args.target_flags.split()])
-        draft = start_service("draft_server", ["--log-level", "WARNING", *draft_flags])
+        target = start_service("specdec.target_server", ["--log-level", "WARNING", *args.target_flags.split()])
+        draft = start_service("specdec.draft_server", ["--log-level", "WARNING", *draft_flags])
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     try:
         target.wait_ready(), draft.wait_ready()
-        config = GatewayConfig(target_address=target.address, draft_address=draft.address, port=0, spec_length=args.k)
+        config = GatewayConfig(target_address=target.address, draft_address=draft.address, port=0, num_speculative_tokens=args.k)
         gateway = asyncio.run_coroutine_threadsafe(create_gateway(config), loop).result()
         spec, plain, alpha = [], [], []
         with SpecdecClient(f"127.0.0.1:{gateway.port}") as client:
@@ -66,7 +66,7 @@ def run_variant(draft_flags: list[str], env: dict[str, str], args: argparse.Name
             for _ in range(args.rounds):
                 for prompt in PROMPTS:
                     chat = [{"role": "user", "content": prompt}]
-                    s = client.generate(chat, max_new_tokens=args.tokens, spec_length=args.k, adaptive=False)
+                    s = client.generate(chat, max_new_tokens=args.tokens, num_speculative_tokens=args.k, adaptive=False)
                     p = client.generate(chat, max_new_tokens=args.tokens, speculative=False)
                     if s.token_ids != p.token_ids:
                         raise SystemExit(f"greedy outputs differ on {prompt!r}: exactness is broken")

@@ -72,7 +72,7 @@ def build_request(
     seed: int | None = None,
     stop: Sequence[str] = (),
     speculative: bool | None = None,
-    spec_length: int | None = None,
+    num_speculative_tokens: int | None = None,
     adaptive: bool | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest: a string is a raw prompt, a list of {role, content} is a chat."""
@@ -84,8 +84,8 @@ def build_request(
     speculation = gateway_pb2.SpeculationOptions()
     if speculative is not None:
         speculation.enabled = speculative
-    if spec_length is not None:
-        speculation.spec_length = spec_length
+    if num_speculative_tokens is not None:
+        speculation.num_speculative_tokens = num_speculative_tokens
     if adaptive is not None:
         speculation.adaptive = adaptive
     request = gateway_pb2.GenerateRequest(

@@ -21,25 +21,26 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2_grpc
 
-from draft_server.config import DraftConfig
-from draft_server.engine import DraftEngine
-from draft_server.server import create_server as create_draft_server
+from specdec.draft_server.config import DraftConfig
+from specdec.draft_server.engine import DraftEngine
+from specdec.draft_server.server import create_server as create_draft_server
 from specdec.model.llama import PagedLlama
 from specdec.model.loader import LoadedModel
 from specdec.model.runtime import ModelRuntime
-from specdec.model_engine import ModelEngine
-from specdec.serving.grpc_server import RunningServer, message_size_options
+from specdec.serving.engine import ModelEngine
+from specdec.serving.grpc_server import RunningServer
+from specdec.target_server.config import TargetConfig
+from specdec.target_server.engine import TargetEngine
+from specdec.target_server.server import create_server as create_target_server
 from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
-from target_server.config import TargetConfig
-from target_server.engine import TargetEngine
-from target_server.server import create_server as create_target_server
+from specdec.wire.limits import message_size_options
 
 T = TypeVar("T")
 
 #: Deadline of every test RPC, so a hung server fails the test instead of the session.
 RPC_TIMEOUT_S = 60.0
 #: Small pools: big enough for every test, cheap to allocate per test (~94 MB of fp32 KV).
-SMALL_POOL: dict[str, Any] = dict(kv_token_budget=2048, block_size=16, max_slots=32, max_spec_tokens=8, measure_costs=False)
+SMALL_POOL: dict[str, Any] = dict(kv_token_budget=2048, block_size=16, max_slots=32, max_speculative_tokens=8, measure_costs=False)
 
 
 class LoopThread:

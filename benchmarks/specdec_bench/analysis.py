@@ -132,7 +132,7 @@ class Summary:
     startup: CostSummary
     online: CostSummary | None
     cost_batch: int
-    spec_length: int
+    num_speculative_tokens: int
     best_k: int
     expected: float
     efficiency: float
@@ -203,7 +203,7 @@ def startup_costs(results: BenchResults, alpha: float, max_k: int, batch: int) -
     s_by_k = [_slope(target, 1, k) for k in range(1, max_k + 1)]
     return CostSummary(
         source="start-up (ModelInfo.forward_costs)", target_step_s=target.step(1), draft_step_s=draft.step(1), c=c,
-        s_by_k=s_by_k, s_batch_b=_slope(target, batch, results.costs.default_spec_length),
+        s_by_k=s_by_k, s_batch_b=_slope(target, batch, results.costs.default_num_speculative_tokens),
         expected_by_k=[expected_speedup(alpha, k, c, s) for k, s in enumerate(s_by_k, start=1)],
     )
 
@@ -282,7 +282,7 @@ def summarize(results: BenchResults) -> Summary:
     config = results.meta.get("config", {})
     temperature = float(config.get("temperature", 0.8))
     cost_batch = int(config.get("cost_batch", 4))
-    max_k = max([r.k for r in results.k_sweep if r.k] + [results.costs.default_spec_length])
+    max_k = max([r.k for r in results.k_sweep if r.k] + [results.costs.default_num_speculative_tokens])
     greedy, sampled = _w1(results.w1, 0.0), _w1(results.w1, temperature)
     conditional, unconditional, alpha = acceptance_by_position(results.k_sweep, max_k)
     source = "fixed-K sweep, per-position counters (geometric MLE)"
@@ -290,7 +290,7 @@ def summarize(results: BenchResults) -> Summary:
         alpha, source = greedy.acceptance_rate, "W1 acceptance rate (no fixed-K sweep)"
     startup = startup_costs(results, alpha, max_k, cost_batch)
     online = online_costs(results.k_sweep, alpha, max_k)
-    cap = results.costs.default_spec_length
+    cap = results.costs.default_num_speculative_tokens
     options = [(s, k) for k, s in enumerate(startup.expected_by_k[:cap], start=1)]
     expected, best_k = max(options + [(1.0, 0)])
     hf_plain, hf_assisted = _peer_spread(results.peers, "hf_plain"), _peer_spread(results.peers, "hf_assisted")
@@ -301,7 +301,7 @@ def summarize(results: BenchResults) -> Summary:
         anatomy[f"K={k}"] = anatomy_shares([r for r in results.k_sweep if r.k == k])
     return Summary(
         greedy=greedy, sampled=sampled, alpha=alpha, alpha_source=source, alpha_by_position=conditional,
-        accepted_by_position=unconditional, startup=startup, online=online, cost_batch=cost_batch, spec_length=cap,
+        accepted_by_position=unconditional, startup=startup, online=online, cost_batch=cost_batch, num_speculative_tokens=cap,
         best_k=best_k, expected=expected, efficiency=_ratio(greedy.speedup, expected),
         hf_plain=hf_plain, hf_assisted=hf_assisted,
         hf_matches_ours=_ratio(sum(checked), len(checked)) if checked else math.nan,

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from draft_server.config import DraftConfig
+from specdec.draft_server.config import DraftConfig
 from specdec.model.chat import encode_chat
 from specdec.model.runtime import ModelRuntime, build_runtime
+from specdec.target_server.config import TargetConfig
 from specdec_bench.sweeps import Progress
 from specdec_bench.workloads import PROMPTS, chat
-from target_server.config import TargetConfig
 
 METHODS = ("hf_plain", "hf_assisted")
 

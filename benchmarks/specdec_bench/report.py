@@ -33,7 +33,7 @@ def summary_table(summary: Summary) -> str:
     """The headline figures as one Markdown table (printed at the end of a run)."""
     g, t, st = summary.greedy, summary.sampled, summary.startup
     online = summary.online
-    k = summary.spec_length
+    k = summary.num_speculative_tokens
     rows = [
         ["W1 greedy tok/s, plain → speculative (median [min–max])", f"{_spread(g.plain)} → {_spread(g.speculative)}"],
         ["speedup, greedy", _f(g.speedup, 3, "×")],
@@ -104,7 +104,7 @@ def render_page(results: BenchResults, summary: Summary, plots: dict[str, Path],
         f"git {machine.get('git', '?')}; {m.get('date', '')}, {_f(m.get('duration_s', math.nan), 0)} s.",
         f"- Models: target `{costs.target_model}` ({costs.target_dtype}), draft `{costs.draft_model}` "
         f"({costs.draft_dtype}{', ' + costs.draft_quantization if costs.draft_quantization else ''}); "
-        f"gateway default K = {costs.default_spec_length}, adaptive K {'on' if costs.adaptive_k else 'off'}.",
+        f"gateway default K = {costs.default_num_speculative_tokens}, adaptive K {'on' if costs.adaptive_k else 'off'}.",
         f"- Workload: {config.get('prompts')} chat prompts × {config.get('max_new_tokens')} new tokens, "
         f"{config.get('repetitions')} repetition(s); sampled variant T = {config.get('temperature')} with a fixed seed "
         f"per prompt; concurrency requests {config.get('concurrency_tokens')} tokens each.",
@@ -144,7 +144,7 @@ def render_page(results: BenchResults, summary: Summary, plots: dict[str, Path],
         "",
         f"`generate(do_sample=False)` on the target as the target service loads it, and assisted generation with "
         f"the draft service's own model (same dtype and quantization) drafting a constant K = "
-        f"{costs.default_spec_length}. Decode tokens/s = (N − 1) ÷ (time of N tokens − time of 1 token). "
+        f"{costs.default_num_speculative_tokens}. Decode tokens/s = (N − 1) ÷ (time of N tokens − time of 1 token). "
         f"transformers' greedy output equals ours on {_f(summary.hf_matches_ours * 100, 0, ' %')} of the prompts.",
         "",
         *_table(["implementation", "median tok/s", "min–max", "n"], [
@@ -164,7 +164,7 @@ def render_page(results: BenchResults, summary: Summary, plots: dict[str, Path],
         "Online: compute seconds the services reported for the fixed-K sweep's rounds (`anatomy`).",
         "",
         *_table(["source", "target step ms", "draft step ms", "c", "s(K) at batch 1, K = 1, 2, …",
-                 f"s(K={costs.default_spec_length}) at batch {summary.cost_batch}"],
+                 f"s(K={costs.default_num_speculative_tokens}) at batch {summary.cost_batch}"],
                 [_cost_rows(summary.startup, summary.cost_batch)]
                 + ([_cost_rows(summary.online, summary.cost_batch)] if summary.online else [])),
         "",

@@ -35,8 +35,8 @@ class ServiceCosts:
 
     target: list[ForwardCost]
     draft: list[ForwardCost]
-    default_spec_length: int
-    max_spec_length: int
+    default_num_speculative_tokens: int
+    max_speculative_tokens: int
     adaptive_k: bool
     target_model: str = ""
     target_dtype: str = ""
@@ -50,8 +50,8 @@ class ServiceCosts:
             return [ForwardCost(c.batch_size, c.tokens, c.seconds) for c in model.forward_costs]
 
         return cls(
-            target=costs(info.target), draft=costs(info.draft), default_spec_length=info.default_spec_length,
-            max_spec_length=info.max_spec_length, adaptive_k=info.adaptive_k,
+            target=costs(info.target), draft=costs(info.draft), default_num_speculative_tokens=info.default_num_speculative_tokens,
+            max_speculative_tokens=info.max_speculative_tokens, adaptive_k=info.adaptive_k,
             target_model=info.target.model_name, target_dtype=info.target.dtype, draft_model=info.draft.model_name,
             draft_dtype=info.draft.dtype, draft_quantization=info.draft.quantization,
         )

@@ -73,8 +73,8 @@ def measure(config: BenchConfig, command: str) -> BenchResults:
             laps.lap("start_services")
             with SpecdecClient(stack.address, timeout=REQUEST_TIMEOUT_S) as client:
                 costs = ServiceCosts.from_info(client.info())
-                if config.max_k > costs.max_spec_length:
-                    config = dataclasses.replace(config, max_k=costs.max_spec_length)
+                if config.max_k > costs.max_speculative_tokens:
+                    config = dataclasses.replace(config, max_k=costs.max_speculative_tokens)
                 progress.set_description("warming up")
                 warm_up(client, config.max_k)
                 laps.lap("warm_up")
@@ -82,7 +82,7 @@ def measure(config: BenchConfig, command: str) -> BenchResults:
                 laps.lap("w1")
                 peers = run_peers(
                     stack.target_config, stack.draft_config, prompts=config.prompts, max_new_tokens=config.max_new_tokens,
-                    k=costs.default_spec_length, repetitions=config.peer_repetitions, reference=outcome.greedy_tokens,
+                    k=costs.default_num_speculative_tokens, repetitions=config.peer_repetitions, reference=outcome.greedy_tokens,
                     progress=progress,
                 ) if config.peer_repetitions else []
                 laps.lap("peers")

@@ -1,43 +1,28 @@
 """The measured system: target, draft and gateway as three processes, as in production.
 
-`target_server` and then `draft_server` start through `gateway.launcher` with the
-services' own defaults plus any extra flags; the gateway (`python -m gateway`) starts once
+`target_server` and then `draft_server` start through `specdec.cli.launcher` with the
+services' own defaults plus any extra flags; the gateway (`python -m specdec.gateway`) starts once
 both listen, with its Prometheus endpoint on a free port. The benchmark process only
 sends requests (and, while the stack idles, runs the transformers peers).
 """
 
 from __future__ import annotations
 
-import argparse
-import re
 import shlex
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from draft_server.config import DraftConfig
-from gateway.launcher import ServiceProcess, start_service
-from specdec.serving.config import C, add_config_flags, config_from_args
-from target_server.config import TargetConfig
+from specdec.cli.launcher import ServiceProcess, start_service
+from specdec.draft_server.config import DraftConfig
+from specdec.flags import parse_config
+from specdec.target_server.config import TargetConfig
 
-_METRICS_PORT = re.compile(r"metrics on :(\d+)")
 #: Quiet services: their INFO logs would interleave with the progress bar.
 _QUIET = ("--log-level", "WARNING")
-
-
-def service_config(cls: type[C], args: Sequence[str]) -> C:
-    """The config a service builds from `args`, parsed with the service's own flags.
-
-    The peers load the very model the draft service runs (model, dtype, quantization,
-    layers) from this, so the two cannot drift apart.
-    """
-    parser = argparse.ArgumentParser(prog=cls.__name__, add_help=False)
-    add_config_flags(parser, cls())
-    parser.add_argument("--log-level")
-    return config_from_args(cls, parser.parse_args(list(args)))
 
 
 @dataclass(frozen=True)
@@ -94,25 +79,25 @@ class Stack:
 def running_stack(target_args: str = "", draft_args: str = "", gateway_args: str = "") -> Iterator[Stack]:
     """Start target, draft and gateway, one after the other; stop all three on exit."""
     target_flags, draft_flags = shlex.split(target_args), shlex.split(draft_args)
-    configs = service_config(TargetConfig, target_flags), service_config(DraftConfig, draft_flags)
+    configs = parse_config(TargetConfig, target_flags), parse_config(DraftConfig, draft_flags)
     children: list[ServiceProcess] = []
     try:
         # One after the other, unlike `specdec serve`: each service times its forward pass at
         # start-up, and on a 2-core machine two services loading and timing at once corrupt
         # each other's cost tables (and with them c, s and the gateway's choice of K).
-        children.append(start_service("target_server", [*_QUIET, *target_flags]))
+        children.append(start_service("specdec.target_server", [*_QUIET, *target_flags]))
         target = children[-1].wait_ready()
-        children.append(start_service("draft_server", [*_QUIET, *draft_flags]))
+        children.append(start_service("specdec.draft_server", [*_QUIET, *draft_flags]))
         draft = children[-1].wait_ready()
-        children.append(start_service("gateway", [
-            "--target", target.address, "--draft", draft.address, "--metrics-port", "0", *_QUIET,
+        children.append(start_service("specdec.gateway", [
+            "--target-address", target.address, "--draft-address", draft.address, "--metrics-port", "0", *_QUIET,
             *shlex.split(gateway_args),
         ]))
         gateway = children[-1].wait_ready()
-        match = _METRICS_PORT.search(gateway.ready_line)
-        if match is None:
-            raise RuntimeError(f"the gateway's ready line names no metrics port: {gateway.ready_line!r}")
-        yield Stack(target, draft, gateway, int(match.group(1)), *configs)
+        metrics_port = gateway.ready.metrics_port if gateway.ready is not None else None
+        if metrics_port is None:
+            raise RuntimeError(f"the gateway's ready line names no metrics port: {gateway.ready}")
+        yield Stack(target, draft, gateway, metrics_port, *configs)
     finally:
         for child in reversed(children):
             child.stop()

@@ -40,7 +40,7 @@ def speculation_options(k: int | None) -> dict[str, object]:
         return {"speculative": False}
     if k is None:
         return {}
-    return {"spec_length": k, "adaptive": False}
+    return {"num_speculative_tokens": k, "adaptive": False}
 
 
 @dataclass

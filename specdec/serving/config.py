@@ -1,49 +1,40 @@
-"""Configuration shared by the two model services, and its command-line flags."""
+"""Configuration shared by the two model services; its fields are their command-line flags."""
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from dataclasses import dataclass
 
 from specdec.errors import InvalidArgumentError
+from specdec.flags import option
 from specdec.model.loader import DEFAULT_MODEL
 from specdec.model.runtime import DTYPES, QUANTIZATIONS
-from specdec.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
-
-C = TypeVar("C", bound="ModelServiceConfig")
+from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)
 class ModelServiceConfig:
     """What a model service (draft or target) loads, how big its pools are, where it listens."""
 
-    model: str = DEFAULT_MODEL
-    dtype: str = "float32"
-    device: str = "cpu"
-    quantization: str = "none"
-    #: Weights per scale/zero group of int4 quantization.
-    group_size: int = 32
-    #: Keep only the first N decoder layers (0 = all): a weak draft for testing rejections.
-    num_layers: int = 0
-    host: str = "127.0.0.1"
-    port: int = 0
-    #: Concurrent slots (requests) the service holds.
-    max_slots: int = 64
-    #: KV-cache capacity in tokens, summed over all slots.
-    kv_token_budget: int = 16384
-    block_size: int = 16
-    #: Largest K (draft tokens per request and round) accepted.
-    max_spec_tokens: int = 16
-    #: Longest sequence a slot may hold; 0 means the model's own limit.
-    max_seq_len: int = 0
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    #: Time the forward pass over a small grid at start-up and advertise it in Info.
-    measure_costs: bool = True
-    #: Intra-op threads of the forward pass; 0 keeps torch's default (one per core).
-    threads: int = 0
-    #: Pin the process to these CPU cores ("0", "0,1", "0-3"); empty leaves it unpinned.
-    cpu_cores: str = ""
+    model: str = option(DEFAULT_MODEL, "embedded name (smollm2-135m), .gguf file, local directory or hub id")
+    dtype: str = option("float32", "compute dtype of the forward pass", choices=sorted(DTYPES))
+    device: str = option("cpu", "torch device, e.g. cpu or cuda:0")
+    quantization: str = option(
+        "none", "weight-only quantization: int8 per channel, or int4 in groups (from a GGUF's own Q4 blocks when it has them)",
+        choices=QUANTIZATIONS, aliases=["--quantize"],
+    )
+    group_size: int = option(32, "weights per scale group of int4 quantization")
+    num_layers: int = option(0, "keep only the first N decoder layers (0 = all; a weak draft for tests)")
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(0, "port to bind (0 = any free port, printed at start)")
+    max_slots: int = option(64, "concurrent request slots")
+    kv_token_budget: int = option(16384, "KV-cache capacity in tokens over all slots")
+    block_size: int = option(16, "tokens per KV-cache block")
+    max_speculative_tokens: int = option(16, "largest K (draft tokens per request and round) accepted")
+    max_seq_len: int = option(0, "longest sequence per slot (0 = the model's limit)")
+    max_message_bytes: int = option(DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received")
+    measure_costs: bool = option(True, "time the forward pass at start-up so the gateway can plan K from real costs")
+    threads: int = option(0, "intra-op threads of the forward pass (0 = one per core)")
+    cpu_cores: str = option("", "pin the service to these CPU cores, e.g. 0 or 0-1 (empty = no pinning)")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -52,7 +43,7 @@ class ModelServiceConfig:
             raise InvalidArgumentError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if not 0 <= self.port <= 65535:
             raise InvalidArgumentError(f"port must be in 0..65535, got {self.port}")
-        for name in ("group_size", "max_slots", "kv_token_budget", "block_size", "max_spec_tokens", "max_message_bytes"):
+        for name in ("group_size", "max_slots", "kv_token_budget", "block_size", "max_speculative_tokens", "max_message_bytes"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_layers < 0:
@@ -77,46 +68,3 @@ def parse_cores(spec: str) -> set[int]:
             raise InvalidArgumentError(f"cpu_cores: {part!r} is not a valid range")
         cores.update(range(first, last + 1))
     return cores
-
-
-_HELP = {
-    "model": "embedded name (smollm2-135m), .gguf file, local directory or hub id",
-    "dtype": "compute dtype of the forward pass",
-    "device": "torch device, e.g. cpu or cuda:0",
-    "quantization": "weight-only quantization: int8 per channel, or int4 in groups (from a GGUF's own Q4 blocks when it has them)",
-    "group_size": "weights per scale group of int4 quantization",
-    "num_layers": "keep only the first N decoder layers (0 = all; a weak draft for tests)",
-    "host": "address to bind",
-    "port": "port to bind (0 = any free port, printed at start)",
-    "max_slots": "concurrent request slots",
-    "kv_token_budget": "KV-cache capacity in tokens over all slots",
-    "block_size": "tokens per KV-cache block",
-    "max_spec_tokens": "largest K per request and round",
-    "max_seq_len": "longest sequence per slot (0 = the model's limit)",
-    "max_message_bytes": "largest gRPC message sent or received",
-    "measure_costs": "time the forward pass at start-up so the gateway can plan K from real costs",
-    "threads": "intra-op threads of the forward pass (0 = one per core)",
-    "cpu_cores": "pin the service to these CPU cores, e.g. 0 or 0-1 (empty = no pinning)",
-}
-_CHOICES: dict[str, Any] = {"dtype": sorted(DTYPES), "quantization": list(QUANTIZATIONS)}
-_ALIASES: dict[str, list[str]] = {"quantization": ["--quantize"]}
-
-
-def add_config_flags(parser: argparse.ArgumentParser, defaults: ModelServiceConfig) -> None:
-    """One `--flag` per config field, defaulting to `defaults`' values."""
-    for field in fields(defaults):
-        default = getattr(defaults, field.name)
-        if isinstance(default, bool):
-            parser.add_argument(
-                f"--{field.name.replace('_', '-')}", dest=field.name, action=argparse.BooleanOptionalAction,
-                default=default, help=f"{_HELP[field.name]} (default: {default})",
-            )
-            continue
-        parser.add_argument(
-            f"--{field.name.replace('_', '-')}", *_ALIASES.get(field.name, []), dest=field.name, type=type(default), default=default,
-            choices=_CHOICES.get(field.name), help=f"{_HELP[field.name]} (default: {default})",
-        )
-
-
-def config_from_args(cls: type[C], args: argparse.Namespace) -> C:
-    return cls(**{field.name: getattr(args, field.name) for field in fields(cls)})

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from specdec.cost_model import ForwardCost
-from specdec.model_engine import EngineInfo
-from specdec.rpc_items import PrefillItem, ProposeItem, VerifyItem
 from specdec.sampling.params import SamplingParams
+from specdec.serving.engine import EngineInfo
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
+from specdec.wire.items import PrefillItem, ProposeItem, VerifyItem
 
 
 def engine_info_to_pb(info: EngineInfo) -> common_pb2.ModelInfo:
@@ -21,7 +21,7 @@ def engine_info_to_pb(info: EngineInfo) -> common_pb2.ModelInfo:
         total_kv_tokens=info.total_kv_tokens,
         max_slots=info.max_slots,
         active_slots=info.active_slots,
-        max_spec_tokens=info.max_spec_tokens,
+        max_speculative_tokens=info.max_speculative_tokens,
         dtype=info.dtype,
         device=info.device,
         quantization=info.quantization,
@@ -74,11 +74,11 @@ def verify_item_to_pb(item: VerifyItem) -> target_pb2.VerifyItem:
 
 
 def propose_item_from_pb(item: draft_pb2.ProposeItem) -> ProposeItem:
-    return ProposeItem(item.slot_id, item.valid_len, list(item.new_tokens), item.k, sampling_from_pb(item.sampling))
+    return ProposeItem(item.slot_id, item.valid_len, list(item.new_tokens), item.num_speculative_tokens, sampling_from_pb(item.sampling))
 
 
 def propose_item_to_pb(item: ProposeItem) -> draft_pb2.ProposeItem:
     return draft_pb2.ProposeItem(
-        slot_id=item.slot_id, valid_len=item.valid_len, new_tokens=item.new_tokens, k=item.k,
+        slot_id=item.slot_id, valid_len=item.valid_len, new_tokens=item.new_tokens, num_speculative_tokens=item.num_speculative_tokens,
         sampling=sampling_to_pb(item.sampling),
     )

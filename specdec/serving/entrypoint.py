@@ -1,4 +1,4 @@
-"""`python -m target_server` / `python -m draft_server`: flags -> config -> server until a signal."""
+"""`python -m specdec.target_server` / `python -m specdec.draft_server`: flags -> config -> server until a signal."""
 
 from __future__ import annotations
 
@@ -6,13 +6,20 @@ import argparse
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from specdec.errors import SpecdecError
-from specdec.serving.config import C, add_config_flags, config_from_args
+from specdec.flags import add_flags, from_args
+from specdec.serving.config import ModelServiceConfig
 from specdec.serving.grpc_server import RunningServer, serve_until_signal
+from specdec.serving.ready import ReadyLine
 
-#: Printed once the port is bound; launchers (tests, `specdec serve`) wait for this line.
-READY_MESSAGE = "{name} listening on {host}:{port}"
+C = TypeVar("C", bound=ModelServiceConfig)
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def run_model_service(
@@ -21,19 +28,19 @@ def run_model_service(
     create_server: Callable[[C], Awaitable[RunningServer]],
     argv: Sequence[str] | None = None,
 ) -> None:
-    parser = argparse.ArgumentParser(prog=f"python -m {name}", description=f"specdec {name}")
-    add_config_flags(parser, config_cls())
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser = argparse.ArgumentParser(prog=f"python -m specdec.{name}", description=f"specdec {name}")
+    add_flags(parser, config_cls)
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     try:
-        config = config_from_args(config_cls, args)
+        config = from_args(config_cls, args)
     except SpecdecError as error:
         parser.error(str(error))
 
     async def serve() -> None:
         running = await create_server(config)
-        print(READY_MESSAGE.format(name=name, host=config.host, port=running.port), flush=True)
+        print(ReadyLine(name, f"{config.host}:{running.port}"), flush=True)
         await serve_until_signal(running)
 
     try:

@@ -12,23 +12,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES, message_size_options
+
 log = logging.getLogger(__name__)
-
-#: Large enough for a verify reply of 32 requests x 9 positions x 128,256 fp32 logits (~148 MB).
-DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-
-
-def message_size_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    """Channel / server options lifting gRPC's 4 MB default in both directions.
-
-    Every peer of the model services needs them: a verify reply of a few requests is
-    already several MB of logits.
-    """
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-    ]
-
 
 #: Called once the server has stopped: release worker threads, channels, schedulers.
 StopHook = Callable[[], None | Awaitable[None]]

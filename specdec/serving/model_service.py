@@ -15,9 +15,9 @@ import grpc
 import torch
 
 from specdec.model.runtime import ModelRuntime, build_runtime
-from specdec.model_engine import ModelEngine
 from specdec.serving.config import ModelServiceConfig, parse_cores
 from specdec.serving.convert import engine_info_to_pb
+from specdec.serving.engine import ModelEngine
 from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer, start_server
 from specdec.serving.worker import ModelWorker

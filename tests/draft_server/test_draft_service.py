@@ -16,7 +16,7 @@ import torch
 from grpc_health.v1 import health_pb2
 from service_fixtures import Service, greedy_continuation, rpc_error
 
-from draft_server.server import SERVICE_NAME
+from specdec.draft_server.server import SERVICE_NAME
 from specdec.model.loader import LoadedModel
 from specdec.v1 import common_pb2, draft_pb2
 from specdec.wire.tensor_codec import decode_tensor
@@ -46,7 +46,7 @@ def prompts(smollm2: LoadedModel) -> list[list[int]]:
 def item(
     slot_id: str, new_tokens: list[int], k: int, valid_len: int = 0, sampling: common_pb2.SamplingParams = GREEDY
 ) -> draft_pb2.ProposeItem:
-    return draft_pb2.ProposeItem(slot_id=slot_id, valid_len=valid_len, new_tokens=new_tokens, k=k, sampling=sampling)
+    return draft_pb2.ProposeItem(slot_id=slot_id, valid_len=valid_len, new_tokens=new_tokens, num_speculative_tokens=k, sampling=sampling)
 
 
 def propose(
@@ -55,9 +55,9 @@ def propose(
     response = service.stub.Propose(draft_pb2.ProposeRequest(items=items, probs_dtype=probs_dtype))
     assert [r.slot_id for r in response.results] == [i.slot_id for i in items]
     for result, request in zip(response.results, items):
-        assert len(result.tokens) == request.k
+        assert len(result.tokens) == request.num_speculative_tokens
         # The last drafted token is returned but not cached.
-        assert result.cached_len == request.valid_len + len(request.new_tokens) + request.k - 1
+        assert result.cached_len == request.valid_len + len(request.new_tokens) + request.num_speculative_tokens - 1
     return {r.slot_id: r for r in response.results}
 
 
@@ -75,7 +75,7 @@ def test_info(draft: Service, smollm2: LoadedModel) -> None:
     assert info.vocab_size == smollm2.model.config.vocab_size
     assert info.eos_token_ids and len(info.tokenizer_fingerprint) == 64
     assert (info.dtype, info.device, info.quantization) == ("float32", "cpu", "")
-    assert (info.block_size, info.max_spec_tokens, info.max_slots) == (16, 8, 32)
+    assert (info.block_size, info.max_speculative_tokens, info.max_slots) == (16, 8, 32)
     assert info.free_kv_tokens == info.total_kv_tokens == 2048 and info.active_slots == 0
 
 
@@ -265,7 +265,7 @@ def test_unknown_slot_is_not_found(draft: Service) -> None:
 
 
 def test_invalid_arguments_name_the_field(start_draft: Callable[..., Service]) -> None:
-    service = start_draft(max_seq_len=40, max_spec_tokens=4)
+    service = start_draft(max_seq_len=40, max_speculative_tokens=4)
     propose(service, item("a", list(range(10, 30)), 3))  # 22 cached tokens
     vocab = service.info().vocab_size
 
@@ -280,8 +280,8 @@ def test_invalid_arguments_name_the_field(start_draft: Callable[..., Service]) -
         (request(item("a", [], 2, valid_len=22)), "new_tokens"),
         (request(item("new", [1, vocab], 2)), "new_tokens"),
         (request(item("new", [-1], 2)), "new_tokens"),
-        (request(item("new", [1], 0)), "k"),
-        (request(item("new", [1], 5)), "k"),  # above max_spec_tokens = 4
+        (request(item("new", [1], 0)), "num_speculative_tokens"),
+        (request(item("new", [1], 5)), "k"),  # above max_speculative_tokens = 4
         (request(item("new", [1], 2, valid_len=3)), "valid_len"),  # a new slot starts at 0
         (request(item("a", [1], 2, valid_len=23)), "valid_len"),  # past the cached length
         (request(item("a", [1], 2, valid_len=-1)), "valid_len"),

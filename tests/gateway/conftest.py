@@ -19,21 +19,21 @@ import pytest
 import torch
 from service_fixtures import LoopThread, fp32_runtime, service_loop  # noqa: F401 - fixtures by name
 
-from draft_server.config import DraftConfig
-from draft_server.engine import DraftEngine
-from draft_server.server import create_server as create_draft_server
-from gateway.config import GatewayConfig
-from gateway.server import create_gateway
 from specdec.client import SpecdecClient
+from specdec.draft_server.config import DraftConfig
+from specdec.draft_server.engine import DraftEngine
+from specdec.draft_server.server import create_server as create_draft_server
+from specdec.gateway.config import GatewayConfig
+from specdec.gateway.server import create_gateway
 from specdec.model.loader import LoadedModel
 from specdec.model.runtime import ModelRuntime, build_runtime
-from specdec.model_engine import ModelEngine
+from specdec.serving.engine import ModelEngine
 from specdec.serving.grpc_server import RunningServer
-from target_server.config import TargetConfig
-from target_server.engine import TargetEngine
-from target_server.server import create_server as create_target_server
+from specdec.target_server.config import TargetConfig
+from specdec.target_server.engine import TargetEngine
+from specdec.target_server.server import create_server as create_target_server
 
-POOL: dict[str, Any] = dict(kv_token_budget=8192, block_size=16, max_slots=32, max_spec_tokens=8, measure_costs=False)
+POOL: dict[str, Any] = dict(kv_token_budget=8192, block_size=16, max_slots=32, max_speculative_tokens=8, measure_costs=False)
 
 
 @dataclass

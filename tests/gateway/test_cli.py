@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -12,8 +11,9 @@ import sys
 import pytest
 
 from specdec.client import SpecdecClient
+from specdec.serving.ready import parse_ready_line
 
-CLI = [sys.executable, "-m", "gateway.cli"]
+CLI = [sys.executable, "-m", "specdec.cli"]
 
 
 def _generate(address: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -39,24 +39,24 @@ def test_generate_streams_text_and_prints_statistics(int8_stack) -> None:  # typ
 
 
 def test_generate_error_exits_non_zero_with_status(int8_stack) -> None:  # type: ignore[no-untyped-def]
-    done = _generate(int8_stack.address, "hi", "--spec-length", "99", "--json")
+    done = _generate(int8_stack.address, "hi", "--num-speculative-tokens", "99", "--json")
     assert done.returncode != 0
-    assert "INVALID_ARGUMENT" in done.stderr and "spec_length" in done.stderr
+    assert "INVALID_ARGUMENT" in done.stderr and "num_speculative_tokens" in done.stderr
     assert done.stdout == ""
 
 
 def test_gateway_runs_alone_against_running_services(int8_stack) -> None:  # type: ignore[no-untyped-def]
     target, draft = (f"127.0.0.1:{s.port}" for s in int8_stack.servers)
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "--target", target, "--draft", draft, "--port", "0", "--log-level", "WARNING"],
+        [sys.executable, "-m", "specdec.gateway", "--target-address", target, "--draft-address", draft, "--port", "0", "--log-level", "WARNING"],
         stdout=subprocess.PIPE, text=True,
     )
     try:
         assert gateway.stdout is not None
         line = gateway.stdout.readline()
-        match = re.search(r"gateway listening on (\S+:\d+)", line)
-        assert match, line
-        done = _generate(match.group(1), "Name three fruits.", "--max-new-tokens", "6", "--json")
+        ready = parse_ready_line(line)
+        assert ready is not None and ready.name == "gateway", line
+        done = _generate(ready.address, "Name three fruits.", "--max-new-tokens", "6", "--json")
         assert done.returncode == 0, done.stderr
         assert len(json.loads(done.stdout)["token_ids"]) == 6
         gateway.send_signal(signal.SIGTERM)
@@ -70,17 +70,14 @@ def test_gateway_runs_alone_against_running_services(int8_stack) -> None:  # typ
 @pytest.mark.slow
 def test_serve_runs_the_trio_and_stops_it_on_sigterm() -> None:
     serve = subprocess.Popen(
-        [*CLI, "serve", "--port", "0", "--metrics-port", "0", "--kv-token-budget", "2048"],
+        [*CLI, "serve", "--port", "0", "--metrics-port", "0", "--target-kv-token-budget", "2048", "--draft-kv-token-budget", "2048"],
         stdout=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
         assert serve.stdout is not None
-        address, metrics_port = None, None
-        for line in serve.stdout:
-            if match := re.search(r"gateway listening on (\S+?:\d+), metrics on :(\d+)", line):
-                address, metrics_port = match.group(1), int(match.group(2))
-                break
-        assert address, "specdec serve never became ready"
+        ready = next(filter(None, map(parse_ready_line, serve.stdout)), None)
+        assert ready is not None and ready.name == "gateway", "specdec serve never became ready"
+        address, metrics_port = ready.address, ready.metrics_port
         with SpecdecClient(address, timeout=120) as client:
             result = client.generate([{"role": "user", "content": "Hello!"}], max_new_tokens=10)
             info = client.info()

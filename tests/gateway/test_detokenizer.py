@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.detokenizer import StopStringDetokenizer
+from specdec.gateway.detokenizer import StopStringDetokenizer
 from specdec.model.loader import LoadedModel
 
 EOS = 2

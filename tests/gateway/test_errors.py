@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from gateway.config import GatewayConfig
-from gateway.server import create_gateway
 from specdec.client import build_request
 from specdec.errors import InvalidArgumentError
+from specdec.gateway.config import GatewayConfig
+from specdec.gateway.server import create_gateway
 from specdec.model.tokenizer_info import TokenizerMismatchError
 from specdec.v1 import gateway_pb2
 
@@ -34,8 +34,8 @@ def _status(stack, request: gateway_pb2.GenerateRequest) -> grpc.RpcError:  # ty
         (build_request("hi", top_p=1.5), "top_p"),
         (build_request("hi", top_k=-3), "top_k"),
         (build_request("hi", max_new_tokens=-2), "max_new_tokens"),
-        (build_request("hi", spec_length=0), "spec_length"),
-        (build_request("hi", spec_length=99), "spec_length"),
+        (build_request("hi", num_speculative_tokens=0), "num_speculative_tokens"),
+        (build_request("hi", num_speculative_tokens=99), "num_speculative_tokens"),
     ],
     ids=["no-input", "empty-prompt", "empty-chat", "temperature", "top_p", "top_k", "max_new_tokens", "spec-0", "spec-99"],
 )
@@ -79,7 +79,7 @@ def test_requests_beyond_kv_capacity_wait_and_then_complete(start_stack, int8_ru
     at a time, the second waits in the queue instead of failing mid-generation."""
     stack = start_stack(int8_runtime, target=dict(kv_token_budget=192), draft=dict(kv_token_budget=192))
     with stack.client() as client, ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda _: client.generate(STORY, max_new_tokens=100, spec_length=4), range(2)))
+        results = list(pool.map(lambda _: client.generate(STORY, max_new_tokens=100, num_speculative_tokens=4), range(2)))
     assert [r.completion_tokens for r in results] == [100, 100]
     assert results[0].token_ids == results[1].token_ids
     stack.wait_until_idle()
@@ -88,15 +88,15 @@ def test_requests_beyond_kv_capacity_wait_and_then_complete(start_stack, int8_ru
 def test_config_validation() -> None:
     with pytest.raises(InvalidArgumentError, match="requires a draft"):
         GatewayConfig(target_address="127.0.0.1:1", speculative=True)
-    with pytest.raises(InvalidArgumentError, match="spec_length"):
-        GatewayConfig(target_address="127.0.0.1:1", draft_address="127.0.0.1:2", spec_length=0)
+    with pytest.raises(InvalidArgumentError, match="num_speculative_tokens"):
+        GatewayConfig(target_address="127.0.0.1:1", draft_address="127.0.0.1:2", num_speculative_tokens=0)
     with pytest.raises(InvalidArgumentError, match="draft_probs_dtype"):
         GatewayConfig(target_address="127.0.0.1:1", speculative=False, draft_probs_dtype="int4")
 
 
-def test_gateway_refuses_spec_length_above_the_services_maximum(int8_stack, service_loop) -> None:  # type: ignore[no-untyped-def]
+def test_gateway_refuses_num_speculative_tokens_above_the_services_maximum(int8_stack, service_loop) -> None:  # type: ignore[no-untyped-def]
     target, draft = (f"127.0.0.1:{s.port}" for s in int8_stack.servers)
-    config = GatewayConfig(target_address=target, draft_address=draft, port=0, spec_length=9)
+    config = GatewayConfig(target_address=target, draft_address=draft, port=0, num_speculative_tokens=9)
     with pytest.raises(InvalidArgumentError, match="maximum 8"):
         service_loop.run(create_gateway(config))
 
@@ -117,6 +117,6 @@ def test_gateway_refuses_a_draft_with_another_tokenizer(int8_stack, service_loop
 def test_gateway_info_describes_both_models(int8_stack) -> None:  # type: ignore[no-untyped-def]
     with int8_stack.client() as client:
         info = client.info()
-    assert info.speculative_enabled and info.default_spec_length == 4 and info.max_spec_length == 8
+    assert info.speculative_enabled and info.default_num_speculative_tokens == 4 and info.max_speculative_tokens == 8
     assert info.target.tokenizer_fingerprint == info.draft.tokenizer_fingerprint
     assert info.target.dtype == "float32" and info.draft.quantization == "int8"

@@ -35,7 +35,7 @@ def test_losing_the_draft_mid_stream_falls_back_to_plain_decoding(start_stack, i
         reference = client.generate(STORY, max_new_tokens=30, speculative=False)
         tokens: list[int] = []
         completion = None
-        for response in client.stub.Generate(build_request(STORY, max_new_tokens=30, spec_length=4), timeout=120):
+        for response in client.stub.Generate(build_request(STORY, max_new_tokens=30, num_speculative_tokens=4), timeout=120):
             tokens.extend(response.token_ids)
             if len(tokens) >= 5 and len(stack.servers) == 2:
                 _kill(stack, 1, service_loop)  # the draft goes away mid-stream
@@ -50,7 +50,7 @@ def test_losing_the_target_fails_the_stream_and_frees_the_draft_slot(start_stack
     stack = start_stack(int8_runtime)
     completion = None
     with stack.client() as client, pytest.raises(grpc.RpcError) as error:
-        for response in client.stub.Generate(build_request(STORY, max_new_tokens=200, spec_length=4), timeout=120):
+        for response in client.stub.Generate(build_request(STORY, max_new_tokens=200, num_speculative_tokens=4), timeout=120):
             if len(stack.servers) == 2 and stack.draft.tokens:
                 _kill(stack, 0, service_loop)  # the target goes away once the draft holds the slot
             if response.HasField("completion"):

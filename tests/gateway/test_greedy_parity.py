@@ -46,7 +46,7 @@ def test_speculative_equals_plain_equals_transformers(
     stack_name: str, expected: list[list[int]], request: pytest.FixtureRequest
 ) -> None:
     stack = request.getfixturevalue(stack_name)
-    speculative = _run_all(stack, spec_length=4)
+    speculative = _run_all(stack, num_speculative_tokens=4)
     plain = _run_all(stack, speculative=False)
     for prompt, want, spec, base in zip(PROMPTS, expected, speculative, plain):
         assert base.token_ids == want, f"plain decoding diverged from transformers on {prompt!r}"
@@ -62,8 +62,8 @@ def test_speculative_equals_plain_equals_transformers(
     stack.wait_until_idle()
 
 
-def test_spec_length_per_request_keeps_exactness(int8_stack, expected: list[list[int]]) -> None:  # type: ignore[no-untyped-def]
+def test_num_speculative_tokens_per_request_keeps_exactness(int8_stack, expected: list[list[int]]) -> None:  # type: ignore[no-untyped-def]
     with int8_stack.client() as client:
         for k in (1, 7):
-            result = client.generate(_chat(PROMPTS[0]), max_new_tokens=MAX_NEW_TOKENS, spec_length=k)
+            result = client.generate(_chat(PROMPTS[0]), max_new_tokens=MAX_NEW_TOKENS, num_speculative_tokens=k)
             assert result.token_ids == expected[0], f"K={k}"

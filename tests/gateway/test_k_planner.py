@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from gateway.detokenizer import StopStringDetokenizer
-from gateway.k_planner import AcceptanceEstimate, KPlanner
-from gateway.model_clients import Timed
-from gateway.sequence import Sequence
-from gateway.speculative_step import RoundReport
 from specdec.cost_model import ForwardCost
+from specdec.gateway.detokenizer import StopStringDetokenizer
+from specdec.gateway.k_planner import AcceptanceEstimate, KPlanner
+from specdec.gateway.model_clients import Timed
+from specdec.gateway.sequence import Sequence
+from specdec.gateway.speculative_step import RoundReport
 from specdec.sampling.params import SamplingParams
 
 # A memory-bound target: a 9-token verify costs 1.3x a step, and batching is nearly free.
@@ -26,7 +26,7 @@ def draft_costs(c: float) -> list[ForwardCost]:
 def seq(slot: str) -> Sequence:
     greedy = SamplingParams()
     return Sequence(
-        slot_id=slot, prompt=[1, 2, 3], sampling=greedy, max_new_tokens=100, spec_length=8,
+        slot_id=slot, prompt=[1, 2, 3], sampling=greedy, max_new_tokens=100, num_speculative_tokens=8,
         detokenizer=StopStringDetokenizer.__new__(StopStringDetokenizer), generator=torch.Generator(),
         draft_sampling=greedy, adaptive=True,
     )

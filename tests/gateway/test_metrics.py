@@ -22,7 +22,7 @@ def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 def test_speculation_counters_match_the_requests(start_stack, int8_runtime) -> None:  # type: ignore[no-untyped-def]
     stack = start_stack(int8_runtime, metrics_port=0)
     with stack.client() as client:
-        results = [client.generate(STORY, max_new_tokens=n, spec_length=4) for n in (20, 33)]
+        results = [client.generate(STORY, max_new_tokens=n, num_speculative_tokens=4) for n in (20, 33)]
         plain = client.generate(STORY, max_new_tokens=5, speculative=False)
     stack.wait_until_idle()
     # Reservations return once both Release calls answered: the free-KV gauges settle just after.

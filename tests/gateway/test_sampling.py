@@ -74,9 +74,9 @@ def _fits(samples: list[int], exact: dict[int, float]) -> float:
 @pytest.mark.parametrize(
     "stack_name, options",
     [
-        ("int8_stack", {"spec_length": 3}),
-        ("weak_stack", {"spec_length": 3}),
-        ("bf16_q_stack", {"spec_length": 3}),
+        ("int8_stack", {"num_speculative_tokens": 3}),
+        ("weak_stack", {"num_speculative_tokens": 3}),
+        ("bf16_q_stack", {"num_speculative_tokens": 3}),
         ("int8_stack", {"speculative": False}),
     ],
     ids=["int8-draft", "2-layer-draft", "2-layer-draft-bf16-q", "plain"],
@@ -92,7 +92,7 @@ def test_second_token_follows_the_target_distribution(
 
 
 def test_seeded_requests_reproduce_exactly(int8_stack) -> None:  # type: ignore[no-untyped-def]
-    options = dict(max_new_tokens=24, temperature=0.9, top_p=0.95, repetition_penalty=1.1, spec_length=4)
+    options = dict(max_new_tokens=24, temperature=0.9, top_p=0.95, repetition_penalty=1.1, num_speculative_tokens=4)
     with int8_stack.client() as client:
         first = client.generate(PROMPT, seed=1234, **options)
         second = client.generate(PROMPT, seed=1234, **options)

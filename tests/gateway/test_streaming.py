@@ -24,7 +24,7 @@ def _chat(text: str) -> list[dict[str, str]]:
 
 def test_a_round_with_several_accepted_tokens_arrives_as_one_message(int8_stack) -> None:  # type: ignore[no-untyped-def]
     with int8_stack.client() as client:
-        result = client.generate(STORY, max_new_tokens=40, spec_length=4)
+        result = client.generate(STORY, max_new_tokens=40, num_speculative_tokens=4)
     assert max(len(chunk) for chunk in result.chunks) > 1, result.chunks
     assert sum(len(chunk) for chunk in result.chunks) == len(result.token_ids) == result.completion_tokens
     assert result.mean_acceptance_length > 1.0
@@ -45,7 +45,7 @@ def test_concurrent_streams_match_each_request_alone(int8_stack) -> None:  # typ
 def test_max_new_tokens_is_exact(int8_stack) -> None:  # type: ignore[no-untyped-def]
     with int8_stack.client() as client:
         for n in (1, 2, 5, 13):
-            result = client.generate(STORY, max_new_tokens=n, spec_length=4)
+            result = client.generate(STORY, max_new_tokens=n, num_speculative_tokens=4)
             assert result.finish_reason == "length"
             assert len(result.token_ids) == result.completion_tokens == n
 
@@ -85,7 +85,7 @@ def test_max_sequence_length_edge(start_stack, int8_runtime, hf_greedy, smollm2)
     limit = len(prompt_ids) + 7
     stack = start_stack(int8_runtime, target=dict(max_seq_len=limit), draft=dict(max_seq_len=limit))
     with stack.client() as client:
-        result = client.generate(STORY, max_new_tokens=50, spec_length=4)
+        result = client.generate(STORY, max_new_tokens=50, num_speculative_tokens=4)
         assert result.finish_reason == "length"
         assert result.prompt_tokens + result.completion_tokens == limit
         assert result.token_ids == hf_greedy(prompt_ids, 7)
@@ -128,7 +128,7 @@ def test_adaptive_k_turns_a_weak_draft_off_and_stays_exact(start_stack, weak_run
         assert client.info().adaptive_k
         adaptive = client.generate(_chat(QUESTIONS[0]), max_new_tokens=48)
     with weak_stack.client() as client:
-        fixed = client.generate(_chat(QUESTIONS[0]), max_new_tokens=48, spec_length=4)
+        fixed = client.generate(_chat(QUESTIONS[0]), max_new_tokens=48, num_speculative_tokens=4)
         plain = client.generate(_chat(QUESTIONS[0]), max_new_tokens=48, speculative=False)
     assert adaptive.token_ids == fixed.token_ids == plain.token_ids
     assert adaptive.num_draft_tokens < fixed.num_draft_tokens / 2

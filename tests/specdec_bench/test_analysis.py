@@ -46,7 +46,7 @@ def test_percentile_interpolates_like_numpy() -> None:
 def test_summary_final_line_page_and_json_round_trip(tmp_path: Path) -> None:
     costs = ServiceCosts(
         target=[ForwardCost(1, 1, 0.050), ForwardCost(1, 5, 0.070), ForwardCost(4, 1, 0.080), ForwardCost(4, 5, 0.200)],
-        draft=[ForwardCost(1, 1, 0.010)], default_spec_length=4, max_spec_length=16, adaptive_k=True,
+        draft=[ForwardCost(1, 1, 0.010)], default_num_speculative_tokens=4, max_speculative_tokens=16, adaptive_k=True,
     )
     w1 = [_run(0, 10.0), _run(0, 12.0), _run(None, 15.0, num_rounds=4, num_draft_tokens=16, num_accepted_tokens=12),
           _run(None, 21.0), _run(0, 9.0, temperature=0.8), _run(None, 11.0, temperature=0.8)]

@@ -17,9 +17,9 @@ from service_fixtures import Service, reference_logits, rpc_error
 
 from specdec.model.loader import LoadedModel
 from specdec.model.tokenizer_info import TokenizerInfo
+from specdec.target_server.server import SERVICE_NAME
 from specdec.v1 import common_pb2, target_pb2
 from specdec.wire.tensor_codec import decode_tensor
-from target_server.server import SERVICE_NAME
 
 ATOL = 1e-4
 TEXTS = [
@@ -82,7 +82,7 @@ def test_info_advertises_model_tokenizer_and_capacity(target: Service, smollm2: 
     assert info.block_size == 16
     assert info.total_kv_tokens == info.free_kv_tokens == 2048
     assert info.max_seq_len == 2048  # the pool is smaller than the model's 8192 positions
-    assert (info.max_slots, info.active_slots, info.max_spec_tokens) == (32, 0, 8)
+    assert (info.max_slots, info.active_slots, info.max_speculative_tokens) == (32, 0, 8)
     assert (info.dtype, info.device, info.quantization) == ("float32", "cpu", "")
 
 
@@ -298,7 +298,7 @@ def test_slot_table_full_is_resource_exhausted(start_target: Callable[..., Servi
 
 
 def test_invalid_arguments_name_the_field(start_target: Callable[..., Service]) -> None:
-    service = start_target(max_seq_len=40, max_spec_tokens=4)
+    service = start_target(max_seq_len=40, max_speculative_tokens=4)
     prefill(service, {"a": list(range(10, 30))})  # 20 cached tokens
     vocab = service.info().vocab_size
 
@@ -319,7 +319,7 @@ def test_invalid_arguments_name_the_field(start_target: Callable[..., Service]) 
         (service.stub.Verify, target_pb2.VerifyRequest(), "items"),
         (service.stub.Verify, verify_request(21, [1]), "valid_len"),
         (service.stub.Verify, verify_request(20, []), "tokens"),
-        (service.stub.Verify, verify_request(20, [1, 2, 3, 4, 5, 6]), "max_spec_tokens"),  # K = 5 > 4
+        (service.stub.Verify, verify_request(20, [1, 2, 3, 4, 5, 6]), "max_speculative_tokens"),  # K = 5 > 4
         (service.stub.Verify, verify_request(20, [1, vocab + 5]), "tokens"),
         (service.stub.Verify, verify_request(20, [-3]), "tokens"),
         (service.stub.Truncate, common_pb2.TruncateRequest(slot_id="a", new_len=21), "new_len"),

@@ -1,4 +1,4 @@
-"""`python -m draft_server` and `python -m target_server` as real processes.
+"""`python -m specdec.draft_server` and `python -m specdec.target_server` as real processes.
 
 Both start at once on port 0 with their default models (fp32 target, int8 + bf16 draft),
 announce "<name> listening on host:port", answer Info, the standard health check and
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import queue
-import re
 import signal
 import subprocess
 import sys
@@ -24,15 +23,15 @@ from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from draft_server.server import SERVICE_NAME as DRAFT_SERVICE
+from specdec.draft_server.server import SERVICE_NAME as DRAFT_SERVICE
+from specdec.serving.ready import parse_ready_line
+from specdec.target_server.server import SERVICE_NAME as TARGET_SERVICE
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.wire.tensor_codec import decode_tensor
-from target_server.server import SERVICE_NAME as TARGET_SERVICE
 
 STARTUP_TIMEOUT_S = 240.0  # two model loads sharing two busy cores
-READY = re.compile(r"^(\w+) listening on (\S+):(\d+)$")
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-FLAGS = ["--port", "0", "--kv-token-budget", "256", "--max-slots", "4", "--max-spec-tokens", "4"]
+FLAGS = ["--port", "0", "--kv-token-budget", "256", "--max-slots", "4", "--max-speculative-tokens", "4"]
 
 
 class ServiceProcess:
@@ -64,9 +63,10 @@ class ServiceProcess:
                 pytest.fail(f"{self.module} did not report ready in time:\n{self.stderr()}")
             if line is None:
                 pytest.fail(f"{self.module} exited with {self.proc.wait()} before ready:\n{self.stderr()}")
-            if match := READY.match(line):
-                assert match.group(1) == self.module
-                return match.group(2), int(match.group(3))
+            if ready := parse_ready_line(line):
+                assert ready.name == self.module.removeprefix("specdec.")
+                host, port = ready.address.rsplit(":", 1)
+                return host, int(port)
 
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace")[-4000:]
@@ -104,31 +104,31 @@ def check_health_and_reflection(channel: grpc.Channel, service_name: str) -> Non
 
 
 def test_entry_points_serve_health_reflection_and_stop_on_sigterm(launch: Callable[[str], ServiceProcess]) -> None:
-    draft, target = launch("draft_server"), launch("target_server")
+    draft, target = launch("specdec.draft_server"), launch("specdec.target_server")
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     addresses = {p.module: p.wait_ready(deadline) for p in (draft, target)}
     assert all(host == "127.0.0.1" for host, _ in addresses.values())  # the default bind address
 
     channels = {name: grpc.insecure_channel(f"{host}:{port}") for name, (host, port) in addresses.items()}
     try:
-        draft_stub = draft_pb2_grpc.DraftServiceStub(channels["draft_server"])
-        target_stub = target_pb2_grpc.TargetServiceStub(channels["target_server"])
+        draft_stub = draft_pb2_grpc.DraftServiceStub(channels["specdec.draft_server"])
+        target_stub = target_pb2_grpc.TargetServiceStub(channels["specdec.target_server"])
         draft_info = draft_stub.Info(common_pb2.InfoRequest(), timeout=30)
         target_info = target_stub.Info(common_pb2.InfoRequest(), timeout=30)
-        assert (draft_info.dtype, draft_info.quantization) == ("bfloat16", "int8")
+        assert (draft_info.dtype, draft_info.quantization) == ("bfloat16", "int4")
         assert (target_info.dtype, target_info.quantization) == ("float32", "")
         for info in (draft_info, target_info):
-            assert (info.total_kv_tokens, info.max_slots, info.max_spec_tokens) == (256, 4, 4)
+            assert (info.total_kv_tokens, info.max_slots, info.max_speculative_tokens) == (256, 4, 4)
         assert draft_info.tokenizer_fingerprint == target_info.tokenizer_fingerprint
         assert draft_info.vocab_size == target_info.vocab_size > 0
 
-        check_health_and_reflection(channels["draft_server"], DRAFT_SERVICE)
-        check_health_and_reflection(channels["target_server"], TARGET_SERVICE)
+        check_health_and_reflection(channels["specdec.draft_server"], DRAFT_SERVICE)
+        check_health_and_reflection(channels["specdec.target_server"], TARGET_SERVICE)
 
         # One real round through each model.
         prompt = [504, 3575, 282, 4649, 314]
         proposal = draft_stub.Propose(draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(
-            slot_id="r", new_tokens=prompt, k=3, sampling=common_pb2.SamplingParams(temperature=0),
+            slot_id="r", new_tokens=prompt, num_speculative_tokens=3, sampling=common_pb2.SamplingParams(temperature=0),
         )]), timeout=60).results[0]
         assert len(proposal.tokens) == 3 and all(0 <= t < draft_info.vocab_size for t in proposal.tokens)
         target_stub.Prefill(target_pb2.PrefillRequest(items=[

@@ -2,30 +2,26 @@
 
 from __future__ import annotations
 
-import argparse
-
 import grpc
 import pytest
 
-from draft_server.config import DraftConfig
+from specdec.draft_server.config import DraftConfig
 from specdec.errors import CapacityExhaustedError, InvalidArgumentError, SlotExistsError, SlotNotFoundError
-from specdec.serving.config import add_config_flags, config_from_args
+from specdec.flags import parse_config
 from specdec.serving.errors import status_of
-from specdec.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
-from target_server.config import TargetConfig
+from specdec.target_server.config import TargetConfig
+from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
 
 
 def parse(config_cls: type[TargetConfig] | type[DraftConfig], *argv: str) -> TargetConfig | DraftConfig:
-    parser = argparse.ArgumentParser()
-    add_config_flags(parser, config_cls())
-    return config_from_args(config_cls, parser.parse_args(argv))
+    return parse_config(config_cls, argv)
 
 
 def test_defaults() -> None:
     target, draft = parse(TargetConfig), parse(DraftConfig)
     assert target.host == draft.host == "127.0.0.1"
     assert (target.dtype, target.quantization) == ("float32", "none")
-    assert (draft.dtype, draft.quantization) == ("bfloat16", "int8")  # the quantized self-draft
+    assert (draft.dtype, draft.quantization) == ("bfloat16", "int4")  # the quantized self-draft
     assert target.port != draft.port
     assert target.max_message_bytes == DEFAULT_MAX_MESSAGE_BYTES > 4 * 1024 * 1024  # above gRPC's 4 MB default
 
@@ -34,11 +30,11 @@ def test_every_flag_reaches_the_config() -> None:
     config = parse(
         TargetConfig, "--model", "m.gguf", "--dtype", "bfloat16", "--device", "cpu", "--quantization", "int8",
         "--host", "0.0.0.0", "--port", "0", "--max-slots", "3", "--kv-token-budget", "100", "--block-size", "8",
-        "--max-spec-tokens", "5", "--max-seq-len", "64", "--max-message-bytes", "1000", "--num-layers", "2",
+        "--max-speculative-tokens", "5", "--max-seq-len", "64", "--max-message-bytes", "1000", "--num-layers", "2",
     )
     assert config == TargetConfig(
         model="m.gguf", dtype="bfloat16", device="cpu", quantization="int8", host="0.0.0.0", port=0, max_slots=3,
-        kv_token_budget=100, block_size=8, max_spec_tokens=5, max_seq_len=64, max_message_bytes=1000, num_layers=2,
+        kv_token_budget=100, block_size=8, max_speculative_tokens=5, max_seq_len=64, max_message_bytes=1000, num_layers=2,
     )
 
 
@@ -51,7 +47,7 @@ def test_quantize_is_an_alias_of_quantization() -> None:
     "fields",
     [
         dict(dtype="float64"), dict(quantization="int2"), dict(port=70000), dict(port=-1), dict(max_slots=0),
-        dict(kv_token_budget=0), dict(block_size=0), dict(max_spec_tokens=0), dict(max_message_bytes=0),
+        dict(kv_token_budget=0), dict(block_size=0), dict(max_speculative_tokens=0), dict(max_message_bytes=0),
         dict(max_seq_len=-1), dict(group_size=0), dict(threads=-1), dict(cpu_cores="0-x"), dict(cpu_cores="3-1"),
     ],
 )

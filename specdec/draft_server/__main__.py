@@ -1,5 +1,5 @@
-from draft_server.config import DraftConfig
-from draft_server.server import create_server
+from specdec.draft_server.config import DraftConfig
+from specdec.draft_server.server import create_server
 from specdec.serving.entrypoint import run_model_service
 
 if __name__ == "__main__":

@@ -35,5 +35,5 @@ class ProposeItem:
     slot_id: str
     valid_len: int
     new_tokens: list[int]
-    k: int
+    num_speculative_tokens: int
     sampling: SamplingParams

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway.k_planner import KPlanner
-from gateway.metrics import GatewayMetrics
-from gateway.model_clients import DraftClient, TargetClient
-from gateway.sequence import FinishReason, Sequence
-from gateway.speculative_step import first_tokens, plan_k, run_round
 from specdec.errors import CapacityExhaustedError, InvalidArgumentError
-from specdec.rpc_items import PrefillItem
+from specdec.gateway.k_planner import KPlanner
+from specdec.gateway.metrics import GatewayMetrics
+from specdec.gateway.model_clients import DraftClient, TargetClient
+from specdec.gateway.sequence import FinishReason, Sequence
+from specdec.gateway.speculative_step import first_tokens, plan_k, run_round
 from specdec.serving.worker import ModelWorker
+from specdec.wire.items import PrefillItem
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class Scheduler:
 
     def _footprint(self, seq: Sequence) -> int:
         """Most KV tokens the request can occupy in either service."""
-        return min(len(seq.prompt) + seq.max_new_tokens + seq.spec_length, self.max_seq_len)
+        return min(len(seq.prompt) + seq.max_new_tokens + seq.num_speculative_tokens, self.max_seq_len)
 
     def _reserve(self, seq: Sequence) -> bool:
         needed = self._footprint(seq)

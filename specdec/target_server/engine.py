@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from specdec.errors import InvalidArgumentError, SlotExistsError
-from specdec.model_engine import ModelEngine
-from specdec.rpc_items import PrefillItem, VerifyItem
+from specdec.serving.engine import ModelEngine
+from specdec.wire.items import PrefillItem, VerifyItem
 
 
 @dataclass(frozen=True)
@@ -53,9 +53,9 @@ class TargetEngine(ModelEngine):
             if not item.tokens:
                 raise InvalidArgumentError(f"tokens: slot {item.slot_id!r} sent no tokens (need [g, t1..tK])")
             k = len(item.tokens) - 1
-            if k > self.config.max_spec_tokens:
+            if k > self.config.max_speculative_tokens:
                 raise InvalidArgumentError(
-                    f"tokens: slot {item.slot_id!r} sent K={k} draft tokens, above max_spec_tokens {self.config.max_spec_tokens}"
+                    f"tokens: slot {item.slot_id!r} sent K={k} draft tokens, above max_speculative_tokens {self.config.max_speculative_tokens}"
                 )
             self._check_tokens("tokens", item.slot_id, item.tokens)
             self._check_length(item.slot_id, item.valid_len + len(item.tokens))

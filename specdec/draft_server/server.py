@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from draft_server.config import DraftConfig
-from draft_server.engine import DraftEngine
+from specdec.draft_server.config import DraftConfig
+from specdec.draft_server.engine import DraftEngine
 from specdec.serving.convert import propose_item_from_pb
 from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.flags import inherit
 from specdec.serving.config import ModelServiceConfig
 
 
 @dataclass(frozen=True)
 class TargetConfig(ModelServiceConfig):
-    port: int = 50052
+    port: int = inherit(ModelServiceConfig, "port", 50052)

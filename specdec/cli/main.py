@@ -4,47 +4,40 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
+import dataclasses
 import json
-import logging
 import signal
 import sys
 from collections.abc import Sequence
 
 import grpc
 
-from gateway.config import GatewayConfig
-from gateway.launcher import ServiceProcess, start_service
-from gateway.server import create_gateway
+from specdec.cli.launcher import ServiceProcess, start_service
 from specdec.client import SpecdecClient, collect
+from specdec.draft_server.config import DraftConfig
 from specdec.errors import SpecdecError
-from specdec.model.loader import DEFAULT_MODEL
-from specdec.serving.grpc_server import serve_until_signal
+from specdec.flags import add_flags, from_args, to_argv
+from specdec.gateway.config import GatewayConfig
+from specdec.gateway.entrypoint import start_gateway
+from specdec.serving.config import ModelServiceConfig
+from specdec.serving.entrypoint import LOG_LEVELS, configure_logging
+from specdec.target_server.config import TargetConfig
 from specdec_bench.config import add_bench_flags
 from specdec_bench.config import config_from_args as bench_config_from_args
 
 DEFAULT_GATEWAY = "127.0.0.1:50050"
+#: Each model service binds the gateway's host on a free port; the gateway finds them itself.
+_CHILD_SKIP = ("host", "port")
 
 
 def _serve_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address every service binds (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=50050, help="gateway port (default: 50050)")
-    parser.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (-1 = off, 0 = any)")
-    parser.add_argument("--target-model", default=DEFAULT_MODEL, help="target model (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--draft-model", default=None, help="draft model (default: the target model, int4-quantized)")
-    parser.add_argument("--target-dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--draft-dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--draft-quantization", default="int4", choices=["none", "int8", "int4"])
-    parser.add_argument("--device", default="cpu", help="torch device of both model services")
-    parser.add_argument("--spec-length", type=int, default=4, help="draft tokens per round, K (default: 4)")
-    parser.add_argument("--no-speculative", action="store_true", help="plain decoding; no draft service is started")
-    parser.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=True,
-                        help="choose K in 0..--spec-length each round from measured costs and acceptance (default: on)")
-    parser.add_argument("--draft-probs-dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="wire precision of the draft's q vectors (exact either way; bf16 halves them)")
-    parser.add_argument("--kv-token-budget", type=int, default=16384, help="KV tokens per model service")
-    parser.add_argument("--max-batch-size", type=int, default=16, help="requests decoded together")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="default completion length")
+    """The gateway's flags as they are, then the target's and the draft's with a prefix."""
+    add_flags(parser.add_argument_group("gateway"), GatewayConfig, skip=("target_address", "draft_address"))
+    add_flags(parser.add_argument_group("target service"), TargetConfig, prefix="target-", skip=_CHILD_SKIP)
+    add_flags(
+        parser.add_argument_group("draft service (not started with --no-speculative)"), DraftConfig, prefix="draft-",
+        skip=_CHILD_SKIP, defaults={"model": ""}, helps={"model": "draft model; empty: the target model, quantized"},
+    )
 
 
 def _generate_flags(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +52,7 @@ def _generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--spec-length", type=int, default=None, help="draft tokens per round for this request")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None, help="draft tokens per round for this request")
     parser.add_argument("--no-speculative", action="store_true", help="plain decoding for this request")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
@@ -69,59 +62,45 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through `finally`, which stops the children
 
 
+def serve_configs(args: argparse.Namespace) -> tuple[TargetConfig, DraftConfig | None, GatewayConfig]:
+    """What `specdec serve` runs: checked before any process starts. The gateway's service
+    addresses are placeholders ("-") until the services are up."""
+    target = from_args(TargetConfig, args, prefix="target-", host=args.host, port=0)
+    draft = None
+    if args.speculative:
+        draft = from_args(DraftConfig, args, prefix="draft-", host=args.host, port=0, model=args.draft_model or target.model)
+    gateway = from_args(GatewayConfig, args, target_address="-", draft_address="-" if draft else "")
+    return target, draft, gateway
+
+
 def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # while the children start; asyncio takes over later
-    common = ["--host", args.host, "--device", args.device, "--kv-token-budget", str(args.kv_token_budget)]
+    try:
+        target_config, draft_config, gateway_config = serve_configs(args)
+    except SpecdecError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     children: list[ServiceProcess] = []
     try:
         # One model after the other: each times its forward at start-up (the costs adaptive K
         # plans with), and two processes timing at once on the same cores skew both tables.
         try:
-            children.append(start_service("target_server", [*common, "--model", args.target_model, "--dtype", args.target_dtype]))
-            target = children[0].wait_ready()
-            drafts = []
-            if not args.no_speculative:
-                children.append(start_service("draft_server", [
-                    *common, "--model", args.draft_model or args.target_model,
-                    "--dtype", args.draft_dtype, "--quantization", args.draft_quantization,
-                ]))
-                drafts.append(children[1].wait_ready())
+            target = _start(children, "specdec.target_server", target_config)
+            draft = _start(children, "specdec.draft_server", draft_config) if draft_config else None
         except (RuntimeError, TimeoutError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 1
-        draft_address = drafts[0].address if drafts else ""
-        config = GatewayConfig(
-            target_address=target.address, draft_address=draft_address, host=args.host, port=args.port,
-            speculative=not args.no_speculative, spec_length=args.spec_length,
-            adaptive_k=args.adaptive_k, draft_probs_dtype=args.draft_probs_dtype,
-            max_new_tokens_default=args.max_new_tokens, max_batch_size=args.max_batch_size,
-            metrics_port=args.metrics_port,
-        )
-        return start_gateway(config)
+        return start_gateway(dataclasses.replace(
+            gateway_config, target_address=target.address, draft_address=draft.address if draft else "",
+        ))
     finally:
         for child in reversed(children):
             child.stop()
 
 
-async def run_gateway(config: GatewayConfig) -> None:
-    """Start the gateway and serve until SIGINT / SIGTERM."""
-    running = await create_gateway(config)
-    extra = f", metrics on :{running.metrics_port}" if running.metrics_port is not None else ""
-    print(f"specdec gateway listening on {config.host}:{running.port}{extra}", flush=True)
-    await serve_until_signal(running, grace=5.0)
-
-
-def start_gateway(config: GatewayConfig) -> int:
-    """Run the gateway to the end; a refused start-up prints one line and returns 1."""
-    try:
-        asyncio.run(run_gateway(config))
-    except SpecdecError as error:  # e.g. tokenizer mismatch, spec_length above the services' maximum
-        print(f"error: gateway refused to start: {error}", file=sys.stderr)
-        return 1
-    except grpc.aio.AioRpcError as error:
-        print(f"error: a model service did not answer: {error.code().name}: {error.details()}", file=sys.stderr)
-        return 1
-    return 0
+def _start(children: list[ServiceProcess], module: str, config: ModelServiceConfig) -> ServiceProcess:
+    children.append(start_service(module, ["--host", config.host, *to_argv(config, skip=_CHILD_SKIP)]))
+    return children[-1].wait_ready()
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -134,7 +113,7 @@ def generate(args: argparse.Namespace) -> int:
     options = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
-        speculative=False if args.no_speculative else None, spec_length=args.spec_length,
+        speculative=False if args.no_speculative else None, num_speculative_tokens=args.num_speculative_tokens,
     )
     def echo(text: str) -> None:
         sys.stdout.write(text)
@@ -172,9 +151,9 @@ def bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return run(config, argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Speculative-decoding LLM server")
-    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="WARNING", choices=LOG_LEVELS)
     commands = parser.add_subparsers(dest="command", required=True)
     _serve_flags(commands.add_parser("serve", help="start draft, target and gateway; stop all on Ctrl-C / SIGTERM"))
     _generate_flags(commands.add_parser("generate", help="stream a generation from a running gateway"))
@@ -184,8 +163,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "generate, fixed-K and concurrency sweeps, the services' measured costs. The last line printed is "
         "'speedup=… vs_hf_assisted=… efficiency=… alpha=… c=…'.",
     ))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
     if args.command == "serve":
         return serve(args)
     if args.command == "bench":

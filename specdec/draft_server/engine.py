@@ -15,10 +15,10 @@ import torch
 
 from specdec.errors import InvalidArgumentError
 from specdec.model.runtime import ModelRuntime
-from specdec.model_engine import ModelEngine
-from specdec.rpc_items import ProposeItem
 from specdec.sampling.transforms import logits_to_probs, make_generator, sample
 from specdec.serving.config import ModelServiceConfig
+from specdec.serving.engine import ModelEngine
+from specdec.wire.items import ProposeItem
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class DraftEngine(ModelEngine):
         forwards: padded into one [B, T] batch, every short feed would pay for the longest
         prompt's width.
         """
-        short_limit = self.config.max_spec_tokens + 1  # the most a round can add
+        short_limit = self.config.max_speculative_tokens + 1  # the most a round can add
         groups = [
             [i for i, (_, tokens) in enumerate(chunks) if len(tokens) <= short_limit],
             [i for i, (_, tokens) in enumerate(chunks) if len(tokens) > short_limit],
@@ -92,11 +92,11 @@ class DraftEngine(ModelEngine):
             if not item.new_tokens:
                 raise InvalidArgumentError(f"new_tokens: slot {item.slot_id!r} sent none (at least the last accepted token is needed)")
             self._check_tokens("new_tokens", item.slot_id, item.new_tokens)
-            if not 1 <= item.k <= self.config.max_spec_tokens:
-                raise InvalidArgumentError(f"k: {item.k} for slot {item.slot_id!r} is outside [1, {self.config.max_spec_tokens}]")
+            if not 1 <= item.num_speculative_tokens <= self.config.max_speculative_tokens:
+                raise InvalidArgumentError(f"num_speculative_tokens: {item.num_speculative_tokens} for slot {item.slot_id!r} is outside [1, {self.config.max_speculative_tokens}]")
             self._check_length(item.slot_id, item.valid_len + len(item.new_tokens), "new_tokens")
             # The k-th drafted token is returned but not cached: its position must still fit.
-            self._check_length(item.slot_id, item.valid_len + len(item.new_tokens) + item.k, "k")
+            self._check_length(item.slot_id, item.valid_len + len(item.new_tokens) + item.num_speculative_tokens, "num_speculative_tokens")
         self._check_new_slots(len(new_slots))
         return new_slots
 
@@ -104,8 +104,8 @@ class DraftEngine(ModelEngine):
         drafted: list[list[int]] = [[] for _ in items]
         q_rows: list[list[torch.Tensor]] = [[] for _ in items]
         current = dict(enumerate(logits))  # row -> next-token logits [vocab]
-        for step in range(max(item.k for item in items)):
-            rows = [i for i, item in enumerate(items) if item.k > step]
+        for step in range(max(item.num_speculative_tokens for item in items)):
+            rows = [i for i, item in enumerate(items) if item.num_speculative_tokens > step]
             params = [items[i].sampling for i in rows]
             context = [self.tokens[items[i].slot_id] for i in rows]
             probs = logits_to_probs(torch.stack([current[i] for i in rows]), params, context)  # [n, vocab] f32
@@ -120,7 +120,7 @@ class DraftEngine(ModelEngine):
                 drafted[i].append(token)
                 if not items[i].sampling.is_greedy:
                     q_rows[i].append(probs[n])
-            feed = [i for i in rows if items[i].k > step + 1]  # the last drafted token is not fed
+            feed = [i for i in rows if items[i].num_speculative_tokens > step + 1]  # the last drafted token is not fed
             if feed:
                 out = self._run([(items[i].slot_id, [drafted[i][-1]]) for i in feed], logits="last")
                 current = dict(zip(feed, out))

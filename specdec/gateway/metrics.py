@@ -19,9 +19,9 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from gateway.k_planner import OFF_REASONS
-from gateway.sequence import ROUND_PHASES
-from gateway.speculative_step import RoundReport
+from specdec.gateway.k_planner import OFF_REASONS
+from specdec.gateway.sequence import ROUND_PHASES
+from specdec.gateway.speculative_step import RoundReport
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -42,7 +42,7 @@ class GatewayMetrics:
         self.draft_failures = Counter(
             "specdec_draft_failures", "Rounds whose Propose failed and that ran without speculation", registry=r
         )
-        self.current_k = Gauge("specdec_spec_length", "Mean K of the last round's speculating requests", registry=r)
+        self.current_k = Gauge("specdec_num_speculative_tokens", "Mean K of the last round's speculating requests", registry=r)
         self.draft_overhead = Gauge(
             "specdec_draft_overhead_ratio", "Propose time / Verify time in the last round", registry=r
         )

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 import grpc
 from transformers import PreTrainedTokenizerBase
 
-from gateway.config import GatewayConfig
-from gateway.detokenizer import StopStringDetokenizer
-from gateway.k_planner import KPlanner
-from gateway.metrics import GatewayMetrics
-from gateway.model_clients import DraftClient, TargetClient
-from gateway.scheduler import PoolLimits, Scheduler, check_prompt
-from gateway.sequence import Delta, FinishReason, Sequence
 from specdec.errors import InvalidArgumentError, SpecdecError
+from specdec.gateway.config import GatewayConfig
+from specdec.gateway.detokenizer import StopStringDetokenizer
+from specdec.gateway.k_planner import KPlanner
+from specdec.gateway.metrics import GatewayMetrics
+from specdec.gateway.model_clients import DraftClient, TargetClient
+from specdec.gateway.scheduler import PoolLimits, Scheduler, check_prompt
+from specdec.gateway.sequence import Delta, FinishReason, Sequence
 from specdec.model.chat import encode_chat
 from specdec.model.loader import load_tokenizer
 from specdec.model.tokenizer_info import TokenizerInfo, check_compatible, tokenizer_fingerprint
@@ -63,7 +63,7 @@ class GatewayState:
     scheduler: Scheduler
     metrics: GatewayMetrics
     max_seq_len: int
-    max_spec_length: int
+    max_speculative_tokens: int
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -76,8 +76,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         info = gateway_pb2.GatewayInfo(
             target=await s.target.info(),
             speculative_enabled=s.config.speculative,
-            default_spec_length=s.config.spec_length,
-            max_spec_length=s.max_spec_length,
+            default_num_speculative_tokens=s.config.num_speculative_tokens,
+            max_speculative_tokens=s.max_speculative_tokens,
             max_new_tokens_default=s.config.max_new_tokens_default,
             adaptive_k=s.config.adaptive_k and s.scheduler.planner.can_adapt,
         )
@@ -122,17 +122,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         speculate = spec.enabled if spec.HasField("enabled") else s.config.speculative
         if speculate and s.draft is None:
             raise InvalidArgumentError("speculation.enabled: this gateway runs without a draft model")
-        spec_length = spec.spec_length if spec.HasField("spec_length") else s.config.spec_length
-        adaptive = spec.adaptive if spec.HasField("adaptive") else s.config.adaptive_k and not spec.HasField("spec_length")
-        if speculate and not 1 <= spec_length <= s.max_spec_length:
-            raise InvalidArgumentError(f"speculation.spec_length: {spec_length} is outside [1, {s.max_spec_length}]")
+        num_speculative_tokens = spec.num_speculative_tokens if spec.HasField("num_speculative_tokens") else s.config.num_speculative_tokens
+        adaptive = spec.adaptive if spec.HasField("adaptive") else s.config.adaptive_k and not spec.HasField("num_speculative_tokens")
+        if speculate and not 1 <= num_speculative_tokens <= s.max_speculative_tokens:
+            raise InvalidArgumentError(f"speculation.num_speculative_tokens: {num_speculative_tokens} is outside [1, {s.max_speculative_tokens}]")
         eos = set(s.target_info.eos_token_ids)
         return Sequence(
             slot_id=uuid.uuid4().hex,
             prompt=prompt,
             sampling=sampling,
             max_new_tokens=request.max_new_tokens or s.config.max_new_tokens_default,
-            spec_length=spec_length if speculate else 0,
+            num_speculative_tokens=num_speculative_tokens if speculate else 0,
             adaptive=adaptive,
             detokenizer=StopStringDetokenizer(s.tokenizer, list(request.stop), eos),
             generator=make_generator(sampling.seed, "cpu"),
@@ -177,9 +177,9 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
     if draft_info is not None:
         check_compatible(_tokenizer_info(draft_info), _tokenizer_info(target_info))
         limits.append(draft_info)
-    max_spec_length = min(info.max_spec_tokens for info in limits)
-    if draft is not None and config.spec_length > max_spec_length:
-        raise InvalidArgumentError(f"spec_length {config.spec_length} exceeds the services' maximum {max_spec_length}")
+    max_speculative_tokens = min(info.max_speculative_tokens for info in limits)
+    if draft is not None and config.num_speculative_tokens > max_speculative_tokens:
+        raise InvalidArgumentError(f"num_speculative_tokens {config.num_speculative_tokens} exceeds the services' maximum {max_speculative_tokens}")
     max_seq_len = min(info.max_seq_len for info in limits)
     metrics = GatewayMetrics()
     planner = KPlanner(
@@ -194,7 +194,7 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
         target, draft, pools, max_seq_len=max_seq_len, max_batch_size=config.max_batch_size,
         max_queue=config.max_queue, planner=planner, metrics=metrics,
     )
-    state = GatewayState(config, target, draft, target_info, draft_info, tokenizer, scheduler, metrics, max_seq_len, max_spec_length)
+    state = GatewayState(config, target, draft, target_info, draft_info, tokenizer, scheduler, metrics, max_seq_len, max_speculative_tokens)
     servicer = GatewayServicer(state)
     scheduler.start()
 

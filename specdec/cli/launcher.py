@@ -1,34 +1,34 @@
 """Start the model services as child processes and wait until they listen.
 
-`specdec serve` and the benchmarks use this: each service runs as
-`python -m <module> --port 0 ...`, prints one ready line with its bound address on
+`specdec serve`, the demo and the benchmarks use this: each service runs as
+`python -m <module> --port 0 ...`, prints its ready line (`specdec.serving.ready`) on
 stdout, and is stopped with SIGTERM (graceful) then SIGKILL after a grace period.
 Start several with `start_service` first and `wait_ready` after, so they load in parallel.
 """
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
 
-_READY = re.compile(r"listening on (\S+:\d+)")
+from specdec.serving.ready import ReadyLine, parse_ready_line
 
 
 class ServiceProcess:
     """A model service child process and, once ready, the address it listens on."""
 
-    def __init__(self, module: str, args: Sequence[str]) -> None:
+    def __init__(self, module: str, args: Sequence[str], ready_name: str = "") -> None:
         self.name = module
-        self.address = ""
-        #: The line the address was read from (the gateway's also names its metrics port).
-        self.ready_line = ""
+        #: Wait for the ready line of this name (default: the first ready line printed).
+        self.ready_name = ready_name
+        #: The service's ready line once it printed it: bound address (and metrics port).
+        self.ready: ReadyLine | None = None
         self._ready = threading.Event()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", module, "--port", "0", *args],
+            [sys.executable, "-m", module, *args, "--port", "0"],
             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, bufsize=1,
         )
         self._reader = threading.Thread(target=self._read_stdout, name=f"{module}-stdout", daemon=True)
@@ -38,12 +38,18 @@ class ServiceProcess:
         """Find the ready line, then keep draining so the child never blocks on a full pipe."""
         assert self.process.stdout is not None
         for line in self.process.stdout:
-            if not self.address and (match := _READY.search(line)):
-                self.address, self.ready_line = match.group(1), line.strip()
+            ready = parse_ready_line(line) if self.ready is None else None
+            if ready is not None and self.ready_name in ("", ready.name):
+                self.ready = ready
                 self._ready.set()
-            elif self.address:
+            elif self.ready is not None:
                 sys.stdout.write(line)
         self._ready.set()  # EOF: the child exited
+
+    @property
+    def address(self) -> str:
+        """host:port the service listens on ("" until it is ready)."""
+        return self.ready.address if self.ready is not None else ""
 
     def wait_ready(self, timeout: float = 300.0) -> ServiceProcess:
         deadline = time.monotonic() + timeout
@@ -51,7 +57,7 @@ class ServiceProcess:
             if time.monotonic() > deadline:
                 self.stop(grace=1.0)
                 raise TimeoutError(f"{self.name} did not start within {timeout:.0f} s")
-        if not self.address:
+        if self.ready is None:
             code = self.process.wait()
             raise RuntimeError(f"{self.name} exited with code {code} before listening (see its log above)")
         return self
@@ -69,7 +75,7 @@ class ServiceProcess:
         return int(self.process.returncode)
 
 
-def start_service(module: str, args: Sequence[str] = ()) -> ServiceProcess:
-    """Launch `python -m module --port 0 *args` without waiting for it."""
-    return ServiceProcess(module, args)
+def start_service(module: str, args: Sequence[str] = (), ready_name: str = "") -> ServiceProcess:
+    """Launch `python -m module *args --port 0` without waiting for it (`wait_ready` waits)."""
+    return ServiceProcess(module, args, ready_name)
 

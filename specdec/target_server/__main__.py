@@ -1,6 +1,6 @@
 from specdec.serving.entrypoint import run_model_service
-from target_server.config import TargetConfig
-from target_server.server import create_server
+from specdec.target_server.config import TargetConfig
+from specdec.target_server.server import create_server
 
 if __name__ == "__main__":
     run_model_service("target_server", TargetConfig, create_server)

@@ -13,10 +13,10 @@ from typing import Generic, TypeVar
 import grpc
 import torch
 
-from specdec.rpc_items import PrefillItem, ProposeItem, VerifyItem
 from specdec.serving.convert import prefill_item_to_pb, propose_item_to_pb, verify_item_to_pb
-from specdec.serving.grpc_server import message_size_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.wire.items import PrefillItem, ProposeItem, VerifyItem
+from specdec.wire.limits import message_size_options
 from specdec.wire.tensor_codec import decode_tensor
 
 T = TypeVar("T")

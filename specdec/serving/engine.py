@@ -37,7 +37,7 @@ class EngineInfo:
     total_kv_tokens: int
     max_slots: int
     active_slots: int
-    max_spec_tokens: int
+    max_speculative_tokens: int
     dtype: str
     device: str
     quantization: str
@@ -62,7 +62,7 @@ class ModelEngine:
         self.forward_costs: tuple[ForwardCost, ...] = ()
         if config.measure_costs:
             self.forward_costs = tuple(measure_forward_costs(
-                self.forward, self.cache, max_batch=config.max_slots, max_tokens=config.max_spec_tokens + 1,
+                self.forward, self.cache, max_batch=config.max_slots, max_tokens=config.max_speculative_tokens + 1,
             ))
         log.info(
             "%s: KV pool of %d tokens (%d blocks of %d), %.0f MiB; max_seq_len %d",
@@ -84,7 +84,7 @@ class ModelEngine:
             total_kv_tokens=self.cache.capacity_tokens,
             max_slots=self.config.max_slots,
             active_slots=len(self.tokens),
-            max_spec_tokens=self.config.max_spec_tokens,
+            max_speculative_tokens=self.config.max_speculative_tokens,
             dtype=str(self.forward.dtype).removeprefix("torch."),
             device=str(self.cache.device),
             quantization="" if self.runtime.quantization == "none" else self.runtime.quantization,

@@ -8,10 +8,10 @@ from specdec.serving.convert import prefill_item_from_pb, verify_item_from_pb
 from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer
 from specdec.serving.model_service import SlotServicer, start_model_service
+from specdec.target_server.config import TargetConfig
+from specdec.target_server.engine import TargetEngine
 from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec.wire.tensor_codec import encode_tensor
-from target_server.config import TargetConfig
-from target_server.engine import TargetEngine
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from gateway.model_clients import DraftClient, DraftProposal, TargetClient, Timed
-from gateway.sequence import Sequence
-from specdec.rpc_items import ProposeItem, VerifyItem
+from specdec.gateway.model_clients import DraftClient, DraftProposal, TargetClient, Timed
+from specdec.gateway.sequence import Sequence
 from specdec.sampling.rejection_sampler import RejectionResult, greedy_accept, rejection_sample
 from specdec.sampling.transforms import (
     chunk_apply_repetition_penalty,
@@ -27,6 +26,7 @@ from specdec.sampling.transforms import (
     sample,
 )
 from specdec.serving.worker import ModelWorker
+from specdec.wire.items import ProposeItem, VerifyItem
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def plan_k(seq: Sequence, max_seq_len: int) -> int:
     """Draft length for this round: the request's K, shrunk so that the K+1 tokens a round
     may emit fit both max_seq_len and max_new_tokens (0 = plain decoding)."""
     room = min(max_seq_len - len(seq.tokens), seq.max_new_tokens - seq.completion_tokens) - 1
-    return max(0, min(seq.spec_length, room))
+    return max(0, min(seq.num_speculative_tokens, room))
 
 
 async def propose(

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from gateway.detokenizer import StopStringDetokenizer
+from specdec.gateway.detokenizer import StopStringDetokenizer
 from specdec.sampling.params import SamplingParams
 
 
@@ -86,7 +86,7 @@ class Sequence:
     prompt: list[int]
     sampling: SamplingParams
     max_new_tokens: int
-    spec_length: int  # K for this sequence (its upper bound when adaptive); 0 = plain decoding
+    num_speculative_tokens: int  # K for this sequence (its upper bound when adaptive); 0 = plain decoding
     detokenizer: StopStringDetokenizer
     #: The gateway's own random stream (acceptance, recovered/bonus and first tokens).
     generator: torch.Generator
@@ -100,7 +100,7 @@ class Sequence:
     #: A Propose was sent for this request, so the draft may hold a slot to release.
     has_draft_slot: bool = False
     completion_tokens: int = 0
-    #: The gateway picks K in 0..spec_length each round from measured costs and acceptance.
+    #: The gateway picks K in 0..num_speculative_tokens each round from measured costs and acceptance.
     adaptive: bool = False
     counts: SpeculationCounts = field(default_factory=SpeculationCounts)
     anatomy: RoundAnatomy = field(default_factory=RoundAnatomy)

@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from gateway.sequence import Sequence
-from gateway.speculative_step import RoundReport
 from specdec.cost_model import CostTable, ForwardCost, RoundCostModel, expected_tokens
+from specdec.gateway.sequence import Sequence
+from specdec.gateway.speculative_step import RoundReport
 
 #: Rounds at most over which a draft catch-up is spread: its payback is an estimate, and
 #: a crowd of fresh requests all catching up at once stalls every stream (measured: 16

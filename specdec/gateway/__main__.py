@@ -1,0 +1,5 @@
+import sys
+
+from specdec.gateway.entrypoint import main
+
+sys.exit(main())

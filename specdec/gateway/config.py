@@ -1,0 +1,50 @@
+"""Gateway configuration, validated at construction; its fields are the gateway's flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.errors import InvalidArgumentError
+from specdec.flags import option
+from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
+
+PROBS_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Where the model services are, how the gateway speculates and how much it admits."""
+
+    target_address: str = option("", "target service address, host:port (required)", aliases=["--target"])
+    draft_address: str = option("", "draft service address, host:port; empty runs without speculation", aliases=["--draft"])
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(50050, "gateway port (0 = any free port)")
+    #: Requests may opt out (or in, when this is off).
+    speculative: bool = option(True, "speculate by default; --no-speculative decodes plainly unless a request asks")
+    #: K unless a request asks for another value; with adaptive_k, the largest K the planner may choose.
+    num_speculative_tokens: int = option(4, "draft tokens per round, K (the upper bound with --adaptive-k)")
+    #: K = 0 when speculation does not pay, e.g. in crowded rounds on a compute-bound target.
+    adaptive_k: bool = option(True, "choose K in 0..--num-speculative-tokens each round from measured costs and acceptance")
+    max_new_tokens_default: int = option(256, "completion length of requests that set none", flag="max-new-tokens")
+    max_batch_size: int = option(16, "requests decoded together; more wait in the queue")
+    max_queue: int = option(64, "requests waiting for admission; beyond this Generate answers RESOURCE_EXHAUSTED")
+    draft_probs_dtype: str = option(
+        "float32", "wire precision of the draft's q vectors (exact either way; bf16 halves them)", choices=PROBS_DTYPES,
+    )
+    metrics_port: int = option(-1, "Prometheus /metrics port (-1 = off, 0 = any free port)")
+    max_message_bytes: int = option(DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received")
+
+    def __post_init__(self) -> None:
+        if not self.target_address:
+            raise InvalidArgumentError("target_address is required")
+        if self.speculative and not self.draft_address:
+            raise InvalidArgumentError("speculation requires a draft: set draft_address or disable speculation")
+        if self.num_speculative_tokens < 1:
+            raise InvalidArgumentError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        for name in ("max_new_tokens_default", "max_batch_size", "max_queue", "max_message_bytes"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.draft_probs_dtype not in PROBS_DTYPES:
+            raise InvalidArgumentError(f"draft_probs_dtype must be one of {PROBS_DTYPES}, got {self.draft_probs_dtype!r}")
+        if not 0 <= self.port <= 65535 or not -1 <= self.metrics_port <= 65535:
+            raise InvalidArgumentError("port and metrics_port must be valid port numbers")

@@ -1,0 +1,59 @@
+"""`python -m specdec.gateway`: run the gateway alone, against model services started elsewhere.
+
+This is how a multi-machine deployment runs it (one container per service); on one
+machine `specdec serve` starts all three and calls `start_gateway` itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+import grpc
+
+from specdec.errors import SpecdecError
+from specdec.flags import add_flags, from_args
+from specdec.gateway.config import GatewayConfig
+from specdec.gateway.server import create_gateway
+from specdec.serving.entrypoint import LOG_LEVELS, configure_logging
+from specdec.serving.grpc_server import serve_until_signal
+from specdec.serving.ready import ReadyLine
+
+log = logging.getLogger(__name__)
+
+
+async def run_gateway(config: GatewayConfig) -> None:
+    """Start the gateway, print its ready line and serve until SIGINT / SIGTERM."""
+    running = await create_gateway(config)
+    print(ReadyLine("gateway", f"{config.host}:{running.port}", running.metrics_port), flush=True)
+    await serve_until_signal(running, grace=5.0)
+
+
+def start_gateway(config: GatewayConfig) -> int:
+    """Run the gateway to the end; a refused start-up prints one line and returns 1."""
+    try:
+        asyncio.run(run_gateway(config))
+    except SpecdecError as error:  # e.g. tokenizer mismatch, K above the services' maximum
+        print(f"error: gateway refused to start: {error}", file=sys.stderr)
+        return 1
+    except grpc.aio.AioRpcError as error:
+        print(f"error: a model service did not answer: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specdec.gateway", description="specdec gateway")
+    add_flags(parser, GatewayConfig)
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        # Without a draft there is nothing to speculate with: plain decoding, not an error.
+        config = from_args(GatewayConfig, args, speculative=args.speculative and bool(args.draft_address))
+    except SpecdecError as error:
+        parser.error(str(error))
+    return start_gateway(config)
