@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-done
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(PROTOS:protos/%.proto=%_pb2.py)
 
-.PHONY: setup protos test lint demo bench bench-quick clean
+.PHONY: setup protos test test-fast lint demo bench bench-quick clean
 
 setup: $(STAMP) protos
 
@@ -26,11 +26,17 @@ protos: $(STUBS)
 specdec/v1/%_pb2.py: protos/specdec/v1/%.proto $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. $<
 
+# Everything, as CI runs it: unit tests, real services on loopback, real models.
 test: setup
 	$(PY) -m pytest -q
 
+# The unit tier alone (no model, no server; well under a minute): tests/unit.
+test-fast: setup
+	$(PY) -m pytest -q tests/unit
+
 lint: setup
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 demo: setup
 	$(PY) -m specdec.cli.demo

@@ -39,3 +39,9 @@ class CapacityExhaustedError(SpecdecError):
     """The KV pool (or slot table) has no room for the request."""
 
     status_code_name = "RESOURCE_EXHAUSTED"
+
+
+class ServiceStateError(SpecdecError):
+    """A model service's cache length is not what the gateway's bookkeeping expects."""
+
+    status_code_name = "INTERNAL"

@@ -123,7 +123,7 @@ def generate(args: argparse.Namespace) -> int:
         with SpecdecClient(args.gateway, timeout=args.timeout) as client:
             result = collect(client.stream(prompt, **options), on_text=None if args.json else echo)
     except grpc.RpcError as error:
-        print(f"\nerror: {error.code().name}: {error.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        print(f"\nerror: {error.code().name}: {error.details()}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(result.as_dict(), ensure_ascii=False))

@@ -9,8 +9,6 @@ the gateway judges it against exactly the distribution it was drawn from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from specdec.errors import InvalidArgumentError
@@ -18,15 +16,7 @@ from specdec.model.runtime import ModelRuntime
 from specdec.sampling.transforms import logits_to_probs, make_generator, sample
 from specdec.serving.config import ModelServiceConfig
 from specdec.serving.engine import ModelEngine
-from specdec.wire.items import ProposeItem
-
-
-@dataclass(frozen=True)
-class Proposal:
-    slot_id: str
-    tokens: list[int]  # [k]
-    probs: torch.Tensor | None  # [k, vocab] q in the wire dtype; None for greedy requests
-    cached_len: int
+from specdec.wire.items import Proposal, ProposeItem
 
 
 class DraftEngine(ModelEngine):

@@ -6,12 +6,12 @@ import grpc
 
 from specdec.draft_server.config import DraftConfig
 from specdec.draft_server.engine import DraftEngine
-from specdec.serving.convert import propose_item_from_pb
 from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer
 from specdec.serving.model_service import SlotServicer, start_model_service
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from specdec.wire.tensor_codec import encode_tensor, torch_dtype
+from specdec.wire.items import ProposeItem
+from specdec.wire.tensor_codec import torch_dtype
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
@@ -25,24 +25,15 @@ class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
     async def Propose(
         self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
     ) -> draft_pb2.ProposeResponse:
-        items = [propose_item_from_pb(item) for item in request.items]
+        items = [ProposeItem.from_pb(item) for item in request.items]
         probs_dtype = torch_dtype(request.probs_dtype or common_pb2.DTYPE_FLOAT32)
         proposals, compute_s = await self.worker.run_timed(self.engine.propose, items, probs_dtype)
-        return draft_pb2.ProposeResponse(
-            results=[
-                draft_pb2.ProposeResult(
-                    slot_id=p.slot_id, tokens=p.tokens, cached_len=p.cached_len,
-                    probs=encode_tensor(p.probs) if p.probs is not None else None,
-                )
-                for p in proposals
-            ],
-            compute_s=compute_s,
-        )
+        return draft_pb2.ProposeResponse(results=[p.to_pb() for p in proposals], compute_s=compute_s)
 
 
 async def create_server(config: DraftConfig, engine: DraftEngine | None = None) -> RunningServer:
     """Load the model (unless an engine is given) and start serving; returns the bound server."""
     return await start_model_service(
         config, engine, DraftEngine, DraftServicer,
-        draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME,  # type: ignore[arg-type]
+        draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME,
     )

@@ -1,25 +1,25 @@
 """Async clients of the target and draft services, speaking domain types.
 
-The gateway's scheduler calls these; they own the protobuf conversion in both directions
-and nothing else.
+The gateway's scheduler calls these through the `TargetAPI` and `DraftAPI` protocols (so
+its unit tests can run it against fakes); the gRPC clients here only convert domain
+types to protobuf and back, with the conversions of `specdec.wire.items`.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import grpc
-import torch
 
-from specdec.serving.convert import prefill_item_to_pb, propose_item_to_pb, verify_item_to_pb
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specdec.wire.items import PrefillItem, ProposeItem, VerifyItem
+from specdec.wire.items import ModelInfo, PrefillItem, Proposal, ProposeItem, ScoredChunk, VerifyItem
 from specdec.wire.limits import message_size_options
-from specdec.wire.tensor_codec import decode_tensor
 
 T = TypeVar("T")
+#: How long start-up waits for a service's first Info (it may still be loading its model).
+INFO_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -32,10 +32,23 @@ class Timed(Generic[T]):
     wall_s: float
 
 
-@dataclass(frozen=True)
-class DraftProposal:
-    tokens: list[int]  # [k]
-    probs: torch.Tensor | None  # [k, vocab] float32, rows normalized; None for greedy
+class TargetAPI(Protocol):
+    """What the scheduler needs from the target service."""
+
+    async def info(self) -> ModelInfo: ...
+    async def prefill(self, items: list[PrefillItem]) -> Timed[dict[str, ScoredChunk]]: ...
+    async def verify(self, items: list[VerifyItem]) -> Timed[dict[str, ScoredChunk]]: ...
+    async def release(self, slot_id: str) -> None: ...
+    async def close(self) -> None: ...
+
+
+class DraftAPI(Protocol):
+    """What the scheduler needs from the draft service."""
+
+    async def info(self) -> ModelInfo: ...
+    async def propose(self, items: list[ProposeItem]) -> Timed[dict[str, Proposal]]: ...
+    async def release(self, slot_id: str) -> None: ...
+    async def close(self) -> None: ...
 
 
 def _channel(address: str, max_message_bytes: int) -> grpc.aio.Channel:
@@ -47,24 +60,22 @@ class TargetClient:
         self.channel = _channel(address, max_message_bytes)
         self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
 
-    async def info(self) -> common_pb2.ModelInfo:
-        return await self.stub.Info(common_pb2.InfoRequest(), wait_for_ready=True, timeout=120)
+    async def info(self) -> ModelInfo:
+        return ModelInfo.from_pb(await self.stub.Info(common_pb2.InfoRequest(), wait_for_ready=True, timeout=INFO_TIMEOUT_S))
 
-    async def prefill(self, items: list[PrefillItem]) -> Timed[dict[str, torch.Tensor]]:
+    async def prefill(self, items: list[PrefillItem]) -> Timed[dict[str, ScoredChunk]]:
         """Last-position logits [vocab] per slot."""
         started = time.perf_counter()
-        request = target_pb2.PrefillRequest(items=[prefill_item_to_pb(item) for item in items])
-        response = await self.stub.Prefill(request)
-        logits = {r.slot_id: decode_tensor(r.logits) for r in response.results}
-        return Timed(logits, response.compute_s, time.perf_counter() - started)
+        response = await self.stub.Prefill(target_pb2.PrefillRequest(items=[item.to_pb() for item in items]))
+        results = {r.slot_id: ScoredChunk.from_pb(r) for r in response.results}
+        return Timed(results, response.compute_s, time.perf_counter() - started)
 
-    async def verify(self, items: list[VerifyItem]) -> Timed[dict[str, torch.Tensor]]:
+    async def verify(self, items: list[VerifyItem]) -> Timed[dict[str, ScoredChunk]]:
         """Logits [K+1, vocab] per slot."""
         started = time.perf_counter()
-        request = target_pb2.VerifyRequest(items=[verify_item_to_pb(item) for item in items])
-        response = await self.stub.Verify(request)
-        logits = {r.slot_id: decode_tensor(r.logits) for r in response.results}
-        return Timed(logits, response.compute_s, time.perf_counter() - started)
+        response = await self.stub.Verify(target_pb2.VerifyRequest(items=[item.to_pb() for item in items]))
+        results = {r.slot_id: ScoredChunk.from_pb(r) for r in response.results}
+        return Timed(results, response.compute_s, time.perf_counter() - started)
 
     async def release(self, slot_id: str) -> None:
         await self.stub.Release(common_pb2.ReleaseRequest(slot_id=slot_id))
@@ -79,23 +90,16 @@ class DraftClient:
         self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
         self.probs_dtype = probs_dtype
 
-    async def info(self) -> common_pb2.ModelInfo:
-        return await self.stub.Info(common_pb2.InfoRequest(), wait_for_ready=True, timeout=120)
+    async def info(self) -> ModelInfo:
+        return ModelInfo.from_pb(await self.stub.Info(common_pb2.InfoRequest(), wait_for_ready=True, timeout=INFO_TIMEOUT_S))
 
-    async def propose(self, items: list[ProposeItem]) -> Timed[dict[str, DraftProposal]]:
+    async def propose(self, items: list[ProposeItem]) -> Timed[dict[str, Proposal]]:
+        """The K drafted tokens per slot, with q in the wire dtype exactly as the draft sent it."""
         started = time.perf_counter()
-        message = draft_pb2.ProposeRequest(items=[propose_item_to_pb(item) for item in items], probs_dtype=self.probs_dtype)
-        response = await self.stub.Propose(message)
-        proposals = {}
-        for result in response.results:
-            probs = None
-            if result.HasField("probs"):
-                q = decode_tensor(result.probs).float()  # [k, vocab]
-                # The draft sampled from the (possibly rounded) q with multinomial, which
-                # normalizes: normalize the same way so acceptance uses that very q.
-                probs = q / q.sum(dim=-1, keepdim=True)
-            proposals[result.slot_id] = DraftProposal(tokens=list(result.tokens), probs=probs)
-        return Timed(proposals, response.compute_s, time.perf_counter() - started)
+        request = draft_pb2.ProposeRequest(items=[item.to_pb() for item in items], probs_dtype=self.probs_dtype)
+        response = await self.stub.Propose(request)
+        results = {r.slot_id: Proposal.from_pb(r) for r in response.results}
+        return Timed(results, response.compute_s, time.perf_counter() - started)
 
     async def release(self, slot_id: str) -> None:
         await self.stub.Release(common_pb2.ReleaseRequest(slot_id=slot_id))

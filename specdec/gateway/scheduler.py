@@ -17,12 +17,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from specdec.errors import CapacityExhaustedError, InvalidArgumentError
+from specdec.errors import CapacityExhaustedError, SpecdecError
 from specdec.gateway.k_planner import KPlanner
 from specdec.gateway.metrics import GatewayMetrics
-from specdec.gateway.model_clients import DraftClient, TargetClient
+from specdec.gateway.model_clients import DraftAPI, TargetAPI
 from specdec.gateway.sequence import FinishReason, Sequence
 from specdec.gateway.speculative_step import first_tokens, plan_k, run_round
+from specdec.serving.errors import status_of
 from specdec.serving.worker import ModelWorker
 from specdec.wire.items import PrefillItem
 
@@ -49,8 +50,8 @@ class PoolLimits:
 class Scheduler:
     def __init__(
         self,
-        target: TargetClient,
-        draft: DraftClient | None,
+        target: TargetAPI,
+        draft: DraftAPI | None,
         pools: list[PoolLimits],
         *,
         max_seq_len: int,
@@ -178,7 +179,7 @@ class Scheduler:
         try:
             prefilled = await self.target.prefill([PrefillItem(s.slot_id, s.prompt) for s in admitted])
             self.metrics.rpc_latency.labels(method="Prefill").observe(prefilled.wall_s)
-            logits = prefilled.value
+            logits = {slot: chunk.logits for slot, chunk in prefilled.value.items()}
         except Exception as error:  # noqa: BLE001
             for seq in admitted:
                 self._unreserve(seq)
@@ -264,6 +265,9 @@ class Scheduler:
         if isinstance(error, grpc.aio.AioRpcError):
             status, message = error.code(), f"{error.code().name} from a model service: {error.details()}"
             log.error("failing %d request(s): %s", len(seqs), message)
+        elif isinstance(error, SpecdecError):
+            status, message = status_of(error)
+            log.error("failing %d request(s): %s", len(seqs), message)
         else:
             status, message = grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
             log.exception("failing %d request(s)", len(seqs), exc_info=error)
@@ -273,15 +277,3 @@ class Scheduler:
                 await self._retire(seq, FinishReason.ERROR, message)
             else:
                 seq.finish(FinishReason.ERROR, message)
-
-
-def check_prompt(prompt: list[int], max_seq_len: int, vocab_size: int) -> None:
-    """Reject prompts the services would refuse, before they can fail a whole Prefill batch."""
-    if not prompt:
-        raise InvalidArgumentError("prompt: the prompt encodes to no tokens")
-    if len(prompt) >= max_seq_len:
-        raise InvalidArgumentError(
-            f"prompt: {len(prompt)} tokens leave no room to generate within max_seq_len {max_seq_len}"
-        )
-    if max(prompt) >= vocab_size:
-        raise InvalidArgumentError(f"prompt: token id {max(prompt)} is outside the target's vocabulary of {vocab_size}")

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from specdec.gateway.model_clients import DraftClient, DraftProposal, TargetClient, Timed
+from specdec.errors import ServiceStateError
+from specdec.gateway.model_clients import DraftAPI, TargetAPI, Timed
 from specdec.gateway.sequence import Sequence
-from specdec.sampling.rejection_sampler import RejectionResult, greedy_accept, rejection_sample
+from specdec.sampling.rejection_sampler import RejectionResult, greedy_accept, rejection_sample, sampled_distribution
 from specdec.sampling.transforms import (
     chunk_apply_repetition_penalty,
     chunk_logits_to_probs,
@@ -26,7 +27,7 @@ from specdec.sampling.transforms import (
     sample,
 )
 from specdec.serving.worker import ModelWorker
-from specdec.wire.items import ProposeItem, VerifyItem
+from specdec.wire.items import Proposal, ProposeItem, VerifyItem
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +39,7 @@ def plan_k(seq: Sequence, max_seq_len: int) -> int:
     return max(0, min(seq.num_speculative_tokens, room))
 
 
-async def propose(
-    draft: DraftClient | None, seqs: list[Sequence], ks: dict[str, int]
-) -> Timed[dict[str, DraftProposal]]:
+async def propose(draft: DraftAPI | None, seqs: list[Sequence], ks: dict[str, int]) -> Timed[dict[str, Proposal]]:
     """One batched Propose for every sequence with K >= 1."""
     speculating = [s for s in seqs if ks[s.slot_id] > 0]
     if not speculating:
@@ -49,28 +48,45 @@ async def propose(
         raise RuntimeError("K > 0 was planned without a draft service")
     for seq in speculating:
         seq.has_draft_slot = True  # from now on the draft may hold a slot: release it at the end
-    return await draft.propose([
-        ProposeItem(s.slot_id, s.draft_valid, s.tokens[s.draft_valid :], ks[s.slot_id], s.draft_sampling)
-        for s in speculating
-    ])
+    items = [ProposeItem(s.slot_id, s.draft_valid, s.tokens[s.draft_valid :], ks[s.slot_id], s.draft_sampling)
+             for s in speculating]
+    proposed = await draft.propose(items)
+    for item in items:
+        # The draft caches the valid prefix, the new tokens and all but the last drafted token.
+        _check_cached("draft", item.slot_id, proposed.value[item.slot_id].cached_len,
+                      item.valid_len + len(item.new_tokens) + item.num_speculative_tokens - 1)
+    return proposed
 
 
 async def verify(
-    target: TargetClient, seqs: list[Sequence], proposals: dict[str, DraftProposal]
+    target: TargetAPI, seqs: list[Sequence], proposals: dict[str, Proposal]
 ) -> Timed[dict[str, torch.Tensor]]:
-    """One batched Verify: [pending tokens, t1..tK] after each sequence's valid prefix."""
-    empty = DraftProposal(tokens=[], probs=None)
-    return await target.verify([
-        VerifyItem(s.slot_id, s.target_valid, s.tokens[s.target_valid :] + proposals.get(s.slot_id, empty).tokens)
+    """One batched Verify: [pending tokens, t1..tK] after each sequence's valid prefix.
+    Returns the logits [K+1, vocab] per slot."""
+    items = [
+        VerifyItem(s.slot_id, s.target_valid, s.tokens[s.target_valid :] + (proposals[s.slot_id].tokens if s.slot_id in proposals else []))
         for s in seqs
-    ])
+    ]
+    verified = await target.verify(items)
+    for item in items:
+        _check_cached("target", item.slot_id, verified.value[item.slot_id].cached_len, item.valid_len + len(item.tokens))
+    return Timed({slot: chunk.logits for slot, chunk in verified.value.items()}, verified.compute_s, verified.wall_s)
+
+
+def _check_cached(service: str, slot_id: str, cached_len: int, expected: int) -> None:
+    """A service's cache must hold exactly what the gateway's bookkeeping says it sent:
+    anything else means one side lost track, and continuing would emit wrong tokens."""
+    if cached_len != expected:
+        raise ServiceStateError(
+            f"the {service} holds {cached_len} tokens for slot {slot_id}, the gateway expected {expected}"
+        )
 
 
 PAD_TOKEN_ID = -1  # marks positions past a request's K in the padded [batch, K_max] tensors
 
 
 def _padded_round(
-    seqs: list[Sequence], logits: dict[str, torch.Tensor], proposals: dict[str, DraftProposal]
+    seqs: list[Sequence], logits: dict[str, torch.Tensor], proposals: dict[str, Proposal]
 ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[list[int]]]:
     """Stack the sequences' verify logits and draft tokens into batch tensors.
 
@@ -90,7 +106,7 @@ def _padded_round(
 
 
 def accept_all(
-    seqs: list[Sequence], logits: dict[str, torch.Tensor], proposals: dict[str, DraftProposal]
+    seqs: list[Sequence], logits: dict[str, torch.Tensor], proposals: dict[str, Proposal]
 ) -> dict[str, RejectionResult]:
     """Accept a prefix of each draft and add one recovered or bonus token, for the whole round.
 
@@ -115,9 +131,9 @@ def accept_all(
         p = chunk_logits_to_probs(raw, [s.sampling for s in sampled], [s.tokens for s in sampled], drafted)
         q = p.new_zeros(len(sampled), tokens.shape[1], p.shape[-1])  # [S, K, vocab]; zero rows past each K
         for b, seq in enumerate(sampled):
-            drafted_q = proposals[seq.slot_id].probs if seq.slot_id in proposals else None  # [K_b, vocab]
-            if drafted_q is not None:
-                q[b, : drafted_q.shape[0]] = drafted_q
+            wire_q = proposals[seq.slot_id].probs if seq.slot_id in proposals else None  # [K_b, vocab]
+            if wire_q is not None:
+                q[b, : wire_q.shape[0]] = sampled_distribution(wire_q)
         batch = rejection_sample(p, q, tokens, ks, [s.generator for s in sampled])
         results.update(_split(sampled, batch))
     return results
@@ -186,7 +202,7 @@ class RoundReport:
 
 
 async def run_round(
-    target: TargetClient, draft: DraftClient | None, seqs: list[Sequence], ks: dict[str, int], sampler: ModelWorker,
+    target: TargetAPI, draft: DraftAPI | None, seqs: list[Sequence], ks: dict[str, int], sampler: ModelWorker,
     max_seq_len: int,
 ) -> RoundReport:
     """Propose, verify, accept and advance every sequence by one round with the planned `ks`."""
@@ -194,11 +210,12 @@ async def run_round(
     draft_error = None
     try:
         proposed = await propose(draft, seqs, ks)
-    except grpc.aio.AioRpcError as error:
+    except (grpc.aio.AioRpcError, ServiceStateError) as error:
         # The draft only ever speeds things up: without it the round is plain decoding
         # (K = 0), with the very same output. The next Propose resends each whole
         # sequence (valid_len 0), which rebuilds the draft's cache whatever it kept.
-        log.warning("Propose failed (%s: %s); this round decodes without speculation", error.code().name, error.details())
+        reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else str(error)
+        log.warning("Propose failed (%s); this round decodes without speculation", reason)
         draft_error = error
         proposed = Timed({}, 0.0, time.perf_counter() - started)
         for seq in seqs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -15,7 +16,8 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[s
         raise InvalidArgumentError("chat: at least one message is required")
     if tokenizer.chat_template is None:
         raise InvalidArgumentError("chat: the target tokenizer has no chat template; send a plain prompt")
-    rendered = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    conversation = [dict(message) for message in messages]
+    rendered: Any = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
     # transformers 5 returns a BatchEncoding here, 4.x a plain list.
     ids = rendered["input_ids"] if isinstance(rendered, Mapping) or hasattr(rendered, "keys") else rendered
     return [int(t) for t in ids]

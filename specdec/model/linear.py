@@ -107,7 +107,7 @@ def fuse(modules: Sequence[nn.Module]) -> nn.Module:
     """
     first = modules[0]
     if isinstance(first, nn.Linear):
-        if any(m.bias is not None for m in modules):  # type: ignore[union-attr]
+        if any(m.bias is not None for m in modules):
             raise ValueError("fusing projections with a bias is not supported")
         linears: list[nn.Linear] = list(modules)  # type: ignore[arg-type]
         if len(linears) == 1:
@@ -125,7 +125,7 @@ def fuse(modules: Sequence[nn.Module]) -> nn.Module:
         return Int8Linear(torch.cat([m.weight_int8 for m in parts]), torch.cat([m.scales for m in parts]), bias)
     concat = getattr(type(first), "concat", None)
     if callable(concat):
-        return concat(list(modules))  # type: ignore[no-any-return]
+        return concat(list(modules))
     if len(modules) == 1:
         return first
     raise TypeError(f"cannot fuse projections of type {type(first).__name__}")

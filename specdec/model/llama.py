@@ -11,6 +11,7 @@ tied embeddings and SmolLM2. Device-agnostic: nothing here names a device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +48,8 @@ class DecoderLayer:
     down: nn.Module  # intermediate -> hidden
 
     @classmethod
-    def of(cls, layer: nn.Module) -> DecoderLayer:
+    def of(cls, layer: Any) -> DecoderLayer:
+        """From a transformers `LlamaDecoderLayer` (typed Any: nn.Module attributes are untyped)."""
         attn, mlp = layer.self_attn, layer.mlp
         return cls(
             input_norm=layer.input_layernorm.weight,

@@ -48,6 +48,9 @@ class LoadedModel:
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
+    #: What `load_model` / `load_tokenizer` was given; never changes.
+    model_id: str
+    #: For people and logs: the id, plus what was changed after loading (e.g. layers cut).
     name: str
     source: Path | str
 
@@ -122,9 +125,9 @@ def load_model(
         source = name_or_path  # hub id: never used in tests or CI (no hub is reachable there)
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers types `to` through a decorator that loses its signature
     model.requires_grad_(False)
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path, source=source)
+    return LoadedModel(model=model, tokenizer=tokenizer, model_id=name_or_path, name=name_or_path, source=source)
 
 
 def _gguf_cache_dir(gguf: Path, cache_dir: Path | str | None) -> Path:
@@ -151,7 +154,7 @@ def _safetensors_from_gguf(gguf: Path, cache_dir: Path | str | None) -> Path:
     # transformers dequantizes GGUF weights on load, yet keeps the GGUF "quantizer" and its
     # config around, which refuses to save and would make the saved directory look
     # quantized. The tensors are plain fp32 now: drop both.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # declared without Optional in transformers
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = gguf.stem

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -21,27 +20,9 @@ from specdec.model.cost_profile import measure_forward_costs
 from specdec.model.runtime import ModelRuntime
 from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.serving.config import ModelServiceConfig
+from specdec.wire.items import ModelInfo
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """Facts a service advertises through its Info rpc."""
-
-    model_name: str
-    tokenizer: TokenizerInfo
-    max_seq_len: int
-    block_size: int
-    free_kv_tokens: int
-    total_kv_tokens: int
-    max_slots: int
-    active_slots: int
-    max_speculative_tokens: int
-    dtype: str
-    device: str
-    quantization: str
-    forward_costs: tuple[ForwardCost, ...] = ()
 
 
 class ModelEngine:
@@ -74,8 +55,9 @@ class ModelEngine:
     def vocab_size(self) -> int:
         return self.forward.vocab_size
 
-    def info(self) -> EngineInfo:
-        return EngineInfo(
+    def info(self) -> ModelInfo:
+        return ModelInfo(
+            model_id=self.runtime.loaded.model_id,
             model_name=self.runtime.loaded.name,
             tokenizer=self.tokenizer_info,
             max_seq_len=self.max_seq_len,

@@ -16,7 +16,6 @@ import torch
 
 from specdec.model.runtime import ModelRuntime, build_runtime
 from specdec.serving.config import ModelServiceConfig, parse_cores
-from specdec.serving.convert import engine_info_to_pb
 from specdec.serving.engine import ModelEngine
 from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer, start_server
@@ -38,7 +37,7 @@ class SlotServicer:
     async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
         # Answered on the event loop, not queued behind the running batch: `info()` only
         # reads counters (each read is atomic under the GIL), never tensors.
-        return engine_info_to_pb(self.engine.info())
+        return self.engine.info().to_pb()
 
     @grpc_errors
     async def Truncate(

@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-
 from specdec.errors import InvalidArgumentError, SlotExistsError
 from specdec.serving.engine import ModelEngine
-from specdec.wire.items import PrefillItem, VerifyItem
-
-
-@dataclass(frozen=True)
-class ScoredChunk:
-    slot_id: str
-    logits: torch.Tensor  # [vocab] after a prefill, [K + 1, vocab] after a verify
-    cached_len: int
+from specdec.wire.items import PrefillItem, ScoredChunk, VerifyItem
 
 
 class TargetEngine(ModelEngine):

@@ -1,14 +1,50 @@
-"""Domain forms of the per-request items of the batched model-service rpcs.
+"""Domain forms of everything the model-service rpcs carry, each with `to_pb` / `from_pb`.
 
-The services validate and execute these; the gateway builds them. Protobuf conversion
-lives in `specdec.serving.convert`, so neither side touches generated classes directly.
+Requests (`PrefillItem`, `VerifyItem`, `ProposeItem`), results (`ScoredChunk` for Prefill
+and Verify, `Proposal` for Propose) and `ModelInfo`. The services validate and execute
+these; the gateway builds the requests and reads the results. Generated protobuf classes
+are touched here and nowhere else, so each servicer handler and each client call is a
+conversion in, one engine call, a conversion out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
+import torch
+
+from specdec.cost_model import ForwardCost
+from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.sampling.params import SamplingParams
+from specdec.v1 import common_pb2, draft_pb2, target_pb2
+from specdec.wire.tensor_codec import decode_tensor, encode_tensor
+
+ScoredMessage = TypeVar("ScoredMessage", target_pb2.PrefillResult, target_pb2.VerifyResult)
+
+
+def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
+    """Proto defaults (0) mean "off" for top_p and repetition_penalty; validation names the field."""
+    return SamplingParams(
+        temperature=message.temperature,
+        top_k=message.top_k,
+        top_p=message.top_p or 1.0,
+        repetition_penalty=message.repetition_penalty or 1.0,
+        seed=message.seed if message.HasField("seed") else None,
+    )
+
+
+def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
+    message = common_pb2.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        repetition_penalty=params.repetition_penalty,
+    )
+    if params.seed is not None:
+        message.seed = params.seed
+    return message
+
+
+# -- requests ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -17,6 +53,13 @@ class PrefillItem:
 
     slot_id: str
     prompt_tokens: list[int]
+
+    def to_pb(self) -> target_pb2.PrefillItem:
+        return target_pb2.PrefillItem(slot_id=self.slot_id, prompt_tokens=self.prompt_tokens)
+
+    @classmethod
+    def from_pb(cls, message: target_pb2.PrefillItem) -> PrefillItem:
+        return cls(message.slot_id, list(message.prompt_tokens))
 
 
 @dataclass(frozen=True)
@@ -27,13 +70,141 @@ class VerifyItem:
     valid_len: int
     tokens: list[int]
 
+    def to_pb(self) -> target_pb2.VerifyItem:
+        return target_pb2.VerifyItem(slot_id=self.slot_id, valid_len=self.valid_len, tokens=self.tokens)
+
+    @classmethod
+    def from_pb(cls, message: target_pb2.VerifyItem) -> VerifyItem:
+        return cls(message.slot_id, message.valid_len, list(message.tokens))
+
 
 @dataclass(frozen=True)
 class ProposeItem:
-    """Draft Propose: roll back to `valid_len`, feed `new_tokens`, draft `k` tokens."""
+    """Draft Propose: roll back to `valid_len`, feed `new_tokens`, draft K tokens."""
 
     slot_id: str
     valid_len: int
     new_tokens: list[int]
-    num_speculative_tokens: int
+    num_speculative_tokens: int  # K
     sampling: SamplingParams
+
+    def to_pb(self) -> draft_pb2.ProposeItem:
+        return draft_pb2.ProposeItem(
+            slot_id=self.slot_id, valid_len=self.valid_len, new_tokens=self.new_tokens,
+            num_speculative_tokens=self.num_speculative_tokens, sampling=sampling_to_pb(self.sampling),
+        )
+
+    @classmethod
+    def from_pb(cls, message: draft_pb2.ProposeItem) -> ProposeItem:
+        return cls(
+            message.slot_id, message.valid_len, list(message.new_tokens), message.num_speculative_tokens,
+            sampling_from_pb(message.sampling),
+        )
+
+
+# -- results ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScoredChunk:
+    """What the target returns per request from Prefill and from Verify."""
+
+    slot_id: str
+    logits: torch.Tensor  # [vocab] after a prefill, [K + 1, vocab] after a verify; raw, at compute precision
+    cached_len: int
+
+    def to_pb(self, message_cls: type[ScoredMessage]) -> ScoredMessage:
+        """As a `PrefillResult` or a `VerifyResult` (the two messages have the same fields)."""
+        return message_cls(slot_id=self.slot_id, logits=encode_tensor(self.logits), cached_len=self.cached_len)
+
+    @classmethod
+    def from_pb(cls, message: target_pb2.PrefillResult | target_pb2.VerifyResult) -> ScoredChunk:
+        return cls(message.slot_id, decode_tensor(message.logits), message.cached_len)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What the draft returns per request from Propose."""
+
+    slot_id: str
+    tokens: list[int]  # [K]
+    #: q [K, vocab] in the wire dtype, exactly the rows the tokens were sampled from (before
+    #: multinomial's normalization); None for greedy requests.
+    probs: torch.Tensor | None
+    cached_len: int
+
+    def to_pb(self) -> draft_pb2.ProposeResult:
+        return draft_pb2.ProposeResult(
+            slot_id=self.slot_id, tokens=self.tokens, cached_len=self.cached_len,
+            probs=encode_tensor(self.probs) if self.probs is not None else None,
+        )
+
+    @classmethod
+    def from_pb(cls, message: draft_pb2.ProposeResult) -> Proposal:
+        probs = decode_tensor(message.probs) if message.HasField("probs") else None
+        return cls(message.slot_id, list(message.tokens), probs, message.cached_len)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a model service advertises through its Info rpc."""
+
+    #: The source the model was loaded from (embedded name, .gguf path, directory or hub
+    #: id): what the gateway loads the same tokenizer from.
+    model_id: str
+    #: For people and dashboards; may describe changes (e.g. "(first 2 layers)").
+    model_name: str
+    tokenizer: TokenizerInfo
+    max_seq_len: int
+    block_size: int
+    free_kv_tokens: int
+    total_kv_tokens: int
+    max_slots: int
+    active_slots: int
+    max_speculative_tokens: int
+    dtype: str
+    device: str
+    quantization: str
+    forward_costs: tuple[ForwardCost, ...] = ()
+
+    def to_pb(self) -> common_pb2.ModelInfo:
+        return common_pb2.ModelInfo(
+            model_id=self.model_id,
+            model_name=self.model_name,
+            vocab_size=self.tokenizer.vocab_size,
+            eos_token_ids=list(self.tokenizer.eos_token_ids),
+            tokenizer_fingerprint=self.tokenizer.fingerprint,
+            max_seq_len=self.max_seq_len,
+            block_size=self.block_size,
+            free_kv_tokens=self.free_kv_tokens,
+            total_kv_tokens=self.total_kv_tokens,
+            max_slots=self.max_slots,
+            active_slots=self.active_slots,
+            max_speculative_tokens=self.max_speculative_tokens,
+            dtype=self.dtype,
+            device=self.device,
+            quantization=self.quantization,
+            forward_costs=[
+                common_pb2.ForwardCost(batch_size=c.batch_size, tokens=c.tokens, seconds=c.seconds)
+                for c in self.forward_costs
+            ],
+        )
+
+    @classmethod
+    def from_pb(cls, message: common_pb2.ModelInfo) -> ModelInfo:
+        return cls(
+            model_id=message.model_id,
+            model_name=message.model_name,
+            tokenizer=TokenizerInfo(message.vocab_size, tuple(sorted(message.eos_token_ids)), message.tokenizer_fingerprint),
+            max_seq_len=message.max_seq_len,
+            block_size=message.block_size,
+            free_kv_tokens=message.free_kv_tokens,
+            total_kv_tokens=message.total_kv_tokens,
+            max_slots=message.max_slots,
+            active_slots=message.active_slots,
+            max_speculative_tokens=message.max_speculative_tokens,
+            dtype=message.dtype,
+            device=message.device,
+            quantization=message.quantization,
+            forward_costs=tuple(ForwardCost(c.batch_size, c.tokens, c.seconds) for c in message.forward_costs),
+        )

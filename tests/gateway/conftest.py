@@ -77,13 +77,14 @@ def weak_runtime() -> ModelRuntime:
 
 @pytest.fixture(scope="session")
 def start_stack(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterator[Callable[..., Stack]]:
-    """`start_stack(draft_runtime | None, target=dict(...), **gateway_overrides)` -> a running Stack."""
+    """`start_stack(draft_runtime | None, target=dict(...), **gateway_overrides)` -> a running Stack
+    (`target_runtime=` serves another target model than the session's fp32 one)."""
     stacks: list[Stack] = []
 
     def start(draft_runtime: ModelRuntime | None, *, target: dict[str, Any] | None = None,
-              draft: dict[str, Any] | None = None, **gateway: Any) -> Stack:
+              draft: dict[str, Any] | None = None, target_runtime: ModelRuntime | None = None, **gateway: Any) -> Stack:
         target_config = TargetConfig(port=0, **{**POOL, **(target or {})})
-        target_engine = TargetEngine(fp32_runtime, target_config)
+        target_engine = TargetEngine(target_runtime or fp32_runtime, target_config)
         servers = [service_loop.run(create_target_server(target_config, target_engine))]
         draft_engine = None
         if draft_runtime is not None:

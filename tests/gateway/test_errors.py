@@ -120,3 +120,16 @@ def test_gateway_info_describes_both_models(int8_stack) -> None:  # type: ignore
     assert info.speculative_enabled and info.default_num_speculative_tokens == 4 and info.max_speculative_tokens == 8
     assert info.target.tokenizer_fingerprint == info.draft.tokenizer_fingerprint
     assert info.target.dtype == "float32" and info.draft.quantization == "int8"
+
+
+def test_a_target_cut_to_its_first_layers_serves_through_the_gateway(start_stack, weak_runtime, int8_runtime) -> None:  # type: ignore[no-untyped-def]
+    """`--num-layers` renames the model for display; the gateway loads its tokenizer from the
+    unchanged model id (this failed at start-up while one field was both)."""
+    stack = start_stack(int8_runtime, target_runtime=weak_runtime, target={"num_layers": 2})
+    with stack.client() as client:
+        info = client.info()
+        result = client.generate([{"role": "user", "content": "Hello!"}], max_new_tokens=6)
+    assert info.target.model_id == "smollm2-135m"
+    assert info.target.model_name == "smollm2-135m (first 2 layers)"
+    assert result.completion_tokens == 6 and result.num_draft_tokens > 0
+    stack.wait_until_idle()

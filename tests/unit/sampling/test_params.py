@@ -75,5 +75,7 @@ def test_independent_seeds_differ_per_stream_and_are_stable() -> None:
     seeds = {independent_seed(seed, stream) for seed in range(50) for stream in range(3)}
     assert len(seeds) == 150  # no collisions between requests or streams
     assert all(0 <= s < 2**64 for s in seeds)
-    assert independent_seed(1234, 1) == independent_seed(1234, 1)
+    # Pinned: a seeded request must reproduce across releases, so the derivation may not change.
+    assert independent_seed(1234, 1) == 10936887474700444964
+    assert independent_seed(0, 0) == 16294208416658607535
     assert independent_seed(2**64 - 1, 5) < 2**64

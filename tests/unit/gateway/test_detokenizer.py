@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 
 from specdec.gateway.detokenizer import StopStringDetokenizer
-from specdec.model.loader import LoadedModel
+from specdec.model.loader import DEFAULT_MODEL, load_tokenizer
 
 EOS = 2
 
 
-@pytest.fixture
-def tokenizer(smollm2: LoadedModel):  # type: ignore[no-untyped-def]
-    return smollm2.tokenizer
+@pytest.fixture(scope="module")
+def tokenizer():  # type: ignore[no-untyped-def]
+    """The embedded model's tokenizer alone (no weights are loaded)."""
+    return load_tokenizer(DEFAULT_MODEL)
 
 
 def _ids(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]

@@ -1,0 +1,123 @@
+"""The public API at the gateway's edge: a validated `Sequence` from a `GenerateRequest`,
+and the final `Completion` message from a finished `Sequence`.
+
+Everything a client can get wrong is checked here, before the request reaches the
+scheduler, and answered with INVALID_ARGUMENT naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from specdec.errors import InvalidArgumentError
+from specdec.gateway.detokenizer import StopStringDetokenizer
+from specdec.gateway.sequence import FinishReason, Sequence
+from specdec.model.chat import encode_chat
+from specdec.sampling.params import independent_seed
+from specdec.sampling.transforms import make_generator
+from specdec.v1 import gateway_pb2
+from specdec.wire.items import sampling_from_pb
+
+#: Random stream of the draft's proposals (see `independent_seed`).
+DRAFT_STREAM = 1
+_FINISH_TO_PB = {
+    FinishReason.STOP: gateway_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: gateway_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: gateway_pb2.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: gateway_pb2.FINISH_REASON_ERROR,
+}
+
+
+@dataclass(frozen=True)
+class RequestPolicy:
+    """What a request may ask for and what it gets when it asks nothing (fixed at start-up)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    #: The smaller of the two services' limits.
+    max_seq_len: int
+    max_speculative_tokens: int
+    has_draft: bool
+    speculative: bool
+    num_speculative_tokens: int
+    adaptive_k: bool
+    max_new_tokens_default: int
+
+
+def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) -> Sequence:
+    """The request as the scheduler serves it; InvalidArgumentError names the bad field."""
+    which = request.WhichOneof("input")
+    if which == "prompt":
+        prompt = list(policy.tokenizer(request.prompt)["input_ids"])
+    elif which == "chat":
+        prompt = encode_chat(policy.tokenizer, [{"role": m.role, "content": m.content} for m in request.chat.messages])
+    else:
+        raise InvalidArgumentError("input: set either prompt or chat")
+    check_prompt(prompt, policy.max_seq_len, policy.vocab_size)
+    if request.max_new_tokens < 0:
+        raise InvalidArgumentError(f"max_new_tokens: must be >= 0, got {request.max_new_tokens}")
+    sampling = sampling_from_pb(request.sampling)
+    spec = request.speculation
+    speculate = spec.enabled if spec.HasField("enabled") else policy.speculative
+    if speculate and not policy.has_draft:
+        raise InvalidArgumentError("speculation.enabled: this gateway runs without a draft model")
+    k_given = spec.HasField("num_speculative_tokens")
+    k = spec.num_speculative_tokens if k_given else policy.num_speculative_tokens
+    # A request that names its K alone gets exactly that K; `adaptive` overrides either way.
+    adaptive = spec.adaptive if spec.HasField("adaptive") else policy.adaptive_k and not k_given
+    if speculate and not 1 <= k <= policy.max_speculative_tokens:
+        raise InvalidArgumentError(
+            f"speculation.num_speculative_tokens: {k} is outside [1, {policy.max_speculative_tokens}]"
+        )
+    return Sequence(
+        slot_id=uuid.uuid4().hex,
+        prompt=prompt,
+        sampling=sampling,
+        max_new_tokens=request.max_new_tokens or policy.max_new_tokens_default,
+        num_speculative_tokens=k if speculate else 0,
+        adaptive=adaptive,
+        detokenizer=StopStringDetokenizer(policy.tokenizer, list(request.stop), set(policy.eos_token_ids)),
+        generator=make_generator(sampling.seed, "cpu"),
+        draft_sampling=dataclasses.replace(
+            sampling, seed=None if sampling.seed is None else independent_seed(sampling.seed, DRAFT_STREAM)
+        ),
+    )
+
+
+def check_prompt(prompt: list[int], max_seq_len: int, vocab_size: int) -> None:
+    """Reject prompts the services would refuse, before they can fail a whole Prefill batch."""
+    if not prompt:
+        raise InvalidArgumentError("prompt: the prompt encodes to no tokens")
+    if len(prompt) >= max_seq_len:
+        raise InvalidArgumentError(
+            f"prompt: {len(prompt)} tokens leave no room to generate within max_seq_len {max_seq_len}"
+        )
+    if max(prompt) >= vocab_size:
+        raise InvalidArgumentError(f"prompt: token id {max(prompt)} is outside the target's vocabulary of {vocab_size}")
+
+
+def completion_to_pb(seq: Sequence, error: str) -> gateway_pb2.Completion:
+    """The final message of a stream: why it ended, usage, speculation statistics, timings."""
+    ttft = (seq.first_token_at or seq.finished_at or seq.created_at) - seq.created_at
+    total = (seq.finished_at or seq.created_at) - seq.created_at
+    decode_time = total - ttft
+    rate = (seq.completion_tokens - 1) / decode_time if seq.completion_tokens > 1 and decode_time > 0 else 0.0
+    return gateway_pb2.Completion(
+        finish_reason=_FINISH_TO_PB[seq.finish_reason or FinishReason.ERROR],
+        usage=gateway_pb2.Usage(prompt_tokens=len(seq.prompt), completion_tokens=seq.completion_tokens),
+        speculation=gateway_pb2.SpeculationStats(
+            acceptance_rate=seq.counts.acceptance_rate,
+            mean_acceptance_length=seq.counts.mean_acceptance_length,
+            num_rounds=seq.counts.rounds,
+            num_draft_tokens=seq.counts.draft_tokens,
+            num_accepted_tokens=seq.counts.accepted_tokens,
+        ),
+        timings=gateway_pb2.Timings(time_to_first_token_s=ttft, total_s=total, tokens_per_s=rate),
+        error_message=error,
+        anatomy=gateway_pb2.RoundAnatomy(**{f"{name}_s": value for name, value in seq.anatomy.seconds.items()}),
+    )

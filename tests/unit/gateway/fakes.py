@@ -1,0 +1,178 @@
+"""Fake model services for unit tests of the gateway's own logic (no models, no gRPC server).
+
+A toy language model over a 40-token vocabulary: after token t the target's greedy choice
+is `next_token(t)`. Tokens 0..30 cycle among themselves and never reach EOS; tokens 31..38
+count up to EOS (39), so a prompt ending in 35 generates 36, 37, 38 and stops. The fake target keeps real per-slot caches and checks every valid
+length it is sent, like the real service; the fake draft follows the same rule except at
+the draft positions it is told to get wrong, so tests can steer acceptance exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from specdec.cost_model import ForwardCost
+from specdec.gateway.k_planner import KPlanner
+from specdec.gateway.metrics import GatewayMetrics
+from specdec.gateway.model_clients import Timed
+from specdec.gateway.requests import RequestPolicy
+from specdec.gateway.scheduler import PoolLimits, Scheduler
+from specdec.model.tokenizer_info import TokenizerInfo
+from specdec.wire.items import ModelInfo, PrefillItem, Proposal, ProposeItem, ScoredChunk, VerifyItem
+
+VOCAB = 40
+EOS = 39
+_CYCLE = 31
+
+
+def next_token(token: int) -> int:
+    """The toy target's greedy continuation."""
+    return (3 * token + 1) % _CYCLE if token < _CYCLE else min(token + 1, EOS)
+
+
+def greedy_reference(prompt: list[int], n: int) -> list[int]:
+    out = [next_token(prompt[-1])]
+    while len(out) < n:
+        out.append(next_token(out[-1]))
+    return out
+
+
+def logits_after(token: int) -> torch.Tensor:
+    row = torch.zeros(VOCAB)  # [vocab]
+    row[next_token(token)] = 10.0
+    return row
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def model_info(max_speculative_tokens: int = 8, forward_costs: tuple[ForwardCost, ...] = ()) -> ModelInfo:
+    return ModelInfo(
+        model_id="toy", model_name="toy", tokenizer=TokenizerInfo(VOCAB, (EOS,), "toy"), max_seq_len=256,
+        block_size=16, free_kv_tokens=4096, total_kv_tokens=4096, max_slots=64, active_slots=0,
+        max_speculative_tokens=max_speculative_tokens, dtype="float32", device="cpu", quantization="",
+        forward_costs=forward_costs,
+    )
+
+
+@dataclass
+class FakeTarget:
+    slots: dict[str, list[int]] = field(default_factory=dict)
+    released: list[str] = field(default_factory=list)
+    #: ("prefill" | "release", slot id) in the order they happened.
+    events: list[tuple[str, str]] = field(default_factory=list)
+    verify_batches: list[list[VerifyItem]] = field(default_factory=list)
+    #: Raise this from the next Verify.
+    fail_verify: grpc.aio.AioRpcError | None = None
+
+    async def info(self) -> ModelInfo:
+        return model_info()
+
+    async def prefill(self, items: list[PrefillItem]) -> Timed[dict[str, ScoredChunk]]:
+        out = {}
+        for item in items:
+            assert item.slot_id not in self.slots
+            self.events.append(("prefill", item.slot_id))
+            self.slots[item.slot_id] = list(item.prompt_tokens)
+            out[item.slot_id] = ScoredChunk(item.slot_id, logits_after(item.prompt_tokens[-1]), len(item.prompt_tokens))
+        return Timed(out, 0.001, 0.002)
+
+    async def verify(self, items: list[VerifyItem]) -> Timed[dict[str, ScoredChunk]]:
+        await asyncio.sleep(0)  # a real call yields to the event loop
+        if self.fail_verify is not None:
+            raise self.fail_verify
+        self.verify_batches.append(items)
+        out = {}
+        for item in items:
+            cache = self.slots[item.slot_id]
+            assert 0 <= item.valid_len <= len(cache), (item, len(cache))
+            del cache[item.valid_len :]
+            cache.extend(item.tokens)
+            rows = torch.stack([logits_after(t) for t in item.tokens])  # [K+1, vocab]
+            out[item.slot_id] = ScoredChunk(item.slot_id, rows, len(cache))
+        return Timed(out, 0.001, 0.002)
+
+    async def release(self, slot_id: str) -> None:
+        if self.slots.pop(slot_id, None) is None:
+            raise rpc_error(grpc.StatusCode.NOT_FOUND, f"slot {slot_id!r} not found")
+        self.released.append(slot_id)
+        self.events.append(("release", slot_id))
+
+    async def close(self) -> None:
+        pass
+
+
+@dataclass
+class FakeDraft:
+    #: Draft positions (1-based within a round) at which the draft proposes a wrong token.
+    wrong_at: set[int] = field(default_factory=set)
+    slots: dict[str, list[int]] = field(default_factory=dict)
+    released: list[str] = field(default_factory=list)
+    calls: list[list[ProposeItem]] = field(default_factory=list)
+    #: Raise this from the next Propose (then clear it).
+    fail_next: grpc.aio.AioRpcError | None = None
+    #: Report a cached length off by this much (a draft that lost track of a slot).
+    cached_len_error: int = 0
+
+    async def info(self) -> ModelInfo:
+        return model_info()
+
+    async def propose(self, items: list[ProposeItem]) -> Timed[dict[str, Proposal]]:
+        await asyncio.sleep(0)
+        if self.fail_next is not None:
+            error, self.fail_next = self.fail_next, None
+            raise error
+        self.calls.append(items)
+        out = {}
+        for item in items:
+            cache = self.slots.setdefault(item.slot_id, [])
+            assert 0 <= item.valid_len <= len(cache), (item, len(cache))
+            del cache[item.valid_len :]
+            cache.extend(item.new_tokens)
+            drafted: list[int] = []
+            for position in range(1, item.num_speculative_tokens + 1):
+                guess = next_token((drafted or cache)[-1])
+                drafted.append((guess + 1) % _CYCLE if position in self.wrong_at else guess)
+            cache.extend(drafted[:-1])  # the last drafted token is not fed back
+            out[item.slot_id] = Proposal(item.slot_id, drafted, None, len(cache) + self.cached_len_error)
+        return Timed(out, 0.0005, 0.001)
+
+    async def release(self, slot_id: str) -> None:
+        self.slots.pop(slot_id, None)
+        self.released.append(slot_id)
+
+    async def close(self) -> None:
+        pass
+
+
+class ToyTokenizer:
+    """Characters 'a'.. map to token ids 0..; enough for `new_sequence` and the detokenizer."""
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) - ord("a") for c in text]}
+
+    def decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + t) for t in tokens if not (skip_special_tokens and t == EOS))
+
+
+def policy(*, speculative: bool = True, k: int = 4, max_new_tokens: int = 16) -> RequestPolicy:
+    return RequestPolicy(
+        tokenizer=ToyTokenizer(),  # type: ignore[arg-type]
+        vocab_size=VOCAB, eos_token_ids=frozenset({EOS}), max_seq_len=256, max_speculative_tokens=8,
+        has_draft=speculative, speculative=speculative, num_speculative_tokens=k, adaptive_k=False,
+        max_new_tokens_default=max_new_tokens,
+    )
+
+
+def scheduler(target: FakeTarget, draft: FakeDraft | None, *, kv_tokens: int = 4096, max_batch_size: int = 8,
+              max_queue: int = 8) -> Scheduler:
+    pools = [PoolLimits("target", kv_tokens, 16, 64)] + ([PoolLimits("draft", kv_tokens, 16, 64)] if draft else [])
+    return Scheduler(
+        target, draft, pools, max_seq_len=256, max_batch_size=max_batch_size, max_queue=max_queue,
+        planner=KPlanner([], []), metrics=GatewayMetrics(),
+    )

@@ -1,0 +1,289 @@
+"""The gateway's scheduler and speculation round against fake model services: admission
+and KV reservation, cache-length bookkeeping, emit and stop rules, cancellation, and the
+fallback to plain decoding when the draft fails. Real-stack tests live in tests/gateway."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+from fakes import FakeDraft, FakeTarget, ToyTokenizer, greedy_reference, policy, rpc_error, scheduler
+
+from specdec.errors import CapacityExhaustedError
+from specdec.gateway.requests import new_sequence
+from specdec.gateway.scheduler import Scheduler
+from specdec.gateway.sequence import Delta, Finished, FinishReason, Sequence
+from specdec.gateway.speculative_step import advance
+from specdec.v1 import gateway_pb2
+
+PROMPT = "hello"  # token ids 7 4 11 11 14
+
+
+def request(prompt: str = PROMPT, max_new_tokens: int = 12, **speculation: Any) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        prompt=prompt, max_new_tokens=max_new_tokens, speculation=gateway_pb2.SpeculationOptions(**speculation),
+    )
+
+
+async def drain(seq: Sequence, timeout: float = 10.0) -> tuple[list[int], Finished]:
+    """The request's streamed tokens and its final event."""
+    tokens, _, finished = await drain_text(seq, timeout)
+    return tokens, finished
+
+
+async def drain_text(seq: Sequence, timeout: float = 10.0) -> tuple[list[int], str, Finished]:
+    tokens: list[int] = []
+    text = ""
+    while True:
+        event = await asyncio.wait_for(seq.outbox.get(), timeout)
+        if isinstance(event, Delta):
+            tokens.extend(event.tokens)
+            text += event.text
+        else:
+            return tokens, text, event
+
+
+def run(test: Callable[[Scheduler], Awaitable[None]], target: FakeTarget, draft: FakeDraft | None, **limits: Any) -> None:
+    async def main() -> None:
+        sched = scheduler(target, draft, **limits)
+        sched.start()
+        try:
+            await test(sched)
+        finally:
+            await sched.stop()
+
+    asyncio.run(main())
+
+
+def prompt_ids(prompt: str = PROMPT) -> list[int]:
+    return [ord(c) - ord("a") for c in prompt]
+
+
+@pytest.mark.parametrize("wrong_at", [set(), {1}, {3}, {1, 2, 3, 4}])
+def test_speculative_output_is_the_targets_greedy_output(wrong_at: set[int]) -> None:
+    target, draft = FakeTarget(), FakeDraft(wrong_at=wrong_at)
+
+    async def test(sched: Scheduler) -> None:
+        seq = new_sequence(request(), policy())
+        sched.submit(seq)
+        tokens, finished = await drain(seq)
+        assert tokens == greedy_reference(prompt_ids(), 12)
+        assert finished.reason == FinishReason.LENGTH
+        counts = seq.counts
+        assert counts.rounds > 0
+        if not wrong_at:
+            assert counts.accepted_tokens == counts.draft_tokens
+        elif 1 in wrong_at:
+            assert counts.accepted_tokens == 0
+        else:  # wrong at 3: two accepted in every round that drafted at least three
+            assert 0 < counts.accepted_tokens <= 2 * counts.rounds
+
+    run(test, target, draft)
+    assert target.slots == {} and draft.slots == {}, "both services' slots are released"
+
+
+def test_cache_lengths_advance_past_the_accepted_tokens_only() -> None:
+    """After a round with K=4 where the draft is wrong at position 3: the target holds the
+    prompt, g, t1, t2 as valid; the draft holds prompt + t1 (t2 was never fed to it)."""
+    target, draft = FakeTarget(), FakeDraft(wrong_at={3})
+
+    async def test(sched: Scheduler) -> None:
+        seq = new_sequence(request(max_new_tokens=40), policy())
+        sched.submit(seq)
+        await drain(seq)
+        first, second = draft.calls[0][0], draft.calls[1][0]
+        n = len(prompt_ids())
+        # Round 1: the draft sees the prompt plus the first token g; 2 of 4 accepted, then the
+        # target's recovered token: 3 new tokens, of which the draft cached t1 and t2 already.
+        assert (first.valid_len, len(first.new_tokens)) == (0, n + 1)
+        assert second.valid_len == n + 1 + 2 and len(second.new_tokens) == 1
+        verify_1, verify_2 = target.verify_batches[0][0], target.verify_batches[1][0]
+        assert verify_1.valid_len == n and len(verify_1.tokens) == 1 + 4
+        assert verify_2.valid_len == n + 1 + 2 and len(verify_2.tokens) == 1 + 4
+
+    run(test, target, draft)
+
+
+def test_advance_rule() -> None:
+    seq = new_sequence(request(), policy())
+    n = len(seq.tokens)
+    advance(seq, k=4, num_accepted=4)
+    assert (seq.target_valid, seq.draft_valid) == (n + 4, n + 3)
+    advance(seq, k=0, num_accepted=0)
+    assert seq.target_valid == n and seq.draft_valid == n + 3, "a plain round leaves the draft's prefix alone"
+
+
+def test_max_new_tokens_is_exact_even_when_a_round_accepts_more() -> None:
+    target, draft = FakeTarget(), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        for n in (1, 2, 3, 7):
+            seq = new_sequence(request(max_new_tokens=n), policy())
+            sched.submit(seq)
+            tokens, finished = await drain(seq)
+            assert tokens == greedy_reference(prompt_ids(), n) and finished.reason == FinishReason.LENGTH
+
+    run(test, target, draft)
+
+
+def test_eos_stops_the_stream_and_is_not_emitted() -> None:
+    target, draft = FakeTarget(), FakeDraft()
+    counting_up = "h" + chr(ord("a") + 35)  # ... 35 -> 36, 37, 38, EOS
+
+    async def test(sched: Scheduler) -> None:
+        seq = new_sequence(request(prompt=counting_up), policy())
+        sched.submit(seq)
+        tokens, finished = await drain(seq)
+        assert tokens == [36, 37, 38] and finished.reason == FinishReason.STOP
+        seq = new_sequence(request(prompt="h" + chr(ord("a") + 38)), policy())  # EOS comes first
+        sched.submit(seq)
+        tokens, finished = await drain(seq)
+        assert tokens == [] and finished.reason == FinishReason.STOP and seq.completion_tokens == 0
+
+    run(test, target, draft)
+
+
+def test_stop_string_ends_the_stream_before_it() -> None:
+    target, draft = FakeTarget(), FakeDraft()
+    reference = greedy_reference(prompt_ids(), 12)
+    stop = "".join(chr(ord("a") + t) for t in reference[5:7])
+
+    async def test(sched: Scheduler) -> None:
+        req = request()
+        req.stop.append(stop)
+        seq = new_sequence(req, policy())
+        sched.submit(seq)
+        tokens, text, finished = await drain_text(seq)
+        assert finished.reason == FinishReason.STOP
+        full_text = ToyTokenizer().decode(reference)
+        assert text == full_text[: full_text.index(stop)]
+        assert tokens == reference[: len(tokens)]
+
+    run(test, target, draft)
+
+
+def test_admission_reserves_kv_and_a_waiting_request_runs_when_room_frees() -> None:
+    """A pool with room for one request's worst case: the second waits, then completes."""
+    target, draft = FakeTarget(), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        first, second = (new_sequence(request(max_new_tokens=20), policy()) for _ in range(2))
+        sched.submit(first)
+        sched.submit(second)
+        (tokens_1, _), (tokens_2, _) = await drain(first), await drain(second)
+        assert tokens_1 == tokens_2 == greedy_reference(prompt_ids(), 20)
+        await asyncio.sleep(0.01)
+        # The second was prefilled only once the first had released its slots.
+        assert target.events == [("prefill", first.slot_id), ("release", first.slot_id),
+                                 ("prefill", second.slot_id), ("release", second.slot_id)]
+        assert sched._reservation == {}
+
+    run(test, target, draft, kv_tokens=32)  # footprint 5 + 20 + 4 = 29 tokens: 2 blocks of 16
+
+
+def test_a_request_larger_than_the_pool_and_a_full_queue_are_refused() -> None:
+    target, draft = FakeTarget(), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        with pytest.raises(CapacityExhaustedError, match="needs 37 KV tokens"):
+            sched.submit(new_sequence(request(max_new_tokens=28), policy()))
+        blockers = [new_sequence(request(max_new_tokens=20), policy()) for _ in range(2)]
+        for seq in blockers:  # submitted without yielding to the scheduler: both wait
+            sched.submit(seq)
+        with pytest.raises(CapacityExhaustedError, match="admission queue is full"):
+            sched.submit(new_sequence(request(), policy()))
+        for seq in blockers:
+            await drain(seq)
+
+    run(test, target, draft, kv_tokens=32, max_queue=2)
+
+
+def test_cancelling_a_running_request_frees_its_slots_in_both_services() -> None:
+    target, draft = FakeTarget(), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        seq = new_sequence(request(max_new_tokens=200), policy())
+        sched.submit(seq)
+        while not draft.calls:
+            await asyncio.sleep(0.001)
+        sched.cancel(seq)
+        _, finished = await drain(seq)
+        assert finished.reason == FinishReason.CANCELLED
+        await asyncio.sleep(0.01)
+        assert target.released == [seq.slot_id] and draft.released == [seq.slot_id]
+        assert sched._reservation == {} and sched.running == []
+
+    run(test, target, draft)
+
+
+def test_a_cancelled_waiting_request_never_reaches_the_services() -> None:
+    target, draft = FakeTarget(), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        running, waiting = (new_sequence(request(max_new_tokens=20), policy()) for _ in range(2))
+        sched.submit(running)
+        sched.submit(waiting)
+        sched.cancel(waiting)
+        _, finished = await drain(waiting)
+        assert finished.reason == FinishReason.CANCELLED
+        await drain(running)
+        assert waiting.slot_id not in {i.slot_id for batch in target.verify_batches for i in batch}
+
+    run(test, target, draft, kv_tokens=32)
+
+
+@pytest.mark.parametrize("failure", ["unavailable", "cache_out_of_step"])
+def test_a_failing_draft_leaves_the_output_unchanged(failure: str) -> None:
+    target, draft = FakeTarget(), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        seq = new_sequence(request(max_new_tokens=30), policy())
+        sched.submit(seq)
+        while len(draft.calls) < 2:
+            await asyncio.sleep(0.001)
+        if failure == "unavailable":
+            draft.fail_next = rpc_error(grpc.StatusCode.UNAVAILABLE, "draft down")
+        else:
+            draft.cached_len_error = 1
+        calls_before = len(draft.calls)
+        await asyncio.sleep(0.01)
+        draft.cached_len_error = 0
+        tokens, finished = await drain(seq)
+        assert tokens == greedy_reference(prompt_ids(), 30) and finished.reason == FinishReason.LENGTH
+        assert sched.metrics.draft_failures._value.get() >= 1
+        # After the failure the draft is sent the whole sequence again (its cache is suspect).
+        assert any(item.valid_len == 0 for call in draft.calls[calls_before:] for item in call)
+
+    run(test, target, draft)
+
+
+def test_a_failing_target_ends_the_requests_with_its_status_and_releases_them() -> None:
+    target, draft = FakeTarget(), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        seq = new_sequence(request(max_new_tokens=50), policy())
+        target.fail_verify = rpc_error(grpc.StatusCode.UNAVAILABLE, "target down")
+        sched.submit(seq)
+        _, finished = await drain(seq)
+        assert finished.reason == FinishReason.ERROR and seq.error_status == grpc.StatusCode.UNAVAILABLE
+        assert "target down" in finished.error
+        await asyncio.sleep(0.01)
+        assert draft.released == [seq.slot_id] and sched._reservation == {}
+
+    run(test, target, draft)
+
+
+def test_plain_requests_never_call_the_draft() -> None:
+    target, draft = FakeTarget(), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        seq = new_sequence(request(enabled=False), policy())
+        sched.submit(seq)
+        tokens, _ = await drain(seq)
+        assert tokens == greedy_reference(prompt_ids(), 12)
+        assert draft.calls == [] and all(len(i.tokens) == 1 for batch in target.verify_batches for i in batch)
+
+    run(test, target, draft)
