@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-done
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(PROTOS:protos/%.proto=%_pb2.py)
 
-.PHONY: setup protos test test-fast lint demo bench bench-quick clean
+.PHONY: setup system-deps protos test test-fast lint demo bench bench-quick clean
 
 setup: $(STAMP) protos
 
@@ -26,8 +26,17 @@ protos: $(STUBS)
 specdec/v1/%_pb2.py: protos/specdec/v1/%.proto $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. $<
 
-# Everything, as CI runs it: unit tests, real services on loopback, real models.
-test: setup
+# Debian packages the tests drive: a real Prometheus (and promtool), and docker-compose to
+# validate the compose file. Installed with apt-get as root (or through sudo) when missing.
+SYSTEM_PACKAGES := prometheus docker-compose
+system-deps:
+	@if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! command -v docker-compose >/dev/null; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $(SYSTEM_PACKAGES); \
+	fi
+
+# Everything, as CI runs it: unit tests, real services on loopback, real models, a real Prometheus.
+test: setup system-deps
 	$(PY) -m pytest -q
 
 # The unit tier alone (no model, no server; well under a minute): tests/unit.

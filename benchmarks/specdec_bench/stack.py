@@ -63,14 +63,14 @@ class Stack:
         per_pos: dict[int, float] = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == "specdec_num_accepted_tokens_per_pos_total":
+                if sample.name == "specdec_spec_decode_num_accepted_tokens_per_pos_total":
                     per_pos[int(sample.labels["position"])] = sample.value
-                elif not sample.labels:
+                elif set(sample.labels) <= {"model_name"}:  # every series carries model_name
                     values[sample.name] = sample.value
         return MetricsSnapshot(
-            num_drafts=values.get("specdec_num_drafts_total", 0.0),
-            num_draft_tokens=values.get("specdec_num_draft_tokens_total", 0.0),
-            num_accepted_tokens=values.get("specdec_num_accepted_tokens_total", 0.0),
+            num_drafts=values.get("specdec_spec_decode_num_drafts_total", 0.0),
+            num_draft_tokens=values.get("specdec_spec_decode_num_draft_tokens_total", 0.0),
+            num_accepted_tokens=values.get("specdec_spec_decode_num_accepted_tokens_total", 0.0),
             accepted_per_pos=per_pos,
         )
 

@@ -28,6 +28,8 @@ class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
         items = [ProposeItem.from_pb(item) for item in request.items]
         probs_dtype = torch_dtype(request.probs_dtype or common_pb2.DTYPE_FLOAT32)
         proposals, compute_s = await self.worker.run_timed(self.engine.propose, items, probs_dtype)
+        fed_and_drafted = sum(len(i.new_tokens) + i.num_speculative_tokens for i in items)
+        self.stats.record_work("Propose", compute_s, len(items), fed_and_drafted)
         return draft_pb2.ProposeResponse(results=[p.to_pb() for p in proposals], compute_s=compute_s)
 
 
@@ -35,5 +37,5 @@ async def create_server(config: DraftConfig, engine: DraftEngine | None = None) 
     """Load the model (unless an engine is given) and start serving; returns the bound server."""
     return await start_model_service(
         config, engine, DraftEngine, DraftServicer,
-        draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME,
+        draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME, ["Propose"],
     )

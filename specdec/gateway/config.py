@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from specdec.errors import InvalidArgumentError
 from specdec.flags import option
+from specdec.stats import DEFAULT_PREFIX, check_metrics_prefix
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
 
 PROBS_DTYPES = ("float32", "bfloat16")
@@ -32,6 +33,7 @@ class GatewayConfig:
         "float32", "wire precision of the draft's q vectors (exact either way; bf16 halves them)", choices=PROBS_DTYPES,
     )
     metrics_port: int = option(-1, "Prometheus /metrics port (-1 = off, 0 = any free port)")
+    metrics_prefix: str = option(DEFAULT_PREFIX, "prefix of every metric name; 'vllm:' gives vLLM's names")
     max_message_bytes: int = option(DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received")
 
     def __post_init__(self) -> None:
@@ -46,5 +48,6 @@ class GatewayConfig:
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.draft_probs_dtype not in PROBS_DTYPES:
             raise InvalidArgumentError(f"draft_probs_dtype must be one of {PROBS_DTYPES}, got {self.draft_probs_dtype!r}")
+        check_metrics_prefix(self.metrics_prefix)
         if not 0 <= self.port <= 65535 or not -1 <= self.metrics_port <= 65535:
             raise InvalidArgumentError("port and metrics_port must be valid port numbers")

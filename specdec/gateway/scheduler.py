@@ -13,16 +13,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
 
 from specdec.errors import CapacityExhaustedError, SpecdecError
 from specdec.gateway.k_planner import KPlanner
-from specdec.gateway.metrics import GatewayMetrics
 from specdec.gateway.model_clients import DraftAPI, TargetAPI
 from specdec.gateway.sequence import FinishReason, Sequence
 from specdec.gateway.speculative_step import first_tokens, plan_k, run_round
+from specdec.gateway.stats import GatewayStats
 from specdec.serving.errors import status_of
 from specdec.serving.worker import ModelWorker
 from specdec.wire.items import PrefillItem
@@ -58,7 +59,7 @@ class Scheduler:
         max_batch_size: int,
         max_queue: int,
         planner: KPlanner,
-        metrics: GatewayMetrics,
+        stats: GatewayStats,
     ) -> None:
         self.target = target
         self.draft = draft
@@ -67,7 +68,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.planner = planner
-        self.metrics = metrics
+        self.stats = stats
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         #: Admitted request -> KV blocks reserved for it in each pool (by pool name).
@@ -107,7 +108,7 @@ class Scheduler:
         if len(self.waiting) >= self.max_queue:
             raise CapacityExhaustedError(f"admission queue is full ({self.max_queue} waiting)")
         self.waiting.append(seq)
-        self.metrics.waiting_requests.set(len(self.waiting))
+        self.stats.waiting = len(self.waiting)
         self._wakeup.set()
 
     def cancel(self, seq: Sequence) -> None:
@@ -141,23 +142,27 @@ class Scheduler:
         caps = {s.slot_id: plan_k(s, self.max_seq_len) if self.draft is not None else 0 for s in batch}
         ks = self.planner.plan(batch, caps, {s.slot_id: s.adaptive for s in batch})
         if self.planner.last_off_reason is not None:
-            self.metrics.speculation_off.labels(reason=self.planner.last_off_reason).inc()
+            self.stats.off_rounds[self.planner.last_off_reason] += 1
+        before = {s.slot_id: (s.completion_tokens, s.last_token_at) for s in batch}
         try:
             report = await run_round(self.target, self.draft, batch, ks, self.sampler, self.max_seq_len)
         except Exception as error:  # noqa: BLE001 - a failed round fails its requests, not the gateway
             await self._fail(batch, error)
             return
         if report.draft_failed:
-            self.metrics.draft_failures.inc()
-            self.metrics.speculation_off.labels(reason="draft_unavailable").inc()
+            self.stats.draft_failures += 1
+            self.stats.off_rounds["draft_unavailable"] += 1
         self.planner.observe(batch, report)
         phases = report.phases()
-        self.metrics.record_phases(phases, report)
+        self.stats.record_phases(phases, report)
         for seq in batch:
             k, accepted = report.ks[seq.slot_id], report.num_accepted[seq.slot_id]
             seq.counts.record(k, accepted)
             seq.anatomy.add(phases)
-            self.metrics.record_round(k, accepted)
+            self.stats.record_round(k, accepted)
+            count, last_at = before[seq.slot_id]
+            if seq.completion_tokens > count and seq.last_token_at is not None and last_at is not None:
+                self.stats.record_tokens(seq.completion_tokens - count, seq.last_token_at - last_at)
         for seq in batch:
             if seq.done:
                 await self._retire(seq, seq.finish_reason)  # type: ignore[arg-type]
@@ -169,16 +174,18 @@ class Scheduler:
             if seq.cancelled:
                 self.waiting.popleft()
                 seq.finish(FinishReason.CANCELLED)
+                self._record_finished(seq)
                 continue
             if not self._reserve(seq):
                 break  # FIFO: the head waits for room; later requests do not overtake it
             admitted.append(self.waiting.popleft())
-        self.metrics.waiting_requests.set(len(self.waiting))
+            seq.admitted_at = time.perf_counter()
+        self.stats.waiting = len(self.waiting)
         if not admitted:
             return
         try:
             prefilled = await self.target.prefill([PrefillItem(s.slot_id, s.prompt) for s in admitted])
-            self.metrics.rpc_latency.labels(method="Prefill").observe(prefilled.wall_s)
+            self.stats.rpc_latency["Prefill"].observe(prefilled.wall_s)
             logits = {slot: chunk.logits for slot, chunk in prefilled.value.items()}
         except Exception as error:  # noqa: BLE001
             for seq in admitted:
@@ -188,12 +195,13 @@ class Scheduler:
         self.running.extend(admitted)  # they hold target slots now: a failure below releases them
         firsts = await self.sampler.run(first_tokens, admitted, logits)
         for seq in admitted:
-            self.metrics.prompt_tokens.inc(len(seq.prompt))
+            self.stats.prompt_tokens += len(seq.prompt)
             seq.target_valid = len(seq.prompt)
             seq.emit([firsts[seq.slot_id]], self.max_seq_len)
+            self.stats.record_tokens(seq.completion_tokens, None)
             if seq.done:
                 await self._retire(seq, seq.finish_reason)  # type: ignore[arg-type]
-        self.metrics.active_requests.set(len(self.running))
+        self.stats.running = len(self.running)
 
     # -- bookkeeping -------------------------------------------------------------------
 
@@ -210,20 +218,13 @@ class Scheduler:
             if len(self._reservation) + 1 > pool.max_slots:
                 return False
         self._reservation[seq.slot_id] = blocks
-        self._publish_free()
         return True
 
     def _unreserve(self, seq: Sequence) -> None:
         self._reservation.pop(seq.slot_id, None)
-        self._publish_free()
 
     def _reserved(self, pool: PoolLimits) -> int:
         return sum(blocks[pool.name] for blocks in self._reservation.values())
-
-    def _publish_free(self) -> None:
-        for pool in self.pools:
-            free = pool.total_kv_tokens - self._reserved(pool) * pool.block_size
-            self.metrics.free_kv_tokens.labels(service=pool.name).set(free)
 
     async def _retire_cancelled(self) -> None:
         for seq in [s for s in self.running if s.cancelled]:
@@ -241,14 +242,8 @@ class Scheduler:
         self._unreserve(seq)  # only once both services freed the slot
 
     def _record_finished(self, seq: Sequence) -> None:
-        self.metrics.active_requests.set(len(self.running))
-        self.metrics.finished.labels(finish_reason=seq.finish_reason.value).inc()  # type: ignore[union-attr]
-        self.metrics.generation_tokens.inc(seq.completion_tokens)
-        self.metrics.request_latency.observe(seq.finished_at - seq.created_at)  # type: ignore[operator]
-        if seq.first_token_at is not None:
-            self.metrics.ttft.observe(seq.first_token_at - seq.created_at)
-            if seq.completion_tokens > 1:
-                self.metrics.inter_token.observe((seq.finished_at - seq.first_token_at) / (seq.completion_tokens - 1))  # type: ignore[operator]
+        self.stats.running = len(self.running)
+        self.stats.record_finished(seq)
 
     async def _release(self, seq: Sequence) -> None:
         """Free the request's slots in both services; a slot already gone is fine."""
@@ -277,3 +272,4 @@ class Scheduler:
                 await self._retire(seq, FinishReason.ERROR, message)
             else:
                 seq.finish(FinishReason.ERROR, message)
+                self._record_finished(seq)

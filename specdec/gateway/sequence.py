@@ -42,18 +42,18 @@ class SpeculationCounts:
     rounds: int = 0  # rounds with K >= 1
     draft_tokens: int = 0
     accepted_tokens: int = 0
-    acceptance_sum: float = 0.0  # sum over rounds of accepted / K
 
     def record(self, k: int, num_accepted: int) -> None:
         if k > 0:
             self.rounds += 1
             self.draft_tokens += k
             self.accepted_tokens += num_accepted
-            self.acceptance_sum += num_accepted / k
 
     @property
     def acceptance_rate(self) -> float:
-        return self.acceptance_sum / self.rounds if self.rounds else 0.0
+        """Accepted / drafted tokens: the same quantity as the PromQL rate over the
+        spec_decode counters, for this one request."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -110,7 +110,11 @@ class Sequence:
     error_status: grpc.StatusCode = grpc.StatusCode.INTERNAL
     cancelled: bool = False
     created_at: float = field(default_factory=time.perf_counter)
+    #: Left the admission queue: both services had room and the Prefill was sent.
+    admitted_at: float | None = None
     first_token_at: float | None = None
+    #: When the latest tokens were streamed.
+    last_token_at: float | None = None
     finished_at: float | None = None
 
     def __post_init__(self) -> None:
@@ -133,8 +137,11 @@ class Sequence:
         self.tokens.extend(kept)
         update = self.detokenizer.add(kept)
         self.completion_tokens += len(update.tokens)
+        now = time.perf_counter()
         if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
+            self.first_token_at = now
+        if update.tokens:
+            self.last_token_at = now
         text = update.text
         if update.stopped:
             self.finish_reason = FinishReason.STOP

@@ -7,6 +7,7 @@ or when the configured K exceeds what the services accept.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -16,11 +17,12 @@ import grpc
 from specdec.errors import InvalidArgumentError, SpecdecError
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.k_planner import KPlanner
-from specdec.gateway.metrics import GatewayMetrics
+from specdec.gateway.metrics import gateway_endpoint
 from specdec.gateway.model_clients import DraftAPI, DraftClient, TargetAPI, TargetClient
 from specdec.gateway.requests import RequestPolicy, completion_to_pb, new_sequence
 from specdec.gateway.scheduler import PoolLimits, Scheduler
 from specdec.gateway.sequence import Delta, FinishReason
+from specdec.gateway.stats import GatewayStats
 from specdec.model.loader import load_tokenizer
 from specdec.model.tokenizer_info import check_compatible, tokenizer_fingerprint
 from specdec.serving.errors import grpc_errors, grpc_stream_errors
@@ -41,7 +43,7 @@ class GatewayState:
     draft: DraftAPI | None
     policy: RequestPolicy
     scheduler: Scheduler
-    metrics: GatewayMetrics
+    stats: GatewayStats
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -102,7 +104,7 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
     if draft is not None and config.num_speculative_tokens > max_speculative_tokens:
         raise InvalidArgumentError(f"num_speculative_tokens {config.num_speculative_tokens} exceeds the services' maximum {max_speculative_tokens}")
     max_seq_len = min(info.max_seq_len for info in limits)
-    metrics = GatewayMetrics()
+    stats = GatewayStats(max_speculative_tokens)
     planner = KPlanner(
         list(target_info.forward_costs),
         list(draft_info.forward_costs) if draft_info is not None and config.adaptive_k else [],
@@ -113,7 +115,7 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
     ]
     scheduler = Scheduler(
         target, draft, pools, max_seq_len=max_seq_len, max_batch_size=config.max_batch_size,
-        max_queue=config.max_queue, planner=planner, metrics=metrics,
+        max_queue=config.max_queue, planner=planner, stats=stats,
     )
     policy = RequestPolicy(
         tokenizer=tokenizer, vocab_size=target_info.tokenizer.vocab_size,
@@ -122,16 +124,19 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
         num_speculative_tokens=config.num_speculative_tokens, adaptive_k=config.adaptive_k,
         max_new_tokens_default=config.max_new_tokens_default,
     )
-    state = GatewayState(config, target, draft, policy, scheduler, metrics)
+    state = GatewayState(config, target, draft, policy, scheduler, stats)
     servicer = GatewayServicer(state)
     scheduler.start()
+    endpoint = gateway_endpoint(stats, target_info.model_name, config.metrics_prefix)
+    poller = asyncio.create_task(_poll_kv_usage(stats, {"target": target, "draft": draft}), name="specdec-kv-poller")
 
     async def close() -> None:
         await scheduler.stop()
         await target.close()
         if draft is not None:
             await draft.close()
-        metrics.close()
+        poller.cancel()
+        endpoint.close()
 
     running = await start_server(
         lambda server: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server),
@@ -139,5 +144,24 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
         on_stop=close,
     )
     if config.metrics_port >= 0:
-        running.metrics_port = metrics.serve(config.metrics_port, config.host)
+        running.metrics_port = endpoint.serve(config.metrics_port, config.host)
     return running
+
+
+#: How often the gateway reads the services' KV usage for its metrics.
+KV_POLL_INTERVAL_S = 2.0
+
+
+async def _poll_kv_usage(stats: GatewayStats, services: dict[str, TargetAPI | DraftAPI | None]) -> None:
+    """Keep `stats.kv_usage` at what the services report, not at the gateway's own view."""
+    while True:
+        for name, service in services.items():
+            if service is None:
+                continue
+            try:
+                info = await asyncio.wait_for(service.info(), KV_POLL_INTERVAL_S)
+            except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+                continue  # a service that does not answer keeps its last value
+            if info.total_kv_tokens > 0:
+                stats.kv_usage[name] = 1.0 - info.free_kv_tokens / info.total_kv_tokens
+        await asyncio.sleep(KV_POLL_INTERVAL_S)

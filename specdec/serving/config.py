@@ -8,6 +8,7 @@ from specdec.errors import InvalidArgumentError
 from specdec.flags import option
 from specdec.model.loader import DEFAULT_MODEL
 from specdec.model.runtime import DTYPES, QUANTIZATIONS
+from specdec.stats import DEFAULT_PREFIX, check_metrics_prefix
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
 
 
@@ -35,6 +36,8 @@ class ModelServiceConfig:
     measure_costs: bool = option(True, "time the forward pass at start-up so the gateway can plan K from real costs")
     threads: int = option(0, "intra-op threads of the forward pass (0 = one per core)")
     cpu_cores: str = option("", "pin the service to these CPU cores, e.g. 0 or 0-1 (empty = no pinning)")
+    metrics_port: int = option(-1, "Prometheus /metrics port (-1 = off, 0 = any free port)")
+    metrics_prefix: str = option(DEFAULT_PREFIX, "prefix of every metric name")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -51,6 +54,9 @@ class ModelServiceConfig:
         if self.threads < 0:
             raise InvalidArgumentError(f"threads must be >= 0, got {self.threads}")
         parse_cores(self.cpu_cores)
+        check_metrics_prefix(self.metrics_prefix)
+        if not -1 <= self.metrics_port <= 65535:
+            raise InvalidArgumentError(f"metrics_port must be in -1..65535, got {self.metrics_port}")
         if self.max_seq_len < 0:
             raise InvalidArgumentError(f"max_seq_len must be >= 0, got {self.max_seq_len}")
 

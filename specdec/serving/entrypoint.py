@@ -40,7 +40,7 @@ def run_model_service(
 
     async def serve() -> None:
         running = await create_server(config)
-        print(ReadyLine(name, f"{config.host}:{running.port}"), flush=True)
+        print(ReadyLine(name, f"{config.host}:{running.port}", running.metrics_port), flush=True)
         await serve_until_signal(running)
 
     try:

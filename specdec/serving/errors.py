@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
@@ -36,18 +37,34 @@ async def _abort(context: grpc.aio.ServicerContext, error: Exception, method: st
     await context.abort(code, message)
 
 
+class RpcObserver(Protocol):
+    """Told how every rpc ended (the model services' `ServiceStats`)."""
+
+    def record_rpc(self, method: str, seconds: float, code: str) -> None: ...
+
+
 def grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """Decorate a unary servicer method so engine errors become precise gRPC statuses."""
+    """Decorate a unary servicer method so engine errors become precise gRPC statuses.
+
+    A servicer with an `rpc_observer` attribute is told each call's latency and status.
+    """
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+        observer: RpcObserver | None = getattr(self, "rpc_observer", None)
+        started, code = time.perf_counter(), "OK"
         try:
             return await method(self, request, context)
         except (grpc.aio.AbortError, grpc.aio.UsageError):
+            code = "UNKNOWN"
             raise
         except Exception as error:  # noqa: BLE001 - this is the mapping layer
+            code = status_of(error)[0].name
             await _abort(context, error, method.__qualname__)
             raise  # unreachable: abort raises
+        finally:
+            if observer is not None:
+                observer.record_rpc(method.__name__, time.perf_counter() - started, code)
 
     return wrapper
 

@@ -10,11 +10,48 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES, message_size_options
 
 log = logging.getLogger(__name__)
+
+#: The current reflection API; grpcio-reflection implements only v1alpha, whose messages are
+#: identical on the wire, so the same servicer answers both.
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+class HealthServicer(health.aio.HealthServicer):
+    """grpc.health.v1 with `List` (the library's answers UNIMPLEMENTED with a traceback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._statuses: dict[str, health_pb2.HealthCheckResponse.ServingStatus.ValueType] = {
+            "": health_pb2.HealthCheckResponse.SERVING,
+        }
+
+    async def set(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+        self._statuses[service] = status
+        await super().set(service, status)
+
+    async def List(self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext) -> health_pb2.HealthListResponse:
+        return health_pb2.HealthListResponse(
+            statuses={name: health_pb2.HealthCheckResponse(status=status) for name, status in self._statuses.items()}
+        )
+
+
+def enable_reflection(server: grpc.aio.Server, service_names: Sequence[str]) -> None:
+    """Server reflection under both v1alpha and v1 (current grpcurl and grpc-js ask v1 first)."""
+    names = [*service_names, reflection.SERVICE_NAME, REFLECTION_V1]
+    servicer = reflection.aio.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),))
+
 
 #: Called once the server has stopped: release worker threads, channels, schedulers.
 StopHook = Callable[[], None | Awaitable[None]]
@@ -58,12 +95,9 @@ async def start_server(
     """Create, register and start a server; `port=0` binds a free port (returned)."""
     server = grpc.aio.server(options=message_size_options(max_message_bytes))
     register(server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-        server,
-    )
+    enable_reflection(server, [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name])
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import grpc
@@ -19,6 +19,7 @@ from specdec.serving.config import ModelServiceConfig, parse_cores
 from specdec.serving.engine import ModelEngine
 from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer, start_server
+from specdec.serving.metrics import ServiceStats, service_endpoint
 from specdec.serving.worker import ModelWorker
 from specdec.v1 import common_pb2
 
@@ -29,9 +30,12 @@ C = TypeVar("C", bound=ModelServiceConfig)
 class SlotServicer:
     """Info, Truncate and Release over an engine, run on the service's model worker."""
 
-    def __init__(self, engine: ModelEngine, worker: ModelWorker) -> None:
+    def __init__(self, engine: ModelEngine, worker: ModelWorker, stats: ServiceStats) -> None:
         self.engine = engine
         self.worker = worker
+        self.stats = stats
+        #: `grpc_errors` reports every call's latency and status here.
+        self.rpc_observer = stats
 
     @grpc_errors
     async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
@@ -72,9 +76,10 @@ async def start_model_service(
     config: C,
     engine: E | None,
     engine_cls: Callable[[ModelRuntime, C], E],
-    make_servicer: Callable[[E, ModelWorker], object],
+    make_servicer: Callable[[E, ModelWorker, ServiceStats], object],
     add_servicer: Callable[[object, grpc.aio.Server], None],
     service_name: str,
+    work_methods: Sequence[str],
 ) -> RunningServer:
     """Build the engine (unless given) on the model worker and start serving.
 
@@ -85,12 +90,23 @@ async def start_model_service(
     worker = ModelWorker(service_name.rsplit(".", 1)[-1])
     if engine is None:
         engine = await worker.run(build_engine, engine_cls, config)
-    servicer = make_servicer(engine, worker)
-    return await start_server(
+    label = service_name.rsplit(".", 1)[-1].removesuffix("Service").lower()  # "target" / "draft"
+    stats = ServiceStats(label, ["Info", "Truncate", "Release", *work_methods], work_methods)
+    endpoint = service_endpoint(stats, engine, config.metrics_prefix)
+    servicer = make_servicer(engine, worker, stats)
+
+    async def stop() -> None:
+        endpoint.close()
+        await asyncio.to_thread(worker.shutdown)  # waits for the running batch off the loop
+
+    running = await start_server(
         lambda server: add_servicer(servicer, server),
         [service_name],
         host=config.host,
         port=config.port,
         max_message_bytes=config.max_message_bytes,
-        on_stop=lambda: asyncio.to_thread(worker.shutdown),  # waits for the running batch off the loop
+        on_stop=stop,
     )
+    if config.metrics_port >= 0:
+        running.metrics_port = endpoint.serve(config.metrics_port, config.host)
+    return running

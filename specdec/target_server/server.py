@@ -26,6 +26,7 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
     ) -> target_pb2.PrefillResponse:
         items = [PrefillItem.from_pb(item) for item in request.items]
         results, compute_s = await self.worker.run_timed(self.engine.prefill, items)
+        self.stats.record_work("Prefill", compute_s, len(items), sum(len(i.prompt_tokens) for i in items))
         return target_pb2.PrefillResponse(results=[r.to_pb(target_pb2.PrefillResult) for r in results], compute_s=compute_s)
 
     @grpc_errors
@@ -34,6 +35,7 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
     ) -> target_pb2.VerifyResponse:
         items = [VerifyItem.from_pb(item) for item in request.items]
         results, compute_s = await self.worker.run_timed(self.engine.verify, items)
+        self.stats.record_work("Verify", compute_s, len(items), sum(len(i.tokens) for i in items))
         return target_pb2.VerifyResponse(results=[r.to_pb(target_pb2.VerifyResult) for r in results], compute_s=compute_s)
 
 
@@ -41,5 +43,5 @@ async def create_server(config: TargetConfig, engine: TargetEngine | None = None
     """Load the model (unless an engine is given) and start serving; returns the bound server."""
     return await start_model_service(
         config, engine, TargetEngine, TargetServicer,
-        target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME,
+        target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, ["Prefill", "Verify"],
     )

@@ -110,3 +110,16 @@ def _alive(pid: int) -> bool:
     # A zombie is gone for our purposes.
     state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
     return bool(state) and not state.startswith("Z")
+
+
+def test_health_exits_zero_only_when_serving(int8_stack) -> None:  # type: ignore[no-untyped-def]
+    def health(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*CLI, "health", *args], capture_output=True, text=True, timeout=60)
+
+    ok = health(int8_stack.address)
+    assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
+    assert health(int8_stack.address, "--service", "specdec.v1.Gateway").returncode == 0
+    unknown = health(int8_stack.address, "--service", "no.such.Service")
+    assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
+    closed = health("127.0.0.1:1", "--timeout", "2")
+    assert closed.returncode == 1 and "UNAVAILABLE" in closed.stderr

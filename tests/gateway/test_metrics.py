@@ -1,19 +1,26 @@
-"""The Prometheus endpoint: vLLM-style speculative-decoding counters agree with the requests."""
+"""The Prometheus endpoints of a real stack: vLLM-style counters agree with the requests,
+and the model services export their own rpc, batch and KV figures."""
 
 from __future__ import annotations
 
 import time
 import urllib.request
 
+import grpc
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from specdec.v1 import common_pb2, target_pb2_grpc
+
 STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def _scrape(port: int, drop: tuple[str, ...] = ("model_name",)) -> Samples:
+    """Samples by (name, labels), without the labels every series carries."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        (sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k not in drop))): sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
@@ -21,30 +28,73 @@ def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def test_speculation_counters_match_the_requests(start_stack, int8_runtime) -> None:  # type: ignore[no-untyped-def]
     stack = start_stack(int8_runtime, metrics_port=0)
+    before = _scrape(stack.gateway.metrics_port)
+    # Every labelled series exists before anything happened, at zero.
+    assert before[("specdec_request_success_total", (("finished_reason", "error"),))] == 0
+    assert before[("specdec_spec_decode_num_accepted_tokens_per_pos_total", (("position", "7"),))] == 0
+    assert before[("specdec_spec_decode_off_rounds_total", (("reason", "draft_unavailable"),))] == 0
     with stack.client() as client:
         results = [client.generate(STORY, max_new_tokens=n, num_speculative_tokens=4) for n in (20, 33)]
         plain = client.generate(STORY, max_new_tokens=5, speculative=False)
     stack.wait_until_idle()
-    # Reservations return once both Release calls answered: the free-KV gauges settle just after.
-    free = [("specdec_kv_free_tokens", (("service", service),)) for service in ("target", "draft")]
-    deadline = time.monotonic() + 10
-    while any((m := _scrape(stack.gateway.metrics_port))[key] != 8192 for key in free) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert all(m[key] == 8192 for key in free)  # every reservation returned
+    m = _scrape(stack.gateway.metrics_port)
 
-    assert m[("specdec_num_drafts_total", ())] == sum(r.num_rounds for r in results)
-    assert m[("specdec_num_draft_tokens_total", ())] == sum(r.num_draft_tokens for r in results)
-    accepted = m[("specdec_num_accepted_tokens_total", ())]
+    assert m[("specdec_spec_decode_num_drafts_total", ())] == sum(r.num_rounds for r in results)
+    assert m[("specdec_spec_decode_num_draft_tokens_total", ())] == sum(r.num_draft_tokens for r in results)
+    accepted = m[("specdec_spec_decode_num_accepted_tokens_total", ())]
     assert accepted == sum(r.num_accepted_tokens for r in results) > 0
-    per_position = [m.get(("specdec_num_accepted_tokens_per_pos_total", (("position", str(i)),)), 0.0) for i in range(4)]
+    per_position = [m[("specdec_spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))] for i in range(4)]
     assert sum(per_position) == accepted
     assert per_position == sorted(per_position, reverse=True)  # position i+1 is accepted only after position i
     total_tokens = sum(r.completion_tokens for r in [*results, plain])
     assert m[("specdec_generation_tokens_total", ())] == total_tokens
-    assert m[("specdec_request_success_total", (("finish_reason", "length"),))] == 3
+    # One inter-token observation per token after each request's first.
+    assert m[("specdec_inter_token_latency_seconds_count", ())] == total_tokens - 3
+    assert m[("specdec_request_success_total", (("finished_reason", "length"),))] == 3
     assert m[("specdec_num_requests_running", ())] == 0
-    assert m[("specdec_time_to_first_token_seconds_count", ())] == 3
+    for family in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                   "request_prefill_time_seconds", "request_decode_time_seconds", "request_generation_tokens"):
+        assert m[(f"specdec_{family}_count", ())] == 3, family
+    assert m[("specdec_request_generation_tokens_sum", ())] == total_tokens
     assert m[("specdec_rpc_latency_seconds_count", (("method", "Verify"),))] > 0
     assert m[("specdec_rpc_latency_seconds_count", (("method", "Propose"),))] > 0
-    rate = accepted / m[("specdec_num_draft_tokens_total", ())]
-    assert 0.3 < rate <= 1.0  # the int8 self-draft mostly agrees
+    assert m[("specdec_e2e_request_latency_seconds_bucket", (("le", "1200.0"),))] == 3  # buckets reach minutes
+    assert ("process_resident_memory_bytes", ()) in m
+    # The final message's acceptance rate is the same quantity as the PromQL one.
+    for r in results:
+        assert r.acceptance_rate == r.num_accepted_tokens / r.num_draft_tokens
+    # KV usage comes from the services' own Info: back to zero once every slot is released.
+    deadline = time.monotonic() + 10
+    while _scrape(stack.gateway.metrics_port)[("specdec_kv_cache_usage_perc", (("service", "target"),))] != 0:
+        assert time.monotonic() < deadline, "the gateway never saw the target's KV pool empty again"
+        time.sleep(0.2)
+
+
+def test_model_services_export_rpc_batch_and_kv_metrics(start_stack, int8_runtime) -> None:  # type: ignore[no-untyped-def]
+    stack = start_stack(int8_runtime, target={"metrics_port": 0}, draft={"metrics_port": 0})
+    target_port, draft_port = (server.metrics_port for server in stack.servers)
+    assert target_port and draft_port
+    with stack.client() as client:
+        client.generate(STORY, max_new_tokens=12, num_speculative_tokens=3)
+    stack.wait_until_idle()
+    target, draft = _scrape(target_port), _scrape(draft_port)
+
+    def t(name: str, **labels: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+        return name, tuple(sorted({"service": "target", **labels}.items()))
+
+    assert target[t("specdec_service_rpc_latency_seconds_count", method="Prefill")] == 1
+    # 11 tokens after the first, at most 4 a round: at least 3 verifies of 1 + K tokens.
+    assert target[t("specdec_service_compute_seconds_count", method="Verify")] >= 3
+    assert target[t("specdec_service_forward_tokens_sum", method="Verify")] >= 3 * 2
+    assert draft[("specdec_service_forward_batch_size_count", (("method", "Propose"), ("service", "draft")))] >= 1
+    total = target[t("specdec_service_kv_blocks_total")]
+    assert target[t("specdec_service_kv_blocks", state="free")] == total > 0
+    assert target[t("specdec_service_kv_blocks", state="used")] == 0
+    assert target[t("specdec_service_active_slots")] == 0
+    assert target[t("specdec_service_rpc_errors_total", method="Release", code="NOT_FOUND")] == 0
+    # A bad call is counted under its status code.
+    with grpc.insecure_channel(f"127.0.0.1:{stack.servers[0].port}") as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            target_pb2_grpc.TargetServiceStub(channel).Release(common_pb2.ReleaseRequest(slot_id="nobody"), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+    assert _scrape(target_port)[t("specdec_service_rpc_errors_total", method="Release", code="NOT_FOUND")] == 1

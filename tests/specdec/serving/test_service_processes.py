@@ -21,6 +21,7 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from specdec.draft_server.server import SERVICE_NAME as DRAFT_SERVICE
@@ -97,10 +98,21 @@ def check_health_and_reflection(channel: grpc.Channel, service_name: str) -> Non
         health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
 
+    listed = health.List(health_pb2.HealthListRequest(), timeout=10).statuses
+    assert listed[service_name].status == health_pb2.HealthCheckResponse.SERVING and "" in listed
+
     database = ProtoReflectionDescriptorDatabase(channel)
     assert {service_name, HEALTH_SERVICE} <= set(database.get_services())
     methods = {m.name for m in descriptor_pool.DescriptorPool(database).FindServiceByName(service_name).methods}
     assert {"Info", "Truncate", "Release"} <= methods
+    # Reflection v1, which current grpcurl and grpc-js try first, answers the same.
+    v1 = channel.stream_stream(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    replies = list(v1(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+    assert service_name in {s.name for s in replies[0].list_services_response.service}
 
 
 def test_entry_points_serve_health_reflection_and_stop_on_sigterm(launch: Callable[[str], ServiceProcess]) -> None:

@@ -17,10 +17,10 @@ import torch
 
 from specdec.cost_model import ForwardCost
 from specdec.gateway.k_planner import KPlanner
-from specdec.gateway.metrics import GatewayMetrics
 from specdec.gateway.model_clients import Timed
 from specdec.gateway.requests import RequestPolicy
 from specdec.gateway.scheduler import PoolLimits, Scheduler
+from specdec.gateway.stats import GatewayStats
 from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.wire.items import ModelInfo, PrefillItem, Proposal, ProposeItem, ScoredChunk, VerifyItem
 
@@ -174,5 +174,5 @@ def scheduler(target: FakeTarget, draft: FakeDraft | None, *, kv_tokens: int = 4
     pools = [PoolLimits("target", kv_tokens, 16, 64)] + ([PoolLimits("draft", kv_tokens, 16, 64)] if draft else [])
     return Scheduler(
         target, draft, pools, max_seq_len=256, max_batch_size=max_batch_size, max_queue=max_queue,
-        planner=KPlanner([], []), metrics=GatewayMetrics(),
+        planner=KPlanner([], []), stats=GatewayStats(8),
     )

@@ -1,0 +1,86 @@
+"""What a model service counts, and its Prometheus exporter (see docs/metrics.md).
+
+`ServiceStats` is plain numbers recorded by the servicer; KV blocks and slots are read
+from the engine at scrape time (counters only, each read atomic under the GIL). With the
+default prefix:
+
+    RPC p95 by method   = histogram_quantile(0.95, sum by (le, method) (rate(specdec_service_rpc_latency_seconds_bucket[5m])))
+    compute share       = rate(specdec_service_compute_seconds_sum[5m]) / ignoring(le) rate(specdec_service_rpc_latency_seconds_sum[5m])
+    KV usage            = specdec_service_kv_blocks{state="used"} / ignoring(state) specdec_service_kv_blocks_total
+    errors by code      = sum by (method, code) (rate(specdec_service_rpc_errors_total[5m]))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client.core import Metric
+
+from specdec.serving.engine import ModelEngine
+from specdec.stats import BATCH_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS, Distribution, Families, MetricsEndpoint
+
+#: Status codes the services answer with on purpose (see specdec.errors), plus the generic ones.
+ERROR_CODES = (
+    "INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "INTERNAL",
+    "UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED",
+)
+
+
+@dataclass
+class ServiceStats:
+    """Per-rpc latency and errors, and per-forward compute, batch size and tokens."""
+
+    service: str  # "target" or "draft"
+    methods: Sequence[str]
+    work_methods: Sequence[str]  # those that run the model: Prefill / Verify, or Propose
+    rpc_latency: dict[str, Distribution] = field(default_factory=dict)
+    errors: dict[tuple[str, str], int] = field(default_factory=dict)
+    compute: dict[str, Distribution] = field(default_factory=dict)
+    batch_size: dict[str, Distribution] = field(default_factory=dict)
+    tokens: dict[str, Distribution] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for method in self.methods:
+            self.rpc_latency[method] = Distribution(LATENCY_BUCKETS)
+            for code in ERROR_CODES:
+                self.errors[(method, code)] = 0
+        for method in self.work_methods:
+            self.compute[method] = Distribution(LATENCY_BUCKETS)
+            self.batch_size[method] = Distribution(BATCH_BUCKETS)
+            self.tokens[method] = Distribution(TOKEN_BUCKETS)
+
+    def record_rpc(self, method: str, seconds: float, code: str) -> None:
+        """An rpc finished with status `code` ("OK" or a grpc.StatusCode name)."""
+        if method in self.rpc_latency:
+            self.rpc_latency[method].observe(seconds)
+        if code != "OK":
+            self.errors[(method, code)] = self.errors.get((method, code), 0) + 1
+
+    def record_work(self, method: str, compute_s: float, batch_size: int, tokens: int) -> None:
+        self.compute[method].observe(compute_s)
+        self.batch_size[method].observe(batch_size)
+        self.tokens[method].observe(tokens)
+
+
+def service_families(stats: ServiceStats, engine: ModelEngine, prefix: str) -> Iterator[Metric]:
+    f = Families(prefix, {"model_name": engine.runtime.loaded.name, "service": stats.service})
+    yield f.histogram("service_rpc_latency_seconds", "Server-side rpc latency, queueing on the model worker included",
+                      ["method"], {(m,): d for m, d in stats.rpc_latency.items()})
+    yield f.counter("service_rpc_errors", "Rpcs that ended with a non-OK status", ["method", "code"],
+                    {key: n for key, n in stats.errors.items()})
+    yield f.histogram("service_compute_seconds", "Compute time on the model worker", ["method"],
+                      {(m,): d for m, d in stats.compute.items()})
+    yield f.histogram("service_forward_batch_size", "Requests per call", ["method"],
+                      {(m,): d for m, d in stats.batch_size.items()})
+    yield f.histogram("service_forward_tokens", "New tokens per call, over its requests", ["method"],
+                      {(m,): d for m, d in stats.tokens.items()})
+    blocks = engine.cache.blocks
+    yield f.gauge("service_kv_blocks", "KV-cache blocks", ["state"],
+                  {("free",): blocks.num_free_blocks, ("used",): blocks.num_blocks - blocks.num_free_blocks})
+    yield f.gauge("service_kv_blocks_total", "KV-cache capacity in blocks", [], {(): blocks.num_blocks})
+    yield f.gauge("service_active_slots", "Slots (requests) held", [], {(): len(engine.tokens)})
+
+
+def service_endpoint(stats: ServiceStats, engine: ModelEngine, prefix: str) -> MetricsEndpoint:
+    return MetricsEndpoint(lambda: service_families(stats, engine, prefix))
