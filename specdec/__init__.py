@@ -1,6 +1,8 @@
 """specdec: speculative decoding served as a gRPC draft / target / gateway trio.
 
-This package holds what the services share: the model runtime (loading, our Llama
-forward over a paged KV cache, int8 self-draft), the KV block manager, sampling
-transforms and the rejection sampler, the tensor wire codec and the generated stubs.
+Layers, importing downward only (docs/architecture.md):
+- the shared library: `model`, `kv_cache`, `sampling`, `wire`, `serving`, `cost_model`,
+  `flags`, `stats`, `client`, `errors` and the generated stubs in `v1`;
+- the services: `target_server`, `draft_server`, `gateway`;
+- the command line: `cli`.
 """

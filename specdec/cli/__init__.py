@@ -1,5 +1,22 @@
-"""The command line: `specdec serve | generate | bench`, the process launcher and `make demo`.
+"""The command line: `specdec serve | generate | bench | health`, the process launcher and `make demo`.
 
 The top layer: it may import the services and the shared library, and nothing imports it
-(except the benchmark harness, which drives the same launcher).
+(except the benchmark harness, which drives the same launcher). `main` dispatches
+`specdec health` before anything heavy is imported: health checks run it every few seconds.
 """
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["health"]:
+        from specdec.cli.health import main as health_main
+
+        return health_main(args[1:])
+    from specdec.cli.main import main as full_main
+
+    return full_main(args)

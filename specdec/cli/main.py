@@ -11,8 +11,8 @@ import sys
 from collections.abc import Sequence
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.cli.health import add_health_flags, health
 from specdec.cli.launcher import ServiceProcess, start_service
 from specdec.client import SpecdecClient, collect
 from specdec.draft_server.config import DraftConfig
@@ -57,27 +57,6 @@ def _generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-speculative", action="store_true", help="plain decoding for this request")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-
-
-def _health_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("address", help="HOST:PORT of any specdec service")
-    parser.add_argument("--service", default="", help="service name to check (default: the whole server)")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default: 5)")
-
-
-def health(args: argparse.Namespace) -> int:
-    """Exit 0 when the server reports SERVING (Docker and Kubernetes health checks run this)."""
-    with grpc.insecure_channel(args.address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
-            )
-        except grpc.RpcError as error:
-            print(f"{args.address}: {error.code().name}: {error.details()}", file=sys.stderr)
-            return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    print(f"{args.address}: {status}")
-    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -179,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _serve_flags(commands.add_parser("serve", help="start draft, target and gateway; stop all on Ctrl-C / SIGTERM"))
     _generate_flags(commands.add_parser("generate", help="stream a generation from a running gateway"))
-    _health_flags(commands.add_parser("health", help="check a service with grpc.health.v1; exit 0 when SERVING"))
+    add_health_flags(commands.add_parser("health", help="check a service with grpc.health.v1; exit 0 when SERVING"))
     add_bench_flags(commands.add_parser(
         "bench", help="measure speed: starts the trio, writes results JSON, plots and docs/benchmarks.md",
         description="Speed harness: W1 single requests (plain vs speculative), transformers' plain and assisted "
