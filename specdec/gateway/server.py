@@ -8,6 +8,7 @@ or when the configured K exceeds what the services accept.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -131,18 +132,24 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
     poller = asyncio.create_task(_poll_kv_usage(stats, {"target": target, "draft": draft}), name="specdec-kv-poller")
 
     async def close() -> None:
+        poller.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await poller
         await scheduler.stop()
         await target.close()
         if draft is not None:
             await draft.close()
-        poller.cancel()
         endpoint.close()
 
-    running = await start_server(
-        lambda server: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server),
-        [SERVICE_NAME], host=config.host, port=config.port, max_message_bytes=config.max_message_bytes,
-        on_stop=close,
-    )
+    try:
+        running = await start_server(
+            lambda server: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server),
+            [SERVICE_NAME], host=config.host, port=config.port, max_message_bytes=config.max_message_bytes,
+            on_stop=close,
+        )
+    except BaseException:  # e.g. the port is taken: stop what was started
+        await close()
+        raise
     if config.metrics_port >= 0:
         running.metrics_port = endpoint.serve(config.metrics_port, config.host)
     return running

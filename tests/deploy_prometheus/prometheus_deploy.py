@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,6 +53,11 @@ def promtool() -> str | None:
     """Path of promtool (Debian's `prometheus` package), or None."""
     return shutil.which("promtool")
 
+
+
+needs_promtool = pytest.mark.skipif(
+    promtool() is None, reason="promtool is not installed (apt-get install prometheus; `make test` installs it)"
+)
 
 def run_promtool(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     binary = promtool()

@@ -35,12 +35,8 @@ from prometheus_deploy import (
     documented_metrics,
     documented_series_names,
     load_yaml,
-    promtool,
+    needs_promtool,
     run_promtool,
-)
-
-needs_promtool = pytest.mark.skipif(
-    promtool() is None, reason="promtool is not installed (apt-get install prometheus; `make test` installs it)"
 )
 
 TARGET_MODEL = "smollm2-135m"

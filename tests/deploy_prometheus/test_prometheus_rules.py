@@ -21,17 +21,13 @@ from prometheus_deploy import (
     SCRAPE_JOBS,
     documented_series_names,
     load_yaml,
-    promtool,
+    needs_promtool,
     render_prometheus_config,
     rule_files,
     rule_tests,
     rules,
     run_promtool,
     write_prometheus_config,
-)
-
-needs_promtool = pytest.mark.skipif(
-    promtool() is None, reason="promtool is not installed (apt-get install prometheus; `make test` installs it)"
 )
 
 SEVERITIES = {"critical", "warning"}

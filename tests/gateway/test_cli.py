@@ -85,7 +85,7 @@ def test_serve_runs_the_trio_and_stops_it_on_sigterm() -> None:
         import urllib.request
 
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-        assert "specdec_num_draft_tokens_total" in metrics
+        assert "specdec_spec_decode_num_draft_tokens_total" in metrics
         children = _children(serve.pid)
         assert len(children) == 2, children  # draft_server and target_server
         serve.send_signal(signal.SIGTERM)
