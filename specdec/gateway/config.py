@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from specdec.errors import InvalidArgumentError
 from specdec.flags import option
 from specdec.stats import DEFAULT_PREFIX, check_metrics_prefix
-from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
+from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_REQUEST_BYTES
 
 PROBS_DTYPES = ("float32", "bfloat16")
 
@@ -34,7 +34,11 @@ class GatewayConfig:
     )
     metrics_port: int = option(-1, "Prometheus /metrics port (-1 = off, 0 = any free port)")
     metrics_prefix: str = option(DEFAULT_PREFIX, "prefix of every metric name; 'vllm:' gives vLLM's names")
-    max_message_bytes: int = option(DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received")
+    #: Client requests are small (a prompt, options); replies from the services are large (logits).
+    max_request_bytes: int = option(
+        DEFAULT_MAX_REQUEST_BYTES, "largest Generate / Info request accepted; larger ones get RESOURCE_EXHAUSTED"
+    )
+    max_message_bytes: int = option(DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message exchanged with the model services")
 
     def __post_init__(self) -> None:
         if not self.target_address:
@@ -43,7 +47,7 @@ class GatewayConfig:
             raise InvalidArgumentError("speculation requires a draft: set draft_address or disable speculation")
         if self.num_speculative_tokens < 1:
             raise InvalidArgumentError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        for name in ("max_new_tokens_default", "max_batch_size", "max_queue", "max_message_bytes"):
+        for name in ("max_new_tokens_default", "max_batch_size", "max_queue", "max_request_bytes", "max_message_bytes"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.draft_probs_dtype not in PROBS_DTYPES:

@@ -24,6 +24,11 @@ from specdec.wire.items import sampling_from_pb
 
 #: Random stream of the draft's proposals (see `independent_seed`).
 DRAFT_STREAM = 1
+#: Roles the chat templates of the supported models render.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+#: Stop strings are matched against the text of every round: bound their number and size.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 _FINISH_TO_PB = {
     FinishReason.STOP: gateway_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: gateway_pb2.FINISH_REASON_LENGTH,
@@ -55,10 +60,14 @@ def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) ->
     if which == "prompt":
         prompt = list(policy.tokenizer(request.prompt)["input_ids"])
     elif which == "chat":
+        for i, message in enumerate(request.chat.messages):
+            if message.role not in CHAT_ROLES:
+                raise InvalidArgumentError(f"chat.messages[{i}].role: {message.role!r} is not one of {', '.join(CHAT_ROLES)}")
         prompt = encode_chat(policy.tokenizer, [{"role": m.role, "content": m.content} for m in request.chat.messages])
     else:
         raise InvalidArgumentError("input: set either prompt or chat")
     check_prompt(prompt, policy.max_seq_len, policy.vocab_size)
+    check_stop_strings(list(request.stop))
     if request.max_new_tokens < 0:
         raise InvalidArgumentError(f"max_new_tokens: must be >= 0, got {request.max_new_tokens}")
     sampling = sampling_from_pb(request.sampling)
@@ -87,6 +96,16 @@ def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) ->
             sampling, seed=None if sampling.seed is None else independent_seed(sampling.seed, DRAFT_STREAM)
         ),
     )
+
+
+def check_stop_strings(stop: list[str]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidArgumentError(f"stop: {len(stop)} strings, at most {MAX_STOP_STRINGS} are allowed")
+    for i, text in enumerate(stop):
+        if not text:
+            raise InvalidArgumentError(f"stop[{i}]: must not be empty")
+        if len(text) > MAX_STOP_CHARS:
+            raise InvalidArgumentError(f"stop[{i}]: {len(text)} characters, at most {MAX_STOP_CHARS} are allowed")
 
 
 def check_prompt(prompt: list[int], max_seq_len: int, vocab_size: int) -> None:

@@ -29,6 +29,10 @@ from specdec.serving.worker import ModelWorker
 from specdec.wire.items import PrefillItem
 
 log = logging.getLogger(__name__)
+#: Codes of a call that did not reach the service's own logic (their details name addresses).
+_TRANSPORT_FAILURES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
+})
 
 
 @dataclass(frozen=True)
@@ -258,8 +262,13 @@ class Scheduler:
 
     async def _fail(self, seqs: list[Sequence], error: Exception, *, release: bool = True) -> None:
         if isinstance(error, grpc.aio.AioRpcError):
-            status, message = error.code(), f"{error.code().name} from a model service: {error.details()}"
-            log.error("failing %d request(s): %s", len(seqs), message)
+            status = error.code()
+            log.error("failing %d request(s): %s from the target: %s", len(seqs), status.name, error.details())
+            # Transport failures carry the service's internal address: clients get the code only.
+            detail = "" if status in _TRANSPORT_FAILURES else f": {error.details()}"
+            message = f"the target service answered {status.name}{detail}" + (
+                "; the gateway log has the details" if not detail else ""
+            )
         elif isinstance(error, SpecdecError):
             status, message = status_of(error)
             log.error("failing %d request(s): %s", len(seqs), message)

@@ -28,6 +28,7 @@ from specdec.model.loader import load_tokenizer
 from specdec.model.tokenizer_info import check_compatible, tokenizer_fingerprint
 from specdec.serving.errors import grpc_errors, grpc_stream_errors
 from specdec.serving.grpc_server import RunningServer, start_server
+from specdec.serving.worker import ModelWorker
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specdec.wire.items import ModelInfo
 
@@ -50,6 +51,10 @@ class GatewayState:
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, state: GatewayState) -> None:
         self.state = state
+        #: Tokenization and chat rendering run here, off the event loop: a long prompt must not
+        #: stall health checks and other streams. One thread, as the tokenizer is not made
+        #: for concurrent use.
+        self.tokenizer_thread = ModelWorker("gateway-tokenizer")
 
     @grpc_errors
     async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.GatewayInfo:
@@ -70,7 +75,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        seq = new_sequence(request, self.state.policy)
+        seq = await self.tokenizer_thread.run(new_sequence, request, self.state.policy)
         self.state.scheduler.submit(seq)
         try:
             while True:
@@ -136,6 +141,7 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
         with contextlib.suppress(asyncio.CancelledError):
             await poller
         await scheduler.stop()
+        await asyncio.to_thread(servicer.tokenizer_thread.shutdown)
         await target.close()
         if draft is not None:
             await draft.close()
@@ -144,7 +150,7 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
     try:
         running = await start_server(
             lambda server: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server),
-            [SERVICE_NAME], host=config.host, port=config.port, max_message_bytes=config.max_message_bytes,
+            [SERVICE_NAME], host=config.host, port=config.port, max_message_bytes=config.max_request_bytes,
             on_stop=close,
         )
     except BaseException:  # e.g. the port is taken: stop what was started

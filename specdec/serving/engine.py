@@ -88,6 +88,8 @@ class ModelEngine:
     # -- validation (no side effects) -------------------------------------------------
 
     def _require_slot(self, slot_id: str) -> list[int]:
+        if not slot_id:  # the same answer as an empty id inside a Prefill or Propose batch
+            raise InvalidArgumentError("slot_id: must not be empty")
         try:
             return self.tokens[slot_id]
         except KeyError:

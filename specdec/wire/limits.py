@@ -7,6 +7,8 @@ from __future__ import annotations
 
 #: Large enough for a verify reply of 32 requests x 9 positions x 128,256 fp32 logits (~148 MB).
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+#: What the gateway accepts from a client: a prompt of a million characters fits, a runaway does not.
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 def message_size_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:

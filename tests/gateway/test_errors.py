@@ -36,8 +36,14 @@ def _status(stack, request: gateway_pb2.GenerateRequest) -> grpc.RpcError:  # ty
         (build_request("hi", max_new_tokens=-2), "max_new_tokens"),
         (build_request("hi", num_speculative_tokens=0), "num_speculative_tokens"),
         (build_request("hi", num_speculative_tokens=99), "num_speculative_tokens"),
+        (build_request([{"role": "wizard", "content": "hi"}]), "chat.messages[0].role"),
+        (build_request([{"role": "user", "content": "hi"}, {"role": "", "content": "x"}]), "chat.messages[1].role"),
+        (build_request("hi", stop=["."] * 17), "stop"),
+        (build_request("hi", stop=["x" * 257]), "stop[0]"),
+        (build_request("hi", stop=["ok", ""]), "stop[1]"),
     ],
-    ids=["no-input", "empty-prompt", "empty-chat", "temperature", "top_p", "top_k", "max_new_tokens", "spec-0", "spec-99"],
+    ids=["no-input", "empty-prompt", "empty-chat", "temperature", "top_p", "top_k", "max_new_tokens", "spec-0", "spec-99",
+         "unknown-role", "empty-role", "too-many-stops", "long-stop", "empty-stop"],
 )
 def test_invalid_requests_are_invalid_argument(int8_stack, request_: gateway_pb2.GenerateRequest, field: str) -> None:  # type: ignore[no-untyped-def]
     error = _status(int8_stack, request_)
@@ -133,3 +139,10 @@ def test_a_target_cut_to_its_first_layers_serves_through_the_gateway(start_stack
     assert info.target.model_name == "smollm2-135m (first 2 layers)"
     assert result.completion_tokens == 6 and result.num_draft_tokens > 0
     stack.wait_until_idle()
+
+
+def test_an_oversized_request_is_resource_exhausted_and_the_gateway_keeps_serving(int8_stack) -> None:  # type: ignore[no-untyped-def]
+    error = _status(int8_stack, build_request("x" * (5 * 1024 * 1024)))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with int8_stack.client() as client:
+        assert client.generate("Hello", max_new_tokens=3).completion_tokens == 3

@@ -58,4 +58,5 @@ def test_losing_the_target_fails_the_stream_and_frees_the_draft_slot(start_stack
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE
     assert completion is not None and completion.finish_reason == gateway_pb2.FINISH_REASON_ERROR
     assert "UNAVAILABLE" in completion.error_message  # the final message comes before the status
+    assert "127.0.0.1" not in completion.error_message and "127.0.0.1" not in error.value.details()  # no internal address
     assert _eventually(lambda: not stack.draft.tokens), "the failed request's draft slot was not released"

@@ -237,6 +237,20 @@ def test_unknown_slot_is_not_found(target: Service) -> None:
         assert "nope" in error.details()
 
 
+def test_an_empty_slot_id_is_invalid_argument_on_every_rpc(target: Service) -> None:
+    """The same mistake gets the same code whichever rpc makes it."""
+    calls = [
+        (target.stub.Prefill, target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(slot_id="", prompt_tokens=[1])])),
+        (target.stub.Verify, target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(slot_id="", tokens=[1])])),
+        (target.stub.Truncate, common_pb2.TruncateRequest(slot_id="", new_len=0)),
+        (target.stub.Release, common_pb2.ReleaseRequest(slot_id="")),
+    ]
+    for call, request in calls:
+        error = rpc_error(call, request)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, call
+        assert "slot_id" in error.details()
+
+
 def test_existing_slot_on_prefill_is_already_exists_and_the_batch_changes_nothing(
     target: Service, smollm2: LoadedModel, prompts: list[list[int]]
 ) -> None:
