@@ -39,6 +39,9 @@ class GatewayConfig:
         DEFAULT_MAX_REQUEST_BYTES, "largest Generate / Info request accepted; larger ones get RESOURCE_EXHAUSTED"
     )
     max_message_bytes: int = option(DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message exchanged with the model services")
+    #: Deadline of a call to a model service: factor x its expected compute, at least the floor.
+    rpc_timeout_floor_s: float = option(10.0, "shortest deadline of a call to a model service, in seconds")
+    rpc_timeout_factor: float = option(20.0, "a call's deadline in multiples of its expected compute (from the measured costs)")
 
     def __post_init__(self) -> None:
         if not self.target_address:
@@ -50,6 +53,8 @@ class GatewayConfig:
         for name in ("max_new_tokens_default", "max_batch_size", "max_queue", "max_request_bytes", "max_message_bytes"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.rpc_timeout_floor_s <= 0 or self.rpc_timeout_factor < 1:
+            raise InvalidArgumentError("rpc_timeout_floor_s must be > 0 and rpc_timeout_factor >= 1")
         if self.draft_probs_dtype not in PROBS_DTYPES:
             raise InvalidArgumentError(f"draft_probs_dtype must be one of {PROBS_DTYPES}, got {self.draft_probs_dtype!r}")
         check_metrics_prefix(self.metrics_prefix)

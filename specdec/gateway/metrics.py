@@ -62,6 +62,8 @@ def gateway_families(stats: GatewayStats, prefix: str, model_name: str) -> Itera
                     ["position"], {(str(i),): n for i, n in enumerate(s.accepted_per_position)})
     yield f.counter("spec_decode_num_emitted_tokens", "Tokens emitted by rounds (accepted + recovered or bonus)", [],
                     _one(s.emitted_tokens))
+    yield f.gauge("speculation_enabled", "1 while the draft is usable; 0 from a failed or late Propose until its health check passes",
+                  [], _one(s.speculation_enabled))
     yield f.gauge("spec_decode_num_speculative_tokens", "Mean K of the last round's speculating requests", [], _one(s.current_k))
     yield f.counter("spec_decode_off_rounds", "Rounds in which a request that could speculate drafted nothing, by reason",
                     ["reason"], {(reason,): n for reason, n in s.off_rounds.items()})

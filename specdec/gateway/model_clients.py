@@ -8,10 +8,12 @@ types to protobuf and back, with the conversions of `specdec.wire.items`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.wire.items import ModelInfo, PrefillItem, Proposal, ProposeItem, ScoredChunk, VerifyItem
@@ -35,19 +37,21 @@ class Timed(Generic[T]):
 class TargetAPI(Protocol):
     """What the scheduler needs from the target service."""
 
-    async def info(self) -> ModelInfo: ...
-    async def prefill(self, items: list[PrefillItem]) -> Timed[dict[str, ScoredChunk]]: ...
-    async def verify(self, items: list[VerifyItem]) -> Timed[dict[str, ScoredChunk]]: ...
-    async def release(self, slot_id: str) -> None: ...
+    async def info(self, timeout: float = INFO_TIMEOUT_S) -> ModelInfo: ...
+    async def serving(self, timeout: float) -> bool: ...
+    async def prefill(self, items: list[PrefillItem], timeout: float) -> Timed[dict[str, ScoredChunk]]: ...
+    async def verify(self, items: list[VerifyItem], timeout: float) -> Timed[dict[str, ScoredChunk]]: ...
+    async def release(self, slot_id: str, timeout: float) -> None: ...
     async def close(self) -> None: ...
 
 
 class DraftAPI(Protocol):
     """What the scheduler needs from the draft service."""
 
-    async def info(self) -> ModelInfo: ...
-    async def propose(self, items: list[ProposeItem]) -> Timed[dict[str, Proposal]]: ...
-    async def release(self, slot_id: str) -> None: ...
+    async def info(self, timeout: float = INFO_TIMEOUT_S) -> ModelInfo: ...
+    async def serving(self, timeout: float) -> bool: ...
+    async def propose(self, items: list[ProposeItem], timeout: float) -> Timed[dict[str, Proposal]]: ...
+    async def release(self, slot_id: str, timeout: float) -> None: ...
     async def close(self) -> None: ...
 
 
@@ -55,54 +59,64 @@ def _channel(address: str, max_message_bytes: int) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=message_size_options(max_message_bytes))
 
 
-class TargetClient:
-    def __init__(self, address: str, max_message_bytes: int) -> None:
+Stub = TypeVar("Stub", target_pb2_grpc.TargetServiceStub, draft_pb2_grpc.DraftServiceStub)
+
+
+class _ServiceClient(Generic[Stub]):
+    """Info, health and Release: what both clients share."""
+
+    def __init__(self, address: str, max_message_bytes: int, stub_cls: Callable[[grpc.aio.Channel], Stub]) -> None:
         self.channel = _channel(address, max_message_bytes)
-        self.stub = target_pb2_grpc.TargetServiceStub(self.channel)
+        self.stub: Stub = stub_cls(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
 
-    async def info(self) -> ModelInfo:
-        return ModelInfo.from_pb(await self.stub.Info(common_pb2.InfoRequest(), wait_for_ready=True, timeout=INFO_TIMEOUT_S))
+    async def info(self, timeout: float = INFO_TIMEOUT_S) -> ModelInfo:
+        """Waits for the service to come up (start-up) within `timeout`."""
+        return ModelInfo.from_pb(await self.stub.Info(common_pb2.InfoRequest(), wait_for_ready=True, timeout=timeout))
 
-    async def prefill(self, items: list[PrefillItem]) -> Timed[dict[str, ScoredChunk]]:
-        """Last-position logits [vocab] per slot."""
-        started = time.perf_counter()
-        response = await self.stub.Prefill(target_pb2.PrefillRequest(items=[item.to_pb() for item in items]))
-        results = {r.slot_id: ScoredChunk.from_pb(r) for r in response.results}
-        return Timed(results, response.compute_s, time.perf_counter() - started)
+    async def serving(self, timeout: float) -> bool:
+        """The standard health check; False when it says otherwise or does not answer in time."""
+        try:
+            reply = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
-    async def verify(self, items: list[VerifyItem]) -> Timed[dict[str, ScoredChunk]]:
-        """Logits [K+1, vocab] per slot."""
-        started = time.perf_counter()
-        response = await self.stub.Verify(target_pb2.VerifyRequest(items=[item.to_pb() for item in items]))
-        results = {r.slot_id: ScoredChunk.from_pb(r) for r in response.results}
-        return Timed(results, response.compute_s, time.perf_counter() - started)
-
-    async def release(self, slot_id: str) -> None:
-        await self.stub.Release(common_pb2.ReleaseRequest(slot_id=slot_id))
+    async def release(self, slot_id: str, timeout: float) -> None:
+        await self.stub.Release(common_pb2.ReleaseRequest(slot_id=slot_id), timeout=timeout)
 
     async def close(self) -> None:
         await self.channel.close()
 
 
-class DraftClient:
+class TargetClient(_ServiceClient[target_pb2_grpc.TargetServiceStub]):
+    def __init__(self, address: str, max_message_bytes: int) -> None:
+        super().__init__(address, max_message_bytes, target_pb2_grpc.TargetServiceStub)
+
+    async def prefill(self, items: list[PrefillItem], timeout: float) -> Timed[dict[str, ScoredChunk]]:
+        """Last-position logits [vocab] per slot."""
+        started = time.perf_counter()
+        response = await self.stub.Prefill(target_pb2.PrefillRequest(items=[item.to_pb() for item in items]), timeout=timeout)
+        results = {r.slot_id: ScoredChunk.from_pb(r) for r in response.results}
+        return Timed(results, response.compute_s, time.perf_counter() - started)
+
+    async def verify(self, items: list[VerifyItem], timeout: float) -> Timed[dict[str, ScoredChunk]]:
+        """Logits [K+1, vocab] per slot."""
+        started = time.perf_counter()
+        response = await self.stub.Verify(target_pb2.VerifyRequest(items=[item.to_pb() for item in items]), timeout=timeout)
+        results = {r.slot_id: ScoredChunk.from_pb(r) for r in response.results}
+        return Timed(results, response.compute_s, time.perf_counter() - started)
+
+
+class DraftClient(_ServiceClient[draft_pb2_grpc.DraftServiceStub]):
     def __init__(self, address: str, max_message_bytes: int, probs_dtype: common_pb2.DType) -> None:
-        self.channel = _channel(address, max_message_bytes)
-        self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
+        super().__init__(address, max_message_bytes, draft_pb2_grpc.DraftServiceStub)
         self.probs_dtype = probs_dtype
 
-    async def info(self) -> ModelInfo:
-        return ModelInfo.from_pb(await self.stub.Info(common_pb2.InfoRequest(), wait_for_ready=True, timeout=INFO_TIMEOUT_S))
-
-    async def propose(self, items: list[ProposeItem]) -> Timed[dict[str, Proposal]]:
+    async def propose(self, items: list[ProposeItem], timeout: float) -> Timed[dict[str, Proposal]]:
         """The K drafted tokens per slot, with q in the wire dtype exactly as the draft sent it."""
         started = time.perf_counter()
         request = draft_pb2.ProposeRequest(items=[item.to_pb() for item in items], probs_dtype=self.probs_dtype)
-        response = await self.stub.Propose(request)
+        response = await self.stub.Propose(request, timeout=timeout)
         results = {r.slot_id: Proposal.from_pb(r) for r in response.results}
         return Timed(results, response.compute_s, time.perf_counter() - started)
-
-    async def release(self, slot_id: str) -> None:
-        await self.stub.Release(common_pb2.ReleaseRequest(slot_id=slot_id))
-
-    async def close(self) -> None:
-        await self.channel.close()

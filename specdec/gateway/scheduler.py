@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from specdec.errors import CapacityExhaustedError, SpecdecError
+from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.k_planner import KPlanner
 from specdec.gateway.model_clients import DraftAPI, TargetAPI
 from specdec.gateway.sequence import FinishReason, Sequence
@@ -29,6 +30,8 @@ from specdec.serving.worker import ModelWorker
 from specdec.wire.items import PrefillItem
 
 log = logging.getLogger(__name__)
+#: How often a degraded draft's health is checked.
+DRAFT_RECHECK_S = 1.0
 #: Codes of a call that did not reach the service's own logic (their details name addresses).
 _TRANSPORT_FAILURES = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
@@ -64,6 +67,7 @@ class Scheduler:
         max_queue: int,
         planner: KPlanner,
         stats: GatewayStats,
+        deadlines: Deadlines,
     ) -> None:
         self.target = target
         self.draft = draft
@@ -73,6 +77,11 @@ class Scheduler:
         self.max_queue = max_queue
         self.planner = planner
         self.stats = stats
+        self.deadlines = deadlines
+        #: A Propose failed or missed its deadline: rounds decode plainly until the draft's
+        #: health check answers SERVING again (checked by `_watch_draft`).
+        self.draft_degraded = False
+        self._draft_watch: asyncio.Task[None] | None = None
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         #: Admitted request -> KV blocks reserved for it in each pool (by pool name).
@@ -89,6 +98,8 @@ class Scheduler:
         self._task = asyncio.create_task(self._loop(), name="specdec-scheduler")
 
     async def stop(self) -> None:
+        if self._draft_watch is not None:
+            self._draft_watch.cancel()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -116,8 +127,15 @@ class Scheduler:
         self._wakeup.set()
 
     def cancel(self, seq: Sequence) -> None:
-        """Called from the RPC handler when the client goes away; acted on between rounds."""
+        """Called from the RPC handler when the client goes away (cancelled, or its deadline
+        passed). A waiting request leaves the queue at once; a running one is retired
+        between rounds, which frees its slots in both services."""
         seq.cancelled = True
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            self.stats.waiting = len(self.waiting)
+            seq.finish(FinishReason.CANCELLED)
+            self._record_finished(seq)
         self._wakeup.set()
 
     # -- loop --------------------------------------------------------------------------
@@ -143,19 +161,23 @@ class Scheduler:
 
     async def _round(self) -> None:
         batch = list(self.running)
-        caps = {s.slot_id: plan_k(s, self.max_seq_len) if self.draft is not None else 0 for s in batch}
+        speculate = self.draft is not None and not self.draft_degraded
+        caps = {s.slot_id: plan_k(s, self.max_seq_len) if speculate else 0 for s in batch}
         ks = self.planner.plan(batch, caps, {s.slot_id: s.adaptive for s in batch})
-        if self.planner.last_off_reason is not None:
+        if self.draft_degraded and any(plan_k(s, self.max_seq_len) for s in batch):
+            self.stats.off_rounds["draft_unavailable"] += 1
+        elif self.planner.last_off_reason is not None:
             self.stats.off_rounds[self.planner.last_off_reason] += 1
         before = {s.slot_id: (s.completion_tokens, s.last_token_at) for s in batch}
         try:
-            report = await run_round(self.target, self.draft, batch, ks, self.sampler, self.max_seq_len)
+            report = await run_round(self.target, self.draft, batch, ks, self.sampler, self.max_seq_len, self.deadlines)
         except Exception as error:  # noqa: BLE001 - a failed round fails its requests, not the gateway
             await self._fail(batch, error)
             return
         if report.draft_failed:
             self.stats.draft_failures += 1
             self.stats.off_rounds["draft_unavailable"] += 1
+            self._degrade_draft()
         self.planner.observe(batch, report)
         phases = report.phases()
         self.stats.record_phases(phases, report)
@@ -188,7 +210,8 @@ class Scheduler:
         if not admitted:
             return
         try:
-            prefilled = await self.target.prefill([PrefillItem(s.slot_id, s.prompt) for s in admitted])
+            timeout = self.deadlines.prefill(len(admitted), max(len(s.prompt) for s in admitted))
+            prefilled = await self.target.prefill([PrefillItem(s.slot_id, s.prompt) for s in admitted], timeout)
             self.stats.rpc_latency["Prefill"].observe(prefilled.wall_s)
             logits = {slot: chunk.logits for slot, chunk in prefilled.value.items()}
         except Exception as error:  # noqa: BLE001
@@ -206,6 +229,24 @@ class Scheduler:
             if seq.done:
                 await self._retire(seq, seq.finish_reason)  # type: ignore[arg-type]
         self.stats.running = len(self.running)
+
+    # -- draft health ------------------------------------------------------------------
+
+    def _degrade_draft(self) -> None:
+        """Stop speculating until the draft's health check passes again."""
+        self.draft_degraded = True
+        self.stats.speculation_enabled = 0
+        if self._draft_watch is None or self._draft_watch.done():
+            self._draft_watch = asyncio.create_task(self._watch_draft(), name="specdec-draft-watch")
+
+    async def _watch_draft(self) -> None:
+        assert self.draft is not None
+        while not await self.draft.serving(self.deadlines.control()):
+            await asyncio.sleep(DRAFT_RECHECK_S)
+        log.info("the draft answers its health check again: speculation resumes")
+        self.draft_degraded = False
+        self.stats.speculation_enabled = 1
+        self._wakeup.set()
 
     # -- bookkeeping -------------------------------------------------------------------
 
@@ -251,9 +292,9 @@ class Scheduler:
 
     async def _release(self, seq: Sequence) -> None:
         """Free the request's slots in both services; a slot already gone is fine."""
-        calls = [self.target.release(seq.slot_id)]
+        calls = [self.target.release(seq.slot_id, self.deadlines.control())]
         if self.draft is not None and seq.has_draft_slot:
-            calls.append(self.draft.release(seq.slot_id))
+            calls.append(self.draft.release(seq.slot_id, self.deadlines.control()))
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, grpc.aio.AioRpcError) and result.code() == grpc.StatusCode.NOT_FOUND:
                 continue

@@ -8,18 +8,21 @@ or when the configured K exceeds what the services accept.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2
 
+from specdec.cost_model import CostTable
 from specdec.errors import InvalidArgumentError, SpecdecError
 from specdec.gateway.config import GatewayConfig
+from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.k_planner import KPlanner
 from specdec.gateway.metrics import gateway_endpoint
 from specdec.gateway.model_clients import DraftAPI, DraftClient, TargetAPI, TargetClient
+from specdec.gateway.monitor import ServiceMonitor
 from specdec.gateway.requests import RequestPolicy, completion_to_pb, new_sequence
 from specdec.gateway.scheduler import PoolLimits, Scheduler
 from specdec.gateway.sequence import Delta, FinishReason
@@ -46,6 +49,7 @@ class GatewayState:
     policy: RequestPolicy
     scheduler: Scheduler
     stats: GatewayStats
+    monitor: ServiceMonitor
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -58,17 +62,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     @grpc_errors
     async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.GatewayInfo:
-        s = self.state
+        s = self.state  # answered from the monitor's latest Info: never waits on a service
         info = gateway_pb2.GatewayInfo(
-            target=(await s.target.info()).to_pb(),
+            target=s.monitor.latest["target"].to_pb(),
+            target_available=s.monitor.available["target"],
             speculative_enabled=s.config.speculative,
             default_num_speculative_tokens=s.config.num_speculative_tokens,
             max_speculative_tokens=s.policy.max_speculative_tokens,
             max_new_tokens_default=s.config.max_new_tokens_default,
             adaptive_k=s.config.adaptive_k and s.scheduler.planner.can_adapt,
         )
-        if s.draft is not None:
-            info.draft.CopyFrom((await s.draft.info()).to_pb())
+        if "draft" in s.monitor.latest:
+            info.draft.CopyFrom(s.monitor.latest["draft"].to_pb())
+            info.draft_available = s.monitor.available["draft"] and not s.scheduler.draft_degraded
         return info
 
     @grpc_stream_errors
@@ -122,7 +128,15 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
     scheduler = Scheduler(
         target, draft, pools, max_seq_len=max_seq_len, max_batch_size=config.max_batch_size,
         max_queue=config.max_queue, planner=planner, stats=stats,
+        deadlines=Deadlines(
+            config.rpc_timeout_floor_s, config.rpc_timeout_factor,
+            CostTable(target_info.forward_costs) if target_info.forward_costs else None,
+            CostTable(draft_info.forward_costs) if draft_info is not None and draft_info.forward_costs else None,
+        ),
     )
+    services: dict[str, TargetAPI | DraftAPI] = {"target": target, **({"draft": draft} if draft is not None else {})}
+    infos = {"target": target_info, **({"draft": draft_info} if draft_info is not None else {})}
+    monitor = ServiceMonitor(services, infos, stats)
     policy = RequestPolicy(
         tokenizer=tokenizer, vocab_size=target_info.tokenizer.vocab_size,
         eos_token_ids=frozenset(target_info.tokenizer.eos_token_ids), max_seq_len=max_seq_len,
@@ -130,16 +144,13 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
         num_speculative_tokens=config.num_speculative_tokens, adaptive_k=config.adaptive_k,
         max_new_tokens_default=config.max_new_tokens_default,
     )
-    state = GatewayState(config, target, draft, policy, scheduler, stats)
+    state = GatewayState(config, target, draft, policy, scheduler, stats, monitor)
     servicer = GatewayServicer(state)
     scheduler.start()
     endpoint = gateway_endpoint(stats, target_info.model_name, config.metrics_prefix)
-    poller = asyncio.create_task(_poll_kv_usage(stats, {"target": target, "draft": draft}), name="specdec-kv-poller")
 
     async def close() -> None:
-        poller.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await poller
+        await monitor.stop()
         await scheduler.stop()
         await asyncio.to_thread(servicer.tokenizer_thread.shutdown)
         await target.close()
@@ -156,25 +167,14 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
     except BaseException:  # e.g. the port is taken: stop what was started
         await close()
         raise
+
+    async def report_target(available: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if available else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await running.health.set(name, status)
+
+    monitor.on_target = report_target
+    monitor.start()
     if config.metrics_port >= 0:
         running.metrics_port = endpoint.serve(config.metrics_port, config.host)
     return running
-
-
-#: How often the gateway reads the services' KV usage for its metrics.
-KV_POLL_INTERVAL_S = 2.0
-
-
-async def _poll_kv_usage(stats: GatewayStats, services: dict[str, TargetAPI | DraftAPI | None]) -> None:
-    """Keep `stats.kv_usage` at what the services report, not at the gateway's own view."""
-    while True:
-        for name, service in services.items():
-            if service is None:
-                continue
-            try:
-                info = await asyncio.wait_for(service.info(), KV_POLL_INTERVAL_S)
-            except (asyncio.TimeoutError, grpc.aio.AioRpcError):
-                continue  # a service that does not answer keeps its last value
-            if info.total_kv_tokens > 0:
-                stats.kv_usage[name] = 1.0 - info.free_kv_tokens / info.total_kv_tokens
-        await asyncio.sleep(KV_POLL_INTERVAL_S)

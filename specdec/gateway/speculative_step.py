@@ -17,6 +17,7 @@ import grpc
 import torch
 
 from specdec.errors import ServiceStateError
+from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.model_clients import DraftAPI, TargetAPI, Timed
 from specdec.gateway.sequence import Sequence
 from specdec.sampling.rejection_sampler import RejectionResult, greedy_accept, rejection_sample, sampled_distribution
@@ -39,7 +40,9 @@ def plan_k(seq: Sequence, max_seq_len: int) -> int:
     return max(0, min(seq.num_speculative_tokens, room))
 
 
-async def propose(draft: DraftAPI | None, seqs: list[Sequence], ks: dict[str, int]) -> Timed[dict[str, Proposal]]:
+async def propose(
+    draft: DraftAPI | None, seqs: list[Sequence], ks: dict[str, int], deadlines: Deadlines
+) -> Timed[dict[str, Proposal]]:
     """One batched Propose for every sequence with K >= 1."""
     speculating = [s for s in seqs if ks[s.slot_id] > 0]
     if not speculating:
@@ -50,7 +53,10 @@ async def propose(draft: DraftAPI | None, seqs: list[Sequence], ks: dict[str, in
         seq.has_draft_slot = True  # from now on the draft may hold a slot: release it at the end
     items = [ProposeItem(s.slot_id, s.draft_valid, s.tokens[s.draft_valid :], ks[s.slot_id], s.draft_sampling)
              for s in speculating]
-    proposed = await draft.propose(items)
+    timeout = deadlines.propose(
+        len(items), max(len(i.new_tokens) for i in items), max(i.num_speculative_tokens for i in items)
+    )
+    proposed = await draft.propose(items, timeout)
     for item in items:
         # The draft caches the valid prefix, the new tokens and all but the last drafted token.
         _check_cached("draft", item.slot_id, proposed.value[item.slot_id].cached_len,
@@ -59,7 +65,7 @@ async def propose(draft: DraftAPI | None, seqs: list[Sequence], ks: dict[str, in
 
 
 async def verify(
-    target: TargetAPI, seqs: list[Sequence], proposals: dict[str, Proposal]
+    target: TargetAPI, seqs: list[Sequence], proposals: dict[str, Proposal], deadlines: Deadlines
 ) -> Timed[dict[str, torch.Tensor]]:
     """One batched Verify: [pending tokens, t1..tK] after each sequence's valid prefix.
     Returns the logits [K+1, vocab] per slot."""
@@ -67,7 +73,7 @@ async def verify(
         VerifyItem(s.slot_id, s.target_valid, s.tokens[s.target_valid :] + (proposals[s.slot_id].tokens if s.slot_id in proposals else []))
         for s in seqs
     ]
-    verified = await target.verify(items)
+    verified = await target.verify(items, deadlines.verify(len(items), max(len(i.tokens) for i in items)))
     for item in items:
         _check_cached("target", item.slot_id, verified.value[item.slot_id].cached_len, item.valid_len + len(item.tokens))
     return Timed({slot: chunk.logits for slot, chunk in verified.value.items()}, verified.compute_s, verified.wall_s)
@@ -203,13 +209,13 @@ class RoundReport:
 
 async def run_round(
     target: TargetAPI, draft: DraftAPI | None, seqs: list[Sequence], ks: dict[str, int], sampler: ModelWorker,
-    max_seq_len: int,
+    max_seq_len: int, deadlines: Deadlines,
 ) -> RoundReport:
     """Propose, verify, accept and advance every sequence by one round with the planned `ks`."""
     started = time.perf_counter()
     draft_error = None
     try:
-        proposed = await propose(draft, seqs, ks)
+        proposed = await propose(draft, seqs, ks, deadlines)
     except (grpc.aio.AioRpcError, ServiceStateError) as error:
         # The draft only ever speeds things up: without it the round is plain decoding
         # (K = 0), with the very same output. The next Propose resends each whole
@@ -221,7 +227,7 @@ async def run_round(
         for seq in seqs:
             seq.draft_valid = 0
     proposals = proposed.value
-    verified = await verify(target, seqs, proposals)
+    verified = await verify(target, seqs, proposals, deadlines)
     accept_started = time.perf_counter()
     results = await sampler.run(accept_all, seqs, verified.value, proposals)
     accept_s = time.perf_counter() - accept_started

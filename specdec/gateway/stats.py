@@ -54,6 +54,8 @@ class GatewayStats:
     accepted_tokens: int = 0
     emitted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    #: 0 while the draft is degraded (a failed or late Propose, until its health check passes).
+    speculation_enabled: int = 1
     current_k: float = 0.0
     draft_overhead: float = 0.0
     off_rounds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OFF_REASONS, 0))

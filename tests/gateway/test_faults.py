@@ -7,11 +7,22 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.client import build_request
 from specdec.v1 import gateway_pb2
 
 STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
+
+
+def _info(stack) -> gateway_pb2.GatewayInfo:  # type: ignore[no-untyped-def]
+    with stack.client() as client:
+        return client.info()
+
+
+def _gateway_health(stack) -> int:  # type: ignore[no-untyped-def]
+    with grpc.insecure_channel(stack.address) as channel:
+        return int(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status)
 
 
 def _eventually(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
@@ -60,3 +71,35 @@ def test_losing_the_target_fails_the_stream_and_frees_the_draft_slot(start_stack
     assert "UNAVAILABLE" in completion.error_message  # the final message comes before the status
     assert "127.0.0.1" not in completion.error_message and "127.0.0.1" not in error.value.details()  # no internal address
     assert _eventually(lambda: not stack.draft.tokens), "the failed request's draft slot was not released"
+    # Health tells the truth, and Info answers at once from what the gateway last saw.
+    assert _eventually(lambda: _gateway_health(stack) == health_pb2.HealthCheckResponse.NOT_SERVING)
+    started = time.monotonic()
+    info = _info(stack)
+    assert time.monotonic() - started < 1.0 and not info.target_available
+
+
+def test_a_hung_draft_costs_one_deadline_and_the_output_stays_exact(start_stack, int8_runtime, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A Propose that hangs (the draft's model worker blocked, as under SIGSTOP) misses its
+    deadline: that round and the next run as plain decoding with the same tokens, and
+    speculation resumes once the draft answers its health check."""
+    stack = start_stack(int8_runtime, rpc_timeout_floor_s=2.0)
+    with stack.client() as client:
+        expected = client.generate(STORY, max_new_tokens=40, speculative=False).token_ids
+    propose, hangs = stack.draft.propose, [4.0]
+
+    def hanging_propose(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if hangs:
+            time.sleep(hangs.pop())  # on the draft's model worker: Propose, not the loop, hangs
+        return propose(*args, **kwargs)
+
+    monkeypatch.setattr(stack.draft, "propose", hanging_propose)
+    with stack.client() as client:
+        started = time.monotonic()
+        result = client.generate(STORY, max_new_tokens=40, num_speculative_tokens=4)
+        assert time.monotonic() - started < 30
+        info = client.info()
+    assert result.token_ids == expected
+    assert not hangs, "the hang never happened"
+    assert _eventually(lambda: _info(stack).draft_available), "speculation never resumed"
+    assert info.target_available
+    stack.wait_until_idle()

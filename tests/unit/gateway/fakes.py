@@ -16,6 +16,7 @@ import grpc
 import torch
 
 from specdec.cost_model import ForwardCost
+from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.k_planner import KPlanner
 from specdec.gateway.model_clients import Timed
 from specdec.gateway.requests import RequestPolicy
@@ -47,6 +48,14 @@ def logits_after(token: int) -> torch.Tensor:
     return row
 
 
+async def _answer_within(delay_s: float, timeout: float) -> None:
+    """Take `delay_s` like a real call (yielding to the event loop); past `timeout`, fail
+    as gRPC does with DEADLINE_EXCEEDED."""
+    await asyncio.sleep(min(delay_s, timeout))
+    if delay_s > timeout:
+        raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
@@ -69,11 +78,16 @@ class FakeTarget:
     verify_batches: list[list[VerifyItem]] = field(default_factory=list)
     #: Raise this from the next Verify.
     fail_verify: grpc.aio.AioRpcError | None = None
+    #: Seconds every Verify takes (a hung service when above the call's deadline).
+    verify_delay_s: float = 0.0
 
-    async def info(self) -> ModelInfo:
+    async def info(self, timeout: float = 120.0) -> ModelInfo:
         return model_info()
 
-    async def prefill(self, items: list[PrefillItem]) -> Timed[dict[str, ScoredChunk]]:
+    async def serving(self, timeout: float) -> bool:
+        return True
+
+    async def prefill(self, items: list[PrefillItem], timeout: float) -> Timed[dict[str, ScoredChunk]]:
         out = {}
         for item in items:
             assert item.slot_id not in self.slots
@@ -82,8 +96,8 @@ class FakeTarget:
             out[item.slot_id] = ScoredChunk(item.slot_id, logits_after(item.prompt_tokens[-1]), len(item.prompt_tokens))
         return Timed(out, 0.001, 0.002)
 
-    async def verify(self, items: list[VerifyItem]) -> Timed[dict[str, ScoredChunk]]:
-        await asyncio.sleep(0)  # a real call yields to the event loop
+    async def verify(self, items: list[VerifyItem], timeout: float) -> Timed[dict[str, ScoredChunk]]:
+        await _answer_within(self.verify_delay_s, timeout)
         if self.fail_verify is not None:
             raise self.fail_verify
         self.verify_batches.append(items)
@@ -97,7 +111,7 @@ class FakeTarget:
             out[item.slot_id] = ScoredChunk(item.slot_id, rows, len(cache))
         return Timed(out, 0.001, 0.002)
 
-    async def release(self, slot_id: str) -> None:
+    async def release(self, slot_id: str, timeout: float) -> None:
         if self.slots.pop(slot_id, None) is None:
             raise rpc_error(grpc.StatusCode.NOT_FOUND, f"slot {slot_id!r} not found")
         self.released.append(slot_id)
@@ -118,12 +132,21 @@ class FakeDraft:
     fail_next: grpc.aio.AioRpcError | None = None
     #: Report a cached length off by this much (a draft that lost track of a slot).
     cached_len_error: int = 0
+    #: Seconds every Propose takes (a hung draft when above the call's deadline), and what
+    #: its health check says.
+    propose_delay_s: float = 0.0
+    healthy: bool = True
+    health_checks: int = 0
 
-    async def info(self) -> ModelInfo:
+    async def info(self, timeout: float = 120.0) -> ModelInfo:
         return model_info()
 
-    async def propose(self, items: list[ProposeItem]) -> Timed[dict[str, Proposal]]:
-        await asyncio.sleep(0)
+    async def serving(self, timeout: float) -> bool:
+        self.health_checks += 1
+        return self.healthy
+
+    async def propose(self, items: list[ProposeItem], timeout: float) -> Timed[dict[str, Proposal]]:
+        await _answer_within(self.propose_delay_s, timeout)
         if self.fail_next is not None:
             error, self.fail_next = self.fail_next, None
             raise error
@@ -142,7 +165,7 @@ class FakeDraft:
             out[item.slot_id] = Proposal(item.slot_id, drafted, None, len(cache) + self.cached_len_error)
         return Timed(out, 0.0005, 0.001)
 
-    async def release(self, slot_id: str) -> None:
+    async def release(self, slot_id: str, timeout: float) -> None:
         self.slots.pop(slot_id, None)
         self.released.append(slot_id)
 
@@ -170,9 +193,9 @@ def policy(*, speculative: bool = True, k: int = 4, max_new_tokens: int = 16) ->
 
 
 def scheduler(target: FakeTarget, draft: FakeDraft | None, *, kv_tokens: int = 4096, max_batch_size: int = 8,
-              max_queue: int = 8) -> Scheduler:
+              max_queue: int = 8, deadline_s: float = 5.0) -> Scheduler:
     pools = [PoolLimits("target", kv_tokens, 16, 64)] + ([PoolLimits("draft", kv_tokens, 16, 64)] if draft else [])
     return Scheduler(
         target, draft, pools, max_seq_len=256, max_batch_size=max_batch_size, max_queue=max_queue,
-        planner=KPlanner([], []), stats=GatewayStats(8),
+        planner=KPlanner([], []), stats=GatewayStats(8), deadlines=Deadlines(floor_s=deadline_s, factor=1.0),
     )

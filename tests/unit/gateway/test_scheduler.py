@@ -227,6 +227,7 @@ def test_a_cancelled_waiting_request_never_reaches_the_services() -> None:
         sched.submit(running)
         sched.submit(waiting)
         sched.cancel(waiting)
+        assert list(sched.waiting) == [running], "a cancelled request left the queue at once"
         _, finished = await drain(waiting)
         assert finished.reason == FinishReason.CANCELLED
         await drain(running)
@@ -287,3 +288,44 @@ def test_plain_requests_never_call_the_draft() -> None:
         assert draft.calls == [] and all(len(i.tokens) == 1 for batch in target.verify_batches for i in batch)
 
     run(test, target, draft)
+
+
+def test_a_hung_draft_costs_one_deadline_then_rounds_run_plain_until_its_health_check_passes() -> None:
+    target, draft = FakeTarget(), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        seq = new_sequence(request(max_new_tokens=60), policy())
+        sched.submit(seq)
+        while len(draft.calls) < 2:
+            await asyncio.sleep(0.001)
+        draft.propose_delay_s, draft.healthy = 10.0, False  # hung, as under SIGSTOP
+        while not sched.draft_degraded:
+            await asyncio.sleep(0.001)
+        assert sched.stats.speculation_enabled == 0
+        calls_while_hung = len(draft.calls)
+        await asyncio.sleep(0.05)
+        assert len(draft.calls) == calls_while_hung, "a degraded draft was sent Propose"
+        assert draft.health_checks >= 1
+        draft.propose_delay_s, draft.healthy = 0.0, True
+        tokens, finished = await drain(seq)
+        assert tokens == greedy_reference(prompt_ids(), 60) and finished.reason == FinishReason.LENGTH
+        assert not sched.draft_degraded and sched.stats.speculation_enabled == 1
+
+    # Fast rounds: the health check runs once a second, so let the request outlive it.
+    target.verify_delay_s = 0.03
+    run(test, target, draft, deadline_s=0.05)
+    assert len(draft.calls) > 2, "speculation never resumed"
+
+
+def test_a_hung_target_ends_its_requests_with_deadline_exceeded_and_frees_them() -> None:
+    target, draft = FakeTarget(verify_delay_s=10.0), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        seq = new_sequence(request(max_new_tokens=20), policy())
+        sched.submit(seq)
+        _, finished = await drain(seq)
+        assert finished.reason == FinishReason.ERROR and seq.error_status == grpc.StatusCode.DEADLINE_EXCEEDED
+        await asyncio.sleep(0.01)
+        assert target.slots == {} and draft.released == [seq.slot_id] and sched._reservation == {}
+
+    run(test, target, draft, deadline_s=0.1)

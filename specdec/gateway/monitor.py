@@ -1,0 +1,85 @@
+"""The gateway's view of its model services, refreshed in the background.
+
+Every `interval_s` the monitor asks each service for its Info with a short deadline and
+keeps the latest answer: `Gateway.Info` answers from it within milliseconds whatever state
+the services are in, the KV-usage metrics come from the services' own counts, and the
+gateway's health check reports NOT_SERVING while the target does not answer (SERVING
+again once it does). A draft that does not answer only turns speculation off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+
+import grpc
+
+from specdec.gateway.model_clients import DraftAPI, TargetAPI
+from specdec.gateway.stats import GatewayStats
+from specdec.wire.items import ModelInfo
+
+log = logging.getLogger(__name__)
+
+
+class ServiceMonitor:
+    def __init__(
+        self,
+        services: Mapping[str, TargetAPI | DraftAPI],
+        initial: Mapping[str, ModelInfo],
+        stats: GatewayStats,
+        interval_s: float = 2.0,
+    ) -> None:
+        self.services = dict(services)
+        #: The latest Info of each service, and whether its last poll was answered in time.
+        self.latest: dict[str, ModelInfo] = dict(initial)
+        self.available: dict[str, bool] = dict.fromkeys(services, True)
+        self.stats = stats
+        self.interval_s = interval_s
+        #: Called with True / False when the target becomes reachable / unreachable.
+        self.on_target: Callable[[bool], Awaitable[None]] | None = None
+        self._task: asyncio.Task[None] | None = None
+        for name, info in initial.items():
+            self._record_kv(name, info)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="specdec-service-monitor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.gather(*(self.poll(name) for name in self.services))
+            await asyncio.sleep(self.interval_s)
+
+    async def poll(self, name: str) -> None:
+        try:
+            info = await self.services[name].info(timeout=self.interval_s)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError) as error:
+            await self._set_available(name, False, error)
+            return
+        self.latest[name] = info
+        self._record_kv(name, info)
+        await self._set_available(name, True)
+
+    def _record_kv(self, name: str, info: ModelInfo) -> None:
+        if info.total_kv_tokens > 0:
+            self.stats.kv_usage[name] = 1.0 - info.free_kv_tokens / info.total_kv_tokens
+
+    async def _set_available(self, name: str, available: bool, error: BaseException | None = None) -> None:
+        if self.available[name] == available:
+            return
+        self.available[name] = available
+        if available:
+            log.info("the %s service answers again", name)
+        else:
+            reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else "no answer in time"
+            log.warning("the %s service does not answer its Info (%s)", name, reason)
+        if name == "target" and self.on_target is not None:
+            await self.on_target(available)
