@@ -21,10 +21,11 @@ from specdec.target_server.server import SERVICE_NAME
 from specdec.v1 import common_pb2, target_pb2
 from specdec.wire.tensor_codec import decode_tensor
 
-ATOL = 1e-4
-#: fp32 sums in another order (oneDNN or BLAS, picked per shape by a start-up timing, and
-#: prompts past 16 rows always on BLAS) differ by a few ulps of the logit: ~1e-5 relative.
-RTOL = 1e-5
+#: Logit tolerance. Batched and single rows may run different fp32 kernels (oneDNN or BLAS,
+#: picked per shape by a start-up timing; inputs past 16 rows always on BLAS), which sum in
+#: another order: up to ~1.5e-4 apart on these logits (measured), far below any argmax gap
+#: the greedy parity tests depend on.
+ATOL = 2e-4
 TEXTS = [
     "The capital of France is",
     "def add(a, b):\n    return",
@@ -112,7 +113,7 @@ def test_prefill_batch_of_different_lengths_matches_in_process_forward(
     for i, prompt in enumerate(prompts):
         got = logits[f"p{i}"]
         assert got.dtype == torch.float32 and got.shape == (smollm2.model.config.vocab_size,)
-        torch.testing.assert_close(got, reference_logits(smollm2, prompt)[-1], atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(got, reference_logits(smollm2, prompt)[-1], atol=ATOL, rtol=0)
 
 
 def test_verify_logits_match_in_process_forward(
@@ -126,7 +127,7 @@ def test_verify_logits_match_in_process_forward(
         got = logits[f"p{i}"]
         assert got.dtype == torch.float32 and got.shape == (len(chunk), smollm2.model.config.vocab_size)
         expected = reference_logits(smollm2, prompt + chunk)[len(prompt) :]
-        torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
 def test_verify_after_rollback_equals_verify_without_rejected_tokens(
@@ -139,9 +140,9 @@ def test_verify_after_rollback_equals_verify_without_rejected_tokens(
     verify(target, [("rolled", n, [500, 501, 502, 503]), ("clean", n, [500])])
     # Round 2: only g=500 was kept; both continue from n + 1 with the same chunk.
     logits = verify(target, [("rolled", n + 1, [600, 601, 602]), ("clean", n + 1, [600, 601, 602])])
-    torch.testing.assert_close(logits["rolled"], logits["clean"], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(logits["rolled"], logits["clean"], atol=ATOL, rtol=0)
     expected = reference_logits(smollm2, prompt + [500, 600, 601, 602])[n + 1 :]
-    torch.testing.assert_close(logits["rolled"], expected, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(logits["rolled"], expected, atol=ATOL, rtol=0)
 
 
 def test_batch_at_different_lengths_equals_each_request_alone(
@@ -153,8 +154,8 @@ def test_batch_at_different_lengths_equals_each_request_alone(
     for i, (prompt, chunk) in enumerate(zip(prompts, chunks)):
         alone_prefill = prefill(target, {f"a{i}": prompt})[f"a{i}"]
         alone_verify = verify(target, [(f"a{i}", len(prompt), chunk)])[f"a{i}"]
-        torch.testing.assert_close(batched_prefill[f"b{i}"], alone_prefill, atol=ATOL, rtol=RTOL)
-        torch.testing.assert_close(batched_verify[f"b{i}"], alone_verify, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(batched_prefill[f"b{i}"], alone_prefill, atol=ATOL, rtol=0)
+        torch.testing.assert_close(batched_verify[f"b{i}"], alone_verify, atol=ATOL, rtol=0)
 
 
 def test_truncate_rpc_then_verify(target: Service, smollm2: LoadedModel, prompts: list[list[int]]) -> None:
@@ -164,7 +165,7 @@ def test_truncate_rpc_then_verify(target: Service, smollm2: LoadedModel, prompts
     assert truncate(target, "s", n) == n
     assert truncate(target, "s", n) == n  # truncating to the current length is a no-op
     logits = verify(target, [("s", n, [77, 78])])["s"]
-    torch.testing.assert_close(logits, reference_logits(smollm2, prompt + [77, 78])[n:], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(logits, reference_logits(smollm2, prompt + [77, 78])[n:], atol=ATOL, rtol=0)
 
 
 def test_release_returns_every_block(target: Service, prompts: list[list[int]]) -> None:
@@ -192,7 +193,7 @@ def test_many_slots_at_once(start_target: Callable[..., Service], smollm2: Loade
     for slot in ("m00", "m07", "m23"):  # spot-check against the reference
         prompt = slots[slot]
         expected = reference_logits(smollm2, prompt + [int(last[slot].argmax())])[len(prompt) :]
-        torch.testing.assert_close(decoded[slot], expected, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(decoded[slot], expected, atol=ATOL, rtol=0)
     for slot in slots:
         release(service, slot)
     info = service.info()
@@ -272,7 +273,7 @@ def test_existing_slot_on_prefill_is_already_exists_and_the_batch_changes_nothin
     assert rpc_error(target.stub.Release, common_pb2.ReleaseRequest(slot_id="fresh")).code() == grpc.StatusCode.NOT_FOUND
     n = len(prompts[0])
     logits = verify(target, [("a", n, [5])])["a"]  # "a" still holds its prompt
-    torch.testing.assert_close(logits, reference_logits(smollm2, prompts[0] + [5])[n:], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(logits, reference_logits(smollm2, prompts[0] + [5])[n:], atol=ATOL, rtol=0)
 
 
 def test_kv_pool_full_is_resource_exhausted_and_frees_nothing_of_others(
@@ -299,8 +300,8 @@ def test_kv_pool_full_is_resource_exhausted_and_frees_nothing_of_others(
     assert service.info().free_kv_tokens == 0
     # Neither slot lost anything: both still score their next token correctly.
     logits = verify(service, [("a", 30, [7]), ("b", 30, [8])])
-    torch.testing.assert_close(logits["a"], reference_logits(smollm2, a + [7])[30:], atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(logits["b"], reference_logits(smollm2, b + [8])[30:], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(logits["a"], reference_logits(smollm2, a + [7])[30:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits["b"], reference_logits(smollm2, b + [8])[30:], atol=ATOL, rtol=0)
 
 
 def test_slot_table_full_is_resource_exhausted(start_target: Callable[..., Service]) -> None:
@@ -374,7 +375,7 @@ def test_failed_verify_batch_changes_no_slot(target: Service, smollm2: LoadedMod
     assert target.info().free_kv_tokens == free_before
     logits = verify(target, [("good", n + 3, [43])])["good"]  # the 3 tokens are still cached
     expected = reference_logits(smollm2, prompt + [40, 41, 42, 43])[n + 3 :]
-    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
 
 
 def test_a_bug_is_internal_and_the_server_keeps_serving(target: Service, caplog: pytest.LogCaptureFixture) -> None:
