@@ -189,7 +189,7 @@ def render_page(results: BenchResults, summary: Summary, plots: dict[str, Path],
         "",
         "## Acceptance by draft position",
         "",
-        f"From the gateway's `specdec_num_accepted_tokens_per_pos_total` and `specdec_num_drafts_total`, read around "
+        f"From the gateway's `specdec_spec_decode_num_accepted_tokens_per_pos_total` and `specdec_spec_decode_num_drafts_total`, read around "
         f"each fixed-K request. α = {_f(summary.alpha, 3)} ({summary.alpha_source}).",
         "",
         *_table(["position j", "P(accept j given 1..j−1 accepted)", "P(position j accepted)"],
