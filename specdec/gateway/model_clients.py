@@ -96,7 +96,10 @@ class TargetClient(_ServiceClient[target_pb2_grpc.TargetServiceStub]):
     async def prefill(self, items: list[PrefillItem], timeout: float) -> Timed[dict[str, ScoredChunk]]:
         """Last-position logits [vocab] per slot."""
         started = time.perf_counter()
-        response = await self.stub.Prefill(target_pb2.PrefillRequest(items=[item.to_pb() for item in items]), timeout=timeout)
+        # wait_for_ready: right after a target restart the channel is in reconnect backoff;
+        # a new request waits for it (within its deadline) instead of failing at once.
+        request = target_pb2.PrefillRequest(items=[item.to_pb() for item in items])
+        response = await self.stub.Prefill(request, timeout=timeout, wait_for_ready=True)
         results = {r.slot_id: ScoredChunk.from_pb(r) for r in response.results}
         return Timed(results, response.compute_s, time.perf_counter() - started)
 

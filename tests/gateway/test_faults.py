@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -10,6 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.client import build_request
+from specdec.target_server.server import create_server as create_target_server
 from specdec.v1 import gateway_pb2
 
 STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
@@ -102,4 +104,20 @@ def test_a_hung_draft_costs_one_deadline_and_the_output_stays_exact(start_stack,
     assert not hangs, "the hang never happened"
     assert _eventually(lambda: _info(stack).draft_available), "speculation never resumed"
     assert info.target_available
+    stack.wait_until_idle()
+
+
+def test_a_request_right_after_the_target_restarts_waits_for_it_instead_of_failing(start_stack, service_loop) -> None:  # type: ignore[no-untyped-def]
+    """The gateway's connection to a restarted target is in reconnect backoff for a while:
+    a Prefill waits for it within its deadline instead of failing with UNAVAILABLE."""
+    stack = start_stack(None)
+    port = stack.servers[0].port
+    _kill(stack, 0, service_loop)
+    with stack.client(timeout=3) as client:
+        with pytest.raises(grpc.RpcError):  # the target is gone: the gateway's channel goes into backoff
+            client.generate(STORY, max_new_tokens=2)
+    restarted = service_loop.run(create_target_server(dataclasses.replace(stack.target.config, port=port), stack.target))
+    stack.servers.insert(0, restarted)
+    with stack.client() as client:
+        assert client.generate(STORY, max_new_tokens=4).completion_tokens == 4
     stack.wait_until_idle()
