@@ -17,6 +17,7 @@ import grpc
 
 from specdec.gateway.model_clients import DraftAPI, TargetAPI
 from specdec.gateway.stats import GatewayStats
+from specdec.serving.worker import cancel_and_wait
 from specdec.wire.items import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -46,12 +47,7 @@ class ServiceMonitor:
         self._task = asyncio.create_task(self._run(), name="specdec-service-monitor")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         while True:

@@ -26,7 +26,7 @@ from specdec.gateway.sequence import FinishReason, Sequence
 from specdec.gateway.speculative_step import first_tokens, plan_k, run_round
 from specdec.gateway.stats import GatewayStats
 from specdec.serving.errors import status_of
-from specdec.serving.worker import ModelWorker
+from specdec.serving.worker import ModelWorker, cancel_and_wait
 from specdec.wire.items import PrefillItem
 
 log = logging.getLogger(__name__)
@@ -98,14 +98,8 @@ class Scheduler:
         self._task = asyncio.create_task(self._loop(), name="specdec-scheduler")
 
     async def stop(self) -> None:
-        if self._draft_watch is not None:
-            self._draft_watch.cancel()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._draft_watch)
+        await cancel_and_wait(self._task)
         for seq in [*self.waiting, *self.running]:
             seq.error_status = grpc.StatusCode.UNAVAILABLE
             seq.finish(FinishReason.ERROR, "gateway shutting down")

@@ -35,7 +35,7 @@ class ServiceStats:
     methods: Sequence[str]
     work_methods: Sequence[str]  # those that run the model: Prefill / Verify, or Propose
     rpc_latency: dict[str, Distribution] = field(default_factory=dict)
-    errors: dict[tuple[str, str], int] = field(default_factory=dict)
+    errors: dict[tuple[str, ...], int] = field(default_factory=dict)  # (method, code) -> count
     compute: dict[str, Distribution] = field(default_factory=dict)
     batch_size: dict[str, Distribution] = field(default_factory=dict)
     tokens: dict[str, Distribution] = field(default_factory=dict)
@@ -67,8 +67,7 @@ def service_families(stats: ServiceStats, engine: ModelEngine, prefix: str) -> I
     f = Families(prefix, {"model_name": engine.runtime.loaded.name, "service": stats.service})
     yield f.histogram("service_rpc_latency_seconds", "Server-side rpc latency, queueing on the model worker included",
                       ["method"], {(m,): d for m, d in stats.rpc_latency.items()})
-    yield f.counter("service_rpc_errors", "Rpcs that ended with a non-OK status", ["method", "code"],
-                    {key: n for key, n in stats.errors.items()})
+    yield f.counter("service_rpc_errors", "Rpcs that ended with a non-OK status", ["method", "code"], stats.errors)
     yield f.histogram("service_compute_seconds", "Compute time on the model worker", ["method"],
                       {(m,): d for m, d in stats.compute.items()})
     yield f.histogram("service_forward_batch_size", "Requests per call", ["method"],
