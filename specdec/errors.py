@@ -45,3 +45,9 @@ class ServiceStateError(SpecdecError):
     """A model service's cache length is not what the gateway's bookkeeping expects."""
 
     status_code_name = "INTERNAL"
+
+
+class StaleLeaseError(SpecdecError):
+    """A lease names an older incarnation of a holder the service has seen restart since."""
+
+    status_code_name = "FAILED_PRECONDITION"

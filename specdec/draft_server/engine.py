@@ -16,7 +16,7 @@ from specdec.model.runtime import ModelRuntime
 from specdec.sampling.transforms import logits_to_probs, make_generator, sample
 from specdec.serving.config import ModelServiceConfig
 from specdec.serving.engine import ModelEngine
-from specdec.wire.items import Proposal, ProposeItem
+from specdec.wire.items import Lease, Proposal, ProposeItem
 
 
 class DraftEngine(ModelEngine):
@@ -31,10 +31,14 @@ class DraftEngine(ModelEngine):
         super().release(slot_id)
         self.generators.pop(slot_id, None)
 
-    def propose(self, items: list[ProposeItem], probs_dtype: torch.dtype = torch.float32) -> list[Proposal]:
-        """Roll back, feed new tokens (whole prompt for unseen slots), then draft k tokens each."""
+    def propose(
+        self, items: list[ProposeItem], probs_dtype: torch.dtype = torch.float32, lease: Lease | None = None
+    ) -> list[Proposal]:
+        """Roll back, feed new tokens (whole prompt for unseen slots, held under `lease`),
+        then draft k tokens each."""
         new_slots = self._validate(items)
-        self._allocate(new_slots)
+        self.leases.check(lease)
+        self._allocate(new_slots, lease)
         for item in items:
             if item.slot_id in new_slots:
                 self.generators[item.slot_id] = make_generator(item.sampling.seed, self.cache.device)

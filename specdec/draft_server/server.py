@@ -10,7 +10,7 @@ from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer
 from specdec.serving.model_service import SlotServicer, start_model_service
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from specdec.wire.items import ProposeItem
+from specdec.wire.items import Lease, ProposeItem
 from specdec.wire.tensor_codec import torch_dtype
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -27,7 +27,8 @@ class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
     ) -> draft_pb2.ProposeResponse:
         items = [ProposeItem.from_pb(item) for item in request.items]
         probs_dtype = torch_dtype(request.probs_dtype or common_pb2.DTYPE_FLOAT32)
-        proposals, compute_s = await self.worker.run_timed(self.engine.propose, items, probs_dtype)
+        lease = Lease.from_pb(request.lease)
+        proposals, compute_s = await self.worker.run_timed(self.engine.propose, items, probs_dtype, lease)
         fed_and_drafted = sum(len(i.new_tokens) + i.num_speculative_tokens for i in items)
         self.stats.record_work("Propose", compute_s, len(items), fed_and_drafted)
         return draft_pb2.ProposeResponse(results=[p.to_pb() for p in proposals], compute_s=compute_s)

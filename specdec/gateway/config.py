@@ -18,6 +18,9 @@ class GatewayConfig:
 
     target_address: str = option("", "target service address, host:port (required)", aliases=["--target"])
     draft_address: str = option("", "draft service address, host:port; empty runs without speculation", aliases=["--draft"])
+    #: Slot ids carry it, and the services hold this gateway's slots under a lease in its
+    #: name: a restart under the same name frees the slots the previous run left behind.
+    instance_id: str = option("", "stable name of this gateway instance, e.g. its pod name (empty = host:port, or a random name with port 0)")
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(50050, "gateway port (0 = any free port)")
     #: Requests may opt out (or in, when this is off).

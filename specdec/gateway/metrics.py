@@ -67,6 +67,8 @@ def gateway_families(stats: GatewayStats, prefix: str, model_name: str) -> Itera
     yield f.gauge("spec_decode_num_speculative_tokens", "Mean K of the last round's speculating requests", [], _one(s.current_k))
     yield f.counter("spec_decode_off_rounds", "Rounds in which a request that could speculate drafted nothing, by reason",
                     ["reason"], {(reason,): n for reason, n in s.off_rounds.items()})
+    yield f.counter("num_preemptions", "Requests preempted to make room in a KV pool (they resume later)", [],
+                    _one(s.preemptions))
     yield f.counter("spec_decode_draft_failures", "Rounds whose Propose failed and ran as plain decoding", [],
                     _one(s.draft_failures))
     yield f.gauge("spec_decode_draft_overhead_ratio", "Propose time / Verify time in the last round", [], _one(s.draft_overhead))

@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specdec.wire.items import ModelInfo, PrefillItem, Proposal, ProposeItem, ScoredChunk, VerifyItem
+from specdec.wire.items import Lease, ModelInfo, PrefillItem, Proposal, ProposeItem, ScoredChunk, VerifyItem
 from specdec.wire.limits import message_size_options
 
 T = TypeVar("T")
@@ -39,6 +39,7 @@ class TargetAPI(Protocol):
 
     async def info(self, timeout: float = INFO_TIMEOUT_S) -> ModelInfo: ...
     async def serving(self, timeout: float) -> bool: ...
+    async def renew_lease(self, timeout: float) -> int: ...
     async def prefill(self, items: list[PrefillItem], timeout: float) -> Timed[dict[str, ScoredChunk]]: ...
     async def verify(self, items: list[VerifyItem], timeout: float) -> Timed[dict[str, ScoredChunk]]: ...
     async def release(self, slot_id: str, timeout: float) -> None: ...
@@ -50,6 +51,7 @@ class DraftAPI(Protocol):
 
     async def info(self, timeout: float = INFO_TIMEOUT_S) -> ModelInfo: ...
     async def serving(self, timeout: float) -> bool: ...
+    async def renew_lease(self, timeout: float) -> int: ...
     async def propose(self, items: list[ProposeItem], timeout: float) -> Timed[dict[str, Proposal]]: ...
     async def release(self, slot_id: str, timeout: float) -> None: ...
     async def close(self) -> None: ...
@@ -63,9 +65,15 @@ Stub = TypeVar("Stub", target_pb2_grpc.TargetServiceStub, draft_pb2_grpc.DraftSe
 
 
 class _ServiceClient(Generic[Stub]):
-    """Info, health and Release: what both clients share."""
+    """Info, health, Release and the lease: what both clients share.
 
-    def __init__(self, address: str, max_message_bytes: int, stub_cls: Callable[[grpc.aio.Channel], Stub]) -> None:
+    Every slot this client creates is held under `lease`, which `renew_lease` keeps alive.
+    """
+
+    def __init__(
+        self, address: str, max_message_bytes: int, stub_cls: Callable[[grpc.aio.Channel], Stub], lease: Lease
+    ) -> None:
+        self.lease = lease
         self.channel = _channel(address, max_message_bytes)
         self.stub: Stub = stub_cls(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -82,6 +90,11 @@ class _ServiceClient(Generic[Stub]):
             return False
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
+    async def renew_lease(self, timeout: float) -> int:
+        """Keep this gateway's slots alive; returns how many slots of its previous incarnation were freed."""
+        request = common_pb2.RenewLeaseRequest(lease=self.lease.to_pb())
+        return int((await self.stub.RenewLease(request, timeout=timeout)).swept_slots)
+
     async def release(self, slot_id: str, timeout: float) -> None:
         await self.stub.Release(common_pb2.ReleaseRequest(slot_id=slot_id), timeout=timeout)
 
@@ -90,15 +103,15 @@ class _ServiceClient(Generic[Stub]):
 
 
 class TargetClient(_ServiceClient[target_pb2_grpc.TargetServiceStub]):
-    def __init__(self, address: str, max_message_bytes: int) -> None:
-        super().__init__(address, max_message_bytes, target_pb2_grpc.TargetServiceStub)
+    def __init__(self, address: str, max_message_bytes: int, lease: Lease) -> None:
+        super().__init__(address, max_message_bytes, target_pb2_grpc.TargetServiceStub, lease)
 
     async def prefill(self, items: list[PrefillItem], timeout: float) -> Timed[dict[str, ScoredChunk]]:
         """Last-position logits [vocab] per slot."""
         started = time.perf_counter()
         # wait_for_ready: right after a target restart the channel is in reconnect backoff;
         # a new request waits for it (within its deadline) instead of failing at once.
-        request = target_pb2.PrefillRequest(items=[item.to_pb() for item in items])
+        request = target_pb2.PrefillRequest(items=[item.to_pb() for item in items], lease=self.lease.to_pb())
         response = await self.stub.Prefill(request, timeout=timeout, wait_for_ready=True)
         results = {r.slot_id: ScoredChunk.from_pb(r) for r in response.results}
         return Timed(results, response.compute_s, time.perf_counter() - started)
@@ -112,14 +125,16 @@ class TargetClient(_ServiceClient[target_pb2_grpc.TargetServiceStub]):
 
 
 class DraftClient(_ServiceClient[draft_pb2_grpc.DraftServiceStub]):
-    def __init__(self, address: str, max_message_bytes: int, probs_dtype: common_pb2.DType) -> None:
-        super().__init__(address, max_message_bytes, draft_pb2_grpc.DraftServiceStub)
+    def __init__(self, address: str, max_message_bytes: int, probs_dtype: common_pb2.DType, lease: Lease) -> None:
+        super().__init__(address, max_message_bytes, draft_pb2_grpc.DraftServiceStub, lease)
         self.probs_dtype = probs_dtype
 
     async def propose(self, items: list[ProposeItem], timeout: float) -> Timed[dict[str, Proposal]]:
         """The K drafted tokens per slot, with q in the wire dtype exactly as the draft sent it."""
         started = time.perf_counter()
-        request = draft_pb2.ProposeRequest(items=[item.to_pb() for item in items], probs_dtype=self.probs_dtype)
+        request = draft_pb2.ProposeRequest(
+            items=[item.to_pb() for item in items], probs_dtype=self.probs_dtype, lease=self.lease.to_pb()
+        )
         response = await self.stub.Propose(request, timeout=timeout)
         results = {r.slot_id: Proposal.from_pb(r) for r in response.results}
         return Timed(results, response.compute_s, time.perf_counter() - started)

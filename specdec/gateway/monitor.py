@@ -1,7 +1,8 @@
 """The gateway's view of its model services, refreshed in the background.
 
-Every `interval_s` the monitor asks each service for its Info with a short deadline and
-keeps the latest answer: `Gateway.Info` answers from it within milliseconds whatever state
+Every `interval_s` the monitor renews the gateway's lease on each service (so the
+service keeps this gateway's slots; see `specdec.serving.leases`), asks it for its Info
+with a short deadline and keeps the latest answer: `Gateway.Info` answers from it within milliseconds whatever state
 the services are in, the KV-usage metrics come from the services' own counts, and the
 gateway's health check reports NOT_SERVING while the target does not answer (SERVING
 again once it does). A draft that does not answer only turns speculation off.
@@ -55,8 +56,10 @@ class ServiceMonitor:
             await asyncio.sleep(self.interval_s)
 
     async def poll(self, name: str) -> None:
+        service = self.services[name]
         try:
-            info = await self.services[name].info(timeout=self.interval_s)
+            await service.renew_lease(timeout=self.interval_s)
+            info = await service.info(timeout=self.interval_s)
         except (asyncio.TimeoutError, grpc.aio.AioRpcError) as error:
             await self._set_available(name, False, error)
             return

@@ -52,6 +52,9 @@ class RequestPolicy:
     num_speculative_tokens: int
     adaptive_k: bool
     max_new_tokens_default: int
+    #: Every slot id starts with it: this gateway's instance name and incarnation, so gateways
+    #: sharing a service never clash and an operator can tell whose slots a service holds.
+    slot_prefix: str = ""
 
 
 def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) -> Sequence:
@@ -84,10 +87,12 @@ def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) ->
             f"speculation.num_speculative_tokens: {k} is outside [1, {policy.max_speculative_tokens}]"
         )
     return Sequence(
-        slot_id=uuid.uuid4().hex,
+        slot_id=policy.slot_prefix + uuid.uuid4().hex,
         prompt=prompt,
         sampling=sampling,
-        max_new_tokens=request.max_new_tokens or policy.max_new_tokens_default,
+        # Capped at what the sequence limit leaves: a request for 10**9 tokens is a request
+        # for as many as fit, not a claim on 10**9 tokens of anything.
+        max_new_tokens=min(request.max_new_tokens or policy.max_new_tokens_default, policy.max_seq_len - len(prompt)),
         num_speculative_tokens=k if speculate else 0,
         adaptive=adaptive,
         detokenizer=StopStringDetokenizer(policy.tokenizer, list(request.stop), set(policy.eos_token_ids)),

@@ -3,9 +3,14 @@
 A single asyncio task owns every `Sequence`. Each iteration it (1) retires cancelled
 requests, (2) admits waiting requests while both services have slot and KV room for them
 (one batched Prefill, first token sampled here), and (3) runs one speculation round —
-ONE batched Propose and ONE batched Verify — for every running request. Admission
-reserves each request's worst-case KV footprint up front, so a running request never
-meets a full pool.
+ONE batched Propose and ONE batched Verify — for every running request.
+
+KV blocks are counted on demand, as vLLM does: a request is admitted when its prompt and
+one round fit, and it grows a round at a time. When a round would not fit a pool, the
+most recently admitted request is preempted — its slots are freed in both services and
+it goes back to the head of the queue with the tokens it has, to be prefilled again
+(prompt + generated so far) when room returns. A request asking for 10**9 tokens can
+therefore never hold blocks it has not used yet, and short requests keep flowing.
 """
 
 from __future__ import annotations
@@ -55,6 +60,12 @@ class PoolLimits:
         return -(-tokens // self.block_size)
 
 
+def kv_tokens_for_round(seq: Sequence, max_seq_len: int) -> int:
+    """Most KV tokens the request holds in either service after its next round: its
+    tokens, the K draft tokens verified after them, and the token that round emits."""
+    return min(len(seq.tokens) + seq.num_speculative_tokens + 1, max_seq_len)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -82,10 +93,12 @@ class Scheduler:
         #: health check answers SERVING again (checked by `_watch_draft`).
         self.draft_degraded = False
         self._draft_watch: asyncio.Task[None] | None = None
+        for pool in pools:  # one request alone always fits, so preemption always makes progress
+            if pool.blocks_for(max_seq_len) > pool.num_blocks:
+                raise ValueError(f"the {pool.name} pool ({pool.total_kv_tokens} tokens) cannot hold max_seq_len {max_seq_len}")
         self.waiting: collections.deque[Sequence] = collections.deque()
+        #: In admission order: the last one is the first to be preempted.
         self.running: list[Sequence] = []
-        #: Admitted request -> KV blocks reserved for it in each pool (by pool name).
-        self._reservation: dict[str, dict[str, int]] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         #: Sampling and acceptance are tensor work: off the event loop, on one thread (see
@@ -108,12 +121,6 @@ class Scheduler:
 
     def submit(self, seq: Sequence) -> None:
         """Queue a request (validated by the caller). RESOURCE_EXHAUSTED when the queue is full."""
-        needed = self._footprint(seq)
-        for pool in self.pools:
-            if pool.blocks_for(needed) > pool.num_blocks:
-                raise CapacityExhaustedError(
-                    f"request needs {needed} KV tokens, the {pool.name} pool holds {pool.total_kv_tokens}"
-                )
         if len(self.waiting) >= self.max_queue:
             raise CapacityExhaustedError(f"admission queue is full ({self.max_queue} waiting)")
         self.waiting.append(seq)
@@ -154,6 +161,7 @@ class Scheduler:
         await self._round()
 
     async def _round(self) -> None:
+        await self._make_room()
         batch = list(self.running)
         speculate = self.draft is not None and not self.draft_degraded
         caps = {s.slot_id: plan_k(s, self.max_seq_len) if speculate else 0 for s in batch}
@@ -196,30 +204,33 @@ class Scheduler:
                 seq.finish(FinishReason.CANCELLED)
                 self._record_finished(seq)
                 continue
-            if not self._reserve(seq):
+            if not self._fits([*self.running, *admitted, seq], headroom=len(self.running) + len(admitted)):
                 break  # FIFO: the head waits for room; later requests do not overtake it
             admitted.append(self.waiting.popleft())
-            seq.admitted_at = time.perf_counter()
+            if seq.admitted_at is None:
+                seq.admitted_at = time.perf_counter()
         self.stats.waiting = len(self.waiting)
         if not admitted:
             return
         try:
-            timeout = self.deadlines.prefill(len(admitted), max(len(s.prompt) for s in admitted))
-            prefilled = await self.target.prefill([PrefillItem(s.slot_id, s.prompt) for s in admitted], timeout)
+            # A preempted request resumes here: its prompt and generated tokens are prefilled again.
+            timeout = self.deadlines.prefill(len(admitted), max(len(s.tokens) for s in admitted))
+            prefilled = await self.target.prefill([PrefillItem(s.slot_id, s.tokens) for s in admitted], timeout)
             self.stats.rpc_latency["Prefill"].observe(prefilled.wall_s)
             logits = {slot: chunk.logits for slot, chunk in prefilled.value.items()}
         except Exception as error:  # noqa: BLE001
-            for seq in admitted:
-                self._unreserve(seq)
             await self._fail(admitted, error, release=False)
             return
         self.running.extend(admitted)  # they hold target slots now: a failure below releases them
         firsts = await self.sampler.run(first_tokens, admitted, logits)
         for seq in admitted:
-            self.stats.prompt_tokens += len(seq.prompt)
-            seq.target_valid = len(seq.prompt)
+            count, last_at = seq.completion_tokens, seq.last_token_at
+            if seq.preemptions == 0:
+                self.stats.prompt_tokens += len(seq.prompt)
+            seq.target_valid = len(seq.tokens)
             seq.emit([firsts[seq.slot_id]], self.max_seq_len)
-            self.stats.record_tokens(seq.completion_tokens, None)
+            gap = None if last_at is None or seq.last_token_at is None else seq.last_token_at - last_at
+            self.stats.record_tokens(seq.completion_tokens - count, gap)
             if seq.done:
                 await self._retire(seq, seq.finish_reason)  # type: ignore[arg-type]
         self.stats.running = len(self.running)
@@ -244,26 +255,31 @@ class Scheduler:
 
     # -- bookkeeping -------------------------------------------------------------------
 
-    def _footprint(self, seq: Sequence) -> int:
-        """Most KV tokens the request can occupy in either service."""
-        return min(len(seq.prompt) + seq.max_new_tokens + seq.num_speculative_tokens, self.max_seq_len)
+    def _fits(self, seqs: list[Sequence], headroom: int = 0) -> bool:
+        """Whether every pool holds the next round of all `seqs` (and `headroom` spare blocks:
+        at admission, one per running request, so that a newcomer is not preempted at once)."""
+        return all(
+            len(seqs) <= pool.max_slots
+            and sum(pool.blocks_for(kv_tokens_for_round(s, self.max_seq_len)) for s in seqs) + headroom <= pool.num_blocks
+            for pool in self.pools
+        )
 
-    def _reserve(self, seq: Sequence) -> bool:
-        needed = self._footprint(seq)
-        blocks = {pool.name: pool.blocks_for(needed) for pool in self.pools}
-        for pool in self.pools:
-            if self._reserved(pool) + blocks[pool.name] > pool.num_blocks:
-                return False
-            if len(self._reservation) + 1 > pool.max_slots:
-                return False
-        self._reservation[seq.slot_id] = blocks
-        return True
+    async def _make_room(self) -> None:
+        """Preempt the most recently admitted requests until the next round fits every pool."""
+        while len(self.running) > 1 and not self._fits(self.running):
+            await self._preempt(self.running[-1])
 
-    def _unreserve(self, seq: Sequence) -> None:
-        self._reservation.pop(seq.slot_id, None)
-
-    def _reserved(self, pool: PoolLimits) -> int:
-        return sum(blocks[pool.name] for blocks in self._reservation.values())
+    async def _preempt(self, seq: Sequence) -> None:
+        """Free the request's slots in both services and queue it first, to resume from its tokens."""
+        self.running.remove(seq)
+        self.planner.forget(seq)
+        await self._release(seq)
+        log.info("preempted %s at %d tokens to make room in the KV pools", seq.slot_id, len(seq.tokens))
+        seq.preempt()
+        self.stats.preemptions += 1
+        self.stats.running = len(self.running)
+        self.waiting.appendleft(seq)
+        self.stats.waiting = len(self.waiting)
 
     async def _retire_cancelled(self) -> None:
         for seq in [s for s in self.running if s.cancelled]:
@@ -278,7 +294,6 @@ class Scheduler:
         # message (and scrape) before these counters include it.
         self._record_finished(seq)
         await self._release(seq)
-        self._unreserve(seq)  # only once both services freed the slot
 
     def _record_finished(self, seq: Sequence) -> None:
         self.stats.running = len(self.running)

@@ -109,6 +109,8 @@ class Sequence:
     #: gRPC status the stream ends with after a FINISH_REASON_ERROR message.
     error_status: grpc.StatusCode = grpc.StatusCode.INTERNAL
     cancelled: bool = False
+    #: Times the scheduler freed this request's slots to make room (it resumes from `tokens`).
+    preemptions: int = 0
     created_at: float = field(default_factory=time.perf_counter)
     #: Left the admission queue: both services had room and the Prefill was sent.
     admitted_at: float | None = None
@@ -150,6 +152,14 @@ class Sequence:
             text += self.detokenizer.finish()
         if update.tokens or text:
             self.outbox.put_nowait(Delta(update.tokens, text))
+
+    def preempt(self) -> None:
+        """Forget both services' caches (their slots were freed): the next admission
+        prefills `tokens` under a fresh slot id, so a late Release of the old one is harmless."""
+        self.preemptions += 1
+        self.slot_id = f"{self.slot_id.partition('#')[0]}#{self.preemptions}"
+        self.target_valid = self.draft_valid = 0
+        self.has_draft_slot = False
 
     def finish(self, reason: FinishReason, error: str = "") -> None:
         """End the stream (idempotent for the reason already set)."""

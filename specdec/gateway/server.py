@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -21,7 +24,7 @@ from specdec.gateway.config import GatewayConfig
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.k_planner import KPlanner
 from specdec.gateway.metrics import gateway_endpoint
-from specdec.gateway.model_clients import DraftAPI, DraftClient, TargetAPI, TargetClient
+from specdec.gateway.model_clients import INFO_TIMEOUT_S, DraftAPI, DraftClient, TargetAPI, TargetClient
 from specdec.gateway.monitor import ServiceMonitor
 from specdec.gateway.requests import RequestPolicy, completion_to_pb, new_sequence
 from specdec.gateway.scheduler import PoolLimits, Scheduler
@@ -33,7 +36,7 @@ from specdec.serving.errors import grpc_errors, grpc_stream_errors
 from specdec.serving.grpc_server import RunningServer, start_server
 from specdec.serving.worker import ModelWorker
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from specdec.wire.items import ModelInfo
+from specdec.wire.items import Lease, ModelInfo
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
@@ -98,13 +101,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 self.state.scheduler.cancel(seq)
 
 
+def new_lease(config: GatewayConfig) -> Lease:
+    """This start of this gateway: its stable instance name and a fresh, time-ordered incarnation."""
+    holder = config.instance_id or (
+        f"{socket.gethostname()}:{config.port}" if config.port else f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+    )
+    return Lease(holder, f"{time.time_ns():x}-{uuid.uuid4().hex[:6]}")
+
+
 async def create_gateway(config: GatewayConfig) -> RunningServer:
     """Connect to the model services, check them, start the scheduler and the server."""
-    target = TargetClient(config.target_address, config.max_message_bytes)
+    lease = new_lease(config)
+    target = TargetClient(config.target_address, config.max_message_bytes, lease)
     probs_dtype = common_pb2.DTYPE_BFLOAT16 if config.draft_probs_dtype == "bfloat16" else common_pb2.DTYPE_FLOAT32
-    draft = DraftClient(config.draft_address, config.max_message_bytes, probs_dtype) if config.draft_address else None
+    draft = (
+        DraftClient(config.draft_address, config.max_message_bytes, probs_dtype, lease) if config.draft_address else None
+    )
     target_info: ModelInfo = await target.info()
     draft_info = await draft.info() if draft is not None else None
+    for name, service in (("target", target), ("draft", draft)):
+        if service is not None and (swept := await service.renew_lease(timeout=INFO_TIMEOUT_S)):
+            log.warning("the %s freed %d slot(s) of this gateway's previous run (%s)", name, swept, lease.holder)
     tokenizer = load_tokenizer(target_info.model_id)
     if tokenizer_fingerprint(tokenizer) != target_info.tokenizer.fingerprint:
         raise SpecdecError(f"the gateway's tokenizer for {target_info.model_id!r} differs from the target's")
@@ -142,7 +159,7 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
         eos_token_ids=frozenset(target_info.tokenizer.eos_token_ids), max_seq_len=max_seq_len,
         max_speculative_tokens=max_speculative_tokens, has_draft=draft is not None, speculative=config.speculative,
         num_speculative_tokens=config.num_speculative_tokens, adaptive_k=config.adaptive_k,
-        max_new_tokens_default=config.max_new_tokens_default,
+        max_new_tokens_default=config.max_new_tokens_default, slot_prefix=f"{lease.holder}/{lease.incarnation}/",
     )
     state = GatewayState(config, target, draft, policy, scheduler, stats, monitor)
     servicer = GatewayServicer(state)

@@ -60,6 +60,8 @@ class GatewayStats:
     draft_overhead: float = 0.0
     off_rounds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OFF_REASONS, 0))
     draft_failures: int = 0
+    #: Requests whose slots were freed to make room in a KV pool (they resume later).
+    preemptions: int = 0
     round_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ROUND_PHASES, 0.0))
     rpc_latency: dict[str, Distribution] = field(default_factory=lambda: {m: _latency() for m in RPC_METHODS})
     batch_size: Distribution = field(default_factory=lambda: Distribution(BATCH_BUCKETS))

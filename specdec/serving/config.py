@@ -38,6 +38,9 @@ class ModelServiceConfig:
     cpu_cores: str = option("", "pin the service to these CPU cores, e.g. 0 or 0-1 (empty = no pinning)")
     metrics_port: int = option(-1, "Prometheus /metrics port (-1 = off, 0 = any free port)")
     metrics_prefix: str = option(DEFAULT_PREFIX, "prefix of every metric name")
+    #: A gateway renews its lease every few seconds; one that stops (killed, partitioned)
+    #: loses its slots this long after its last renewal.
+    lease_ttl_s: float = option(30.0, "seconds after a gateway's last lease renewal at which its slots are freed")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -57,6 +60,8 @@ class ModelServiceConfig:
         check_metrics_prefix(self.metrics_prefix)
         if not -1 <= self.metrics_port <= 65535:
             raise InvalidArgumentError(f"metrics_port must be in -1..65535, got {self.metrics_port}")
+        if not self.lease_ttl_s > 0:
+            raise InvalidArgumentError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
         if self.max_seq_len < 0:
             raise InvalidArgumentError(f"max_seq_len must be >= 0, got {self.max_seq_len}")
 

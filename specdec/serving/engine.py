@@ -20,7 +20,8 @@ from specdec.model.cost_profile import measure_forward_costs
 from specdec.model.runtime import ModelRuntime
 from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.serving.config import ModelServiceConfig
-from specdec.wire.items import ModelInfo
+from specdec.serving.leases import LeaseTable
+from specdec.wire.items import Lease, ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ class ModelEngine:
         self.max_seq_len = min(limits)
         #: Token ids held in each slot's cache, in order (the draft's repetition-penalty context).
         self.tokens: dict[str, list[int]] = {}
+        #: Which gateway holds which slot; a silent gateway's slots expire (see `leases`).
+        self.leases = LeaseTable(config.lease_ttl_s)
         #: Forward costs measured on this machine at start-up (empty when disabled).
         self.forward_costs: tuple[ForwardCost, ...] = ()
         if config.measure_costs:
@@ -84,6 +87,23 @@ class ModelEngine:
         self._require_slot(slot_id)
         self.cache.blocks.free(slot_id)
         del self.tokens[slot_id]
+        self.leases.forget(slot_id)
+
+    def renew_lease(self, lease: Lease) -> int:
+        """Keep the holder's slots alive; frees (and counts) those of its older incarnations."""
+        stale = self.leases.renew(lease)
+        self._free_quietly(stale)
+        if stale:
+            log.warning("%s restarted: freed %d slot(s) of its previous incarnation", lease.holder, len(stale))
+        return len(stale)
+
+    def expire_leases(self) -> int:
+        """Free the slots of every holder whose lease ran out; returns how many."""
+        expired = self.leases.expired()
+        self._free_quietly(expired)
+        if expired:
+            log.warning("freed %d slot(s) of gateway(s) that stopped renewing their lease", len(expired))
+        return len(expired)
 
     # -- validation (no side effects) -------------------------------------------------
 
@@ -131,7 +151,9 @@ class ModelEngine:
 
     # -- mutation -----------------------------------------------------------------------
 
-    def _allocate(self, slot_ids: Sequence[str]) -> None:
+    def _allocate(self, slot_ids: Sequence[str], lease: Lease | None) -> None:
+        """New slots for `lease` (checked beforehand with `leases.check`); the lease is renewed."""
+        self._free_quietly(self.leases.claim(slot_ids, lease))  # a restarted holder's old slots
         for slot_id in slot_ids:
             self.cache.blocks.allocate(slot_id)
             self.tokens[slot_id] = []

@@ -79,6 +79,11 @@ def service_families(stats: ServiceStats, engine: ModelEngine, prefix: str) -> I
                   {("free",): blocks.num_free_blocks, ("used",): blocks.num_blocks - blocks.num_free_blocks})
     yield f.gauge("service_kv_blocks_total", "KV-cache capacity in blocks", [], {(): blocks.num_blocks})
     yield f.gauge("service_active_slots", "Slots (requests) held", [], {(): len(engine.tokens)})
+    leases = engine.leases
+    yield f.gauge("service_lease_holders", "Gateways whose lease is current", [], {(): leases.num_holders})
+    yield f.counter("service_lease_freed_slots", "Slots freed without a Release: the holder's lease expired, "
+                    "or it restarted (swept)", ["reason"],
+                    {("expired",): leases.expired_slots_total, ("swept",): leases.swept_slots_total})
 
 
 def service_endpoint(stats: ServiceStats, engine: ModelEngine, prefix: str) -> MetricsEndpoint:

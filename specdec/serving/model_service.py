@@ -1,4 +1,5 @@
-"""What the target and draft servicers share: Info / Truncate / Release, and start-up.
+"""What the target and draft servicers share: Info / Truncate / Release / RenewLease, start-up,
+and the expiry of slots whose gateway stopped renewing its lease.
 
 Both services hold slots in a `ModelEngine`, so these rpcs are the same on both; each
 service adds its own work rpcs (Prefill / Verify, or Propose) on top.
@@ -7,6 +8,7 @@ service adds its own work rpcs (Prefill / Verify, or Propose) on top.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -14,14 +16,18 @@ from typing import TypeVar
 import grpc
 import torch
 
+from specdec.errors import InvalidArgumentError
 from specdec.model.runtime import ModelRuntime, build_runtime
 from specdec.serving.config import ModelServiceConfig, parse_cores
 from specdec.serving.engine import ModelEngine
 from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer, start_server
 from specdec.serving.metrics import ServiceStats, service_endpoint
-from specdec.serving.worker import ModelWorker
+from specdec.serving.worker import ModelWorker, cancel_and_wait
 from specdec.v1 import common_pb2
+from specdec.wire.items import Lease
+
+log = logging.getLogger(__name__)
 
 E = TypeVar("E", bound=ModelEngine)
 C = TypeVar("C", bound=ModelServiceConfig)
@@ -57,6 +63,27 @@ class SlotServicer:
         await self.worker.run(self.engine.release, request.slot_id)
         return common_pb2.ReleaseResponse()
 
+    @grpc_errors
+    async def RenewLease(
+        self, request: common_pb2.RenewLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.RenewLeaseResponse:
+        lease = Lease.from_pb(request.lease)
+        if lease is None or not lease.holder or not lease.incarnation:
+            raise InvalidArgumentError("lease: holder and incarnation must both be set")
+        swept = await self.worker.run(self.engine.renew_lease, lease)
+        return common_pb2.RenewLeaseResponse(ttl_s=self.engine.leases.ttl_s, swept_slots=swept)
+
+
+async def expire_leases_forever(engine: ModelEngine, worker: ModelWorker) -> None:
+    """Free the slots of silent gateways, checking a few times per TTL (at least every second)."""
+    interval = min(1.0, engine.leases.ttl_s / 4)
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await worker.run(engine.expire_leases)
+        except Exception:  # noqa: BLE001 - a bug here must not end expiry for good
+            log.exception("lease expiry failed")
+
 
 def build_engine(engine_cls: Callable[[ModelRuntime, C], E], config: C) -> E:
     """Apply the thread and core settings, load the configured model and wrap an engine
@@ -91,22 +118,28 @@ async def start_model_service(
     if engine is None:
         engine = await worker.run(build_engine, engine_cls, config)
     label = service_name.rsplit(".", 1)[-1].removesuffix("Service").lower()  # "target" / "draft"
-    stats = ServiceStats(label, ["Info", "Truncate", "Release", *work_methods], work_methods)
+    stats = ServiceStats(label, ["Info", "Truncate", "Release", "RenewLease", *work_methods], work_methods)
     endpoint = service_endpoint(stats, engine, config.metrics_prefix)
     servicer = make_servicer(engine, worker, stats)
+    expiry = asyncio.create_task(expire_leases_forever(engine, worker), name="specdec-lease-expiry")
 
     async def stop() -> None:
+        await cancel_and_wait(expiry)
         endpoint.close()
         await asyncio.to_thread(worker.shutdown)  # waits for the running batch off the loop
 
-    running = await start_server(
-        lambda server: add_servicer(servicer, server),
-        [service_name],
-        host=config.host,
-        port=config.port,
-        max_message_bytes=config.max_message_bytes,
-        on_stop=stop,
-    )
+    try:
+        running = await start_server(
+            lambda server: add_servicer(servicer, server),
+            [service_name],
+            host=config.host,
+            port=config.port,
+            max_message_bytes=config.max_message_bytes,
+            on_stop=stop,
+        )
+    except BaseException:  # e.g. the port is taken
+        await stop()
+        raise
     if config.metrics_port >= 0:
         running.metrics_port = endpoint.serve(config.metrics_port, config.host)
     return running

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from specdec.errors import InvalidArgumentError, SlotExistsError
 from specdec.serving.engine import ModelEngine
-from specdec.wire.items import PrefillItem, ScoredChunk, VerifyItem
+from specdec.wire.items import Lease, PrefillItem, ScoredChunk, VerifyItem
 
 
 class TargetEngine(ModelEngine):
     """The verifier: scores prompts and draft chunks, K+1 positions per request in one pass."""
 
-    def prefill(self, items: list[PrefillItem]) -> list[ScoredChunk]:
-        """Allocate a slot per prompt and return the logits at each prompt's last position."""
+    def prefill(self, items: list[PrefillItem], lease: Lease | None = None) -> list[ScoredChunk]:
+        """Allocate a slot per prompt (held under `lease`) and return the logits at each
+        prompt's last position."""
         self._check_batch([item.slot_id for item in items])
+        self.leases.check(lease)
         for item in items:
             if item.slot_id in self.tokens:
                 raise SlotExistsError(f"slot_id: slot {item.slot_id!r} already exists")
@@ -22,7 +24,7 @@ class TargetEngine(ModelEngine):
             self._check_length(item.slot_id, len(item.prompt_tokens), "prompt_tokens")
         self._check_new_slots(len(items))
         slot_ids = [item.slot_id for item in items]
-        self._allocate(slot_ids)
+        self._allocate(slot_ids, lease)
         try:
             logits = self._run([(item.slot_id, list(item.prompt_tokens)) for item in items], logits="last")
         except BaseException:

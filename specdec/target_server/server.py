@@ -10,7 +10,7 @@ from specdec.serving.model_service import SlotServicer, start_model_service
 from specdec.target_server.config import TargetConfig
 from specdec.target_server.engine import TargetEngine
 from specdec.v1 import target_pb2, target_pb2_grpc
-from specdec.wire.items import PrefillItem, VerifyItem
+from specdec.wire.items import Lease, PrefillItem, VerifyItem
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
@@ -25,7 +25,7 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
         self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.PrefillResponse:
         items = [PrefillItem.from_pb(item) for item in request.items]
-        results, compute_s = await self.worker.run_timed(self.engine.prefill, items)
+        results, compute_s = await self.worker.run_timed(self.engine.prefill, items, Lease.from_pb(request.lease))
         self.stats.record_work("Prefill", compute_s, len(items), sum(len(i.prompt_tokens) for i in items))
         return target_pb2.PrefillResponse(results=[r.to_pb(target_pb2.PrefillResult) for r in results], compute_s=compute_s)
 

@@ -48,6 +48,25 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
 
 
 @dataclass(frozen=True)
+class Lease:
+    """The gateway instance (and its incarnation) that owns the slots a call creates."""
+
+    holder: str
+    #: A later start of the same holder has a greater incarnation (compared as strings).
+    incarnation: str
+
+    def to_pb(self) -> common_pb2.Lease:
+        return common_pb2.Lease(holder=self.holder, incarnation=self.incarnation)
+
+    @classmethod
+    def from_pb(cls, message: common_pb2.Lease) -> Lease | None:
+        """None for an unset lease (raw clients, tests): such slots never expire."""
+        if not message.holder and not message.incarnation:
+            return None
+        return cls(message.holder, message.incarnation)
+
+
+@dataclass(frozen=True)
 class PrefillItem:
     """Target Prefill: allocate `slot_id` and run its prompt."""
 

@@ -206,10 +206,10 @@ def test_health_check_answers_while_prefill_runs_on_the_worker(target: Service, 
     started, finish = threading.Event(), threading.Event()
     real_prefill = engine.prefill
 
-    def slow_prefill(items):  # type: ignore[no-untyped-def]
+    def slow_prefill(items, lease=None):  # type: ignore[no-untyped-def]
         started.set()
         finish.wait(timeout=30)
-        return real_prefill(items)
+        return real_prefill(items, lease)
 
     engine.prefill = slow_prefill  # type: ignore[method-assign]
     request = target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(slot_id="long", prompt_tokens=prompts[2])])

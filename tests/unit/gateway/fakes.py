@@ -76,6 +76,8 @@ class FakeTarget:
     #: ("prefill" | "release", slot id) in the order they happened.
     events: list[tuple[str, str]] = field(default_factory=list)
     verify_batches: list[list[VerifyItem]] = field(default_factory=list)
+    #: The tokens each Prefill sent, by slot id.
+    prefilled: dict[str, list[int]] = field(default_factory=dict)
     #: Raise this from the next Verify.
     fail_verify: grpc.aio.AioRpcError | None = None
     #: Seconds every Verify takes (a hung service when above the call's deadline).
@@ -87,11 +89,15 @@ class FakeTarget:
     async def serving(self, timeout: float) -> bool:
         return True
 
+    async def renew_lease(self, timeout: float) -> int:
+        return 0
+
     async def prefill(self, items: list[PrefillItem], timeout: float) -> Timed[dict[str, ScoredChunk]]:
         out = {}
         for item in items:
             assert item.slot_id not in self.slots
             self.events.append(("prefill", item.slot_id))
+            self.prefilled[item.slot_id] = list(item.prompt_tokens)
             self.slots[item.slot_id] = list(item.prompt_tokens)
             out[item.slot_id] = ScoredChunk(item.slot_id, logits_after(item.prompt_tokens[-1]), len(item.prompt_tokens))
         return Timed(out, 0.001, 0.002)
@@ -145,6 +151,9 @@ class FakeDraft:
         self.health_checks += 1
         return self.healthy
 
+    async def renew_lease(self, timeout: float) -> int:
+        return 0
+
     async def propose(self, items: list[ProposeItem], timeout: float) -> Timed[dict[str, Proposal]]:
         await _answer_within(self.propose_delay_s, timeout)
         if self.fail_next is not None:
@@ -183,12 +192,12 @@ class ToyTokenizer:
         return "".join(chr(ord("a") + t) for t in tokens if not (skip_special_tokens and t == EOS))
 
 
-def policy(*, speculative: bool = True, k: int = 4, max_new_tokens: int = 16) -> RequestPolicy:
+def policy(*, speculative: bool = True, k: int = 4, max_new_tokens: int = 16, slot_prefix: str = "") -> RequestPolicy:
     return RequestPolicy(
         tokenizer=ToyTokenizer(),  # type: ignore[arg-type]
         vocab_size=VOCAB, eos_token_ids=frozenset({EOS}), max_seq_len=256, max_speculative_tokens=8,
         has_draft=speculative, speculative=speculative, num_speculative_tokens=k, adaptive_k=False,
-        max_new_tokens_default=max_new_tokens,
+        max_new_tokens_default=max_new_tokens, slot_prefix=slot_prefix,
     )
 
 
@@ -196,6 +205,6 @@ def scheduler(target: FakeTarget, draft: FakeDraft | None, *, kv_tokens: int = 4
               max_queue: int = 8, deadline_s: float = 5.0) -> Scheduler:
     pools = [PoolLimits("target", kv_tokens, 16, 64)] + ([PoolLimits("draft", kv_tokens, 16, 64)] if draft else [])
     return Scheduler(
-        target, draft, pools, max_seq_len=256, max_batch_size=max_batch_size, max_queue=max_queue,
+        target, draft, pools, max_seq_len=min(256, kv_tokens), max_batch_size=max_batch_size, max_queue=max_queue,
         planner=KPlanner([], []), stats=GatewayStats(8), deadlines=Deadlines(floor_s=deadline_s, factor=1.0),
     )

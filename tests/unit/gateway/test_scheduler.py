@@ -1,5 +1,5 @@
 """The gateway's scheduler and speculation round against fake model services: admission
-and KV reservation, cache-length bookkeeping, emit and stop rules, cancellation, and the
+and on-demand KV with preemption, cache-length bookkeeping, emit and stop rules, cancellation, and the
 fallback to plain decoding when the draft fails. Real-stack tests live in tests/gateway."""
 
 from __future__ import annotations
@@ -165,31 +165,61 @@ def test_stop_string_ends_the_stream_before_it() -> None:
     run(test, target, draft)
 
 
-def test_admission_reserves_kv_and_a_waiting_request_runs_when_room_frees() -> None:
-    """A pool with room for one request's worst case: the second waits, then completes."""
+def test_a_full_pool_preempts_the_newest_request_which_resumes_with_the_same_output() -> None:
+    """Two requests of 5 + 20 tokens in a pool of 3 blocks of 16 tokens: both are admitted (KV
+    is taken on demand), the newer is preempted when the next round no longer fits, and resumes
+    from its tokens once the first has finished; both outputs stay exact."""
     target, draft = FakeTarget(), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
         first, second = (new_sequence(request(max_new_tokens=20), policy()) for _ in range(2))
+        second_id = second.slot_id
         sched.submit(first)
         sched.submit(second)
         (tokens_1, _), (tokens_2, _) = await drain(first), await drain(second)
         assert tokens_1 == tokens_2 == greedy_reference(prompt_ids(), 20)
         await asyncio.sleep(0.01)
-        # The second was prefilled only once the first had released its slots.
-        assert target.events == [("prefill", first.slot_id), ("release", first.slot_id),
-                                 ("prefill", second.slot_id), ("release", second.slot_id)]
-        assert sched._reservation == {}
+        assert second.preemptions >= 1 and first.preemptions == 0
+        assert sched.stats.preemptions == second.preemptions
+        prefills = [slot for event, slot in target.events if event == "prefill"]
+        assert prefills[:2] == [first.slot_id, second_id]  # both admitted at once
+        assert second.slot_id == f"{second_id}#{second.preemptions}"  # resumed under a fresh id
+        # The resumed Prefill carried the prompt and every token generated before the preemption.
+        resumed = target.prefilled[second.slot_id]
+        assert len(resumed) > len(prompt_ids()) and resumed == prompt_ids() + tokens_2[: len(resumed) - len(prompt_ids())]
+        assert target.slots == {} and draft.slots == {} and sched.running == []
 
-    run(test, target, draft, kv_tokens=32)  # footprint 5 + 20 + 4 = 29 tokens: 2 blocks of 16
+    run(test, target, draft, kv_tokens=48)
 
 
-def test_a_request_larger_than_the_pool_and_a_full_queue_are_refused() -> None:
+def test_huge_requests_cannot_starve_short_ones() -> None:
+    """Two requests asking for 10**9 tokens, then short ones: the short ones are admitted next
+    to the huge ones and finish while those still run (no worst-case reservation)."""
     target, draft = FakeTarget(), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
-        with pytest.raises(CapacityExhaustedError, match="needs 37 KV tokens"):
-            sched.submit(new_sequence(request(max_new_tokens=28), policy()))
+        huge = [new_sequence(request(max_new_tokens=10**9), policy()) for _ in range(2)]
+        for seq in huge:
+            sched.submit(seq)
+        short = [new_sequence(request(max_new_tokens=8), policy()) for _ in range(6)]
+        for seq in short:
+            sched.submit(seq)
+            tokens, finished = await drain(seq)
+            assert tokens == greedy_reference(prompt_ids(), 8) and finished.reason == FinishReason.LENGTH
+        assert not any(seq.done for seq in huge), "the short requests finished while the huge ones ran"
+        for seq in huge:
+            tokens, finished = await drain(seq, timeout=30)
+            assert finished.reason == FinishReason.LENGTH and len(tokens) == 256 - len(PROMPT)
+        await asyncio.sleep(0.01)
+        assert target.slots == {} and draft.slots == {}
+
+    run(test, target, draft, kv_tokens=512)  # the two huge requests alone can fill it
+
+
+def test_a_full_queue_is_refused() -> None:
+    target, draft = FakeTarget(), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
         blockers = [new_sequence(request(max_new_tokens=20), policy()) for _ in range(2)]
         for seq in blockers:  # submitted without yielding to the scheduler: both wait
             sched.submit(seq)
@@ -214,7 +244,7 @@ def test_cancelling_a_running_request_frees_its_slots_in_both_services() -> None
         assert finished.reason == FinishReason.CANCELLED
         await asyncio.sleep(0.01)
         assert target.released == [seq.slot_id] and draft.released == [seq.slot_id]
-        assert sched._reservation == {} and sched.running == []
+        assert sched.running == []
 
     run(test, target, draft)
 
@@ -272,7 +302,7 @@ def test_a_failing_target_ends_the_requests_with_its_status_and_releases_them() 
         assert finished.reason == FinishReason.ERROR and seq.error_status == grpc.StatusCode.UNAVAILABLE
         assert "UNAVAILABLE" in finished.error and "target down" not in finished.error  # details stay in the log
         await asyncio.sleep(0.01)
-        assert draft.released == [seq.slot_id] and sched._reservation == {}
+        assert draft.released == [seq.slot_id]
 
     run(test, target, draft)
 
@@ -326,6 +356,6 @@ def test_a_hung_target_ends_its_requests_with_deadline_exceeded_and_frees_them()
         _, finished = await drain(seq)
         assert finished.reason == FinishReason.ERROR and seq.error_status == grpc.StatusCode.DEADLINE_EXCEEDED
         await asyncio.sleep(0.01)
-        assert target.slots == {} and draft.released == [seq.slot_id] and sched._reservation == {}
+        assert target.slots == {} and draft.released == [seq.slot_id]
 
     run(test, target, draft, deadline_s=0.1)

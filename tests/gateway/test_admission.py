@@ -1,0 +1,47 @@
+"""Admission under pressure on the real stack: requests asking for 10**9 tokens hold only the
+KV they use, so short requests keep flowing beside them, and nothing leaks.
+
+The pools hold 128 tokens (8 blocks), so two long counting generations can fill them:
+before on-demand allocation the first one reserved the whole pool up front, and every
+request behind it waited for both to finish.
+"""
+
+from __future__ import annotations
+
+import threading
+
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy keeps counting: no early EOS
+SHORT = ["The capital of France is", "Water boils at", "The opposite of hot is"]
+SMALL_POOL = dict(kv_token_budget=128)
+
+
+def test_huge_requests_do_not_starve_short_ones_and_nothing_leaks(start_stack, int8_runtime) -> None:  # type: ignore[no-untyped-def]
+    stack = start_stack(int8_runtime, target=SMALL_POOL, draft=SMALL_POOL, num_speculative_tokens=2)
+    with stack.client() as client:
+        references = {prompt: client.generate(prompt, max_new_tokens=8, speculative=False).token_ids for prompt in SHORT}
+        huge_done = [threading.Event() for _ in range(2)]
+        huge_results: list[object] = [None, None]
+
+        def run_huge(i: int) -> None:
+            try:
+                huge_results[i] = client.generate(COUNTING, max_new_tokens=10**9)
+            finally:
+                huge_done[i].set()
+
+        threads = [threading.Thread(target=run_huge, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        while len(stack.target.tokens) < 2:  # both huge requests hold slots before the short ones arrive
+            threading.Event().wait(0.01)
+        for prompt in SHORT:
+            result = client.generate(prompt, max_new_tokens=8)
+            assert result.token_ids == references[prompt]
+            assert not all(done.is_set() for done in huge_done), "a short request waited for the huge ones"
+        for thread in threads:
+            thread.join(timeout=120)
+    for result in huge_results:
+        assert result is not None and result.finish_reason == "length"  # type: ignore[attr-defined]
+        assert result.prompt_tokens + result.completion_tokens == 128  # type: ignore[attr-defined]
+    stack.wait_until_idle()
+    for engine in stack.engines():
+        assert engine.cache.blocks.free_tokens == engine.cache.capacity_tokens
