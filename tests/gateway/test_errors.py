@@ -81,8 +81,8 @@ def _outcome(call) -> str:  # type: ignore[no-untyped-def]
 
 
 def test_requests_beyond_kv_capacity_wait_and_then_complete(start_stack, int8_runtime) -> None:  # type: ignore[no-untyped-def]
-    """Admission reserves each request's worst-case KV footprint: with room for one request
-    at a time, the second waits in the queue instead of failing mid-generation."""
+    """With room for one whole request at a time, both start, the newer one is preempted when
+    the pools run out and resumes later: both complete, with the same greedy output."""
     stack = start_stack(int8_runtime, target=dict(kv_token_budget=192), draft=dict(kv_token_budget=192))
     with stack.client() as client, ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda _: client.generate(STORY, max_new_tokens=100, num_speculative_tokens=4), range(2)))
