@@ -3,7 +3,7 @@
 Each weight is stored as ``w[o, i] ≈ scale[o, g] * q[o, i] + zero[o, g]``, where ``g = i // group_size``
 and ``q`` is an unsigned 4-bit code in 0..15. This is the form of llama.cpp's Q4_1 blocks, and Q4_0 is
 the special case ``zero = -8 * scale``. So a GGUF checkpoint's own blocks load without re-quantizing
-(`gguf_int4_weights`). The embedded target was itself dequantized from those blocks, so a draft built
+(`specdec.model.gguf_q4`). The embedded target was itself dequantized from those blocks, so a draft built
 from them computes with the target's own weights, up to float rounding.
 
 There are two matmul kernels. `choose_int4_kernel` picks one per (device, dtype) with a short
@@ -27,19 +27,18 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specdec.errors import InvalidArgumentError
+from specdec.model.gguf_q4 import gguf_int4_weights
+from specdec.model.int4_weight import Int4Weight
 from specdec.model.quantize import mark_quantized
 
 log = logging.getLogger(__name__)
@@ -48,97 +47,6 @@ KERNELS = ("int4pack", "dequant")
 INT4PACK_GROUP_SIZES = frozenset({32, 64, 128, 256})
 #: `_weight_int4pack_mm_for_cpu` computes ``(q - 8) * scale + offset``; our codes are unsigned.
 INT4PACK_Q_OFFSET = 8
-
-
-@dataclass(frozen=True)
-class Int4Weight:
-    """One linear layer's weight as ``scale[o, g] * q[o, i] + zero[o, g]``, with ``g = i // group_size``.
-
-    ``q`` keeps one 4-bit code per uint8 element (unpacked). This makes slicing, permuting rows and
-    concatenating trivial. Modules pack the codes for their kernel.
-    """
-
-    q: torch.Tensor  # [out, in] uint8 in 0..15
-    scales: torch.Tensor  # [out, in // group_size] fp32
-    zeros: torch.Tensor  # [out, in // group_size] fp32
-    group_size: int
-
-    def __post_init__(self) -> None:
-        if self.q.dtype != torch.uint8 or self.q.dim() != 2:
-            raise ValueError(f"q must be a 2-D uint8 tensor, got {self.q.dtype} {tuple(self.q.shape)}")
-        out, in_features = self.q.shape
-        if self.group_size <= 0 or in_features % self.group_size:
-            raise ValueError(f"group_size {self.group_size} must be positive and divide in_features {in_features}")
-        groups = (out, in_features // self.group_size)
-        for name in ("scales", "zeros"):
-            t = getattr(self, name)
-            if t.dtype != torch.float32 or tuple(t.shape) != groups:
-                raise ValueError(f"{name} must be float32 of shape {list(groups)}, got {t.dtype} {list(t.shape)}")
-        if self.q.numel() and int(self.q.max()) > 15:
-            raise ValueError("q holds values above 15: not 4-bit codes")
-
-    @property
-    def out_features(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.q.shape[1]
-
-    @classmethod
-    def from_float(cls, w: torch.Tensor, group_size: int = 32) -> Int4Weight:
-        """Asymmetric min/max quantization per group: ``scale = (max - min) / 15``, ``zero = min``.
-
-        Round-to-nearest keeps every weight within half a step (``scale / 2``) of its original.
-        A constant group has ``scale = 0``: all its codes are 0, and ``zero`` holds the value exactly.
-        """
-        if w.dim() != 2 or not w.is_floating_point():
-            raise ValueError(f"w must be a 2-D float tensor, got {w.dtype} {tuple(w.shape)}")
-        out, in_features = w.shape
-        if group_size <= 0 or in_features % group_size:
-            raise ValueError(f"group_size {group_size} must be positive and divide in_features {in_features}")
-        grouped = w.detach().float().reshape(out, -1, group_size)  # [out, groups, group_size]
-        lo = grouped.amin(dim=-1)  # [out, groups]
-        scales = (grouped.amax(dim=-1) - lo) / 15.0  # [out, groups]
-        divisor = torch.where(scales == 0, 1.0, scales)[..., None]  # [out, groups, 1]
-        q = torch.round((grouped - lo[..., None]) / divisor).clamp_(0, 15).to(torch.uint8)  # [out, groups, gs]
-        return cls(q.reshape(out, in_features), scales, lo, group_size)
-
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weight [out, in]. It is computed as ``scale * q + zero``, the same sum as
-        `gguf.quants` computes, so GGUF blocks dequantize bit for bit alike."""
-        out, in_features = self.q.shape
-        grouped = self.q.reshape(out, -1, self.group_size).float()  # [out, groups, group_size]
-        return (grouped * self.scales[..., None] + self.zeros[..., None]).reshape(out, in_features)
-
-    def permute_rows(self, perm: torch.Tensor) -> Int4Weight:
-        """The weight with its output rows reordered: row ``o`` of the result is row ``perm[o]``.
-
-        Groups run along the input dimension, so this is exact.
-        """
-        return Int4Weight(self.q[perm], self.scales[perm], self.zeros[perm], self.group_size)
-
-    @classmethod
-    def concat(cls, weights: list[Int4Weight]) -> Int4Weight:
-        """Stack weights along the output dimension, e.g. to fuse q/k/v into one matmul.
-
-        All weights need the same ``in_features`` and ``group_size``.
-        """
-        if not weights:
-            raise ValueError("concat needs at least one weight")
-        first = weights[0]
-        for w in weights[1:]:
-            if w.in_features != first.in_features or w.group_size != first.group_size:
-                raise ValueError(
-                    f"cannot concat in_features/group_size {w.in_features}/{w.group_size} "
-                    f"with {first.in_features}/{first.group_size}"
-                )
-        return cls(
-            torch.cat([w.q for w in weights]),
-            torch.cat([w.scales for w in weights]),
-            torch.cat([w.zeros for w in weights]),
-            first.group_size,
-        )
 
 
 # ---- kernels ----------------------------------------------------------------------------------
@@ -358,97 +266,6 @@ class Int4Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
             f"bias={self.bias is not None}, kernel={self.kernel or self.requested_kernel}, source={self.source or '?'}"
         )
-
-
-# ---- GGUF blocks ------------------------------------------------------------------------------
-
-#: GGUF tensor name suffix -> transformers module path inside ``model.layers.N``.
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
-_Q4_BLOCK = 32  # elements per Q4_0 / Q4_1 block
-
-
-def gguf_parameter_name(gguf_name: str) -> str | None:
-    """The transformers parameter name of a GGUF linear weight, or None for other tensors."""
-    if gguf_name == "output.weight":
-        return "lm_head.weight"
-    match = _GGUF_NAME.fullmatch(gguf_name)
-    if match is None or match[2] not in _GGUF_LAYER_NAMES:
-        return None
-    return f"model.layers.{match[1]}.{_GGUF_LAYER_NAMES[match[2]]}.weight"
-
-
-def rope_unpermute_rows(rows: int, n_head: int) -> torch.Tensor:
-    """Row order that undoes llama.cpp's RoPE permutation of attn_q / attn_k.
-
-    This is transformers' ``LlamaTensorProcessor._reverse_permute_weights``:
-    ``w.reshape(n_head, rows // n_head // 2, 2, in).swapaxes(1, 2)``, written as a row gather.
-    """
-    if rows % (2 * n_head):
-        raise InvalidArgumentError(f"{rows} rows do not split into {n_head} heads of (dim/2, 2)")
-    return torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)  # [rows]
-
-
-def _decode_q4_blocks(data: np.ndarray, in_features: int, *, has_min: bool) -> Int4Weight:
-    """Q4_0 / Q4_1 bytes [out, blocks * bytes_per_block] -> `Int4Weight`.
-
-    Each block is fp16 d, then (Q4_1 only) fp16 m, then 16 bytes of codes. The low nibbles hold
-    elements 0..15 of the block and the high nibbles hold 16..31. Q4_1 is ``w = d * q + m``, and
-    Q4_0 is ``w = d * (q - 8)``, i.e. ``zero = -8 * d``.
-    """
-    out = data.shape[0]
-    blocks = np.ascontiguousarray(data).reshape(out, in_features // _Q4_BLOCK, -1)  # [out, groups, bytes]
-    d = torch.from_numpy(np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32))
-    start = 4 if has_min else 2
-    if has_min:
-        zeros = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32))
-    else:
-        zeros = -8.0 * d  # exact: a power-of-two multiple
-    nibbles = torch.from_numpy(np.ascontiguousarray(blocks[..., start:start + _Q4_BLOCK // 2]))  # [out, groups, 16]
-    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(out, in_features)  # [out, in]
-    return Int4Weight(q, d, zeros, _Q4_BLOCK)  # d, zeros: [out, groups]
-
-
-def gguf_int4_weights(gguf_path: Path | str, config: Any) -> dict[str, Int4Weight]:
-    """The GGUF file's Q4_0 / Q4_1 linear weights, read from their own blocks without
-    dequantizing. The result is keyed by transformers parameter name.
-
-    Tensors in other formats are left out (callers quantize those from float). attn_q and attn_k
-    rows are put back into transformers' order with the heads from ``config``
-    (``num_attention_heads`` and ``num_key_value_heads``), as transformers' GGUF loader does.
-    """
-    import gguf  # optional dependency: only needed for GGUF sources
-
-    reader = gguf.GGUFReader(gguf_path)
-    arch_field = reader.fields.get("general.architecture")
-    arch = arch_field.contents() if arch_field is not None else None
-    if arch != "llama":
-        raise InvalidArgumentError(f"{gguf_path}: int4 GGUF import supports llama checkpoints, not {arch!r}")
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    n_head = int(text_config.num_attention_heads)
-    n_kv_head = int(getattr(text_config, "num_key_value_heads", None) or n_head)
-    q4_types = {gguf.GGMLQuantizationType.Q4_0: False, gguf.GGMLQuantizationType.Q4_1: True}
-    weights: dict[str, Int4Weight] = {}
-    for tensor in reader.tensors:
-        name = gguf_parameter_name(tensor.name)
-        if name is None or tensor.tensor_type not in q4_types:
-            continue
-        in_features = int(tensor.shape[0])  # GGUF lists dimensions innermost first: ne = [in, out]
-        weight = _decode_q4_blocks(tensor.data, in_features, has_min=q4_types[tensor.tensor_type])
-        if ".attn_q." in tensor.name:
-            weight = weight.permute_rows(rope_unpermute_rows(weight.out_features, n_head))
-        elif ".attn_k." in tensor.name:
-            weight = weight.permute_rows(rope_unpermute_rows(weight.out_features, n_kv_head))
-        weights[name] = weight
-    return weights
 
 
 # ---- whole model ------------------------------------------------------------------------------

@@ -15,16 +15,12 @@ from torch import nn
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
 from specdec.errors import InvalidArgumentError
+from specdec.model import gguf_q4
 from specdec.model import quantize_int4 as qi4
+from specdec.model.gguf_q4 import gguf_int4_weights, rope_unpermute_rows
+from specdec.model.int4_weight import Int4Weight
 from specdec.model.loader import DEFAULT_MODEL, LoadedModel, embedded_model_path
-from specdec.model.quantize_int4 import (
-    Int4Linear,
-    Int4Weight,
-    choose_int4_kernel,
-    gguf_int4_weights,
-    quantize_int4,
-    rope_unpermute_rows,
-)
+from specdec.model.quantize_int4 import Int4Linear, choose_int4_kernel, quantize_int4
 
 HAS_OP = hasattr(torch, "_weight_int4pack_mm_for_cpu")
 KERNELS = ["dequant", pytest.param("int4pack", marks=pytest.mark.skipif(not HAS_OP, reason="no int4pack op"))]
@@ -186,7 +182,7 @@ def test_state_dict_round_trip_and_cache_invalidation() -> None:
 def test_decode_q4_blocks_matches_gguf(qtype: gguf.GGMLQuantizationType) -> None:
     w = np.random.default_rng(0).standard_normal((48, 128)).astype(np.float32)  # [out, in]
     blocks = quants.quantize(w, qtype)  # [out, bytes]
-    weight = qi4._decode_q4_blocks(blocks, 128, has_min=qtype == gguf.GGMLQuantizationType.Q4_1)
+    weight = gguf_q4._decode_q4_blocks(blocks, 128, has_min=qtype == gguf.GGMLQuantizationType.Q4_1)
     want = torch.from_numpy(quants.dequantize(blocks, qtype))  # [out, in]
     assert weight.group_size == 32 and weight.q.shape == (48, 128)
     torch.testing.assert_close(weight.dequantize(), want, rtol=0, atol=0)
