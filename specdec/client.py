@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from specdec.serving.security import bearer_metadata, channel_credentials, read_token
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 Prompt = str | Sequence[Mapping[str, str]]
@@ -99,12 +100,21 @@ def build_request(
 
 
 class SpecdecClient:
-    """Blocking client of the gateway's Generate and Info rpcs."""
+    """Blocking client of the gateway's Generate and Info rpcs.
 
-    def __init__(self, address: str = "127.0.0.1:50050", *, timeout: float | None = None) -> None:
-        self.channel = grpc.insecure_channel(address)
+    TLS when `tls_ca` (the CA of the gateway's certificate) is given, mutual TLS with
+    `tls_cert` / `tls_key` too; `token` is sent as a bearer token (default: `$SPECDEC_AUTH_TOKEN`).
+    """
+
+    def __init__(
+        self, address: str = "127.0.0.1:50050", *, timeout: float | None = None,
+        tls_ca: str = "", tls_cert: str = "", tls_key: str = "", token: str | None = None,
+    ) -> None:
+        credentials = channel_credentials(tls_ca, tls_cert, tls_key)
+        self.channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
         self.timeout = timeout
+        self.metadata = bearer_metadata(read_token() if token is None else token) or None
 
     def __enter__(self) -> SpecdecClient:
         return self
@@ -116,12 +126,12 @@ class SpecdecClient:
         self.channel.close()
 
     def info(self) -> gateway_pb2.GatewayInfo:
-        return self.stub.Info(common_pb2.InfoRequest(), timeout=self.timeout, wait_for_ready=True)
+        return self.stub.Info(common_pb2.InfoRequest(), timeout=self.timeout, wait_for_ready=True, metadata=self.metadata)
 
     def stream(self, prompt: Prompt, **options: object) -> Iterator[gateway_pb2.GenerateResponse]:
         """The raw response stream; raises grpc.RpcError on a non-OK status."""
         request = build_request(prompt, **options)  # type: ignore[arg-type]
-        return self.stub.Generate(request, timeout=self.timeout, wait_for_ready=True)
+        return self.stub.Generate(request, timeout=self.timeout, wait_for_ready=True, metadata=self.metadata)
 
     def generate(self, prompt: Prompt, **options: object) -> GenerationResult:
         """Run a generation to the end and return the assembled result."""

@@ -22,6 +22,7 @@ from specdec.gateway.config import GatewayConfig
 from specdec.gateway.entrypoint import start_gateway
 from specdec.serving.config import ModelServiceConfig
 from specdec.serving.entrypoint import LOG_LEVELS, configure_logging
+from specdec.serving.security import read_token
 from specdec.target_server.config import TargetConfig
 from specdec_bench.config import add_bench_flags
 from specdec_bench.config import config_from_args as bench_config_from_args
@@ -57,6 +58,10 @@ def _generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-speculative", action="store_true", help="plain decoding for this request")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    parser.add_argument("--tls-ca", default="", help="PEM CA of the gateway's certificate: connect over TLS")
+    parser.add_argument("--tls-cert", default="", help="PEM client certificate, for a gateway that demands one")
+    parser.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    parser.add_argument("--token-file", default="", help="file holding the gateway's bearer token (default: $SPECDEC_AUTH_TOKEN)")
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -121,7 +126,10 @@ def generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     try:
-        with SpecdecClient(args.gateway, timeout=args.timeout) as client:
+        with SpecdecClient(
+            args.gateway, timeout=args.timeout, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+            token=read_token(args.token_file),
+        ) as client:
             result = collect(client.stream(prompt, **options), on_text=None if args.json else echo)
     except grpc.RpcError as error:
         print(f"\nerror: {error.code().name}: {error.details()}", file=sys.stderr)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from specdec.errors import InvalidArgumentError
 from specdec.flags import option
+from specdec.serving.security import ServerSecurity
 from specdec.stats import DEFAULT_PREFIX, check_metrics_prefix
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_REQUEST_BYTES
 
@@ -13,8 +15,9 @@ PROBS_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
-    """Where the model services are, how the gateway speculates and how much it admits."""
+class GatewayConfig(ServerSecurity):
+    """Where the model services are, how the gateway speculates and how much it admits; its own
+    TLS and token settings come from `ServerSecurity`, those toward the services are `service_*`."""
 
     target_address: str = option("", "target service address, host:port (required)", aliases=["--target"])
     draft_address: str = option("", "draft service address, host:port; empty runs without speculation", aliases=["--draft"])
@@ -44,9 +47,19 @@ class GatewayConfig:
     max_message_bytes: int = option(DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message exchanged with the model services")
     #: Deadline of a call to a model service: factor x its expected compute, at least the floor.
     rpc_timeout_floor_s: float = option(10.0, "shortest deadline of a call to a model service, in seconds")
+    service_tls_ca: str = option("", "PEM CA to verify the model services' certificates (TLS toward the services)")
+    service_tls_cert: str = option("", "PEM certificate the gateway presents to the model services (mutual TLS)")
+    service_tls_key: str = option("", "PEM private key of --service-tls-cert")
+    service_auth_token_file: str = option("", "file holding the bearer token the model services demand")
     rpc_timeout_factor: float = option(20.0, "a call's deadline in multiples of its expected compute (from the measured costs)")
 
     def __post_init__(self) -> None:
+        self.check_security()
+        if bool(self.service_tls_cert) != bool(self.service_tls_key):
+            raise InvalidArgumentError("service_tls_cert and service_tls_key go together: set both or neither")
+        for name in ("service_tls_ca", "service_tls_cert", "service_tls_key", "service_auth_token_file"):
+            if getattr(self, name) and not Path(getattr(self, name)).is_file():
+                raise InvalidArgumentError(f"{name}: {getattr(self, name)!r} is not a readable file")
         if not self.target_address:
             raise InvalidArgumentError("target_address is required")
         if self.speculative and not self.draft_address:

@@ -15,6 +15,7 @@ from typing import Generic, Protocol, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.serving.security import BearerToken
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.wire.items import Lease, ModelInfo, PrefillItem, Proposal, ProposeItem, ScoredChunk, VerifyItem
 from specdec.wire.limits import message_size_options
@@ -57,8 +58,22 @@ class DraftAPI(Protocol):
     async def close(self) -> None: ...
 
 
-def _channel(address: str, max_message_bytes: int) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=message_size_options(max_message_bytes))
+@dataclass(frozen=True)
+class ServiceLink:
+    """How the gateway's channels reach the model services: message limit, TLS, token."""
+
+    max_message_bytes: int
+    #: TLS (mutual when it holds the gateway's certificate); None for plaintext.
+    credentials: grpc.ChannelCredentials | None = None
+    #: Bearer token sent with every call ("" for none).
+    token: str = ""
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        options = message_size_options(self.max_message_bytes)
+        interceptors = [BearerToken(self.token)] if self.token else None
+        if self.credentials is not None:
+            return grpc.aio.secure_channel(address, self.credentials, options=options, interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
 Stub = TypeVar("Stub", target_pb2_grpc.TargetServiceStub, draft_pb2_grpc.DraftServiceStub)
@@ -71,10 +86,10 @@ class _ServiceClient(Generic[Stub]):
     """
 
     def __init__(
-        self, address: str, max_message_bytes: int, stub_cls: Callable[[grpc.aio.Channel], Stub], lease: Lease
+        self, address: str, link: ServiceLink, stub_cls: Callable[[grpc.aio.Channel], Stub], lease: Lease
     ) -> None:
         self.lease = lease
-        self.channel = _channel(address, max_message_bytes)
+        self.channel = link.channel(address)
         self.stub: Stub = stub_cls(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -103,8 +118,8 @@ class _ServiceClient(Generic[Stub]):
 
 
 class TargetClient(_ServiceClient[target_pb2_grpc.TargetServiceStub]):
-    def __init__(self, address: str, max_message_bytes: int, lease: Lease) -> None:
-        super().__init__(address, max_message_bytes, target_pb2_grpc.TargetServiceStub, lease)
+    def __init__(self, address: str, link: ServiceLink, lease: Lease) -> None:
+        super().__init__(address, link, target_pb2_grpc.TargetServiceStub, lease)
 
     async def prefill(self, items: list[PrefillItem], timeout: float) -> Timed[dict[str, ScoredChunk]]:
         """Last-position logits [vocab] per slot."""
@@ -125,8 +140,8 @@ class TargetClient(_ServiceClient[target_pb2_grpc.TargetServiceStub]):
 
 
 class DraftClient(_ServiceClient[draft_pb2_grpc.DraftServiceStub]):
-    def __init__(self, address: str, max_message_bytes: int, probs_dtype: common_pb2.DType, lease: Lease) -> None:
-        super().__init__(address, max_message_bytes, draft_pb2_grpc.DraftServiceStub, lease)
+    def __init__(self, address: str, link: ServiceLink, probs_dtype: common_pb2.DType, lease: Lease) -> None:
+        super().__init__(address, link, draft_pb2_grpc.DraftServiceStub, lease)
         self.probs_dtype = probs_dtype
 
     async def propose(self, items: list[ProposeItem], timeout: float) -> Timed[dict[str, Proposal]]:

@@ -24,7 +24,7 @@ from specdec.gateway.config import GatewayConfig
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.k_planner import KPlanner
 from specdec.gateway.metrics import gateway_endpoint
-from specdec.gateway.model_clients import INFO_TIMEOUT_S, DraftAPI, DraftClient, TargetAPI, TargetClient
+from specdec.gateway.model_clients import INFO_TIMEOUT_S, DraftAPI, DraftClient, ServiceLink, TargetAPI, TargetClient
 from specdec.gateway.monitor import ServiceMonitor
 from specdec.gateway.requests import RequestPolicy, completion_to_pb, new_sequence
 from specdec.gateway.scheduler import PoolLimits, Scheduler
@@ -34,6 +34,7 @@ from specdec.model.loader import load_tokenizer
 from specdec.model.tokenizer_info import check_compatible, tokenizer_fingerprint
 from specdec.serving.errors import grpc_errors, grpc_stream_errors
 from specdec.serving.grpc_server import RunningServer, start_server
+from specdec.serving.security import channel_credentials, read_token
 from specdec.serving.worker import ModelWorker
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specdec.wire.items import Lease, ModelInfo
@@ -112,11 +113,14 @@ def new_lease(config: GatewayConfig) -> Lease:
 async def create_gateway(config: GatewayConfig) -> RunningServer:
     """Connect to the model services, check them, start the scheduler and the server."""
     lease = new_lease(config)
-    target = TargetClient(config.target_address, config.max_message_bytes, lease)
-    probs_dtype = common_pb2.DTYPE_BFLOAT16 if config.draft_probs_dtype == "bfloat16" else common_pb2.DTYPE_FLOAT32
-    draft = (
-        DraftClient(config.draft_address, config.max_message_bytes, probs_dtype, lease) if config.draft_address else None
+    link = ServiceLink(
+        config.max_message_bytes,
+        channel_credentials(config.service_tls_ca, config.service_tls_cert, config.service_tls_key),
+        read_token(config.service_auth_token_file),
     )
+    target = TargetClient(config.target_address, link, lease)
+    probs_dtype = common_pb2.DTYPE_BFLOAT16 if config.draft_probs_dtype == "bfloat16" else common_pb2.DTYPE_FLOAT32
+    draft = DraftClient(config.draft_address, link, probs_dtype, lease) if config.draft_address else None
     target_info: ModelInfo = await target.info()
     draft_info = await draft.info() if draft is not None else None
     for name, service in (("target", target), ("draft", draft)):
@@ -179,7 +183,7 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
         running = await start_server(
             lambda server: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server),
             [SERVICE_NAME], host=config.host, port=config.port, max_message_bytes=config.max_request_bytes,
-            on_stop=close,
+            on_stop=close, credentials=config.server_credentials(), token=config.token(),
         )
     except BaseException:  # e.g. the port is taken: stop what was started
         await close()

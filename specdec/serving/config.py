@@ -8,13 +8,15 @@ from specdec.errors import InvalidArgumentError
 from specdec.flags import option
 from specdec.model.loader import DEFAULT_MODEL
 from specdec.model.runtime import DTYPES, QUANTIZATIONS
+from specdec.serving.security import ServerSecurity
 from specdec.stats import DEFAULT_PREFIX, check_metrics_prefix
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)
-class ModelServiceConfig:
-    """What a model service (draft or target) loads, how big its pools are, where it listens."""
+class ModelServiceConfig(ServerSecurity):
+    """What a model service (draft or target) loads, how big its pools are, where it listens
+    (and, from `ServerSecurity`, its TLS and token settings)."""
 
     model: str = option(DEFAULT_MODEL, "embedded name (smollm2-135m), .gguf file, local directory or hub id")
     dtype: str = option("float32", "compute dtype of the forward pass", choices=sorted(DTYPES))
@@ -43,6 +45,7 @@ class ModelServiceConfig:
     lease_ttl_s: float = option(30.0, "seconds after a gateway's last lease renewal at which its slots are freed")
 
     def __post_init__(self) -> None:
+        self.check_security()
         if self.dtype not in DTYPES:
             raise InvalidArgumentError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:

@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
+from specdec.serving.security import TokenCheck
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES, message_size_options
 
 log = logging.getLogger(__name__)
@@ -91,14 +92,19 @@ async def start_server(
     port: int,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     on_stop: StopHook | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+    token: str = "",
 ) -> RunningServer:
-    """Create, register and start a server; `port=0` binds a free port (returned)."""
-    server = grpc.aio.server(options=message_size_options(max_message_bytes))
+    """Create, register and start a server; `port=0` binds a free port (returned). With
+    `credentials` it serves TLS; with `token` every call but health and reflection needs it."""
+    interceptors = [TokenCheck(token)] if token else []
+    server = grpc.aio.server(options=message_size_options(max_message_bytes), interceptors=interceptors)
     register(server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection(server, [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name])
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     await server.start()

@@ -136,6 +136,8 @@ async def start_model_service(
             port=config.port,
             max_message_bytes=config.max_message_bytes,
             on_stop=stop,
+            credentials=config.server_credentials(),
+            token=config.token(),
         )
     except BaseException:  # e.g. the port is taken
         await stop()
