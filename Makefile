@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-done
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(PROTOS:protos/%.proto=%_pb2.py)
 
-.PHONY: setup system-deps protos test test-fast lint demo bench bench-quick clean
+.PHONY: setup system-deps protos test test-fast lint demo bench bench-quick soak clean
 
 setup: $(STAMP) protos
 
@@ -57,6 +57,11 @@ bench: setup
 # The same in under 5 minutes; writes to benchmarks/results/quick/ (git-ignored).
 bench-quick: setup
 	$(VENV)/bin/specdec bench --quick
+
+# 1,000 mixed requests at concurrency 16 with cancellations, a draft kill and a draft stop
+# (not part of the tests, which run a short version); prints its figures, exits 1 on a failed check.
+soak: setup
+	$(PY) -m specdec_bench.soak
 
 clean:
 	rm -rf $(VENV) specdec/v1/*_pb2*.py specdec/v1/*_pb2.pyi

@@ -20,7 +20,7 @@ from specdec.serving.ready import ReadyLine, parse_ready_line
 class ServiceProcess:
     """A model service child process and, once ready, the address it listens on."""
 
-    def __init__(self, module: str, args: Sequence[str], ready_name: str = "") -> None:
+    def __init__(self, module: str, args: Sequence[str], ready_name: str = "", port: int = 0) -> None:
         self.name = module
         #: Wait for the ready line of this name (default: the first ready line printed).
         self.ready_name = ready_name
@@ -28,7 +28,7 @@ class ServiceProcess:
         self.ready: ReadyLine | None = None
         self._ready = threading.Event()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", module, *args, "--port", "0"],
+            [sys.executable, "-m", module, *args, "--port", str(port)],
             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, bufsize=1,
         )
         self._reader = threading.Thread(target=self._read_stdout, name=f"{module}-stdout", daemon=True)
@@ -75,7 +75,8 @@ class ServiceProcess:
         return int(self.process.returncode)
 
 
-def start_service(module: str, args: Sequence[str] = (), ready_name: str = "") -> ServiceProcess:
-    """Launch `python -m module *args --port 0` without waiting for it (`wait_ready` waits)."""
-    return ServiceProcess(module, args, ready_name)
+def start_service(module: str, args: Sequence[str] = (), ready_name: str = "", port: int = 0) -> ServiceProcess:
+    """Launch `python -m module *args --port <port>` without waiting for it (`wait_ready` waits).
+    Port 0 (the default) binds a free port; a given port restarts a service where it was."""
+    return ServiceProcess(module, args, ready_name, port)
 
