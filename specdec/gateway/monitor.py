@@ -56,16 +56,26 @@ class ServiceMonitor:
             await asyncio.sleep(self.interval_s)
 
     async def poll(self, name: str) -> None:
-        service = self.services[name]
-        try:
-            await service.renew_lease(timeout=self.interval_s)
-            info = await service.info(timeout=self.interval_s)
-        except (asyncio.TimeoutError, grpc.aio.AioRpcError) as error:
-            await self._set_available(name, False, error)
+        info, _ = await asyncio.gather(
+            self.services[name].info(timeout=self.interval_s), self._renew(name), return_exceptions=True
+        )
+        if isinstance(info, (asyncio.TimeoutError, grpc.aio.AioRpcError)):
+            await self._set_available(name, False, info)
             return
+        if isinstance(info, BaseException):
+            raise info
         self.latest[name] = info
         self._record_kv(name, info)
         await self._set_available(name, True)
+
+    async def _renew(self, name: str) -> None:
+        """Renew this gateway's lease; a failure is logged (availability is judged by Info)."""
+        try:
+            await self.services[name].renew_lease(timeout=self.interval_s)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError) as error:
+            if self.available[name]:  # while it is down, its Info failure was logged already
+                reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else "timeout"
+                log.warning("lease renewal with the %s service failed (%s)", name, reason)
 
     def _record_kv(self, name: str, info: ModelInfo) -> None:
         if info.total_kv_tokens > 0:

@@ -89,13 +89,10 @@ class ModelEngine:
         del self.tokens[slot_id]
         self.leases.forget(slot_id)
 
-    def renew_lease(self, lease: Lease) -> int:
-        """Keep the holder's slots alive; frees (and counts) those of its older incarnations."""
-        stale = self.leases.renew(lease)
+    def free_stale(self, holder: str, stale: Sequence[str]) -> None:
+        """Free the slots a restarted holder's earlier incarnation left (see `LeaseTable.renew`)."""
         self._free_quietly(stale)
-        if stale:
-            log.warning("%s restarted: freed %d slot(s) of its previous incarnation", lease.holder, len(stale))
-        return len(stale)
+        log.warning("%s restarted: freed %d slot(s) of its previous incarnation", holder, len(stale))
 
     def expire_leases(self) -> int:
         """Free the slots of every holder whose lease ran out; returns how many."""

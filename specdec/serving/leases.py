@@ -12,11 +12,14 @@ few seconds. The table answers three questions for the engine:
 * `forget`: a slot was released.
 
 Slots created without a lease (tests, admin tools) belong to nobody and never expire.
-Pure bookkeeping: the engine frees the slots this returns.
+Pure bookkeeping: the engine frees the slots this returns. Thread-safe, because renewals
+are recorded on the service's event loop at once, not queued behind a running batch on
+the model worker: a busy worker must never make a live gateway look silent.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -41,6 +44,7 @@ class LeaseTable:
         #: Slots freed because their holder stopped renewing / because it restarted.
         self.expired_slots_total = 0
         self.swept_slots_total = 0
+        self._lock = threading.Lock()
 
     @property
     def num_holders(self) -> int:
@@ -50,6 +54,10 @@ class LeaseTable:
         """StaleLeaseError when `lease` is an older incarnation than one already seen (no side effects)."""
         if lease is None:
             return
+        with self._lock:
+            self._check(lease)
+
+    def _check(self, lease: Lease) -> None:
         known = self._holders.get(lease.holder)
         if known is not None and lease.incarnation < known.incarnation:
             raise StaleLeaseError(
@@ -59,7 +67,11 @@ class LeaseTable:
 
     def renew(self, lease: Lease) -> list[str]:
         """Extend the holder's lease. Returns the slots of its older incarnations (to free)."""
-        self.check(lease)
+        with self._lock:
+            return self._renew(lease)
+
+    def _renew(self, lease: Lease) -> list[str]:
+        self._check(lease)
         known = self._holders.get(lease.holder)
         self._holders[lease.holder] = _Holder(lease.incarnation, self._clock() + self.ttl_s)
         if known is None or known.incarnation == lease.incarnation:
@@ -72,16 +84,22 @@ class LeaseTable:
         """Record new slots under `lease` (renewing it). Returns stale slots to free, as `renew`."""
         if lease is None:
             return []
-        stale = self.renew(lease)
-        for slot_id in slot_ids:
-            self._owner[slot_id] = lease
-        return stale
+        with self._lock:
+            stale = self._renew(lease)
+            for slot_id in slot_ids:
+                self._owner[slot_id] = lease
+            return stale
 
     def forget(self, slot_id: str) -> None:
-        self._owner.pop(slot_id, None)
+        with self._lock:
+            self._owner.pop(slot_id, None)
 
     def expired(self) -> list[str]:
         """Drop every holder whose lease ran out; returns their slots (to free)."""
+        with self._lock:
+            return self._expired()
+
+    def _expired(self) -> list[str]:
         now = self._clock()
         gone = {name for name, holder in self._holders.items() if holder.expires_at <= now}
         if not gone:

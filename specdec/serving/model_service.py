@@ -70,8 +70,11 @@ class SlotServicer:
         lease = Lease.from_pb(request.lease)
         if lease is None or not lease.holder or not lease.incarnation:
             raise InvalidArgumentError("lease: holder and incarnation must both be set")
-        swept = await self.worker.run(self.engine.renew_lease, lease)
-        return common_pb2.RenewLeaseResponse(ttl_s=self.engine.leases.ttl_s, swept_slots=swept)
+        # Recorded here on the event loop, at once: a renewal must not wait behind a long batch.
+        stale = self.engine.leases.renew(lease)
+        if stale:  # rare: the holder restarted; its old slots are freed on the worker
+            await self.worker.run(self.engine.free_stale, lease.holder, stale)
+        return common_pb2.RenewLeaseResponse(ttl_s=self.engine.leases.ttl_s, swept_slots=len(stale))
 
 
 async def expire_leases_forever(engine: ModelEngine, worker: ModelWorker) -> None:

@@ -1,0 +1,63 @@
+"""Leases on the target service: slots expire when their gateway goes silent, never while it renews."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from specdec.v1 import common_pb2, target_pb2
+
+LEASE = common_pb2.Lease(holder="gw", incarnation="0001")
+
+
+def _prefill(target, slot_id: str, lease: common_pb2.Lease = LEASE) -> None:  # type: ignore[no-untyped-def]
+    item = target_pb2.PrefillItem(slot_id=slot_id, prompt_tokens=[1, 2, 3])
+    target.stub.Prefill(target_pb2.PrefillRequest(items=[item], lease=lease))
+
+
+def _renew(target, lease: common_pb2.Lease = LEASE) -> common_pb2.RenewLeaseResponse:  # type: ignore[no-untyped-def]
+    return target.stub.RenewLease(common_pb2.RenewLeaseRequest(lease=lease), timeout=1.0)
+
+
+def test_renewals_during_a_long_batch_keep_the_slots(start_target) -> None:  # type: ignore[no-untyped-def]
+    """The worker is busy for 2.5 TTLs; renewals answered meanwhile (on the event loop) keep the lease."""
+    target = start_target(lease_ttl_s=2.0)
+    _prefill(target, "kept")
+    release = threading.Event()
+    real_verify = target.engine.verify
+
+    def stalled_verify(items):  # type: ignore[no-untyped-def]
+        release.wait(timeout=30)
+        return real_verify(items)
+
+    target.engine.verify = stalled_verify  # type: ignore[method-assign]
+    item = target_pb2.VerifyItem(slot_id="kept", valid_len=3, tokens=[4])
+    pending = target.stub.Verify.future(target_pb2.VerifyRequest(items=[item]))
+    started = time.monotonic()
+    while time.monotonic() - started < 5.0:
+        assert _renew(target).ttl_s == 2.0  # answered within a second although the worker is stuck
+        time.sleep(0.3)
+    release.set()
+    # The expiry checks queued behind the batch run now, and see the renewals recorded meanwhile.
+    assert pending.result(timeout=30).results[0].cached_len == 4
+    assert "kept" in target.engine.tokens and target.engine.leases.expired_slots_total == 0
+    time.sleep(4.0)  # silent from here on: the slot goes within the TTL and one check
+    assert "kept" not in target.engine.tokens and target.engine.leases.expired_slots_total == 1
+
+
+def test_an_older_incarnation_is_refused_and_a_newer_one_sweeps(start_target) -> None:  # type: ignore[no-untyped-def]
+    target = start_target(lease_ttl_s=60.0)
+    _prefill(target, "old")
+    newer = common_pb2.Lease(holder="gw", incarnation="0002")
+    assert _renew(target, newer).swept_slots == 1
+    assert "old" not in target.engine.tokens
+    with pytest.raises(grpc.RpcError) as error:
+        _prefill(target, "late", LEASE)
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "older" in error.value.details()
+    assert "late" not in target.engine.tokens
+    with pytest.raises(grpc.RpcError) as error:
+        target.stub.RenewLease(common_pb2.RenewLeaseRequest())
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
