@@ -72,9 +72,19 @@ def _check_clean(service: Service) -> None:
     assert info.active_slots == 0 and info.free_kv_tokens == info.total_kv_tokens
 
 
-def _start_known(service: Service, prefill: Callable[[], Any]) -> None:
-    if KNOWN not in service.engine.tokens:
-        prefill()
+def _fuzz_service(service: Service, calls: st.SearchStrategy[tuple[str, Any]], create_known: Callable[[], Any]) -> None:
+    """Each example: make sure the KNOWN slot exists, send one generated call, check the aftermath."""
+
+    @FUZZ
+    @given(calls)
+    def check(call: tuple[str, Any]) -> None:
+        method, request = call
+        if KNOWN not in service.engine.tokens:
+            create_known()
+        _call(lambda: getattr(service.stub, method)(request, timeout=30))
+        _check_clean(service)
+
+    check()
 
 
 # -- target -----------------------------------------------------------------------------------
@@ -94,16 +104,7 @@ target_calls = st.one_of(
 def test_fuzz_target_requests(start_target) -> None:  # type: ignore[no-untyped-def]
     target = start_target(kv_token_budget=256, max_slots=4, max_speculative_tokens=4)
     known = target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(slot_id=KNOWN, prompt_tokens=[1, 2, 3])])
-
-    @FUZZ
-    @given(target_calls)
-    def check(call: tuple[str, Any]) -> None:
-        method, request = call
-        _start_known(target, lambda: target.stub.Prefill(known))
-        _call(lambda: getattr(target.stub, method)(request, timeout=30))
-        _check_clean(target)
-
-    check()
+    _fuzz_service(target, target_calls, lambda: target.stub.Prefill(known))
 
 
 # -- draft ------------------------------------------------------------------------------------
@@ -119,22 +120,14 @@ draft_calls = st.one_of(
     )),
     st.tuples(st.just("Truncate"), st.builds(common_pb2.TruncateRequest, slot_id=slot_ids, new_len=lengths)),
     st.tuples(st.just("Release"), st.builds(common_pb2.ReleaseRequest, slot_id=slot_ids)),
+    st.tuples(st.just("RenewLease"), st.builds(common_pb2.RenewLeaseRequest, lease=leases)),
 )
 
 
 def test_fuzz_draft_requests(start_draft) -> None:  # type: ignore[no-untyped-def]
     draft = start_draft(kv_token_budget=256, max_slots=4, max_speculative_tokens=4)
     known = draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(slot_id=KNOWN, new_tokens=[1, 2, 3], num_speculative_tokens=1)])
-
-    @FUZZ
-    @given(draft_calls)
-    def check(call: tuple[str, Any]) -> None:
-        method, request = call
-        _start_known(draft, lambda: draft.stub.Propose(known))
-        _call(lambda: getattr(draft.stub, method)(request, timeout=30))
-        _check_clean(draft)
-
-    check()
+    _fuzz_service(draft, draft_calls, lambda: draft.stub.Propose(known))
 
 
 # -- gateway ----------------------------------------------------------------------------------
