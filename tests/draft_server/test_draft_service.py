@@ -156,7 +156,9 @@ def test_seeded_sampling_is_independent_of_the_batch(draft: Service, prompts: li
     for i, (prompt, k) in enumerate(zip(prompts, ks)):
         alone = propose(draft, item(f"a{i}", prompt, k, sampling=sampled(100 + i)))[f"a{i}"]
         assert list(batched[f"b{i}"].tokens) == list(alone.tokens)
-        torch.testing.assert_close(q_of(batched[f"b{i}"]), q_of(alone), atol=1e-5, rtol=0)
+        # Batched and single rows may run different fp32 kernels (picked per shape by timing):
+        # probabilities were seen 1.1e-5 apart.
+        torch.testing.assert_close(q_of(batched[f"b{i}"]), q_of(alone), atol=5e-5, rtol=0)
 
 
 def test_q_rows_are_the_distributions_the_tokens_were_drawn_from(
