@@ -35,8 +35,9 @@ from specdec.serving.worker import ModelWorker, cancel_and_wait
 from specdec.wire.items import PrefillItem
 
 log = logging.getLogger(__name__)
-#: How often a degraded draft's health is checked.
+#: How often a degraded draft's health is checked, and failed Releases are tried again.
 DRAFT_RECHECK_S = 1.0
+RELEASE_RETRY_S = 1.0
 #: Codes of a call that did not reach the service's own logic (their details name addresses).
 _TRANSPORT_FAILURES = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
@@ -93,6 +94,10 @@ class Scheduler:
         #: health check answers SERVING again (checked by `_watch_draft`).
         self.draft_degraded = False
         self._draft_watch: asyncio.Task[None] | None = None
+        #: Slots whose Release failed (service down or slow), by service name: retried in the
+        #: background until freed, since the lease of a live gateway never lets them expire.
+        self.unreleased: dict[str, set[str]] = {"target": set(), "draft": set()}
+        self._release_retry: asyncio.Task[None] | None = None
         for pool in pools:  # one request alone always fits, so preemption always makes progress
             if pool.blocks_for(max_seq_len) > pool.num_blocks:
                 raise ValueError(f"the {pool.name} pool ({pool.total_kv_tokens} tokens) cannot hold max_seq_len {max_seq_len}")
@@ -111,6 +116,7 @@ class Scheduler:
         self._task = asyncio.create_task(self._loop(), name="specdec-scheduler")
 
     async def stop(self) -> None:
+        await cancel_and_wait(self._release_retry)
         await cancel_and_wait(self._draft_watch)
         await cancel_and_wait(self._task)
         for seq in [*self.waiting, *self.running]:
@@ -300,15 +306,36 @@ class Scheduler:
         self.stats.record_finished(seq)
 
     async def _release(self, seq: Sequence) -> None:
-        """Free the request's slots in both services; a slot already gone is fine."""
-        calls = [self.target.release(seq.slot_id, self.deadlines.control())]
-        if self.draft is not None and seq.has_draft_slot:
-            calls.append(self.draft.release(seq.slot_id, self.deadlines.control()))
-        for result in await asyncio.gather(*calls, return_exceptions=True):
-            if isinstance(result, grpc.aio.AioRpcError) and result.code() == grpc.StatusCode.NOT_FOUND:
-                continue
-            if isinstance(result, BaseException):
-                log.warning("release of slot %s failed: %s", seq.slot_id, result)
+        """Free the request's slots in both services; a slot already gone is fine, and a
+        Release that fails is tried again in the background."""
+        services = ["target"] + (["draft"] if self.draft is not None and seq.has_draft_slot else [])
+        await asyncio.gather(*(self._release_slot(name, seq.slot_id) for name in services))
+
+    async def _release_slot(self, service: str, slot_id: str) -> bool:
+        """True once the slot is gone from `service` (freed now, or not there)."""
+        client = self.target if service == "target" else self.draft
+        assert client is not None
+        try:
+            await client.release(slot_id, self.deadlines.control())
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.NOT_FOUND:
+                if slot_id not in self.unreleased[service]:
+                    log.warning("release of slot %s in the %s failed (%s); retrying in the background",
+                                slot_id, service, error.code().name)
+                self.unreleased[service].add(slot_id)
+                if self._release_retry is None or self._release_retry.done():
+                    self._release_retry = asyncio.create_task(self._retry_releases(), name="specdec-release-retry")
+                return False
+        self.unreleased[service].discard(slot_id)
+        return True
+
+    async def _retry_releases(self) -> None:
+        while any(self.unreleased.values()):
+            await asyncio.sleep(RELEASE_RETRY_S)
+            for service, slots in self.unreleased.items():
+                for slot_id in list(slots):
+                    if await self._release_slot(service, slot_id):
+                        log.info("slot %s released from the %s on a retry", slot_id, service)
 
     async def _fail(self, seqs: list[Sequence], error: Exception, *, release: bool = True) -> None:
         if isinstance(error, grpc.aio.AioRpcError):

@@ -82,6 +82,8 @@ class FakeTarget:
     fail_verify: grpc.aio.AioRpcError | None = None
     #: Seconds every Verify takes (a hung service when above the call's deadline).
     verify_delay_s: float = 0.0
+    #: Fail this many Release calls with UNAVAILABLE before answering them.
+    failing_releases: int = 0
 
     async def info(self, timeout: float = 120.0) -> ModelInfo:
         return model_info()
@@ -118,6 +120,9 @@ class FakeTarget:
         return Timed(out, 0.001, 0.002)
 
     async def release(self, slot_id: str, timeout: float) -> None:
+        if self.failing_releases > 0:
+            self.failing_releases -= 1
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
         if self.slots.pop(slot_id, None) is None:
             raise rpc_error(grpc.StatusCode.NOT_FOUND, f"slot {slot_id!r} not found")
         self.released.append(slot_id)

@@ -359,3 +359,23 @@ def test_a_hung_target_ends_its_requests_with_deadline_exceeded_and_frees_them()
         assert target.slots == {} and draft.released == [seq.slot_id]
 
     run(test, target, draft, deadline_s=0.1)
+
+
+def test_a_failed_release_is_retried_until_the_slot_is_freed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live gateway keeps renewing its lease, so a slot whose Release failed would never
+    expire: the scheduler tries again in the background."""
+    monkeypatch.setattr("specdec.gateway.scheduler.RELEASE_RETRY_S", 0.01)
+    target, draft = FakeTarget(failing_releases=2), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        seq = new_sequence(request(max_new_tokens=6), policy())
+        sched.submit(seq)
+        await drain(seq)
+        for _ in range(200):
+            if not target.slots:
+                break
+            await asyncio.sleep(0.01)
+        assert target.slots == {} and target.released == [seq.slot_id]
+        assert sched.unreleased == {"target": set(), "draft": set()}
+
+    run(test, target, draft)
