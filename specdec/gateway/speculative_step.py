@@ -164,10 +164,12 @@ def advance(seq: Sequence, k: int, num_accepted: int) -> None:
 
 
 def first_tokens(seqs: list[Sequence], logits: dict[str, torch.Tensor]) -> dict[str, int]:
-    """The first completion token of each newly prefilled sequence, from its last-prompt logits."""
+    """The next token of each newly prefilled sequence, from its last-position logits: the first
+    completion token, or, for a request resuming after a preemption, the one after its tokens
+    (whose repetition-penalty context is all of them)."""
     out = {}
     for seq in seqs:
-        probs = logits_to_probs(logits[seq.slot_id][None], [seq.sampling], [seq.prompt])  # [1, vocab]
+        probs = logits_to_probs(logits[seq.slot_id][None], [seq.sampling], [seq.tokens])  # [1, vocab]
         out[seq.slot_id] = int(probs.argmax()) if seq.sampling.is_greedy else int(sample(probs, [seq.generator])[0])
     return out
 
