@@ -52,19 +52,27 @@ def grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
         observer: RpcObserver | None = getattr(self, "rpc_observer", None)
-        started, code = time.perf_counter(), "OK"
-        try:
-            return await method(self, request, context)
-        except (grpc.aio.AbortError, grpc.aio.UsageError):
-            code = "UNKNOWN"
-            raise
-        except Exception as error:  # noqa: BLE001 - this is the mapping layer
-            code = status_of(error)[0].name
-            await _abort(context, error, method.__qualname__)
-            raise  # unreachable: abort raises
-        finally:
+        started = time.perf_counter()
+
+        def record(code: str) -> None:
+            # Before the status leaves: a client that scrapes right after its error must see it.
             if observer is not None:
                 observer.record_rpc(method.__name__, time.perf_counter() - started, code)
+
+        try:
+            result = await method(self, request, context)
+        except (grpc.aio.AbortError, grpc.aio.UsageError):
+            record("UNKNOWN")
+            raise
+        except Exception as error:  # noqa: BLE001 - this is the mapping layer
+            record(status_of(error)[0].name)
+            await _abort(context, error, method.__qualname__)
+            raise  # unreachable: abort raises
+        except BaseException:  # cancelled by the client or at shutdown
+            record("CANCELLED")
+            raise
+        record("OK")
+        return result
 
     return wrapper
 
