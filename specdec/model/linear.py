@@ -47,30 +47,45 @@ def _onednn_available(weight: torch.Tensor) -> bool:
     )
 
 
-def _time(fn: Callable[[], object], repeats: int = 8) -> float:
+def _time(fn: Callable[[], object], max_repeats: int = 8, budget_s: float = 0.02) -> float:
+    """Mean seconds per call after a warm-up; big layers (an output head) get fewer repeats."""
+    started = time.perf_counter()
     fn()  # warm-up: first-call packing and allocation
+    repeats = max(1, min(max_repeats, int(budget_s / max(time.perf_counter() - started, 1e-9))))
     started = time.perf_counter()
     for _ in range(repeats):
         fn()
     return (time.perf_counter() - started) / repeats
 
 
-@functools.cache
-def _prefer_onednn(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
-    """Whether oneDNN with a packed weight beats `F.linear` for this shape here (timed once)."""
-    weight = torch.randn(out_features, in_features, dtype=dtype) / in_features**0.5  # [out, in]
+#: (out, in, dtype) -> whether oneDNN won: timed once per shape and process.
+_onednn_choices: dict[tuple[int, int, torch.dtype], bool] = {}
+
+
+def _prefer_onednn(weight: torch.Tensor) -> bool:
+    """Whether oneDNN with a packed weight beats `F.linear` for this weight's shape here.
+
+    Timed on the weight itself (values do not change the speed): a random stand-in of an
+    output head's size (128k x 3k for Llama 3.2) took seconds just to generate.
+    """
+    out_features, in_features = weight.shape
+    key = (out_features, in_features, weight.dtype)
+    if key in _onednn_choices:
+        return _onednn_choices[key]
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
     except RuntimeError as error:  # e.g. bf16 on a CPU without avx512bw / avx_ne_convert
-        log.debug("no oneDNN linear for %s here: %s", dtype, error)
+        log.debug("no oneDNN linear for %s here: %s", weight.dtype, error)
+        _onednn_choices[key] = False
         return False
     aten = onednn = 0.0
     for rows in _BENCH_ROWS:
-        x = torch.randn(rows, in_features, dtype=dtype)  # [rows, in]
+        x = torch.randn(rows, in_features, dtype=weight.dtype)  # [rows, in]
         aten += _time(functools.partial(F.linear, x, weight))
         onednn += _time(functools.partial(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], ""))
-    log.debug("linear %dx%d %s: aten %.0f us, onednn %.0f us", out_features, in_features, dtype, aten * 1e6, onednn * 1e6)
-    return onednn < aten
+    log.debug("linear %dx%d %s: aten %.0f us, onednn %.0f us", out_features, in_features, weight.dtype, aten * 1e6, onednn * 1e6)
+    _onednn_choices[key] = onednn < aten
+    return _onednn_choices[key]
 
 
 class DenseLinear(nn.Module):
@@ -80,7 +95,7 @@ class DenseLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         if kernel is None:
-            fast = _onednn_available(weight) and _prefer_onednn(self.out_features, self.in_features, weight.dtype)
+            fast = _onednn_available(weight) and _prefer_onednn(weight)
             kernel = "onednn" if fast else "aten"
         if kernel not in ("aten", "onednn"):
             raise ValueError(f"kernel must be 'aten' or 'onednn', got {kernel!r}")

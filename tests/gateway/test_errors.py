@@ -107,17 +107,17 @@ def test_gateway_refuses_num_speculative_tokens_above_the_services_maximum(int8_
         service_loop.run(create_gateway(config))
 
 
-def test_gateway_refuses_a_draft_with_another_tokenizer(int8_stack, service_loop) -> None:  # type: ignore[no-untyped-def]
-    """A draft whose tokenizer fingerprint differs from the target's must not be used."""
-    draft_engine = int8_stack.draft
-    original = draft_engine.tokenizer_info
-    draft_engine.tokenizer_info = dataclasses.replace(original, fingerprint="0" * 64)
-    try:
-        target, draft = (f"127.0.0.1:{s.port}" for s in int8_stack.servers)
-        with pytest.raises(TokenizerMismatchError, match="fingerprints differ"):
-            service_loop.run(create_gateway(GatewayConfig(target_address=target, draft_address=draft, port=0)))
-    finally:
-        draft_engine.tokenizer_info = original
+def test_gateway_refuses_a_draft_with_another_tokenizer(start_stack, int8_runtime, service_loop) -> None:  # type: ignore[no-untyped-def]
+    """A draft whose tokenizer fingerprint differs from the target's must not be used.
+
+    A stack of its own: the shared stack's gateway would see the altered fingerprint in its
+    Info polls and report it to the tests that follow."""
+    stack = start_stack(int8_runtime)
+    assert stack.draft is not None
+    stack.draft.tokenizer_info = dataclasses.replace(stack.draft.tokenizer_info, fingerprint="0" * 64)
+    target, draft = (f"127.0.0.1:{s.port}" for s in stack.servers)
+    with pytest.raises(TokenizerMismatchError, match="fingerprints differ"):
+        service_loop.run(create_gateway(GatewayConfig(target_address=target, draft_address=draft, port=0)))
 
 
 def test_gateway_info_describes_both_models(int8_stack) -> None:  # type: ignore[no-untyped-def]

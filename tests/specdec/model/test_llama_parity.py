@@ -14,6 +14,7 @@ import functools
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers.initialization import no_init_weights
 
 from specdec.model.llama import PagedLlama
 from specdec.model.loader import LoadedModel, load_tokenizer
@@ -54,12 +55,24 @@ def _mirrored_llama(name: str) -> PreTrainedModel:
         eos_token_id=[128_001, 128_008, 128_009],
         **MIRRORED_CONFIGS[name],
     )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    # The default init (std 0.02) gives logits near 0.1; std 0.1 gives a real model's range
-    # (|logit| up to ~20), where fp32 rounding is still well below the 1e-4 tolerance.
+    with no_init_weights():  # transformers' init draws ~700M random numbers: 15 s of a 2-core test
+        model = LlamaForCausalLM(config).eval()
+    model.tie_weights()  # init_weights, skipped above, is where transformers ties the head
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    # Weights are windows of one pool of 2**20 + 7 normal draws, each parameter at its own
+    # offset: no two rows of a matrix are equal and it takes well under a second. Std 0.02
+    # as transformers draws them, but 0.1 for the (tied) embedding: that gives a real model's
+    # logit range (|logit| up to ~20), where fp32 rounding is still well below the 1e-4 tolerance.
+    pool = torch.randn(2**20 + 7, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model.model.embed_tokens.weight.normal_(0.0, 0.1)
+        for index, (name, param) in enumerate(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            count = param.numel()
+            reps = -(-(count + index) // pool.numel())
+            std = 0.1 if name == "model.embed_tokens.weight" else 0.02
+            param.copy_(pool.repeat(reps)[index : index + count].view_as(param) * std)
     return model
 
 
