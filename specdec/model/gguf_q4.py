@@ -8,15 +8,22 @@ weights the target was dequantized from, so its acceptance approaches 1.
 
 from __future__ import annotations
 
+import logging
+import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from specdec.errors import InvalidArgumentError
 from specdec.model.int4_weight import Int4Weight
+from specdec.model.loader import gguf_cache_dir
+
+log = logging.getLogger(__name__)
 
 #: GGUF tensor name suffix -> transformers module path inside ``model.layers.N``.
 _GGUF_LAYER_NAMES = {
@@ -73,7 +80,46 @@ def _decode_q4_blocks(data: np.ndarray, in_features: int, *, has_min: bool) -> I
     return Int4Weight(q, d, zeros, _Q4_BLOCK)  # d, zeros: [out, groups]
 
 
-def gguf_int4_weights(gguf_path: Path | str, config: Any) -> dict[str, Int4Weight]:
+def gguf_int4_weights(gguf_path: Path | str, config: Any, cache_dir: Path | str | None = None) -> dict[str, Int4Weight]:
+    """`read_gguf_int4_weights`, kept in the GGUF's cache directory after the first read.
+
+    Parsing a GGUF file means parsing all its metadata, the tokenizer's vocabulary included:
+    about 6 s for SmolLM2-135M on 2 cores, far more while the machine serves (a draft
+    restarting beside a busy target took 38 s in the soak). The cached codes, scales and
+    zeros load in a fraction of a second. The file name records the head counts, which
+    decide the row order of attn_q and attn_k.
+    """
+    n_head, n_kv_head = _head_counts(config)
+    path = gguf_cache_dir(Path(gguf_path), cache_dir) / f"int4-blocks-h{n_head}-kv{n_kv_head}.safetensors"
+    if path.is_file():
+        tensors = load_file(path)
+        names = sorted({key.rsplit(".", 1)[0] for key in tensors})
+        return {
+            name: Int4Weight(tensors[f"{name}.q"], tensors[f"{name}.scales"], tensors[f"{name}.zeros"], _Q4_BLOCK)
+            for name in names
+        }
+    weights = read_gguf_int4_weights(gguf_path, config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {f"{name}.{part}": getattr(w, part).contiguous() for name, w in weights.items() for part in ("q", "scales", "zeros")}
+    handle, staging = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    os.close(handle)
+    try:  # written aside and renamed: a crash never leaves half a file under the real name
+        save_file(tensors, staging)
+        os.chmod(staging, 0o644)  # mkstemp makes it private; the cache may be shared by services
+        os.replace(staging, path)
+    except OSError as error:
+        log.warning("could not cache the int4 blocks of %s in %s: %s", gguf_path, path, error)
+        Path(staging).unlink(missing_ok=True)
+    return weights
+
+
+def _head_counts(config: Any) -> tuple[int, int]:
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n_head = int(text_config.num_attention_heads)
+    return n_head, int(getattr(text_config, "num_key_value_heads", None) or n_head)
+
+
+def read_gguf_int4_weights(gguf_path: Path | str, config: Any) -> dict[str, Int4Weight]:
     """The GGUF file's Q4_0 / Q4_1 linear weights, read from their own blocks without
     dequantizing. The result is keyed by transformers parameter name.
 
@@ -88,9 +134,7 @@ def gguf_int4_weights(gguf_path: Path | str, config: Any) -> dict[str, Int4Weigh
     arch = arch_field.contents() if arch_field is not None else None
     if arch != "llama":
         raise InvalidArgumentError(f"{gguf_path}: int4 GGUF import supports llama checkpoints, not {arch!r}")
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    n_head = int(text_config.num_attention_heads)
-    n_kv_head = int(getattr(text_config, "num_key_value_heads", None) or n_head)
+    n_head, n_kv_head = _head_counts(config)
     q4_types = {gguf.GGMLQuantizationType.Q4_0: False, gguf.GGMLQuantizationType.Q4_1: True}
     weights: dict[str, Int4Weight] = {}
     for tensor in reader.tensors:

@@ -97,7 +97,7 @@ def load_tokenizer(name_or_path: str, *, cache_dir: Path | str | None = None) ->
     if gguf is None and name_or_path.endswith(".gguf"):
         gguf = Path(name_or_path)
     if gguf is not None:
-        converted = _gguf_cache_dir(gguf, cache_dir)
+        converted = gguf_cache_dir(gguf, cache_dir)
         if (converted / "config.json").is_file():
             return AutoTokenizer.from_pretrained(converted)
         return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -130,7 +130,8 @@ def load_model(
     return LoadedModel(model=model, tokenizer=tokenizer, model_id=name_or_path, name=name_or_path, source=source)
 
 
-def _gguf_cache_dir(gguf: Path, cache_dir: Path | str | None) -> Path:
+def gguf_cache_dir(gguf: Path, cache_dir: Path | str | None = None) -> Path:
+    """This GGUF file's own directory in the cache (keyed by its path, size and mtime)."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -144,7 +145,7 @@ def _safetensors_from_gguf(gguf: Path, cache_dir: Path | str | None) -> Path:
     converted again. The directory is written under a temporary name and renamed into
     place, so a crash mid-conversion never leaves a half-written cache entry.
     """
-    target = _gguf_cache_dir(gguf, cache_dir)
+    target = gguf_cache_dir(gguf, cache_dir)
     if (target / "config.json").is_file():
         return target
     log.info("converting %s to safetensors in %s (first load only)", gguf, target)

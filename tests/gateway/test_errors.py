@@ -62,9 +62,9 @@ def test_speculation_without_a_draft_is_refused(start_stack) -> None:  # type: i
 def test_full_queue_is_resource_exhausted(start_stack, int8_runtime) -> None:  # type: ignore[no-untyped-def]
     stack = start_stack(int8_runtime, max_batch_size=1, max_queue=1)
     with stack.client() as client, ThreadPoolExecutor(4) as pool:
-        calls = [client.stub.Generate(build_request(STORY, max_new_tokens=60), timeout=120) for _ in range(4)]
+        calls = [client.stub.Generate(build_request(STORY, max_new_tokens=30), timeout=120) for _ in range(4)]
         outcomes = list(pool.map(lambda call: _outcome(call), calls))
-    # At most one running and one queued while the first 60-token request decodes; whether
+    # At most one running and one queued while the first 30-token request decodes; whether
     # the second arrives before or after the first was admitted decides if it is queued.
     assert 1 <= outcomes.count("ok") <= 2
     assert outcomes.count("RESOURCE_EXHAUSTED") == 4 - outcomes.count("ok")

@@ -4,6 +4,7 @@ and `quantize_int4` on a tiny and on the real embedded Llama."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -17,7 +18,7 @@ from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 from specdec.errors import InvalidArgumentError
 from specdec.model import gguf_q4
 from specdec.model import quantize_int4 as qi4
-from specdec.model.gguf_q4 import gguf_int4_weights, rope_unpermute_rows
+from specdec.model.gguf_q4 import gguf_int4_weights, read_gguf_int4_weights, rope_unpermute_rows
 from specdec.model.int4_weight import Int4Weight
 from specdec.model.loader import DEFAULT_MODEL, LoadedModel, embedded_model_path
 from specdec.model.quantize_int4 import Int4Linear, choose_int4_kernel, quantize_int4
@@ -202,7 +203,7 @@ def test_rope_unpermute_rows_matches_transformers(n_head: int) -> None:
 def test_gguf_blocks_equal_transformers_weights(smollm2: LoadedModel) -> None:
     """Every Q4_1 tensor read from its own blocks is the weight transformers dequantized on load."""
     model = smollm2.model
-    weights = gguf_int4_weights(embedded_model_path(DEFAULT_MODEL), model.config)
+    weights = read_gguf_int4_weights(embedded_model_path(DEFAULT_MODEL), model.config)
     layers = model.config.num_hidden_layers
     expected = {f"model.layers.{i}.{part}.{p}.weight" for i in range(layers)
                 for part, projs in (("self_attn", PROJECTIONS[:4]), ("mlp", PROJECTIONS[4:])) for p in projs}
@@ -213,6 +214,25 @@ def test_gguf_blocks_equal_transformers_weights(smollm2: LoadedModel) -> None:
         assert weight.group_size == 32 and weight.q.shape == params[name].shape, name
         worst = max(worst, float((weight.dequantize() - params[name]).abs().max()))
     assert worst <= 1e-6, worst  # same fp16 d and m, same fp32 sum: bit-exact in practice
+
+
+def test_gguf_int4_weights_are_cached_after_the_first_read(
+    smollm2: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gguf = embedded_model_path(DEFAULT_MODEL)
+    first = gguf_int4_weights(gguf, smollm2.model.config, cache_dir=tmp_path)
+    assert len(list(tmp_path.rglob("int4-blocks-h9-kv3.safetensors"))) == 1
+
+    def no_second_read(*args: object) -> None:
+        raise AssertionError("the GGUF file was parsed again")
+
+    monkeypatch.setattr(gguf_q4, "read_gguf_int4_weights", no_second_read)
+    again = gguf_int4_weights(gguf, smollm2.model.config, cache_dir=tmp_path)
+    assert again.keys() == first.keys()
+    for name, weight in first.items():
+        for part in ("q", "scales", "zeros"):
+            assert torch.equal(getattr(again[name], part), getattr(weight, part)), (name, part)
+        assert again[name].group_size == weight.group_size
 
 
 # ---- quantize_int4 ----------------------------------------------------------------------------
