@@ -35,7 +35,7 @@ CLEAR_CODES = {
     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
 }
 FUZZ = settings(
-    derandomize=True, deadline=None, database=None, max_examples=120,
+    derandomize=True, deadline=None, database=None, max_examples=60,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 KNOWN = "known"  # a slot each service example starts with, so rollbacks and verifies go deep
