@@ -51,3 +51,10 @@ class StaleLeaseError(SpecdecError):
     """A lease names an older incarnation of a holder the service has seen restart since."""
 
     status_code_name = "FAILED_PRECONDITION"
+
+
+class ServiceRefusedError(SpecdecError):
+    """The target came back serving something the gateway cannot use (another tokenizer):
+    the gateway serves nothing until it is compatible again or the gateway restarts."""
+
+    status_code_name = "UNAVAILABLE"

@@ -105,6 +105,15 @@ class KPlanner:
         self._target = CostTable(self.target_costs) if self.target_costs else None
         self._draft = CostTable(self.draft_costs) if self.draft_costs else None
 
+    def set_costs(self, service: str, costs: Seq[ForwardCost]) -> None:
+        """A service restarted with other start-up costs ("target" or "draft"): plan with them,
+        and measure its online correction afresh."""
+        table = CostTable(costs) if costs else None
+        if service == "target":
+            self._target, self._target_scale = table, _Scale()
+        else:
+            self._draft, self._draft_scale = table, _Scale()
+
     @property
     def can_adapt(self) -> bool:
         """Both services advertised their costs (they measure them at start-up by default)."""

@@ -40,6 +40,11 @@ class ServiceMonitor:
         self.interval_s = interval_s
         #: Called with True / False when the target becomes reachable / unreachable.
         self.on_target: Callable[[bool], Awaitable[None]] | None = None
+        #: Called with an Info that differs from the service's last one (it restarted):
+        #: returns None once adopted, or why the service is refused (then unavailable).
+        self.on_change: Callable[[str, ModelInfo], str | None] | None = None
+        #: Why each refused service is refused (logged once per reason).
+        self.refused: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
         for name, info in initial.items():
             self._record_kv(name, info)
@@ -64,6 +69,15 @@ class ServiceMonitor:
             return
         if isinstance(info, BaseException):
             raise info
+        if self.on_change is not None and _identity(info) != _identity(self.latest[name]):
+            reason = self.on_change(name, info)
+            if reason is not None:
+                if self.refused.get(name) != reason:
+                    log.error("the %s service is refused: %s", name, reason)
+                self.refused[name] = reason
+                await self._set_available(name, False)
+                return
+            self.refused.pop(name, None)
         self.latest[name] = info
         self._record_kv(name, info)
         await self._set_available(name, True)
@@ -88,7 +102,16 @@ class ServiceMonitor:
         if available:
             log.info("the %s service answers again", name)
         else:
-            reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else "no answer in time"
-            log.warning("the %s service does not answer its Info (%s)", name, reason)
+            if name not in self.refused:
+                reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else "no answer in time"
+                log.warning("the %s service does not answer its Info (%s)", name, reason)
         if name == "target" and self.on_target is not None:
             await self.on_target(available)
+
+
+def _identity(info: ModelInfo) -> tuple[object, ...]:
+    """What a service's Info says about the service itself, as opposed to its current load."""
+    return (
+        info.model_id, info.model_name, info.tokenizer, info.max_seq_len, info.block_size, info.total_kv_tokens,
+        info.max_slots, info.max_speculative_tokens, info.dtype, info.device, info.quantization, info.forward_costs,
+    )

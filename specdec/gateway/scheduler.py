@@ -93,6 +93,9 @@ class Scheduler:
         #: A Propose failed or missed its deadline: rounds decode plainly until the draft's
         #: health check answers SERVING again (checked by `_watch_draft`).
         self.draft_degraded = False
+        #: The draft came back incompatible (another tokenizer, a smaller maximum K; see
+        #: `service_changes`): no speculation until it is compatible again.
+        self.draft_refused = False
         self._draft_watch: asyncio.Task[None] | None = None
         #: Slots whose Release failed (service down or slow), by service name: retried in the
         #: background until freed, since the lease of a live gateway never lets them expire.
@@ -169,10 +172,11 @@ class Scheduler:
     async def _round(self) -> None:
         await self._make_room()
         batch = list(self.running)
-        speculate = self.draft is not None and not self.draft_degraded
+        draft_off = self.draft_degraded or self.draft_refused
+        speculate = self.draft is not None and not draft_off
         caps = {s.slot_id: plan_k(s, self.max_seq_len) if speculate else 0 for s in batch}
         ks = self.planner.plan(batch, caps, {s.slot_id: s.adaptive for s in batch})
-        if self.draft_degraded and any(plan_k(s, self.max_seq_len) for s in batch):
+        if self.draft is not None and draft_off and any(plan_k(s, self.max_seq_len) for s in batch):
             self.stats.off_rounds["draft_unavailable"] += 1
         elif self.planner.last_off_reason is not None:
             self.stats.off_rounds[self.planner.last_off_reason] += 1
@@ -260,6 +264,12 @@ class Scheduler:
         self._wakeup.set()
 
     # -- bookkeeping -------------------------------------------------------------------
+
+    def set_pool(self, pool: PoolLimits) -> None:
+        """A service came back with another KV pool or slot count: admit against it from now on
+        (the next round preempts what no longer fits)."""
+        self.pools = [pool if old.name == pool.name else old for old in self.pools]
+        self._wakeup.set()
 
     def _fits(self, seqs: list[Sequence], headroom: int = 0) -> bool:
         """Whether every pool holds the next round of all `seqs` (and `headroom` spare blocks:

@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from specdec.cost_model import CostTable
-from specdec.errors import InvalidArgumentError, SpecdecError
+from specdec.errors import InvalidArgumentError, ServiceRefusedError, SpecdecError
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.k_planner import KPlanner
@@ -29,6 +29,7 @@ from specdec.gateway.monitor import ServiceMonitor
 from specdec.gateway.requests import RequestPolicy, completion_to_pb, new_sequence
 from specdec.gateway.scheduler import PoolLimits, Scheduler
 from specdec.gateway.sequence import Delta, FinishReason
+from specdec.gateway.service_changes import ServiceChanges
 from specdec.gateway.stats import GatewayStats
 from specdec.model.loader import load_tokenizer
 from specdec.model.tokenizer_info import check_compatible, tokenizer_fingerprint
@@ -85,6 +86,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        if (refused := self.state.monitor.refused.get("target")) is not None:
+            raise ServiceRefusedError(f"the target service is refused: {refused}")
         seq = await self.tokenizer_thread.run(new_sequence, request, self.state.policy)
         self.state.scheduler.submit(seq)
         try:
@@ -195,6 +198,9 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
             await running.health.set(name, status)
 
     monitor.on_target = report_target
+    monitor.on_change = ServiceChanges(
+        scheduler, target_info.tokenizer, max_speculative_tokens if draft is not None else 0, max_seq_len, config.adaptive_k
+    )
     monitor.start()
     if config.metrics_port >= 0:
         running.metrics_port = endpoint.serve(config.metrics_port, config.host)

@@ -54,17 +54,17 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     return tuple(sorted(ids))
 
 
-def check_compatible(draft: TokenizerInfo, target: TokenizerInfo) -> None:
-    """Raise TokenizerMismatchError naming the first difference between two tokenizers."""
+def check_compatible(draft: TokenizerInfo, target: TokenizerInfo, names: tuple[str, str] = ("draft", "target")) -> None:
+    """Raise TokenizerMismatchError naming the first difference between two tokenizers
+    (called `names` in the message)."""
+    a, b = names
     if draft.vocab_size != target.vocab_size:
-        raise TokenizerMismatchError(
-            f"vocab size differs: draft {draft.vocab_size}, target {target.vocab_size}"
-        )
+        raise TokenizerMismatchError(f"vocab size differs: {a} {draft.vocab_size}, {b} {target.vocab_size}")
     if draft.eos_token_ids != target.eos_token_ids:
         raise TokenizerMismatchError(
-            f"EOS token ids differ: draft {list(draft.eos_token_ids)}, target {list(target.eos_token_ids)}"
+            f"EOS token ids differ: {a} {list(draft.eos_token_ids)}, {b} {list(target.eos_token_ids)}"
         )
     if draft.fingerprint != target.fingerprint:
         raise TokenizerMismatchError(
-            f"tokenizer fingerprints differ: draft {draft.fingerprint[:12]}…, target {target.fingerprint[:12]}…"
+            f"tokenizer fingerprints differ: {a} {draft.fingerprint[:12]}…, {b} {target.fingerprint[:12]}…"
         )

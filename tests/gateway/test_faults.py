@@ -11,9 +11,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.client import build_request
+from specdec.draft_server.server import create_server as create_draft_server
 from specdec.target_server.server import create_server as create_target_server
 from specdec.v1 import gateway_pb2
 
+MONITOR_INTERVAL_S = 2.0  # the gateway's default Info poll
 STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
 
 
@@ -120,4 +122,69 @@ def test_a_request_right_after_the_target_restarts_waits_for_it_instead_of_faili
     stack.servers.insert(0, restarted)
     with stack.client() as client:
         assert client.generate(STORY, max_new_tokens=4).completion_tokens == 4
+    stack.wait_until_idle()
+
+
+def _restart(stack, index: int, service_loop, tokenizer_fingerprint: str = "", **config) -> None:  # type: ignore[no-untyped-def]
+    """Replace model server `index` (0 target, 1 draft) by a fresh engine on the same port,
+    with `config` changes (and a tampered tokenizer fingerprint if given)."""
+    engine = stack.target if index == 0 else stack.draft
+    port = stack.servers[index].port
+    _kill(stack, index, service_loop)
+    fresh = type(engine)(engine.runtime, dataclasses.replace(engine.config, port=port, **config))
+    if tokenizer_fingerprint:
+        fresh.tokenizer_info = dataclasses.replace(fresh.tokenizer_info, fingerprint=tokenizer_fingerprint)
+    create = create_target_server if index == 0 else create_draft_server
+    stack.servers.insert(index, service_loop.run(create(fresh.config, fresh)))
+    if index == 0:
+        stack.target = fresh
+    else:
+        stack.draft = fresh
+
+
+def _refusal(stack) -> tuple[grpc.StatusCode, bool] | None:  # type: ignore[no-untyped-def]
+    """The status of a short generation (None if it succeeds), and whether it names the tokenizer."""
+    with stack.client() as client:
+        try:
+            client.generate(STORY, max_new_tokens=2)
+        except grpc.RpcError as error:
+            return error.code(), "tokenizer fingerprints differ" in error.details()  # type: ignore[attr-defined]
+    return None
+
+
+def test_restarted_services_are_adopted_with_their_new_costs_or_refused(start_stack, int8_runtime, service_loop) -> None:  # type: ignore[no-untyped-def]
+    """The gateway re-reads a restarted service's Info: new costs and pool are adopted, another
+    tokenizer is refused (a draft: no speculation; a target: UNAVAILABLE) until it is fixed."""
+    stack = start_stack(int8_runtime, adaptive_k=True)  # services without cost tables: K cannot adapt
+    assert not _info(stack).adaptive_k
+    with stack.client() as client:
+        reference = client.generate(STORY, max_new_tokens=12, speculative=False).token_ids
+
+    # At most 4 slots: the services time batches of 1 and 4 only, and the pool shrinks.
+    _restart(stack, 0, service_loop, measure_costs=True, max_slots=4)
+    _restart(stack, 1, service_loop, measure_costs=True, max_slots=4)
+    assert _eventually(lambda: (info := _info(stack)).adaptive_k and info.draft.max_slots == 4)
+    assert len(_info(stack).draft.forward_costs) > 0
+    with stack.client() as client:
+        adaptive = client.generate(STORY, max_new_tokens=12)
+    assert adaptive.token_ids == reference
+
+    _restart(stack, 1, service_loop, tokenizer_fingerprint="0" * 64)
+    assert _eventually(lambda: not _info(stack).draft_available)
+    time.sleep(2 * MONITOR_INTERVAL_S + 0.5)  # the monitor has seen the new draft: refused, not just gone
+    assert not _info(stack).draft_available
+    with stack.client() as client:
+        plain = client.generate(STORY, max_new_tokens=12, num_speculative_tokens=4)
+    assert plain.token_ids == reference and plain.num_draft_tokens == 0
+
+    _restart(stack, 0, service_loop, tokenizer_fingerprint="0" * 64)
+    assert _eventually(lambda: _refusal(stack) is not None)  # once the gateway has seen the new target
+    assert _refusal(stack) == (grpc.StatusCode.UNAVAILABLE, True)
+    assert _gateway_health(stack) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+    _restart(stack, 0, service_loop)
+    _restart(stack, 1, service_loop)
+    assert _eventually(lambda: _gateway_health(stack) == health_pb2.HealthCheckResponse.SERVING and _info(stack).draft_available)
+    with stack.client() as client:
+        assert client.generate(STORY, max_new_tokens=12, num_speculative_tokens=4).token_ids == reference
     stack.wait_until_idle()
