@@ -22,6 +22,11 @@ log = logging.getLogger(__name__)
 #: Requests per forward and new tokens per request that the profile times.
 BATCH_SIZES = (1, 4, 16)
 CHUNK_WIDTHS = (1, 2, 5, 9)
+#: A prompt-sized chunk, timed at batch 1 only: what a prefill or a draft catching up on a
+#: prompt costs. Extrapolated from the 5- and 9-token points instead, a 48-token catch-up
+#: of the int4 draft came out at ~500 ms where it takes ~240 ms (AMD EPYC, AVX2), and the
+#: K planner judged speculation not worth starting.
+PREFILL_WIDTH = 64
 #: Largest forward the profile times (batch × tokens); the cost table extends past it linearly.
 MAX_ROWS = 64
 #: Cached tokens each profiling slot holds before the timed forwards (a short chat prompt).
@@ -32,40 +37,45 @@ _SLOT_PREFIX = "\x00profile-"  # never a gateway slot id: those are printable
 def measure_forward_costs(
     forward: PagedLlama, cache: PagedKVCache, *, max_batch: int, max_tokens: int, repeats: int = 2
 ) -> list[ForwardCost]:
-    """Median seconds of one forward over `b` slots × `t` new tokens, for the grid within limits.
+    """Median seconds of one forward over `b` slots × `t` new tokens, for the grid within limits,
+    plus one `PREFILL_WIDTH`-token chunk at batch 1.
 
     Uses (and afterwards frees) temporary slots in `cache`; grid points that do not fit the
     pool are skipped. Token ids are arbitrary: the cost does not depend on them.
     """
     batches = [b for b in BATCH_SIZES if b <= max_batch]
     widths = [t for t in CHUNK_WIDTHS if t <= max_tokens]
-    while batches and batches[-1] * (CONTEXT_LEN + widths[-1] + cache.block_size) > cache.blocks.free_tokens // 2:
+    while batches and batches[-1] * (CONTEXT_LEN + PREFILL_WIDTH + cache.block_size) > cache.blocks.free_tokens // 2:
         batches.pop()  # leave at least half the pool free whatever its size
     slots = [f"{_SLOT_PREFIX}{i}" for i in range(batches[-1])] if batches else []
     costs: list[ForwardCost] = []
     try:
         for slot in slots:
             cache.blocks.allocate(slot)
-        prompt = [(i * 7919) % forward.vocab_size for i in range(CONTEXT_LEN)]
-        forward.run(cache, [(slot, prompt) for slot in slots])
-        for batch in batches:
-            for width in (t for t in widths if t == 1 or batch * t <= MAX_ROWS):
-                chunk = prompt[:width]
-                times = []
-                for _ in range(repeats + 1):  # the first run warms up kernels and allocator
-                    for slot in slots[:batch]:
-                        cache.blocks.truncate_to(slot, CONTEXT_LEN)
-                    started = time.perf_counter()
-                    forward.run(cache, [(slot, chunk) for slot in slots[:batch]], logits="all")
-                    times.append(time.perf_counter() - started)
-                costs.append(ForwardCost(batch_size=batch, tokens=width, seconds=statistics.median(times[1:])))
+        prompt = [(i * 7919) % forward.vocab_size for i in range(max(CONTEXT_LEN, PREFILL_WIDTH))]
+        forward.run(cache, [(slot, prompt[:CONTEXT_LEN]) for slot in slots])
+        grid = [(batch, width) for batch in batches for width in widths if width == 1 or batch * width <= MAX_ROWS]
+        if batches:
+            grid = sorted([*grid, (1, PREFILL_WIDTH)])  # by batch size, then width
+        for batch, width in grid:
+            # A verify chunk returns logits for every token, a prefill for its last one only.
+            logits = "last" if width == PREFILL_WIDTH else "all"
+            times = []
+            for _ in range(repeats + 1):  # the first run warms up kernels and allocator
+                for slot in slots[:batch]:
+                    cache.blocks.truncate_to(slot, CONTEXT_LEN)
+                started = time.perf_counter()
+                forward.run(cache, [(slot, prompt[:width]) for slot in slots[:batch]], logits=logits)
+                times.append(time.perf_counter() - started)
+            costs.append(ForwardCost(batch_size=batch, tokens=width, seconds=statistics.median(times[1:])))
     finally:
         for slot in slots:
             if cache.blocks.has_slot(slot):
                 cache.blocks.free(slot)
     if costs:
+        single = {c.tokens: c.seconds * 1e3 for c in costs if c.batch_size == 1}
         log.info(
-            "forward costs: 1 token %.1f ms, %d tokens %.1f ms (batch 1)",
-            costs[0].seconds * 1e3, widths[-1], costs[len(widths) - 1].seconds * 1e3,
+            "forward costs (batch 1): 1 token %.1f ms, %d tokens %.1f ms, %d-token prefill %.1f ms",
+            single[1], widths[-1], single[widths[-1]], PREFILL_WIDTH, single[PREFILL_WIDTH],
         )
     return costs

@@ -133,3 +133,20 @@ def test_a_draft_prefill_is_worth_it_only_for_a_long_enough_future() -> None:
     planner = KPlanner(TARGET, costly_prefill, prior_alpha=0.9)
     assert planner.plan([long_future], {"long": 4}, {"long": True})["long"] > 0
     assert planner.plan([short_future], {"short": 4}, {"short": True})["short"] == 0
+
+
+def test_the_first_probe_ignores_the_budget_so_a_good_draft_is_found() -> None:
+    # A 60-token catch-up costing ~50 steps is over the probe budget of a 100-token request,
+    # and the pessimistic prior keeps K at 0. Until some round has measured α, a probe
+    # still goes ahead; afterwards the budget holds again.
+    costly_prefill = [*draft_costs(0.3), ForwardCost(1, 9, 0.040 * 0.3 * 8)]
+    fresh = seq("fresh")
+    fresh.tokens = list(range(60))
+    planner = KPlanner(TARGET, costly_prefill, prior_alpha=0.5, probe_every=4)
+    history = [planner.plan([fresh], {"fresh": 4}, {"fresh": True})["fresh"] for _ in range(4)]
+    assert history[:3] == [0, 0, 0] and history[3] > 0  # probed once its interval passed
+
+    zero = Timed(None, 0.0, 0.0)
+    planner.observe([fresh], RoundReport({"fresh": history[3]}, {"fresh": 0}, zero, zero, 0.0, 0.0))
+    later = [planner.plan([fresh], {"fresh": 4}, {"fresh": True})["fresh"] for _ in range(12)]
+    assert later == [0] * 12  # measured now: the same catch-up is over budget, so no probe

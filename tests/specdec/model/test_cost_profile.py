@@ -1,0 +1,29 @@
+"""The start-up cost profile on a tiny random Llama: which points it times, and that it leaves the pool as it found it."""
+
+from __future__ import annotations
+
+from tiny_models import tiny_llama
+
+from specdec.model.cost_profile import CHUNK_WIDTHS, PREFILL_WIDTH, measure_forward_costs
+from specdec.model.llama import PagedLlama
+
+
+def test_profile_times_verify_chunks_and_a_prompt_sized_prefill() -> None:
+    forward = PagedLlama(tiny_llama())
+    cache = forward.new_cache(token_budget=4096, block_size=16)
+    costs = measure_forward_costs(forward, cache, max_batch=4, max_tokens=9, repeats=1)
+
+    points = {(c.batch_size, c.tokens) for c in costs}
+    assert {(1, t) for t in CHUNK_WIDTHS} <= points
+    assert {(4, t) for t in CHUNK_WIDTHS} <= points
+    # A catch-up or prefill is interpolated from a measured prompt-sized chunk, not extrapolated.
+    assert (1, PREFILL_WIDTH) in points and PREFILL_WIDTH > max(CHUNK_WIDTHS)
+    assert all(c.seconds > 0 for c in costs)
+    assert cache.blocks.free_tokens == cache.capacity_tokens  # the profile's slots are gone
+
+
+def test_profile_skips_batches_that_would_take_more_than_half_the_pool() -> None:
+    forward = PagedLlama(tiny_llama())
+    cache = forward.new_cache(token_budget=512, block_size=16)
+    costs = measure_forward_costs(forward, cache, max_batch=16, max_tokens=9, repeats=1)
+    assert {c.batch_size for c in costs} == {1}
