@@ -45,7 +45,10 @@ def measure_forward_costs(
     """
     batches = [b for b in BATCH_SIZES if b <= max_batch]
     widths = [t for t in CHUNK_WIDTHS if t <= max_tokens]
-    while batches and batches[-1] * (CONTEXT_LEN + PREFILL_WIDTH + cache.block_size) > cache.blocks.free_tokens // 2:
+    def tokens_needed(batch: int) -> int:  # every slot's widest chunk, and slot 0's prefill
+        return batch * (CONTEXT_LEN + widths[-1] + cache.block_size) + PREFILL_WIDTH
+
+    while batches and tokens_needed(batches[-1]) > cache.blocks.free_tokens // 2:
         batches.pop()  # leave at least half the pool free whatever its size
     slots = [f"{_SLOT_PREFIX}{i}" for i in range(batches[-1])] if batches else []
     costs: list[ForwardCost] = []
