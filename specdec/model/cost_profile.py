@@ -45,12 +45,17 @@ def measure_forward_costs(
     """
     batches = [b for b in BATCH_SIZES if b <= max_batch]
     widths = [t for t in CHUNK_WIDTHS if t <= max_tokens]
-    def tokens_needed(batch: int) -> int:  # every slot's widest chunk, and slot 0's prefill
-        return batch * (CONTEXT_LEN + widths[-1] + cache.block_size) + PREFILL_WIDTH
+    def tokens_needed(batch: int, prefill: bool) -> int:  # every slot's widest chunk (and slot 0's prefill)
+        return batch * (CONTEXT_LEN + widths[-1] + cache.block_size) + (PREFILL_WIDTH if prefill else 0)
 
-    while batches and tokens_needed(batches[-1]) > cache.blocks.free_tokens // 2:
-        batches.pop()  # leave at least half the pool free whatever its size
-    slots = [f"{_SLOT_PREFIX}{i}" for i in range(batches[-1])] if batches else []
+    room = cache.blocks.free_tokens // 2  # leave at least half the pool free whatever its size
+    while batches and tokens_needed(batches[-1], False) > room:
+        batches.pop()
+    if not batches:
+        log.warning("forward costs not measured: a KV pool of %d tokens is too small to profile", cache.capacity_tokens)
+        return []
+    with_prefill = tokens_needed(batches[-1], True) <= room
+    slots = [f"{_SLOT_PREFIX}{i}" for i in range(batches[-1])]
     costs: list[ForwardCost] = []
     try:
         for slot in slots:
@@ -58,7 +63,7 @@ def measure_forward_costs(
         prompt = [(i * 7919) % forward.vocab_size for i in range(max(CONTEXT_LEN, PREFILL_WIDTH))]
         forward.run(cache, [(slot, prompt[:CONTEXT_LEN]) for slot in slots])
         grid = [(batch, width) for batch in batches for width in widths if width == 1 or batch * width <= MAX_ROWS]
-        if batches:
+        if with_prefill:
             grid = sorted([*grid, (1, PREFILL_WIDTH)])  # by batch size, then width
         for batch, width in grid:
             # A verify chunk returns logits for every token, a prefill for its last one only.
@@ -75,10 +80,10 @@ def measure_forward_costs(
         for slot in slots:
             if cache.blocks.has_slot(slot):
                 cache.blocks.free(slot)
-    if costs:
-        single = {c.tokens: c.seconds * 1e3 for c in costs if c.batch_size == 1}
-        log.info(
-            "forward costs (batch 1): 1 token %.1f ms, %d tokens %.1f ms, %d-token prefill %.1f ms",
-            single[1], widths[-1], single[widths[-1]], PREFILL_WIDTH, single[PREFILL_WIDTH],
-        )
+    single = {c.tokens: c.seconds * 1e3 for c in costs if c.batch_size == 1}
+    log.info(
+        "forward costs (batch 1): 1 token %.1f ms, %d tokens %.1f ms, %d-token prefill %s",
+        single[1], widths[-1], single[widths[-1]], PREFILL_WIDTH,
+        f"{single[PREFILL_WIDTH]:.1f} ms" if PREFILL_WIDTH in single else "not measured (small pool)",
+    )
     return costs

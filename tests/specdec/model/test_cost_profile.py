@@ -27,3 +27,13 @@ def test_profile_skips_batches_that_would_take_more_than_half_the_pool() -> None
     cache = forward.new_cache(token_budget=512, block_size=16)
     costs = measure_forward_costs(forward, cache, max_batch=16, max_tokens=9, repeats=1)
     assert {c.batch_size for c in costs} == {1}
+
+
+def test_a_small_pool_skips_the_prefill_point_and_a_tiny_one_skips_the_profile() -> None:
+    forward = PagedLlama(tiny_llama())
+    small = forward.new_cache(token_budget=256, block_size=16)  # 128 tokens to profile with
+    points = {(c.batch_size, c.tokens) for c in measure_forward_costs(forward, small, max_batch=4, max_tokens=5, repeats=1)}
+    assert points == {(1, t) for t in CHUNK_WIDTHS if t <= 5}
+    tiny = forward.new_cache(token_budget=64, block_size=16)
+    assert measure_forward_costs(forward, tiny, max_batch=4, max_tokens=5, repeats=1) == []
+    assert tiny.blocks.free_tokens == tiny.capacity_tokens
