@@ -15,15 +15,19 @@ Inputs, all measured:
 - per-position acceptance α_j per request (an EMA, started from the batch-wide EMA).
 A request that runs with K = 0 by choice is re-probed with a small K after
 `probe_every` rounds, so its α estimate (and the decision) can recover. A probe is not
-free: the draft first catches up on every token it skipped. So each probe that confirms
-"off" doubles that request's interval (up to `max_probe_every`), at most one request
-probes per round, and only when the probe costs at most `probe_budget` of the request's
-remaining plain-decoding time — except until the first round with draft tokens was
-observed: the prior α alone must not keep a gateway from ever measuring its draft.
+free: the draft first catches up on every token it skipped, and every stream in the
+batch waits for it. So each probe that confirms "off" doubles that request's interval (up
+to `max_probe_every`), at most one request probes per round, and only
+- if drafting for it would pay with a perfectly accepted draft (otherwise the batch or the
+  draft's cost keeps it off, and no α it could measure would change that), and
+- if the batch's probes together cost at most `probe_budget` of the remaining plain
+  decoding — except until the first round with draft tokens was observed: the prior α
+  alone must not keep a gateway from ever measuring its draft.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -167,8 +171,13 @@ class KPlanner:
                     ks, best_rate = trial, rate
                     self.last_off_reason = "not_paying"
         plain_round = model.round_seconds([0] * len(seqs))
-        affordable = [s for s in flexible if self._probe_affordable(s, model, plain_round)]
-        self._schedule_probe(flexible, affordable, ks, caps)
+
+        def worth_probing(s: Sequence) -> bool:
+            return self._probe_affordable(s, model, plain_round, len(seqs)) and self._probe_could_pay(
+                s, seqs, ks, caps, alphas, start, model
+            )
+
+        self._schedule_probe(flexible, ks, caps, worth_probing)
         self._catching_up = any(ks[s.slot_id] > 0 and s.draft_pending > 2 for s in seqs)
         return ks
 
@@ -186,20 +195,43 @@ class KPlanner:
         rounds_left = (seq.max_new_tokens - seq.completion_tokens) / expected_tokens(alphas, 2)
         return max(0.0, extra) / min(max(1.0, rounds_left), CATCH_UP_HORIZON)
 
-    def _probe_affordable(self, seq: Sequence, model: RoundCostModel, plain_round: float) -> bool:
+    def _probe_affordable(self, seq: Sequence, model: RoundCostModel, plain_round: float, batch_size: int) -> bool:
         """A probe's catch-up may cost at most `probe_budget` of the request's remaining plain
-        decoding; the first probe of all is always affordable (see the module docstring)."""
+        decoding, shared with the rest of the batch: a catch-up stalls every stream in its
+        round, and each of them may probe in turn. The first probe of all is always
+        affordable (see the module docstring)."""
         if model.draft is None:
             return False
         if not self._measured_alpha:
             return True
         cost = model.draft.seconds(1, max(seq.draft_pending, 1)) + (self.probe_k - 1) * model.draft.step(1)
-        return cost <= self.probe_budget * (seq.max_new_tokens - seq.completion_tokens) * plain_round
+        remaining_s = (seq.max_new_tokens - seq.completion_tokens) * plain_round
+        return cost * batch_size <= self.probe_budget * remaining_s
+
+    @staticmethod
+    def _probe_could_pay(
+        seq: Sequence, seqs: list[Sequence], ks: dict[str, int], caps: dict[str, int],
+        alphas: list[list[float]], start: list[float], model: RoundCostModel,
+    ) -> bool:
+        """Whether drafting for `seq` would raise the batch's rate if its draft were always
+        accepted. If not, the batch's size or the draft's cost keeps it off, not its
+        acceptance, and a probe could not change the decision (measured: 16 concurrent
+        requests, each probing in turn, spent a third of the run on catch-ups)."""
+        i = seqs.index(seq)
+        hopeful = [*alphas[:i], [1.0], *alphas[i + 1:]]
+        trial = [ks[s.slot_id] for s in seqs]
+        current = model.tokens_per_second(trial, hopeful, start)
+        for k in range(1, caps[seq.slot_id] + 1):
+            trial[i] = k
+            if model.tokens_per_second(trial, hopeful, start) > current:
+                return True
+        return False
 
     def _schedule_probe(
-        self, flexible: list[Sequence], affordable: list[Sequence], ks: dict[str, int], caps: dict[str, int]
+        self, flexible: list[Sequence], ks: dict[str, int], caps: dict[str, int], worth_probing: Callable[[Sequence], bool]
     ) -> None:
-        """Count rounds off per request; let the affordable one off longest past its interval probe."""
+        """Count rounds off per request; of those past their interval, the one off longest
+        that is worth probing drafts `probe_k` tokens."""
         due = []
         for s in flexible:
             slot = s.slot_id
@@ -212,14 +244,15 @@ class KPlanner:
                 self._probe_interval[slot] = min(2 * self._probe_interval.get(slot, self.probe_every), self.max_probe_every)
             idle = self._idle_rounds.get(slot, 0) + 1
             self._idle_rounds[slot] = idle
-            if idle >= self._probe_interval.get(slot, self.probe_every) and s in affordable:
-                due.append((idle, slot))
+            if idle >= self._probe_interval.get(slot, self.probe_every):
+                due.append((idle, s))
         self._probing = set()
-        if due:
-            _, slot = max(due)
-            ks[slot] = min(self.probe_k, caps[slot])
-            self._idle_rounds[slot] = 0
-            self._probing.add(slot)
+        for _, s in sorted(due, key=lambda pair: pair[0], reverse=True):
+            if worth_probing(s):
+                ks[s.slot_id] = min(self.probe_k, caps[s.slot_id])
+                self._idle_rounds[s.slot_id] = 0
+                self._probing.add(s.slot_id)
+                return
 
     def observe(self, seqs: list[Sequence], report: RoundReport) -> None:
         """Learn from a finished round: acceptance per request, cost scales, overhead."""

@@ -150,3 +150,35 @@ def test_the_first_probe_ignores_the_budget_so_a_good_draft_is_found() -> None:
     planner.observe([fresh], RoundReport({"fresh": history[3]}, {"fresh": 0}, zero, zero, 0.0, 0.0))
     later = [planner.plan([fresh], {"fresh": 4}, {"fresh": True})["fresh"] for _ in range(12)]
     assert later == [0] * 12  # measured now: the same catch-up is over budget, so no probe
+
+
+def test_no_probe_where_even_a_perfect_draft_would_not_pay() -> None:
+    # A compute-bound target (each verified token costs the same at any batch size) and a
+    # draft at c = 0.4: alone a request gains from speculating, in a batch of 16 none does,
+    # however well its draft is accepted. Probing there would only pay catch-ups.
+    compute_bound = [ForwardCost(b, t, 0.040 + 0.006 * b * t) for b in (1, 4, 16) for t in (1, 5, 9)]
+    drafts = [ForwardCost(b, 1, 0.012 + 0.006 * b) for b in (1, 4, 16)]
+    crowd = [seq(f"r{i}") for i in range(16)]
+    planner = KPlanner(compute_bound, drafts, probe_every=4)
+    for _ in range(60):
+        ks = feed(planner, crowd, {s.slot_id: 1.0 for s in crowd}, rounds=1)
+        assert set(ks.values()) == {0}
+    alone = seq("alone")
+    assert feed(planner, [alone], {"alone": 1.0}, rounds=1)["alone"] > 0
+
+
+def test_a_batch_shares_one_probe_budget() -> None:
+    # Catching up on 15 tokens costs ~0.17 s: 70 % of one request's probe budget (5 % of 100
+    # plain rounds at batch 4), but a catch-up stalls all four streams, each of which would
+    # probe in turn, so together they would spend 280 % of it.
+    costly_prefill = [*draft_costs(0.1), ForwardCost(1, 9, 0.040 * 0.3 * 8)]
+    seqs = [seq(f"r{i}") for i in range(4)]
+    for s in seqs:
+        s.tokens = list(range(15))
+    planner = KPlanner(TARGET, costly_prefill, probe_every=4)
+    probes = 0
+    for round_index in range(60):
+        ks = feed(planner, seqs, {s.slot_id: 0.0 for s in seqs}, rounds=1)
+        if round_index > 8:  # the optimistic prior has been corrected: every request is off
+            probes += sum(k > 0 for k in ks.values())
+    assert probes == 0
