@@ -92,10 +92,11 @@ def run_request(
     seed: int | None = None,
     repetition: int = 0,
     concurrency: int = 1,
+    prompts: tuple[str, ...] = PROMPTS,
 ) -> tuple[RunRecord, GenerationResult]:
-    """Send `PROMPTS[prompt]` as a chat and return its record and the full result."""
+    """Send `prompts[prompt]` as a chat and return its record and the full result."""
     result = client.generate(
-        chat(PROMPTS[prompt]), max_new_tokens=max_new_tokens, temperature=temperature,
+        chat(prompts[prompt]), max_new_tokens=max_new_tokens, temperature=temperature,
         seed=seed if temperature > 0 else None, **speculation_options(k),
     )
     if result.finish_reason not in ("length", "stop"):

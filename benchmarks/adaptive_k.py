@@ -1,0 +1,195 @@
+"""Adaptive K on a mixed workload: is it as fast as the best fixed K, and never slower than plain?
+
+    .venv/bin/python benchmarks/adaptive_k.py [--tokens 96] [--ks 1,2,4,8] [--concurrency 1,2,4,8,16]
+
+Three parts, each on its own freshly started trio (target, draft, gateway):
+
+* `default draft`: the default int4 self-draft on the chat prompts of `specdec bench`;
+* `2-layer draft`: a draft of the target's first two layers (`--num-layers 2`), which is
+  cheap and mostly rejected, on the same prompts;
+* `repetitive`: the default draft on prompts whose answers repeat themselves (counting,
+  lists), with twice as many new tokens: long, highly predictable outputs.
+
+In each part single greedy requests run plain, with the gateway's adaptive K and with
+every fixed K of `--ks`, interleaved per prompt; then, at every concurrency level, groups
+of requests run plain, adaptive and with the part's best fixed K. Greedy outputs are
+checked against plain decoding. The gateway's upper bound for adaptive K is the largest
+of `--ks`, so adaptive K may pick anything a fixed K was allowed.
+
+It prints one table per part and writes the figures to `--results` (JSON) and a Markdown
+page (`--docs`), both relative to the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from specdec.client import SpecdecClient
+from specdec_bench.results import machine
+from specdec_bench.runner import REQUEST_TIMEOUT_S, resolve
+from specdec_bench.stack import running_stack
+from specdec_bench.sweeps import ExactnessError
+from specdec_bench.workloads import PROMPTS, RunRecord, mode_name, run_request
+
+REPETITIVE_PROMPTS: tuple[str, ...] = (
+    "Count from 1 to 200, writing each number as a word, separated by commas.",
+    "Write the English alphabet from A to Z, one letter per line, five times over.",
+    "List the days of the week, one per line, and repeat the whole list ten times.",
+)
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    draft_args: str
+    prompts: tuple[str, ...]
+    tokens_factor: int
+
+
+PARTS = (
+    Part("default draft", "", PROMPTS[:3], 1),
+    Part("2-layer draft", "--num-layers 2", PROMPTS[:3], 1),
+    Part("repetitive", "", REPETITIVE_PROMPTS, 2),
+)
+
+
+@dataclass
+class PartResult:
+    name: str
+    #: Median single-request tokens/s per mode (`plain`, `speculative` = adaptive, `K=<k>`).
+    single: dict[str, float] = field(default_factory=dict)
+    #: Mean K the adaptive runs chose, and their acceptance rate.
+    adaptive_mean_k: float = 0.0
+    adaptive_acceptance: float = 0.0
+    best_k: int = 0
+    #: Aggregate tokens/s per concurrency level and mode (`plain`, `speculative`, `K=<best>`).
+    concurrent: dict[int, dict[str, float]] = field(default_factory=dict)
+
+
+def _check(prompt: int, mode: str, tokens: list[int], reference: list[int]) -> None:
+    if tokens != reference:
+        raise ExactnessError(f"greedy {mode} output differs from plain decoding on prompt {prompt}")
+
+
+def _group(client: SpecdecClient, prompts: tuple[str, ...], level: int, k: int | None, tokens: int) -> float:
+    """Aggregate tokens/s of `level` requests sent at once (prompts cycled)."""
+    with ThreadPoolExecutor(level) as pool:
+        started = time.perf_counter()
+        futures = [
+            pool.submit(run_request, client, "adaptive_k", i % len(prompts), k, max_new_tokens=tokens, prompts=prompts)
+            for i in range(level)
+        ]
+        produced = sum(future.result()[0].completion_tokens for future in futures)
+    return produced / (time.perf_counter() - started)
+
+
+def run_part(part: Part, args: argparse.Namespace, progress: tqdm) -> PartResult:
+    tokens = args.tokens * part.tokens_factor
+    ks: list[int | None] = [0, None, *args.ks]
+    result = PartResult(part.name)
+    gateway_args = f"--num-speculative-tokens {max(args.ks)}"
+    with running_stack(draft_args=part.draft_args, gateway_args=gateway_args) as stack:
+        with SpecdecClient(stack.address, timeout=REQUEST_TIMEOUT_S) as client:
+            for k in (0, None, max(args.ks)):  # warm-up: allocators and kernels
+                run_request(client, "warm-up", 0, k, max_new_tokens=8)
+            rates: dict[str, list[float]] = {mode_name(k): [] for k in ks}
+            adaptive: list[RunRecord] = []
+            for prompt in range(len(part.prompts)):
+                progress.set_description(f"{part.name}: single requests")
+                order = ks if prompt % 2 == 0 else list(reversed(ks))
+                outputs: dict[str, list[int]] = {}
+                for k in order:
+                    record, out = run_request(client, "adaptive_k", prompt, k, max_new_tokens=tokens, prompts=part.prompts)
+                    rates[record.mode].append(record.tokens_per_s)
+                    outputs[record.mode] = out.token_ids
+                    if k is None:
+                        adaptive.append(record)
+                    progress.update()
+                for mode, ids in outputs.items():
+                    _check(prompt, mode, ids, outputs["plain"])
+            result.single = {mode: statistics.median(values) for mode, values in rates.items()}
+            rounds = sum(r.num_rounds for r in adaptive)
+            drafted = sum(r.num_draft_tokens for r in adaptive)
+            result.adaptive_mean_k = drafted / rounds if rounds else 0.0
+            result.adaptive_acceptance = sum(r.num_accepted_tokens for r in adaptive) / drafted if drafted else 0.0
+            result.best_k = max(args.ks, key=lambda k: result.single[mode_name(k)])
+            for i, level in enumerate(args.concurrency):
+                progress.set_description(f"{part.name}: concurrency {level}")
+                modes: list[int | None] = [0, None, result.best_k]
+                row: dict[str, float] = {}
+                for k in modes if i % 2 == 0 else list(reversed(modes)):
+                    row[mode_name(k)] = _group(client, part.prompts, level, k, tokens)
+                    progress.update()
+                result.concurrent[level] = row
+    return result
+
+
+def verdicts(r: PartResult) -> list[str]:
+    """The issue's three checks on one part, as text."""
+    adaptive, plain = r.single["speculative"], r.single["plain"]
+    best = r.single[mode_name(r.best_k)]
+    lines = [
+        f"adaptive ÷ best fixed K (K={r.best_k}): {adaptive / best:.2f}x",
+        f"adaptive ÷ plain: {adaptive / plain:.2f}x",
+    ]
+    worst = min(row["speculative"] / max(row["plain"], row[mode_name(r.best_k)]) for row in r.concurrent.values())
+    lines.append(f"concurrency, adaptive ÷ better of plain and K={r.best_k}, worst level: {worst:.2f}x")
+    return lines
+
+
+def table(r: PartResult, ks: list[int]) -> str:
+    modes = ["plain", "speculative", *(mode_name(k) for k in ks)]
+    head = "| single request, tok/s | " + " | ".join("adaptive" if m == "speculative" else m for m in modes) + " |"
+    rows = [head, "|" + "---|" * (len(modes) + 1), "| median | " + " | ".join(f"{r.single[m]:.1f}" for m in modes) + " |"]
+    conc_modes = ["plain", "speculative", mode_name(r.best_k)]
+    rows += ["", "| concurrency, aggregate tok/s | plain | adaptive | " + mode_name(r.best_k) + " |", "|---|---|---|---|"]
+    rows += [f"| {level} | " + " | ".join(f"{row[m]:.1f}" for m in conc_modes) + " |" for level, row in r.concurrent.items()]
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=96, help="new tokens per request (twice that for the repetitive part)")
+    parser.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8], help="fixed Ks to compare")
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16])
+    parser.add_argument("--results", default="benchmarks/results/adaptive_k.json")
+    parser.add_argument("--docs", default="docs/adaptive_k.md")
+    args = parser.parse_args()
+    started = time.monotonic()
+    runs_per_part = 3 * (2 + len(args.ks)) + 3 * len(args.concurrency)
+    results = []
+    with tqdm(total=runs_per_part * len(PARTS), unit="run", file=sys.stderr, dynamic_ncols=True) as progress:
+        for part in PARTS:
+            results.append(run_part(part, args, progress))
+    facts = machine()
+    vector = " ".join(f for f in facts["cpu_flags"].split() if f.startswith(("avx", "amx")))
+    cpu = f"{facts['cpu_model']}, {facts['cpus']} cores ({vector or 'no AVX'})"
+    command = "python " + " ".join(sys.argv)
+    lines = [
+        "# Adaptive K on a mixed workload",
+        "",
+        f"Measured by `{command}` on {cpu} ({time.monotonic() - started:.0f} s, "
+        f"{time.strftime('%Y-%m-%d', time.gmtime())}). What each part runs is in the script's docstring.",
+    ]
+    for r in results:
+        lines += ["", f"## {r.name}", "",
+                  f"Adaptive K, single requests: mean K {r.adaptive_mean_k:.2f} over the rounds that drafted, acceptance {r.adaptive_acceptance:.2f}.", "",
+                  table(r, args.ks), "", *(f"* {v}" for v in verdicts(r))]
+    page = "\n".join(lines) + "\n"
+    print(page)
+    resolve(args.results).write_text(json.dumps({"command": command, "machine": facts,
+                                                  "parts": [r.__dict__ for r in results]}, indent=1))
+    if args.docs:
+        resolve(args.docs).write_text(page)
+
+
+if __name__ == "__main__":
+    main()
