@@ -33,11 +33,22 @@ def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
+def _running_max(values: Sequence[float]) -> list[float]:
+    """Each value raised to the largest before it. A forward over more tokens never costs
+    less, but start-up timings are noisy: a 2-token verify once timed below a 1-token
+    step, which made drafting one token look free."""
+    out: list[float] = []
+    for v in values:
+        out.append(max(v, out[-1]) if out else v)
+    return out
+
+
 class CostTable:
     """Forward-pass seconds for any (batch size, tokens per request), from a measured grid.
 
     Interpolates linearly in tokens within each measured batch size, then linearly in
-    batch size; outside the grid it extends the nearest segment.
+    batch size; outside the grid it extends the nearest segment. Within a batch size the
+    figures are made non-decreasing in tokens (see `_running_max`).
     """
 
     def __init__(self, costs: Sequence[ForwardCost], scale: float = 1.0) -> None:
@@ -47,7 +58,7 @@ class CostTable:
         for cost in costs:
             rows.setdefault(cost.batch_size, {})[cost.tokens] = cost.seconds
         self._batches = sorted(rows)
-        self._rows = {b: (sorted(rows[b]), [rows[b][t] for t in sorted(rows[b])]) for b in self._batches}
+        self._rows = {b: (sorted(rows[b]), _running_max([rows[b][t] for t in sorted(rows[b])])) for b in self._batches}
         self._costs = tuple(costs)
         #: Correction factor applied to every figure (measured online ÷ measured at start-up).
         self.scale = scale
@@ -91,17 +102,22 @@ def expected_speedup(alpha: float, k: int, c: float, s: float) -> float:
 class RoundCostModel:
     """Seconds of one round for a batch, from both services' tables plus a fixed overhead.
 
-    `overhead_s` is what a round costs besides the two services' compute (RPCs,
-    (de)serialisation, acceptance, scheduling), measured online by the gateway.
+    `overhead_s` is what a plain round costs besides the target's compute (the Verify RPC,
+    (de)serialisation, acceptance, scheduling), and `draft_overhead_s` what each draft
+    token adds to that (the Propose RPC, q vectors and K+1 logits rows on the wire, the
+    rejection sampler), both measured online by the gateway. Without the second, a cheap
+    draft that is almost always rejected looked free at K = 1 and ran 0.69x of plain.
     """
 
     target: CostTable
     draft: CostTable | None
     overhead_s: float = 0.0
+    draft_overhead_s: float = 0.0
 
     def round_seconds(self, ks: Sequence[int]) -> float:
         """A round where request i drafts ks[i] tokens (0 = plain decoding for it)."""
-        return self.overhead_s + self.verify_seconds(ks) + self.draft_seconds(ks)
+        overhead = self.overhead_s + self.draft_overhead_s * sum(ks)
+        return overhead + self.verify_seconds(ks) + self.draft_seconds(ks)
 
     def verify_seconds(self, ks: Sequence[int]) -> float:
         """The target's one forward over K+1 tokens per request."""

@@ -11,7 +11,8 @@ Inputs, all measured:
 - forward costs of both services, timed at their start-up (`ModelInfo.forward_costs`),
   rescaled online by the ratio of the compute time the services report to the predicted
   one (the machine may be busier than at start-up);
-- the round overhead outside both services' compute (RPCs, acceptance), an EMA;
+- the round overhead outside both services' compute (RPCs, acceptance): an EMA over plain
+  rounds, and an EMA of what each draft token adds to it over rounds that drafted;
 - per-position acceptance α_j per request (an EMA, started from the batch-wide EMA).
 A request that runs with K = 0 by choice is re-probed with a small K after
 `probe_every` rounds, so its α estimate (and the decision) can recover. A probe is not
@@ -27,6 +28,7 @@ to `max_probe_every`), at most one request probes per round, and only
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -34,6 +36,8 @@ from dataclasses import dataclass, field
 from specdec.cost_model import CostTable, ForwardCost, RoundCostModel, expected_tokens
 from specdec.gateway.sequence import Sequence
 from specdec.gateway.speculative_step import RoundReport
+
+log = logging.getLogger(__name__)
 
 #: Rounds at most over which a draft catch-up is spread: its payback is an estimate (a
 #: request may stop early), and a crowd of fresh requests all catching up at once stalls
@@ -93,6 +97,7 @@ class KPlanner:
     probe_budget: float = 0.05
     probe_k: int = 2
     overhead_s: float = 0.0
+    draft_overhead_s: float = 0.0
     global_alpha: AcceptanceEstimate = field(init=False)
     _target: CostTable | None = field(init=False)
     _draft: CostTable | None = field(init=False)
@@ -136,6 +141,7 @@ class KPlanner:
             target=self._target.scaled(self._target_scale.value),
             draft=self._draft.scaled(self._draft_scale.value) if self._draft else None,
             overhead_s=self.overhead_s,
+            draft_overhead_s=self.draft_overhead_s,
         )
 
     def alphas(self, seq: Sequence) -> list[float]:
@@ -159,6 +165,12 @@ class KPlanner:
             rate = model.tokens_per_second(uniform, alphas, start)
             if rate > best_rate:
                 best_rate, best_k = rate, k
+        if log.isEnabledFor(logging.DEBUG):
+            plain = model.tokens_per_second([0] * len(seqs), alphas)
+            log.debug("plan: batch %d, best uniform K %d at %.1f tok/s (plain %.1f), α_1 %s, scales t %.2f d %.2f, "
+                      "overhead %.1f ms + %.1f ms per draft token", len(seqs), best_k, best_rate, plain,
+                      [round(a[0], 2) for a in alphas], self._target_scale.value, self._draft_scale.value,
+                      1e3 * self.overhead_s, 1e3 * self.draft_overhead_s)
         for s in flexible:
             ks[s.slot_id] = min(best_k, caps[s.slot_id])
         if best_k == 0:
@@ -273,7 +285,12 @@ class KPlanner:
             self._target_scale.observe(report.verify.compute_s, unscaled.verify_seconds(ks), self.cost_weight)
             if not self._catching_up:
                 self._draft_scale.observe(report.propose.compute_s, unscaled.draft_seconds(ks), self.cost_weight)
-        self.overhead_s += self.cost_weight * (report.overhead_s - self.overhead_s)
+        drafted = sum(ks)
+        if drafted == 0:
+            self.overhead_s += self.cost_weight * (report.overhead_s - self.overhead_s)
+        else:  # what the draft tokens added to a plain round's overhead, per token
+            per_token = max(0.0, report.overhead_s - self.overhead_s) / drafted
+            self.draft_overhead_s += self.cost_weight * (per_token - self.draft_overhead_s)
 
     def forget(self, seq: Sequence) -> None:
         """Drop a finished request's state."""

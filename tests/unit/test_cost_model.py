@@ -24,6 +24,14 @@ def test_table_hits_measured_points_and_interpolates_between_them() -> None:
     assert table.scaled(2.0).seconds(1, 5) == pytest.approx(0.028)
 
 
+def test_a_noisy_table_never_makes_more_tokens_cheaper() -> None:
+    # Start-up timings are noisy: here the 2-token forward timed below the 1-token one.
+    table = CostTable([ForwardCost(1, 1, 0.058), ForwardCost(1, 2, 0.056), ForwardCost(1, 5, 0.066)])
+    assert table.seconds(1, 2) == pytest.approx(0.058)
+    assert table.seconds(1, 1.5) == pytest.approx(0.058)
+    assert table.seconds(1, 5) == pytest.approx(0.066)
+
+
 def test_expected_tokens_matches_the_closed_form() -> None:
     for alpha in (0.0, 0.3, 0.9):
         for k in range(6):
@@ -50,3 +58,6 @@ def test_round_cost_counts_each_draft_step_over_the_requests_still_drafting() ->
     assert model.round_seconds([4, 2]) == pytest.approx(expected)
     rate = model.tokens_per_second([4, 2], [[0.5], [1.0]])
     assert math.isclose(rate, (expected_tokens([0.5], 4) + 3) / expected)
+    wire = RoundCostModel(target=target, draft=draft, overhead_s=0.001, draft_overhead_s=0.0005)
+    assert wire.round_seconds([0, 0]) == pytest.approx(0.011)  # plain rounds pay no draft overhead
+    assert wire.round_seconds([4, 2]) == pytest.approx(expected + 6 * 0.0005)

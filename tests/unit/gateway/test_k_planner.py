@@ -182,3 +182,18 @@ def test_a_batch_shares_one_probe_budget() -> None:
         if round_index > 8:  # the optimistic prior has been corrected: every request is off
             probes += sum(k > 0 for k in ks.values())
     assert probes == 0
+
+
+def test_the_overhead_a_draft_token_adds_keeps_a_cheap_weak_draft_off() -> None:
+    # A nearly free draft accepted 10 % of the time: by the forward costs alone one draft
+    # token pays (1.1 tokens for a 2-token verify that costs about one step). But every
+    # draft token adds 15 ms of RPC and acceptance to the round, which the planner learns.
+    planner = KPlanner(TARGET, draft_costs(0.02), prior_alpha=0.1, request_weight=0.0, global_weight=0.0, probe_every=1000)
+    a = seq("a")
+    zero = Timed(None, 0.0, 0.0)
+    assert planner.plan([a], {"a": 8}, {"a": True})["a"] > 0
+    for k in (0, 1, 0, 1, 0, 1) * 10:
+        report = RoundReport({"a": k}, {"a": 0}, zero, zero, 0.0, 0.002 + 0.015 * k)
+        planner.observe([a], report)
+    assert planner.draft_overhead_s == pytest.approx(0.015, rel=0.05)
+    assert planner.plan([a], {"a": 8}, {"a": True})["a"] == 0
