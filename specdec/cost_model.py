@@ -103,20 +103,25 @@ class RoundCostModel:
     """Seconds of one round for a batch, from both services' tables plus a fixed overhead.
 
     `overhead_s` is what a plain round costs besides the target's compute (the Verify RPC,
-    (de)serialisation, acceptance, scheduling), and `draft_overhead_s` what each draft
-    token adds to that (the Propose RPC, q vectors and K+1 logits rows on the wire, the
-    rejection sampler), both measured online by the gateway. Without the second, a cheap
-    draft that is almost always rejected looked free at K = 1 and ran 0.69x of plain.
+    (de)serialisation, acceptance, scheduling). A round that drafts adds
+    `draft_round_overhead_s` (the Propose RPC) plus `draft_token_overhead_s` per draft
+    token (q vectors and logits rows on the wire, the rejection sampler). All three are
+    measured online by the gateway. Without the draft's share, a cheap draft that is
+    almost always rejected looked free at K = 1 and ran at 0.69x of plain.
     """
 
     target: CostTable
     draft: CostTable | None
     overhead_s: float = 0.0
-    draft_overhead_s: float = 0.0
+    draft_round_overhead_s: float = 0.0
+    draft_token_overhead_s: float = 0.0
 
     def round_seconds(self, ks: Sequence[int]) -> float:
         """A round where request i drafts ks[i] tokens (0 = plain decoding for it)."""
-        overhead = self.overhead_s + self.draft_overhead_s * sum(ks)
+        drafted = sum(ks)
+        overhead = self.overhead_s
+        if drafted:
+            overhead += self.draft_round_overhead_s + self.draft_token_overhead_s * drafted
         return overhead + self.verify_seconds(ks) + self.draft_seconds(ks)
 
     def verify_seconds(self, ks: Sequence[int]) -> float:

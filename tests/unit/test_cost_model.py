@@ -58,6 +58,6 @@ def test_round_cost_counts_each_draft_step_over_the_requests_still_drafting() ->
     assert model.round_seconds([4, 2]) == pytest.approx(expected)
     rate = model.tokens_per_second([4, 2], [[0.5], [1.0]])
     assert math.isclose(rate, (expected_tokens([0.5], 4) + 3) / expected)
-    wire = RoundCostModel(target=target, draft=draft, overhead_s=0.001, draft_overhead_s=0.0005)
+    wire = RoundCostModel(target, draft, overhead_s=0.001, draft_round_overhead_s=0.002, draft_token_overhead_s=0.0005)
     assert wire.round_seconds([0, 0]) == pytest.approx(0.011)  # plain rounds pay no draft overhead
-    assert wire.round_seconds([4, 2]) == pytest.approx(expected + 6 * 0.0005)
+    assert wire.round_seconds([4, 2]) == pytest.approx(expected + 0.002 + 6 * 0.0005)

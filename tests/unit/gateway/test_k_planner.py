@@ -9,7 +9,7 @@ import torch
 
 from specdec.cost_model import ForwardCost
 from specdec.gateway.detokenizer import StopStringDetokenizer
-from specdec.gateway.k_planner import AcceptanceEstimate, KPlanner
+from specdec.gateway.k_planner import AcceptanceEstimate, DraftOverhead, KPlanner
 from specdec.gateway.model_clients import Timed
 from specdec.gateway.sequence import Sequence
 from specdec.gateway.speculative_step import RoundReport
@@ -195,5 +195,15 @@ def test_the_overhead_a_draft_token_adds_keeps_a_cheap_weak_draft_off() -> None:
     for k in (0, 1, 0, 1, 0, 1) * 10:
         report = RoundReport({"a": k}, {"a": 0}, zero, zero, 0.0, 0.002 + 0.015 * k)
         planner.observe([a], report)
-    assert planner.draft_overhead_s == pytest.approx(0.015, rel=0.05)
+    assert planner.draft_overhead.per_token == pytest.approx(0.015, rel=0.05)
     assert planner.plan([a], {"a": 8}, {"a": True})["a"] == 0
+
+
+def test_the_draft_overhead_splits_into_a_fixed_and_a_per_token_part() -> None:
+    overhead = DraftOverhead(weight=0.1)
+    overhead.observe(4, 0.008)  # a single total: all of it per token until Σk varies
+    assert (overhead.per_round, overhead.per_token) == (0.0, pytest.approx(0.002))
+    for drafted in (2, 4, 8, 3, 16, 5) * 20:  # a 4 ms Propose plus 1 ms per draft token
+        overhead.observe(drafted, 0.004 + 0.001 * drafted)
+    assert overhead.per_round == pytest.approx(0.004, rel=0.05)
+    assert overhead.per_token == pytest.approx(0.001, rel=0.05)
