@@ -52,19 +52,30 @@ OFF_REASONS = ("not_paying", "batch", "draft_unavailable")
 
 @dataclass
 class AcceptanceEstimate:
-    """Per-position acceptance probabilities α_1..α_K as exponential moving averages."""
+    """Per-position acceptance probabilities α_1..α_K as exponential moving averages.
+
+    The starting value counts as one observation: a position's n-th outcome has weight
+    max(`weight`, 1 / (n + 1)), so the first outcomes are averaged rather than nudged. With
+    a fixed weight of 0.05 the batch-wide estimate still said 0.81, the prior, after a
+    request had drafted 8 tokens all accepted, and adaptive K stayed off for a draft
+    whose K = 8 ran 1.2x faster than plain.
+    """
 
     alphas: list[float]
     weight: float
+    #: Outcomes seen per position.
+    counts: list[int] = field(default_factory=list)
 
     def observe(self, k: int, num_accepted: int) -> None:
         """A round drafted k tokens and accepted the first `num_accepted`: positions 1..n were
         accepted, position n+1 (if drafted) was rejected, later ones were never judged."""
         judged = min(num_accepted + 1, k)
         self.alphas.extend([self.alphas[-1]] * (judged - len(self.alphas)))  # new positions start from the last
+        self.counts.extend([0] * (len(self.alphas) - len(self.counts)))
         for j in range(judged):
             outcome = 1.0 if j < num_accepted else 0.0
-            self.alphas[j] += self.weight * (outcome - self.alphas[j])
+            self.counts[j] += 1
+            self.alphas[j] += max(self.weight, 1.0 / (self.counts[j] + 1)) * (outcome - self.alphas[j])
 
 
 @dataclass

@@ -55,6 +55,19 @@ def test_acceptance_estimate_updates_only_judged_positions() -> None:
     assert estimate.alphas == [0.875, 0.625, 0.625, 0.625]
 
 
+def test_acceptance_estimate_averages_its_first_outcomes() -> None:
+    estimate = AcceptanceEstimate([0.8], weight=0.05)
+    estimate.observe(k=2, num_accepted=2)  # the prior counts as one observation
+    assert estimate.alphas == pytest.approx([0.9, 0.9])
+    estimate.observe(k=2, num_accepted=2)
+    assert estimate.alphas == pytest.approx([0.8 / 3 + 2 / 3, 0.8 / 3 + 2 / 3])
+    for _ in range(100):  # later outcomes are nudged at the EMA weight
+        estimate.observe(k=1, num_accepted=0)
+    before = estimate.alphas[0]
+    estimate.observe(k=1, num_accepted=1)
+    assert estimate.alphas[0] == pytest.approx(before + 0.05 * (1 - before))
+
+
 def test_good_cheap_draft_speculates_with_a_long_k() -> None:
     planner = KPlanner(TARGET, draft_costs(0.1))
     ks = feed(planner, [seq("a")], {"a": 0.95}, rounds=40)
