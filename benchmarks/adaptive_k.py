@@ -27,7 +27,6 @@ import json
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -36,7 +35,7 @@ from specdec.client import SpecdecClient
 from specdec_bench.results import machine
 from specdec_bench.runner import REQUEST_TIMEOUT_S, resolve
 from specdec_bench.stack import running_stack
-from specdec_bench.sweeps import ExactnessError
+from specdec_bench.sweeps import check_exact, run_group
 from specdec_bench.workloads import PROMPTS, RunRecord, mode_name, run_request
 
 REPETITIVE_PROMPTS: tuple[str, ...] = (
@@ -74,23 +73,6 @@ class PartResult:
     concurrent: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
-def _check(prompt: int, mode: str, tokens: list[int], reference: list[int]) -> None:
-    if tokens != reference:
-        raise ExactnessError(f"greedy {mode} output differs from plain decoding on prompt {prompt}")
-
-
-def _group(client: SpecdecClient, prompts: tuple[str, ...], level: int, k: int | None, tokens: int) -> float:
-    """Aggregate tokens/s of `level` requests sent at once (prompts cycled)."""
-    with ThreadPoolExecutor(level) as pool:
-        started = time.perf_counter()
-        futures = [
-            pool.submit(run_request, client, "adaptive_k", i % len(prompts), k, max_new_tokens=tokens, prompts=prompts)
-            for i in range(level)
-        ]
-        produced = sum(future.result()[0].completion_tokens for future in futures)
-    return produced / (time.perf_counter() - started)
-
-
 def run_part(part: Part, args: argparse.Namespace, progress: tqdm) -> PartResult:
     tokens = args.tokens * part.tokens_factor
     ks: list[int | None] = [0, None, *args.ks]
@@ -114,7 +96,7 @@ def run_part(part: Part, args: argparse.Namespace, progress: tqdm) -> PartResult
                         adaptive.append(record)
                     progress.update()
                 for mode, ids in outputs.items():
-                    _check(prompt, mode, ids, outputs["plain"])
+                    check_exact(prompt, mode, ids, outputs["plain"])
             result.single = {mode: statistics.median(values) for mode, values in rates.items()}
             rounds = sum(r.num_rounds for r in adaptive)
             drafted = sum(r.num_draft_tokens for r in adaptive)
@@ -126,7 +108,8 @@ def run_part(part: Part, args: argparse.Namespace, progress: tqdm) -> PartResult
                 modes: list[int | None] = [0, None, result.best_k]
                 row: dict[str, float] = {}
                 for k in modes if i % 2 == 0 else list(reversed(modes)):
-                    row[mode_name(k)] = _group(client, part.prompts, level, k, tokens)
+                    group = run_group(client, level, k, max_new_tokens=tokens, prompts=part.prompts, phase="adaptive_k")
+                    row[mode_name(k)] = group.tokens_per_s
                     progress.update()
                 result.concurrent[level] = row
     return result

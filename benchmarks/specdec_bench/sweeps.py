@@ -14,7 +14,7 @@ from typing import Protocol
 from specdec.client import SpecdecClient
 from specdec_bench.config import BenchConfig
 from specdec_bench.stack import Stack
-from specdec_bench.workloads import RunRecord, mode_name, run_request
+from specdec_bench.workloads import PROMPTS, RunRecord, mode_name, run_request
 
 
 class Progress(Protocol):
@@ -55,7 +55,7 @@ class ConcurrencyGroup:
         return sum(r.completion_tokens for r in self.requests) / self.wall_s
 
 
-def _check_exact(prompt: int, what: str, tokens: list[int], reference: list[int]) -> None:
+def check_exact(prompt: int, what: str, tokens: list[int], reference: list[int]) -> None:
     if tokens != reference:
         first = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
         raise ExactnessError(
@@ -88,7 +88,7 @@ def w1(client: SpecdecClient, config: BenchConfig, progress: Progress) -> W1Outc
                     tokens[k] = result.token_ids
                     progress.update()
                 if temperature == 0.0:
-                    _check_exact(prompt, "speculative", tokens[None], tokens[0])
+                    check_exact(prompt, "speculative", tokens[None], tokens[0])
                     outcome.greedy_tokens.setdefault(prompt, tokens[0])
     return outcome
 
@@ -115,16 +115,19 @@ def k_sweep(client: SpecdecClient, stack: Stack, config: BenchConfig, progress: 
             tokens[k] = result.token_ids
             progress.update()
         for k in ks[1:]:
-            _check_exact(prompt, f"K={k}", tokens[k], tokens[0])
+            check_exact(prompt, f"K={k}", tokens[k], tokens[0])
     return records
 
 
-def _group(client: SpecdecClient, config: BenchConfig, level: int, k: int | None) -> ConcurrencyGroup:
+def run_group(
+    client: SpecdecClient, level: int, k: int | None, *, max_new_tokens: int, prompts: tuple[str, ...], phase: str = "concurrency"
+) -> ConcurrencyGroup:
+    """`level` greedy requests sent at once in mode `k`, cycling through `prompts`."""
     with ThreadPoolExecutor(level) as pool:
         started = time.perf_counter()
         futures = [
-            pool.submit(run_request, client, "concurrency", i % config.prompts, k,
-                        max_new_tokens=config.concurrency_tokens, repetition=i, concurrency=level)
+            pool.submit(run_request, client, phase, i % len(prompts), k, max_new_tokens=max_new_tokens,
+                        repetition=i, concurrency=level, prompts=prompts)
             for i in range(level)
         ]
         records = [future.result()[0] for future in futures]
@@ -138,6 +141,6 @@ def concurrency_sweep(client: SpecdecClient, config: BenchConfig, progress: Prog
     for i, level in enumerate(config.concurrency):
         progress.set_description(f"concurrency {level}")
         for k in (0, None) if i % 2 == 0 else (None, 0):
-            groups.append(_group(client, config, level, k))
+            groups.append(run_group(client, level, k, max_new_tokens=config.concurrency_tokens, prompts=PROMPTS[: config.prompts]))
             progress.update()
     return groups
