@@ -13,7 +13,8 @@ Inputs, all measured:
   one (the machine may be busier than at start-up);
 - the round overhead outside both services' compute (RPCs, acceptance): an EMA over plain
   rounds, and what drafting adds to it, per round and per draft token (`DraftOverhead`);
-- per-position acceptance α_j per request (an EMA, started from the batch-wide EMA).
+- acceptance α per request: an EMA over its judged draft tokens, started from the batch-wide
+  one (`AcceptanceEstimate`).
 A request that runs with K = 0 by choice is re-probed with a small K after
 `probe_every` rounds, so its α estimate (and the decision) can recover. A probe is not
 free: the draft first catches up on every token it skipped, and every stream in the
@@ -52,30 +53,43 @@ OFF_REASONS = ("not_paying", "batch", "draft_unavailable")
 
 @dataclass
 class AcceptanceEstimate:
-    """Per-position acceptance probabilities α_1..α_K as exponential moving averages.
+    """α, the chance that a draft token is accepted given the ones before it were: an
+    exponential moving average over every judged draft token, all positions pooled.
 
-    The starting value counts as one observation: a position's n-th outcome has weight
-    max(`weight`, 1 / (n + 1)), so the first outcomes are averaged rather than nudged. With
-    a fixed weight of 0.05 the batch-wide estimate still said 0.81, the prior, after a
-    request had drafted 8 tokens all accepted, and adaptive K stayed off for a draft
-    whose K = 8 ran 1.2x faster than plain.
+    A round that accepted n of K tokens judged n + 1 of them (n accepted, one rejected) or
+    K (all accepted); the rest were never judged and teach nothing. The model of a round is
+    then geometric in α (`expected_tokens` with one α).
+
+    Pooled, not per position: an estimate per position saw one outcome per round, so with
+    any useful reaction speed a single rejection at position 5 (a 1-in-20 event at α = 0.95)
+    cut α_5 to 0.7, the planner shortened K, and positions past the new K were never judged
+    again to repair it (measured: α_1 = 1.0 and K stuck at 2 where K = 8 ran 1.2x faster).
+
+    The starting value counts as one outcome plus those `seen` before it (a request starts
+    from the batch-wide estimate and what it has seen): outcome n has weight
+    max(`weight`, 1 / (seen + n + 1)), so the first outcomes are averaged, not nudged.
     """
 
-    alphas: list[float]
+    alpha: float
     weight: float
-    #: Outcomes seen per position.
-    counts: list[int] = field(default_factory=list)
+    #: Outcomes the starting value stands for, beyond the prior's one; grows as outcomes come.
+    seen: int = 0
+
+    @property
+    def alphas(self) -> list[float]:
+        """α for position 1, which every later position reuses (see `expected_tokens`)."""
+        return [self.alpha]
 
     def observe(self, k: int, num_accepted: int) -> None:
-        """A round drafted k tokens and accepted the first `num_accepted`: positions 1..n were
-        accepted, position n+1 (if drafted) was rejected, later ones were never judged."""
-        judged = min(num_accepted + 1, k)
-        self.alphas.extend([self.alphas[-1]] * (judged - len(self.alphas)))  # new positions start from the last
-        self.counts.extend([0] * (len(self.alphas) - len(self.counts)))
-        for j in range(judged):
+        """A round drafted k tokens and the first `num_accepted` were accepted."""
+        for j in range(min(num_accepted + 1, k)):
+            self.seen += 1
             outcome = 1.0 if j < num_accepted else 0.0
-            self.counts[j] += 1
-            self.alphas[j] += max(self.weight, 1.0 / (self.counts[j] + 1)) * (outcome - self.alphas[j])
+            self.alpha += max(self.weight, 1.0 / (self.seen + 1)) * (outcome - self.alpha)
+
+    def fork(self, weight: float) -> AcceptanceEstimate:
+        """A copy that goes on learning at `weight` (a request's own estimate)."""
+        return AcceptanceEstimate(self.alpha, weight, self.seen)
 
 
 @dataclass
@@ -127,11 +141,12 @@ class KPlanner:
 
     target_costs: Seq[ForwardCost]
     draft_costs: Seq[ForwardCost]
-    #: Prior for every position before any round was observed.
+    #: Prior acceptance before any draft token was judged.
     prior_alpha: float = 0.8
-    #: EMA weights: a request's own acceptance, the batch-wide prior, costs and overhead.
-    request_weight: float = 0.3
-    global_weight: float = 0.05
+    #: EMA weights: per judged draft token for a request's own acceptance and the
+    #: batch-wide one new requests start from; per round for costs and overhead.
+    request_weight: float = 0.05
+    global_weight: float = 0.01
     cost_weight: float = 0.1
     #: A request kept at K = 0 by choice drafts `probe_k` tokens every `probe_every` rounds.
     probe_every: int = 16
@@ -159,7 +174,7 @@ class KPlanner:
     _measured_alpha: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        self.global_alpha = AcceptanceEstimate([self.prior_alpha], self.global_weight)
+        self.global_alpha = AcceptanceEstimate(self.prior_alpha, self.global_weight)
         self.draft_overhead = DraftOverhead(self.cost_weight)
         self._target = CostTable(self.target_costs) if self.target_costs else None
         self._draft = CostTable(self.draft_costs) if self.draft_costs else None
@@ -319,7 +334,7 @@ class KPlanner:
                 continue
             estimate = self._estimates.get(seq.slot_id)
             if estimate is None:
-                estimate = AcceptanceEstimate(list(self.global_alpha.alphas), self.request_weight)
+                estimate = self.global_alpha.fork(self.request_weight)
                 self._estimates[seq.slot_id] = estimate
             estimate.observe(k, accepted)
             self.global_alpha.observe(k, accepted)

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 #: Requests per forward and new tokens per request that the profile times.
 BATCH_SIZES = (1, 4, 16)
-CHUNK_WIDTHS = (1, 2, 5, 9)
+CHUNK_WIDTHS = (1, 2, 3, 5, 9)
 #: A prompt-sized chunk, timed at batch 1 only: what a prefill or a draft catching up on a
 #: prompt costs. Extrapolated from the 5- and 9-token points instead, a 48-token catch-up
 #: of the int4 draft came out at ~500 ms where it takes ~240 ms (AMD EPYC, AVX2), and the
@@ -34,11 +34,21 @@ CONTEXT_LEN = 48
 _SLOT_PREFIX = "\x00profile-"  # never a gateway slot id: those are printable
 
 
+#: Timed passes over the whole grid (after one warm-up pass); each point reports its median.
+REPEATS = 5
+
+
 def measure_forward_costs(
-    forward: PagedLlama, cache: PagedKVCache, *, max_batch: int, max_tokens: int, repeats: int = 2
+    forward: PagedLlama, cache: PagedKVCache, *, max_batch: int, max_tokens: int, repeats: int = REPEATS
 ) -> list[ForwardCost]:
     """Median seconds of one forward over `b` slots × `t` new tokens, for the grid within limits,
     plus one `PREFILL_WIDTH`-token chunk at batch 1.
+
+    The grid is timed in `repeats` interleaved passes, not point by point: on a shared VM
+    the machine's speed drifts by ±30 % over seconds (measured, AMD EPYC KVM guest), and
+    timing each point's repeats back to back put that drift between points. The planner
+    compares points (a (K+1)-token verify with a 1-token step, a draft step with a target
+    step) and rescales their level online, so what must hold is their ratios.
 
     Uses (and afterwards frees) temporary slots in `cache`; grid points that do not fit the
     pool are skipped. Token ids are arbitrary: the cost does not depend on them.
@@ -65,17 +75,18 @@ def measure_forward_costs(
         grid = [(batch, width) for batch in batches for width in widths if width == 1 or batch * width <= MAX_ROWS]
         if with_prefill:
             grid = sorted([*grid, (1, PREFILL_WIDTH)])  # by batch size, then width
-        for batch, width in grid:
-            # A verify chunk returns logits for every token, a prefill for its last one only.
-            logits = "last" if width == PREFILL_WIDTH else "all"
-            times = []
-            for _ in range(repeats + 1):  # the first run warms up kernels and allocator
+        times: dict[tuple[int, int], list[float]] = {point: [] for point in grid}
+        for timed_pass in range(repeats + 1):  # pass 0 warms up kernels and allocator
+            for batch, width in grid:
+                # A verify chunk returns logits for every token, a prefill for its last one only.
+                logits = "last" if width == PREFILL_WIDTH else "all"
                 for slot in slots[:batch]:
                     cache.blocks.truncate_to(slot, CONTEXT_LEN)
                 started = time.perf_counter()
                 forward.run(cache, [(slot, prompt[:width]) for slot in slots[:batch]], logits=logits)
-                times.append(time.perf_counter() - started)
-            costs.append(ForwardCost(batch_size=batch, tokens=width, seconds=statistics.median(times[1:])))
+                if timed_pass:
+                    times[(batch, width)].append(time.perf_counter() - started)
+        costs = [ForwardCost(batch_size=b, tokens=t, seconds=statistics.median(times[(b, t)])) for b, t in grid]
     finally:
         for slot in slots:
             if cache.blocks.has_slot(slot):

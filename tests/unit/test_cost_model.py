@@ -32,6 +32,19 @@ def test_a_noisy_table_never_makes_more_tokens_cheaper() -> None:
     assert table.seconds(1, 5) == pytest.approx(0.066)
 
 
+def test_one_outlier_among_verify_widths_does_not_bend_the_verify_slope() -> None:
+    # 2..9 tokens cost 40 ms + 2 ms per token, but the 2-token forward timed 10 ms slow.
+    measured = {1: 0.041, 2: 0.054, 3: 0.046, 5: 0.050, 9: 0.058, 64: 0.200}
+    table = CostTable([ForwardCost(1, t, s) for t, s in measured.items()])
+    assert table.seconds(1, 1) == pytest.approx(0.041)  # the 1-token step stays as measured
+    assert table.seconds(1, 64) == pytest.approx(0.200)  # and so does the prompt-sized chunk
+    truth = {t: 0.040 + 0.002 * t for t in (2, 3, 5, 9)}
+    fitted = {t: table.seconds(1, t) for t in truth}
+    assert abs(fitted[2] - truth[2]) < 0.55 * abs(measured[2] - truth[2])  # pulled halfway back
+    assert max(abs(fitted[t] - truth[t]) for t in truth) < abs(measured[2] - truth[2])
+    assert list(fitted.values()) == sorted(fitted.values())
+
+
 def test_expected_tokens_matches_the_closed_form() -> None:
     for alpha in (0.0, 0.3, 0.9):
         for k in range(6):

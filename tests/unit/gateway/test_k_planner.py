@@ -47,25 +47,39 @@ def feed(planner: KPlanner, seqs: list[Sequence], alpha: dict[str, float], round
     return ks
 
 
-def test_acceptance_estimate_updates_only_judged_positions() -> None:
-    estimate = AcceptanceEstimate([0.5], weight=0.5)
-    estimate.observe(k=4, num_accepted=1)  # position 1 accepted, 2 rejected, 3-4 never judged
-    assert estimate.alphas == [0.75, 0.25]
-    estimate.observe(k=4, num_accepted=4)
-    assert estimate.alphas == [0.875, 0.625, 0.625, 0.625]
+def test_acceptance_estimate_learns_from_judged_tokens_only() -> None:
+    estimate = AcceptanceEstimate(0.5, weight=0.5, seen=10)
+    estimate.observe(k=4, num_accepted=1)  # token 1 accepted, 2 rejected, 3-4 never judged
+    assert estimate.alpha == pytest.approx(0.375)  # 0.5 -> 0.75 -> 0.375
+    estimate.observe(k=2, num_accepted=2)  # both judged and accepted
+    assert estimate.alphas == pytest.approx([0.84375])
 
 
 def test_acceptance_estimate_averages_its_first_outcomes() -> None:
-    estimate = AcceptanceEstimate([0.8], weight=0.05)
-    estimate.observe(k=2, num_accepted=2)  # the prior counts as one observation
-    assert estimate.alphas == pytest.approx([0.9, 0.9])
-    estimate.observe(k=2, num_accepted=2)
-    assert estimate.alphas == pytest.approx([0.8 / 3 + 2 / 3, 0.8 / 3 + 2 / 3])
+    estimate = AcceptanceEstimate(0.8, weight=0.05)
+    estimate.observe(k=2, num_accepted=2)  # the prior counts as one outcome
+    assert estimate.alpha == pytest.approx((0.8 + 2) / 3)
+    estimate.observe(k=4, num_accepted=1)
+    assert estimate.alpha == pytest.approx((0.8 + 3) / 5)
+    request = estimate.fork(0.05)  # a request starts from the batch-wide estimate and its evidence
+    request.observe(k=1, num_accepted=0)
+    assert request.alpha == pytest.approx((0.8 + 3) / 6)
     for _ in range(100):  # later outcomes are nudged at the EMA weight
         estimate.observe(k=1, num_accepted=0)
-    before = estimate.alphas[0]
+    before = estimate.alpha
     estimate.observe(k=1, num_accepted=1)
-    assert estimate.alphas[0] == pytest.approx(before + 0.05 * (1 - before))
+    assert estimate.alpha == pytest.approx(before + 0.05 * (1 - before))
+
+
+def test_one_late_rejection_does_not_shorten_k_for_good() -> None:
+    # A good draft (α = 0.95) whose request once saw its 5th token rejected: pooled over all
+    # judged tokens that is one miss in many, and K stays long.
+    planner = KPlanner(TARGET, draft_costs(0.1))
+    a = seq("a")
+    feed(planner, [a], {"a": 0.95}, rounds=20)
+    zero = Timed(None, 0.0, 0.0)
+    planner.observe([a], RoundReport({"a": 8}, {"a": 4}, zero, zero, 0.0, 0.0))
+    assert planner.plan([a], {"a": 8}, {"a": True})["a"] >= 6
 
 
 def test_good_cheap_draft_speculates_with_a_long_k() -> None:
