@@ -29,7 +29,7 @@ class GatewayConfig(ServerSecurity):
     #: Requests may opt out (or in, when this is off).
     speculative: bool = option(True, "speculate by default; --no-speculative decodes plainly unless a request asks")
     #: K unless a request asks for another value; with adaptive_k, the largest K the planner may choose.
-    num_speculative_tokens: int = option(4, "draft tokens per round, K (the upper bound with --adaptive-k)")
+    num_speculative_tokens: int = option(8, "draft tokens per round, K (the upper bound with --adaptive-k)")
     #: K = 0 when speculation does not pay, e.g. in crowded rounds on a compute-bound target.
     adaptive_k: bool = option(True, "choose K in 0..--num-speculative-tokens each round from measured costs and acceptance")
     max_new_tokens_default: int = option(256, "completion length of requests that set none", flag="max-new-tokens")

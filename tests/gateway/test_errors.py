@@ -123,7 +123,7 @@ def test_gateway_refuses_a_draft_with_another_tokenizer(start_stack, int8_runtim
 def test_gateway_info_describes_both_models(int8_stack) -> None:  # type: ignore[no-untyped-def]
     with int8_stack.client() as client:
         info = client.info()
-    assert info.speculative_enabled and info.default_num_speculative_tokens == 4 and info.max_speculative_tokens == 8
+    assert info.speculative_enabled and info.default_num_speculative_tokens == 8 and info.max_speculative_tokens == 8
     assert info.target.tokenizer_fingerprint == info.draft.tokenizer_fingerprint
     assert info.target.dtype == "float32" and info.draft.quantization == "int8"
 
