@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 import grpc
+import torch
 
 from specdec.errors import SpecdecError
 from specdec.flags import add_flags, from_args
@@ -33,7 +34,12 @@ async def run_gateway(config: GatewayConfig) -> None:
 
 
 def start_gateway(config: GatewayConfig) -> int:
-    """Run the gateway to the end; a refused start-up prints one line and returns 1."""
+    """Run the gateway to the end; a refused start-up prints one line and returns 1.
+
+    Sets the process's torch threads (`GatewayConfig.threads`), so it is for a process of its
+    own; an in-process gateway (tests) leaves its host's threads alone."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
     try:
         asyncio.run(run_gateway(config))
     except SpecdecError as error:  # e.g. tokenizer mismatch, K above the services' maximum
