@@ -78,9 +78,13 @@ class RoundAnatomy:
             self.seconds[name] += value
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
-    """A request being served. Owned by the scheduler task; the RPC handler reads `outbox`."""
+    """A request being served. Owned by the scheduler task; the RPC handler reads `outbox`.
+
+    Compared by identity: two requests are never the same request, and the scheduler's list
+    lookups (`in`, `remove`) stay cheap instead of comparing every field.
+    """
 
     slot_id: str
     prompt: list[int]
