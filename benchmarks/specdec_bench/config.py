@@ -38,6 +38,7 @@ class BenchConfig:
     sweep_prompts: int = field(default=3, metadata=_help("prompts of the fixed-K sweep"))
     concurrency: tuple[int, ...] = field(default=(1, 2, 4, 8, 16), metadata=_help("concurrency levels, comma-separated (empty = skip)"))
     concurrency_tokens: int = field(default=128, metadata=_help("new tokens per request of the concurrency sweep"))
+    concurrency_repetitions: int = field(default=3, metadata=_help("repetitions of every concurrency level (plain and speculative alternating; medians reported)"))
     cost_batch: int = field(default=4, metadata=_help("batch size B of the second verify-slope figure s(B)"))
     target_args: str = field(default="", metadata=_help("extra flags for `python -m specdec.target_server`, e.g. --target-args='--dtype bfloat16'"))
     draft_args: str = field(default="", metadata=_help("extra flags for `python -m specdec.draft_server`, e.g. --draft-args='--quantization int4'"))
@@ -52,7 +53,7 @@ class BenchConfig:
             raise InvalidArgumentError(f"prompts must be in [{MIN_PROMPTS}, {len(PROMPTS)}], got {self.prompts}")
         if not 1 <= self.sweep_prompts <= len(PROMPTS):
             raise InvalidArgumentError(f"sweep_prompts must be in [1, {len(PROMPTS)}], got {self.sweep_prompts}")
-        for name in ("max_new_tokens", "repetitions", "concurrency_tokens", "cost_batch"):
+        for name in ("max_new_tokens", "repetitions", "concurrency_tokens", "concurrency_repetitions", "cost_batch"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_new_tokens < 2 or self.concurrency_tokens < 2:
@@ -71,7 +72,7 @@ class BenchConfig:
 FULL = BenchConfig()
 QUICK = BenchConfig(
     quick=True, prompts=5, max_new_tokens=48, repetitions=1, peer_repetitions=1, sweep_prompts=1,
-    concurrency=(1, 4, 16), concurrency_tokens=32,
+    concurrency=(1, 4, 16), concurrency_tokens=32, concurrency_repetitions=1,
     results="benchmarks/results/quick/bench.json", plots_dir="benchmarks/results/quick",
     docs="benchmarks/results/quick/benchmarks.md",
 )

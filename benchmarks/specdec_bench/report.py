@@ -107,7 +107,8 @@ def render_page(results: BenchResults, summary: Summary, plots: dict[str, Path],
         f"gateway default K = {costs.default_num_speculative_tokens}, adaptive K {'on' if costs.adaptive_k else 'off'}.",
         f"- Workload: {config.get('prompts')} chat prompts × {config.get('max_new_tokens')} new tokens, "
         f"{config.get('repetitions')} repetition(s); sampled variant T = {config.get('temperature')} with a fixed seed "
-        f"per prompt; concurrency requests {config.get('concurrency_tokens')} tokens each.",
+        f"per prompt; concurrency requests {config.get('concurrency_tokens')} tokens each, "
+        f"{config.get('concurrency_repetitions', 1)} repetition(s) per level and mode.",
         "- Command:",
         "",
         "```",
@@ -200,8 +201,9 @@ def render_page(results: BenchResults, summary: Summary, plots: dict[str, Path],
         "",
         "## Concurrency",
         "",
-        "N greedy requests sent at once; aggregate tokens/s = all completion tokens ÷ wall time; inter-token "
-        "latency per request = (total − time to first token) ÷ (tokens − 1), percentiles over the requests.",
+        "N greedy requests sent at once; aggregate tokens/s = all completion tokens ÷ wall time (median over "
+        "the repetitions); inter-token latency per request = (total − time to first token) ÷ (tokens − 1), "
+        "percentiles over the requests of all repetitions.",
         "",
         *_table(["requests", "plain tok/s", "speculative tok/s", "speedup", "plain ITL p50 / p95 ms",
                  "speculative ITL p50 / p95 ms", "speculative: mean K, rounds speculating"],

@@ -47,7 +47,7 @@ def _planned_runs(config: BenchConfig) -> int:
     w1_runs = config.repetitions * config.prompts * 4  # greedy and sampled, plain and speculative
     peer_runs = config.peer_repetitions * config.prompts * len(METHODS)
     sweep_runs = config.sweep_prompts * (config.max_k + 1) if config.max_k else 0
-    return w1_runs + peer_runs + sweep_runs + 2 * len(config.concurrency)
+    return w1_runs + peer_runs + sweep_runs + 2 * config.concurrency_repetitions * len(config.concurrency)
 
 
 @dataclass

@@ -136,11 +136,18 @@ def run_group(
 
 
 def concurrency_sweep(client: SpecdecClient, config: BenchConfig, progress: Progress) -> list[ConcurrencyGroup]:
-    """`level` greedy requests at once (prompts cycled), plain and speculative (adaptive K) alternating."""
+    """`level` greedy requests at once (prompts cycled), plain and speculative (adaptive K) alternating.
+
+    Each level runs `concurrency_repetitions` times per mode, back to back and in alternating
+    order, so that a slow minute of a shared machine lands on both modes (the analysis
+    reports medians)."""
     groups: list[ConcurrencyGroup] = []
-    for i, level in enumerate(config.concurrency):
+    turn = 0
+    for level in config.concurrency:
         progress.set_description(f"concurrency {level}")
-        for k in (0, None) if i % 2 == 0 else (None, 0):
-            groups.append(run_group(client, level, k, max_new_tokens=config.concurrency_tokens, prompts=PROMPTS[: config.prompts]))
-            progress.update()
+        for _ in range(config.concurrency_repetitions):
+            for k in (0, None) if turn % 2 == 0 else (None, 0):
+                groups.append(run_group(client, level, k, max_new_tokens=config.concurrency_tokens, prompts=PROMPTS[: config.prompts]))
+                progress.update()
+            turn += 1
     return groups

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from pathlib import Path
 
@@ -80,3 +81,26 @@ def test_quick_preset_and_flag_overrides() -> None:
     config = config_from_args(parser.parse_args(["--quick", "--max-new-tokens", "64", "--concurrency", "1,2"]))
     assert config.quick and config.prompts == QUICK.prompts and config.results == QUICK.results
     assert config.max_new_tokens == 64 and config.concurrency == (1, 2)
+
+
+def test_concurrency_sweep_repeats_every_level_with_the_modes_alternating(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specdec_bench import sweeps
+
+    calls: list[tuple[int, int | None]] = []
+
+    def fake_group(client: object, level: int, k: int | None, **_: object) -> ConcurrencyGroup:
+        calls.append((level, k))
+        return ConcurrencyGroup(level, k, 1.0, [])
+
+    class Progress:
+        def update(self, n: float | None = 1) -> bool | None:
+            return None
+
+        def set_description(self, desc: str | None = None, refresh: bool | None = True) -> None:
+            pass
+
+    monkeypatch.setattr(sweeps, "run_group", fake_group)
+    config = dataclasses.replace(QUICK, concurrency=(1, 4), concurrency_repetitions=2)
+    groups = sweeps.concurrency_sweep(None, config, Progress())  # type: ignore[arg-type]
+    assert calls == [(1, 0), (1, None), (1, None), (1, 0), (4, 0), (4, None), (4, None), (4, 0)]
+    assert [(g.concurrency, g.k) for g in groups] == calls
