@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.serving.security import BearerToken
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specdec.wire.items import Lease, ModelInfo, PrefillItem, Proposal, ProposeItem, ScoredChunk, VerifyItem
+from specdec.wire.items import Lease, ModelInfo, PrefillItem, Proposal, ProposeItem, ScoredChunk, VerifiedChunk, VerifyItem
 from specdec.wire.limits import message_size_options
 
 T = TypeVar("T")
@@ -42,7 +42,7 @@ class TargetAPI(Protocol):
     async def serving(self, timeout: float) -> bool: ...
     async def renew_lease(self, timeout: float) -> int: ...
     async def prefill(self, items: list[PrefillItem], timeout: float) -> Timed[dict[str, ScoredChunk]]: ...
-    async def verify(self, items: list[VerifyItem], timeout: float) -> Timed[dict[str, ScoredChunk]]: ...
+    async def verify(self, items: list[VerifyItem], timeout: float) -> Timed[dict[str, VerifiedChunk]]: ...
     async def release(self, slot_id: str, timeout: float) -> None: ...
     async def close(self) -> None: ...
 
@@ -131,11 +131,11 @@ class TargetClient(_ServiceClient[target_pb2_grpc.TargetServiceStub]):
         results = {r.slot_id: ScoredChunk.from_pb(r) for r in response.results}
         return Timed(results, response.compute_s, time.perf_counter() - started)
 
-    async def verify(self, items: list[VerifyItem], timeout: float) -> Timed[dict[str, ScoredChunk]]:
-        """Logits [K+1, vocab] per slot."""
+    async def verify(self, items: list[VerifyItem], timeout: float) -> Timed[dict[str, VerifiedChunk]]:
+        """Logits [K+1, vocab], or their argmax [K+1] for `argmax_only` items, per slot."""
         started = time.perf_counter()
         response = await self.stub.Verify(target_pb2.VerifyRequest(items=[item.to_pb() for item in items]), timeout=timeout)
-        results = {r.slot_id: ScoredChunk.from_pb(r) for r in response.results}
+        results = {r.slot_id: VerifiedChunk.from_pb(r) for r in response.results}
         return Timed(results, response.compute_s, time.perf_counter() - started)
 
 

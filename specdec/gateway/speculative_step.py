@@ -20,7 +20,13 @@ from specdec.errors import ServiceStateError
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.model_clients import DraftAPI, TargetAPI, Timed
 from specdec.gateway.sequence import Sequence
-from specdec.sampling.rejection_sampler import RejectionResult, greedy_accept, rejection_sample, sampled_distribution
+from specdec.sampling.rejection_sampler import (
+    RejectionResult,
+    greedy_accept,
+    greedy_accept_argmax,
+    rejection_sample,
+    sampled_distribution,
+)
 from specdec.sampling.transforms import (
     chunk_apply_repetition_penalty,
     chunk_logits_to_probs,
@@ -28,7 +34,7 @@ from specdec.sampling.transforms import (
     sample,
 )
 from specdec.serving.worker import ModelWorker
-from specdec.wire.items import Proposal, ProposeItem, VerifyItem
+from specdec.wire.items import Proposal, ProposeItem, VerifiedChunk, VerifyItem
 
 log = logging.getLogger(__name__)
 
@@ -66,17 +72,21 @@ async def propose(
 
 async def verify(
     target: TargetAPI, seqs: list[Sequence], proposals: dict[str, Proposal], deadlines: Deadlines
-) -> Timed[dict[str, torch.Tensor]]:
+) -> Timed[dict[str, VerifiedChunk]]:
     """One batched Verify: [pending tokens, t1..tK] after each sequence's valid prefix.
-    Returns the logits [K+1, vocab] per slot."""
+    Returns the logits [K+1, vocab] per slot, or only their argmax [K+1] for a greedy
+    request whose logits need no transform."""
     items = [
-        VerifyItem(s.slot_id, s.target_valid, s.tokens[s.target_valid :] + (proposals[s.slot_id].tokens if s.slot_id in proposals else []))
+        VerifyItem(
+            s.slot_id, s.target_valid, s.tokens[s.target_valid :] + (proposals[s.slot_id].tokens if s.slot_id in proposals else []),
+            argmax_only=s.sampling.greedy_by_raw_argmax,
+        )
         for s in seqs
     ]
     verified = await target.verify(items, deadlines.verify(len(items), max(len(i.tokens) for i in items)))
     for item in items:
         _check_cached("target", item.slot_id, verified.value[item.slot_id].cached_len, item.valid_len + len(item.tokens))
-    return Timed({slot: chunk.logits for slot, chunk in verified.value.items()}, verified.compute_s, verified.wall_s)
+    return verified
 
 
 def _check_cached(service: str, slot_id: str, cached_len: int, expected: int) -> None:
@@ -91,41 +101,72 @@ def _check_cached(service: str, slot_id: str, cached_len: int, expected: int) ->
 PAD_TOKEN_ID = -1  # marks positions past a request's K in the padded [batch, K_max] tensors
 
 
-def _padded_round(
-    seqs: list[Sequence], logits: dict[str, torch.Tensor], proposals: dict[str, Proposal]
-) -> tuple[torch.Tensor, torch.Tensor, list[int], list[list[int]]]:
-    """Stack the sequences' verify logits and draft tokens into batch tensors.
-
-    Returns logits [B, K_max+1, vocab], draft tokens [B, K_max] (PAD_TOKEN_ID past each
-    row's K), the K of each row and each row's drafted tokens as lists.
-    """
+def _padded_drafts(seqs: list[Sequence], proposals: dict[str, Proposal]) -> tuple[torch.Tensor, list[int], list[list[int]]]:
+    """Draft tokens [B, K_max] (PAD_TOKEN_ID past each row's K), the K of each row and each
+    row's drafted tokens as lists."""
     drafted = [proposals[s.slot_id].tokens if s.slot_id in proposals else [] for s in seqs]
     ks = [len(d) for d in drafted]
     k_max = max(ks)
-    rows = [logits[s.slot_id] for s in seqs]  # [K_b+1, vocab] each
-    vocab = rows[0].shape[-1]
-    stacked = rows[0].new_zeros(len(seqs), k_max + 1, vocab)  # [B, K_max+1, vocab]
+    tokens = torch.tensor([d + [PAD_TOKEN_ID] * (k_max - len(d)) for d in drafted], dtype=torch.long)
+    return tokens.view(len(seqs), k_max), ks, drafted
+
+
+def _padded_round(
+    seqs: list[Sequence], verified: dict[str, VerifiedChunk], proposals: dict[str, Proposal]
+) -> tuple[torch.Tensor, torch.Tensor, list[int], list[list[int]]]:
+    """Stack the sequences' verify logits and draft tokens into batch tensors.
+
+    Returns logits [B, K_max+1, vocab] and the `_padded_drafts`.
+    """
+    tokens, ks, drafted = _padded_drafts(seqs, proposals)  # tokens: [B, K_max]
+    rows = [_logits_of(verified[s.slot_id]) for s in seqs]  # [K_b+1, vocab] each
+    stacked = rows[0].new_zeros(len(seqs), tokens.shape[1] + 1, rows[0].shape[-1])  # [B, K_max+1, vocab]
     for b, row in enumerate(rows):
         stacked[b, : row.shape[0]] = row
-    tokens = torch.tensor([d + [PAD_TOKEN_ID] * (k_max - len(d)) for d in drafted], dtype=torch.long)
-    return stacked, tokens.view(len(seqs), k_max), ks, drafted  # tokens: [B, K_max]
+    return stacked, tokens, ks, drafted
+
+
+def _padded_argmax(
+    seqs: list[Sequence], verified: dict[str, VerifiedChunk], proposals: dict[str, Proposal]
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The target's argmax tokens [B, K_max+1] (PAD_TOKEN_ID past each row's K+1) and the
+    `_padded_drafts` tokens [B, K_max] and Ks."""
+    tokens, ks, _ = _padded_drafts(seqs, proposals)
+    width = tokens.shape[1] + 1
+    best = [verified[s.slot_id].argmax or [] for s in seqs]
+    for s, k, row in zip(seqs, ks, best):
+        if len(row) != k + 1:
+            raise ServiceStateError(f"the target sent {len(row)} argmax tokens for slot {s.slot_id}, the gateway expected {k + 1}")
+    target = torch.tensor([row + [PAD_TOKEN_ID] * (width - len(row)) for row in best], dtype=torch.long)
+    return target.view(len(seqs), width), tokens, ks
+
+
+def _logits_of(chunk: VerifiedChunk) -> torch.Tensor:
+    if chunk.logits is None:
+        raise ServiceStateError(f"the target sent argmax tokens for slot {chunk.slot_id}, where the gateway asked for logits")
+    return chunk.logits
 
 
 def accept_all(
-    seqs: list[Sequence], logits: dict[str, torch.Tensor], proposals: dict[str, Proposal]
+    seqs: list[Sequence], verified: dict[str, VerifiedChunk], proposals: dict[str, Proposal]
 ) -> dict[str, RejectionResult]:
     """Accept a prefix of each draft and add one recovered or bonus token, for the whole round.
 
-    One `greedy_accept` call for the greedy requests and one `rejection_sample` call for the
-    sampled ones. The target's raw logits get each request's transforms here, with the
-    repetition-penalty context growing through the draft tokens: the same context the
+    One `greedy_accept_argmax` call for the greedy requests the target sent argmax tokens
+    for, one `greedy_accept` call for the other greedy ones and one `rejection_sample` call
+    for the sampled ones. The target's raw logits get each request's transforms here, with
+    the repetition-penalty context growing through the draft tokens: the same context the
     draft used for q. Pure tensor work: it runs on the gateway's sampler thread.
     """
     results: dict[str, RejectionResult] = {}
-    greedy = [s for s in seqs if s.sampling.is_greedy]
+    by_argmax = [s for s in seqs if s.sampling.is_greedy and verified[s.slot_id].argmax is not None]
+    greedy = [s for s in seqs if s.sampling.is_greedy and verified[s.slot_id].argmax is None]
     sampled = [s for s in seqs if not s.sampling.is_greedy]
+    if by_argmax:
+        best, tokens, ks = _padded_argmax(by_argmax, verified, proposals)  # [A, K+1], [A, K]
+        results.update(_split(by_argmax, greedy_accept_argmax(best, tokens, ks)))
     if greedy:
-        scores, tokens, ks, drafted = _padded_round(greedy, logits, proposals)  # [G, K+1, vocab], [G, K]
+        scores, tokens, ks, drafted = _padded_round(greedy, verified, proposals)  # [G, K+1, vocab], [G, K]
         scores = scores.float()
         penalties = [s.sampling.repetition_penalty for s in greedy]
         if any(p != 1.0 for p in penalties):
@@ -133,7 +174,7 @@ def accept_all(
         batch = greedy_accept(scores, tokens, ks)
         results.update(_split(greedy, batch))
     if sampled:
-        raw, tokens, ks, drafted = _padded_round(sampled, logits, proposals)  # [S, K+1, vocab], [S, K]
+        raw, tokens, ks, drafted = _padded_round(sampled, verified, proposals)  # [S, K+1, vocab], [S, K]
         p = chunk_logits_to_probs(raw, [s.sampling for s in sampled], [s.tokens for s in sampled], drafted)
         q = p.new_zeros(len(sampled), tokens.shape[1], p.shape[-1])  # [S, K, vocab]; zero rows past each K
         for b, seq in enumerate(sampled):

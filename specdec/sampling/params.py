@@ -60,6 +60,12 @@ class SamplingParams:
         """True when the request decodes by argmax (temperature 0)."""
         return self.temperature == 0
 
+    @property
+    def greedy_by_raw_argmax(self) -> bool:
+        """Greedy, and nothing moves the argmax of the raw logits (no repetition penalty;
+        top-k and top-p always keep the largest logit): the argmax is all it needs."""
+        return self.is_greedy and self.repetition_penalty == 1.0
+
 
 def independent_seed(seed: int, stream: int) -> int:
     """A seed for random stream number `stream` of a request seeded with `seed`.

@@ -173,9 +173,19 @@ def greedy_accept(
     Apply the repetition penalty first (`transforms.chunk_apply_repetition_penalty`) for
     requests that use one: greedy decoding takes the argmax of the penalized logits.
     """
-    _, valid = _check(target_logits, draft_tokens, num_draft_tokens)  # valid: [batch, k_max]
-    k_max = target_logits.shape[1] - 1
-    best = target_logits.argmax(dim=-1)  # [batch, k_max+1]
+    return greedy_accept_argmax(target_logits.argmax(dim=-1), draft_tokens, num_draft_tokens)
+
+
+def greedy_accept_argmax(
+    target_argmax: torch.Tensor,  # [batch, k_max+1] int: argmax of the target's logits at each position
+    draft_tokens: torch.Tensor,  # [batch, k_max] int, padded past each row's k
+    num_draft_tokens: Sequence[int] | torch.Tensor,  # [batch]
+) -> RejectionResult:
+    """`greedy_accept` from the target's argmax tokens instead of its logits (the target
+    service can send those alone for requests whose logits need no transform)."""
+    _, valid = _check(target_argmax, draft_tokens, num_draft_tokens)  # valid: [batch, k_max]
+    k_max = target_argmax.shape[1] - 1
+    best = target_argmax.to(torch.int64)  # [batch, k_max+1]
     tokens = draft_tokens.to(device=best.device, dtype=torch.int64)  # [batch, k_max]
     matches = (best[:, :k_max] == tokens) & valid  # [batch, k_max]
     num_accepted = matches.long().cumprod(dim=1).sum(dim=1)  # [batch]

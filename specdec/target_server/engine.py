@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from specdec.errors import InvalidArgumentError, SlotExistsError
 from specdec.serving.engine import ModelEngine
-from specdec.wire.items import Lease, PrefillItem, ScoredChunk, VerifyItem
+from specdec.wire.items import Lease, PrefillItem, ScoredChunk, VerifiedChunk, VerifyItem
 
 
 class TargetEngine(ModelEngine):
@@ -32,11 +32,13 @@ class TargetEngine(ModelEngine):
             raise
         return [ScoredChunk(item.slot_id, row, len(self.tokens[item.slot_id])) for item, row in zip(items, logits)]
 
-    def verify(self, items: list[VerifyItem]) -> list[ScoredChunk]:
+    def verify(self, items: list[VerifyItem]) -> list[VerifiedChunk]:
         """Roll each slot back to valid_len, then score [g, t1..tK] for all requests in ONE forward.
 
         Row i of a result is the target's logits after tokens[0..i]: p_1..p_K judge the draft
-        tokens and p_{K+1} gives the bonus token. K = 0 is plain decoding.
+        tokens and p_{K+1} gives the bonus token. K = 0 is plain decoding. An `argmax_only`
+        item gets each row's argmax instead (`torch.argmax`: the lowest index among equal
+        maxima, the same as the gateway's argmax over the same logits).
         """
         self._check_batch([item.slot_id for item in items])
         for item in items:
@@ -55,4 +57,9 @@ class TargetEngine(ModelEngine):
         for item in items:
             self._rollback(item.slot_id, item.valid_len)
         logits = self._run([(item.slot_id, list(item.tokens)) for item in items], logits="all")
-        return [ScoredChunk(item.slot_id, rows, len(self.tokens[item.slot_id])) for item, rows in zip(items, logits)]
+        return [
+            VerifiedChunk(item.slot_id, len(self.tokens[item.slot_id]), argmax=rows.argmax(dim=-1).tolist())  # rows: [K+1, vocab]
+            if item.argmax_only
+            else VerifiedChunk(item.slot_id, len(self.tokens[item.slot_id]), logits=rows)
+            for item, rows in zip(items, logits)
+        ]

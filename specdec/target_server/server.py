@@ -27,7 +27,7 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
         items = [PrefillItem.from_pb(item) for item in request.items]
         results, compute_s = await self.worker.run_timed(self.engine.prefill, items, Lease.from_pb(request.lease))
         self.stats.record_work("Prefill", compute_s, len(items), sum(len(i.prompt_tokens) for i in items))
-        return target_pb2.PrefillResponse(results=[r.to_pb(target_pb2.PrefillResult) for r in results], compute_s=compute_s)
+        return target_pb2.PrefillResponse(results=[r.to_pb() for r in results], compute_s=compute_s)
 
     @grpc_errors
     async def Verify(
@@ -36,7 +36,7 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
         items = [VerifyItem.from_pb(item) for item in request.items]
         results, compute_s = await self.worker.run_timed(self.engine.verify, items)
         self.stats.record_work("Verify", compute_s, len(items), sum(len(i.tokens) for i in items))
-        return target_pb2.VerifyResponse(results=[r.to_pb(target_pb2.VerifyResult) for r in results], compute_s=compute_s)
+        return target_pb2.VerifyResponse(results=[r.to_pb() for r in results], compute_s=compute_s)
 
 
 async def create_server(config: TargetConfig, engine: TargetEngine | None = None) -> RunningServer:

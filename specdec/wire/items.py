@@ -1,7 +1,7 @@
 """Domain forms of everything the model-service rpcs carry, each with `to_pb` / `from_pb`.
 
-Requests (`PrefillItem`, `VerifyItem`, `ProposeItem`), results (`ScoredChunk` for Prefill
-and Verify, `Proposal` for Propose) and `ModelInfo`. The services validate and execute
+Requests (`PrefillItem`, `VerifyItem`, `ProposeItem`), results (`ScoredChunk` for Prefill,
+`VerifiedChunk` for Verify, `Proposal` for Propose) and `ModelInfo`. The services validate and execute
 these; the gateway builds the requests and reads the results. Generated protobuf classes
 are touched here and nowhere else, so each servicer handler and each client call is a
 conversion in, one engine call, a conversion out.
@@ -10,7 +10,6 @@ conversion in, one engine call, a conversion out.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 
@@ -19,8 +18,6 @@ from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.sampling.params import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 from specdec.wire.tensor_codec import decode_tensor, encode_tensor
-
-ScoredMessage = TypeVar("ScoredMessage", target_pb2.PrefillResult, target_pb2.VerifyResult)
 
 
 def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
@@ -88,13 +85,15 @@ class VerifyItem:
     slot_id: str
     valid_len: int
     tokens: list[int]
+    #: Return each row's argmax instead of its logits (a greedy request with untransformed logits).
+    argmax_only: bool = False
 
     def to_pb(self) -> target_pb2.VerifyItem:
-        return target_pb2.VerifyItem(slot_id=self.slot_id, valid_len=self.valid_len, tokens=self.tokens)
+        return target_pb2.VerifyItem(slot_id=self.slot_id, valid_len=self.valid_len, tokens=self.tokens, argmax_only=self.argmax_only)
 
     @classmethod
     def from_pb(cls, message: target_pb2.VerifyItem) -> VerifyItem:
-        return cls(message.slot_id, message.valid_len, list(message.tokens))
+        return cls(message.slot_id, message.valid_len, list(message.tokens), message.argmax_only)
 
 
 @dataclass(frozen=True)
@@ -126,19 +125,45 @@ class ProposeItem:
 
 @dataclass(frozen=True)
 class ScoredChunk:
-    """What the target returns per request from Prefill and from Verify."""
+    """What the target returns per request from Prefill."""
 
     slot_id: str
-    logits: torch.Tensor  # [vocab] after a prefill, [K + 1, vocab] after a verify; raw, at compute precision
+    logits: torch.Tensor  # [vocab], at the last prompt position; raw, at compute precision
     cached_len: int
 
-    def to_pb(self, message_cls: type[ScoredMessage]) -> ScoredMessage:
-        """As a `PrefillResult` or a `VerifyResult` (the two messages have the same fields)."""
-        return message_cls(slot_id=self.slot_id, logits=encode_tensor(self.logits), cached_len=self.cached_len)
+    def to_pb(self) -> target_pb2.PrefillResult:
+        return target_pb2.PrefillResult(slot_id=self.slot_id, logits=encode_tensor(self.logits), cached_len=self.cached_len)
 
     @classmethod
-    def from_pb(cls, message: target_pb2.PrefillResult | target_pb2.VerifyResult) -> ScoredChunk:
+    def from_pb(cls, message: target_pb2.PrefillResult) -> ScoredChunk:
         return cls(message.slot_id, decode_tensor(message.logits), message.cached_len)
+
+
+@dataclass(frozen=True)
+class VerifiedChunk:
+    """What the target returns per request from Verify: the raw logits [K + 1, vocab], or, for
+    an `argmax_only` item, only each row's argmax [K + 1] (a few bytes instead of 196 KB a row
+    for a 49,152-token vocabulary in fp32)."""
+
+    slot_id: str
+    cached_len: int
+    logits: torch.Tensor | None = None  # [K + 1, vocab]; raw, at compute precision
+    argmax: list[int] | None = None  # [K + 1]
+
+    def __post_init__(self) -> None:
+        if (self.logits is None) == (self.argmax is None):
+            raise ValueError(f"slot {self.slot_id!r}: a verify result carries either logits or argmax tokens")
+
+    def to_pb(self) -> target_pb2.VerifyResult:
+        if self.logits is None:
+            return target_pb2.VerifyResult(slot_id=self.slot_id, cached_len=self.cached_len, argmax_tokens=self.argmax)
+        return target_pb2.VerifyResult(slot_id=self.slot_id, cached_len=self.cached_len, logits=encode_tensor(self.logits))
+
+    @classmethod
+    def from_pb(cls, message: target_pb2.VerifyResult) -> VerifiedChunk:
+        if message.HasField("logits"):
+            return cls(message.slot_id, message.cached_len, logits=decode_tensor(message.logits))
+        return cls(message.slot_id, message.cached_len, argmax=list(message.argmax_tokens))
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from specdec.model.runtime import ModelRuntime
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.rejection_sampler import sampled_distribution
 from specdec.sampling.transforms import make_generator
-from specdec.wire.items import Proposal, ProposeItem
+from specdec.wire.items import Proposal, ProposeItem, VerifiedChunk
 
 K = 3
 PROMPT = [504, 3575, 282, 4649, 314]
@@ -64,8 +64,8 @@ def test_bf16_q_is_the_distribution_sampled_from_and_judged_against(
         detokenizer=StopStringDetokenizer.__new__(StopStringDetokenizer), generator=make_generator(1, "cpu"),
         draft_sampling=sampling,
     )
-    target_logits = {"s": torch.randn(K + 1, wire.probs.shape[-1], generator=torch.Generator().manual_seed(0))}
-    speculative_step.accept_all([seq], target_logits, {"s": wire})
+    target_logits = torch.randn(K + 1, wire.probs.shape[-1], generator=torch.Generator().manual_seed(0))  # [K+1, vocab]
+    speculative_step.accept_all([seq], {"s": VerifiedChunk("s", len(PROMPT) + K + 1, logits=target_logits)}, {"s": wire})
     assert len(judged) == 1
     expected = drawn / drawn.sum(-1, keepdim=True)
     assert torch.equal(judged[0][0], expected)

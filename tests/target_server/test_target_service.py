@@ -130,6 +130,23 @@ def test_verify_logits_match_in_process_forward(
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
+def test_argmax_only_items_get_each_rows_argmax_and_no_logits(
+    target: Service, prompts: list[list[int]]
+) -> None:
+    """In one batch, an argmax_only item gets the argmax of exactly the logits a full item at
+    the same position gets, and no logits; the full item is unchanged by its neighbour."""
+    prefill(target, {"full": prompts[0], "ids": prompts[0]})
+    chunk = [11, 300, 301, 302]
+    n = len(prompts[0])
+    response = target.stub.Verify(target_pb2.VerifyRequest(items=[
+        target_pb2.VerifyItem(slot_id="full", valid_len=n, tokens=chunk),
+        target_pb2.VerifyItem(slot_id="ids", valid_len=n, tokens=chunk, argmax_only=True),
+    ]))
+    full, ids = response.results
+    assert ids.cached_len == n + len(chunk) and not ids.HasField("logits")
+    assert list(ids.argmax_tokens) == decode_tensor(full.logits).argmax(dim=-1).tolist()
+
+
 def test_verify_after_rollback_equals_verify_without_rejected_tokens(
     target: Service, smollm2: LoadedModel, prompts: list[list[int]]
 ) -> None:

@@ -23,7 +23,7 @@ from specdec.gateway.requests import RequestPolicy
 from specdec.gateway.scheduler import PoolLimits, Scheduler
 from specdec.gateway.stats import GatewayStats
 from specdec.model.tokenizer_info import TokenizerInfo
-from specdec.wire.items import ModelInfo, PrefillItem, Proposal, ProposeItem, ScoredChunk, VerifyItem
+from specdec.wire.items import ModelInfo, PrefillItem, Proposal, ProposeItem, ScoredChunk, VerifiedChunk, VerifyItem
 
 VOCAB = 40
 EOS = 39
@@ -104,7 +104,7 @@ class FakeTarget:
             out[item.slot_id] = ScoredChunk(item.slot_id, logits_after(item.prompt_tokens[-1]), len(item.prompt_tokens))
         return Timed(out, 0.001, 0.002)
 
-    async def verify(self, items: list[VerifyItem], timeout: float) -> Timed[dict[str, ScoredChunk]]:
+    async def verify(self, items: list[VerifyItem], timeout: float) -> Timed[dict[str, VerifiedChunk]]:
         await _answer_within(self.verify_delay_s, timeout)
         if self.fail_verify is not None:
             raise self.fail_verify
@@ -116,7 +116,10 @@ class FakeTarget:
             del cache[item.valid_len :]
             cache.extend(item.tokens)
             rows = torch.stack([logits_after(t) for t in item.tokens])  # [K+1, vocab]
-            out[item.slot_id] = ScoredChunk(item.slot_id, rows, len(cache))
+            if item.argmax_only:
+                out[item.slot_id] = VerifiedChunk(item.slot_id, len(cache), argmax=rows.argmax(dim=-1).tolist())
+            else:
+                out[item.slot_id] = VerifiedChunk(item.slot_id, len(cache), logits=rows)
         return Timed(out, 0.001, 0.002)
 
     async def release(self, slot_id: str, timeout: float) -> None:

@@ -17,7 +17,7 @@ from specdec.gateway.requests import new_sequence
 from specdec.gateway.scheduler import Scheduler
 from specdec.gateway.sequence import Delta, Finished, FinishReason, Sequence
 from specdec.gateway.speculative_step import advance
-from specdec.v1 import gateway_pb2
+from specdec.v1 import common_pb2, gateway_pb2
 
 PROMPT = "hello"  # token ids 7 4 11 11 14
 
@@ -377,5 +377,31 @@ def test_a_failed_release_is_retried_until_the_slot_is_freed(monkeypatch: pytest
             await asyncio.sleep(0.01)
         assert target.slots == {} and target.released == [seq.slot_id]
         assert sched.unreleased == {"target": set(), "draft": set()}
+
+    run(test, target, draft)
+
+
+def test_only_greedy_requests_with_untransformed_logits_ask_for_argmax_tokens() -> None:
+    """A plain greedy request asks the target for argmax tokens only (K + 1 ints instead of
+    K + 1 vocabulary rows); a greedy one with a repetition penalty and a sampled one need
+    the logits. In one batch all three still decode as they would alone."""
+    target, draft = FakeTarget(), FakeDraft()
+    modes = {
+        "plain": common_pb2.SamplingParams(),
+        "penalised": common_pb2.SamplingParams(repetition_penalty=1.3),
+        "sampled": common_pb2.SamplingParams(temperature=0.7, seed=5),
+    }
+
+    async def test(sched: Scheduler) -> None:
+        seqs = {}
+        for name, sampling in modes.items():
+            req = request()
+            req.sampling.CopyFrom(sampling)
+            seqs[name] = new_sequence(req, policy())
+            sched.submit(seqs[name])
+        outputs = {name: (await drain(seq))[0] for name, seq in seqs.items()}
+        assert outputs["plain"] == greedy_reference(prompt_ids(), 12)
+        asked = {item.slot_id: item.argmax_only for batch in target.verify_batches for item in batch}
+        assert asked == {seqs["plain"].slot_id: True, seqs["penalised"].slot_id: False, seqs["sampled"].slot_id: False}
 
     run(test, target, draft)

@@ -14,6 +14,7 @@ from specdec.sampling.rejection_sampler import (
     RejectionResult,
     acceptance_probs,
     greedy_accept,
+    greedy_accept_argmax,
     recovery_probs,
     rejection_sample,
 )
@@ -309,3 +310,15 @@ def test_chi_square_bonus_and_per_row_generators() -> None:
     assert result.num_accepted == [k] * rows
     counts = torch.bincount(torch.tensor([o[-1] for o in result.output_tokens]), minlength=vocab).double()
     assert scipy.stats.chisquare(counts, bonus.double() * rows / bonus.double().sum()).pvalue > P_VALUE_FLOOR
+
+
+def test_greedy_accept_from_argmax_tokens_equals_greedy_accept_from_logits() -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 5, 7, generator=gen)  # [batch, k_max+1, vocab]
+    best = logits.argmax(-1)  # [batch, k_max+1]
+    # Draft tokens that agree with the target's argmax for a random prefix, then may not.
+    tokens = torch.where(torch.rand(6, 4, generator=gen) < 0.7, best[:, :4], torch.randint(0, 7, (6, 4), generator=gen))
+    ks = [4, 3, 0, 4, 1, 2]
+    want = greedy_accept(logits, tokens, ks)
+    assert greedy_accept_argmax(best, tokens, ks) == want
+    assert greedy_accept_argmax(best.int(), tokens, ks) == want  # as decoded from the wire's int32
