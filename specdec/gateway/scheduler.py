@@ -161,7 +161,13 @@ class Scheduler:
 
     async def _iteration(self) -> None:
         await self._retire_cancelled()
-        await self._admit()
+        # Requests that arrived during an admission's Prefill are admitted before the round as
+        # well (once, so a steady stream of arrivals cannot stall decoding). A burst then starts
+        # in two Prefills, and its first round plans K for the whole burst rather than for the
+        # first arrival alone: that round drafted 8 tokens for the first one or two requests
+        # and held the rest of 16 back by about half a second.
+        if await self._admit() and self.waiting:
+            await self._admit()
         if not self.running:
             self._wakeup.clear()
             if not self.waiting:
@@ -205,7 +211,9 @@ class Scheduler:
             if seq.done:
                 await self._retire(seq, seq.finish_reason)  # type: ignore[arg-type]
 
-    async def _admit(self) -> None:
+    async def _admit(self) -> int:
+        """Admit waiting requests that fit, in FIFO order, with one batched Prefill; returns
+        how many were admitted."""
         admitted: list[Sequence] = []
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             seq = self.waiting[0]
@@ -221,7 +229,7 @@ class Scheduler:
                 seq.admitted_at = time.perf_counter()
         self.stats.waiting = len(self.waiting)
         if not admitted:
-            return
+            return 0
         try:
             # A preempted request resumes here: its prompt and generated tokens are prefilled again.
             timeout = self.deadlines.prefill(len(admitted), max(len(s.tokens) for s in admitted))
@@ -230,7 +238,7 @@ class Scheduler:
             logits = {slot: chunk.logits for slot, chunk in prefilled.value.items()}
         except Exception as error:  # noqa: BLE001
             await self._fail(admitted, error, release=False)
-            return
+            return 0
         self.running.extend(admitted)  # they hold target slots now: a failure below releases them
         firsts = await self.sampler.run(first_tokens, admitted, logits)
         for seq in admitted:
@@ -244,6 +252,7 @@ class Scheduler:
             if seq.done:
                 await self._retire(seq, seq.finish_reason)  # type: ignore[arg-type]
         self.stats.running = len(self.running)
+        return len(admitted)
 
     # -- draft health ------------------------------------------------------------------
 

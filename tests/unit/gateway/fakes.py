@@ -82,6 +82,8 @@ class FakeTarget:
     fail_verify: grpc.aio.AioRpcError | None = None
     #: Seconds every Verify takes (a hung service when above the call's deadline).
     verify_delay_s: float = 0.0
+    #: Seconds every Prefill takes.
+    prefill_delay_s: float = 0.0
     #: Fail this many Release calls with UNAVAILABLE before answering them.
     failing_releases: int = 0
 
@@ -95,6 +97,7 @@ class FakeTarget:
         return 0
 
     async def prefill(self, items: list[PrefillItem], timeout: float) -> Timed[dict[str, ScoredChunk]]:
+        await _answer_within(self.prefill_delay_s, timeout)
         out = {}
         for item in items:
             assert item.slot_id not in self.slots

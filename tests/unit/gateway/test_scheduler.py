@@ -405,3 +405,23 @@ def test_only_greedy_requests_with_untransformed_logits_ask_for_argmax_tokens() 
         assert asked == {seqs["plain"].slot_id: True, seqs["penalised"].slot_id: False, seqs["sampled"].slot_id: False}
 
     run(test, target, draft)
+
+
+def test_requests_that_arrive_during_a_prefill_join_the_first_round() -> None:
+    """A burst: the first request's Prefill is under way when two more arrive. They are
+    admitted (in one more Prefill) before the first round, so that round, and the K it
+    plans, covers all three; the first request does not decode alone meanwhile."""
+    target, draft = FakeTarget(prefill_delay_s=0.1), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        first = new_sequence(request(), policy())
+        sched.submit(first)
+        await asyncio.sleep(0.02)  # the scheduler is inside first's Prefill now
+        later = [new_sequence(request(), policy()) for _ in range(2)]
+        for seq in later:
+            sched.submit(seq)
+        for seq in (first, *later):
+            assert (await drain(seq))[0] == greedy_reference(prompt_ids(), 12)
+        assert [item.slot_id for item in target.verify_batches[0]] == [first.slot_id] + [s.slot_id for s in later]
+
+    run(test, target, draft)
