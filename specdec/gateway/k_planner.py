@@ -305,8 +305,10 @@ class KPlanner:
     ) -> None:
         """Count rounds off per request; of those past their interval, the one off longest
         that is worth probing drafts `probe_k` tokens. A due request found not worth probing
-        starts a new interval: asking again every round cost up to ~10 ms of planning per
-        round at 16 requests, each question being a dozen rate predictions for the batch."""
+        is asked again after as many rounds as the batch has flexible requests: next round
+        when alone (its probe window is short, since a catch-up only grows dearer), about one
+        question per round in any batch. Asking every due request every round cost ~8 ms of
+        planning per round at 16 requests, each question being a dozen rate predictions."""
         due = []
         for s in flexible:
             slot = s.slot_id
@@ -323,11 +325,13 @@ class KPlanner:
                 due.append((idle, s))
         self._probing = set()
         for _, s in sorted(due, key=lambda pair: pair[0], reverse=True):
-            self._idle_rounds[s.slot_id] = 0
             if worth_probing(s):
                 ks[s.slot_id] = min(self.probe_k, caps[s.slot_id])
+                self._idle_rounds[s.slot_id] = 0
                 self._probing.add(s.slot_id)
                 return
+            interval = self._probe_interval.get(s.slot_id, self.probe_every)
+            self._idle_rounds[s.slot_id] = max(0, interval - len(flexible))
 
     def observe(self, seqs: list[Sequence], report: RoundReport) -> None:
         """Learn from a finished round: acceptance per request, cost scales, overhead."""

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+
+import torch
+
 from specdec.errors import InvalidArgumentError, SlotExistsError
 from specdec.serving.engine import ModelEngine
 from specdec.wire.items import Lease, PrefillItem, ScoredChunk, VerifiedChunk, VerifyItem
@@ -56,9 +60,11 @@ class TargetEngine(ModelEngine):
         # all-or-nothing, so a capacity error leaves every slot at its valid prefix.
         for item in items:
             self._rollback(item.slot_id, item.valid_len)
-        logits = self._run([(item.slot_id, list(item.tokens)) for item in items], logits="all")
+        logits = self._run([(item.slot_id, list(item.tokens)) for item in items], logits="all")  # [K+1, vocab] each
+        wanted = [rows.argmax(dim=-1) for item, rows in zip(items, logits) if item.argmax_only]  # [K+1] each
+        argmax = iter(torch.cat(wanted).tolist() if wanted else [])  # one device-to-host copy for the batch
         return [
-            VerifiedChunk(item.slot_id, len(self.tokens[item.slot_id]), argmax=rows.argmax(dim=-1).tolist())  # rows: [K+1, vocab]
+            VerifiedChunk(item.slot_id, len(self.tokens[item.slot_id]), argmax=list(itertools.islice(argmax, len(item.tokens))))
             if item.argmax_only
             else VerifiedChunk(item.slot_id, len(self.tokens[item.slot_id]), logits=rows)
             for item, rows in zip(items, logits)
