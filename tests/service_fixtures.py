@@ -40,7 +40,7 @@ T = TypeVar("T")
 #: Deadline of every test RPC, so a hung server fails the test instead of the session.
 RPC_TIMEOUT_S = 60.0
 #: Small pools: big enough for every test, cheap to allocate per test (~94 MB of fp32 KV).
-SMALL_POOL: dict[str, Any] = dict(kv_token_budget=2048, block_size=16, max_slots=32, max_speculative_tokens=8, measure_costs=False)
+SMALL_POOL: dict[str, Any] = dict(kv_token_budget=2048, block_size=16, max_slots=32, max_speculative_tokens=8, measure_costs=False, compile="off")
 
 
 class LoopThread:

@@ -18,4 +18,5 @@ from specdec.serving.config import ModelServiceConfig
 class DraftConfig(ModelServiceConfig):
     dtype: str = inherit(ModelServiceConfig, "dtype", "bfloat16")
     quantization: str = inherit(ModelServiceConfig, "quantization", "int4")
+    compile: str = inherit(ModelServiceConfig, "compile", "auto")
     port: int = inherit(ModelServiceConfig, "port", 50051)

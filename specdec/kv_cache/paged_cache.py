@@ -8,6 +8,9 @@ is one `index_copy_` and gathering a context is one `index_select`, on any devic
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from transformers import PretrainedConfig
 
@@ -80,3 +83,20 @@ class PagedKVCache:
         width = max(1, max(len(t) for t in tables))
         padded = [t + [0] * (width - len(t)) for t in tables]
         return torch.tensor(padded, dtype=torch.long, device=self.device)
+
+    @contextmanager
+    def temporary_slots(self, prefix: str, count: int) -> Iterator[list[str]]:
+        """`count` empty slots named `prefix` + index, freed on exit whatever happened.
+
+        For a service's own start-up measurements; `prefix` should start with a character
+        no client slot id can hold (e.g. NUL) so that the two never meet.
+        """
+        slots = [f"{prefix}{i}" for i in range(count)]
+        try:
+            for slot in slots:
+                self.blocks.allocate(slot)
+            yield slots
+        finally:
+            for slot in slots:
+                if self.blocks.has_slot(slot):
+                    self.blocks.free(slot)

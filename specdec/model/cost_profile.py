@@ -65,11 +65,7 @@ def measure_forward_costs(
         log.warning("forward costs not measured: a KV pool of %d tokens is too small to profile", cache.capacity_tokens)
         return []
     with_prefill = tokens_needed(batches[-1], True) <= room
-    slots = [f"{_SLOT_PREFIX}{i}" for i in range(batches[-1])]
-    costs: list[ForwardCost] = []
-    try:
-        for slot in slots:
-            cache.blocks.allocate(slot)
+    with cache.temporary_slots(_SLOT_PREFIX, batches[-1]) as slots:
         prompt = [(i * 7919) % forward.vocab_size for i in range(max(CONTEXT_LEN, PREFILL_WIDTH))]
         forward.run(cache, [(slot, prompt[:CONTEXT_LEN]) for slot in slots])
         grid = [(batch, width) for batch in batches for width in widths if width == 1 or batch * width <= MAX_ROWS]
@@ -86,11 +82,7 @@ def measure_forward_costs(
                 forward.run(cache, [(slot, prompt[:width]) for slot in slots[:batch]], logits=logits)
                 if timed_pass:
                     times[(batch, width)].append(time.perf_counter() - started)
-        costs = [ForwardCost(batch_size=b, tokens=t, seconds=statistics.median(times[(b, t)])) for b, t in grid]
-    finally:
-        for slot in slots:
-            if cache.blocks.has_slot(slot):
-                cache.blocks.free(slot)
+    costs = [ForwardCost(batch_size=b, tokens=t, seconds=statistics.median(times[(b, t)])) for b, t in grid]
     single = {c.tokens: c.seconds * 1e3 for c in costs if c.batch_size == 1}
     log.info(
         "forward costs (batch 1): 1 token %.1f ms, %d tokens %.1f ms, %d-token prefill %s",

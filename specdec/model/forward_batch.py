@@ -29,11 +29,6 @@ class ForwardBatch:
     attn_mask: torch.Tensor  # [B, 1, T, L] bool, True where a query may attend a key
     chunk_lens: list[int]
 
-    @property
-    def dense(self) -> bool:
-        """Every chunk has the same length: no padding, so `token_rows` is 0..B*T-1."""
-        return min(self.chunk_lens) == max(self.chunk_lens)
-
     def flat_rows(self, which: str) -> torch.Tensor:
         """Indices into the flattened [B*T] hidden states: "last" token of each chunk, or "all" real tokens."""
         if which == "last":

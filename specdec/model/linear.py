@@ -105,7 +105,9 @@ class DenseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in] -> [..., out]."""
-        if self._packed is not None and x.numel() <= MAX_ONEDNN_ROWS * self.in_features:
+        # Under torch.compile the packed oneDNN weight is opaque to tracing; the compiler
+        # picks its own kernel for the plain weight.
+        if self._packed is not None and x.numel() <= MAX_ONEDNN_ROWS * self.in_features and not torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
         return F.linear(x, self.weight)
 

@@ -10,6 +10,7 @@ tied embeddings and SmolLM2. Device-agnostic: nothing here names a device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,8 @@ from specdec.model.forward_batch import ForwardBatch, build_forward_batch
 from specdec.model.linear import DenseLinear, fuse
 
 SUPPORTED_MODEL_TYPES = ("llama",)
+#: How a single request's decode step runs its decoder layers: see `PagedLlama.compile_layers`.
+LAYER_PATHS = ("eager", "compiled")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -87,7 +90,11 @@ class PagedLlama:
         # inv_freq already carries the `llama3` (or linear, ...) rescaling of the config.
         self.inv_freq: torch.Tensor = decoder.rotary_emb.inv_freq  # [head_dim / 2]
         self.attention_scaling: float = float(decoder.rotary_emb.attention_scaling)
-        self._split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim]
+        #: `compile_layers` sets the compiled layer; `set_layer_path` switches between the two.
+        self.compiled_layer: Callable[..., torch.Tensor] | None = None
+        self.layer_path = "eager"
+        #: Whether a call that no compiled graph covers compiles one (warm-up) or runs eager (serving).
+        self.compile_on_miss = False
 
     @property
     def vocab_size(self) -> int:
@@ -140,14 +147,52 @@ class PagedLlama:
         groups = self.num_heads // self.num_kv_heads
         bias = torch.zeros(batch.attn_mask.shape, dtype=self._attention_dtype(hidden), device=hidden.device)  # [B, 1, T, L]
         bias = bias.masked_fill(~batch.attn_mask, float("-inf")).repeat(1, 1, groups, 1)  # [B, 1, G*T, L]
-        for index, layer in enumerate(self.layers):
-            attn_in = rms_norm(hidden, layer.input_norm, self.eps)
-            hidden = hidden + self._attention(layer, attn_in, cos, sin, bias, batch, cache, index)
-            mlp_in = rms_norm(hidden, layer.post_norm, self.eps)
-            hidden = hidden + self._mlp(layer, mlp_in)
+        if self.layer_path == "compiled" and (bsz, width) == (1, 1):
+            hidden = self._compiled_layers(hidden, cos, sin, bias, batch, cache)
+        else:
+            for layer, kv in zip(self.layers, cache.kv):
+                hidden = self._layer(layer, hidden, cos, sin, bias, kv, batch.write_index, batch.token_rows, batch.context_index)
         hidden = rms_norm(hidden, self.final_norm.weight, self.eps)
         selected = hidden.reshape(bsz * width, -1).index_select(0, logit_rows)  # [n_rows, hidden]
         return self.lm_head(selected)  # [n_rows, vocab]
+
+    def compile_layers(self) -> None:
+        """Prepare `torch.compile` of the decoder layer for a single request's 1-token step.
+
+        One layer function serves all layers (their weights are its inputs), so compiling
+        costs one layer's graph, not the whole model's: the whole 30-layer forward took
+        ~60 s to compile on a 2-core CPU. Only the shape of the drafting loop of one
+        request is compiled, with the context length dynamic: each further shape family
+        (batch > 1, chunks > 1 token) cost another 30-70 s of start-up there. Nothing is
+        compiled until the first call; `set_layer_path` chooses which path runs.
+        """
+        if self.compiled_layer is None:
+            self.compiled_layer = torch.compile(self._layer)
+
+    def set_layer_path(self, path: str) -> None:
+        """Run a single request's 1-token step "compiled" (after `compile_layers`) or "eager"."""
+        if path not in LAYER_PATHS:
+            raise ValueError(f"path must be one of {LAYER_PATHS}, got {path!r}")
+        if path == "compiled" and self.compiled_layer is None:
+            raise ValueError("call compile_layers() before choosing the compiled path")
+        self.layer_path = path
+
+    def _compiled_layers(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache
+    ) -> torch.Tensor:
+        """The layers through the compiled function. Once warmed up (`compile_on_miss` off), a
+        call whose shapes no compiled graph covers runs eager instead of compiling while a
+        request waits."""
+        assert self.compiled_layer is not None
+        # One graph for every context length L (and any pool size, should a model serve two pools).
+        torch._dynamo.mark_dynamic(batch.context_index, 1)
+        torch._dynamo.mark_dynamic(bias, 3)
+        for kv in cache.kv:
+            torch._dynamo.mark_dynamic(kv, 0)
+        with torch.compiler.set_stance("default" if self.compile_on_miss else "eager_on_recompile"):
+            for layer, kv in zip(self.layers, cache.kv):
+                hidden = self.compiled_layer(layer, hidden, cos, sin, bias, kv, batch.write_index, batch.token_rows, batch.context_index)
+        return hidden
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq.float()  # [B, T, head_dim / 2]
@@ -156,23 +201,48 @@ class PagedLlama:
         sin = (angles.sin() * self.attention_scaling).to(dtype)
         return cos[:, :, None], sin[:, :, None]
 
+    def _layer(
+        self,
+        layer: DecoderLayer,
+        hidden: torch.Tensor,  # [B, T, hidden]
+        cos: torch.Tensor,  # [B, T, 1, D]
+        sin: torch.Tensor,  # [B, T, 1, D]
+        bias: torch.Tensor,  # [B, 1, G*T, L] additive mask: 0 where attended, -inf elsewhere
+        kv: torch.Tensor,  # [rows, 2, Hkv, D] this layer's slice of the paged pool
+        write_index: torch.Tensor,  # [n_real] pool row of each real token
+        token_rows: torch.Tensor,  # [n_real] index of each real token in the flattened [B*T]
+        context_index: torch.Tensor,  # [B, L] pool rows of each request's context
+    ) -> torch.Tensor:
+        """One decoder layer: writes the chunk's keys and values to `kv`, returns the new hidden state.
+
+        Only tensors and the layer's weights go in, so the same function runs eager and
+        under `torch.compile` (see `compile_layers`).
+        """
+        attn_in = rms_norm(hidden, layer.input_norm, self.eps)
+        hidden = hidden + self._attention(layer, attn_in, cos, sin, bias, kv, write_index, token_rows, context_index)
+        mlp_in = rms_norm(hidden, layer.post_norm, self.eps)
+        return hidden + self._mlp(layer, mlp_in)
+
     def _attention(
         self,
         layer: DecoderLayer,
         x: torch.Tensor,  # [B, T, hidden]
         cos: torch.Tensor,  # [B, T, 1, D]
         sin: torch.Tensor,  # [B, T, 1, D]
-        bias: torch.Tensor,  # [B, 1, G*T, L] additive mask: 0 where attended, -inf elsewhere
-        batch: ForwardBatch,
-        cache: PagedKVCache,
-        layer_index: int,
+        bias: torch.Tensor,  # [B, 1, G*T, L]
+        kv: torch.Tensor,  # [rows, 2, Hkv, D]
+        write_index: torch.Tensor,  # [n_real]
+        token_rows: torch.Tensor,  # [n_real]
+        context_index: torch.Tensor,  # [B, L]
     ) -> torch.Tensor:
         """Grouped-query attention over each request's paged context.
 
         Each KV head serves G = H / Hkv query heads, so the G·T queries of a group are
         stacked into one matrix and meet their keys in a single matmul: no repeat of K/V,
         and (unlike the CPU flash-attention kernel, measured at ~2 ms per call for one
-        query) cheap for the short chunks of decoding and verification.
+        query) cheap for the short chunks of decoding and verification. Keys are gathered
+        as [L, D] rows and multiplied transposed: gathering them straight into a [D, L]
+        layout made the compiled kernel read the pool element by element (~10× slower).
         """
         bsz, width, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -180,18 +250,14 @@ class PagedLlama:
         qk = qkv[:, :, : heads + kv_heads]  # [B, T, H + Hkv, D]: RoPE on queries and keys at once
         qk = qk * cos + rotate_half(qk) * sin
         q = qk[:, :, :heads].transpose(1, 2)  # [B, H, T, D]
-        kv = torch.stack((qk[:, :, heads:], qkv[:, :, heads + kv_heads :]), dim=2)  # [B, T, 2, Hkv, D]
-
-        cached = cache.kv[layer_index]  # [rows, 2, Hkv, D]
-        new = kv.view(bsz * width, 2, kv_heads, dim)
-        cached.index_copy_(0, batch.write_index, new if batch.dense else new.index_select(0, batch.token_rows))
-        ctx_len = batch.context_index.shape[1]
-        context = cached.index_select(0, batch.context_index.view(-1)).view(bsz, ctx_len, 2, kv_heads, dim)
-        k_ctx = context[:, :, 0].permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+        new = torch.stack((qk[:, :, heads:], qkv[:, :, heads + kv_heads :]), dim=2)  # [B, T, 2, Hkv, D]
+        kv.index_put_((write_index,), new.view(bsz * width, 2, kv_heads, dim).index_select(0, token_rows))
+        context = kv.index_select(0, context_index.view(-1)).view(bsz, -1, 2, kv_heads, dim)  # [B, L, 2, Hkv, D]
+        k_ctx = context[:, :, 0].transpose(1, 2)  # [B, Hkv, L, D]
         v_ctx = context[:, :, 1].transpose(1, 2)  # [B, Hkv, L, D]
         math = self._attention_dtype(x)
         q = q.reshape(bsz, kv_heads, -1, dim).to(math)  # [B, Hkv, G*T, D]: head h = g_kv * G + g
-        scores = torch.matmul(q, k_ctx.to(math)) * dim**-0.5 + bias  # [B, Hkv, G*T, L]
+        scores = torch.matmul(q, k_ctx.to(math).transpose(2, 3)) * dim**-0.5 + bias  # [B, Hkv, G*T, L]
         out = torch.matmul(torch.softmax(scores, dim=-1), v_ctx.to(math))  # [B, Hkv, G*T, D]
         out = out.to(x.dtype).view(bsz, heads, width, dim).transpose(1, 2).reshape(bsz, width, heads * dim)  # [B, T, H*D]
         return layer.o(out)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from specdec.errors import InvalidArgumentError
 from specdec.flags import option
+from specdec.model.compiled_layers import COMPILE_MODES
 from specdec.model.loader import DEFAULT_MODEL
 from specdec.model.runtime import DTYPES, QUANTIZATIONS
 from specdec.serving.security import ServerSecurity
@@ -36,6 +37,10 @@ class ModelServiceConfig(ServerSecurity):
     max_seq_len: int = option(0, "longest sequence per slot (0 = the model's limit)")
     max_message_bytes: int = option(DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received")
     measure_costs: bool = option(True, "time the forward pass at start-up so the gateway can plan K from real costs")
+    compile: str = option(
+        "off", "torch.compile the decoder layer for decode and verify chunks: on, off, or auto (compile, time both "
+        "at start-up, keep the faster; eager when --no-measure-costs)", choices=COMPILE_MODES,
+    )
     threads: int = option(0, "intra-op threads of the forward pass (0 = one per core)")
     cpu_cores: str = option("", "pin the service to these CPU cores, e.g. 0 or 0-1 (empty = no pinning)")
     metrics_port: int = option(-1, "Prometheus /metrics port (-1 = off, 0 = any free port)")
@@ -50,6 +55,8 @@ class ModelServiceConfig(ServerSecurity):
             raise InvalidArgumentError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise InvalidArgumentError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.compile not in COMPILE_MODES:
+            raise InvalidArgumentError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if not 0 <= self.port <= 65535:
             raise InvalidArgumentError(f"port must be in 0..65535, got {self.port}")
         for name in ("group_size", "max_slots", "kv_token_budget", "block_size", "max_speculative_tokens", "max_message_bytes"):

@@ -16,6 +16,7 @@ import torch
 
 from specdec.cost_model import ForwardCost
 from specdec.errors import CapacityExhaustedError, InvalidArgumentError, SlotNotFoundError
+from specdec.model.compiled_layers import choose_layer_path
 from specdec.model.cost_profile import measure_forward_costs
 from specdec.model.runtime import ModelRuntime
 from specdec.model.tokenizer_info import TokenizerInfo
@@ -44,6 +45,11 @@ class ModelEngine:
         self.leases = LeaseTable(config.lease_ttl_s)
         #: Forward costs measured on this machine at start-up (empty when disabled).
         self.forward_costs: tuple[ForwardCost, ...] = ()
+        # "auto" decides by timing both paths: a service told not to measure (tests, fast
+        # restarts) stays eager rather than compile blind.
+        compile_mode = "off" if config.compile == "auto" and not config.measure_costs else config.compile
+        #: "compiled" or "eager": how decode and verify chunks run their decoder layers.
+        self.layer_path = choose_layer_path(self.forward, self.cache, compile_mode)
         if config.measure_costs:
             self.forward_costs = tuple(measure_forward_costs(
                 self.forward, self.cache, max_batch=config.max_slots, max_tokens=config.max_speculative_tokens + 1,

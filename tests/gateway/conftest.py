@@ -33,7 +33,7 @@ from specdec.target_server.config import TargetConfig
 from specdec.target_server.engine import TargetEngine
 from specdec.target_server.server import create_server as create_target_server
 
-POOL: dict[str, Any] = dict(kv_token_budget=8192, block_size=16, max_slots=32, max_speculative_tokens=8, measure_costs=False)
+POOL: dict[str, Any] = dict(kv_token_budget=8192, block_size=16, max_slots=32, max_speculative_tokens=8, measure_costs=False, compile="off")
 
 
 @dataclass

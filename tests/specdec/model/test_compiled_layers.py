@@ -1,0 +1,132 @@
+"""The compiled decoder layer (`--compile`): same numbers as eager, one graph for every
+context length, and eager whenever compiling is off, fails or does not apply.
+
+Compiles for real (inductor, C++), once per module: a tiny int4 Llama in bfloat16, the
+default draft's formats, so the int4 kernel runs inside the compiled graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+from tiny_models import tiny_llama
+
+from specdec.model import compiled_layers
+from specdec.model.compiled_layers import TIMING_CONTEXT, choose_layer_path
+from specdec.model.llama import PagedLlama
+from specdec.model.quantize import quantize_int8
+from specdec.model.quantize_int4 import quantize_int4
+
+PROMPT = [(i * 37) % 256 for i in range(200)]
+
+
+def _int4_forward() -> PagedLlama:
+    model = tiny_llama()
+    quantize_int4(model, group_size=32, include_lm_head=False)
+    quantize_int8(model)
+    return PagedLlama(model.to(torch.bfloat16))
+
+
+@pytest.fixture(scope="module")
+def compiled() -> PagedLlama:
+    forward = _int4_forward()
+    cache = forward.new_cache(token_budget=1024)
+    assert choose_layer_path(forward, cache, "on") == "compiled"
+    assert cache.blocks.free_tokens == cache.capacity_tokens  # its timing slot is gone
+    return forward
+
+
+@contextlib.contextmanager
+def compiled_graph_only(forward: PagedLlama) -> Iterator[None]:
+    """Fail unless the calls inside ran the warm-up's compiled graph: a call that would need
+    another graph (which serving would quietly run eager) compiles one here and is caught."""
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    forward.compile_on_miss = True
+    try:
+        with torch.profiler.profile() as profile:
+            yield
+    finally:
+        forward.compile_on_miss = False
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert any(event.name.startswith("Torch-Compiled Region") for event in profile.events())
+
+
+def _decode(forward: PagedLlama, path: str, prompt_len: int, steps: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Logits of `steps` greedy 1-token steps after an eager prefill, and the slot's cached K/V."""
+    forward.set_layer_path(path)
+    cache = forward.new_cache(token_budget=512)
+    cache.blocks.allocate("s")
+    (logits,) = forward.run(cache, [("s", PROMPT[:prompt_len])])
+    out = []
+    with compiled_graph_only(forward) if path == "compiled" else contextlib.nullcontext():
+        for _ in range(steps):
+            (logits,) = forward.run(cache, [("s", [int(logits.argmax())])])
+            out.append(logits.float())
+    rows = torch.tensor(cache.blocks.positions("s"))
+    return out, torch.stack([kv.index_select(0, rows).float() for kv in cache.kv])  # [layers, len, 2, Hkv, D]
+
+
+@pytest.mark.parametrize("prompt_len", [3, 61, 190])
+def test_compiled_steps_match_eager_at_every_context_length(compiled: PagedLlama, prompt_len: int) -> None:
+    eager_logits, eager_kv = _decode(compiled, "eager", prompt_len, steps=6)
+    compiled_logits, compiled_kv = _decode(compiled, "compiled", prompt_len, steps=6)
+    for want, got in zip(eager_logits, compiled_logits):
+        # bf16 activations: the compiled kernels round once where eager rounds after every op.
+        torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(compiled_kv, eager_kv, atol=0.02, rtol=0.02)  # the cache writes landed in the same rows
+
+
+def test_one_graph_serves_every_context_length(compiled: PagedLlama) -> None:
+    compiled.set_layer_path("compiled")
+    cache = compiled.new_cache(token_budget=512)
+    cache.blocks.allocate("s")
+    compiled.run(cache, [("s", PROMPT[:5])])
+    with compiled_graph_only(compiled):
+        for token in PROMPT[5:40]:
+            compiled.run(cache, [("s", [token])])
+
+
+def test_batches_and_wider_chunks_run_eager_with_the_same_numbers(compiled: PagedLlama) -> None:
+    results = {}
+    for path in ("eager", "compiled"):
+        compiled.set_layer_path(path)
+        cache = compiled.new_cache(token_budget=512)
+        for slot, length in (("a", 20), ("b", 33)):
+            cache.blocks.allocate(slot)
+            compiled.run(cache, [(slot, PROMPT[:length])])
+        results[path] = compiled.run(cache, [("a", [1]), ("b", [2, 3, 4])], logits="all")
+    for want, got in zip(results["eager"], results["compiled"]):
+        assert torch.equal(want, got)  # the same eager code ran both times
+
+
+def test_off_does_not_compile_and_auto_keeps_the_faster_path(compiled: PagedLlama, caplog: pytest.LogCaptureFixture) -> None:
+    fresh = _int4_forward()
+    assert choose_layer_path(fresh, fresh.new_cache(token_budget=1024), "off") == "eager"
+    assert fresh.compiled_layer is None
+    with caplog.at_level(logging.INFO, logger=compiled_layers.__name__):
+        path = choose_layer_path(compiled, compiled.new_cache(token_budget=1024), "auto")
+    assert compiled.layer_path == path
+    assert f"running {path}" in caplog.text and "eager" in caplog.text and "compiled" in caplog.text
+
+
+def test_a_small_pool_or_a_failing_compiler_leaves_the_model_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    forward = _int4_forward()
+    assert choose_layer_path(forward, forward.new_cache(token_budget=TIMING_CONTEXT), "on") == "eager"
+
+    def broken_compile(fn: object, **kwargs: object) -> object:
+        def raises(*args: object) -> None:
+            raise RuntimeError("no C++ compiler here")
+        return raises
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    cache = forward.new_cache(token_budget=1024)
+    assert choose_layer_path(forward, cache, "on") == "eager"
+    assert forward.layer_path == "eager" and cache.blocks.free_tokens == cache.capacity_tokens
+    cache.blocks.allocate("s")
+    (logits,) = forward.run(cache, [("s", PROMPT[:4])])
+    assert logits.shape == (256,)
+    forward.run(cache, [("s", [int(logits.argmax())])])  # a 1-token step still runs (eager)
