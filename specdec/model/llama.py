@@ -161,10 +161,12 @@ class PagedLlama:
 
         One layer function serves all layers (their weights are its inputs), so compiling
         costs one layer's graph, not the whole model's: the whole 30-layer forward took
-        ~60 s to compile on a 2-core CPU. Only the shape of the drafting loop of one
-        request is compiled, with the context length dynamic: each further shape family
-        (batch > 1, chunks > 1 token) cost another 30-70 s of start-up there. Nothing is
-        compiled until the first call; `set_layer_path` chooses which path runs.
+        ~60 s to compile on a 2-core CPU, one layer ~20 s. Only the shape of one
+        request's drafting loop is compiled, with the context length dynamic: in a trial
+        with every dimension dynamic, each further shape family (batch > 1, chunks > 1
+        token) took another 27-68 s of start-up. Nothing is compiled until the first call;
+        `set_layer_path` chooses which path runs. On CUDA the same code compiles to Triton
+        kernels; CUDA graphs would also need the context padded to a few fixed lengths.
         """
         if self.compiled_layer is None:
             self.compiled_layer = torch.compile(self._layer)
