@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +62,18 @@ class DecoderLayer:
             gate_up=fuse([mlp.gate_proj, mlp.up_proj]),
             down=fuse([mlp.down_proj]),
         )
+
+
+class LayerInputs(NamedTuple):
+    """What every decoder layer of one forward reads besides the hidden state and its own
+    weights and pool (B requests, T = longest chunk, L = longest context, n real tokens)."""
+
+    cos: torch.Tensor  # [B, T, 1, D] RoPE
+    sin: torch.Tensor  # [B, T, 1, D]
+    bias: torch.Tensor  # [B, 1, G*T, L] additive attention mask: 0 where attended, -inf elsewhere
+    write_index: torch.Tensor  # [n] pool row of each real token
+    token_rows: torch.Tensor  # [n] index of each real token in the flattened [B*T]
+    context_index: torch.Tensor  # [B, L] pool rows of each request's context
 
 
 class PagedLlama:
@@ -139,7 +151,8 @@ class PagedLlama:
 
         Everything shared by the layers — RoPE angles and the attention bias — is built
         once here; a layer runs four matmuls, attention and a handful of elementwise ops,
-        with no host synchronisation and no Python loop over requests.
+        with no host synchronisation and no Python loop over requests. A single request's
+        1-token step runs its layers compiled when `set_layer_path("compiled")` chose so.
         """
         bsz, width = batch.input_ids.shape
         hidden = self.embed_tokens(batch.input_ids)  # [B, T, hidden]
@@ -147,11 +160,12 @@ class PagedLlama:
         groups = self.num_heads // self.num_kv_heads
         bias = torch.zeros(batch.attn_mask.shape, dtype=self._attention_dtype(hidden), device=hidden.device)  # [B, 1, T, L]
         bias = bias.masked_fill(~batch.attn_mask, float("-inf")).repeat(1, 1, groups, 1)  # [B, 1, G*T, L]
+        inputs = LayerInputs(cos, sin, bias, batch.write_index, batch.token_rows, batch.context_index)
         if self.layer_path == "compiled" and (bsz, width) == (1, 1):
-            hidden = self._compiled_layers(hidden, cos, sin, bias, batch, cache)
+            hidden = self._compiled_layers(hidden, inputs, cache)
         else:
             for layer, kv in zip(self.layers, cache.kv):
-                hidden = self._layer(layer, hidden, cos, sin, bias, kv, batch.write_index, batch.token_rows, batch.context_index)
+                hidden = self._layer(layer, hidden, inputs, kv)
         hidden = rms_norm(hidden, self.final_norm.weight, self.eps)
         selected = hidden.reshape(bsz * width, -1).index_select(0, logit_rows)  # [n_rows, hidden]
         return self.lm_head(selected)  # [n_rows, vocab]
@@ -179,21 +193,19 @@ class PagedLlama:
             raise ValueError("call compile_layers() before choosing the compiled path")
         self.layer_path = path
 
-    def _compiled_layers(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache
-    ) -> torch.Tensor:
+    def _compiled_layers(self, hidden: torch.Tensor, inputs: LayerInputs, cache: PagedKVCache) -> torch.Tensor:
         """The layers through the compiled function. Once warmed up (`compile_on_miss` off), a
         call whose shapes no compiled graph covers runs eager instead of compiling while a
         request waits."""
         assert self.compiled_layer is not None
         # One graph for every context length L (and any pool size, should a model serve two pools).
-        torch._dynamo.mark_dynamic(batch.context_index, 1)
-        torch._dynamo.mark_dynamic(bias, 3)
+        torch._dynamo.mark_dynamic(inputs.context_index, 1)
+        torch._dynamo.mark_dynamic(inputs.bias, 3)
         for kv in cache.kv:
             torch._dynamo.mark_dynamic(kv, 0)
         with torch.compiler.set_stance("default" if self.compile_on_miss else "eager_on_recompile"):
             for layer, kv in zip(self.layers, cache.kv):
-                hidden = self.compiled_layer(layer, hidden, cos, sin, bias, kv, batch.write_index, batch.token_rows, batch.context_index)
+                hidden = self.compiled_layer(layer, hidden, inputs, kv)
         return hidden
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,13 +219,8 @@ class PagedLlama:
         self,
         layer: DecoderLayer,
         hidden: torch.Tensor,  # [B, T, hidden]
-        cos: torch.Tensor,  # [B, T, 1, D]
-        sin: torch.Tensor,  # [B, T, 1, D]
-        bias: torch.Tensor,  # [B, 1, G*T, L] additive mask: 0 where attended, -inf elsewhere
+        inputs: LayerInputs,
         kv: torch.Tensor,  # [rows, 2, Hkv, D] this layer's slice of the paged pool
-        write_index: torch.Tensor,  # [n_real] pool row of each real token
-        token_rows: torch.Tensor,  # [n_real] index of each real token in the flattened [B*T]
-        context_index: torch.Tensor,  # [B, L] pool rows of each request's context
     ) -> torch.Tensor:
         """One decoder layer: writes the chunk's keys and values to `kv`, returns the new hidden state.
 
@@ -221,23 +228,12 @@ class PagedLlama:
         under `torch.compile` (see `compile_layers`).
         """
         attn_in = rms_norm(hidden, layer.input_norm, self.eps)
-        hidden = hidden + self._attention(layer, attn_in, cos, sin, bias, kv, write_index, token_rows, context_index)
+        hidden = hidden + self._attention(layer, attn_in, inputs, kv)
         mlp_in = rms_norm(hidden, layer.post_norm, self.eps)
         return hidden + self._mlp(layer, mlp_in)
 
-    def _attention(
-        self,
-        layer: DecoderLayer,
-        x: torch.Tensor,  # [B, T, hidden]
-        cos: torch.Tensor,  # [B, T, 1, D]
-        sin: torch.Tensor,  # [B, T, 1, D]
-        bias: torch.Tensor,  # [B, 1, G*T, L]
-        kv: torch.Tensor,  # [rows, 2, Hkv, D]
-        write_index: torch.Tensor,  # [n_real]
-        token_rows: torch.Tensor,  # [n_real]
-        context_index: torch.Tensor,  # [B, L]
-    ) -> torch.Tensor:
-        """Grouped-query attention over each request's paged context.
+    def _attention(self, layer: DecoderLayer, x: torch.Tensor, inputs: LayerInputs, kv: torch.Tensor) -> torch.Tensor:
+        """Grouped-query attention of `x` [B, T, hidden] over each request's paged context in `kv`.
 
         Each KV head serves G = H / Hkv query heads, so the G·T queries of a group are
         stacked into one matrix and meet their keys in a single matmul: no repeat of K/V,
@@ -250,16 +246,16 @@ class PagedLlama:
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = layer.qkv(x).view(bsz, width, heads + 2 * kv_heads, dim)  # [B, T, H + 2·Hkv, D]
         qk = qkv[:, :, : heads + kv_heads]  # [B, T, H + Hkv, D]: RoPE on queries and keys at once
-        qk = qk * cos + rotate_half(qk) * sin
+        qk = qk * inputs.cos + rotate_half(qk) * inputs.sin
         q = qk[:, :, :heads].transpose(1, 2)  # [B, H, T, D]
         new = torch.stack((qk[:, :, heads:], qkv[:, :, heads + kv_heads :]), dim=2)  # [B, T, 2, Hkv, D]
-        kv.index_put_((write_index,), new.view(bsz * width, 2, kv_heads, dim).index_select(0, token_rows))
-        context = kv.index_select(0, context_index.view(-1)).view(bsz, -1, 2, kv_heads, dim)  # [B, L, 2, Hkv, D]
+        kv.index_put_((inputs.write_index,), new.view(bsz * width, 2, kv_heads, dim).index_select(0, inputs.token_rows))
+        context = kv.index_select(0, inputs.context_index.view(-1)).view(bsz, -1, 2, kv_heads, dim)  # [B, L, 2, Hkv, D]
         k_ctx = context[:, :, 0].transpose(1, 2)  # [B, Hkv, L, D]
         v_ctx = context[:, :, 1].transpose(1, 2)  # [B, Hkv, L, D]
         math = self._attention_dtype(x)
         q = q.reshape(bsz, kv_heads, -1, dim).to(math)  # [B, Hkv, G*T, D]: head h = g_kv * G + g
-        scores = torch.matmul(q, k_ctx.to(math).transpose(2, 3)) * dim**-0.5 + bias  # [B, Hkv, G*T, L]
+        scores = torch.matmul(q, k_ctx.to(math).transpose(2, 3)) * dim**-0.5 + inputs.bias  # [B, Hkv, G*T, L]
         out = torch.matmul(torch.softmax(scores, dim=-1), v_ctx.to(math))  # [B, Hkv, G*T, D]
         out = out.to(x.dtype).view(bsz, heads, width, dim).transpose(1, 2).reshape(bsz, width, heads * dim)  # [B, T, H*D]
         return layer.o(out)
