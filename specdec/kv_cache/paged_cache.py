@@ -3,7 +3,7 @@
 Each layer's keys and values are one tensor `[num_blocks * block_size, 2, kv_heads, head_dim]`
 (index 0 of the second dimension holds the key, 1 the value): the flat positions the block
 manager hands out index its first dimension directly, so writing a token's key and value
-is one `index_copy_` and gathering a context is one `index_select`, on any device.
+is one `index_put_` and gathering a context is one `index_select`, on any device.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Whether short chunks' decoder layers run under `torch.compile`, decided at start-up by measurement.
+"""Whether a single request's 1-token step runs its decoder layers under `torch.compile`,
+decided at start-up by measurement.
 
 A 1-token step of a small model is mostly small ops: RMSNorm, RoPE, the cache write
 and gather, softmax, SiLU, each a separate kernel launch between the matmuls. Compiled,

@@ -38,8 +38,8 @@ class ModelServiceConfig(ServerSecurity):
     max_message_bytes: int = option(DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received")
     measure_costs: bool = option(True, "time the forward pass at start-up so the gateway can plan K from real costs")
     compile: str = option(
-        "off", "torch.compile the decoder layer for decode and verify chunks: on, off, or auto (compile, time both "
-        "at start-up, keep the faster; eager when --no-measure-costs)", choices=COMPILE_MODES,
+        "off", "torch.compile the decoder layer of a single request's 1-token step (the drafting loop): on, off, or "
+        "auto (compile, time both at start-up, keep the faster; eager when --no-measure-costs)", choices=COMPILE_MODES,
     )
     threads: int = option(0, "intra-op threads of the forward pass (0 = one per core)")
     cpu_cores: str = option("", "pin the service to these CPU cores, e.g. 0 or 0-1 (empty = no pinning)")
