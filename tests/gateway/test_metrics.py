@@ -83,6 +83,10 @@ def test_model_services_export_rpc_batch_and_kv_metrics(start_stack, int8_runtim
         return name, tuple(sorted({"service": "target", **labels}.items()))
 
     assert target[t("specdec_service_rpc_latency_seconds_count", method="Prefill")] == 1
+    assert target[t("specdec_service_model_info", quantization="none", dtype="float32", device="cpu", decode_layers="eager")] == 1
+    draft_info = ("specdec_service_model_info", (("decode_layers", "eager"), ("device", "cpu"), ("dtype", "bfloat16"),
+                                                 ("quantization", "int8"), ("service", "draft")))
+    assert draft[draft_info] == 1  # the test stacks run with --compile off
     # 11 tokens after the first, at most 4 a round: at least 3 verifies of 1 + K tokens.
     assert target[t("specdec_service_compute_seconds_count", method="Verify")] >= 3
     assert target[t("specdec_service_forward_tokens_sum", method="Verify")] >= 3 * 2
