@@ -48,8 +48,7 @@ class ModelEngine:
         # "auto" decides by timing both paths: a service told not to measure (tests, fast
         # restarts) stays eager rather than compile blind.
         compile_mode = "off" if config.compile == "auto" and not config.measure_costs else config.compile
-        #: "compiled" or "eager": how a single request's 1-token step runs its decoder layers.
-        self.layer_path = choose_layer_path(self.forward, self.cache, compile_mode)
+        choose_layer_path(self.forward, self.cache, compile_mode)  # sets `self.forward.layer_path`
         if config.measure_costs:
             self.forward_costs = tuple(measure_forward_costs(
                 self.forward, self.cache, max_batch=config.max_slots, max_tokens=config.max_speculative_tokens + 1,
