@@ -2,7 +2,8 @@
 context length, and eager whenever compiling is off, fails or does not apply.
 
 Compiles for real (inductor, C++), once per module: a tiny int4 Llama in bfloat16, the
-default draft's formats, so the int4 kernel runs inside the compiled graph.
+default draft's formats, so the int4 kernel runs inside the compiled graph. Its four
+layers run as two calls of one compiled 2-layer group.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from tiny_models import tiny_llama
 
 from specdec.model import compiled_layers
 from specdec.model.compiled_layers import TIMING_CONTEXT, choose_layer_path
-from specdec.model.llama import PagedLlama
+from specdec.model.llama import PagedLlama, layers_per_compiled_call
 from specdec.model.quantize import quantize_int8
 from specdec.model.quantize_int4 import quantize_int4
 
@@ -25,10 +26,17 @@ PROMPT = [(i * 37) % 256 for i in range(200)]
 
 
 def _int4_forward() -> PagedLlama:
-    model = tiny_llama()
+    model = tiny_llama(num_layers=4)
     quantize_int4(model, group_size=32, include_lm_head=False)
     quantize_int8(model)
-    return PagedLlama(model.to(torch.bfloat16))
+    forward = PagedLlama(model.to(torch.bfloat16))
+    forward.layers_per_call = 2
+    return forward
+
+
+@pytest.mark.parametrize(("num_layers", "per_call"), [(30, 10), (16, 8), (28, 7), (2, 2), (1, 1), (31, 1)])
+def test_layers_are_compiled_in_equal_groups_of_at_most_ten(num_layers: int, per_call: int) -> None:
+    assert layers_per_compiled_call(num_layers) == per_call
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +114,7 @@ def test_batches_and_wider_chunks_run_eager_with_the_same_numbers(compiled: Page
 def test_off_does_not_compile_and_auto_keeps_the_faster_path(compiled: PagedLlama, caplog: pytest.LogCaptureFixture) -> None:
     fresh = _int4_forward()
     assert choose_layer_path(fresh, fresh.new_cache(token_budget=1024), "off") == "eager"
-    assert fresh.compiled_layer is None
+    assert fresh.compiled_group is None
     with caplog.at_level(logging.INFO, logger=compiled_layers.__name__):
         path = choose_layer_path(compiled, compiled.new_cache(token_budget=1024), "auto")
     assert compiled.layer_path == path
