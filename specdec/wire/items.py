@@ -173,7 +173,7 @@ class Proposal:
     slot_id: str
     tokens: list[int]  # [K]
     #: q [K, vocab] in the wire dtype, exactly the rows the tokens were sampled from (before
-    #: multinomial's normalization); None for greedy requests.
+    #: the sampler's normalization); None for greedy requests.
     probs: torch.Tensor | None
     cached_len: int
 

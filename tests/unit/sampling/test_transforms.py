@@ -198,3 +198,30 @@ def test_unseeded_generators_differ() -> None:
     probs = torch.full((1, 1000), 1e-3)
     draws = {tuple(sample(probs.expand(8, -1), [make_generator(None, "cpu")] * 8).tolist()) for _ in range(3)}
     assert len(draws) > 1
+
+
+def test_sample_draws_each_token_with_its_share_of_the_weight() -> None:
+    import scipy.stats
+
+    weights = torch.tensor([3.0, 0.0, 1.0, 0.5, 0.0, 5.5])  # unnormalized, zeros included
+    draws = sample(weights.expand(20_000, -1), torch.Generator().manual_seed(6))
+    observed = torch.bincount(draws, minlength=6).double()
+    assert observed[1] == observed[4] == 0  # a zero weight is never drawn
+    support = weights > 0
+    expected = weights[support].double() / weights.sum() * draws.numel()
+    assert scipy.stats.chisquare(observed[support], expected).pvalue > 1e-4
+
+
+def test_sample_at_the_top_of_the_unit_interval_stays_on_a_weighted_token() -> None:
+    from specdec.sampling.transforms import _inverse_cdf
+
+    weights = torch.tensor([[0.25, 0.75, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0, 0.1, 0.2, 0.0]])
+    top = torch.full((3,), 1 - 2**-53, dtype=torch.float64)  # the largest uniform torch.rand gives
+    assert _inverse_cdf(weights, top).tolist() == [1, 2, 2]
+    assert _inverse_cdf(weights, torch.zeros(3, dtype=torch.float64)).tolist() == [0, 2, 1]
+
+
+@pytest.mark.parametrize("bad", [0.0, float("nan"), float("inf")])
+def test_sample_refuses_rows_without_a_positive_finite_sum(bad: float) -> None:
+    with pytest.raises(RuntimeError, match="positive, finite sum"):
+        sample(torch.full((1, 4), bad), None)
