@@ -270,7 +270,8 @@ def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """
     cumulative = weights.double().cumsum(dim=-1)  # [n, vocab]
     total = cumulative[:, -1:]  # [n, 1]
-    torch._assert_async(torch.all(total > 0) & torch.all(torch.isfinite(total)), "sample: weights need a positive, finite sum")
+    valid = torch.all(weights >= 0) & torch.all(total > 0) & torch.all(torch.isfinite(total))
+    torch._assert_async(valid, "sample: weights must be non-negative with a positive, finite sum")
     # u < 1 keeps u * total below the total (rounding cannot reach it), so the token found
     # is one with weight: its interval [cumulative[t-1], cumulative[t]) holds the target.
     target = uniforms.to(cumulative)[:, None] * total  # [n, 1]

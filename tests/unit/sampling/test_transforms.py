@@ -221,7 +221,12 @@ def test_sample_at_the_top_of_the_unit_interval_stays_on_a_weighted_token() -> N
     assert _inverse_cdf(weights, torch.zeros(3, dtype=torch.float64)).tolist() == [0, 2, 1]
 
 
-@pytest.mark.parametrize("bad", [0.0, float("nan"), float("inf")])
-def test_sample_refuses_rows_without_a_positive_finite_sum(bad: float) -> None:
-    with pytest.raises(RuntimeError, match="positive, finite sum"):
-        sample(torch.full((1, 4), bad), None)
+@pytest.mark.parametrize("bad", [0.0, float("nan"), float("inf"), -1.0])
+def test_sample_refuses_negative_weights_and_rows_without_a_positive_finite_sum(bad: float) -> None:
+    weights = torch.full((2, 4), bad)
+    weights[1] = 1.0  # one good row does not hide a bad one
+    with pytest.raises(RuntimeError, match="non-negative with a positive, finite sum"):
+        sample(weights, None)
+    if bad == -1.0:  # a negative weight beside positive ones, whose row sum is positive
+        with pytest.raises(RuntimeError, match="non-negative"):
+            sample(torch.tensor([[0.5, -0.1, 0.6]]), None)
