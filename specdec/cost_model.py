@@ -139,34 +139,49 @@ class RoundCostModel:
     draft_round_overhead_s: float = 0.0
     draft_token_overhead_s: float = 0.0
 
-    def round_seconds(self, ks: Sequence[int]) -> float:
-        """A round where request i drafts ks[i] tokens (0 = plain decoding for it)."""
+    def round_seconds(self, ks: Sequence[int], feeds: Sequence[int] | None = None) -> float:
+        """A round where request i drafts ks[i] tokens (0 = plain decoding for it) after
+        feeding the draft feeds[i] tokens (see `draft_seconds`)."""
         drafted = sum(ks)
         overhead = self.overhead_s
         if drafted:
             overhead += self.draft_round_overhead_s + self.draft_token_overhead_s * drafted
-        return overhead + self.verify_seconds(ks) + self.draft_seconds(ks)
+        return overhead + self.verify_seconds(ks) + self.draft_seconds(ks, feeds)
 
     def verify_seconds(self, ks: Sequence[int]) -> float:
         """The target's one forward over K+1 tokens per request."""
         return self.target.seconds(len(ks), 1 + sum(ks) / len(ks))
 
-    def draft_seconds(self, ks: Sequence[int]) -> float:
-        """The draft's steps: step j runs over the requests with k >= j (the first step also
-        feeds the tokens accepted last round, about one per request)."""
-        spec = [k for k in ks if k > 0]
+    def draft_seconds(self, ks: Sequence[int], feeds: Sequence[int] | None = None) -> float:
+        """The draft's steps: step j runs over the requests with k >= j.
+
+        The first step also feeds what the draft has not seen: feeds[i] tokens for request
+        i (default 1). That is 2 after a fully accepted round (the last draft token and the
+        bonus token), and such a step cost 1.76 one-token steps with the compiled draft
+        (AMD EPYC): counted as one, the online rescale spread it over every step and made
+        long drafts look dearer than they were.
+        """
+        spec = [i for i, k in enumerate(ks) if k > 0]
         if not spec or self.draft is None:
             return 0.0
-        return sum(self.draft.step(sum(1 for k in spec if k >= step)) for step in range(1, max(spec) + 1))
+        width = sum(max(1, feeds[i]) for i in spec) / len(spec) if feeds is not None else 1.0
+        first = self.draft.seconds(len(spec), width)
+        rest = range(2, max(ks[i] for i in spec) + 1)
+        return first + sum(self.draft.step(sum(1 for i in spec if ks[i] >= step)) for step in rest)
 
     def tokens_per_second(
-        self, ks: Sequence[int], alphas: Sequence[Sequence[float]], start_costs: Sequence[float] | None = None
+        self,
+        ks: Sequence[int],
+        alphas: Sequence[Sequence[float]],
+        start_costs: Sequence[float] | None = None,
+        feeds: Sequence[int] | None = None,
     ) -> float:
         """Expected emitted tokens per second of a round with draft lengths `ks`.
 
         `start_costs[i]` is a one-off cost request i pays this round if it drafts (the draft
-        catching up on tokens it has not seen), already spread over the rounds it pays for.
+        catching up on tokens it has not seen), already spread over the rounds it pays for;
+        `feeds` as in `draft_seconds`.
         """
         emitted = sum(expected_tokens(a, k) for a, k in zip(alphas, ks))
         extra = sum(c for c, k in zip(start_costs, ks) if k > 0) if start_costs is not None else 0.0
-        return emitted / (self.round_seconds(ks) + extra)
+        return emitted / (self.round_seconds(ks, feeds) + extra)

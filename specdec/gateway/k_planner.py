@@ -172,6 +172,8 @@ class KPlanner:
     last_off_reason: str | None = field(default=None, init=False)
     #: Whether any round with draft tokens has been observed (α is more than the prior).
     _measured_alpha: bool = field(default=False, init=False)
+    #: Tokens each request of the planned round feeds the draft before drafting (`_feed`).
+    _round_feeds: dict[str, int] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.global_alpha = AcceptanceEstimate(self.prior_alpha, self.global_weight)
@@ -212,6 +214,7 @@ class KPlanner:
         """K per request: `caps` bounds each (its requested or remaining room), adaptive
         requests get the planner's choice in 0..cap, the others their cap."""
         ks = dict(caps)
+        self._round_feeds = {s.slot_id: self._feed(s) for s in seqs}
         flexible = [s for s in seqs if adaptive[s.slot_id] and caps[s.slot_id] > 0]
         chosen_by_us = {s.slot_id for s in flexible}
         self.last_off_reason = None
@@ -220,10 +223,11 @@ class KPlanner:
         model = self.cost_model()
         alphas = [self.alphas(s) for s in seqs]
         start = [self._catch_up_cost(s, model, alphas[i]) for i, s in enumerate(seqs)]
+        feeds = [self._round_feeds[s.slot_id] for s in seqs]
         best_rate, best_k = -1.0, 0
         for k in range(max(caps[s.slot_id] for s in flexible) + 1):
             uniform = [min(k, caps[s.slot_id]) if s.slot_id in chosen_by_us else ks[s.slot_id] for s in seqs]
-            rate = model.tokens_per_second(uniform, alphas, start)
+            rate = model.tokens_per_second(uniform, alphas, start, feeds)
             if rate > best_rate:
                 best_rate, best_k = rate, k
         if log.isEnabledFor(logging.DEBUG):
@@ -239,7 +243,7 @@ class KPlanner:
         else:  # drop requests whose own drafting costs the batch more than it yields
             for s in flexible:
                 trial = dict(ks, **{s.slot_id: 0})
-                rate = model.tokens_per_second([trial[x.slot_id] for x in seqs], alphas, start)
+                rate = model.tokens_per_second([trial[x.slot_id] for x in seqs], alphas, start, feeds)
                 if rate > best_rate:
                     ks, best_rate = trial, rate
                     self.last_off_reason = "not_paying"
@@ -247,12 +251,19 @@ class KPlanner:
 
         def worth_probing(s: Sequence) -> bool:
             return self._probe_affordable(s, model, plain_round, len(seqs)) and self._probe_could_pay(
-                s, seqs, ks, caps, alphas, start, model
+                s, seqs, ks, caps, alphas, start, feeds, model
             )
 
         self._schedule_probe(flexible, ks, caps, worth_probing)
         self._catching_up = any(ks[s.slot_id] > 0 and s.draft_pending > 2 for s in seqs)
         return ks
+
+    @staticmethod
+    def _feed(seq: Sequence) -> int:
+        """Tokens the draft's first step takes for `seq`: the 1-2 it has not seen after a
+        round, or 1 when it must catch up on more (`_catch_up_cost` prices the rest)."""
+        pending = seq.draft_pending
+        return pending if 1 <= pending <= 2 else 1
 
     @staticmethod
     def _catch_up_cost(seq: Sequence, model: RoundCostModel, alphas: list[float]) -> float:
@@ -284,7 +295,7 @@ class KPlanner:
     @staticmethod
     def _probe_could_pay(
         seq: Sequence, seqs: list[Sequence], ks: dict[str, int], caps: dict[str, int],
-        alphas: list[list[float]], start: list[float], model: RoundCostModel,
+        alphas: list[list[float]], start: list[float], feeds: list[int], model: RoundCostModel,
     ) -> bool:
         """Whether drafting for `seq` would raise the batch's rate if its draft were always
         accepted. If not, the batch's size or the draft's cost keeps it off, not its
@@ -293,10 +304,10 @@ class KPlanner:
         i = seqs.index(seq)
         hopeful = [*alphas[:i], [1.0], *alphas[i + 1:]]
         trial = [ks[s.slot_id] for s in seqs]
-        current = model.tokens_per_second(trial, hopeful, start)
+        current = model.tokens_per_second(trial, hopeful, start, feeds)
         for k in range(1, caps[seq.slot_id] + 1):
             trial[i] = k
-            if model.tokens_per_second(trial, hopeful, start) > current:
+            if model.tokens_per_second(trial, hopeful, start, feeds) > current:
                 return True
         return False
 
@@ -351,7 +362,8 @@ class KPlanner:
             unscaled = RoundCostModel(self._target, self._draft)
             self._target_scale.observe(report.verify.compute_s, unscaled.verify_seconds(ks), self.cost_weight)
             if not self._catching_up:
-                self._draft_scale.observe(report.propose.compute_s, unscaled.draft_seconds(ks), self.cost_weight)
+                feeds = [self._round_feeds.get(s.slot_id, 1) for s in seqs]
+                self._draft_scale.observe(report.propose.compute_s, unscaled.draft_seconds(ks, feeds), self.cost_weight)
         drafted = sum(ks)
         if drafted == 0:
             self.overhead_s += self.cost_weight * (report.overhead_s - self.overhead_s)

@@ -74,3 +74,17 @@ def test_round_cost_counts_each_draft_step_over_the_requests_still_drafting() ->
     wire = RoundCostModel(target, draft, overhead_s=0.001, draft_round_overhead_s=0.002, draft_token_overhead_s=0.0005)
     assert wire.round_seconds([0, 0]) == pytest.approx(0.011)  # plain rounds pay no draft overhead
     assert wire.round_seconds([4, 2]) == pytest.approx(expected + 0.002 + 6 * 0.0005)
+
+
+def test_the_first_draft_step_also_feeds_the_tokens_the_draft_has_not_seen() -> None:
+    target = CostTable([ForwardCost(1, 1, 0.010), ForwardCost(1, 9, 0.018)])
+    draft = CostTable([ForwardCost(b, t, 0.002 * b * (1 + 0.8 * (t - 1))) for b in (1, 2) for t in (1, 2)])
+    model = RoundCostModel(target=target, draft=draft)
+    assert draft.seconds(1, 2) > draft.step(1)
+    assert model.draft_seconds([3]) == pytest.approx(3 * draft.step(1))  # by default a 1-token feed
+    assert model.draft_seconds([3], feeds=[2]) == pytest.approx(draft.seconds(1, 2) + 2 * draft.step(1))
+    # Two requests drafting, one feeding 2 tokens: the first step runs both, 1.5 tokens each on average.
+    assert model.draft_seconds([2, 1], feeds=[2, 1]) == pytest.approx(draft.seconds(2, 1.5) + draft.step(1))
+    # A request decoding plainly feeds the draft nothing this round.
+    assert model.draft_seconds([0, 2], feeds=[2, 1]) == pytest.approx(2 * draft.step(1))
+    assert model.round_seconds([3], feeds=[2]) == pytest.approx(model.verify_seconds([3]) + model.draft_seconds([3], [2]))

@@ -254,3 +254,23 @@ def test_the_draft_overhead_splits_into_a_fixed_and_a_per_token_part() -> None:
         overhead.observe(drafted, 0.004 + 0.001 * drafted)
     assert overhead.per_round == pytest.approx(0.004, rel=0.05)
     assert overhead.per_token == pytest.approx(0.001, rel=0.05)
+
+
+def test_a_two_token_feed_is_not_mistaken_for_dearer_draft_steps() -> None:
+    # After a fully accepted round the draft's first step takes 2 tokens (the last draft
+    # token and the bonus token), here at 1.8 one-token steps. A Propose that cost exactly
+    # that leaves the draft's cost scale at 1.
+    step = 0.040 * 0.3
+    planner = KPlanner(TARGET, [*draft_costs(0.3), ForwardCost(1, 2, 1.8 * step)], cost_weight=0.5)
+    a = seq("a")
+    a.draft_valid = len(a.tokens) - 2
+    assert a.draft_pending == 2
+    ks = planner.plan([a], {"a": 4}, {"a": True})
+    k = ks["a"]
+    assert k > 0
+    propose_s = 1.8 * step + (k - 1) * step
+    verify_s = planner.cost_model().target.seconds(1, k + 1)
+    for _ in range(10):
+        planner.observe([a], RoundReport(ks, {"a": k}, Timed(None, propose_s, propose_s), Timed(None, verify_s, verify_s), 0.0, 0.0))
+    model = planner.cost_model()
+    assert model.draft is not None and model.draft.step(1) == pytest.approx(step, rel=1e-3)
