@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 #: although fixed K = 3 ran 1.36x faster than plain (AMD EPYC, AVX2): with α ≈ 0.9 and
 #: K = 2..4 16 rounds are 40-60 tokens, which most chat completions outlive.
 CATCH_UP_HORIZON = 16.0
+#: The most tokens a round leaves for the draft to feed: the last draft token and the bonus
+#: token after a fully accepted round. More (a prompt, tokens decoded while speculation
+#: was off) is a catch-up, priced by `KPlanner._catch_up_cost`.
+MAX_ROUND_FEED = 2
 #: Why a round speculated less than it could, as exported in the metrics.
 OFF_REASONS = ("not_paying", "batch", "draft_unavailable")
 
@@ -255,7 +259,7 @@ class KPlanner:
             )
 
         self._schedule_probe(flexible, ks, caps, worth_probing)
-        self._catching_up = any(ks[s.slot_id] > 0 and s.draft_pending > 2 for s in seqs)
+        self._catching_up = any(ks[s.slot_id] > 0 and s.draft_pending > MAX_ROUND_FEED for s in seqs)
         return ks
 
     @staticmethod
@@ -263,7 +267,7 @@ class KPlanner:
         """Tokens the draft's first step takes for `seq`: the 1-2 it has not seen after a
         round, or 1 when it must catch up on more (`_catch_up_cost` prices the rest)."""
         pending = seq.draft_pending
-        return pending if 1 <= pending <= 2 else 1
+        return pending if 1 <= pending <= MAX_ROUND_FEED else 1
 
     @staticmethod
     def _catch_up_cost(seq: Sequence, model: RoundCostModel, alphas: list[float]) -> float:
@@ -273,7 +277,7 @@ class KPlanner:
         a long enough future of speculating repays. Without this a batch of new requests would all start drafting
         at once and pay seconds of draft prefill for a few rounds of gain."""
         pending = seq.draft_pending
-        if model.draft is None or pending <= 2:
+        if model.draft is None or pending <= MAX_ROUND_FEED:
             return 0.0
         extra = model.draft.seconds(1, pending) - model.draft.step(1)
         rounds_left = (seq.max_new_tokens - seq.completion_tokens) / expected_tokens(alphas, 2)

@@ -19,6 +19,7 @@ import statistics
 import time
 
 from specdec.kv_cache.paged_cache import PagedKVCache
+from specdec.model.cost_profile import filler_prompt
 from specdec.model.llama import PagedLlama
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def choose_layer_path(forward: PagedLlama, cache: PagedKVCache, mode: str) -> st
     if cache.blocks.free_tokens < 2 * (TIMING_CONTEXT + 1 + cache.block_size):  # leave half the pool free
         log.warning("decoder layers not compiled: a KV pool of %d tokens is too small to time it", cache.capacity_tokens)
         return "eager"
-    prompt = [(i * 7919) % forward.vocab_size for i in range(TIMING_CONTEXT + 1)]
+    prompt = filler_prompt(forward.vocab_size, TIMING_CONTEXT + 1)
     with cache.temporary_slots(_SLOT_PREFIX, 1) as (slot,):
         forward.run(cache, [(slot, prompt[:TIMING_CONTEXT])])
 

@@ -38,6 +38,12 @@ _SLOT_PREFIX = "\x00profile-"  # never a gateway slot id: those are printable
 REPEATS = 5
 
 
+
+def filler_prompt(vocab_size: int, length: int) -> list[int]:
+    """Arbitrary token ids spread over the vocabulary, for timing forwards (speed does not
+    depend on which tokens they are)."""
+    return [(i * 7919) % vocab_size for i in range(length)]
+
 def measure_forward_costs(
     forward: PagedLlama, cache: PagedKVCache, *, max_batch: int, max_tokens: int, repeats: int = REPEATS
 ) -> list[ForwardCost]:
@@ -66,7 +72,7 @@ def measure_forward_costs(
         return []
     with_prefill = tokens_needed(batches[-1], True) <= room
     with cache.temporary_slots(_SLOT_PREFIX, batches[-1]) as slots:
-        prompt = [(i * 7919) % forward.vocab_size for i in range(max(CONTEXT_LEN, PREFILL_WIDTH))]
+        prompt = filler_prompt(forward.vocab_size, max(CONTEXT_LEN, PREFILL_WIDTH))
         forward.run(cache, [(slot, prompt[:CONTEXT_LEN]) for slot in slots])
         grid = [(batch, width) for batch in batches for width in widths if width == 1 or batch * width <= MAX_ROWS]
         if with_prefill:

@@ -177,8 +177,7 @@ class PagedLlama:
         if self.layer_path == "compiled" and (bsz, width) == (1, 1):
             hidden = self._compiled_layers(hidden, inputs, cache)
         else:
-            for layer, kv in zip(self.layers, cache.kv):
-                hidden = self._layer(layer, hidden, inputs, kv)
+            hidden = self._layer_group(tuple(self.layers), hidden, inputs, tuple(cache.kv))
         hidden = rms_norm(hidden, self.final_norm.weight, self.eps)
         selected = hidden.reshape(bsz * width, -1).index_select(0, logit_rows)  # [n_rows, hidden]
         return self.lm_head(selected)  # [n_rows, vocab]
@@ -237,7 +236,8 @@ class PagedLlama:
         inputs: LayerInputs,
         kvs: tuple[torch.Tensor, ...],  # each [rows, 2, Hkv, D]: the layers' slices of the pool
     ) -> torch.Tensor:
-        """Consecutive decoder layers, the unit `compile_layers` compiles."""
+        """Consecutive decoder layers: all of them in an eager forward, a group of
+        `layers_per_call` as the unit `compile_layers` compiles."""
         for layer, kv in zip(layers, kvs):
             hidden = self._layer(layer, hidden, inputs, kv)
         return hidden
