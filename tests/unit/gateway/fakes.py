@@ -149,6 +149,10 @@ class FakeDraft:
     fail_next: grpc.aio.AioRpcError | None = None
     #: Report a cached length off by this much (a draft that lost track of a slot).
     cached_len_error: int = 0
+    #: Call number (1-based) at which `fault` strikes once: the fault then lands mid-stream
+    #: whatever the scheduler's pace (a test polling for it raced a short request's end).
+    fault_on_call: int = 0
+    fault: grpc.aio.AioRpcError | int | None = None  # an error to raise, or a cached-length error
     #: Seconds every Propose takes (a hung draft when above the call's deadline), and what
     #: its health check says.
     propose_delay_s: float = 0.0
@@ -167,8 +171,15 @@ class FakeDraft:
 
     async def propose(self, items: list[ProposeItem], timeout: float) -> Timed[dict[str, Proposal]]:
         await _answer_within(self.propose_delay_s, timeout)
+        length_error = self.cached_len_error
+        if self.fault is not None and len(self.calls) + 1 == self.fault_on_call:
+            if isinstance(self.fault, int):
+                length_error += self.fault
+            elif self.fail_next is None:
+                self.fail_next = self.fault
         if self.fail_next is not None:
             error, self.fail_next = self.fail_next, None
+            self.calls.append([])  # a call made, though it failed: counts toward fault_on_call
             raise error
         self.calls.append(items)
         out = {}
@@ -182,7 +193,7 @@ class FakeDraft:
                 guess = next_token((drafted or cache)[-1])
                 drafted.append((guess + 1) % _CYCLE if position in self.wrong_at else guess)
             cache.extend(drafted[:-1])  # the last drafted token is not fed back
-            out[item.slot_id] = Proposal(item.slot_id, drafted, None, len(cache) + self.cached_len_error)
+            out[item.slot_id] = Proposal(item.slot_id, drafted, None, len(cache) + length_error)
         return Timed(out, 0.0005, 0.001)
 
     async def release(self, slot_id: str, timeout: float) -> None:

@@ -272,16 +272,9 @@ def test_a_failing_draft_leaves_the_output_unchanged(failure: str) -> None:
 
     async def test(sched: Scheduler) -> None:
         seq = new_sequence(request(max_new_tokens=30), policy())
+        draft.fault_on_call = calls_before = 2
+        draft.fault = rpc_error(grpc.StatusCode.UNAVAILABLE, "draft down") if failure == "unavailable" else 1
         sched.submit(seq)
-        while len(draft.calls) < 2:
-            await asyncio.sleep(0.001)
-        if failure == "unavailable":
-            draft.fail_next = rpc_error(grpc.StatusCode.UNAVAILABLE, "draft down")
-        else:
-            draft.cached_len_error = 1
-        calls_before = len(draft.calls)
-        await asyncio.sleep(0.01)
-        draft.cached_len_error = 0
         tokens, finished = await drain(seq)
         assert tokens == greedy_reference(prompt_ids(), 30) and finished.reason == FinishReason.LENGTH
         assert sched.stats.draft_failures >= 1 and sched.stats.off_rounds["draft_unavailable"] >= 1
