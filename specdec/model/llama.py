@@ -10,6 +10,7 @@ tied embeddings and SmolLM2. Device-agnostic: nothing here names a device.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -120,6 +121,8 @@ class PagedLlama:
         self.layer_path = "eager"
         #: Whether a call that no compiled graph covers compiles one (warm-up) or runs eager (serving).
         self.compile_on_miss = False
+        #: Pools whose K/V tensors are already marked dynamic in their row count (see `_compiled_layers`).
+        self._dynamic_pools: weakref.WeakSet[PagedKVCache] = weakref.WeakSet()
 
     @property
     def vocab_size(self) -> int:
@@ -217,11 +220,15 @@ class PagedLlama:
         off), a call whose shapes no compiled graph covers runs eager instead of compiling
         while a request waits."""
         assert self.compiled_group is not None
-        # One graph for every context length L (and any pool size, should a model serve two pools).
+        # One graph for every context length L (and any pool size, should a model serve two
+        # pools). The pool's tensors live on, so they are marked once: marking all 30 layers'
+        # on every call cost ~0.13 ms a step (AMD EPYC Zen 5, int4 draft: ~2 % of a step).
         torch._dynamo.mark_dynamic(inputs.context_index, 1)
         torch._dynamo.mark_dynamic(inputs.bias, 3)
-        for kv in cache.kv:
-            torch._dynamo.mark_dynamic(kv, 0)
+        if cache not in self._dynamic_pools:
+            for kv in cache.kv:
+                torch._dynamo.mark_dynamic(kv, 0)
+            self._dynamic_pools.add(cache)
         step = self.layers_per_call
         with torch.compiler.set_stance("default" if self.compile_on_miss else "eager_on_recompile"):
             for start in range(0, len(self.layers), step):
