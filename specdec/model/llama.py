@@ -119,6 +119,9 @@ class PagedLlama:
         self.compiled_group: Callable[..., torch.Tensor] | None = None
         self.layers_per_call = layers_per_compiled_call(len(self.layers))
         self.layer_path = "eager"
+        #: Chunk widths of a single request whose layers run compiled on the compiled path:
+        #: `choose_layer_path` adds each width once its graph is built.
+        self.compiled_widths: set[int] = set()
         #: Whether a call that no compiled graph covers compiles one (warm-up) or runs eager (serving).
         self.compile_on_miss = False
         #: Pools whose K/V tensors are already marked dynamic in their row count (see `_compiled_layers`).
@@ -168,7 +171,8 @@ class PagedLlama:
         Everything shared by the layers — RoPE angles and the attention bias — is built
         once here; a layer runs four matmuls, attention and a handful of elementwise ops,
         with no host synchronisation and no Python loop over requests. A single request's
-        1-token step runs its layers compiled when `set_layer_path("compiled")` chose so.
+        step runs its layers compiled when `set_layer_path("compiled")` chose so and its
+        width is one of `compiled_widths`.
         """
         bsz, width = batch.input_ids.shape
         hidden = self.embed_tokens(batch.input_ids)  # [B, T, hidden]
@@ -177,7 +181,7 @@ class PagedLlama:
         bias = torch.zeros(batch.attn_mask.shape, dtype=self._attention_dtype(hidden), device=hidden.device)  # [B, 1, T, L]
         bias = bias.masked_fill(~batch.attn_mask, float("-inf")).repeat(1, 1, groups, 1)  # [B, 1, G*T, L]
         inputs = LayerInputs(cos, sin, bias, batch.write_index, batch.token_rows, batch.context_index)
-        if self.layer_path == "compiled" and (bsz, width) == (1, 1):
+        if self.layer_path == "compiled" and bsz == 1 and width in self.compiled_widths:
             hidden = self._compiled_layers(hidden, inputs, cache)
         else:
             hidden = self._layer_group(tuple(self.layers), hidden, inputs, tuple(cache.kv))
@@ -186,15 +190,15 @@ class PagedLlama:
         return self.lm_head(selected)  # [n_rows, vocab]
 
     def compile_layers(self) -> None:
-        """Prepare `torch.compile` of the decoder layers for a single request's 1-token step.
+        """Prepare `torch.compile` of the decoder layers for a single request's short steps.
 
         One function runs a group of `layers_per_call` consecutive layers, their weights
         among its inputs, so one compiled graph serves every group: compiling costs a
         group's graph, not the whole model's (the whole 30-layer forward took ~60 s to
-        compile on a 2-core CPU). Only the shape of one request's drafting loop is
-        compiled, with the context length dynamic: in a trial with every dimension
-        dynamic, each further shape family (batch > 1, chunks > 1 token) took another
-        27-68 s of start-up. The graph gets a C++ wrapper, which launches its kernels
+        compile on a 2-core CPU). Only the shapes of one request's drafting loop are
+        compiled, one graph per chunk width (`compiled_widths`), with the context length
+        dynamic: in a trial with every dimension dynamic, each further shape family
+        (batch > 1, chunks > 1 token) took another 27-68 s of start-up. The graph gets a C++ wrapper, which launches its kernels
         without Python in between, and no guards on the layers' modules: their attributes
         (kernel choice, packed operands) are fixed once the model is built, and checking
         them on every call cost ~0.4 ms a call, 6 % of a step (guards on tensor shapes and

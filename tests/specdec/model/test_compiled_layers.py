@@ -3,7 +3,8 @@ context length, and eager whenever compiling is off, fails or does not apply.
 
 Compiles for real (inductor, C++), once per module: a tiny int4 Llama in bfloat16, the
 default draft's formats, so the int4 kernel runs inside the compiled graph. Its four
-layers run as two calls of one compiled 2-layer group.
+layers run as two calls of one compiled 2-layer group, with one graph for 1-token and
+one for 2-token steps.
 """
 
 from __future__ import annotations
@@ -98,6 +99,34 @@ def test_one_graph_serves_every_context_length(compiled: PagedLlama) -> None:
             compiled.run(cache, [("s", [token])])
 
 
+def test_two_token_steps_run_their_own_graph_with_the_same_numbers(compiled: PagedLlama) -> None:
+    # The step that opens a drafting round after a fully accepted one feeds two tokens.
+    assert compiled.compiled_widths == {1, 2}
+    results = {}
+    for path in ("eager", "compiled"):
+        compiled.set_layer_path(path)
+        cache = compiled.new_cache(token_budget=512)
+        cache.blocks.allocate("s")
+        compiled.run(cache, [("s", PROMPT[:40])])
+        with compiled_graph_only(compiled) if path == "compiled" else contextlib.nullcontext():
+            results[path] = [
+                compiled.run(cache, [("s", PROMPT[start : start + 2])], logits="all")[0].float() for start in range(40, 52, 2)
+            ]
+    for want, got in zip(results["eager"], results["compiled"]):
+        torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+
+
+def test_further_widths_wait_for_a_quick_first_graph(compiled: PagedLlama, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compiled_layers, "MORE_WIDTHS_WITHIN_S", -1.0)  # the first graph always took too long
+    try:
+        assert choose_layer_path(compiled, compiled.new_cache(token_budget=1024), "on") == "compiled"
+        assert compiled.compiled_widths == {1}
+    finally:
+        monkeypatch.undo()
+        choose_layer_path(compiled, compiled.new_cache(token_budget=1024), "on")  # restore the shared fixture
+    assert compiled.compiled_widths == {1, 2}
+
+
 def test_batches_and_wider_chunks_run_eager_with_the_same_numbers(compiled: PagedLlama) -> None:
     results = {}
     for path in ("eager", "compiled"):
@@ -107,6 +136,7 @@ def test_batches_and_wider_chunks_run_eager_with_the_same_numbers(compiled: Page
             cache.blocks.allocate(slot)
             compiled.run(cache, [(slot, PROMPT[:length])])
         results[path] = compiled.run(cache, [("a", [1]), ("b", [2, 3, 4])], logits="all")
+        results[path] += compiled.run(cache, [("a", [5, 6, 7])], logits="all")  # 3 tokens: no graph
     for want, got in zip(results["eager"], results["compiled"]):
         assert torch.equal(want, got)  # the same eager code ran both times
 
