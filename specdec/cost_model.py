@@ -11,6 +11,7 @@ one 1-token step per token. Costs come from the services' own start-up measureme
 from __future__ import annotations
 
 import bisect
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -82,17 +83,27 @@ class CostTable:
             rows.setdefault(cost.batch_size, {})[cost.tokens] = cost.seconds
         self._batches = sorted(rows)
         self._rows = {b: (sorted(rows[b]), _smoothed(sorted(rows[b]), [rows[b][t] for t in sorted(rows[b])])) for b in self._batches}
-        self._costs = tuple(costs)
         #: Correction factor applied to every figure (measured online ÷ measured at start-up).
         self.scale = scale
+        #: Unscaled seconds per (batch size, tokens) asked so far, shared by the scaled copies:
+        #: a plan asks for the same few points ~100 times (batch 16), and interpolating them
+        #: anew took most of a ~0.5 ms plan.
+        self._memo: dict[tuple[int, float], float] = {}
 
     def scaled(self, factor: float) -> CostTable:
-        """The same table with every figure multiplied by `factor`."""
-        return CostTable(self._costs, factor)
+        """The same table with every figure multiplied by `factor` (sharing the smoothed
+        rows: the planner asks for one every round)."""
+        table = copy.copy(self)
+        table.scale = factor
+        return table
 
     def seconds(self, batch_size: int, tokens: float) -> float:
-        per_batch = [_interpolate(*self._rows[b], tokens) for b in self._batches]
-        return self.scale * _interpolate(self._batches, per_batch, batch_size)
+        key = (batch_size, tokens)
+        unscaled = self._memo.get(key)
+        if unscaled is None:
+            per_batch = [_interpolate(*self._rows[b], tokens) for b in self._batches]
+            unscaled = self._memo[key] = _interpolate(self._batches, per_batch, batch_size)
+        return self.scale * unscaled
 
     def step(self, batch_size: int = 1) -> float:
         """One 1-token decode step over `batch_size` requests."""
@@ -105,6 +116,8 @@ def expected_tokens(alphas: Sequence[float], k: int) -> float:
     `alphas[j]` is the acceptance probability of draft position j+1 given the earlier ones
     were accepted; positions past the list reuse its last entry.
     """
+    if len(alphas) == 1 and alphas[0] != 1.0:  # one α for every position: the geometric sum
+        return (1.0 - alphas[0] ** (k + 1)) / (1.0 - alphas[0])
     total, survive = 1.0, 1.0
     for j in range(k):
         survive *= alphas[min(j, len(alphas) - 1)] if alphas else 0.0
