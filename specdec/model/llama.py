@@ -198,12 +198,12 @@ class PagedLlama:
         compile on a 2-core CPU). Only the shapes of one request's drafting loop are
         compiled, one graph per chunk width (`compiled_widths`), with the context length
         dynamic: in a trial with every dimension dynamic, each further shape family
-        (batch > 1, chunks > 1 token) took another 27-68 s of start-up. The graph gets a C++ wrapper, which launches its kernels
-        without Python in between, and no guards on the layers' modules: their attributes
-        (kernel choice, packed operands) are fixed once the model is built, and checking
-        them on every call cost ~0.4 ms a call, 6 % of a step (guards on tensor shapes and
-        dtypes stay). Nothing is compiled until the first call;
-        `set_layer_path` chooses which path runs. On CUDA the same code compiles to Triton
+        (batch > 1, chunks > 1 token) took another 27-68 s of start-up. The graph gets a
+        C++ wrapper, which launches its kernels without Python in between, and no guards
+        on the layers' modules: their attributes (kernel choice, packed operands) are
+        fixed once the model is built, and checking them on every call cost ~0.4 ms a
+        call, 6 % of a step (guards on tensor shapes and dtypes stay). Nothing is
+        compiled until the first call; `set_layer_path` chooses which path runs. On CUDA the same code compiles to Triton
         kernels; CUDA graphs would also need the context padded to a few fixed lengths.
         """
         if self.compiled_group is None:
