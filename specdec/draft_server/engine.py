@@ -46,10 +46,12 @@ class DraftEngine(ModelEngine):
             for item in items:
                 self._rollback(item.slot_id, item.valid_len)
             logits = self._feed([(item.slot_id, list(item.new_tokens)) for item in items])
-            return self._draft(items, logits, probs_dtype)
+            proposals = self._draft(items, logits, probs_dtype)
         except BaseException:
             self._free_quietly(new_slots)
             raise
+        self._hand_over()  # the target verifies next
+        return proposals
 
     def _feed(self, chunks: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
         """Last-position logits after feeding each chunk, in chunk order.

@@ -38,10 +38,14 @@ class ModelServiceConfig(ServerSecurity):
     max_message_bytes: int = option(DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received")
     measure_costs: bool = option(True, "time the forward pass at start-up so the gateway can plan K from real costs")
     compile: str = option(
-        "off", "torch.compile the decoder layers of a single request's 1-token step (the drafting loop): on, off, or "
+        "off", "torch.compile the decoder layers of a single request's 1- and 2-token steps (the drafting loop): on, off, or "
         "auto (compile, time both at start-up, keep the faster; eager when --no-measure-costs)", choices=COMPILE_MODES,
     )
     threads: int = option(0, "intra-op threads of the forward pass (0 = one per core)")
+    release_threads: bool = option(
+        True, "after a call that hands the cores to the other service (a Propose; a Verify of draft tokens), let the "
+        "OpenMP threads go instead of spinning into its turn",
+    )
     cpu_cores: str = option("", "pin the service to these CPU cores, e.g. 0 or 0-1 (empty = no pinning)")
     metrics_port: int = option(-1, "Prometheus /metrics port (-1 = off, 0 = any free port)")
     metrics_prefix: str = option(DEFAULT_PREFIX, "prefix of every metric name")

@@ -22,6 +22,7 @@ from specdec.model.runtime import ModelRuntime
 from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.serving.config import ModelServiceConfig
 from specdec.serving.leases import LeaseTable
+from specdec.serving.openmp import release_threads
 from specdec.wire.items import Lease, ModelInfo
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,12 @@ class ModelEngine:
     def _rollback(self, slot_id: str, valid_len: int) -> None:
         self.cache.blocks.truncate_to(slot_id, valid_len)
         del self.tokens[slot_id][valid_len:]
+
+    def _hand_over(self) -> None:
+        """This call is followed by the other service's work: let the OpenMP threads go
+        rather than spin on a core it needs (see `specdec.serving.openmp`)."""
+        if self.config.release_threads:
+            release_threads()
 
     def _run(self, chunks: list[tuple[str, list[int]]], logits: str) -> list[torch.Tensor]:
         """One batched forward that appends each chunk to its slot; all or nothing."""

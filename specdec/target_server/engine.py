@@ -63,6 +63,8 @@ class TargetEngine(ModelEngine):
         logits = self._run([(item.slot_id, list(item.tokens)) for item in items], logits="all")  # [K+1, vocab] each
         wanted = [rows.argmax(dim=-1) for item, rows in zip(items, logits) if item.argmax_only]  # [K+1] each
         argmax = iter(torch.cat(wanted).tolist() if wanted else [])  # one device-to-host copy for the batch
+        if any(len(item.tokens) > 1 for item in items):
+            self._hand_over()  # draft tokens were judged: the draft proposes next
         return [
             VerifiedChunk(item.slot_id, len(self.tokens[item.slot_id]), argmax=list(itertools.islice(argmax, len(item.tokens))))
             if item.argmax_only

@@ -1,0 +1,54 @@
+"""Hand the cores over: let a model service's idle OpenMP threads go instead of spinning.
+
+Target and draft share the machine's cores and take turns. After a forward, libgomp's
+worker threads spin for a while before they sleep (`GOMP_SPINCOUNT`, 300,000 pause
+iterations by default: a few milliseconds), so the service that just answered still
+holds a core when the other one starts. Called straight, Propose (K = 8) and a 9-token
+Verify alternating, each took 2-5 ms longer than when its service was called alone (AMD
+EPYC Zen 5, 2 cores). A shorter spin for the whole process is no cure: plain decoding
+lost as much as speculation gained, since between two plain steps the target's spin
+bridges the gateway's turn (README, "Measured on this machine").
+
+So a service lets its thread team go only after a call that hands the machine to the
+other service: the draft after every Propose, the target after a Verify that judged
+draft tokens. OpenMP 5.0's `omp_pause_resource_all` ends the calling thread's team, and
+the next forward starts a new one (a fraction of a millisecond). One trio, greedy
+requests alternating with and without it (6 prompts × 128 tokens, 2 repetitions, AMD
+EPYC Zen 5): speculative decoding 92.5 → 100.7 tok/s (pairwise median 1.066×), plain
+decoding unchanged (0.992×). It is a no-op where torch does not run on libgomp.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+#: `omp_pause_soft` of OpenMP 5.0's `omp_pause_resource_t`: release the threads, keep the ICVs.
+OMP_PAUSE_SOFT = 1
+
+
+@functools.cache
+def _pause_all() -> Callable[[int], int] | None:
+    """libgomp's `omp_pause_resource_all` (the library torch loaded: a library already
+    loaded is found by its soname), or None without one."""
+    try:
+        function = ctypes.CDLL("libgomp.so.1").omp_pause_resource_all
+    except (OSError, AttributeError):
+        log.info("no libgomp with omp_pause_resource_all: OpenMP threads are left to spin")
+        return None
+    function.argtypes = [ctypes.c_int]
+    function.restype = ctypes.c_int
+    pause: Callable[[int], int] = function
+    return pause
+
+
+def release_threads() -> bool:
+    """End the calling thread's OpenMP team (its workers exit instead of spinning); the
+    next parallel region starts a new one. Call it between forwards, from the thread that
+    runs them. True when the runtime released them."""
+    pause = _pause_all()
+    return pause is not None and pause(OMP_PAUSE_SOFT) == 0
