@@ -203,8 +203,9 @@ class PagedLlama:
         on the layers' modules: their attributes (kernel choice, packed operands) are
         fixed once the model is built, and checking them on every call cost ~0.4 ms a
         call, 6 % of a step (guards on tensor shapes and dtypes stay). Nothing is
-        compiled until the first call; `set_layer_path` chooses which path runs. On CUDA the same code compiles to Triton
-        kernels; CUDA graphs would also need the context padded to a few fixed lengths.
+        compiled until the first call; `set_layer_path` chooses which path runs. On CUDA
+        the same code compiles to Triton kernels; CUDA graphs would also need the context
+        padded to a few fixed lengths.
         """
         if self.compiled_group is None:
             self.compiled_group = torch.compile(self._layer_group, options={

@@ -144,15 +144,14 @@ class FakeDraft:
     wrong_at: set[int] = field(default_factory=set)
     slots: dict[str, list[int]] = field(default_factory=dict)
     released: list[str] = field(default_factory=list)
+    #: Every Propose received, failed ones included.
     calls: list[list[ProposeItem]] = field(default_factory=list)
-    #: Raise this from the next Propose (then clear it).
-    fail_next: grpc.aio.AioRpcError | None = None
-    #: Report a cached length off by this much (a draft that lost track of a slot).
-    cached_len_error: int = 0
-    #: Call number (1-based) at which `fault` strikes once: the fault then lands mid-stream
-    #: whatever the scheduler's pace (a test polling for it raced a short request's end).
+    #: Call number (1-based) at which `fault` strikes once, so it lands mid-stream whatever
+    #: the scheduler's pace (a test polling for the right moment raced a short request's end):
+    #: an error the call raises, or how far off the cached length it reports (a draft that
+    #: lost track of a slot).
     fault_on_call: int = 0
-    fault: grpc.aio.AioRpcError | int | None = None  # an error to raise, or a cached-length error
+    fault: grpc.aio.AioRpcError | int | None = None
     #: Seconds every Propose takes (a hung draft when above the call's deadline), and what
     #: its health check says.
     propose_delay_s: float = 0.0
@@ -171,17 +170,11 @@ class FakeDraft:
 
     async def propose(self, items: list[ProposeItem], timeout: float) -> Timed[dict[str, Proposal]]:
         await _answer_within(self.propose_delay_s, timeout)
-        length_error = self.cached_len_error
-        if self.fault is not None and len(self.calls) + 1 == self.fault_on_call:
-            if isinstance(self.fault, int):
-                length_error += self.fault
-            elif self.fail_next is None:
-                self.fail_next = self.fault
-        if self.fail_next is not None:
-            error, self.fail_next = self.fail_next, None
-            self.calls.append([])  # a call made, though it failed: counts toward fault_on_call
-            raise error
         self.calls.append(items)
+        fault = self.fault if len(self.calls) == self.fault_on_call else None
+        if isinstance(fault, grpc.aio.AioRpcError):
+            raise fault
+        length_error = fault or 0
         out = {}
         for item in items:
             cache = self.slots.setdefault(item.slot_id, [])
