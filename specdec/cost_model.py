@@ -152,18 +152,26 @@ class RoundCostModel:
     draft_round_overhead_s: float = 0.0
     draft_token_overhead_s: float = 0.0
 
-    def round_seconds(self, ks: Sequence[int], feeds: Sequence[int] | None = None) -> float:
+    def round_seconds(
+        self, ks: Sequence[int], feeds: Sequence[int] | None = None, steps: Sequence[int] | None = None
+    ) -> float:
         """A round where request i drafts ks[i] tokens (0 = plain decoding for it) after
-        feeding the draft feeds[i] tokens (see `draft_seconds`)."""
+        feeding the draft feeds[i] tokens (see `draft_seconds`), or, when every K is 0,
+        decodes steps[i] tokens (see `verify_seconds`)."""
         drafted = sum(ks)
         overhead = self.overhead_s
         if drafted:
             overhead += self.draft_round_overhead_s + self.draft_token_overhead_s * drafted
-        return overhead + self.verify_seconds(ks) + self.draft_seconds(ks, feeds)
+        return overhead + self.verify_seconds(ks, steps) + self.draft_seconds(ks, feeds)
 
-    def verify_seconds(self, ks: Sequence[int]) -> float:
-        """The target's one forward over K+1 tokens per request."""
-        return self.target.seconds(len(ks), 1 + sum(ks) / len(ks))
+    def verify_seconds(self, ks: Sequence[int], steps: Sequence[int] | None = None) -> float:
+        """The target's one forward over K+1 tokens per request; in a multi-step plain round
+        (every K is 0, request i decodes steps[i] tokens), step j runs over the requests
+        with steps >= j."""
+        drafted = sum(ks)
+        if steps is None or drafted > 0 or max(steps, default=1) <= 1:
+            return self.target.seconds(len(ks), 1 + drafted / len(ks))
+        return sum(self.target.step(sum(1 for n in steps if n >= j)) for j in range(1, max(steps) + 1))
 
     def draft_seconds(self, ks: Sequence[int], feeds: Sequence[int] | None = None) -> float:
         """The draft's steps: step j runs over the requests with k >= j.
@@ -188,13 +196,16 @@ class RoundCostModel:
         alphas: Sequence[Sequence[float]],
         start_costs: Sequence[float] | None = None,
         feeds: Sequence[int] | None = None,
+        steps: Sequence[int] | None = None,
     ) -> float:
         """Expected emitted tokens per second of a round with draft lengths `ks`.
 
         `start_costs[i]` is a one-off cost request i pays this round if it drafts (the draft
         catching up on tokens it has not seen), already spread over the rounds it pays for;
-        `feeds` as in `draft_seconds`.
+        `feeds` as in `draft_seconds`; `steps` as in `verify_seconds` (a plain round only).
         """
+        if steps is not None and not sum(ks):
+            return sum(steps) / self.round_seconds(ks, steps=steps)
         emitted = sum(expected_tokens(a, k) for a, k in zip(alphas, ks))
         extra = sum(c for c, k in zip(start_costs, ks) if k > 0) if start_costs is not None else 0.0
         return emitted / (self.round_seconds(ks, feeds) + extra)

@@ -12,6 +12,7 @@ from specdec.stats import DEFAULT_PREFIX, check_metrics_prefix
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_REQUEST_BYTES
 
 PROBS_DTYPES = ("float32", "bfloat16")
+DEFAULT_DECODE_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,12 @@ class GatewayConfig(ServerSecurity):
     num_speculative_tokens: int = option(8, "draft tokens per round, K (the upper bound with --adaptive-k)")
     #: K = 0 when speculation does not pay, e.g. in crowded rounds on a compute-bound target.
     adaptive_k: bool = option(True, "choose K in 0..--num-speculative-tokens each round from measured costs and acceptance")
+    #: vLLM's multi-step scheduling, for plain rounds: each call to a service costs ~1 ms
+    #: besides its compute on a CPU host (cores waking from idle, caches the target's weights
+    #: evicted), which n steps a call share. Tokens then stream n at a time.
+    decode_steps: int = option(
+        DEFAULT_DECODE_STEPS, "tokens a plain round decodes per greedy request in one target call, while no request waits",
+    )
     max_new_tokens_default: int = option(256, "completion length of requests that set none", flag="max-new-tokens")
     max_batch_size: int = option(16, "requests decoded together; more wait in the queue")
     max_queue: int = option(64, "requests waiting for admission; beyond this Generate answers RESOURCE_EXHAUSTED")
@@ -71,7 +78,7 @@ class GatewayConfig(ServerSecurity):
             raise InvalidArgumentError("speculation requires a draft: set draft_address or disable speculation")
         if self.num_speculative_tokens < 1:
             raise InvalidArgumentError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        for name in ("max_new_tokens_default", "max_batch_size", "max_queue", "max_request_bytes", "max_message_bytes"):
+        for name in ("decode_steps", "max_new_tokens_default", "max_batch_size", "max_queue", "max_request_bytes", "max_message_bytes"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.threads < 0:

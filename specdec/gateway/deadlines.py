@@ -36,8 +36,10 @@ class Deadlines:
     def prefill(self, batch: int, longest_prompt: int) -> float:
         return self._deadline(self._expected(self.target, batch, longest_prompt))
 
-    def verify(self, batch: int, longest_chunk: int) -> float:
-        return self._deadline(self._expected(self.target, batch, longest_chunk))
+    def verify(self, batch: int, longest_chunk: int, decode_steps: int = 1) -> float:
+        """The chunk's forward, then the one-token forwards of multi-step decoding."""
+        steps = (decode_steps - 1) * self._expected(self.target, batch, 1)
+        return self._deadline(self._expected(self.target, batch, longest_chunk) + steps)
 
     def propose(self, batch: int, longest_feed: int, k: int) -> float:
         """A feed of the new tokens (a whole prompt on first sight), then K one-token steps."""

@@ -220,9 +220,12 @@ class KPlanner:
         estimate = self._estimates.get(seq.slot_id)
         return estimate.alphas if estimate is not None else self.global_alpha.alphas
 
-    def plan(self, seqs: list[Sequence], caps: dict[str, int], adaptive: dict[str, bool]) -> dict[str, int]:
+    def plan(
+        self, seqs: list[Sequence], caps: dict[str, int], adaptive: dict[str, bool], steps: dict[str, int] | None = None
+    ) -> dict[str, int]:
         """K per request: `caps` bounds each (its requested or remaining room), adaptive
-        requests get the planner's choice in 0..cap, the others their cap."""
+        requests get the planner's choice in 0..cap, the others their cap. `steps` is what a
+        plain round would decode per request (multi-step), which prices K = 0."""
         ks = dict(caps)
         self._round_feeds = {s.slot_id: self._feed(s) for s in seqs}
         flexible = [s for s in seqs if adaptive[s.slot_id] and caps[s.slot_id] > 0]
@@ -234,14 +237,15 @@ class KPlanner:
         alphas = [self.alphas(s) for s in seqs]
         start = [self._catch_up_cost(s, model, alphas[i]) for i, s in enumerate(seqs)]
         feeds = [self._round_feeds[s.slot_id] for s in seqs]
+        plain_steps = [steps.get(s.slot_id, 1) for s in seqs] if steps else None
         best_rate, best_k = -1.0, 0
         for k in range(max(caps[s.slot_id] for s in flexible) + 1):
             uniform = [min(k, caps[s.slot_id]) if s.slot_id in chosen_by_us else ks[s.slot_id] for s in seqs]
-            rate = model.tokens_per_second(uniform, alphas, start, feeds)
+            rate = model.tokens_per_second(uniform, alphas, start, feeds, plain_steps)
             if rate > best_rate:
                 best_rate, best_k = rate, k
         if log.isEnabledFor(logging.DEBUG):
-            plain = model.tokens_per_second([0] * len(seqs), alphas)
+            plain = model.tokens_per_second([0] * len(seqs), alphas, steps=plain_steps)
             log.debug("plan: batch %d, best uniform K %d at %.1f tok/s (plain %.1f), α_1 %s, scales t %.2f d %.2f, "
                       "overhead %.1f ms, drafting + %.1f ms + %.1f ms per token", len(seqs), best_k, best_rate,
                       plain, [round(a[0], 2) for a in alphas], self._target_scale.value, self._draft_scale.value,
@@ -370,7 +374,8 @@ class KPlanner:
         ks = [report.ks[s.slot_id] for s in seqs]
         if self._target is not None:  # the unscaled tables' prediction: the EMAs track the ratio
             unscaled = RoundCostModel(self._target, self._draft)
-            self._target_scale.observe(report.verify.compute_s, unscaled.verify_seconds(ks), self.cost_weight)
+            steps = [report.steps.get(s.slot_id, 1) for s in seqs]
+            self._target_scale.observe(report.verify.compute_s, unscaled.verify_seconds(ks, steps), self.cost_weight)
             if not self._catching_up:
                 feeds = [self._round_feeds.get(s.slot_id, 1) for s in seqs]
                 self._draft_scale.observe(report.propose.compute_s, unscaled.draft_seconds(ks, feeds), self.cost_weight)

@@ -28,7 +28,7 @@ from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.k_planner import KPlanner
 from specdec.gateway.model_clients import DraftAPI, TargetAPI
 from specdec.gateway.sequence import FinishReason, Sequence
-from specdec.gateway.speculative_step import first_tokens, plan_k, run_round
+from specdec.gateway.speculative_step import first_tokens, plan_k, plan_steps, run_round
 from specdec.gateway.stats import GatewayStats
 from specdec.serving.errors import status_of
 from specdec.serving.worker import ModelWorker, cancel_and_wait
@@ -61,10 +61,11 @@ class PoolLimits:
         return -(-tokens // self.block_size)
 
 
-def kv_tokens_for_round(seq: Sequence, max_seq_len: int) -> int:
+def kv_tokens_for_round(seq: Sequence, max_seq_len: int, decode_steps: int = 1) -> int:
     """Most KV tokens the request holds in either service after its next round: its
-    tokens, the K draft tokens verified after them, and the token that round emits."""
-    return min(len(seq.tokens) + seq.num_speculative_tokens + 1, max_seq_len)
+    tokens, the K draft tokens verified after them (or all but the last of a multi-step
+    round's tokens), and the token that round emits."""
+    return min(len(seq.tokens) + max(seq.num_speculative_tokens, decode_steps - 1) + 1, max_seq_len)
 
 
 class Scheduler:
@@ -80,6 +81,7 @@ class Scheduler:
         planner: KPlanner,
         stats: GatewayStats,
         deadlines: Deadlines,
+        decode_steps: int = 1,
     ) -> None:
         self.target = target
         self.draft = draft
@@ -90,6 +92,8 @@ class Scheduler:
         self.planner = planner
         self.stats = stats
         self.deadlines = deadlines
+        #: Tokens a plain round may decode per greedy request in one Verify (multi-step).
+        self.decode_steps = decode_steps
         #: A Propose failed or missed its deadline: rounds decode plainly until the draft's
         #: health check answers SERVING again (checked by `_watch_draft`).
         self.draft_degraded = False
@@ -181,14 +185,21 @@ class Scheduler:
         draft_off = self.draft_degraded or self.draft_refused
         speculate = self.draft is not None and not draft_off
         caps = {s.slot_id: plan_k(s, self.max_seq_len) if speculate else 0 for s in batch}
-        ks = self.planner.plan(batch, caps, {s.slot_id: s.adaptive for s in batch})
+        # Multi-step only while nobody waits: a waiting request is admitted between rounds.
+        limit = self.decode_steps if not self.waiting else 1
+        steps = {s.slot_id: plan_steps(s, self.max_seq_len, limit) for s in batch}
+        ks = self.planner.plan(batch, caps, {s.slot_id: s.adaptive for s in batch}, steps)
+        if any(ks.values()):
+            steps = {}
         if self.draft is not None and draft_off and any(plan_k(s, self.max_seq_len) for s in batch):
             self.stats.off_rounds["draft_unavailable"] += 1
         elif self.planner.last_off_reason is not None:
             self.stats.off_rounds[self.planner.last_off_reason] += 1
         before = {s.slot_id: (s.completion_tokens, s.last_token_at) for s in batch}
         try:
-            report = await run_round(self.target, self.draft, batch, ks, self.sampler, self.max_seq_len, self.deadlines)
+            report = await run_round(
+                self.target, self.draft, batch, ks, self.sampler, self.max_seq_len, self.deadlines, steps
+            )
         except Exception as error:  # noqa: BLE001 - a failed round fails its requests, not the gateway
             await self._fail(batch, error)
             return
@@ -203,7 +214,7 @@ class Scheduler:
             k, accepted = report.ks[seq.slot_id], report.num_accepted[seq.slot_id]
             seq.counts.record(k, accepted)
             seq.anatomy.add(phases)
-            self.stats.record_round(k, accepted)
+            self.stats.record_round(k, accepted, report.steps.get(seq.slot_id, 1))
             count, last_at = before[seq.slot_id]
             if seq.completion_tokens > count and seq.last_token_at is not None and last_at is not None:
                 self.stats.record_tokens(seq.completion_tokens - count, seq.last_token_at - last_at)
@@ -285,7 +296,7 @@ class Scheduler:
         at admission, one per running request, so that a newcomer is not preempted at once)."""
         return all(
             len(seqs) <= pool.max_slots
-            and sum(pool.blocks_for(kv_tokens_for_round(s, self.max_seq_len)) for s in seqs) + headroom <= pool.num_blocks
+            and sum(pool.blocks_for(kv_tokens_for_round(s, self.max_seq_len, self.decode_steps)) for s in seqs) + headroom <= pool.num_blocks
             for pool in self.pools
         )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -46,6 +46,16 @@ def plan_k(seq: Sequence, max_seq_len: int) -> int:
     return max(0, min(seq.num_speculative_tokens, room))
 
 
+def plan_steps(seq: Sequence, max_seq_len: int, limit: int) -> int:
+    """Tokens a plain round may decode for this request in one Verify (multi-step plain
+    decoding): up to `limit` for a greedy request whose logits need no transform (the target
+    then feeds its own argmax), never more than it may still emit; 1 for any other."""
+    if limit <= 1 or not seq.sampling.greedy_by_raw_argmax:
+        return 1
+    room = min(max_seq_len - len(seq.tokens), seq.max_new_tokens - seq.completion_tokens)
+    return max(1, min(limit, room))
+
+
 async def propose(
     draft: DraftAPI | None, seqs: list[Sequence], ks: dict[str, int], deadlines: Deadlines
 ) -> Timed[dict[str, Proposal]]:
@@ -71,21 +81,30 @@ async def propose(
 
 
 async def verify(
-    target: TargetAPI, seqs: list[Sequence], proposals: dict[str, Proposal], deadlines: Deadlines
+    target: TargetAPI, seqs: list[Sequence], proposals: dict[str, Proposal], deadlines: Deadlines,
+    steps: dict[str, int] | None = None,
 ) -> Timed[dict[str, VerifiedChunk]]:
     """One batched Verify: [pending tokens, t1..tK] after each sequence's valid prefix.
     Returns the logits [K+1, vocab] per slot, or only their argmax [K+1] for a greedy
-    request whose logits need no transform."""
+    request whose logits need no transform; a request with `steps` n > 1 (plain, argmax
+    only) gets the n tokens the target decoded greedily by itself."""
+    steps = steps or {}
     items = [
         VerifyItem(
             s.slot_id, s.target_valid, s.tokens[s.target_valid :] + (proposals[s.slot_id].tokens if s.slot_id in proposals else []),
-            argmax_only=s.sampling.greedy_by_raw_argmax,
+            argmax_only=s.sampling.greedy_by_raw_argmax, decode_steps=steps.get(s.slot_id, 1),
         )
         for s in seqs
     ]
-    verified = await target.verify(items, deadlines.verify(len(items), max(len(i.tokens) for i in items)))
+    timeout = deadlines.verify(len(items), max(len(i.tokens) for i in items), max(i.decode_steps for i in items))
+    verified = await target.verify(items, timeout)
     for item in items:
-        _check_cached("target", item.slot_id, verified.value[item.slot_id].cached_len, item.valid_len + len(item.tokens))
+        cached = item.valid_len + max(len(item.tokens), item.decode_steps)  # a multi-step item caches all but its last token
+        _check_cached("target", item.slot_id, verified.value[item.slot_id].cached_len, cached)
+        chosen = verified.value[item.slot_id].argmax
+        if item.decode_steps > 1 and (chosen is None or len(chosen) != item.decode_steps):
+            raise ServiceStateError(f"the target sent {len(chosen or [])} tokens for slot {item.slot_id}, "
+                                    f"the gateway asked for {item.decode_steps}")
     return verified
 
 
@@ -192,6 +211,12 @@ def _split(seqs: list[Sequence], batch: RejectionResult) -> dict[str, RejectionR
     }
 
 
+def advance_steps(seq: Sequence, steps: int) -> None:
+    """After a multi-step plain round: the target cached the pending token and all but the
+    last of the `steps` tokens it decoded (before emitting them)."""
+    seq.target_valid = len(seq.tokens) + steps - 1
+
+
 def advance(seq: Sequence, k: int, num_accepted: int) -> None:
     """Move the valid cache lengths past the accepted tokens (before emitting them).
 
@@ -231,6 +256,8 @@ class RoundReport:
     total_s: float
     #: Propose failed and the round ran as plain decoding.
     draft_failed: bool = False
+    #: Tokens the target decoded per slot in a multi-step plain round (1 in any other round).
+    steps: dict[str, int] = field(default_factory=dict)
 
     def phases(self) -> dict[str, float]:
         """The round's wall time split by `ROUND_PHASES`."""
@@ -252,9 +279,13 @@ class RoundReport:
 
 async def run_round(
     target: TargetAPI, draft: DraftAPI | None, seqs: list[Sequence], ks: dict[str, int], sampler: ModelWorker,
-    max_seq_len: int, deadlines: Deadlines,
+    max_seq_len: int, deadlines: Deadlines, steps: dict[str, int] | None = None,
 ) -> RoundReport:
-    """Propose, verify, accept and advance every sequence by one round with the planned `ks`."""
+    """Propose, verify, accept and advance every sequence by one round with the planned `ks`;
+    requests with `steps` n > 1 (plain rounds only: every K is 0) decode n tokens in it."""
+    steps = {slot: n for slot, n in (steps or {}).items() if n > 1}
+    if steps and any(ks.values()):
+        raise ValueError("multi-step decoding is for plain rounds: every K must be 0")
     started = time.perf_counter()
     draft_error = None
     try:
@@ -270,22 +301,29 @@ async def run_round(
         for seq in seqs:
             seq.draft_valid = 0
     proposals = proposed.value
-    verified = await verify(target, seqs, proposals, deadlines)
+    verified = await verify(target, seqs, proposals, deadlines, steps)
     accept_started = time.perf_counter()
-    results = await sampler.run(accept_all, seqs, verified.value, proposals)
+    judged = [s for s in seqs if s.slot_id not in steps]  # multi-step requests have nothing to judge
+    results = await sampler.run(accept_all, judged, verified.value, proposals) if judged else {}
     accept_s = time.perf_counter() - accept_started
     done = {}
     for seq in seqs:
+        if seq.slot_id in steps:
+            done[seq.slot_id] = 0
+            advance_steps(seq, steps[seq.slot_id])
+            seq.emit(verified.value[seq.slot_id].argmax or [], max_seq_len)
+            continue
         k = len(proposals[seq.slot_id].tokens) if seq.slot_id in proposals else 0
         done[seq.slot_id] = k
         advance(seq, k, results[seq.slot_id].num_accepted[0])
         seq.emit(results[seq.slot_id].output_tokens[0], max_seq_len)
     return RoundReport(
         ks=done,
-        num_accepted={slot: r.num_accepted[0] for slot, r in results.items()},
+        num_accepted={slot: results[slot].num_accepted[0] if slot in results else 0 for slot in done},
         propose=Timed(None, proposed.compute_s, proposed.wall_s),
         verify=Timed(None, verified.compute_s, verified.wall_s),
         accept_s=accept_s,
         total_s=time.perf_counter() - started,
         draft_failed=draft_error is not None,
+        steps={slot: steps.get(slot, 1) for slot in done},
     )

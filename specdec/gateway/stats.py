@@ -70,9 +70,10 @@ class GatewayStats:
         if not self.accepted_per_position:
             self.accepted_per_position = [0] * self.max_speculative_tokens
 
-    def record_round(self, k: int, num_accepted: int) -> None:
-        """One request's part in a round: K drafted, `num_accepted` of them kept."""
-        self.emitted_tokens += num_accepted + 1
+    def record_round(self, k: int, num_accepted: int, steps: int = 1) -> None:
+        """One request's part in a round: K drafted, `num_accepted` of them kept (or, plain,
+        `steps` tokens decoded in one call)."""
+        self.emitted_tokens += num_accepted + steps
         if k == 0:
             return
         self.drafts += 1

@@ -87,13 +87,19 @@ class VerifyItem:
     tokens: list[int]
     #: Return each row's argmax instead of its logits (a greedy request with untransformed logits).
     argmax_only: bool = False
+    #: Tokens an argmax-only plain item (tokens = [g]) decodes in this call, each step feeding
+    #: the last argmax (multi-step plain decoding); 1 is one ordinary step.
+    decode_steps: int = 1
 
     def to_pb(self) -> target_pb2.VerifyItem:
-        return target_pb2.VerifyItem(slot_id=self.slot_id, valid_len=self.valid_len, tokens=self.tokens, argmax_only=self.argmax_only)
+        return target_pb2.VerifyItem(
+            slot_id=self.slot_id, valid_len=self.valid_len, tokens=self.tokens, argmax_only=self.argmax_only,
+            decode_steps=self.decode_steps if self.decode_steps > 1 else 0,
+        )
 
     @classmethod
     def from_pb(cls, message: target_pb2.VerifyItem) -> VerifyItem:
-        return cls(message.slot_id, message.valid_len, list(message.tokens), message.argmax_only)
+        return cls(message.slot_id, message.valid_len, list(message.tokens), message.argmax_only, max(1, message.decode_steps))
 
 
 @dataclass(frozen=True)

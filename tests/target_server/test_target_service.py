@@ -147,6 +147,37 @@ def test_argmax_only_items_get_each_rows_argmax_and_no_logits(
     assert list(ids.argmax_tokens) == decode_tensor(full.logits).argmax(dim=-1).tolist()
 
 
+def test_multi_step_items_decode_greedily_as_one_step_calls_would(
+    target: Service, smollm2: LoadedModel, prompts: list[list[int]]
+) -> None:
+    """decode_steps n: the n tokens and the cache of n one-token argmax calls, batched with
+    an ordinary item and a shorter multi-step one; the ordinary item is unchanged by them."""
+    prompt = prompts[1]
+    n = len(prompt)
+    prefill(target, {"one": prompt, "multi": prompt, "short": prompt, "plain": prompt})
+    g = 13
+    expected, tokens = [], [g]
+    for step in range(5):  # one argmax step a call
+        result = target.stub.Verify(target_pb2.VerifyRequest(items=[
+            target_pb2.VerifyItem(slot_id="one", valid_len=n + step, tokens=tokens[-1:], argmax_only=True),
+        ])).results[0]
+        expected.append(result.argmax_tokens[0])
+        tokens.append(result.argmax_tokens[0])
+    response = target.stub.Verify(target_pb2.VerifyRequest(items=[
+        target_pb2.VerifyItem(slot_id="multi", valid_len=n, tokens=[g], argmax_only=True, decode_steps=5),
+        target_pb2.VerifyItem(slot_id="short", valid_len=n, tokens=[g], argmax_only=True, decode_steps=2),
+        target_pb2.VerifyItem(slot_id="plain", valid_len=n, tokens=[g, 20, 21]),
+    ]))
+    multi, short, plain = response.results
+    assert list(multi.argmax_tokens) == expected and multi.cached_len == n + 5
+    assert list(short.argmax_tokens) == expected[:2] and short.cached_len == n + 2
+    assert plain.cached_len == n + 3
+    torch.testing.assert_close(decode_tensor(plain.logits), reference_logits(smollm2, prompt + [g, 20, 21])[n:], atol=ATOL, rtol=0)
+    # The cache holds g and the first four decoded tokens: the next position scores as after them.
+    after = verify(target, [("multi", n + 5, [expected[4]])])["multi"]
+    torch.testing.assert_close(after, reference_logits(smollm2, prompt + [g, *expected])[n + 5 :], atol=ATOL, rtol=0)
+
+
 def test_verify_after_rollback_equals_verify_without_rejected_tokens(
     target: Service, smollm2: LoadedModel, prompts: list[list[int]]
 ) -> None:
@@ -315,6 +346,13 @@ def test_kv_pool_full_is_resource_exhausted_and_frees_nothing_of_others(
     )
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert service.info().free_kv_tokens == 0
+    # Multi-step: the first forward fits (b's second block has room), a later step does not;
+    # the whole batch is undone, a's and b's valid tokens included.
+    error = rpc_error(service.stub.Verify, target_pb2.VerifyRequest(items=[
+        target_pb2.VerifyItem(slot_id="b", valid_len=30, tokens=[8], argmax_only=True, decode_steps=4),
+    ]))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert service.info().free_kv_tokens == 0 and truncate(service, "b", 30) == 30
     # Neither slot lost anything: both still score their next token correctly.
     logits = verify(service, [("a", 30, [7]), ("b", 30, [8])])
     torch.testing.assert_close(logits["a"], reference_logits(smollm2, a + [7])[30:], atol=ATOL, rtol=0)
@@ -343,6 +381,11 @@ def test_invalid_arguments_name_the_field(start_target: Callable[..., Service]) 
     def verify_request(valid_len: int, tokens: list[int]) -> target_pb2.VerifyRequest:
         return target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(slot_id="a", valid_len=valid_len, tokens=tokens)])
 
+    def multi_step_request(tokens: list[int], argmax_only: bool, steps: int) -> target_pb2.VerifyRequest:
+        return target_pb2.VerifyRequest(items=[
+            target_pb2.VerifyItem(slot_id="a", valid_len=20, tokens=tokens, argmax_only=argmax_only, decode_steps=steps)
+        ])
+
     cases = [
         (service.stub.Prefill, target_pb2.PrefillRequest(), "items"),
         (service.stub.Prefill, prefill_request(("new", [])), "prompt_tokens"),
@@ -357,6 +400,9 @@ def test_invalid_arguments_name_the_field(start_target: Callable[..., Service]) 
         (service.stub.Verify, verify_request(20, [1, 2, 3, 4, 5, 6]), "max_speculative_tokens"),  # K = 5 > 4
         (service.stub.Verify, verify_request(20, [1, vocab + 5]), "tokens"),
         (service.stub.Verify, verify_request(20, [-3]), "tokens"),
+        (service.stub.Verify, multi_step_request([1], argmax_only=False, steps=2), "decode_steps"),
+        (service.stub.Verify, multi_step_request([1, 2], argmax_only=True, steps=2), "decode_steps"),
+        (service.stub.Verify, multi_step_request([1], argmax_only=True, steps=6), ("decode_steps", "max_speculative_tokens")),
         (service.stub.Truncate, common_pb2.TruncateRequest(slot_id="a", new_len=21), "new_len"),
         (service.stub.Truncate, common_pb2.TruncateRequest(slot_id="a", new_len=-1), "new_len"),
     ]
@@ -372,6 +418,11 @@ def test_invalid_arguments_name_the_field(start_target: Callable[..., Service]) 
     ))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "tokens" in error.details() and "max_seq_len" in error.details()
+    # Multi-step past max_seq_len: 36 cached + 5 decoded (the last one not cached) = 41 > 40.
+    error = rpc_error(service.stub.Verify, target_pb2.VerifyRequest(
+        items=[target_pb2.VerifyItem(slot_id="long", valid_len=36, tokens=[1], argmax_only=True, decode_steps=5)]
+    ))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_seq_len" in error.details()
     # None of the failures touched "a": it still holds its 20 tokens.
     assert truncate(service, "a", 20) == 20
     assert service.info().active_slots == 2

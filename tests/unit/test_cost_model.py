@@ -88,3 +88,19 @@ def test_the_first_draft_step_also_feeds_the_tokens_the_draft_has_not_seen() -> 
     # A request decoding plainly feeds the draft nothing this round.
     assert model.draft_seconds([0, 2], feeds=[2, 1]) == pytest.approx(2 * draft.step(1))
     assert model.round_seconds([3], feeds=[2]) == pytest.approx(model.verify_seconds([3]) + model.draft_seconds([3], [2]))
+
+
+def test_a_multi_step_plain_round_costs_one_step_per_decoded_token_and_one_overhead() -> None:
+    target = CostTable([ForwardCost(1, 1, 0.010), ForwardCost(1, 9, 0.018), ForwardCost(4, 1, 0.016), ForwardCost(4, 9, 0.040)])
+    model = RoundCostModel(target=target, draft=None, overhead_s=0.002)
+    # Steps [4, 2]: two steps over both requests, two over one.
+    assert model.verify_seconds([0, 0], steps=[4, 2]) == pytest.approx(2 * target.step(2) + 2 * target.step(1))
+    assert model.round_seconds([0, 0], steps=[4, 2]) == pytest.approx(0.002 + 2 * target.step(2) + 2 * target.step(1))
+    assert model.tokens_per_second([0, 0], [[0.9], [0.9]], steps=[4, 2]) == pytest.approx(
+        6 / model.round_seconds([0, 0], steps=[4, 2])
+    )
+    # The overhead is paid once a round: four steps a call beat one.
+    assert model.tokens_per_second([0], [[0.9]], steps=[4]) > model.tokens_per_second([0], [[0.9]])
+    # Steps price plain rounds only; a round that drafts verifies once.
+    assert model.verify_seconds([2, 0], steps=[4, 4]) == pytest.approx(model.verify_seconds([2, 0]))
+    assert model.tokens_per_second([2, 0], [[0.9], [0.9]], steps=[4, 4]) == model.tokens_per_second([2, 0], [[0.9], [0.9]])

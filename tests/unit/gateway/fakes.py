@@ -119,7 +119,12 @@ class FakeTarget:
             del cache[item.valid_len :]
             cache.extend(item.tokens)
             rows = torch.stack([logits_after(t) for t in item.tokens])  # [K+1, vocab]
-            if item.argmax_only:
+            if item.decode_steps > 1:  # multi-step: decode on greedily, caching all but the last token
+                assert item.argmax_only and len(item.tokens) == 1, item
+                decoded = greedy_reference(item.tokens, item.decode_steps)
+                cache.extend(decoded[:-1])
+                out[item.slot_id] = VerifiedChunk(item.slot_id, len(cache), argmax=decoded)
+            elif item.argmax_only:
                 out[item.slot_id] = VerifiedChunk(item.slot_id, len(cache), argmax=rows.argmax(dim=-1).tolist())
             else:
                 out[item.slot_id] = VerifiedChunk(item.slot_id, len(cache), logits=rows)
@@ -217,9 +222,10 @@ def policy(*, speculative: bool = True, k: int = 4, max_new_tokens: int = 16, sl
 
 
 def scheduler(target: FakeTarget, draft: FakeDraft | None, *, kv_tokens: int = 4096, max_batch_size: int = 8,
-              max_queue: int = 8, deadline_s: float = 5.0) -> Scheduler:
+              max_queue: int = 8, deadline_s: float = 5.0, decode_steps: int = 1) -> Scheduler:
     pools = [PoolLimits("target", kv_tokens, 16, 64)] + ([PoolLimits("draft", kv_tokens, 16, 64)] if draft else [])
     return Scheduler(
         target, draft, pools, max_seq_len=min(256, kv_tokens), max_batch_size=max_batch_size, max_queue=max_queue,
         planner=KPlanner([], []), stats=GatewayStats(8), deadlines=Deadlines(floor_s=deadline_s, factor=1.0),
+        decode_steps=decode_steps,
     )

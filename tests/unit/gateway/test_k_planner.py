@@ -134,6 +134,22 @@ def test_cost_scale_follows_the_measured_compute() -> None:
     assert planner.overhead_s == pytest.approx(0.010, rel=1e-3)
 
 
+def test_a_multi_step_round_teaches_the_cost_of_one_step() -> None:
+    """A plain round that decoded 4 tokens a request ran 4 forwards: its compute rescales
+    the step cost by a quarter of it, and multi-step prices K = 0 higher."""
+    planner = KPlanner(TARGET, draft_costs(0.1), cost_weight=0.5)
+    a = seq("a")
+    report = RoundReport({"a": 0}, {"a": 0}, Timed(None, 0.0, 0.0), Timed(None, 0.320, 0.325), 0.0, 0.330, steps={"a": 4})
+    for _ in range(20):
+        planner.observe([a], report)
+    assert planner.cost_model().target.step(1) == pytest.approx(0.080, rel=1e-3)
+    # A draft whose K = 1 barely beats one-step plain rounds loses to 4 steps a round.
+    close = KPlanner(TARGET, draft_costs(0.4), overhead_s=0.010)
+    close.global_alpha.alpha = 0.6
+    assert close.plan([a], {"a": 8}, {"a": True})["a"] > 0
+    assert close.plan([a], {"a": 8}, {"a": True}, steps={"a": 4})["a"] == 0
+
+
 def test_probes_back_off_and_never_come_together() -> None:
     planner = KPlanner(TARGET, draft_costs(0.3), probe_every=4, max_probe_every=16)
     seqs = [seq(f"r{i}") for i in range(3)]

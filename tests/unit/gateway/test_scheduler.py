@@ -313,6 +313,58 @@ def test_plain_requests_never_call_the_draft() -> None:
     run(test, target, draft)
 
 
+def test_plain_greedy_rounds_decode_several_tokens_a_verify_and_stop_where_one_step_would() -> None:
+    """Multi-step: a plain greedy request gets up to 4 tokens a Verify, never more than it
+    may still emit, with the same tokens; an EOS inside a multi-step round ends the stream there."""
+    target, draft = FakeTarget(), FakeDraft()
+    counting_up = "h" + chr(ord("a") + 33)  # ... 33 -> 34, 35, 36, 37, 38, EOS
+
+    async def test(sched: Scheduler) -> None:
+        seq = new_sequence(request(max_new_tokens=10, enabled=False), policy())
+        sched.submit(seq)
+        tokens, finished = await drain(seq)
+        assert tokens == greedy_reference(prompt_ids(), 10) and finished.reason == FinishReason.LENGTH
+        # The first token comes from the prefill; then 4 + 4 + 1.
+        assert [item.decode_steps for batch in target.verify_batches for item in batch] == [4, 4, 1]
+        assert sched.stats.emitted_tokens == 9
+        seq = new_sequence(request(counting_up, max_new_tokens=20, enabled=False), policy())
+        sched.submit(seq)
+        tokens, finished = await drain(seq)
+        assert tokens == [34, 35, 36, 37, 38] and finished.reason == FinishReason.STOP
+        assert draft.calls == []
+        seq = new_sequence(request(max_new_tokens=10), policy())  # speculating: one step a round
+        sched.submit(seq)
+        assert (await drain(seq))[0] == greedy_reference(prompt_ids(), 10) and draft.calls
+        assert {i.decode_steps for b in target.verify_batches for i in b if i.slot_id == seq.slot_id} == {1}
+
+    run(test, target, draft, decode_steps=4)
+    assert target.slots == {}
+
+
+def test_multi_step_waits_for_queued_requests_and_skips_requests_that_need_logits() -> None:
+    """While a request waits for admission, rounds decode one token (it is admitted between
+    rounds); requests that need logits (sampled, penalised) always get one step."""
+    target, draft = FakeTarget(), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        first, second = (new_sequence(request(max_new_tokens=9, enabled=False), policy()) for _ in range(2))
+        sched.submit(first)
+        sched.submit(second)  # max_batch_size 1: it waits until the first is done
+        for seq in (first, second):
+            assert (await drain(seq))[0] == greedy_reference(prompt_ids(), 9)
+        steps = {s.slot_id: [i.decode_steps for b in target.verify_batches for i in b if i.slot_id == s.slot_id]
+                 for s in (first, second)}
+        assert steps == {first.slot_id: [1] * 8, second.slot_id: [3, 3, 2]}
+        sampled = request(max_new_tokens=9, enabled=False)
+        sampled.sampling.CopyFrom(common_pb2.SamplingParams(temperature=0.7, seed=5))
+        seq = new_sequence(sampled, policy())
+        sched.submit(seq)
+        await drain(seq)
+        assert {i.decode_steps for b in target.verify_batches for i in b if i.slot_id == seq.slot_id} == {1}
+
+    run(test, target, draft, decode_steps=3, max_batch_size=1)
+
+
 def test_a_hung_draft_costs_one_deadline_then_rounds_run_plain_until_its_health_check_passes() -> None:
     target, draft = FakeTarget(), FakeDraft()
 
