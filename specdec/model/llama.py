@@ -34,6 +34,14 @@ LAYER_PATHS = ("eager", "compiled")
 #: 1-token step took 21.1 ms at 1 layer a call, 18.6 ms at 10, and 16.5 ms at 10 with the
 #: C++ wrapper (eager: 26.7 ms); 10 layers compiled in ~30 s cold, 15 in ~48 s.
 MAX_LAYERS_PER_COMPILED_CALL = 10
+#: The request count of a compiled shape class with the batch dimension dynamic: two or more.
+MANY = 2
+
+
+def shape_class(batch_size: int, width: int) -> tuple[int, int]:
+    """The compiled graph a forward of `batch_size` requests × `width` tokens would run:
+    (1, width) for a single request, (MANY, width) for any batch of two or more."""
+    return min(batch_size, MANY), width
 
 
 def layers_per_compiled_call(num_layers: int, limit: int = MAX_LAYERS_PER_COMPILED_CALL) -> int:
@@ -119,9 +127,9 @@ class PagedLlama:
         self.compiled_group: Callable[..., torch.Tensor] | None = None
         self.layers_per_call = layers_per_compiled_call(len(self.layers))
         self.layer_path = "eager"
-        #: Chunk widths of a single request whose layers run compiled on the compiled path:
-        #: `choose_layer_path` adds each width once its graph is built.
-        self.compiled_widths: set[int] = set()
+        #: Shape classes (`shape_class`) whose layers run compiled on the compiled path:
+        #: `choose_layer_path` adds each once its graph is built.
+        self.compiled_shapes: set[tuple[int, int]] = set()
         #: Whether a call that no compiled graph covers compiles one (warm-up) or runs eager (serving).
         self.compile_on_miss = False
         #: Pools whose K/V tensors are already marked dynamic in their row count (see `_compiled_layers`).
@@ -170,9 +178,9 @@ class PagedLlama:
 
         Everything shared by the layers — RoPE angles and the attention bias — is built
         once here; a layer runs four matmuls, attention and a handful of elementwise ops,
-        with no host synchronisation and no Python loop over requests. A single request's
-        step runs its layers compiled when `set_layer_path("compiled")` chose so and its
-        width is one of `compiled_widths`.
+        with no host synchronisation and no Python loop over requests. A step runs its
+        layers compiled when `set_layer_path("compiled")` chose so and its shape class is
+        one of `compiled_shapes`.
         """
         bsz, width = batch.input_ids.shape
         hidden = self.embed_tokens(batch.input_ids)  # [B, T, hidden]
@@ -181,7 +189,7 @@ class PagedLlama:
         bias = torch.zeros(batch.attn_mask.shape, dtype=self._attention_dtype(hidden), device=hidden.device)  # [B, 1, T, L]
         bias = bias.masked_fill(~batch.attn_mask, float("-inf")).repeat(1, 1, groups, 1)  # [B, 1, G*T, L]
         inputs = LayerInputs(cos, sin, bias, batch.write_index, batch.token_rows, batch.context_index)
-        if self.layer_path == "compiled" and bsz == 1 and width in self.compiled_widths:
+        if self.layer_path == "compiled" and shape_class(bsz, width) in self.compiled_shapes:
             hidden = self._compiled_layers(hidden, inputs, cache)
         else:
             hidden = self._layer_group(tuple(self.layers), hidden, inputs, tuple(cache.kv))
@@ -190,15 +198,17 @@ class PagedLlama:
         return self.lm_head(selected)  # [n_rows, vocab]
 
     def compile_layers(self) -> None:
-        """Prepare `torch.compile` of the decoder layers for a single request's short steps.
+        """Prepare `torch.compile` of the decoder layers for the short steps of drafting.
 
         One function runs a group of `layers_per_call` consecutive layers, their weights
         among its inputs, so one compiled graph serves every group: compiling costs a
         group's graph, not the whole model's (the whole 30-layer forward took ~60 s to
-        compile on a 2-core CPU). Only the shapes of one request's drafting loop are
-        compiled, one graph per chunk width (`compiled_widths`), with the context length
-        dynamic: in a trial with every dimension dynamic, each further shape family
-        (batch > 1, chunks > 1 token) took another 27-68 s of start-up. The graph gets a
+        compile on a 2-core CPU). Only the shapes of the drafting loop are compiled, one
+        graph per shape class (`compiled_shapes`: a single request's 1- and 2-token steps,
+        a batch's 1-token step), with the context length (and a batch's size) dynamic:
+        each graph costs as much start-up as the first, so `choose_layer_path` builds them
+        in order while start-up allows. A single request keeps its own graph because one
+        with the batch size dynamic ran its step 15 % slower (AMD EPYC Zen 5). The graph gets a
         C++ wrapper, which launches its kernels without Python in between, and no guards
         on the layers' modules: their attributes (kernel choice, packed operands) are
         fixed once the model is built, and checking them on every call cost ~0.4 ms a
@@ -213,7 +223,7 @@ class PagedLlama:
             })
 
     def set_layer_path(self, path: str) -> None:
-        """Run a single request's 1-token step "compiled" (after `compile_layers`) or "eager"."""
+        """Run the steps of `compiled_shapes` "compiled" (after `compile_layers`) or "eager"."""
         if path not in LAYER_PATHS:
             raise ValueError(f"path must be one of {LAYER_PATHS}, got {path!r}")
         if path == "compiled" and self.compiled_group is None:
@@ -230,6 +240,9 @@ class PagedLlama:
         # on every call cost ~0.13 ms a step (AMD EPYC Zen 5, int4 draft: ~2 % of a step).
         torch._dynamo.mark_dynamic(inputs.context_index, 1)
         torch._dynamo.mark_dynamic(inputs.bias, 3)
+        if hidden.shape[0] >= MANY:  # one graph for every batch of two or more (a single request keeps its own)
+            for tensor in (hidden, *inputs):
+                torch._dynamo.mark_dynamic(tensor, 0)
         if cache not in self._dynamic_pools:
             for kv in cache.kv:
                 torch._dynamo.mark_dynamic(kv, 0)

@@ -3,8 +3,8 @@ context length, and eager whenever compiling is off, fails or does not apply.
 
 Compiles for real (inductor, C++), once per module: a tiny int4 Llama in bfloat16, the
 default draft's formats, so the int4 kernel runs inside the compiled graph. Its four
-layers run as two calls of one compiled 2-layer group, with one graph for 1-token and
-one for 2-token steps.
+layers run as two calls of one compiled 2-layer group, with one graph for a single
+request's 1-token steps, one for its 2-token steps and one for a batch's 1-token steps.
 """
 
 from __future__ import annotations
@@ -44,8 +44,12 @@ def test_layers_are_compiled_in_equal_groups_of_at_most_ten(num_layers: int, per
 def compiled() -> PagedLlama:
     forward = _int4_forward()
     cache = forward.new_cache(token_budget=1024)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert choose_layer_path(forward, cache, "on") == "compiled"
-    assert cache.blocks.free_tokens == cache.capacity_tokens  # its timing slot is gone
+    # One graph per shape class: the batch graph is dynamic in the batch size from its first
+    # warm-up step (a recompile for the second would cost as much start-up again).
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == len(compiled_layers.SHAPES)
+    assert cache.blocks.free_tokens == cache.capacity_tokens  # its timing slots are gone
     return forward
 
 
@@ -101,7 +105,7 @@ def test_one_graph_serves_every_context_length(compiled: PagedLlama) -> None:
 
 def test_two_token_steps_run_their_own_graph_with_the_same_numbers(compiled: PagedLlama) -> None:
     # The step that opens a drafting round after a fully accepted one feeds two tokens.
-    assert compiled.compiled_widths == {1, 2}
+    assert compiled.compiled_shapes == {(1, 1), (1, 2), (2, 1)}
     results = {}
     for path in ("eager", "compiled"):
         compiled.set_layer_path(path)
@@ -116,18 +120,43 @@ def test_two_token_steps_run_their_own_graph_with_the_same_numbers(compiled: Pag
         torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
 
 
-def test_further_widths_wait_for_a_quick_first_graph(compiled: PagedLlama, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(compiled_layers, "MORE_WIDTHS_WITHIN_S", -1.0)  # the first graph always took too long
+def test_further_shapes_wait_for_a_quick_first_graph(compiled: PagedLlama, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compiled_layers, "MORE_SHAPES_WITHIN_S", -1.0)  # the first graph always took too long
     try:
         assert choose_layer_path(compiled, compiled.new_cache(token_budget=1024), "on") == "compiled"
-        assert compiled.compiled_widths == {1}
+        assert compiled.compiled_shapes == {(1, 1)}
     finally:
         monkeypatch.undo()
         choose_layer_path(compiled, compiled.new_cache(token_budget=1024), "on")  # restore the shared fixture
-    assert compiled.compiled_widths == {1, 2}
+    assert compiled.compiled_shapes == {(1, 1), (1, 2), (2, 1)}
 
 
-def test_batches_and_wider_chunks_run_eager_with_the_same_numbers(compiled: PagedLlama) -> None:
+def test_batch_steps_of_any_size_run_one_graph_with_the_same_numbers(compiled: PagedLlama) -> None:
+    """2, 3 and 5 requests at different context lengths, 1 token each: the batch graph (the
+    batch size dynamic), with eager's logits and cache writes."""
+    lengths = {"a": 20, "b": 33, "c": 7, "d": 61, "e": 45}
+    results: dict[str, list[torch.Tensor]] = {}
+    caches = {}
+    for path in ("eager", "compiled"):
+        compiled.set_layer_path(path)
+        cache = caches[path] = compiled.new_cache(token_budget=1024)
+        for slot, length in lengths.items():
+            cache.blocks.allocate(slot)
+            compiled.run(cache, [(slot, PROMPT[:length])])
+        results[path] = []
+        with compiled_graph_only(compiled) if path == "compiled" else contextlib.nullcontext():
+            for batch in (["a", "b"], ["c", "d", "e"], ["a", "b", "c", "d", "e"], ["e", "a"]):
+                results[path] += compiled.run(cache, [(slot, [PROMPT[100 + len(slot)]]) for slot in batch])
+    for want, got in zip(results["eager"], results["compiled"]):
+        torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
+    for slot in lengths:
+        rows = torch.tensor(caches["eager"].blocks.positions(slot))
+        for eager_kv, compiled_kv in zip(caches["eager"].kv, caches["compiled"].kv):
+            torch.testing.assert_close(compiled_kv.index_select(0, rows).float(), eager_kv.index_select(0, rows).float(),
+                                       atol=0.02, rtol=0.02)
+
+
+def test_wider_chunks_run_eager_with_the_same_numbers(compiled: PagedLlama) -> None:
     results = {}
     for path in ("eager", "compiled"):
         compiled.set_layer_path(path)
