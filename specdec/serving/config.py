@@ -38,7 +38,7 @@ class ModelServiceConfig(ServerSecurity):
     max_message_bytes: int = option(DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received")
     measure_costs: bool = option(True, "time the forward pass at start-up so the gateway can plan K from real costs")
     compile: str = option(
-        "off", "torch.compile the decoder layers of a single request's 1- and 2-token steps (the drafting loop): on, off, or "
+        "off", "torch.compile the decoder layers of the drafting loop's steps (a single request's 1- and 2-token steps, a batch's 1-token step): on, off, or "
         "auto (compile, time both at start-up, keep the faster; eager when --no-measure-costs)", choices=COMPILE_MODES,
     )
     threads: int = option(0, "intra-op threads of the forward pass (0 = one per core)")
