@@ -52,12 +52,12 @@ SHAPES = ((1, 1), (1, 2), (MANY, 1))
 #: A shape after the first gets its graph only when the graphs so far took at most this
 #: many seconds to build: each costs about as much again (see the module docstring).
 MORE_SHAPES_WITHIN_S = 25.0
-#: Requests in the batch steps that warm up and time the batch graph: the warm-up runs
-#: 2 and then 3 (so that the batch size is dynamic), the timing all of them.
+#: Requests in the batch steps that warm up and time the batch graph: the warm-up runs 2
+#: (the graph is built with the batch size dynamic) and then 3 through it, the timing all.
 BATCH_SLOTS = 3
-#: Interleaved timed steps per path and width; each reports its median.
+#: Interleaved timed steps per path and shape; each reports its median.
 TIMING_REPEATS = 9
-#: "auto" keeps a width compiled only when its step is at least this much faster so.
+#: "auto" keeps a shape compiled only when its step is at least this much faster so.
 MIN_GAIN = 0.05
 _SLOT_PREFIX = "\x00compile-"  # never a gateway slot id: those are printable
 
