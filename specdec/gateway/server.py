@@ -152,7 +152,9 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
     scheduler = Scheduler(
         target, draft, pools, max_seq_len=max_seq_len, max_batch_size=config.max_batch_size,
         max_queue=config.max_queue, planner=planner, stats=stats,
-        decode_steps=min(config.decode_steps, target_info.max_speculative_tokens + 1),
+        # A target that comes back allowing less than the promised K is refused (`service_changes`),
+        # so steps within it stay valid whatever target answers.
+        decode_steps=min(config.decode_steps, max_speculative_tokens + 1),
         deadlines=Deadlines(
             config.rpc_timeout_floor_s, config.rpc_timeout_factor,
             CostTable(target_info.forward_costs) if target_info.forward_costs else None,

@@ -66,7 +66,7 @@ class ServiceChanges:
             check_compatible(info.tokenizer, self.tokenizer, (name, "gateway"))
         except TokenizerMismatchError as error:
             return f"{error}; restart the gateway to serve another model"
-        if name == "draft" and info.max_speculative_tokens < self.max_speculative_tokens:
+        if info.max_speculative_tokens < self.max_speculative_tokens:  # the target verifies K + 1 tokens
             return f"it allows K up to {info.max_speculative_tokens}, the gateway promises {self.max_speculative_tokens}"
         if info.max_seq_len < self.max_seq_len:
             return f"its context holds {info.max_seq_len} tokens, the gateway promises {self.max_seq_len}"

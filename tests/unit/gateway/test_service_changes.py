@@ -1,0 +1,36 @@
+"""What the gateway does with a restarted service's Info: adopt it or refuse it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fakes import FakeDraft, FakeTarget, model_info, scheduler
+
+from specdec.gateway.service_changes import ServiceChanges
+
+
+def changes(max_speculative_tokens: int = 8) -> ServiceChanges:
+    sched = scheduler(FakeTarget(), FakeDraft(), decode_steps=4)
+    info = model_info()
+    return ServiceChanges(sched, info.tokenizer, max_speculative_tokens, info.max_seq_len, adaptive_k=True)
+
+
+def test_a_service_allowing_less_than_the_promised_k_is_refused_target_and_draft_alike() -> None:
+    """The gateway promised K up to 8 (and multi-step plain rounds within it): a service that
+    comes back allowing less would fail those calls, so it is refused until it allows them."""
+    watcher = changes()
+    smaller = dataclasses.replace(model_info(), max_speculative_tokens=4)
+    for name in ("target", "draft"):
+        reason = watcher(name, smaller)
+        assert reason is not None and "K up to 4" in reason and "promises 8" in reason
+    assert watcher.scheduler.draft_refused
+    assert watcher("target", model_info()) is None
+    assert watcher("draft", model_info()) is None and not watcher.scheduler.draft_refused
+
+
+def test_a_service_with_a_shorter_context_or_another_tokenizer_is_refused() -> None:
+    watcher = changes()
+    shorter = dataclasses.replace(model_info(), max_seq_len=model_info().max_seq_len - 1)
+    assert "context holds" in (watcher("target", shorter) or "")
+    other = dataclasses.replace(model_info(), tokenizer=dataclasses.replace(model_info().tokenizer, fingerprint="0" * 64))
+    assert "tokenizer" in (watcher("target", other) or "")
