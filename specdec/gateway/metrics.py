@@ -60,7 +60,7 @@ def gateway_families(stats: GatewayStats, prefix: str, model_name: str) -> Itera
     yield f.counter("spec_decode_num_accepted_tokens", "Draft tokens accepted", [], _one(s.accepted_tokens))
     yield f.counter("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft",
                     ["position"], {(str(i),): n for i, n in enumerate(s.accepted_per_position)})
-    yield f.counter("spec_decode_num_emitted_tokens", "Tokens emitted by rounds (accepted + recovered or bonus)", [],
+    yield f.counter("spec_decode_num_emitted_tokens", "Tokens emitted by rounds (accepted + recovered or bonus; every token of a multi-step plain round)", [],
                     _one(s.emitted_tokens))
     yield f.gauge("speculation_enabled", "1 while the draft is usable; 0 from a failed or late Propose until its health check passes",
                   [], _one(s.speculation_enabled))
