@@ -185,8 +185,9 @@ class Scheduler:
         draft_off = self.draft_degraded or self.draft_refused
         speculate = self.draft is not None and not draft_off
         caps = {s.slot_id: plan_k(s, self.max_seq_len) if speculate else 0 for s in batch}
-        # Multi-step only while nobody waits: a waiting request is admitted between rounds.
-        limit = self.decode_steps if not self.waiting else 1
+        # One step a round while a waiting request could join the batch at the next round;
+        # a full batch (or pool) decodes multi-step even with a queue, when throughput counts.
+        limit = 1 if self._queue_head_fits() else self.decode_steps
         steps = {s.slot_id: plan_steps(s, self.max_seq_len, limit) for s in batch}
         ks = self.planner.plan(batch, caps, {s.slot_id: s.adaptive for s in batch}, steps)
         if any(ks.values()):
@@ -290,6 +291,13 @@ class Scheduler:
         (the next round preempts what no longer fits)."""
         self.pools = [pool if old.name == pool.name else old for old in self.pools]
         self._wakeup.set()
+
+    def _queue_head_fits(self) -> bool:
+        """Whether the first waiting request would be admitted now (the batch has room, and
+        so have the pools)."""
+        if not self.waiting or len(self.running) >= self.max_batch_size:
+            return False
+        return self._fits([*self.running, self.waiting[0]], headroom=len(self.running))
 
     def _fits(self, seqs: list[Sequence], headroom: int = 0) -> bool:
         """Whether every pool holds the next round of all `seqs` (and `headroom` spare blocks:

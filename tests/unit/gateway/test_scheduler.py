@@ -341,9 +341,9 @@ def test_plain_greedy_rounds_decode_several_tokens_a_verify_and_stop_where_one_s
     assert target.slots == {}
 
 
-def test_multi_step_waits_for_queued_requests_and_skips_requests_that_need_logits() -> None:
-    """While a request waits for admission, rounds decode one token (it is admitted between
-    rounds); requests that need logits (sampled, penalised) always get one step."""
+def test_a_full_batch_decodes_multi_step_with_a_queue_and_requests_that_need_logits_do_not() -> None:
+    """The queue waits for a slot either way, so a full batch keeps decoding several tokens
+    a Verify; requests that need logits (sampled, penalised) always get one step."""
     target, draft = FakeTarget(), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
@@ -352,17 +352,44 @@ def test_multi_step_waits_for_queued_requests_and_skips_requests_that_need_logit
         sched.submit(second)  # max_batch_size 1: it waits until the first is done
         for seq in (first, second):
             assert (await drain(seq))[0] == greedy_reference(prompt_ids(), 9)
-        steps = {s.slot_id: [i.decode_steps for b in target.verify_batches for i in b if i.slot_id == s.slot_id]
-                 for s in (first, second)}
-        assert steps == {first.slot_id: [1] * 8, second.slot_id: [3, 3, 2]}
+        assert steps_of(target, first) == [3, 3, 2] and steps_of(target, second) == [3, 3, 2]
         sampled = request(max_new_tokens=9, enabled=False)
         sampled.sampling.CopyFrom(common_pb2.SamplingParams(temperature=0.7, seed=5))
         seq = new_sequence(sampled, policy())
         sched.submit(seq)
         await drain(seq)
-        assert {i.decode_steps for b in target.verify_batches for i in b if i.slot_id == seq.slot_id} == {1}
+        assert set(steps_of(target, seq)) == {1}
 
     run(test, target, draft, decode_steps=3, max_batch_size=1)
+
+
+def test_a_round_decodes_one_step_while_a_waiting_request_could_join() -> None:
+    """A request that arrives during the second admission's Prefill is left for the next
+    iteration; the round before it takes one step a request, so it joins one step later,
+    not three. From then on the batch decodes multi-step."""
+    target, draft = FakeTarget(prefill_delay_s=0.1), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        first = new_sequence(request(enabled=False), policy())
+        sched.submit(first)
+        await asyncio.sleep(0.02)  # inside first's Prefill
+        second = new_sequence(request(enabled=False), policy())
+        sched.submit(second)  # admitted right after it, in a second Prefill
+        await asyncio.sleep(0.12)  # inside second's Prefill
+        late = new_sequence(request(enabled=False), policy())
+        sched.submit(late)
+        for seq in (first, second, late):
+            assert (await drain(seq))[0] == greedy_reference(prompt_ids(), 12)
+        assert [item.decode_steps for item in target.verify_batches[0]] == [1, 1]
+        assert [item.slot_id for item in target.verify_batches[1]] == [first.slot_id, second.slot_id, late.slot_id]
+        assert [item.decode_steps for item in target.verify_batches[1]] == [3, 3, 3]
+
+    run(test, target, draft, decode_steps=3)
+
+
+def steps_of(target: FakeTarget, seq: Sequence) -> list[int]:
+    """The decode_steps of each Verify item the request sent."""
+    return [item.decode_steps for batch in target.verify_batches for item in batch if item.slot_id == seq.slot_id]
 
 
 def test_a_hung_draft_costs_one_deadline_then_rounds_run_plain_until_its_health_check_passes() -> None:
