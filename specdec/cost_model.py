@@ -134,6 +134,12 @@ def expected_speedup(alpha: float, k: int, c: float, s: float) -> float:
     return expected_tokens([alpha], k) / (k * c + 1 + k * s)
 
 
+def _one_token_steps(table: CostTable, lengths: Sequence[int], first: int) -> float:
+    """Seconds of one-token steps `first`, `first` + 1, ... up to the longest of `lengths`,
+    step j batching the requests whose length is at least j."""
+    return sum(table.step(sum(1 for n in lengths if n >= j)) for j in range(first, max(lengths, default=0) + 1))
+
+
 @dataclass(frozen=True)
 class RoundCostModel:
     """Seconds of one round for a batch, from both services' tables plus a fixed overhead.
@@ -171,7 +177,7 @@ class RoundCostModel:
         drafted = sum(ks)
         if steps is None or drafted > 0 or max(steps, default=1) <= 1:
             return self.target.seconds(len(ks), 1 + drafted / len(ks))
-        return sum(self.target.step(sum(1 for n in steps if n >= j)) for j in range(1, max(steps) + 1))
+        return _one_token_steps(self.target, steps, first=1)
 
     def draft_seconds(self, ks: Sequence[int], feeds: Sequence[int] | None = None) -> float:
         """The draft's steps: step j runs over the requests with k >= j.
@@ -187,8 +193,7 @@ class RoundCostModel:
             return 0.0
         width = sum(max(1, feeds[i]) for i in spec) / len(spec) if feeds is not None else 1.0
         first = self.draft.seconds(len(spec), width)
-        rest = range(2, max(ks[i] for i in spec) + 1)
-        return first + sum(self.draft.step(sum(1 for i in spec if ks[i] >= step)) for step in rest)
+        return first + _one_token_steps(self.draft, [ks[i] for i in spec], first=2)
 
     def tokens_per_second(
         self,

@@ -99,8 +99,7 @@ async def verify(
     timeout = deadlines.verify(len(items), max(len(i.tokens) for i in items), max(i.decode_steps for i in items))
     verified = await target.verify(items, timeout)
     for item in items:
-        cached = item.valid_len + max(len(item.tokens), item.decode_steps)  # a multi-step item caches all but its last token
-        _check_cached("target", item.slot_id, verified.value[item.slot_id].cached_len, cached)
+        _check_cached("target", item.slot_id, verified.value[item.slot_id].cached_len, item.cached_len_after)
         chosen = verified.value[item.slot_id].argmax
         if item.decode_steps > 1 and (chosen is None or len(chosen) != item.decode_steps):
             raise ServiceStateError(f"the target sent {len(chosen or [])} tokens for slot {item.slot_id}, "

@@ -94,8 +94,7 @@ class TargetEngine(ModelEngine):
                     f"decode_steps: {item.decode_steps} for slot {item.slot_id!r} is above max_speculative_tokens + 1 "
                     f"= {self.config.max_speculative_tokens + 1}"
                 )
-        # A multi-step item caches g and all but its last decoded token.
-        self._check_length(item.slot_id, item.valid_len + max(len(item.tokens), item.decode_steps))
+        self._check_length(item.slot_id, item.cached_len_after)
 
     def _decode_on(self, items: list[VerifyItem], chosen: dict[str, list[int]]) -> None:
         """Greedy steps after the verify forward until each item has `decode_steps` tokens in

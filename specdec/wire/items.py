@@ -91,6 +91,12 @@ class VerifyItem:
     #: the last argmax (multi-step plain decoding); 1 is one ordinary step.
     decode_steps: int = 1
 
+    @property
+    def cached_len_after(self) -> int:
+        """Tokens the slot holds after this item: valid_len + K + 1, or, multi-step, the
+        pending token and all but the last of the decoded ones."""
+        return self.valid_len + max(len(self.tokens), self.decode_steps)
+
     def to_pb(self) -> target_pb2.VerifyItem:
         return target_pb2.VerifyItem(
             slot_id=self.slot_id, valid_len=self.valid_len, tokens=self.tokens, argmax_only=self.argmax_only,
