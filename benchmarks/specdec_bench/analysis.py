@@ -6,7 +6,11 @@ Definitions (DESIGN.md, "Speed model"):
 - c: the draft's 1-token step ÷ the target's 1-token step; s(K, B): the verify slope, the
   extra cost of each verified token ÷ a 1-token step, (T(B, K+1) − T(B, 1)) ÷ (K·T(B, 1));
   both from the forward costs the services measured at start-up (`ModelInfo.forward_costs`)
-  and, "online", from the per-request round anatomy of the fixed-K sweep;
+  and, "online", from the per-request round anatomy of the fixed-K sweep. c also "side by
+  side": the median ratio of draft and target steps timed in turn during W1
+  (`specdec_bench.step_timing`), with s(K) from start-up (a ratio within one service's
+  table, timed in interleaved passes). The headline c and S(K) use it when the run has it:
+  the services' start-up tables are timed ~40 s apart, and the machine drifts meanwhile;
 - α: the per-token greedy acceptance probability, the maximum-likelihood estimate of the
   geometric model behind S(K) from the fixed-K sweep's per-position counters: accepted
   draft tokens ÷ (accepted + rounds that rejected one). The acceptance *rate* (accepted ÷
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field
 from specdec.cost_model import CostTable, expected_speedup
 from specdec_bench.peers import PeerRecord
 from specdec_bench.results import BenchResults
+from specdec_bench.step_timing import side_by_side_c
 from specdec_bench.sweeps import ConcurrencyGroup
 from specdec_bench.workloads import RunRecord
 
@@ -131,6 +136,8 @@ class Summary:
     accepted_by_position: list[float]
     startup: CostSummary
     online: CostSummary | None
+    #: c from W1's alternating step probes (None for runs without them).
+    side_by_side: CostSummary | None
     cost_batch: int
     num_speculative_tokens: int
     best_k: int
@@ -146,10 +153,15 @@ class Summary:
     #: Share of round time per phase: "plain" and "speculative" (W1), "K=<k>" (sweep).
     anatomy: dict[str, dict[str, float]] = field(default_factory=dict)
 
+    @property
+    def headline_costs(self) -> CostSummary:
+        """The costs behind the headline c and expected S(K): side by side when measured."""
+        return self.side_by_side or self.startup
+
     def final_line(self) -> str:
         return (
             f"speedup={self.greedy.speedup:.3f} vs_hf_assisted={self.vs_hf_assisted:.3f} "
-            f"efficiency={self.efficiency:.3f} alpha={self.alpha:.3f} c={self.startup.c:.3f}"
+            f"efficiency={self.efficiency:.3f} alpha={self.alpha:.3f} c={self.headline_costs.c:.3f}"
         )
 
 
@@ -205,6 +217,18 @@ def startup_costs(results: BenchResults, alpha: float, max_k: int, batch: int) -
         source="start-up (ModelInfo.forward_costs)", target_step_s=target.step(1), draft_step_s=draft.step(1), c=c,
         s_by_k=s_by_k, s_batch_b=_slope(target, batch, results.costs.default_num_speculative_tokens),
         expected_by_k=[expected_speedup(alpha, k, c, s) for k, s in enumerate(s_by_k, start=1)],
+    )
+
+
+def side_by_side_costs(results: BenchResults, startup: CostSummary, alpha: float) -> CostSummary | None:
+    """c from the step pairs timed in turn during W1; s(K) as at start-up."""
+    if not results.step_pairs:
+        return None
+    c, draft_step, target_step = side_by_side_c(results.step_pairs)
+    return CostSummary(
+        source=f"side by side ({len(results.step_pairs)} alternating 1-token steps during W1)", target_step_s=target_step,
+        draft_step_s=draft_step, c=c, s_by_k=startup.s_by_k, s_batch_b=startup.s_batch_b,
+        expected_by_k=[expected_speedup(alpha, k, c, s) for k, s in enumerate(startup.s_by_k, start=1)],
     )
 
 
@@ -290,8 +314,10 @@ def summarize(results: BenchResults) -> Summary:
         alpha, source = greedy.acceptance_rate, "W1 acceptance rate (no fixed-K sweep)"
     startup = startup_costs(results, alpha, max_k, cost_batch)
     online = online_costs(results.k_sweep, alpha, max_k)
+    side_by_side = side_by_side_costs(results, startup, alpha)
+    headline = side_by_side or startup
     cap = results.costs.default_num_speculative_tokens
-    options = [(s, k) for k, s in enumerate(startup.expected_by_k[:cap], start=1)]
+    options = [(s, k) for k, s in enumerate(headline.expected_by_k[:cap], start=1)]
     expected, best_k = max(options + [(1.0, 0)])
     hf_plain, hf_assisted = _peer_spread(results.peers, "hf_plain"), _peer_spread(results.peers, "hf_assisted")
     checked = [p.matches_ours for p in results.peers if p.method == "hf_plain" and p.matches_ours is not None]
@@ -301,12 +327,13 @@ def summarize(results: BenchResults) -> Summary:
         anatomy[f"K={k}"] = anatomy_shares([r for r in results.k_sweep if r.k == k])
     return Summary(
         greedy=greedy, sampled=sampled, alpha=alpha, alpha_source=source, alpha_by_position=conditional,
-        accepted_by_position=unconditional, startup=startup, online=online, cost_batch=cost_batch, num_speculative_tokens=cap,
+        accepted_by_position=unconditional, startup=startup, online=online, side_by_side=side_by_side, cost_batch=cost_batch,
+        num_speculative_tokens=cap,
         best_k=best_k, expected=expected, efficiency=_ratio(greedy.speedup, expected),
         hf_plain=hf_plain, hf_assisted=hf_assisted,
         hf_matches_ours=_ratio(sum(checked), len(checked)) if checked else math.nan,
         vs_hf_assisted=_ratio(greedy.speculative.median, hf_assisted.median),
         vs_hf_plain=_ratio(greedy.plain.median, hf_plain.median),
-        k_rows=_k_rows(results.k_sweep, startup.expected_by_k),
+        k_rows=_k_rows(results.k_sweep, headline.expected_by_k),
         concurrency=_concurrency_rows(results.concurrency), anatomy=anatomy,
     )

@@ -34,8 +34,10 @@ def speedup_vs_k(summary: Summary, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4))
     ks = [row.k for row in summary.k_rows]
     ax.plot(ks, [row.speedup for row in summary.k_rows], "o-", label="measured (fixed K, greedy)")
-    expected_ks = list(range(1, len(summary.startup.expected_by_k) + 1))
-    ax.plot([0, *expected_ks], [1.0, *summary.startup.expected_by_k], "--", label="S(K), start-up costs")
+    costs = summary.headline_costs
+    expected_ks = list(range(1, len(costs.expected_by_k) + 1))
+    ax.plot([0, *expected_ks], [1.0, *costs.expected_by_k], "--",
+            label=f"S(K), {'side-by-side' if summary.side_by_side else 'start-up'} costs")
     if summary.online is not None:
         ax.plot([0, *expected_ks], [1.0, *summary.online.expected_by_k], ":", label="S(K), online costs")
     ax.axhline(summary.greedy.speedup, color="grey", linewidth=1,
@@ -43,7 +45,7 @@ def speedup_vs_k(summary: Summary, path: Path) -> Path:
     ax.axhline(1.0, color="black", linewidth=0.5)
     ax.set_xticks([0, *expected_ks])
     ax.set(xlabel="draft tokens per round K (0 = plain)", ylabel="speedup vs plain decoding",
-           title=f"Speedup vs K (α={summary.alpha:.2f}, c={summary.startup.c:.2f})")
+           title=f"Speedup vs K (α={summary.alpha:.2f}, c={costs.c:.2f})")
     ax.legend(fontsize=8)
     return _save(fig, path)
 

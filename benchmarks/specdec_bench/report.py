@@ -32,7 +32,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 def summary_table(summary: Summary) -> str:
     """The headline figures as one Markdown table (printed at the end of a run)."""
     g, t, st = summary.greedy, summary.sampled, summary.startup
-    online = summary.online
+    online, paired = summary.online, summary.side_by_side
     k = summary.num_speculative_tokens
     rows = [
         ["W1 greedy tok/s, plain → speculative (median [min–max])", f"{_spread(g.plain)} → {_spread(g.speculative)}"],
@@ -46,10 +46,12 @@ def summary_table(summary: Summary) -> str:
         ["α (per-token greedy acceptance)", _f(summary.alpha, 3)],
         ["acceptance rate (accepted ÷ drafted, W1 greedy); adaptive K: mean, rounds speculating",
          f"{_f(g.acceptance_rate, 3)}; {_f(g.mean_k, 2)}, {_f(g.speculating * 100, 0, ' %')}"],
-        ["c = draft step ÷ target step (start-up / online)", f"{_f(st.c, 3)} / {_f(online.c if online else math.nan, 3)}"],
+        ["c = draft step ÷ target step (side by side / start-up / online)",
+         f"{_f(paired.c if paired else math.nan, 3)} / {_f(st.c, 3)} / {_f(online.c if online else math.nan, 3)}"],
         [f"s(K={k}) at batch 1 / batch {summary.cost_batch} (start-up)",
          f"{_f(st.s_by_k[k - 1] if len(st.s_by_k) >= k else math.nan, 3)} / {_f(st.s_batch_b, 3)}"],
-        [f"expected speedup S(K), best K ≤ {k} (K={summary.best_k})", _f(summary.expected, 3, "×")],
+        [f"expected speedup S(K), best K ≤ {k} (K={summary.best_k}; c {'side by side' if paired else 'start-up'})",
+         _f(summary.expected, 3, "×")],
         ["efficiency = measured ÷ expected", _f(summary.efficiency, 3)],
     ]
     return "\n".join(_table(["figure", "value"], rows))
@@ -161,13 +163,17 @@ def render_page(results: BenchResults, summary: Summary, plots: dict[str, Path],
         "",
         "## Costs",
         "",
-        "Start-up: the forward costs each service measured when it started (`ModelInfo.forward_costs`). "
-        "Online: compute seconds the services reported for the fixed-K sweep's rounds (`anatomy`).",
+        "Side by side: 1-token draft and target steps called in turn on a scratch slot during W1, compute "
+        "seconds as the services report them; c is the median of the pairs' ratios and s(K) is the start-up one. "
+        "The headline c and expected S(K) use it. "
+        "Start-up: the forward costs each service measured when it started (`ModelInfo.forward_costs`), ~40 s "
+        "apart. Online: compute seconds the services reported for the fixed-K sweep's rounds (`anatomy`); its "
+        "draft step includes each Propose's catch-up feed.",
         "",
         *_table(["source", "target step ms", "draft step ms", "c", "s(K) at batch 1, K = 1, 2, …",
                  f"s(K={costs.default_num_speculative_tokens}) at batch {summary.cost_batch}"],
-                [_cost_rows(summary.startup, summary.cost_batch)]
-                + ([_cost_rows(summary.online, summary.cost_batch)] if summary.online else [])),
+                [_cost_rows(costs_of, summary.cost_batch)
+                 for costs_of in (summary.side_by_side, summary.startup, summary.online) if costs_of is not None]),
         "",
         "Forward seconds measured at start-up (batch × tokens per request):",
         "",
@@ -180,7 +186,7 @@ def render_page(results: BenchResults, summary: Summary, plots: dict[str, Path],
         "## Fixed K",
         "",
         "Greedy single requests with K fixed (adaptive off); K = 0 is plain decoding. Expected: S(K) from "
-        "α and the start-up costs.",
+        f"α and the {'side-by-side' if summary.side_by_side else 'start-up'} costs.",
         "",
         *_table(["K", "median tok/s", "speedup", "acceptance rate", "mean acceptance length", "expected S(K)", "efficiency"],
                 [[str(r.k), _f(r.tokens_per_s, 1), _f(r.speedup, 3, "×"), _f(r.acceptance_rate, 3),

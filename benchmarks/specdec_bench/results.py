@@ -23,6 +23,7 @@ import transformers
 from specdec.cost_model import ForwardCost
 from specdec.v1 import gateway_pb2
 from specdec_bench.peers import PeerRecord
+from specdec_bench.step_timing import StepPair
 from specdec_bench.sweeps import ConcurrencyGroup
 from specdec_bench.workloads import RunRecord
 
@@ -67,6 +68,8 @@ class BenchResults:
     peers: list[PeerRecord] = field(default_factory=list)
     k_sweep: list[RunRecord] = field(default_factory=list)
     concurrency: list[ConcurrencyGroup] = field(default_factory=list)
+    #: 1-token draft and target steps timed in turn during W1 (`specdec_bench.step_timing`).
+    step_pairs: list[StepPair] = field(default_factory=list)
 
     def save(self, path: Path, summary: dict[str, Any] | None = None) -> None:
         """Write the document; `summary` (derived figures, for readers) is ignored by `load`."""
@@ -92,6 +95,7 @@ class BenchResults:
                 ConcurrencyGroup(g["concurrency"], g["k"], g["wall_s"], [RunRecord(**r) for r in g["requests"]])
                 for g in raw["concurrency"]
             ],
+            step_pairs=[StepPair(**p) for p in raw.get("step_pairs", [])],  # absent from runs before it existed
         )
 
 

@@ -25,6 +25,7 @@ from specdec_bench.config import BenchConfig
 from specdec_bench.peers import METHODS, run_peers
 from specdec_bench.results import BenchResults, ServiceCosts, machine
 from specdec_bench.stack import running_stack
+from specdec_bench.step_timing import StepPair, probe_steps
 from specdec_bench.sweeps import ExactnessError, concurrency_sweep, k_sweep, w1, warm_up
 
 #: Deadline of one request; generous, a crowded 2-core machine is slow.
@@ -78,7 +79,14 @@ def measure(config: BenchConfig, command: str) -> BenchResults:
                 progress.set_description("warming up")
                 warm_up(client, config.max_k)
                 laps.lap("warm_up")
-                outcome = w1(client, config, progress)
+                step_pairs: list[StepPair] = []
+                vocab_size = client.info().target.vocab_size
+
+                def probe(rep: int) -> None:
+                    step_pairs.extend(probe_steps(stack.target.address, stack.draft.address, vocab_size, rep))
+
+                outcome = w1(client, config, progress, between=probe)
+                probe(config.repetitions)
                 laps.lap("w1")
                 peers = run_peers(
                     stack.target_config, stack.draft_config, prompts=config.prompts, max_new_tokens=config.max_new_tokens,
@@ -102,7 +110,7 @@ def measure(config: BenchConfig, command: str) -> BenchResults:
         "config": dataclasses.asdict(config),
         "services": services,
     }
-    return BenchResults(meta, costs, outcome.records, peers, sweep, groups)
+    return BenchResults(meta, costs, outcome.records, peers, sweep, groups, step_pairs)
 
 
 def render(results: BenchResults, config: BenchConfig) -> analysis.Summary:

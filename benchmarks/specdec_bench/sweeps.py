@@ -7,6 +7,7 @@ noise, which on a shared 2-core box drifts over minutes, hits them alike.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -70,11 +71,16 @@ def warm_up(client: SpecdecClient, max_k: int) -> None:
         run_request(client, "warm-up", 0, k, max_new_tokens=8)
 
 
-def w1(client: SpecdecClient, config: BenchConfig, progress: Progress) -> W1Outcome:
-    """Single requests: every prompt greedy and sampled, plain and speculative (adaptive K) side by side."""
+def w1(
+    client: SpecdecClient, config: BenchConfig, progress: Progress, between: Callable[[int], None] | None = None
+) -> W1Outcome:
+    """Single requests: every prompt greedy and sampled, plain and speculative (adaptive K) side by side.
+    `between(rep)` runs before each repetition, while the stack idles (the step-cost probes)."""
     outcome = W1Outcome(records=[])
     progress.set_description("W1 single request")
     for rep in range(config.repetitions):
+        if between is not None:
+            between(rep)
         for prompt in range(config.prompts):
             for temperature in (0.0, config.temperature):
                 order: tuple[int | None, ...] = (0, None) if (rep + prompt) % 2 == 0 else (None, 0)

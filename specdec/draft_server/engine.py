@@ -13,7 +13,7 @@ import torch
 
 from specdec.errors import InvalidArgumentError
 from specdec.model.runtime import ModelRuntime
-from specdec.sampling.transforms import logits_to_probs, make_generator, sample
+from specdec.sampling.transforms import logits_to_probs, make_generator, pick_tokens
 from specdec.serving.config import ModelServiceConfig
 from specdec.serving.engine import ModelEngine
 from specdec.wire.items import Lease, Proposal, ProposeItem
@@ -104,20 +104,16 @@ class DraftEngine(ModelEngine):
             rows = [i for i, item in enumerate(items) if item.num_speculative_tokens > step]
             params = [items[i].sampling for i in rows]
             step_logits = torch.stack([current[i] for i in rows])  # [n, vocab]
-            sampled: list[int] = []
             if all(p.greedy_by_raw_argmax for p in params):
                 # Only argmax rows: no distribution to build (greedy rows send no q), ~0.1 ms a step.
-                tokens = step_logits.argmax(dim=-1)  # [n]
+                # In fp32: torch's CPU argmax of 49k bf16 logits took 149 µs against 31 µs for
+                # the exact cast plus an fp32 argmax (AMD EPYC Zen 5), ~2.5 % of a draft step.
+                tokens = step_logits.float().argmax(dim=-1)  # [n]
             else:
                 context = [self.tokens[items[i].slot_id] for i in rows]
                 probs = logits_to_probs(step_logits, params, context)  # [n, vocab] f32
                 probs = probs.to(probs_dtype).float()  # what the gateway will see; sample from exactly that
-                tokens = probs.argmax(dim=-1)  # [n]: the greedy rows' tokens
-                sampled = [n for n, i in enumerate(rows) if not items[i].sampling.is_greedy]
-            if sampled:
-                picks = torch.tensor(sampled, device=probs.device)  # [s]
-                generators = [self.generators[items[rows[n]].slot_id] for n in sampled]
-                tokens = tokens.index_copy(0, picks, sample(probs.index_select(0, picks), generators))
+                tokens = pick_tokens(probs, params, [self.generators[items[i].slot_id] for i in rows])  # [n]
             for n, (i, token) in enumerate(zip(rows, tokens.tolist())):  # one host sync per step
                 drafted[i].append(token)
                 if not items[i].sampling.is_greedy:

@@ -37,7 +37,7 @@ class GatewayConfig(ServerSecurity):
     #: besides its compute on a CPU host (cores waking from idle, caches the target's weights
     #: evicted), which n steps a call share. Tokens then stream n at a time.
     decode_steps: int = option(
-        DEFAULT_DECODE_STEPS, "tokens a plain round decodes per greedy request in one target call (1 = one step a call)",
+        DEFAULT_DECODE_STEPS, "tokens a plain round decodes per request in one target call (1 = one step a call)",
     )
     max_new_tokens_default: int = option(256, "completion length of requests that set none", flag="max-new-tokens")
     max_batch_size: int = option(16, "requests decoded together; more wait in the queue")

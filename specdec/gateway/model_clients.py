@@ -132,7 +132,7 @@ class TargetClient(_ServiceClient[target_pb2_grpc.TargetServiceStub]):
         return Timed(results, response.compute_s, time.perf_counter() - started)
 
     async def verify(self, items: list[VerifyItem], timeout: float) -> Timed[dict[str, VerifiedChunk]]:
-        """Logits [K+1, vocab], or their argmax [K+1] for `argmax_only` items, per slot."""
+        """Logits [K+1, vocab], or the target's chosen tokens (`VerifyItem.target_chooses`), per slot."""
         started = time.perf_counter()
         response = await self.stub.Verify(target_pb2.VerifyRequest(items=[item.to_pb() for item in items]), timeout=timeout)
         results = {r.slot_id: VerifiedChunk.from_pb(r) for r in response.results}

@@ -17,13 +17,15 @@ from specdec.errors import InvalidArgumentError
 from specdec.gateway.detokenizer import StopStringDetokenizer
 from specdec.gateway.sequence import FinishReason, Sequence
 from specdec.model.chat import encode_chat
-from specdec.sampling.params import independent_seed
+from specdec.sampling.params import SamplingParams, independent_seed
 from specdec.sampling.transforms import make_generator
 from specdec.v1 import gateway_pb2
 from specdec.wire.items import sampling_from_pb
 
-#: Random stream of the draft's proposals (see `independent_seed`).
+#: Random streams of the draft's proposals and of the target's plain-round draws (see
+#: `independent_seed`); the gateway's own stream is the request's seed itself.
 DRAFT_STREAM = 1
+TARGET_STREAM = 2
 #: Roles the chat templates of the supported models render.
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 #: Stop strings are matched against the text of every round: bound their number and size.
@@ -97,10 +99,14 @@ def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) ->
         adaptive=adaptive,
         detokenizer=StopStringDetokenizer(policy.tokenizer, list(request.stop), set(policy.eos_token_ids)),
         generator=make_generator(sampling.seed, "cpu"),
-        draft_sampling=dataclasses.replace(
-            sampling, seed=None if sampling.seed is None else independent_seed(sampling.seed, DRAFT_STREAM)
-        ),
+        draft_sampling=_reseeded(sampling, DRAFT_STREAM),
+        target_sampling=_reseeded(sampling, TARGET_STREAM),
     )
+
+
+def _reseeded(sampling: SamplingParams, stream: int) -> SamplingParams:
+    """The same transforms with the seed of one of the request's independent random streams."""
+    return dataclasses.replace(sampling, seed=None if sampling.seed is None else independent_seed(sampling.seed, stream))
 
 
 def check_stop_strings(stop: list[str]) -> None:

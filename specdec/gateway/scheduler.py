@@ -92,7 +92,7 @@ class Scheduler:
         self.planner = planner
         self.stats = stats
         self.deadlines = deadlines
-        #: Tokens a plain round may decode per greedy request in one Verify (multi-step).
+        #: Tokens a plain round may decode per request in one Verify (multi-step).
         self.decode_steps = decode_steps
         #: A Propose failed or missed its deadline: rounds decode plainly until the draft's
         #: health check answers SERVING again (checked by `_watch_draft`).

@@ -96,6 +96,8 @@ class Sequence:
     generator: torch.Generator
     #: Sampling params sent to the draft: the same transforms, an independent seed.
     draft_sampling: SamplingParams
+    #: Sampling params of plain rounds, whose tokens the target chooses itself (another seed).
+    target_sampling: SamplingParams
     #: Prompt + accepted tokens (tokens past max_new_tokens / max length are dropped).
     tokens: list[int] = field(default_factory=list)
     #: Tokens of `tokens` each service holds as valid KV entries.

@@ -48,9 +48,9 @@ def plan_k(seq: Sequence, max_seq_len: int) -> int:
 
 def plan_steps(seq: Sequence, max_seq_len: int, limit: int) -> int:
     """Tokens a plain round may decode for this request in one Verify (multi-step plain
-    decoding): up to `limit` for a greedy request whose logits need no transform (the target
-    then feeds its own argmax), never more than it may still emit; 1 for any other."""
-    if limit <= 1 or not seq.sampling.greedy_by_raw_argmax:
+    decoding, the target choosing each token and feeding it on): up to `limit`, never more
+    than the request may still emit."""
+    if limit <= 1:
         return 1
     room = min(max_seq_len - len(seq.tokens), seq.max_new_tokens - seq.completion_tokens)
     return max(1, min(limit, room))
@@ -86,25 +86,36 @@ async def verify(
 ) -> Timed[dict[str, VerifiedChunk]]:
     """One batched Verify: [pending tokens, t1..tK] after each sequence's valid prefix.
     Returns the logits [K+1, vocab] per slot, or only their argmax [K+1] for a greedy
-    request whose logits need no transform; a request with `steps` n > 1 (plain, argmax
-    only) gets the n tokens the target decoded greedily by itself."""
+    request whose logits need no transform. A request in `steps` (plain rounds) has the
+    target decode its n tokens by itself: the argmax of the raw logits, or, with any
+    transform or a temperature, the choice of its `target_sampling`."""
     steps = steps or {}
-    items = [
-        VerifyItem(
-            s.slot_id, s.target_valid, s.tokens[s.target_valid :] + (proposals[s.slot_id].tokens if s.slot_id in proposals else []),
-            argmax_only=s.sampling.greedy_by_raw_argmax, decode_steps=steps.get(s.slot_id, 1),
-        )
-        for s in seqs
-    ]
+    items = [_verify_item(s, proposals, steps.get(s.slot_id)) for s in seqs]
     timeout = deadlines.verify(len(items), max(len(i.tokens) for i in items), max(i.decode_steps for i in items))
     verified = await target.verify(items, timeout)
     for item in items:
-        _check_cached("target", item.slot_id, verified.value[item.slot_id].cached_len, item.cached_len_after)
-        chosen = verified.value[item.slot_id].argmax
-        if item.decode_steps > 1 and (chosen is None or len(chosen) != item.decode_steps):
-            raise ServiceStateError(f"the target sent {len(chosen or [])} tokens for slot {item.slot_id}, "
+        result = verified.value[item.slot_id]
+        if item.slot_id not in steps:
+            _check_cached("target", item.slot_id, result.cached_len, item.cached_len_after)
+            continue
+        # The target may stop a multi-step item early near the call's deadline: 1..n tokens,
+        # of which it cached the pending token and all but the last.
+        decoded = len(result.chosen or [])
+        if not 1 <= decoded <= item.decode_steps:
+            raise ServiceStateError(f"the target sent {decoded} tokens for slot {item.slot_id}, "
                                     f"the gateway asked for {item.decode_steps}")
+        _check_cached("target", item.slot_id, result.cached_len, item.valid_len + decoded)
     return verified
+
+
+def _verify_item(seq: Sequence, proposals: dict[str, Proposal], steps: int | None) -> VerifyItem:
+    """The Verify item of one sequence; `steps` set: a plain item whose tokens the target decodes."""
+    tokens = seq.tokens[seq.target_valid :] + (proposals[seq.slot_id].tokens if seq.slot_id in proposals else [])
+    raw_argmax = seq.sampling.greedy_by_raw_argmax
+    if steps is None:
+        return VerifyItem(seq.slot_id, seq.target_valid, tokens, argmax_only=raw_argmax)
+    sampling = None if raw_argmax else seq.target_sampling
+    return VerifyItem(seq.slot_id, seq.target_valid, tokens, argmax_only=raw_argmax, decode_steps=steps, sampling=sampling)
 
 
 def _check_cached(service: str, slot_id: str, cached_len: int, expected: int) -> None:
@@ -151,7 +162,7 @@ def _padded_argmax(
     `_padded_drafts` tokens [B, K_max] and Ks."""
     tokens, ks, _ = _padded_drafts(seqs, proposals)
     width = tokens.shape[1] + 1
-    best = [verified[s.slot_id].argmax or [] for s in seqs]
+    best = [verified[s.slot_id].chosen or [] for s in seqs]
     for s, k, row in zip(seqs, ks, best):
         if len(row) != k + 1:
             raise ServiceStateError(f"the target sent {len(row)} argmax tokens for slot {s.slot_id}, the gateway expected {k + 1}")
@@ -177,8 +188,8 @@ def accept_all(
     draft used for q. Pure tensor work: it runs on the gateway's sampler thread.
     """
     results: dict[str, RejectionResult] = {}
-    by_argmax = [s for s in seqs if s.sampling.is_greedy and verified[s.slot_id].argmax is not None]
-    greedy = [s for s in seqs if s.sampling.is_greedy and verified[s.slot_id].argmax is None]
+    by_argmax = [s for s in seqs if s.sampling.is_greedy and verified[s.slot_id].chosen is not None]
+    greedy = [s for s in seqs if s.sampling.is_greedy and verified[s.slot_id].chosen is None]
     sampled = [s for s in seqs if not s.sampling.is_greedy]
     if by_argmax:
         best, tokens, ks = _padded_argmax(by_argmax, verified, proposals)  # [A, K+1], [A, K]
@@ -280,9 +291,10 @@ async def run_round(
     target: TargetAPI, draft: DraftAPI | None, seqs: list[Sequence], ks: dict[str, int], sampler: ModelWorker,
     max_seq_len: int, deadlines: Deadlines, steps: dict[str, int] | None = None,
 ) -> RoundReport:
-    """Propose, verify, accept and advance every sequence by one round with the planned `ks`;
-    requests with `steps` n > 1 (plain rounds only: every K is 0) decode n tokens in it."""
-    steps = {slot: n for slot, n in (steps or {}).items() if n > 1}
+    """Propose, verify, accept and advance every sequence by one round with the planned `ks`.
+    In a plain round (every K 0) `steps` may give requests n >= 1 tokens that the target
+    decodes by itself: nothing comes back to judge, and n tokens share one call."""
+    steps = steps or {}
     if steps and any(ks.values()):
         raise ValueError("multi-step decoding is for plain rounds: every K must be 0")
     started = time.perf_counter()
@@ -302,15 +314,17 @@ async def run_round(
     proposals = proposed.value
     verified = await verify(target, seqs, proposals, deadlines, steps)
     accept_started = time.perf_counter()
-    judged = [s for s in seqs if s.slot_id not in steps]  # multi-step requests have nothing to judge
+    judged = [s for s in seqs if s.slot_id not in steps]  # the target decoded the others by itself
     results = await sampler.run(accept_all, judged, verified.value, proposals) if judged else {}
     accept_s = time.perf_counter() - accept_started
     done = {}
+    decoded: dict[str, int] = {}
     for seq in seqs:
         if seq.slot_id in steps:
-            done[seq.slot_id] = 0
-            advance_steps(seq, steps[seq.slot_id])
-            seq.emit(verified.value[seq.slot_id].argmax or [], max_seq_len)
+            tokens = verified.value[seq.slot_id].chosen or []
+            done[seq.slot_id], decoded[seq.slot_id] = 0, len(tokens)
+            advance_steps(seq, len(tokens))
+            seq.emit(tokens, max_seq_len)
             continue
         k = len(proposals[seq.slot_id].tokens) if seq.slot_id in proposals else 0
         done[seq.slot_id] = k
@@ -324,5 +338,5 @@ async def run_round(
         accept_s=accept_s,
         total_s=time.perf_counter() - started,
         draft_failed=draft_error is not None,
-        steps={slot: steps.get(slot, 1) for slot in done},
+        steps={slot: decoded.get(slot, 1) for slot in done},
     )

@@ -298,3 +298,19 @@ def sample(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
             torch.rand(1, dtype=torch.float64, device=probs.device, generator=g) for g in generators
         ])  # [n]
     return _inverse_cdf(probs, uniforms)
+
+
+def pick_tokens(
+    probs: torch.Tensor,  # [n, vocab]
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """Each row's next token from its distribution (`logits_to_probs`): the argmax for a greedy
+    row, whose distribution is one-hot, and a draw with the row's own generator for the others.
+    Returns [n] int64."""
+    tokens = probs.argmax(dim=-1)  # [n]
+    sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    if sampled:
+        rows = torch.tensor(sampled, device=probs.device)  # [s]
+        tokens = tokens.index_copy(0, rows, sample(probs.index_select(0, rows), [generators[i] for i in sampled]))
+    return tokens

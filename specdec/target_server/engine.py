@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 
 from specdec.errors import InvalidArgumentError, SlotExistsError
+from specdec.sampling.params import independent_seed
+from specdec.sampling.transforms import logits_to_probs, make_generator, pick_tokens
 from specdec.serving.engine import ModelEngine
+from specdec.serving.openmp import one_thread
 from specdec.wire.items import Lease, PrefillItem, ScoredChunk, VerifiedChunk, VerifyItem
 
 
@@ -36,15 +40,18 @@ class TargetEngine(ModelEngine):
             raise
         return [ScoredChunk(item.slot_id, row, len(self.tokens[item.slot_id])) for item, row in zip(items, logits)]
 
-    def verify(self, items: list[VerifyItem]) -> list[VerifiedChunk]:
+    def verify(self, items: list[VerifyItem], deadline: float | None = None) -> list[VerifiedChunk]:
         """Roll each slot back to valid_len, then score [g, t1..tK] for all requests in ONE forward.
 
         Row i of a result is the target's logits after tokens[0..i]: p_1..p_K judge the draft
         tokens and p_{K+1} gives the bonus token. K = 0 is plain decoding. An `argmax_only`
         item gets each row's argmax instead (`torch.argmax`: the lowest index among equal
-        maxima, the same as the gateway's argmax over the same logits). A multi-step item
+        maxima, the same as the gateway's argmax over the same logits). A plain item with
+        `sampling` gets the token those transforms choose (`_choose`). A multi-step item
         (`decode_steps` n > 1) then decodes on by itself: n - 1 more one-token forwards, batched
-        across such items, each feeding the previous argmax; it gets all n argmax tokens.
+        across such items, each feeding the token chosen last; it gets all n tokens, or fewer
+        (at least one) when another step would not finish before `deadline` (a `time.monotonic`
+        instant: the call's own deadline).
         """
         self._check_batch([item.slot_id for item in items])
         for item in items:
@@ -57,9 +64,13 @@ class TargetEngine(ModelEngine):
         wanted = [rows.argmax(dim=-1) for item, rows in zip(items, logits) if item.argmax_only]  # [K+1] each
         argmax = iter(torch.cat(wanted).tolist() if wanted else [])  # one device-to-host copy for the batch
         chosen = {item.slot_id: list(itertools.islice(argmax, len(item.tokens))) for item in items if item.argmax_only}
+        sampled = [(item, rows) for item, rows in zip(items, logits) if item.sampling is not None]
+        if sampled:
+            picks = self._choose([item for item, _ in sampled], torch.cat([rows for _, rows in sampled]))
+            chosen.update({item.slot_id: [token] for (item, _), token in zip(sampled, picks)})
         if any(item.decode_steps > 1 for item in items):
             try:
-                self._decode_on([item for item in items if item.decode_steps > 1], chosen)
+                self._decode_on([item for item in items if item.decode_steps > 1], chosen, deadline)
             except BaseException:
                 for item in items:
                     self._rollback(item.slot_id, item.valid_len)
@@ -67,8 +78,8 @@ class TargetEngine(ModelEngine):
         if any(len(item.tokens) > 1 for item in items):
             self._hand_over()  # draft tokens were judged: the draft proposes next
         return [
-            VerifiedChunk(item.slot_id, len(self.tokens[item.slot_id]), argmax=chosen[item.slot_id])
-            if item.argmax_only
+            VerifiedChunk(item.slot_id, len(self.tokens[item.slot_id]), chosen=chosen[item.slot_id])
+            if item.target_chooses
             else VerifiedChunk(item.slot_id, len(self.tokens[item.slot_id]), logits=rows)
             for item, rows in zip(items, logits)
         ]
@@ -83,11 +94,16 @@ class TargetEngine(ModelEngine):
                 f"tokens: slot {item.slot_id!r} sent K={k} draft tokens, above max_speculative_tokens {self.config.max_speculative_tokens}"
             )
         self._check_tokens("tokens", item.slot_id, item.tokens)
+        if item.sampling is not None and (item.argmax_only or k > 0):
+            raise InvalidArgumentError(
+                f"sampling: slot {item.slot_id!r} asked the target to choose with its sampling params; that is for "
+                "plain decoding (a single token, K = 0) and excludes argmax_only"
+            )
         if item.decode_steps > 1:
-            if not item.argmax_only or k > 0:
+            if not item.target_chooses or k > 0:
                 raise InvalidArgumentError(
                     f"decode_steps: slot {item.slot_id!r} asked for {item.decode_steps} steps; multi-step decoding "
-                    "needs argmax_only and a single token (K = 0)"
+                    "needs a single token (K = 0) and argmax_only or sampling"
                 )
             if item.decode_steps > self.config.max_speculative_tokens + 1:
                 raise InvalidArgumentError(
@@ -96,11 +112,44 @@ class TargetEngine(ModelEngine):
                 )
         self._check_length(item.slot_id, item.cached_len_after)
 
-    def _decode_on(self, items: list[VerifyItem], chosen: dict[str, list[int]]) -> None:
-        """Greedy steps after the verify forward until each item has `decode_steps` tokens in
-        `chosen`; step j feeds every item that still needs a token its last one."""
+    def _choose(self, items: list[VerifyItem], rows: torch.Tensor) -> list[int]:
+        """The next token of each item from its last logits row (`rows` [n, vocab]): the argmax
+        for `argmax_only`, else `sampling`'s transforms over the slot's cached tokens, then the
+        argmax or a draw. The draw for sequence position i uses a generator seeded with
+        `independent_seed(seed, i)`: each position gets its own uniform, whichever call,
+        step or slot (a request re-prefilled after preemption) produces it."""
+        tokens = rows.argmax(dim=-1)  # [n]
+        sampled = [(n, item.sampling) for n, item in enumerate(items) if item.sampling is not None]
+        if sampled:
+            params = [p for _, p in sampled]
+            context = [self.tokens[items[n].slot_id] for n, _ in sampled]
+            index = torch.tensor([n for n, _ in sampled], device=rows.device)  # [s]
+            generators = [
+                None if p.is_greedy or p.seed is None else make_generator(independent_seed(p.seed, len(c)), rows.device)
+                for p, c in zip(params, context)
+            ]
+            with one_thread():  # a top-p sort on two threads stalls for ~100 ms when another process holds a core
+                probs = logits_to_probs(rows.index_select(0, index), params, context)  # [s, vocab]
+                tokens = tokens.index_copy(0, index, pick_tokens(probs, params, generators))
+        return tokens.tolist()  # one host sync a step
+
+    def _decode_on(self, items: list[VerifyItem], chosen: dict[str, list[int]], deadline: float | None) -> None:
+        """Steps after the verify forward until each item has `decode_steps` tokens in `chosen`;
+        step j feeds every item that still needs a token the one chosen last.
+
+        Multi-step only saves calls, so it must never turn a slow call into a failed one: with
+        less than twice the slowest step so far left before `deadline`, it stops, and each
+        item returns the tokens it has (its cached length says so). Measured on 2 cores while
+        a draft service restarted beside the target: 4-step Verify calls of 8 requests took
+        up to 9-10 s against 0.1-0.7 s before, and one overran the gateway's 10 s deadline.
+        """
+        slowest = 0.0
         for step in range(1, max(item.decode_steps for item in items)):
-            active = [item.slot_id for item in items if item.decode_steps > step]
-            rows = self._run([(slot, [chosen[slot][-1]]) for slot in active], logits="last")  # [vocab] each
-            for slot, token in zip(active, torch.stack(rows).argmax(dim=-1).tolist()):  # one host sync a step
-                chosen[slot].append(token)
+            if deadline is not None and time.monotonic() + 2 * slowest > deadline:
+                return
+            started = time.monotonic()
+            active = [item for item in items if item.decode_steps > step]
+            rows = self._run([(item.slot_id, [chosen[item.slot_id][-1]]) for item in active], logits="last")  # [vocab] each
+            for item, token in zip(active, self._choose(active, torch.stack(rows))):
+                chosen[item.slot_id].append(token)
+            slowest = max(slowest, time.monotonic() - started)

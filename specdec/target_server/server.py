@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
 from specdec.serving.errors import grpc_errors
@@ -34,7 +36,9 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
         self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.VerifyResponse:
         items = [VerifyItem.from_pb(item) for item in request.items]
-        results, compute_s = await self.worker.run_timed(self.engine.verify, items)
+        remaining = context.time_remaining()  # None without a deadline
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        results, compute_s = await self.worker.run_timed(self.engine.verify, items, deadline)
         self.stats.record_work("Verify", compute_s, len(items), sum(len(i.tokens) for i in items))
         return target_pb2.VerifyResponse(results=[r.to_pb() for r in results], compute_s=compute_s)
 

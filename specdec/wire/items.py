@@ -87,25 +87,39 @@ class VerifyItem:
     tokens: list[int]
     #: Return each row's argmax instead of its logits (a greedy request with untransformed logits).
     argmax_only: bool = False
-    #: Tokens an argmax-only plain item (tokens = [g]) decodes in this call, each step feeding
-    #: the last argmax (multi-step plain decoding); 1 is one ordinary step.
+    #: Tokens a plain item (tokens = [g]) that has the target choose decodes in this call,
+    #: each step feeding the token chosen last (multi-step plain decoding); 1 is one step.
     decode_steps: int = 1
+    #: Have the target choose a plain item's tokens with these transforms: argmax or a draw
+    #: (target-side plain decoding; see the proto for the per-position seeds).
+    sampling: SamplingParams | None = None
+
+    @property
+    def target_chooses(self) -> bool:
+        """Whether the target returns chosen tokens, not logits, for this item."""
+        return self.argmax_only or self.sampling is not None
 
     @property
     def cached_len_after(self) -> int:
         """Tokens the slot holds after this item: valid_len + K + 1, or, multi-step, the
-        pending token and all but the last of the decoded ones."""
+        pending token and all but the last of the decoded ones (if the target took every
+        step: it may stop early near the call's deadline)."""
         return self.valid_len + max(len(self.tokens), self.decode_steps)
 
     def to_pb(self) -> target_pb2.VerifyItem:
         return target_pb2.VerifyItem(
             slot_id=self.slot_id, valid_len=self.valid_len, tokens=self.tokens, argmax_only=self.argmax_only,
             decode_steps=self.decode_steps if self.decode_steps > 1 else 0,
+            sampling=sampling_to_pb(self.sampling) if self.sampling is not None else None,
         )
 
     @classmethod
     def from_pb(cls, message: target_pb2.VerifyItem) -> VerifyItem:
-        return cls(message.slot_id, message.valid_len, list(message.tokens), message.argmax_only, max(1, message.decode_steps))
+        sampling = sampling_from_pb(message.sampling) if message.HasField("sampling") else None
+        return cls(
+            message.slot_id, message.valid_len, list(message.tokens), message.argmax_only, max(1, message.decode_steps),
+            sampling,
+        )
 
 
 @dataclass(frozen=True)
@@ -154,28 +168,29 @@ class ScoredChunk:
 @dataclass(frozen=True)
 class VerifiedChunk:
     """What the target returns per request from Verify: the raw logits [K + 1, vocab], or, for
-    an `argmax_only` item, only each row's argmax [K + 1] (a few bytes instead of 196 KB a row
-    for a 49,152-token vocabulary in fp32)."""
+    an item that has the target choose (`VerifyItem.target_chooses`), only the tokens: each
+    row's argmax [K + 1], or the [decode_steps] tokens a plain item decoded (a few bytes
+    instead of 196 KB a row for a 49,152-token vocabulary in fp32)."""
 
     slot_id: str
     cached_len: int
     logits: torch.Tensor | None = None  # [K + 1, vocab]; raw, at compute precision
-    argmax: list[int] | None = None  # [K + 1]
+    chosen: list[int] | None = None  # [K + 1], or [decode_steps]
 
     def __post_init__(self) -> None:
-        if (self.logits is None) == (self.argmax is None):
-            raise ValueError(f"slot {self.slot_id!r}: a verify result carries either logits or argmax tokens")
+        if (self.logits is None) == (self.chosen is None):
+            raise ValueError(f"slot {self.slot_id!r}: a verify result carries either logits or chosen tokens")
 
     def to_pb(self) -> target_pb2.VerifyResult:
         if self.logits is None:
-            return target_pb2.VerifyResult(slot_id=self.slot_id, cached_len=self.cached_len, argmax_tokens=self.argmax)
+            return target_pb2.VerifyResult(slot_id=self.slot_id, cached_len=self.cached_len, chosen_tokens=self.chosen)
         return target_pb2.VerifyResult(slot_id=self.slot_id, cached_len=self.cached_len, logits=encode_tensor(self.logits))
 
     @classmethod
     def from_pb(cls, message: target_pb2.VerifyResult) -> VerifiedChunk:
         if message.HasField("logits"):
             return cls(message.slot_id, message.cached_len, logits=decode_tensor(message.logits))
-        return cls(message.slot_id, message.cached_len, argmax=list(message.argmax_tokens))
+        return cls(message.slot_id, message.cached_len, chosen=list(message.chosen_tokens))
 
 
 @dataclass(frozen=True)

@@ -29,13 +29,13 @@ def test_bf16_q_is_the_distribution_sampled_from_and_judged_against(
     fp32_runtime: ModelRuntime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sampled_from: list[torch.Tensor] = []
-    real_sample = draft_engine_module.sample
+    real_pick_tokens = draft_engine_module.pick_tokens
 
-    def spy_sample(probs: torch.Tensor, generators: Any = None) -> torch.Tensor:
-        sampled_from.append(probs.clone())  # [n, vocab]: what multinomial drew from
-        return real_sample(probs, generators)
+    def spy_pick_tokens(probs: torch.Tensor, *args: Any) -> torch.Tensor:
+        sampled_from.append(probs.clone())  # [n, vocab]: what the tokens were drawn from
+        return real_pick_tokens(probs, *args)
 
-    monkeypatch.setattr(draft_engine_module, "sample", spy_sample)
+    monkeypatch.setattr(draft_engine_module, "pick_tokens", spy_pick_tokens)
     config = DraftConfig(port=0, dtype="float32", quantization="none", measure_costs=False, kv_token_budget=256)
     sampling = SamplingParams(temperature=0.9, top_k=50, seed=7)
     proposal = DraftEngine(fp32_runtime, config).propose(
@@ -62,7 +62,7 @@ def test_bf16_q_is_the_distribution_sampled_from_and_judged_against(
     seq = Sequence(
         slot_id="s", prompt=PROMPT, sampling=sampling, max_new_tokens=16, num_speculative_tokens=K,
         detokenizer=StopStringDetokenizer.__new__(StopStringDetokenizer), generator=make_generator(1, "cpu"),
-        draft_sampling=sampling,
+        draft_sampling=sampling, target_sampling=sampling,
     )
     target_logits = torch.randn(K + 1, wire.probs.shape[-1], generator=torch.Generator().manual_seed(0))  # [K+1, vocab]
     speculative_step.accept_all([seq], {"s": VerifiedChunk("s", len(PROMPT) + K + 1, logits=target_logits)}, {"s": wire})

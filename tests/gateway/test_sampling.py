@@ -91,8 +91,10 @@ def test_second_token_follows_the_target_distribution(
     stack.wait_until_idle()
 
 
-def test_seeded_requests_reproduce_exactly(int8_stack) -> None:  # type: ignore[no-untyped-def]
-    options = dict(max_new_tokens=24, temperature=0.9, top_p=0.95, repetition_penalty=1.1, num_speculative_tokens=4)
+@pytest.mark.parametrize("mode", [{"num_speculative_tokens": 4}, {"speculative": False}], ids=["speculative", "plain"])
+def test_seeded_requests_reproduce_exactly(int8_stack, mode: dict) -> None:  # type: ignore[no-untyped-def]
+    """Plain rounds draw on the target (a seed per position), speculative ones at the gateway."""
+    options = dict(max_new_tokens=24, temperature=0.9, top_p=0.95, repetition_penalty=1.1, **mode)
     with int8_stack.client() as client:
         first = client.generate(PROMPT, seed=1234, **options)
         second = client.generate(PROMPT, seed=1234, **options)

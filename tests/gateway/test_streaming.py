@@ -34,9 +34,9 @@ def test_concurrent_streams_match_each_request_alone(int8_stack, monkeypatch) ->
     batch_sizes: list[int] = []
     verify = int8_stack.target.verify
 
-    def counting_verify(items):  # type: ignore[no-untyped-def]
+    def counting_verify(items, deadline=None):  # type: ignore[no-untyped-def]
         batch_sizes.append(len(items))
-        return verify(items)
+        return verify(items, deadline)
 
     with int8_stack.client() as client:
         alone = [client.generate(_chat(q), max_new_tokens=16) for q in QUESTIONS]

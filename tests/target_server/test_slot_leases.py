@@ -29,9 +29,9 @@ def test_renewals_during_a_long_batch_keep_the_slots(start_target) -> None:  # t
     release = threading.Event()
     real_verify = target.engine.verify
 
-    def stalled_verify(items):  # type: ignore[no-untyped-def]
+    def stalled_verify(items, deadline=None):  # type: ignore[no-untyped-def]
         release.wait(timeout=30)
-        return real_verify(items)
+        return real_verify(items, deadline)
 
     target.engine.verify = stalled_verify  # type: ignore[method-assign]
     item = target_pb2.VerifyItem(slot_id="kept", valid_len=3, tokens=[4])

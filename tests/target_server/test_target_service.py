@@ -7,6 +7,7 @@ same tokens (the in-process reference), at the 1e-4 tolerance of the parity test
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -17,8 +18,11 @@ from service_fixtures import Service, reference_logits, rpc_error
 
 from specdec.model.loader import LoadedModel
 from specdec.model.tokenizer_info import TokenizerInfo
+from specdec.sampling.params import independent_seed
+from specdec.sampling.transforms import logits_to_probs, make_generator, pick_tokens
 from specdec.target_server.server import SERVICE_NAME
 from specdec.v1 import common_pb2, target_pb2
+from specdec.wire.items import VerifyItem, sampling_from_pb
 from specdec.wire.tensor_codec import decode_tensor
 
 #: Logit tolerance. Batched and single rows may run different fp32 kernels (oneDNN or BLAS,
@@ -144,7 +148,7 @@ def test_argmax_only_items_get_each_rows_argmax_and_no_logits(
     ]))
     full, ids = response.results
     assert ids.cached_len == n + len(chunk) and not ids.HasField("logits")
-    assert list(ids.argmax_tokens) == decode_tensor(full.logits).argmax(dim=-1).tolist()
+    assert list(ids.chosen_tokens) == decode_tensor(full.logits).argmax(dim=-1).tolist()
 
 
 def test_multi_step_items_decode_greedily_as_one_step_calls_would(
@@ -161,21 +165,73 @@ def test_multi_step_items_decode_greedily_as_one_step_calls_would(
         result = target.stub.Verify(target_pb2.VerifyRequest(items=[
             target_pb2.VerifyItem(slot_id="one", valid_len=n + step, tokens=tokens[-1:], argmax_only=True),
         ])).results[0]
-        expected.append(result.argmax_tokens[0])
-        tokens.append(result.argmax_tokens[0])
+        expected.append(result.chosen_tokens[0])
+        tokens.append(result.chosen_tokens[0])
     response = target.stub.Verify(target_pb2.VerifyRequest(items=[
         target_pb2.VerifyItem(slot_id="multi", valid_len=n, tokens=[g], argmax_only=True, decode_steps=5),
         target_pb2.VerifyItem(slot_id="short", valid_len=n, tokens=[g], argmax_only=True, decode_steps=2),
         target_pb2.VerifyItem(slot_id="plain", valid_len=n, tokens=[g, 20, 21]),
     ]))
     multi, short, plain = response.results
-    assert list(multi.argmax_tokens) == expected and multi.cached_len == n + 5
-    assert list(short.argmax_tokens) == expected[:2] and short.cached_len == n + 2
+    assert list(multi.chosen_tokens) == expected and multi.cached_len == n + 5
+    assert list(short.chosen_tokens) == expected[:2] and short.cached_len == n + 2
     assert plain.cached_len == n + 3
     torch.testing.assert_close(decode_tensor(plain.logits), reference_logits(smollm2, prompt + [g, 20, 21])[n:], atol=ATOL, rtol=0)
     # The cache holds g and the first four decoded tokens: the next position scores as after them.
     after = verify(target, [("multi", n + 5, [expected[4]])])["multi"]
     torch.testing.assert_close(after, reference_logits(smollm2, prompt + [g, *expected])[n + 5 :], atol=ATOL, rtol=0)
+
+
+def test_sampled_plain_items_choose_with_their_transforms_and_a_seed_per_position(
+    target: Service, smollm2: LoadedModel, prompts: list[list[int]]
+) -> None:
+    """A plain item with sampling params gets tokens, not logits: at each position the
+    transforms over the cached tokens, then a draw seeded from (seed, position), or the
+    argmax at temperature 0. So five steps in one call equal five one-step calls, and each
+    token is the reference model's choice at its position."""
+    prompt = prompts[0]
+    n, g = len(prompt), 17
+    sampled = common_pb2.SamplingParams(temperature=0.9, top_p=0.9, repetition_penalty=1.2, seed=7)
+    penalised = common_pb2.SamplingParams(repetition_penalty=3.0)  # greedy, with a penalty
+    prefill(target, {"multi": prompt, "one": prompt, "greedy": prompt})
+    response = target.stub.Verify(target_pb2.VerifyRequest(items=[
+        target_pb2.VerifyItem(slot_id="multi", valid_len=n, tokens=[g], decode_steps=5, sampling=sampled),
+        target_pb2.VerifyItem(slot_id="greedy", valid_len=n, tokens=[g], decode_steps=4, sampling=penalised),
+    ]))
+    multi, greedy = response.results
+    assert not multi.HasField("logits") and multi.cached_len == n + 5 and greedy.cached_len == n + 4
+    one_step = []
+    for step in range(5):
+        result = target.stub.Verify(target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
+            slot_id="one", valid_len=n + step, tokens=[([g] + one_step)[-1]], sampling=sampled,
+        )])).results[0]
+        one_step.extend(result.chosen_tokens)
+    assert list(multi.chosen_tokens) == one_step
+    for params, chosen in ((sampled, list(multi.chosen_tokens)), (penalised, list(greedy.chosen_tokens))):
+        request = sampling_from_pb(params)
+        context = prompt + [g]
+        for token in chosen:
+            probs = logits_to_probs(reference_logits(smollm2, context)[-1:], [request], [context])  # [1, vocab]
+            seed = None if request.is_greedy or request.seed is None else independent_seed(request.seed, len(context))
+            generator = None if seed is None else make_generator(seed, "cpu")
+            assert token == int(pick_tokens(probs, [request], [generator])[0]), (params, context[n:])
+            context.append(token)
+    assert len(set(greedy.chosen_tokens)) == len(greedy.chosen_tokens)  # the penalty steers away from repeats
+
+
+def test_multi_step_stops_early_when_the_call_deadline_is_near(target: Service, prompts: list[list[int]]) -> None:
+    """With no time left the engine still decodes the first token of each item, then stops;
+    each slot caches what it returned and decodes on from there."""
+    prompt = prompts[2]
+    n, g = len(prompt), 21
+    prefill(target, {"late": prompt, "on_time": prompt})
+    items = [VerifyItem(slot, n, [g], argmax_only=True, decode_steps=4) for slot in ("late", "on_time")]
+    late = target.engine.verify(items[:1], deadline=time.monotonic())[0]
+    on_time = target.engine.verify(items[1:], deadline=time.monotonic() + 60)[0]
+    assert late.chosen is not None and on_time.chosen is not None
+    assert late.chosen == on_time.chosen[:1] and late.cached_len == n + 1 and on_time.cached_len == n + 4
+    rest = target.engine.verify([VerifyItem("late", n + 1, late.chosen[-1:], argmax_only=True, decode_steps=3)])[0]
+    assert late.chosen + (rest.chosen or []) == on_time.chosen
 
 
 def test_verify_after_rollback_equals_verify_without_rejected_tokens(
@@ -386,6 +442,12 @@ def test_invalid_arguments_name_the_field(start_target: Callable[..., Service]) 
             target_pb2.VerifyItem(slot_id="a", valid_len=20, tokens=tokens, argmax_only=argmax_only, decode_steps=steps)
         ])
 
+    def sampled_request(tokens: list[int], argmax_only: bool, temperature: float) -> target_pb2.VerifyRequest:
+        return target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
+            slot_id="a", valid_len=20, tokens=tokens, argmax_only=argmax_only,
+            sampling=common_pb2.SamplingParams(temperature=temperature),
+        )])
+
     cases = [
         (service.stub.Prefill, target_pb2.PrefillRequest(), "items"),
         (service.stub.Prefill, prefill_request(("new", [])), "prompt_tokens"),
@@ -403,6 +465,9 @@ def test_invalid_arguments_name_the_field(start_target: Callable[..., Service]) 
         (service.stub.Verify, multi_step_request([1], argmax_only=False, steps=2), "decode_steps"),
         (service.stub.Verify, multi_step_request([1, 2], argmax_only=True, steps=2), "decode_steps"),
         (service.stub.Verify, multi_step_request([1], argmax_only=True, steps=6), ("decode_steps", "max_speculative_tokens")),
+        (service.stub.Verify, sampled_request([1, 2], argmax_only=False, temperature=0.5), "sampling"),
+        (service.stub.Verify, sampled_request([1], argmax_only=True, temperature=0.5), "sampling"),
+        (service.stub.Verify, sampled_request([1], argmax_only=False, temperature=-1.0), "temperature"),
         (service.stub.Truncate, common_pb2.TruncateRequest(slot_id="a", new_len=21), "new_len"),
         (service.stub.Truncate, common_pb2.TruncateRequest(slot_id="a", new_len=-1), "new_len"),
     ]

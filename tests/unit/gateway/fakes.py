@@ -23,6 +23,8 @@ from specdec.gateway.requests import RequestPolicy
 from specdec.gateway.scheduler import PoolLimits, Scheduler
 from specdec.gateway.stats import GatewayStats
 from specdec.model.tokenizer_info import TokenizerInfo
+from specdec.sampling.params import SamplingParams, independent_seed
+from specdec.sampling.transforms import logits_to_probs, make_generator, pick_tokens
 from specdec.wire.items import ModelInfo, PrefillItem, Proposal, ProposeItem, ScoredChunk, VerifiedChunk, VerifyItem
 
 VOCAB = 40
@@ -40,6 +42,20 @@ def greedy_reference(prompt: list[int], n: int) -> list[int]:
     while len(out) < n:
         out.append(next_token(out[-1]))
     return out
+
+
+def decode_reference(context: list[int], n: int, sampling: SamplingParams | None) -> list[int]:
+    """The n tokens a plain item decodes on the target after `context`: greedy, or chosen with
+    `sampling` as the target chooses (a generator per position, seeded from the seed)."""
+    if sampling is None:
+        return greedy_reference(context, n)
+    tokens = list(context)
+    for _ in range(n):
+        probs = logits_to_probs(logits_after(tokens[-1])[None], [sampling], [tokens])  # [1, vocab]
+        seed = None if sampling.is_greedy else sampling.seed
+        generator = None if seed is None else make_generator(independent_seed(seed, len(tokens)), "cpu")
+        tokens.append(int(pick_tokens(probs, [sampling], [generator])[0]))
+    return tokens[len(context):]
 
 
 def logits_after(token: int) -> torch.Tensor:
@@ -86,6 +102,9 @@ class FakeTarget:
     prefill_delay_s: float = 0.0
     #: Fail this many Release calls with UNAVAILABLE before answering them.
     failing_releases: int = 0
+    #: Decode at most this many tokens of a multi-step item, as the real target does when
+    #: the call's deadline is near.
+    max_decoded: int | None = None
 
     async def info(self, timeout: float = 120.0) -> ModelInfo:
         return model_info()
@@ -119,13 +138,13 @@ class FakeTarget:
             del cache[item.valid_len :]
             cache.extend(item.tokens)
             rows = torch.stack([logits_after(t) for t in item.tokens])  # [K+1, vocab]
-            if item.decode_steps > 1:  # multi-step: decode on greedily, caching all but the last token
-                assert item.argmax_only and len(item.tokens) == 1, item
-                decoded = greedy_reference(item.tokens, item.decode_steps)
+            if item.decode_steps > 1 or item.sampling is not None:  # decode on, caching all but the last token
+                assert len(item.tokens) == 1 and item.argmax_only != (item.sampling is not None), item
+                decoded = decode_reference(cache, min(item.decode_steps, self.max_decoded or item.decode_steps), item.sampling)
                 cache.extend(decoded[:-1])
-                out[item.slot_id] = VerifiedChunk(item.slot_id, len(cache), argmax=decoded)
+                out[item.slot_id] = VerifiedChunk(item.slot_id, len(cache), chosen=decoded)
             elif item.argmax_only:
-                out[item.slot_id] = VerifiedChunk(item.slot_id, len(cache), argmax=rows.argmax(dim=-1).tolist())
+                out[item.slot_id] = VerifiedChunk(item.slot_id, len(cache), chosen=rows.argmax(dim=-1).tolist())
             else:
                 out[item.slot_id] = VerifiedChunk(item.slot_id, len(cache), logits=rows)
         return Timed(out, 0.001, 0.002)

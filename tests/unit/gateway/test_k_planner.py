@@ -28,7 +28,7 @@ def seq(slot: str) -> Sequence:
     return Sequence(
         slot_id=slot, prompt=[1, 2, 3], sampling=greedy, max_new_tokens=100, num_speculative_tokens=8,
         detokenizer=StopStringDetokenizer.__new__(StopStringDetokenizer), generator=torch.Generator(),
-        draft_sampling=greedy, adaptive=True,
+        draft_sampling=greedy, target_sampling=greedy, adaptive=True,
     )
 
 

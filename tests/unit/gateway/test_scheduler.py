@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 import pytest
-from fakes import FakeDraft, FakeTarget, ToyTokenizer, greedy_reference, policy, rpc_error, scheduler
+from fakes import FakeDraft, FakeTarget, ToyTokenizer, decode_reference, greedy_reference, policy, rpc_error, scheduler
 
 from specdec.errors import CapacityExhaustedError
 from specdec.gateway.requests import new_sequence
@@ -341,9 +341,9 @@ def test_plain_greedy_rounds_decode_several_tokens_a_verify_and_stop_where_one_s
     assert target.slots == {}
 
 
-def test_a_full_batch_decodes_multi_step_with_a_queue_and_requests_that_need_logits_do_not() -> None:
+def test_a_full_batch_decodes_multi_step_with_a_queue() -> None:
     """The queue waits for a slot either way, so a full batch keeps decoding several tokens
-    a Verify; requests that need logits (sampled, penalised) always get one step."""
+    a Verify."""
     target, draft = FakeTarget(), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
@@ -353,14 +353,54 @@ def test_a_full_batch_decodes_multi_step_with_a_queue_and_requests_that_need_log
         for seq in (first, second):
             assert (await drain(seq))[0] == greedy_reference(prompt_ids(), 9)
         assert steps_of(target, first) == [3, 3, 2] and steps_of(target, second) == [3, 3, 2]
-        sampled = request(max_new_tokens=9, enabled=False)
-        sampled.sampling.CopyFrom(common_pb2.SamplingParams(temperature=0.7, seed=5))
-        seq = new_sequence(sampled, policy())
-        sched.submit(seq)
-        await drain(seq)
-        assert set(steps_of(target, seq)) == {1}
 
     run(test, target, draft, decode_steps=3, max_batch_size=1)
+
+
+def test_a_multi_step_round_the_target_cut_short_emits_what_it_decoded() -> None:
+    """Near a call's deadline the target returns fewer tokens than asked (at least one):
+    the request advances by those, and its output is unchanged."""
+    target, draft = FakeTarget(max_decoded=2), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        seq = new_sequence(request(max_new_tokens=9, enabled=False), policy())
+        sched.submit(seq)
+        assert (await drain(seq))[0] == greedy_reference(prompt_ids(), 9)
+        assert steps_of(target, seq) == [4, 4, 4, 2]  # 8 tokens after the first, 2 a call
+
+    run(test, target, draft, decode_steps=4)
+    assert target.slots == {}
+
+
+def test_plain_sampled_and_penalised_requests_have_the_target_choose_their_tokens_multi_step() -> None:
+    """A plain request whose logits need transforms sends them with its target seed; the
+    target decodes its tokens (several a call) and the gateway emits exactly those."""
+    target, draft = FakeTarget(), FakeDraft()
+    modes = {
+        "sampled": common_pb2.SamplingParams(temperature=0.7, top_k=5, seed=5),
+        "penalised": common_pb2.SamplingParams(repetition_penalty=1.3),
+        "unseeded": common_pb2.SamplingParams(temperature=0.7),
+    }
+
+    async def test(sched: Scheduler) -> None:
+        seqs = {}
+        for name, sampling in modes.items():
+            req = request(max_new_tokens=9, enabled=False)
+            req.sampling.CopyFrom(sampling)
+            seqs[name] = new_sequence(req, policy())
+            sched.submit(seqs[name])
+        outputs = {name: (await drain(seq))[0] for name, seq in seqs.items()}
+        for name, seq in seqs.items():
+            items = [item for batch in target.verify_batches for item in batch if item.slot_id == seq.slot_id]
+            assert {(item.sampling, item.argmax_only) for item in items} == {(seq.target_sampling, False)}, name
+            assert sum(item.decode_steps for item in items) == 9 - 1 and max(steps_of(target, seq)) == 3, name
+        assert seqs["sampled"].target_sampling.seed not in (None, 5, seqs["sampled"].draft_sampling.seed)
+        assert seqs["unseeded"].target_sampling.seed is None
+        for name in ("sampled", "penalised"):  # seeded or greedy: what the target decoded, token for token
+            first, *rest = outputs[name]  # the first token comes from the Prefill's logits, at the gateway
+            assert rest == decode_reference(prompt_ids() + [first], 8, seqs[name].target_sampling), name
+
+    run(test, target, draft, decode_steps=3)
 
 
 def test_a_round_decodes_one_step_while_a_waiting_request_could_join() -> None:

@@ -15,6 +15,7 @@ from specdec_bench.config import QUICK, add_bench_flags, config_from_args
 from specdec_bench.peers import PeerRecord
 from specdec_bench.report import render_page
 from specdec_bench.results import BenchResults, ServiceCosts
+from specdec_bench.step_timing import StepPair
 from specdec_bench.sweeps import ConcurrencyGroup
 from specdec_bench.workloads import RunRecord
 
@@ -73,6 +74,28 @@ def test_summary_final_line_page_and_json_round_trip(tmp_path: Path) -> None:
              ("speedup_vs_k", "throughput_vs_concurrency", "acceptance_by_position", "round_anatomy")}
     page = render_page(results, summary, plots, tmp_path / "docs" / "benchmarks.md", path)
     assert "](../speedup_vs_k.png)" in page and summary.final_line() in page
+
+
+def test_side_by_side_steps_set_the_headline_c_and_expected_speedup(tmp_path: Path) -> None:
+    """With step pairs timed in turn, c is the median of their ratios (not the start-up c),
+    S(K) uses it with the start-up s(K), and the pairs survive the JSON round trip."""
+    costs = ServiceCosts(
+        target=[ForwardCost(1, 1, 0.050), ForwardCost(1, 5, 0.070)], draft=[ForwardCost(1, 1, 0.010)],
+        default_num_speculative_tokens=4, max_speculative_tokens=16, adaptive_k=True,
+    )
+    w1 = [_run(0, 10.0), _run(None, 15.0, num_rounds=4, num_draft_tokens=16, num_accepted_tokens=12)]
+    pairs = [StepPair(0.006, 0.020, 0), StepPair(0.009, 0.030, 0), StepPair(0.004, 0.020, 1)]  # c 0.3, 0.3, 0.2
+    path = tmp_path / "bench.json"
+    BenchResults({"config": {}}, costs, w1, step_pairs=pairs).save(path)
+    summary = summarize(BenchResults.load(path))
+    assert summary.side_by_side is not None and summary.headline_costs is summary.side_by_side
+    assert summary.side_by_side.c == pytest.approx(0.3) and summary.startup.c == pytest.approx(0.2)
+    assert summary.side_by_side.target_step_s == pytest.approx(0.020)
+    s4 = summary.startup.s_by_k[3]
+    assert summary.side_by_side.expected_by_k[3] == pytest.approx(expected_speedup(summary.alpha, 4, 0.3, s4))
+    assert summary.expected == pytest.approx(max(summary.side_by_side.expected_by_k[:4] + [1.0]))
+    assert summary.final_line().endswith("c=0.300")
+    assert summary.efficiency == pytest.approx(summary.greedy.speedup / summary.expected)
 
 
 def test_quick_preset_and_flag_overrides() -> None:
