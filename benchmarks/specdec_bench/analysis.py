@@ -226,7 +226,7 @@ def side_by_side_costs(results: BenchResults, startup: CostSummary, alpha: float
         return None
     c, draft_step, target_step = side_by_side_c(results.step_pairs)
     return CostSummary(
-        source=f"side by side ({len(results.step_pairs)} alternating 1-token steps during W1)", target_step_s=target_step,
+        source=f"side by side ({len(results.step_pairs)} pairs of draft and target calls in turn during W1)", target_step_s=target_step,
         draft_step_s=draft_step, c=c, s_by_k=startup.s_by_k, s_batch_b=startup.s_batch_b,
         expected_by_k=[expected_speedup(alpha, k, c, s) for k, s in enumerate(startup.s_by_k, start=1)],
     )

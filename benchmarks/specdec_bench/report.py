@@ -163,8 +163,9 @@ def render_page(results: BenchResults, summary: Summary, plots: dict[str, Path],
         "",
         "## Costs",
         "",
-        "Side by side: 1-token draft and target steps called in turn on a scratch slot during W1, compute "
-        "seconds as the services report them; c is the median of the pairs' ratios and s(K) is the start-up one. "
+        "Side by side: one-step and 5-step calls to the draft (Propose) and the target (multi-step Verify), in turn "
+        "on a scratch slot during W1; a step is the difference per extra step of the compute seconds the services "
+        "report, c the median of the pairs' ratios, and s(K) the start-up one. "
         "The headline c and expected S(K) use it. "
         "Start-up: the forward costs each service measured when it started (`ModelInfo.forward_costs`), ~40 s "
         "apart. Online: compute seconds the services reported for the fixed-K sweep's rounds (`anatomy`); its "

@@ -1,18 +1,23 @@
-"""c measured side by side: 1-token draft and target steps, alternated through the running services.
+"""c measured side by side: draft and target steps, alternated through the running services.
 
 Each service times its forward at start-up (`ModelInfo.forward_costs`), but they start one
 after the other, ~40 s apart, and a shared 2-core VM drifts by ±30 % over such spans: the
 start-up c of three runs on one machine came out at 0.305, 0.340 and 0.396. Here the bench
-calls the services directly, a draft step and a target step in turn, on a scratch slot
-with a short chat-sized context, and takes the compute seconds each service reports
-(`compute_s`). A pair's two steps are a few milliseconds apart, so drift cancels in their
-ratio. The probes run while the stack idles, between W1's repetitions, so they sample the
-machine over the same minutes as the speedup they explain.
+calls the services directly, on a scratch slot with a short chat-sized context, the two
+services in turn, and takes the compute seconds each reports (`compute_s`). A pair's calls
+are a fraction of a second apart, so drift cancels in their ratio. The probes run while
+the stack idles, between W1's repetitions, so they sample the machine over the same
+minutes as the speedup they explain.
 
-A draft step is a Propose of K = 1 fed one token: one forward and its argmax, exactly one
-step of the drafting loop. A target step is a Verify of one token, argmax only: one
-forward, exactly one plain decoding step. Each call rolls the slot back to the context
-first, so every pair times the same positions.
+c is a ratio of steps as the drafting loop and plain decoding run them, back to back, so
+each service is timed for a one-step call and a `STEPS`-step call, and the difference per
+extra step is its step cost: a Propose of K = 1 against K = STEPS (one forward per drafted
+token), a Verify of one token against one decoding STEPS tokens by itself (multi-step,
+argmax). The one-step calls alone cost much more per step: the first forward after the
+other service's turn starts a thread team and finds its caches cold (a draft step called
+alone took 7-17 ms against ~5 ms inside a Propose, AMD EPYC Zen 5); the planner counts
+that as the round's fixed overhead, not as c. Each call rolls the slot back to the
+context first, so every pair times the same positions.
 """
 
 from __future__ import annotations
@@ -28,28 +33,41 @@ from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target
 
 #: Cached tokens of the scratch slot (a chat prompt and some output, as W1's requests have).
 CONTEXT_LEN = 96
-#: Draft/target step pairs per probe; a probe takes about PAIRS × 25 ms.
-PAIRS = 12
+#: Steps of the longer call of each service.
+STEPS = 5
+#: Pairs per probe; a probe takes about PAIRS × 150 ms.
+PAIRS = 8
 #: Deadline of each call to a service.
 CALL_TIMEOUT_S = 60.0
 
 
 @dataclass
 class StepPair:
-    """One draft step and the target step right after it, compute seconds each."""
+    """Compute seconds of one-step and STEPS-step calls to each service, made in turn."""
 
-    draft_s: float
-    target_s: float
+    draft_one_s: float
+    draft_many_s: float
+    target_one_s: float
+    target_many_s: float
+    steps: int = STEPS
     #: Which probe of the run it came from (0, 1, ...).
     probe: int = 0
 
     @property
+    def draft_step_s(self) -> float:
+        return (self.draft_many_s - self.draft_one_s) / (self.steps - 1)
+
+    @property
+    def target_step_s(self) -> float:
+        return (self.target_many_s - self.target_one_s) / (self.steps - 1)
+
+    @property
     def c(self) -> float:
-        return self.draft_s / self.target_s
+        return self.draft_step_s / self.target_step_s
 
 
 def probe_steps(target_address: str, draft_address: str, vocab_size: int, probe: int = 0, pairs: int = PAIRS) -> list[StepPair]:
-    """Time `pairs` alternating 1-token draft and target steps on scratch slots (released after)."""
+    """Time `pairs` rounds of draft and target calls in turn on a scratch slot (released after)."""
     slot = f"bench-steps-{uuid.uuid4().hex}"
     prompt = filler_prompt(vocab_size, CONTEXT_LEN + 1)
     context, token = prompt[:CONTEXT_LEN], prompt[CONTEXT_LEN]
@@ -58,23 +76,27 @@ def probe_steps(target_address: str, draft_address: str, vocab_size: int, probe:
         target = target_pb2_grpc.TargetServiceStub(target_channel)
         draft = draft_pb2_grpc.DraftServiceStub(draft_channel)
 
-        def target_step() -> float:
-            item = target_pb2.VerifyItem(slot_id=slot, valid_len=CONTEXT_LEN, tokens=[token], argmax_only=True)
+        def target_call(steps: int) -> float:
+            item = target_pb2.VerifyItem(slot_id=slot, valid_len=CONTEXT_LEN, tokens=[token], argmax_only=True,
+                                         decode_steps=steps)
             return float(target.Verify(target_pb2.VerifyRequest(items=[item]), timeout=CALL_TIMEOUT_S).compute_s)
 
-        def draft_step(valid_len: int, tokens: list[int]) -> float:
-            item = draft_pb2.ProposeItem(slot_id=slot, valid_len=valid_len, new_tokens=tokens, num_speculative_tokens=1,
-                                         sampling=greedy)
+        def draft_call(k: int, valid_len: int = CONTEXT_LEN, tokens: list[int] | None = None) -> float:
+            item = draft_pb2.ProposeItem(slot_id=slot, valid_len=valid_len, new_tokens=tokens or [token],
+                                         num_speculative_tokens=k, sampling=greedy)
             return float(draft.Propose(draft_pb2.ProposeRequest(items=[item]), timeout=CALL_TIMEOUT_S).compute_s)
 
         target.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(slot_id=slot, prompt_tokens=context)]),
                        timeout=CALL_TIMEOUT_S)
         try:
-            draft_step(0, context)  # the draft's own prefill of the context
+            draft_call(1, 0, context)  # the draft's own prefill of the context
             try:
-                target_step()  # one untimed pair: first-call costs stay out
-                draft_step(CONTEXT_LEN, [token])
-                return [StepPair(draft_step(CONTEXT_LEN, [token]), target_step(), probe) for _ in range(pairs)]
+                target_call(STEPS)  # one untimed round: first-call costs stay out
+                draft_call(STEPS)
+                return [
+                    StepPair(draft_call(1), draft_call(STEPS), target_call(1), target_call(STEPS), STEPS, probe)
+                    for _ in range(pairs)
+                ]
             finally:
                 draft.Release(common_pb2.ReleaseRequest(slot_id=slot), timeout=CALL_TIMEOUT_S)
         finally:
@@ -87,6 +109,6 @@ def side_by_side_c(pairs: list[StepPair]) -> tuple[float, float, float]:
         return float("nan"), float("nan"), float("nan")
     return (
         statistics.median(p.c for p in pairs),
-        statistics.median(p.draft_s for p in pairs),
-        statistics.median(p.target_s for p in pairs),
+        statistics.median(p.draft_step_s for p in pairs),
+        statistics.median(p.target_step_s for p in pairs),
     )

@@ -84,7 +84,8 @@ def test_side_by_side_steps_set_the_headline_c_and_expected_speedup(tmp_path: Pa
         default_num_speculative_tokens=4, max_speculative_tokens=16, adaptive_k=True,
     )
     w1 = [_run(0, 10.0), _run(None, 15.0, num_rounds=4, num_draft_tokens=16, num_accepted_tokens=12)]
-    pairs = [StepPair(0.006, 0.020, 0), StepPair(0.009, 0.030, 0), StepPair(0.004, 0.020, 1)]  # c 0.3, 0.3, 0.2
+    # (one step, 5 steps) per service: step costs (draft, target) 6/20, 9/30 and 4/20 ms: c 0.3, 0.3, 0.2.
+    pairs = [StepPair(0.010, 0.034, 0.030, 0.110), StepPair(0.012, 0.048, 0.035, 0.155), StepPair(0.011, 0.027, 0.025, 0.105, probe=1)]
     path = tmp_path / "bench.json"
     BenchResults({"config": {}}, costs, w1, step_pairs=pairs).save(path)
     summary = summarize(BenchResults.load(path))
