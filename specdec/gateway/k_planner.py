@@ -2,7 +2,7 @@
 
 Each round the planner predicts, with `specdec.cost_model`, how many tokens per second
 the batch would emit for each uniform K from 0 up to the largest allowed, and keeps the
-best. It then turns speculation off for any request whose own K > 0 lowers the batch's
+best, a K > 0 only when it beats K = 0 by `min_gain`. It then turns speculation off for any request whose own K > 0 lowers the batch's
 rate (a request whose draft is rarely accepted). K = 0 for every request is plain
 decoding, so speculation switches itself off when it does not pay: a weak draft, a
 crowded batch on a compute-bound target, an expensive draft step.

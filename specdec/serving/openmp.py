@@ -1,4 +1,5 @@
-"""Hand the cores over: let a model service's idle OpenMP threads go instead of spinning.
+"""Hand the cores over: let a model service's idle OpenMP threads go instead of spinning
+(and run small sync-heavy ops on one thread, `one_thread`).
 
 Target and draft share the machine's cores and take turns. After a forward, libgomp's
 worker threads spin for a while before they sleep (`GOMP_SPINCOUNT`, 300,000 pause
