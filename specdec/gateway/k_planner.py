@@ -2,18 +2,16 @@
 
 Each round the planner predicts, with `specdec.cost_model`, how many tokens per second
 the batch would emit for each uniform K from 0 up to the largest allowed, and keeps the
-best, a K > 0 only when it beats K = 0 by `min_gain`. It then turns speculation off for any request whose own K > 0 lowers the batch's
-rate (a request whose draft is rarely accepted). K = 0 for every request is plain
+best, a K > 0 only when it beats K = 0 by `min_gain`. It then turns speculation off for
+any request whose own K > 0 lowers the batch's rate (a request whose draft is rarely
+accepted). K = 0 for every request is plain
 decoding, so speculation switches itself off when it does not pay: a weak draft, a
 crowded batch on a compute-bound target, an expensive draft step.
 
 Inputs, all measured:
 - forward costs of both services, timed at their start-up (`ModelInfo.forward_costs`),
   rescaled online by the ratio of the compute time the services report to the predicted
-  one (the machine may be busier than at start-up), one ratio per batch size class
-  (`batch_class`): in the stack a draft step at batch 4 ran 1.38x its start-up cost
-  while single requests ran at 0.95x, and one shared ratio, learned on single requests,
-  let a fresh batch of 4 speculate at a loss (10 % below plain) until it had re-learned;
+  one (the machine may be busier than at start-up);
 - the round overhead outside both services' compute (RPCs, acceptance): an EMA over plain
   rounds, and what drafting adds to it, per round and per draft token (`DraftOverhead`);
 - acceptance α per request: an EMA over its judged draft tokens, started from the batch-wide
@@ -142,34 +140,6 @@ class _Scale:
             self.value += weight * (measured / predicted - self.value)
 
 
-def batch_class(batch_size: int) -> int:
-    """The power of two at or above `batch_size`: the classes that keep their own cost scale."""
-    return 1 << max(batch_size - 1, 0).bit_length()
-
-
-@dataclass
-class _Scales:
-    """One `_Scale` per batch size class. A class not yet observed borrows the nearest
-    observed one (the machine's load is shared), and 1.0 before any."""
-
-    by_class: dict[int, _Scale] = field(default_factory=dict)
-
-    def value(self, batch_size: int) -> float:
-        if not self.by_class:
-            return 1.0
-        wanted = batch_class(batch_size)
-        nearest = min(self.by_class, key=lambda c: (abs(c.bit_length() - wanted.bit_length()), c))
-        return self.by_class[nearest].value
-
-    def observe(self, batch_size: int, measured: float, predicted: float, weight: float) -> None:
-        if measured <= 0 or predicted <= 0:  # e.g. a plain round: no Propose to learn from
-            return
-        wanted = batch_class(batch_size)
-        if wanted not in self.by_class:
-            self.by_class[wanted] = _Scale(self.value(batch_size))
-        self.by_class[wanted].observe(measured, predicted, weight)
-
-
 @dataclass
 class KPlanner:
     """Plans K per request and round; see the module docstring."""
@@ -204,8 +174,8 @@ class KPlanner:
     _target: CostTable | None = field(init=False)
     _draft: CostTable | None = field(init=False)
     draft_overhead: DraftOverhead = field(init=False)
-    _target_scale: _Scales = field(default_factory=_Scales, init=False)
-    _draft_scale: _Scales = field(default_factory=_Scales, init=False)
+    _target_scale: _Scale = field(default_factory=_Scale, init=False)
+    _draft_scale: _Scale = field(default_factory=_Scale, init=False)
     _estimates: dict[str, AcceptanceEstimate] = field(default_factory=dict, init=False)
     _idle_rounds: dict[str, int] = field(default_factory=dict, init=False)
     _probe_interval: dict[str, int] = field(default_factory=dict, init=False)
@@ -231,22 +201,21 @@ class KPlanner:
         and measure its online correction afresh."""
         table = CostTable(costs) if costs else None
         if service == "target":
-            self._target, self._target_scale = table, _Scales()
+            self._target, self._target_scale = table, _Scale()
         else:
-            self._draft, self._draft_scale = table, _Scales()
+            self._draft, self._draft_scale = table, _Scale()
 
     @property
     def can_adapt(self) -> bool:
         """Both services advertised their costs (they measure them at start-up by default)."""
         return self._target is not None and self._draft is not None
 
-    def cost_model(self, batch_size: int = 1) -> RoundCostModel:
-        """The round cost model for a batch of `batch_size` requests (its class's scales)."""
+    def cost_model(self) -> RoundCostModel:
         if self._target is None:
             raise RuntimeError("no target cost table: the target did not measure its costs")
         return RoundCostModel(
-            target=self._target.scaled(self._target_scale.value(batch_size)),
-            draft=self._draft.scaled(self._draft_scale.value(batch_size)) if self._draft else None,
+            target=self._target.scaled(self._target_scale.value),
+            draft=self._draft.scaled(self._draft_scale.value) if self._draft else None,
             overhead_s=self.overhead_s,
             draft_round_overhead_s=self.draft_overhead.per_round,
             draft_token_overhead_s=self.draft_overhead.per_token,
@@ -269,7 +238,7 @@ class KPlanner:
         self.last_off_reason = None
         if not flexible or not self.can_adapt:
             return ks
-        model = self.cost_model(len(seqs))
+        model = self.cost_model()
         alphas = [self.alphas(s) for s in seqs]
         start = [self._catch_up_cost(s, model, alphas[i]) for i, s in enumerate(seqs)]
         feeds = [self._round_feeds[s.slot_id] for s in seqs]
@@ -287,8 +256,7 @@ class KPlanner:
             plain = model.tokens_per_second([0] * len(seqs), alphas, steps=plain_steps)
             log.debug("plan: batch %d, best uniform K %d at %.1f tok/s (plain %.1f), α_1 %s, scales t %.2f d %.2f, "
                       "overhead %.1f ms, drafting + %.1f ms + %.1f ms per token", len(seqs), best_k, best_rate,
-                      plain, [round(a[0], 2) for a in alphas], self._target_scale.value(len(seqs)),
-                      self._draft_scale.value(len(seqs)),
+                      plain, [round(a[0], 2) for a in alphas], self._target_scale.value, self._draft_scale.value,
                       1e3 * self.overhead_s, 1e3 * self.draft_overhead.per_round, 1e3 * self.draft_overhead.per_token)
         for s in flexible:
             ks[s.slot_id] = min(best_k, caps[s.slot_id])
@@ -415,11 +383,10 @@ class KPlanner:
         if self._target is not None:  # the unscaled tables' prediction: the EMAs track the ratio
             unscaled = RoundCostModel(self._target, self._draft)
             steps = [report.steps.get(s.slot_id, 1) for s in seqs]
-            self._target_scale.observe(len(seqs), report.verify.compute_s, unscaled.verify_seconds(ks, steps), self.cost_weight)
+            self._target_scale.observe(report.verify.compute_s, unscaled.verify_seconds(ks, steps), self.cost_weight)
             if not self._catching_up:
                 feeds = [self._round_feeds.get(s.slot_id, 1) for s in seqs]
-                drafting = sum(k > 0 for k in ks)  # the Propose's batch: only requests with K > 0 draft
-                self._draft_scale.observe(drafting, report.propose.compute_s, unscaled.draft_seconds(ks, feeds), self.cost_weight)
+                self._draft_scale.observe(report.propose.compute_s, unscaled.draft_seconds(ks, feeds), self.cost_weight)
         drafted = sum(ks)
         if drafted == 0:
             self.overhead_s += self.cost_weight * (report.overhead_s - self.overhead_s)

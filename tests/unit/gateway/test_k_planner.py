@@ -9,7 +9,7 @@ import torch
 
 from specdec.cost_model import ForwardCost
 from specdec.gateway.detokenizer import StopStringDetokenizer
-from specdec.gateway.k_planner import AcceptanceEstimate, DraftOverhead, KPlanner, batch_class
+from specdec.gateway.k_planner import AcceptanceEstimate, DraftOverhead, KPlanner
 from specdec.gateway.model_clients import Timed
 from specdec.gateway.sequence import Sequence
 from specdec.gateway.speculative_step import RoundReport
@@ -291,27 +291,6 @@ def test_a_two_token_feed_is_not_mistaken_for_dearer_draft_steps() -> None:
         planner.observe([a], RoundReport(ks, {"a": k}, Timed(None, propose_s, propose_s), Timed(None, verify_s, verify_s), 0.0, 0.0))
     model = planner.cost_model()
     assert model.draft is not None and model.draft.step(1) == pytest.approx(step, rel=1e-3)
-
-
-def test_cost_scales_are_learned_per_batch_size_class() -> None:
-    """A draft step that costs 1.4x its table at batch 4 but 0.9x alone: each class keeps
-    its own ratio, and a class not yet seen borrows the nearest one."""
-    planner = KPlanner(TARGET, draft_costs(0.1), cost_weight=0.5)
-    alone, four = [seq("a")], [seq(s) for s in "wxyz"]
-    for batch, ratio in ((alone, 0.9), (four, 1.4)):
-        ks = {s.slot_id: 2 for s in batch}
-        predicted = planner.cost_model(len(batch)).draft_seconds(list(ks.values())) / planner._draft_scale.value(len(batch))
-        report = RoundReport(ks, {s.slot_id: 2 for s in batch}, Timed(None, ratio * predicted, 0.0), Timed(None, 0.0, 0.0),
-                             0.0, 0.1)
-        for _ in range(30):
-            planner.observe(batch, report)
-    assert [batch_class(b) for b in (1, 2, 3, 4, 5, 16)] == [1, 2, 4, 4, 8, 16]
-    step = planner.cost_model(1).draft
-    assert step is not None and step.step(1) == pytest.approx(0.9 * 0.040 * 0.1, rel=1e-3)
-    assert planner._draft_scale.value(1) == pytest.approx(0.9, rel=1e-3)
-    assert planner._draft_scale.value(3) == pytest.approx(1.4, rel=1e-3)  # class 4
-    assert planner._draft_scale.value(8) == pytest.approx(1.4, rel=1e-3)  # unseen: the nearest, class 4
-    assert planner._draft_scale.value(2) == pytest.approx(0.9, rel=1e-3)  # unseen, as near 1 as 4: the smaller
 
 
 def test_speculation_must_be_predicted_to_beat_plain_by_the_margin() -> None:
