@@ -2,9 +2,8 @@
 
 Each round the planner predicts, with `specdec.cost_model`, how many tokens per second
 the batch would emit for each uniform K from 0 up to the largest allowed, and keeps the
-best, a K > 0 only when it beats K = 0 by `min_gain`. It then turns speculation off for
-any request whose own K > 0 lowers the batch's rate (a request whose draft is rarely
-accepted). K = 0 for every request is plain
+best. It then turns speculation off for any request whose own K > 0 lowers the batch's
+rate (a request whose draft is rarely accepted). K = 0 for every request is plain
 decoding, so speculation switches itself off when it does not pay: a weak draft, a
 crowded batch on a compute-bound target, an expensive draft step.
 
@@ -165,10 +164,6 @@ class KPlanner:
     #: A probe may cost at most this share of the request's remaining plain-decoding time.
     probe_budget: float = 0.05
     probe_k: int = 2
-    #: Speculation must be predicted to beat K = 0 by this factor. The model errs by a few
-    #: per cent where the choice is close: at 4 requests, K = 4 predicted 2 % above plain
-    #: ran 4 % below it (AMD EPYC Zen 5); where speculation pays it pays far more (2x alone).
-    min_gain: float = 1.05
     overhead_s: float = 0.0
     global_alpha: AcceptanceEstimate = field(init=False)
     _target: CostTable | None = field(init=False)
@@ -243,15 +238,12 @@ class KPlanner:
         start = [self._catch_up_cost(s, model, alphas[i]) for i, s in enumerate(seqs)]
         feeds = [self._round_feeds[s.slot_id] for s in seqs]
         plain_steps = [steps.get(s.slot_id, 1) for s in seqs] if steps else None
-        best_rate, best_k, off_rate = -1.0, 0, 0.0
+        best_rate, best_k = -1.0, 0
         for k in range(max(caps[s.slot_id] for s in flexible) + 1):
             uniform = [min(k, caps[s.slot_id]) if s.slot_id in chosen_by_us else ks[s.slot_id] for s in seqs]
             rate = model.tokens_per_second(uniform, alphas, start, feeds, plain_steps)
-            off_rate = rate if k == 0 else off_rate
             if rate > best_rate:
                 best_rate, best_k = rate, k
-        if best_k > 0 and best_rate < self.min_gain * off_rate:
-            best_rate, best_k = off_rate, 0
         if log.isEnabledFor(logging.DEBUG):
             plain = model.tokens_per_second([0] * len(seqs), alphas, steps=plain_steps)
             log.debug("plan: batch %d, best uniform K %d at %.1f tok/s (plain %.1f), α_1 %s, scales t %.2f d %.2f, "
