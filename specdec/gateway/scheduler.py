@@ -234,7 +234,7 @@ class Scheduler:
                 seq.finish(FinishReason.CANCELLED)
                 self._record_finished(seq)
                 continue
-            if not self._fits([*self.running, *admitted, seq], headroom=len(self.running) + len(admitted)):
+            if not self._admits(seq, admitted):
                 break  # FIFO: the head waits for room; later requests do not overtake it
             admitted.append(self.waiting.popleft())
             if seq.admitted_at is None:
@@ -293,11 +293,14 @@ class Scheduler:
         self._wakeup.set()
 
     def _queue_head_fits(self) -> bool:
-        """Whether the first waiting request would be admitted now (the batch has room, and
-        so have the pools)."""
-        if not self.waiting or len(self.running) >= self.max_batch_size:
-            return False
-        return self._fits([*self.running, self.waiting[0]], headroom=len(self.running))
+        """Whether the first waiting request would be admitted now."""
+        return bool(self.waiting) and self._admits(self.waiting[0], [])
+
+    def _admits(self, seq: Sequence, admitted: list[Sequence]) -> bool:
+        """Whether `seq` joins the batch after `admitted`: the batch has room, and so have the
+        pools (with a spare block per running request, so that it is not preempted at once)."""
+        before = len(self.running) + len(admitted)
+        return before < self.max_batch_size and self._fits([*self.running, *admitted, seq], headroom=before)
 
     def _fits(self, seqs: list[Sequence], headroom: int = 0) -> bool:
         """Whether every pool holds the next round of all `seqs` (and `headroom` spare blocks:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.errors import InvalidArgumentError
-from specdec.sampling.params import SamplingParams
+from specdec.sampling.params import SamplingParams, independent_seed
 
 #: Token ids per row: a list of lists, or an int tensor [n, L] padded with -1.
 #: Ids outside [0, vocab) are ignored (so -1 is the padding value).
@@ -257,6 +257,16 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     else:
         generator.manual_seed(seed)
     return generator
+
+
+def position_generator(params: SamplingParams, position: int, device: torch.device | str) -> torch.Generator | None:
+    """The generator of a draw the target makes for the token at sequence `position` (plain
+    decoding on the target, `VerifyItem.sampling`): seeded with `independent_seed(seed,
+    position)`, so every position has its own uniform however calls, steps and preemptions
+    split the work. None (torch's default generator) for a greedy or unseeded request."""
+    if params.is_greedy or params.seed is None:
+        return None
+    return make_generator(independent_seed(params.seed, position), device)
 
 
 def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

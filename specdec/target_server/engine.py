@@ -8,8 +8,7 @@ import time
 import torch
 
 from specdec.errors import InvalidArgumentError, SlotExistsError
-from specdec.sampling.params import independent_seed
-from specdec.sampling.transforms import logits_to_probs, make_generator, pick_tokens
+from specdec.sampling.transforms import logits_to_probs, pick_tokens, position_generator
 from specdec.serving.engine import ModelEngine
 from specdec.serving.openmp import one_thread
 from specdec.wire.items import Lease, PrefillItem, ScoredChunk, VerifiedChunk, VerifyItem
@@ -115,19 +114,14 @@ class TargetEngine(ModelEngine):
     def _choose(self, items: list[VerifyItem], rows: torch.Tensor) -> list[int]:
         """The next token of each item from its last logits row (`rows` [n, vocab]): the argmax
         for `argmax_only`, else `sampling`'s transforms over the slot's cached tokens, then the
-        argmax or a draw. The draw for sequence position i uses a generator seeded with
-        `independent_seed(seed, i)`: each position gets its own uniform, whichever call,
-        step or slot (a request re-prefilled after preemption) produces it."""
+        argmax or a draw, with the draw's `position_generator` (a seed per sequence position)."""
         tokens = rows.argmax(dim=-1)  # [n]
         sampled = [(n, item.sampling) for n, item in enumerate(items) if item.sampling is not None]
         if sampled:
             params = [p for _, p in sampled]
             context = [self.tokens[items[n].slot_id] for n, _ in sampled]
             index = torch.tensor([n for n, _ in sampled], device=rows.device)  # [s]
-            generators = [
-                None if p.is_greedy or p.seed is None else make_generator(independent_seed(p.seed, len(c)), rows.device)
-                for p, c in zip(params, context)
-            ]
+            generators = [position_generator(p, len(c), rows.device) for p, c in zip(params, context)]
             with one_thread():  # a top-p sort on two threads stalls for ~100 ms when another process holds a core
                 probs = logits_to_probs(rows.index_select(0, index), params, context)  # [s, vocab]
                 tokens = tokens.index_copy(0, index, pick_tokens(probs, params, generators))

@@ -23,8 +23,8 @@ from specdec.gateway.requests import RequestPolicy
 from specdec.gateway.scheduler import PoolLimits, Scheduler
 from specdec.gateway.stats import GatewayStats
 from specdec.model.tokenizer_info import TokenizerInfo
-from specdec.sampling.params import SamplingParams, independent_seed
-from specdec.sampling.transforms import logits_to_probs, make_generator, pick_tokens
+from specdec.sampling.params import SamplingParams
+from specdec.sampling.transforms import logits_to_probs, pick_tokens, position_generator
 from specdec.wire.items import ModelInfo, PrefillItem, Proposal, ProposeItem, ScoredChunk, VerifiedChunk, VerifyItem
 
 VOCAB = 40
@@ -52,8 +52,7 @@ def decode_reference(context: list[int], n: int, sampling: SamplingParams | None
     tokens = list(context)
     for _ in range(n):
         probs = logits_to_probs(logits_after(tokens[-1])[None], [sampling], [tokens])  # [1, vocab]
-        seed = None if sampling.is_greedy else sampling.seed
-        generator = None if seed is None else make_generator(independent_seed(seed, len(tokens)), "cpu")
+        generator = position_generator(sampling, len(tokens), "cpu")
         tokens.append(int(pick_tokens(probs, [sampling], [generator])[0]))
     return tokens[len(context):]
 
