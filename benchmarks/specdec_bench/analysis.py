@@ -204,6 +204,11 @@ def acceptance_by_position(sweep: Sequence[RunRecord], max_k: int) -> tuple[list
     return conditional, unconditional, _ratio(successes, successes + failures)
 
 
+def _expected_by_k(alpha: float, c: float, s_by_k: Sequence[float]) -> list[float]:
+    """S(K) for K = 1, 2, ... (NaN where s(K) was not measured)."""
+    return [expected_speedup(alpha, k, c, s) if not math.isnan(s) else math.nan for k, s in enumerate(s_by_k, start=1)]
+
+
 def _slope(table: CostTable, batch: int, k: int) -> float:
     step = table.seconds(batch, 1)
     return (table.seconds(batch, k + 1) - step) / (k * step)
@@ -216,7 +221,7 @@ def startup_costs(results: BenchResults, alpha: float, max_k: int, batch: int) -
     return CostSummary(
         source="start-up (ModelInfo.forward_costs)", target_step_s=target.step(1), draft_step_s=draft.step(1), c=c,
         s_by_k=s_by_k, s_batch_b=_slope(target, batch, results.costs.default_num_speculative_tokens),
-        expected_by_k=[expected_speedup(alpha, k, c, s) for k, s in enumerate(s_by_k, start=1)],
+        expected_by_k=_expected_by_k(alpha, c, s_by_k),
     )
 
 
@@ -228,7 +233,7 @@ def side_by_side_costs(results: BenchResults, startup: CostSummary, alpha: float
     return CostSummary(
         source=f"side by side ({len(results.step_pairs)} pairs of draft and target calls in turn during W1)", target_step_s=target_step,
         draft_step_s=draft_step, c=c, s_by_k=startup.s_by_k, s_batch_b=startup.s_batch_b,
-        expected_by_k=[expected_speedup(alpha, k, c, s) for k, s in enumerate(startup.s_by_k, start=1)],
+        expected_by_k=_expected_by_k(alpha, c, startup.s_by_k),
     )
 
 
@@ -249,7 +254,7 @@ def online_costs(sweep: Sequence[RunRecord], alpha: float, max_k: int) -> CostSu
     return CostSummary(
         source="online (round anatomy of the fixed-K sweep)", target_step_s=step, draft_step_s=draft_step, c=c,
         s_by_k=s_by_k, s_batch_b=math.nan,
-        expected_by_k=[expected_speedup(alpha, k, c, s) if not math.isnan(s) else math.nan for k, s in enumerate(s_by_k, 1)],
+        expected_by_k=_expected_by_k(alpha, c, s_by_k),
     )
 
 
