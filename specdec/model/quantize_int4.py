@@ -73,7 +73,7 @@ def int4pack_operands(weight: Int4Weight, dtype: torch.dtype) -> tuple[torch.Ten
     return packed, scales_and_zeros.to(dtype).contiguous()
 
 
-def _min_time_ms(fn: Callable[[], Any], *, give_up_ms: float = float("inf"), budget_s: float = 0.005, reps: int = 3) -> float:
+def min_time_ms(fn: Callable[[], Any], *, give_up_ms: float = float("inf"), budget_s: float = 0.005, reps: int = 3) -> float:
     """Best wall time of ``fn`` over a few calls, in ms. The minimum ignores stalls from other
     processes on a shared CPU. If the warm-up call already takes longer than ``give_up_ms``, that
     time is returned at once, so a clearly slower kernel costs only one call."""
@@ -139,8 +139,8 @@ def choose_int4_kernel(device_type: str, dtype: torch.dtype) -> str:
     torch.set_num_threads(1)
     try:
         with torch.inference_mode():
-            dequant_ms = _min_time_ms(run_dequant)
-            times = {"dequant": dequant_ms, "int4pack": _min_time_ms(run_int4pack, give_up_ms=4 * dequant_ms)}
+            dequant_ms = min_time_ms(run_dequant)
+            times = {"dequant": dequant_ms, "int4pack": min_time_ms(run_int4pack, give_up_ms=4 * dequant_ms)}
     finally:
         torch.set_num_threads(threads)
     kernel = min(times, key=times.__getitem__)

@@ -9,8 +9,9 @@ import torch
 from specdec.errors import InvalidArgumentError
 from specdec.model.llama import PagedLlama
 from specdec.model.loader import LoadedModel, gguf_path_of, load_model
-from specdec.model.quantize import quantize_int8
+from specdec.model.quantize import Int8Linear, quantize_int8
 from specdec.model.quantize_int4 import quantize_int4
+from specdec.model.shortlist_head import DEFAULT_SHORTLIST, choose_head
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -51,13 +52,16 @@ def build_runtime(
     quantization: str = "none",
     num_layers: int = 0,
     group_size: int = 32,
+    head_shortlist: int = DEFAULT_SHORTLIST,
 ) -> ModelRuntime:
     """Load `model` in `dtype` on `device`, optionally cut it to its first `num_layers` decoder
     layers and quantize its weights (int8, or int4 in groups of `group_size`), and wrap our
-    forward around it.
+    forward around it. A quantized model's int8 output head becomes a `ShortlistHead` (a 4-bit
+    pass, then the int8 head on its `head_shortlist` best tokens) where that measures faster;
+    `head_shortlist=0` keeps the int8 head.
 
-    The int8 kernels only pay off with bfloat16 activations on CPU (see `quantize`), so the
-    embedded default draft is `quantization="int8", dtype="bfloat16"`.
+    The int8 and int4 kernels only pay off with bfloat16 activations on CPU (see `quantize`
+    and `quantize_int4`), so the embedded default draft is `quantization="int4", dtype="bfloat16"`.
     """
     if dtype not in DTYPES:
         raise InvalidArgumentError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -75,4 +79,6 @@ def build_runtime(
         quantize_int4(loaded.model, group_size=group_size, gguf_path=gguf_path_of(model), include_lm_head=False)
         quantize_int8(loaded.model)  # only the head is still an nn.Linear
         loaded.model.config.specdec_quantization = "int4"
+    if isinstance(loaded.model.lm_head, Int8Linear):
+        loaded.model.lm_head = choose_head(loaded.model.lm_head, head_shortlist)
     return ModelRuntime(loaded=loaded, forward=PagedLlama(loaded.model), quantization=quantization)

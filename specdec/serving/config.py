@@ -27,6 +27,10 @@ class ModelServiceConfig(ServerSecurity):
         choices=QUANTIZATIONS, aliases=["--quantize"],
     )
     group_size: int = option(32, "weights per scale group of int4 quantization")
+    head_shortlist: int = option(
+        32, "a quantized model's output head: a 4-bit pass over the vocabulary, then the int8 head on this many best "
+        "tokens a row, where a start-up timing finds that faster than the int8 head alone (0 = int8 head only)",
+    )
     num_layers: int = option(0, "keep only the first N decoder layers (0 = all; a weak draft for tests)")
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(0, "port to bind (0 = any free port, printed at start)")
@@ -66,6 +70,8 @@ class ModelServiceConfig(ServerSecurity):
         for name in ("group_size", "max_slots", "kv_token_budget", "block_size", "max_speculative_tokens", "max_message_bytes"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.head_shortlist < 0:
+            raise InvalidArgumentError(f"head_shortlist must be >= 0, got {self.head_shortlist}")
         if self.num_layers < 0:
             raise InvalidArgumentError(f"num_layers must be >= 0, got {self.num_layers}")
         if self.threads < 0:

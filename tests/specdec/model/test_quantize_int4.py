@@ -153,7 +153,7 @@ def test_choose_int4_kernel_picks_the_faster(monkeypatch: pytest.MonkeyPatch) ->
         pytest.skip("no int4pack op")
     for dequant_ms, int4pack_ms, want in ((5.0, 1.0, "int4pack"), (1.0, 5.0, "dequant")):
         times = iter([dequant_ms, int4pack_ms])  # measured in this order
-        monkeypatch.setattr(qi4, "_min_time_ms", lambda fn, times=times, **kw: next(times))
+        monkeypatch.setattr(qi4, "min_time_ms", lambda fn, times=times, **kw: next(times))
         assert choose_int4_kernel.__wrapped__("cpu", torch.bfloat16) == want
     assert choose_int4_kernel("cpu", torch.float32) in qi4.KERNELS
     assert choose_int4_kernel("cpu", torch.float32) is choose_int4_kernel("cpu", torch.float32)  # cached

@@ -1,0 +1,93 @@
+"""Tests for `ShortlistHead`: a 4-bit pass over the vocabulary, the int8 head on its best tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from specdec.model import shortlist_head as sh
+from specdec.model.int4_weight import Int4Weight
+from specdec.model.loader import LoadedModel
+from specdec.model.quantize import Int8Linear
+from specdec.model.quantize_int4 import Int4Linear
+from specdec.model.shortlist_head import ShortlistHead, choose_head
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog because it wanted to see what was on the other side. "
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    "Translate to French: I would like a cup of coffee, please."
+)
+
+
+def int8_head(out: int = 512, in_features: int = 64, *, seed: int = 0) -> Int8Linear:
+    torch.manual_seed(seed)
+    linear = nn.Linear(in_features, out, bias=False).to(torch.bfloat16)
+    return Int8Linear.from_linear(linear)
+
+
+def test_shortlisted_logits_are_the_exact_heads_and_the_rest_the_coarse_pass() -> None:
+    exact = int8_head()
+    head = ShortlistHead.from_int8(exact, shortlist=16)
+    x = torch.randn(3, 5, 64).to(torch.bfloat16)  # [batch, tokens, in]
+    got = head(x)  # [batch, tokens, out]
+    assert got.shape == (3, 5, 512) and got.dtype == torch.bfloat16
+    want_exact = exact(x).float()  # [batch, tokens, out]
+    coarse = head.coarse(x).float()  # [batch, tokens, out]
+    picked = coarse.topk(16, dim=-1).indices  # [batch, tokens, 16]
+    on_list = torch.zeros_like(coarse, dtype=torch.bool).scatter_(-1, picked, True)
+    torch.testing.assert_close(got.float()[on_list], want_exact[on_list], rtol=1e-2, atol=1e-2)
+    assert torch.equal(got.float()[~on_list], coarse[~on_list])
+    # The coarse pass ranks well enough that the exact winner is on the list: same argmax.
+    assert torch.equal(got.float().argmax(-1), want_exact.argmax(-1))
+
+
+def test_a_shortlist_of_the_whole_vocabulary_is_the_exact_head() -> None:
+    exact = int8_head(out=64)
+    x = torch.randn(4, 64).to(torch.bfloat16)  # [rows, in]
+    torch.testing.assert_close(ShortlistHead.from_int8(exact, shortlist=64)(x).float(), exact(x).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_rejects_bad_heads() -> None:
+    exact = int8_head(out=64)
+    coarse = Int4Linear(Int4Weight.from_float(exact.dequantized_weight().float(), 32))
+    for shortlist in (0, 65):
+        with pytest.raises(ValueError, match="shortlist"):
+            ShortlistHead(exact, coarse, shortlist)
+    with pytest.raises(ValueError, match="coarse head"):
+        ShortlistHead(int8_head(out=128), coarse, 8)
+    biased = Int8Linear(exact.weight_int8, exact.scales, torch.zeros(64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bias"):
+        ShortlistHead(biased, coarse, 8)
+
+
+def test_choose_head_follows_the_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    exact = int8_head()
+    assert choose_head(exact, 0) is exact  # 0 turns it off: nothing measured
+    for int8_ms, shortlist_ms, want in ((2.0, 1.0, ShortlistHead), (1.0, 2.0, Int8Linear)):
+        times = iter([int8_ms, shortlist_ms])  # measured in this order
+        monkeypatch.setattr(sh, "min_time_ms", lambda fn, times=times, **kw: (fn(), next(times))[1])
+        assert type(choose_head(exact, 16)) is want
+    monkeypatch.undo()
+    threads = torch.get_num_threads()
+    choose_head(exact, 16)
+    assert torch.get_num_threads() == threads  # timed on one thread, then restored
+
+
+def test_real_head_agrees_with_the_int8_head(smollm2: LoadedModel) -> None:
+    """On SmolLM2's own 49,152-token head and hidden states, the shortlist head picks the int8
+    head's token at every position (teacher-forced), where the 4-bit pass alone does not."""
+    weight = smollm2.model.lm_head.weight.detach().to(torch.bfloat16)  # [vocab, hidden]
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=torch.bfloat16)
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    exact = Int8Linear.from_linear(linear)
+    head = ShortlistHead.from_int8(exact)
+    ids = smollm2.tokenizer(TEXT, return_tensors="pt").input_ids  # [1, tokens]
+    with torch.inference_mode():
+        hidden = smollm2.model.model(ids).last_hidden_state[0].to(torch.bfloat16)  # [tokens, hidden]
+        want = exact(hidden).float().argmax(-1)  # [tokens]
+        got = head(hidden).float().argmax(-1)
+        coarse = head.coarse(hidden).float().argmax(-1)
+    assert ids.shape[1] >= 60
+    assert torch.equal(got, want)
+    assert (coarse != want).any()  # the test can tell a shortlist from the coarse pass alone
