@@ -33,10 +33,12 @@ class GenerationResult:
     completion_tokens: int = 0
     acceptance_rate: float = 0.0
     mean_acceptance_length: float = 0.0
-    #: Speculation rounds (K >= 1), draft tokens proposed and accepted over the request.
+    #: Speculation rounds (K >= 1), draft tokens proposed and accepted over the request,
+    #: and rounds that drafted nothing (plain decoding).
     num_rounds: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_plain_rounds: int = 0
     time_to_first_token_s: float = 0.0
     tokens_per_s: float = 0.0
     total_s: float = 0.0
@@ -57,6 +59,7 @@ class GenerationResult:
             "num_rounds": self.num_rounds,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
+            "num_plain_rounds": self.num_plain_rounds,
             "time_to_first_token_s": round(self.time_to_first_token_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 2),
         }
@@ -164,6 +167,7 @@ def apply_completion(result: GenerationResult, completion: gateway_pb2.Completio
     result.num_rounds = completion.speculation.num_rounds
     result.num_draft_tokens = completion.speculation.num_draft_tokens
     result.num_accepted_tokens = completion.speculation.num_accepted_tokens
+    result.num_plain_rounds = completion.speculation.num_plain_rounds
     result.time_to_first_token_s = completion.timings.time_to_first_token_s
     result.tokens_per_s = completion.timings.tokens_per_s
     result.total_s = completion.timings.total_s

@@ -64,6 +64,9 @@ class RunRecord:
     anatomy: dict[str, float]
     #: Requests in flight together (1 outside the concurrency sweep).
     concurrency: int = 1
+    #: Rounds that drafted nothing for this request (None in results recorded before the
+    #: gateway reported them).
+    num_plain_rounds: int | None = None
     #: From the gateway's metrics around this request (fixed-K sweep only): speculation
     #: rounds, and accepted draft tokens per position 0..K-1.
     num_drafts: int = 0
@@ -106,6 +109,6 @@ def run_request(
         tokens_per_s=result.tokens_per_s, time_to_first_token_s=result.time_to_first_token_s,
         total_s=result.total_s, completion_tokens=result.completion_tokens, num_rounds=result.num_rounds,
         num_draft_tokens=result.num_draft_tokens, num_accepted_tokens=result.num_accepted_tokens,
-        anatomy=dict(result.anatomy), concurrency=concurrency,
+        anatomy=dict(result.anatomy), concurrency=concurrency, num_plain_rounds=result.num_plain_rounds,
     )
     return record, result

@@ -146,6 +146,7 @@ def completion_to_pb(seq: Sequence, error: str) -> gateway_pb2.Completion:
             num_rounds=seq.counts.rounds,
             num_draft_tokens=seq.counts.draft_tokens,
             num_accepted_tokens=seq.counts.accepted_tokens,
+            num_plain_rounds=seq.counts.plain_rounds,
         ),
         timings=gateway_pb2.Timings(time_to_first_token_s=ttft, total_s=total, tokens_per_s=rate),
         error_message=error,

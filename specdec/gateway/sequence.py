@@ -42,12 +42,15 @@ class SpeculationCounts:
     rounds: int = 0  # rounds with K >= 1
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    plain_rounds: int = 0  # rounds with K = 0
 
     def record(self, k: int, num_accepted: int) -> None:
         if k > 0:
             self.rounds += 1
             self.draft_tokens += k
             self.accepted_tokens += num_accepted
+        else:
+            self.plain_rounds += 1
 
     @property
     def acceptance_rate(self) -> float:

@@ -140,4 +140,8 @@ def test_adaptive_k_turns_a_weak_draft_off_and_stays_exact(start_stack, weak_run
         plain = client.generate(_chat(QUESTIONS[0]), max_new_tokens=48, speculative=False)
     assert adaptive.token_ids == fixed.token_ids == plain.token_ids
     assert adaptive.num_draft_tokens < fixed.num_draft_tokens / 2
+    # The final message counts the rounds that drafted nothing: all of them when plain, the
+    # turned-off ones with adaptive K (a round decodes at least one of the 47 tokens after the first).
+    assert plain.num_rounds == 0 and 1 <= plain.num_plain_rounds <= 47
+    assert adaptive.num_plain_rounds > 0 and adaptive.num_rounds + adaptive.num_plain_rounds <= 47
     adaptive_stack.wait_until_idle()

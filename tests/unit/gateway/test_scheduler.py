@@ -74,6 +74,8 @@ def test_speculative_output_is_the_targets_greedy_output(wrong_at: set[int]) -> 
         assert finished.reason == FinishReason.LENGTH
         counts = seq.counts
         assert counts.rounds > 0
+        # Every Verify is one decode round of this request: drafting (K >= 1) or plain (K = 0).
+        assert counts.rounds + counts.plain_rounds == len(target.verify_batches)
         if not wrong_at:
             assert counts.accepted_tokens == counts.draft_tokens
         elif 1 in wrong_at:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from specdec.cost_model import ForwardCost, expected_speedup
-from specdec_bench.analysis import acceptance_by_position, percentile, summarize
+from specdec_bench.analysis import acceptance_by_position, all_rounds, percentile, summarize
 from specdec_bench.config import QUICK, add_bench_flags, config_from_args
 from specdec_bench.peers import PeerRecord
 from specdec_bench.report import render_page
@@ -38,6 +38,16 @@ def test_alpha_is_the_geometric_mle_and_positions_are_conditional() -> None:
     assert conditional == pytest.approx([0.8, 0.75])
     assert unconditional == pytest.approx([0.8, 0.6])
     assert alpha == pytest.approx(14 / (14 + 4))  # 4 rounds rejected a token
+
+
+def test_all_rounds_counts_the_gateways_rounds_or_estimates_them_for_old_results() -> None:
+    # 11 tokens: the first from the prefill, then 3 drafting rounds and 2 plain ones.
+    counted = _run(None, 1.0, num_rounds=3, num_plain_rounds=2, num_draft_tokens=12, num_accepted_tokens=9)
+    assert all_rounds([counted]) == 5
+    # Results recorded before the gateway counted plain rounds: one round per accepted + 1 tokens.
+    old = _run(None, 1.0, num_rounds=3, num_draft_tokens=12, num_accepted_tokens=7)
+    assert all_rounds([old]) == 11 - 1 - 7
+    assert all_rounds([counted, old]) == 5 + 3
 
 
 def test_percentile_interpolates_like_numpy() -> None:
