@@ -96,7 +96,8 @@ def choose_head(exact: Int8Linear, shortlist: int) -> nn.Module:
     x = x.to(device=exact.weight_int8.device, dtype=exact.scales.dtype)  # [rows, in]
 
     def timed(head: nn.Module) -> float:
-        return min_time_ms(lambda: (head(x[:1]), head(x)))
+        # `.item()` waits for the result, so an asynchronous device (CUDA) is timed too.
+        return min_time_ms(lambda: (head(x[:1]).sum().item(), head(x).sum().item()))
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
