@@ -40,6 +40,7 @@ from specdec.errors import InvalidArgumentError
 from specdec.model.gguf_q4 import gguf_int4_weights
 from specdec.model.int4_weight import Int4Weight
 from specdec.model.quantize import mark_quantized
+from specdec.model.threads import one_thread
 
 log = logging.getLogger(__name__)
 
@@ -135,14 +136,9 @@ def choose_int4_kernel(device_type: str, dtype: torch.dtype) -> str:
 
     # One thread: with several, one busy core (another process) stalls every parallel op for
     # milliseconds, and the comparison measures the stalls. Per-core speed ranks the kernels.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.inference_mode():
-            dequant_ms = min_time_ms(run_dequant)
-            times = {"dequant": dequant_ms, "int4pack": min_time_ms(run_int4pack, give_up_ms=4 * dequant_ms)}
-    finally:
-        torch.set_num_threads(threads)
+    with one_thread(), torch.inference_mode():
+        dequant_ms = min_time_ms(run_dequant)
+        times = {"dequant": dequant_ms, "int4pack": min_time_ms(run_int4pack, give_up_ms=4 * dequant_ms)}
     kernel = min(times, key=times.__getitem__)
     log.info(
         "int4 kernel for cpu/%s: %s (1 thread: int4pack %.2f ms, dequant %.2f ms)",

@@ -32,6 +32,7 @@ from torch import nn
 from specdec.model.int4_weight import Int4Weight
 from specdec.model.quantize import Int8Linear
 from specdec.model.quantize_int4 import Int4Linear, min_time_ms
+from specdec.model.threads import one_thread
 
 log = logging.getLogger(__name__)
 
@@ -99,13 +100,8 @@ def choose_head(exact: Int8Linear, shortlist: int) -> nn.Module:
         # `.item()` waits for the result, so an asynchronous device (CUDA) is timed too.
         return min_time_ms(lambda: (head(x[:1]).sum().item(), head(x).sum().item()))
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.inference_mode():
-            exact_ms, shortlist_ms = timed(exact), timed(candidate)
-    finally:
-        torch.set_num_threads(threads)
+    with one_thread(), torch.inference_mode():
+        exact_ms, shortlist_ms = timed(exact), timed(candidate)
     chosen = candidate if shortlist_ms < exact_ms else exact
     log.info(
         "output head: %s (1 thread, 1 + 4 rows: int8 %.2f ms, int4 pass + int8 on the best %d %.2f ms)",

@@ -1,5 +1,5 @@
 """Hand the cores over: let a model service's idle OpenMP threads go instead of spinning
-(and run small sync-heavy ops on one thread, `one_thread`).
+(small sync-heavy ops run on one thread with `specdec.model.threads.one_thread`).
 
 Target and draft share the machine's cores and take turns. After a forward, libgomp's
 worker threads spin for a while before they sleep (`GOMP_SPINCOUNT`, 300,000 pause
@@ -24,10 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-
-import torch
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -56,21 +53,3 @@ def release_threads() -> bool:
     runs them. True when the runtime released them."""
     pause = _pause_all()
     return pause is not None and pause(OMP_PAUSE_SOFT) == 0
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Run the block's torch ops on one intra-op thread (switching costs ~0.2 µs).
-
-    For small ops with many synchronisation points, which two threads speed up little
-    when the cores are free and slow down badly when another process holds one: sampling
-    eight top-p rows of a 49k vocabulary took 14 ms on two threads and 27 ms on one with
-    the cores free, but 200 ms against 39 ms while a second process computed on both
-    cores (AMD EPYC Zen 5); a single row takes 3.4 ms either way.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)

@@ -8,9 +8,9 @@ import time
 import torch
 
 from specdec.errors import InvalidArgumentError, SlotExistsError
+from specdec.model.threads import one_thread
 from specdec.sampling.transforms import logits_to_probs, pick_tokens, position_generator
 from specdec.serving.engine import ModelEngine
-from specdec.serving.openmp import one_thread
 from specdec.wire.items import Lease, PrefillItem, ScoredChunk, VerifiedChunk, VerifyItem
 
 
