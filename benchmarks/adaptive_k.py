@@ -78,7 +78,8 @@ def run_part(part: Part, args: argparse.Namespace, progress: tqdm) -> PartResult
     ks: list[int | None] = [0, None, *args.ks]
     result = PartResult(part.name)
     gateway_args = f"--num-speculative-tokens {max(args.ks)}"
-    with running_stack(draft_args=part.draft_args, gateway_args=gateway_args) as stack:
+    cold = "--no-prefix-caching"  # every prompt is sent once per mode: each computed in full
+    with running_stack(cold, f"{cold} {part.draft_args}", gateway_args) as stack:
         with SpecdecClient(stack.address, timeout=REQUEST_TIMEOUT_S) as client:
             for k in (0, None, max(args.ks)):  # warm-up: allocators and kernels
                 run_request(client, "warm-up", 0, k, max_new_tokens=8)

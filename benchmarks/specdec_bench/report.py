@@ -110,7 +110,9 @@ def render_page(results: BenchResults, summary: Summary, plots: dict[str, Path],
         f"- Workload: {config.get('prompts')} chat prompts × {config.get('max_new_tokens')} new tokens, "
         f"{config.get('repetitions')} repetition(s); sampled variant T = {config.get('temperature')} with a fixed seed "
         f"per prompt; concurrency requests {config.get('concurrency_tokens')} tokens each, "
-        f"{config.get('concurrency_repetitions', 1)} repetition(s) per level and mode.",
+        f"{config.get('concurrency_repetitions', 1)} repetition(s) per level and mode. Both services run with "
+        "`--no-prefix-caching` (unless the command says otherwise): every prompt is sent more than once, and "
+        "each prefill is computed in full, as for a prompt seen for the first time.",
         "- Command:",
         "",
         "```",

@@ -70,7 +70,10 @@ def measure(config: BenchConfig, command: str) -> BenchResults:
     laps = Laps()
     with tqdm(total=_planned_runs(config), unit="run", file=sys.stderr, dynamic_ncols=True) as progress:
         progress.set_description("starting services")
-        with running_stack(config.target_args, config.draft_args, config.gateway_args) as stack:
+        # Prompts computed in full: W1 and the sweeps repeat every prompt, and with the prefix
+        # cache on, every repeat after the first would skip both prefills (flags given later win).
+        cold = "--no-prefix-caching"
+        with running_stack(f"{cold} {config.target_args}", f"{cold} {config.draft_args}", config.gateway_args) as stack:
             laps.lap("start_services")
             with SpecdecClient(stack.address, timeout=REQUEST_TIMEOUT_S) as client:
                 costs = ServiceCosts.from_info(client.info())

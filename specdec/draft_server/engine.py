@@ -38,14 +38,17 @@ class DraftEngine(ModelEngine):
         then draft k tokens each."""
         new_slots = self._validate(items)
         self.leases.check(lease)
-        self._allocate(new_slots, lease)
+        # A new slot's new_tokens are its whole prompt (valid_len 0): it feeds what the prefix cache lacks.
+        feeds = {item.slot_id: list(item.new_tokens) for item in items}
+        feeds.update(self._allocate({slot_id: feeds[slot_id] for slot_id in new_slots}, lease))
         for item in items:
             if item.slot_id in new_slots:
                 self.generators[item.slot_id] = make_generator(item.sampling.seed, self.cache.device)
         try:
             for item in items:
-                self._rollback(item.slot_id, item.valid_len)
-            logits = self._feed([(item.slot_id, list(item.new_tokens)) for item in items])
+                if item.slot_id not in new_slots:
+                    self._rollback(item.slot_id, item.valid_len)
+            logits = self._feed([(item.slot_id, feeds[item.slot_id]) for item in items])
             proposals = self._draft(items, logits, probs_dtype)
         except BaseException:
             self._free_quietly(new_slots)

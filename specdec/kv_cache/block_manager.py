@@ -10,16 +10,27 @@ Those flat positions ("slot mapping") are what the model writes new K/V into.
 A slot of length `n` owns exactly `ceil(n / block_size)` blocks; only its last block may be
 partly used. This module is pure bookkeeping (no tensors), so it is cheap to test exhaustively.
 
-Reference counts: every block has a count of the block tables that hold it. Today a block is
-handed out with count 1 and returns to the free list when its count drops to 0. Prefix caching
-will later let several slots share full prompt blocks (count > 1); release already goes through
-the count, so only the sharing side needs adding.
+Reference counts: every block has a count of the block tables that hold it, and returns to
+the free list when its count drops to 0.
+
+Prefix caching: a full block whose keys and values are known to be those of a token
+sequence can be *registered* (`register_full_blocks`, after the forward that wrote it). Its
+key is its own tokens plus the key of the block before it, so a match means the whole
+prefix up to the block's end is the same: keys and values of a position depend on every
+token before it. A new slot can start from the registered blocks matching its prompt
+(`cached_prefix`, then `allocate(slot, prefix)`), shared with other slots (count > 1).
+A freed registered block keeps its contents in the free list, still matchable, until it is
+handed out again; free blocks go out oldest first, so a recently used prefix lasts. Keys
+hold the tokens themselves, never a hash, so two different prefixes can never meet.
+A registered or shared block is never written: a slot that truncates into one gets its own
+copy of it first (`truncate_to` returns the copies for the KV tensors to make).
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
-from collections import deque
+from collections import OrderedDict
 
 from specdec.errors import (
     CapacityExhaustedError,
@@ -51,8 +62,8 @@ class BlockManager:
     """Allocates fixed-size KV blocks to slots and maps token indices to flat cache positions.
 
     Free list order is FIFO: blocks are taken from the front and released blocks join the back.
-    This is deterministic (a fresh manager hands out 0, 1, 2, ...) and, once prefix caching
-    lands, it keeps a just-released block's contents around as long as possible before reuse.
+    This is deterministic (a fresh manager hands out 0, 1, 2, ...) and keeps a just-released
+    registered block's contents around as long as possible before reuse.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
@@ -62,10 +73,19 @@ class BlockManager:
             raise InvalidArgumentError(
                 f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}"
             )
-        self._free: deque[int] = deque(range(self.num_blocks))
+        #: Free blocks in hand-out order (an ordered set: a prefix hit takes one from the middle).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_blocks))
         self._refcount: list[int] = [0] * self.num_blocks
         self._tables: dict[str, list[int]] = {}
         self._lengths: dict[str, int] = {}
+        # Prefix cache: a registered block's key is (id of the block before it, its tokens);
+        # the id is unique per registration (0 = no block before), never reused.
+        self._block_of_key: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._key_of_block: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._id_of_block: dict[int, int] = {}
+        self._next_id = itertools.count(1)
+        #: Leading blocks of each slot that are registered under the slot's own tokens.
+        self._registered: dict[str, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -114,12 +134,59 @@ class BlockManager:
     def can_append(self, slot_id: str, num_new_tokens: int) -> bool:
         return self.blocks_needed(slot_id, num_new_tokens) <= len(self._free)
 
-    def allocate(self, slot_id: str) -> None:
-        """Register an empty slot (0 tokens, no blocks); blocks come with the first append."""
+    def allocate(self, slot_id: str, prefix: list[int] | None = None) -> None:
+        """Register a slot: empty, or holding `prefix`, registered blocks that `cached_prefix`
+        just matched (shared; their tokens are cached). Further blocks come with appends."""
         if slot_id in self._tables:
             raise SlotExistsError(f"slot {slot_id!r} is already allocated")
-        self._tables[slot_id] = []
-        self._lengths[slot_id] = 0
+        prefix = list(prefix or [])
+        if any(block_id not in self._key_of_block for block_id in prefix):
+            raise InvalidArgumentError(f"prefix of slot {slot_id!r}: only registered blocks can be shared")
+        for block_id in prefix:
+            if self._refcount[block_id] == 0:
+                del self._free[block_id]
+            self._refcount[block_id] += 1
+        self._tables[slot_id] = prefix
+        self._lengths[slot_id] = len(prefix) * self.block_size
+        self._registered[slot_id] = len(prefix)
+
+    # -- prefix cache ---------------------------------------------------------------------
+
+    def cached_prefix(self, tokens: list[int]) -> list[int]:
+        """The registered blocks holding the longest run of whole leading blocks of `tokens`,
+        at most all but its last token (whose logits a prefill must still compute)."""
+        blocks: list[int] = []
+        parent = 0
+        bs = self.block_size
+        for i in range((len(tokens) - 1) // bs):
+            block_id = self._block_of_key.get((parent, tuple(tokens[i * bs : (i + 1) * bs])))
+            if block_id is None:
+                break
+            blocks.append(block_id)
+            parent = self._id_of_block[block_id]
+        return blocks
+
+    def register_full_blocks(self, slot_id: str, tokens: list[int]) -> None:
+        """Make the slot's full blocks matchable, `tokens` being the slot's cached tokens
+        (its keys and values are written). A block whose content is registered already
+        (another slot computed the same prefix) ends the run: what follows it is keyed to it."""
+        table = self._table(slot_id)
+        if len(tokens) != self._lengths[slot_id]:
+            raise InvalidArgumentError(f"slot {slot_id!r} caches {self._lengths[slot_id]} tokens, got {len(tokens)}")
+        bs = self.block_size
+        done = self._registered[slot_id]
+        parent = self._id_of_block[table[done - 1]] if done else 0
+        for i in range(done, len(tokens) // bs):
+            block_id = table[i]
+            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            if key in self._block_of_key or block_id in self._key_of_block:
+                break
+            parent = next(self._next_id)
+            self._block_of_key[key], self._key_of_block[block_id], self._id_of_block[block_id] = block_id, key, parent
+            self._registered[slot_id] = i + 1
+
+    def num_registered_blocks(self) -> int:
+        return len(self._key_of_block)
 
     def append(self, slot_id: str, num_new_tokens: int) -> list[int]:
         """Grow the slot by n tokens; return their flat cache positions. All-or-nothing."""
@@ -147,10 +214,14 @@ class BlockManager:
             )
         return [self._append_unchecked(s, operator.index(n)) for s, n in requests]
 
-    def truncate_to(self, slot_id: str, new_len: int) -> None:
+    def truncate_to(self, slot_id: str, new_len: int) -> list[tuple[int, int]]:
         """Shrink the slot to `new_len` tokens, releasing blocks that start at or past it.
 
-        A partly used last block is kept: its stale tail is overwritten by later appends.
+        A partly used last block is kept: its stale tail is overwritten by later appends. If
+        that block is shared, the slot gets a fresh copy instead (CapacityExhaustedError,
+        with nothing changed, when no block is free); if it is registered and the slot's
+        alone, it is unregistered. Returns the (source, destination) blocks whose contents
+        the caller must copy.
         """
         table = self._table(slot_id)
         new_len = _count(new_len, "new_len")
@@ -159,10 +230,23 @@ class BlockManager:
                 f"cannot truncate slot {slot_id!r} of length {self._lengths[slot_id]} to {new_len}"
             )
         keep = _ceil_div(new_len, self.block_size)
+        copies = []
+        partial = new_len % self.block_size != 0
+        if partial and self._refcount[table[keep - 1]] > 1:
+            if not self._free:
+                raise CapacityExhaustedError(f"slot {slot_id!r} needs a free KV block to roll back into a shared one")
+            source, copy = table[keep - 1], self._take_free()
+            self._release(source)
+            table[keep - 1] = copy
+            copies.append((source, copy))
+        elif partial and table[keep - 1] in self._key_of_block:
+            self._unregister(table[keep - 1])
         for block_id in table[keep:]:
             self._release(block_id)
         del table[keep:]
         self._lengths[slot_id] = new_len
+        self._registered[slot_id] = min(self._registered[slot_id], new_len // self.block_size)
+        return copies
 
     def free(self, slot_id: str) -> None:
         """Release every block of the slot and forget it."""
@@ -170,6 +254,7 @@ class BlockManager:
             self._release(block_id)
         del self._tables[slot_id]
         del self._lengths[slot_id]
+        del self._registered[slot_id]
 
     def check_invariants(self) -> None:
         """Raise RuntimeError if the bookkeeping is inconsistent (a bug, never bad input)."""
@@ -182,8 +267,6 @@ class BlockManager:
                 raise RuntimeError(f"slot {slot_id!r} holds a block twice: {table}")
             for block_id in table:
                 owners[block_id] += 1
-        if len(set(self._free)) != len(self._free):
-            raise RuntimeError("free list holds a block twice")
         free = set(self._free)
         for block_id in range(self.num_blocks):
             count = self._refcount[block_id]
@@ -193,6 +276,14 @@ class BlockManager:
                 )
             if (count == 0) != (block_id in free):
                 raise RuntimeError(f"block {block_id}: refcount {count}, free: {block_id in free}")
+        for key, block_id in self._block_of_key.items():
+            if self._key_of_block.get(block_id) != key or block_id not in self._id_of_block:
+                raise RuntimeError(f"block {block_id}: prefix-cache index disagrees")
+        if len(self._key_of_block) != len(self._block_of_key):
+            raise RuntimeError("prefix-cache index disagrees")
+        for slot_id, registered in self._registered.items():
+            if any(block_id not in self._key_of_block for block_id in self._tables[slot_id][:registered]):
+                raise RuntimeError(f"slot {slot_id!r}: a block counted as registered is not")
 
     def _table(self, slot_id: str) -> list[int]:
         try:
@@ -205,14 +296,25 @@ class BlockManager:
         table = self._tables[slot_id]
         start = self._lengths[slot_id]
         for _ in range(_ceil_div(start + n, self.block_size) - len(table)):
-            block_id = self._free.popleft()
-            self._refcount[block_id] = 1
-            table.append(block_id)
+            table.append(self._take_free())
         self._lengths[slot_id] = start + n
         return self.positions(slot_id, start, start + n)
+
+    def _take_free(self) -> int:
+        """The oldest free block, held once; its cached contents (if any) are forgotten."""
+        block_id, _ = self._free.popitem(last=False)
+        if block_id in self._key_of_block:
+            self._unregister(block_id)
+        self._refcount[block_id] = 1
+        return block_id
+
+    def _unregister(self, block_id: int) -> None:
+        """Forget a block's contents (it is about to be written); blocks keyed to it become unreachable."""
+        del self._block_of_key[self._key_of_block.pop(block_id)]
+        del self._id_of_block[block_id]
 
     def _release(self, block_id: int) -> None:
         """Drop one reference; the block is free again when nobody holds it."""
         self._refcount[block_id] -= 1
         if self._refcount[block_id] == 0:
-            self._free.append(block_id)
+            self._free[block_id] = None

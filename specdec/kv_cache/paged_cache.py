@@ -77,6 +77,14 @@ class PagedKVCache:
         """Memory one cached token costs across all layers (keys and values)."""
         return self.kv[0][0].numel() * self.kv[0].element_size() * len(self.kv)
 
+    def truncate(self, slot_id: str, new_len: int) -> None:
+        """Roll a slot back to `new_len` tokens (`BlockManager.truncate_to`), copying the
+        keys and values of a shared block it rolls back into to the slot's own new block."""
+        bs = self.block_size
+        for source, copy in self.blocks.truncate_to(slot_id, new_len):
+            for kv in self.kv:
+                kv[copy * bs : (copy + 1) * bs] = kv[source * bs : (source + 1) * bs]
+
     def block_tables(self, slot_ids: list[str]) -> torch.Tensor:
         """Block tables of `slot_ids`, right-padded with block 0. # [batch, max_blocks]"""
         tables = [self.blocks.block_table(slot) for slot in slot_ids]

@@ -40,6 +40,10 @@ class ModelServiceConfig(ServerSecurity):
     max_speculative_tokens: int = option(16, "largest K (draft tokens per request and round) accepted")
     max_seq_len: int = option(0, "longest sequence per slot (0 = the model's limit)")
     max_message_bytes: int = option(DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received")
+    prefix_caching: bool = option(
+        True, "automatic prefix caching: a new prompt starts from the cached KV blocks of an earlier sequence "
+        "with the same leading tokens (whole blocks), instead of computing them again",
+    )
     measure_costs: bool = option(True, "time the forward pass at start-up so the gateway can plan K from real costs")
     compile: str = option(
         "off", "torch.compile the decoder layers of the drafting loop's steps (a single request's 1- and 2-token steps, a batch's 1-token step): on, off, or "

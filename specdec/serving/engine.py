@@ -42,6 +42,9 @@ class ModelEngine:
         self.max_seq_len = min(limits)
         #: Token ids held in each slot's cache, in order (the draft's repetition-penalty context).
         self.tokens: dict[str, list[int]] = {}
+        #: Prompt tokens new slots asked for, and those found in the prefix cache (`_allocate`).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         #: Which gateway holds which slot; a silent gateway's slots expire (see `leases`).
         self.leases = LeaseTable(config.lease_ttl_s)
         #: Forward costs measured on this machine at start-up (empty when disabled).
@@ -154,12 +157,21 @@ class ModelEngine:
 
     # -- mutation -----------------------------------------------------------------------
 
-    def _allocate(self, slot_ids: Sequence[str], lease: Lease | None) -> None:
-        """New slots for `lease` (checked beforehand with `leases.check`); the lease is renewed."""
-        self._free_quietly(self.leases.claim(slot_ids, lease))  # a restarted holder's old slots
-        for slot_id in slot_ids:
-            self.cache.blocks.allocate(slot_id)
-            self.tokens[slot_id] = []
+    def _allocate(self, prompts: dict[str, list[int]], lease: Lease | None) -> dict[str, list[int]]:
+        """New slots for `lease` (checked beforehand with `leases.check`; the lease is renewed),
+        each starting from the cached blocks that match its prompt (`--prefix-caching`).
+        Returns what each still has to feed: its prompt past the cached part."""
+        self._free_quietly(self.leases.claim(list(prompts), lease))  # a restarted holder's old slots
+        rest = {}
+        for slot_id, prompt in prompts.items():
+            prefix = self.cache.blocks.cached_prefix(prompt) if self.config.prefix_caching else []
+            self.cache.blocks.allocate(slot_id, prefix)
+            cached = len(prefix) * self.cache.block_size
+            self.tokens[slot_id] = list(prompt[:cached])
+            rest[slot_id] = list(prompt[cached:])
+            self.prefix_cache_queries += len(prompt)
+            self.prefix_cache_hits += cached
+        return rest
 
     def _free_quietly(self, slot_ids: Sequence[str]) -> None:
         for slot_id in slot_ids:
@@ -167,7 +179,7 @@ class ModelEngine:
                 self.release(slot_id)
 
     def _rollback(self, slot_id: str, valid_len: int) -> None:
-        self.cache.blocks.truncate_to(slot_id, valid_len)
+        self.cache.truncate(slot_id, valid_len)
         del self.tokens[slot_id][valid_len:]
 
     def _hand_over(self) -> None:
@@ -185,8 +197,10 @@ class ModelEngine:
         except BaseException:
             for slot_id, length in before.items():  # undo a partial append
                 if self.cache.blocks.length(slot_id) > length:
-                    self.cache.blocks.truncate_to(slot_id, length)
+                    self.cache.truncate(slot_id, length)
             raise
         for slot_id, tokens in chunks:
             self.tokens[slot_id].extend(tokens)
+            if self.config.prefix_caching:
+                self.cache.blocks.register_full_blocks(slot_id, self.tokens[slot_id])
         return out

@@ -7,6 +7,7 @@ default prefix:
     RPC p95 by method   = histogram_quantile(0.95, sum by (le, method) (rate(specdec_service_rpc_latency_seconds_bucket[5m])))
     compute share       = rate(specdec_service_compute_seconds_sum[5m]) / ignoring(le) rate(specdec_service_rpc_latency_seconds_sum[5m])
     KV usage            = specdec_service_kv_blocks{state="used"} / ignoring(state) specdec_service_kv_blocks_total
+    prefix-cache hits   = rate(specdec_service_prefix_cache_hits_total[5m]) / rate(specdec_service_prefix_cache_queries_total[5m])
     errors by code      = sum by (method, code) (rate(specdec_service_rpc_errors_total[5m]))
 """
 
@@ -84,6 +85,10 @@ def service_families(stats: ServiceStats, engine: ModelEngine, prefix: str) -> I
                   {("free",): blocks.num_free_blocks, ("used",): blocks.num_blocks - blocks.num_free_blocks})
     yield f.gauge("service_kv_blocks_total", "KV-cache capacity in blocks", [], {(): blocks.num_blocks})
     yield f.gauge("service_active_slots", "Slots (requests) held", [], {(): len(engine.tokens)})
+    yield f.counter("service_prefix_cache_queries", "Prompt tokens of new slots, looked up in the prefix cache", [],
+                    {(): engine.prefix_cache_queries})
+    yield f.counter("service_prefix_cache_hits", "Prompt tokens of new slots found in the prefix cache (not computed)", [],
+                    {(): engine.prefix_cache_hits})
     leases = engine.leases
     yield f.gauge("service_lease_holders", "Gateways whose lease is current", [], {(): leases.num_holders})
     yield f.counter("service_lease_freed_slots", "Slots freed without a Release: the holder's lease expired, "

@@ -31,9 +31,9 @@ class TargetEngine(ModelEngine):
             self._check_length(item.slot_id, len(item.prompt_tokens), "prompt_tokens")
         self._check_new_slots(len(items))
         slot_ids = [item.slot_id for item in items]
-        self._allocate(slot_ids, lease)
+        rest = self._allocate({item.slot_id: list(item.prompt_tokens) for item in items}, lease)
         try:
-            logits = self._run([(item.slot_id, list(item.prompt_tokens)) for item in items], logits="last")
+            logits = self._run([(slot_id, rest[slot_id]) for slot_id in slot_ids], logits="last")
         except BaseException:
             self._free_quietly(slot_ids)
             raise

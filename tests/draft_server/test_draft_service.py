@@ -133,8 +133,11 @@ def test_truncate_rpc_then_propose(draft: Service, smollm2: LoadedModel, prompts
 # -- sampled drafting -----------------------------------------------------------------------
 
 
-def test_seeded_requests_reproduce_tokens_and_q(draft: Service, prompts: list[list[int]]) -> None:
-    """The same seeded request sent twice drafts the same tokens from bit-identical q."""
+def test_seeded_requests_reproduce_tokens_and_q(start_draft: Callable[..., Service], prompts: list[list[int]]) -> None:
+    """The same seeded request sent twice drafts the same tokens from bit-identical q (without
+    the prefix cache: the second prompt's cached blocks were computed in another call shape,
+    equal up to float rounding; see the next test)."""
+    draft = start_draft(prefix_caching=False)
     prompt = prompts[2]
     first = propose(draft, item("x", prompt, 6, sampling=sampled(7)), item("g", prompts[0], 2))["x"]
     again = propose(draft, item("y", prompt, 6, sampling=sampled(7)), item("h", prompts[0], 2))["y"]
@@ -147,6 +150,19 @@ def test_seeded_requests_reproduce_tokens_and_q(draft: Service, prompts: list[li
     ]
     assert list(rounds[0].tokens) == list(rounds[1].tokens)
     assert torch.equal(q_of(rounds[0]), q_of(rounds[1]))
+
+
+def test_a_cached_prompt_drafts_what_a_computed_one_does(draft: Service, prompts: list[list[int]]) -> None:
+    """The second slot with a prompt starts from the first's cached blocks and computes only
+    the rest: the same seeded tokens, q equal up to float rounding."""
+    prompt = prompts[2] * 3  # several whole blocks
+    first = propose(draft, item("x", prompt, 6, sampling=sampled(7)))["x"]
+    hits = draft.engine.prefix_cache_hits
+    again = propose(draft, item("y", prompt, 6, sampling=sampled(7)))["y"]
+    assert draft.engine.prefix_cache_hits - hits == (len(prompt) - 1) // 16 * 16
+    assert list(again.tokens) == list(first.tokens)
+    torch.testing.assert_close(q_of(again), q_of(first), atol=5e-5, rtol=0)
+    draft.engine.cache.blocks.check_invariants()
 
 
 def test_seeded_sampling_is_independent_of_the_batch(draft: Service, prompts: list[list[int]]) -> None:

@@ -287,6 +287,48 @@ def test_release_returns_every_block(target: Service, prompts: list[list[int]]) 
     target.engine.cache.blocks.check_invariants()
 
 
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(
+    target: Service, smollm2: LoadedModel, prompts: list[list[int]]
+) -> None:
+    prompt = prompts[2] * 3  # 57 tokens: three whole blocks and 9 more
+    start, hits = target.info().free_kv_tokens, target.engine.prefix_cache_hits
+    first = prefill(target, {"a": prompt})["a"]
+    again = prefill(target, {"b": prompt})["b"]  # computes only the last 9 tokens
+    assert target.engine.prefix_cache_hits - hits == 48
+    torch.testing.assert_close(again, first, atol=ATOL, rtol=0)
+    torch.testing.assert_close(again, reference_logits(smollm2, prompt)[-1], atol=ATOL, rtol=0)
+    assert target.info().free_kv_tokens == start - 5 * 16  # four blocks for a, one of b's own
+    release(target, "a")
+    release(target, "b")
+    assert target.info().free_kv_tokens == start
+    target.engine.cache.blocks.check_invariants()
+
+
+def test_rolling_back_into_a_shared_block_copies_it(
+    target: Service, smollm2: LoadedModel, prompts: list[list[int]]
+) -> None:
+    """Slot b truncates into a block it shares with a and writes there: it writes to its own
+    copy, and a's keys and values stay as they were."""
+    prompt = prompts[2] * 3
+    n = len(prompt)
+    prefill(target, {"a": prompt})
+    prefill(target, {"b": prompt})
+    assert truncate(target, "b", 20) == 20  # inside the second shared block (positions 16-31)
+    logits = verify(target, [("b", 20, [900, 901, 902]), ("a", n, [77, 78])])
+    torch.testing.assert_close(logits["b"], reference_logits(smollm2, prompt[:20] + [900, 901, 902])[20:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits["a"], reference_logits(smollm2, prompt + [77, 78])[n:], atol=ATOL, rtol=0)
+    target.engine.cache.blocks.check_invariants()
+    c = prefill(target, {"c": prompt})["c"]  # a's blocks are still the prompt's
+    torch.testing.assert_close(c, reference_logits(smollm2, prompt)[-1], atol=ATOL, rtol=0)
+
+
+def test_without_prefix_caching_every_prompt_is_computed(start_target: Callable[..., Service], prompts: list[list[int]]) -> None:
+    target = start_target(prefix_caching=False)
+    prefill(target, {"a": prompts[2] * 3, "b": prompts[2] * 3})
+    assert target.engine.prefix_cache_hits == 0
+    assert target.engine.cache.blocks.num_registered_blocks() == 0
+
+
 def test_many_slots_at_once(start_target: Callable[..., Service], smollm2: LoadedModel) -> None:
     """24 slots prefilled in one batch, then decoded (K = 0) in one batch, then all released."""
     service = start_target(max_slots=24, kv_token_budget=24 * 32)

@@ -369,6 +369,104 @@ def test_append_many_validates_whole_batch_first(bad: list[tuple[str, int]]) -> 
     assert snapshot(bm) == before
 
 
+# ---- prefix cache ---------------------------------------------------------------------------
+
+
+def registered(bm: BlockManager, slot: str, tokens: list[int]) -> list[int]:
+    """Allocate `slot`, append `tokens` and register its full blocks; its block table."""
+    bm.allocate(slot)
+    bm.append(slot, len(tokens))
+    bm.register_full_blocks(slot, tokens)
+    return bm.block_table(slot)
+
+
+def test_a_registered_prefix_is_shared_and_outlives_its_slot() -> None:
+    bm = BlockManager(8, 4)
+    tokens = list(range(10))
+    table = registered(bm, "a", tokens)
+    assert bm.num_registered_blocks() == 2  # the partial third block is not
+    prefix = bm.cached_prefix(tokens[:8] + [50, 51])
+    assert prefix == table[:2]
+    bm.allocate("b", prefix)
+    assert (bm.length("b"), bm.refcount(table[0]), bm.num_free_blocks) == (8, 2, 5)
+    bm.free("a")
+    bm.free("b")
+    assert bm.num_free_blocks == 8 and bm.cached_prefix(tokens) == table[:2]  # free, and still matchable
+    bm.check_invariants()
+    bm.allocate("c", bm.cached_prefix(tokens))  # a hit takes its blocks out of the free list
+    assert bm.num_free_blocks == 6
+    bm.free("c")
+    bm.allocate("d")
+    bm.append("d", 4 * 8)  # every block handed out again: the old contents are gone
+    assert bm.cached_prefix(tokens) == [] and bm.num_registered_blocks() == 0
+    bm.check_invariants()
+
+
+def test_a_prefix_match_is_whole_leading_blocks_and_leaves_the_last_token() -> None:
+    bm = BlockManager(8, 4)
+    table = registered(bm, "a", list(range(12)))
+    assert bm.cached_prefix(list(range(12))) == table[:2]  # the last token's logits must be computed
+    assert bm.cached_prefix(list(range(13))) == table[:3]
+    assert bm.cached_prefix([99, *range(1, 12)]) == []  # the first block differs
+    assert bm.cached_prefix([0, 1, 2, 3, 99, 5, 6, 7, 8, 9, 10, 11, 12]) == table[:1]
+    # a block's key includes everything before it: the same four tokens after another block do not match
+    other = [9, 9, 9, 9, 4, 5, 6, 7, 8]
+    assert bm.cached_prefix(other) == []
+    with pytest.raises(InvalidArgumentError):
+        bm.allocate("x", [table[2], 7])  # block 7 holds nothing registered
+    assert not bm.has_slot("x")
+
+
+def test_truncating_into_a_shared_block_gives_the_slot_its_own_copy() -> None:
+    bm = BlockManager(8, 4)
+    tokens = list(range(10))
+    table = registered(bm, "a", tokens)
+    bm.allocate("b", bm.cached_prefix(tokens))
+    copies = bm.truncate_to("b", 6)  # inside the shared second block
+    new = bm.block_table("b")
+    assert copies == [(table[1], new[1])] and new[0] == table[0] and new[1] not in table
+    assert bm.refcount(table[1]) == 1 and bm.block_table("a") == table
+    assert bm.cached_prefix(tokens) == table[:2]  # a's block is still registered
+    assert bm.truncate_to("b", 4) == []  # a block boundary: nothing is written into the shared block
+    bm.check_invariants()
+
+
+def test_truncating_into_an_own_registered_block_unregisters_it() -> None:
+    bm = BlockManager(8, 4)
+    tokens = list(range(10))
+    table = registered(bm, "a", tokens)
+    assert bm.truncate_to("a", 6) == []
+    assert bm.cached_prefix(tokens) == table[:1]  # the second block will be overwritten
+    bm.append("a", 2)
+    bm.register_full_blocks("a", [*tokens[:6], 70, 71])
+    assert bm.cached_prefix([*tokens[:6], 70, 71, 72]) == table[:2]
+    bm.check_invariants()
+
+
+def test_a_copy_needs_a_free_block_and_fails_without_changing_anything() -> None:
+    bm = BlockManager(3, 4)
+    tokens = list(range(8))
+    registered(bm, "a", tokens)
+    bm.allocate("b", bm.cached_prefix([*tokens, 99]))
+    bm.allocate("c")
+    bm.append("c", 4)  # the last free block
+    with pytest.raises(CapacityExhaustedError):
+        bm.truncate_to("b", 5)
+    assert bm.length("b") == 8
+    bm.check_invariants()
+
+
+def test_the_same_content_registered_twice_keeps_the_first() -> None:
+    bm = BlockManager(8, 4)
+    tokens = list(range(9))
+    first = registered(bm, "a", tokens)
+    registered(bm, "b", tokens)  # computed again (e.g. in the same batch): not registered twice
+    assert bm.num_registered_blocks() == 2 and bm.cached_prefix(tokens) == first[:2]
+    with pytest.raises(InvalidArgumentError):
+        bm.register_full_blocks("a", tokens[:5])  # not the slot's tokens
+    bm.check_invariants()
+
+
 # ---- check_invariants -----------------------------------------------------------------------
 
 
@@ -376,7 +474,7 @@ def test_check_invariants_detects_corruption() -> None:
     bm = BlockManager(4, 4)
     bm.allocate("a")
     bm.append("a", 5)
-    bm._free.append(0)  # a block both owned and free
+    bm._free[0] = None  # a block both owned and free
     with pytest.raises(RuntimeError):
         bm.check_invariants()
 
@@ -390,7 +488,7 @@ def test_check_invariants_detects_corruption() -> None:
     bm = BlockManager(4, 4)
     bm.allocate("a")
     bm.append("a", 5)
-    bm._free.popleft()  # a leaked block: neither free nor owned
+    bm._free.popitem(last=False)  # a leaked block: neither free nor owned
     with pytest.raises(RuntimeError):
         bm.check_invariants()
 
