@@ -40,8 +40,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per turn")
     args = parser.parse_args()
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    print(next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?"))
+    fields = dict(line.split(":", 1) for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines() if ":" in line)
+    print("CPU:", ", ".join(f"{k} {fields.get(k, '?').strip()}" for k in ("Model name", "CPU family", "Model", "CPU(s)")))
     ttft: dict[tuple[str, int], list[float]] = {}
     rate: dict[tuple[str, int], list[float]] = {}
     with stacks() as running:
