@@ -628,3 +628,107 @@ BlockManagerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+
+
+# ---- stateful property test of the prefix cache ---------------------------------------------
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    """Slots start from cached prefixes, grow, roll back and end, as an engine drives them
+    (register after every append, free a new slot whose append failed). A shadow of the KV
+    pool records what every written position holds, as the whole sequence up to it (the
+    keys and values of a position depend on every token before it), and every slot must
+    read its own sequence at every position: a shared or registered block is never written,
+    and a copy carries its source's contents."""
+
+    BLOCK = 2
+    tokens_strategy = st.lists(st.integers(0, 1), max_size=9)  # two token values: prompts often agree
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(10, self.BLOCK)
+        self.tokens: dict[str, list[int]] = {}
+        self.pool: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, offset) -> sequence up to there
+
+    def write(self, slot: str, start: int) -> None:
+        """Record the slot's tokens from `start` on as written, where its table puts them."""
+        table, bs = self.bm.block_table(slot), self.BLOCK
+        for i in range(start, len(self.tokens[slot])):
+            block = table[i // bs]
+            assert self.bm.refcount(block) == 1, "a shared block was written"
+            self.pool[(block, i % bs)] = tuple(self.tokens[slot][: i + 1])
+
+    def grow(self, slot: str, new: list[int]) -> None:
+        start = len(self.tokens[slot])
+        self.bm.append(slot, len(new))
+        self.tokens[slot] += new
+        self.write(slot, start)
+        self.bm.register_full_blocks(slot, self.tokens[slot])
+
+    @rule(slot=st.sampled_from(SLOTS), prompt=tokens_strategy)
+    def new_slot(self, slot: str, prompt: list[int]) -> None:
+        if slot in self.tokens or not prompt:
+            return
+        prefix = self.bm.cached_prefix(prompt)
+        cached = len(prefix) * self.BLOCK
+        assert cached < len(prompt)
+        self.bm.allocate(slot, prefix)
+        self.tokens[slot] = prompt[:cached]
+        try:
+            self.grow(slot, prompt[cached:])
+        except CapacityExhaustedError:
+            self.bm.free(slot)
+            del self.tokens[slot]
+
+    @rule(slot=st.sampled_from(SLOTS), new=tokens_strategy)
+    def append(self, slot: str, new: list[int]) -> None:
+        if slot in self.tokens:
+            try:
+                self.grow(slot, new)
+            except CapacityExhaustedError:
+                pass  # all or nothing: unchanged
+
+    @rule(slot=st.sampled_from(SLOTS), frac=st.floats(0, 1))
+    def truncate(self, slot: str, frac: float) -> None:
+        if slot not in self.tokens:
+            return
+        new_len = int(len(self.tokens[slot]) * frac)
+        try:
+            copies = self.bm.truncate_to(slot, new_len)
+        except CapacityExhaustedError:
+            return
+        for source, copy in copies:
+            for offset in range(self.BLOCK):
+                if (source, offset) in self.pool:
+                    self.pool[(copy, offset)] = self.pool[(source, offset)]
+        del self.tokens[slot][new_len:]
+
+    @rule(slot=st.sampled_from(SLOTS))
+    def free(self, slot: str) -> None:
+        if slot in self.tokens:
+            self.bm.free(slot)
+            del self.tokens[slot]
+
+    @invariant()
+    def every_slot_reads_its_own_sequence(self) -> None:
+        self.bm.check_invariants()
+        for slot, tokens in self.tokens.items():
+            table = self.bm.block_table(slot)
+            for i in range(len(tokens)):
+                assert self.pool.get((table[i // self.BLOCK], i % self.BLOCK)) == tuple(tokens[: i + 1])
+
+    @invariant()
+    def a_cached_prefix_holds_the_prompt(self) -> None:
+        for tokens in self.tokens.values():
+            for j, block in enumerate(self.bm.cached_prefix([*tokens, 0])):
+                for offset in range(self.BLOCK):
+                    assert self.pool.get((block, offset)) == tuple(tokens[: j * self.BLOCK + offset + 1])
+
+
+PrefixCacheMachine.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestPrefixCacheMachine = PrefixCacheMachine.TestCase
