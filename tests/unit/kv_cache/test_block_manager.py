@@ -621,12 +621,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert len(owned) + self.bm.num_free_blocks == NUM_BLOCKS  # nothing leaked
 
 
-BlockManagerMachine.TestCase.settings = settings(
-    max_examples=150,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+#: Both state machines: 40 steps a run, no per-example deadline (pool checks are not timed).
+MACHINE_SETTINGS = settings(stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+BlockManagerMachine.TestCase.settings = settings(MACHINE_SETTINGS, max_examples=150)
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 
 
@@ -725,10 +722,5 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                     assert self.pool.get((block, offset)) == tuple(tokens[: j * self.BLOCK + offset + 1])
 
 
-PrefixCacheMachine.TestCase.settings = settings(
-    max_examples=200,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+PrefixCacheMachine.TestCase.settings = settings(MACHINE_SETTINGS, max_examples=200)
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
