@@ -22,8 +22,9 @@ token before it. A new slot can start from the registered blocks matching its pr
 A freed registered block keeps its contents in the free list, still matchable, until it is
 handed out again; free blocks go out oldest first, so a recently used prefix lasts. Keys
 hold the tokens themselves, never a hash, so two different prefixes can never meet.
-A registered or shared block is never written: a slot that truncates into one gets its own
-copy of it first (`truncate_to` returns the copies for the KV tensors to make).
+A shared block is never written: a slot that truncates into one gets its own copy of it
+first (`truncate_to` returns the copies for the KV tensors to make), and a registered block
+that a slot holds alone is unregistered when the slot truncates into it, before any write.
 """
 
 from __future__ import annotations
