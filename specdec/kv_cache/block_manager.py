@@ -80,10 +80,10 @@ class BlockManager:
         self._tables: dict[str, list[int]] = {}
         self._lengths: dict[str, int] = {}
         # Prefix cache: a registered block's key is (id of the block before it, its tokens);
-        # the id is unique per registration (0 = no block before), never reused.
+        # its id is unique per registration (0 = no block before), never reused.
         self._block_of_key: dict[tuple[int, tuple[int, ...]], int] = {}
-        self._key_of_block: dict[int, tuple[int, tuple[int, ...]]] = {}
-        self._id_of_block: dict[int, int] = {}
+        #: Registered block -> (its key, its id).
+        self._registered_as: dict[int, tuple[tuple[int, tuple[int, ...]], int]] = {}
         self._next_id = itertools.count(1)
         #: Leading blocks of each slot that are registered under the slot's own tokens.
         self._registered: dict[str, int] = {}
@@ -141,7 +141,7 @@ class BlockManager:
         if slot_id in self._tables:
             raise SlotExistsError(f"slot {slot_id!r} is already allocated")
         prefix = list(prefix or [])
-        if any(block_id not in self._key_of_block for block_id in prefix):
+        if any(block_id not in self._registered_as for block_id in prefix):
             raise InvalidArgumentError(f"prefix of slot {slot_id!r}: only registered blocks can be shared")
         for block_id in prefix:
             if self._refcount[block_id] == 0:
@@ -164,7 +164,7 @@ class BlockManager:
             if block_id is None:
                 break
             blocks.append(block_id)
-            parent = self._id_of_block[block_id]
+            parent = self._registered_as[block_id][1]
         return blocks
 
     def register_full_blocks(self, slot_id: str, tokens: list[int]) -> None:
@@ -176,18 +176,18 @@ class BlockManager:
             raise InvalidArgumentError(f"slot {slot_id!r} caches {self._lengths[slot_id]} tokens, got {len(tokens)}")
         bs = self.block_size
         done = self._registered[slot_id]
-        parent = self._id_of_block[table[done - 1]] if done else 0
+        parent = self._registered_as[table[done - 1]][1] if done else 0
         for i in range(done, len(tokens) // bs):
             block_id = table[i]
             key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
-            if key in self._block_of_key or block_id in self._key_of_block:
+            if key in self._block_of_key or block_id in self._registered_as:
                 break
             parent = next(self._next_id)
-            self._block_of_key[key], self._key_of_block[block_id], self._id_of_block[block_id] = block_id, key, parent
+            self._block_of_key[key], self._registered_as[block_id] = block_id, (key, parent)
             self._registered[slot_id] = i + 1
 
     def num_registered_blocks(self) -> int:
-        return len(self._key_of_block)
+        return len(self._registered_as)
 
     def append(self, slot_id: str, num_new_tokens: int) -> list[int]:
         """Grow the slot by n tokens; return their flat cache positions. All-or-nothing."""
@@ -240,7 +240,7 @@ class BlockManager:
             self._release(source)
             table[keep - 1] = copy
             copies.append((source, copy))
-        elif partial and table[keep - 1] in self._key_of_block:
+        elif partial and table[keep - 1] in self._registered_as:
             self._unregister(table[keep - 1])
         for block_id in table[keep:]:
             self._release(block_id)
@@ -278,12 +278,12 @@ class BlockManager:
             if (count == 0) != (block_id in free):
                 raise RuntimeError(f"block {block_id}: refcount {count}, free: {block_id in free}")
         for key, block_id in self._block_of_key.items():
-            if self._key_of_block.get(block_id) != key or block_id not in self._id_of_block:
+            if block_id not in self._registered_as or self._registered_as[block_id][0] != key:
                 raise RuntimeError(f"block {block_id}: prefix-cache index disagrees")
-        if len(self._key_of_block) != len(self._block_of_key):
+        if len(self._registered_as) != len(self._block_of_key):
             raise RuntimeError("prefix-cache index disagrees")
         for slot_id, registered in self._registered.items():
-            if any(block_id not in self._key_of_block for block_id in self._tables[slot_id][:registered]):
+            if any(block_id not in self._registered_as for block_id in self._tables[slot_id][:registered]):
                 raise RuntimeError(f"slot {slot_id!r}: a block counted as registered is not")
 
     def _table(self, slot_id: str) -> list[int]:
@@ -304,15 +304,14 @@ class BlockManager:
     def _take_free(self) -> int:
         """The oldest free block, held once; its cached contents (if any) are forgotten."""
         block_id, _ = self._free.popitem(last=False)
-        if block_id in self._key_of_block:
+        if block_id in self._registered_as:
             self._unregister(block_id)
         self._refcount[block_id] = 1
         return block_id
 
     def _unregister(self, block_id: int) -> None:
         """Forget a block's contents (it is about to be written); blocks keyed to it become unreachable."""
-        del self._block_of_key[self._key_of_block.pop(block_id)]
-        del self._id_of_block[block_id]
+        del self._block_of_key[self._registered_as.pop(block_id)[0]]
 
     def _release(self, block_id: int) -> None:
         """Drop one reference; the block is free again when nobody holds it."""
