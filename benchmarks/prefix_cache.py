@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 from specdec.client import SpecdecClient
+from specdec_bench.results import lscpu
 from specdec_bench.stack import Stack, running_stack
 from specdec_bench.workloads import PROMPTS
 
@@ -40,8 +40,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per turn")
     args = parser.parse_args()
-    fields = dict(line.split(":", 1) for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines() if ":" in line)
-    print("CPU:", ", ".join(f"{k} {fields.get(k, '?').strip()}" for k in ("Model name", "CPU family", "Model", "CPU(s)")))
+    cpu = lscpu()
+    print("CPU:", ", ".join(f"{k} {cpu.get(k, '?')}" for k in ("Model name", "CPU family", "Model", "CPU(s)")))
     ttft: dict[tuple[str, int], list[float]] = {}
     rate: dict[tuple[str, int], list[float]] = {}
     with stacks() as running:

@@ -99,7 +99,8 @@ class BenchResults:
         )
 
 
-def _lscpu() -> dict[str, str]:
+def lscpu() -> dict[str, str]:
+    """`lscpu`'s fields by name (empty without lscpu)."""
     if shutil.which("lscpu") is None:
         return {}
     out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
@@ -118,7 +119,7 @@ def _git_revision() -> str:
 
 def machine() -> dict[str, Any]:
     """The CPU (model and flags from lscpu), core count and software versions."""
-    cpu = _lscpu()
+    cpu = lscpu()
     return {
         "cpu_model": cpu.get("Model name", platform.processor()),
         "cpu_flags": cpu.get("Flags", ""),

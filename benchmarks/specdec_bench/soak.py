@@ -26,7 +26,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -41,6 +40,7 @@ from tqdm import tqdm
 from specdec.cli.launcher import ServiceProcess, start_service
 from specdec.client import SpecdecClient, build_request
 from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
+from specdec_bench.results import lscpu
 from specdec_bench.stack import Stack, running_stack
 from specdec_bench.workloads import PROMPTS, chat
 
@@ -125,12 +125,8 @@ class SoakReport:
 
 
 def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return "unknown"
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    return f"{fields.get('Model name', 'unknown').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs"
+    fields = lscpu()
+    return f"{fields.get('Model name', 'unknown')}, {fields.get('CPU(s)', '?')} CPUs"
 
 
 def make_plans(config: SoakConfig) -> list[Plan]:
