@@ -17,6 +17,8 @@ from specdec_bench.workloads import PROMPTS
 
 #: Fewest prompts a run uses (W1 medians over fewer would say little).
 MIN_PROMPTS = 5
+#: The draft's `--compile-budget-s` in a run: enough to build every compiled graph cold.
+BENCH_COMPILE_BUDGET_S = 600.0
 
 
 def _help(text: str) -> dict[str, str]:

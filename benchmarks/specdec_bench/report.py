@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specdec_bench.analysis import PHASES, CostSummary, Spread, Summary, W1Summary
+from specdec_bench.config import BENCH_COMPILE_BUDGET_S
 from specdec_bench.results import BenchResults
 
 
@@ -105,14 +106,18 @@ def render_page(results: BenchResults, summary: Summary, plots: dict[str, Path],
         f"transformers {machine.get('transformers', '?')}, Python {machine.get('python', '?')}; "
         f"git {machine.get('git', '?')}; {m.get('date', '')}, {_f(m.get('duration_s', math.nan), 0)} s.",
         f"- Models: target `{costs.target_model}` ({costs.target_dtype}), draft `{costs.draft_model}` "
-        f"({costs.draft_dtype}{', ' + costs.draft_quantization if costs.draft_quantization else ''}); "
+        f"({costs.draft_dtype}{', ' + costs.draft_quantization if costs.draft_quantization else ''}; "
+        f"compiled: {', '.join(costs.draft_compiled_steps) or 'none, eager'}); "
         f"gateway default K = {costs.default_num_speculative_tokens}, adaptive K {'on' if costs.adaptive_k else 'off'}.",
         f"- Workload: {config.get('prompts')} chat prompts × {config.get('max_new_tokens')} new tokens, "
         f"{config.get('repetitions')} repetition(s); sampled variant T = {config.get('temperature')} with a fixed seed "
         f"per prompt; concurrency requests {config.get('concurrency_tokens')} tokens each, "
         f"{config.get('concurrency_repetitions', 1)} repetition(s) per level and mode. Both services run with "
         "`--no-prefix-caching` (unless the command says otherwise): every prompt is sent more than once, and "
-        "each prefill is computed in full, as for a prompt seen for the first time.",
+        "each prefill is computed in full, as for a prompt seen for the first time. The draft runs with "
+        f"`--compile-budget-s {BENCH_COMPILE_BUDGET_S:.0f}`: it builds all its compiled graphs even from a cold compile "
+        "cache, as a default service does after a restart or two from a warm one; otherwise the figures would "
+        "depend on how many starts came before.",
         "- Command:",
         "",
         "```",

@@ -44,6 +44,8 @@ class ServiceCosts:
     draft_model: str = ""
     draft_dtype: str = ""
     draft_quantization: str = ""
+    #: The draft's steps that ran compiled (`ModelInfo.compiled_steps`).
+    draft_compiled_steps: list[str] = field(default_factory=list)
 
     @classmethod
     def from_info(cls, info: gateway_pb2.GatewayInfo) -> ServiceCosts:
@@ -55,6 +57,7 @@ class ServiceCosts:
             max_speculative_tokens=info.max_speculative_tokens, adaptive_k=info.adaptive_k,
             target_model=info.target.model_name, target_dtype=info.target.dtype, draft_model=info.draft.model_name,
             draft_dtype=info.draft.dtype, draft_quantization=info.draft.quantization,
+            draft_compiled_steps=list(info.draft.compiled_steps),
         )
 
 

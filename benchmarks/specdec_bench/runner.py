@@ -21,7 +21,7 @@ from transformers.utils import logging as hf_logging
 
 from specdec.client import SpecdecClient
 from specdec_bench import analysis, plots, report
-from specdec_bench.config import BenchConfig
+from specdec_bench.config import BENCH_COMPILE_BUDGET_S, BenchConfig
 from specdec_bench.peers import METHODS, run_peers
 from specdec_bench.results import BenchResults, ServiceCosts, machine
 from specdec_bench.stack import running_stack
@@ -73,7 +73,11 @@ def measure(config: BenchConfig, command: str) -> BenchResults:
         # Prompts computed in full: W1 and the sweeps repeat every prompt, and with the prefix
         # cache on, every repeat after the first would skip both prefills (flags given later win).
         cold = "--no-prefix-caching"
-        with running_stack(f"{cold} {config.target_args}", f"{cold} {config.draft_args}", config.gateway_args) as stack:
+        # Every compiled graph, as a service started from a warm compile cache has them.
+        all_graphs = f"--compile-budget-s {BENCH_COMPILE_BUDGET_S:.0f}"
+        with running_stack(
+            f"{cold} {config.target_args}", f"{cold} {all_graphs} {config.draft_args}", config.gateway_args,
+        ) as stack:
             laps.lap("start_services")
             with SpecdecClient(stack.address, timeout=REQUEST_TIMEOUT_S) as client:
                 costs = ServiceCosts.from_info(client.info())

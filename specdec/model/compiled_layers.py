@@ -17,7 +17,7 @@ accepted one (the last draft token and the target's bonus token). Eager, that st
 ms); compiled, about the same as one (5.2 ms). Its graph costs start-up time (cold: 17 s
 on the Zen 5 after the 1-token graph's 19 s; 44 s on the Zen 3, whose 1-token graph took
 30-33 s), so it is built only when the 1-token graph was quick enough for start-up to
-stay within about a minute.
+stay within about a minute (`--compile-budget-s`).
 
 A third graph covers a batch's 1-token step (two or more requests, the batch size
 dynamic): eager, a step of 4 requests cost 11.4 ms against 8.3 ms compiled, and 8
@@ -49,9 +49,10 @@ WARM_UP_CONTEXTS = (TIMING_CONTEXT - 1, TIMING_CONTEXT)
 #: Shape classes (requests, tokens each) that get a graph, in order: a single request's
 #: drafting step, its round-opening 2-token feed, then a batch's drafting step.
 SHAPES = ((1, 1), (1, 2), (MANY, 1))
-#: A shape after the first gets its graph only when the graphs so far took at most this
-#: many seconds to build: each costs about as much again (see the module docstring).
-MORE_SHAPES_WITHIN_S = 25.0
+#: The default of `--compile-budget-s`: a shape after the first gets its graph only when
+#: the graphs so far took at most this many seconds to build, since each costs about as
+#: much again (see the module docstring).
+DEFAULT_COMPILE_BUDGET_S = 25.0
 #: Requests in the batch steps that warm up and time the batch graph: the warm-up runs 2
 #: (the graph is built with the batch size dynamic) and then 3 through it, the timing all.
 BATCH_SLOTS = 3
@@ -62,14 +63,17 @@ MIN_GAIN = 0.05
 _SLOT_PREFIX = "\x00compile-"  # never a gateway slot id: those are printable
 
 
-def choose_layer_path(forward: PagedLlama, cache: PagedKVCache, mode: str) -> str:
+def choose_layer_path(
+    forward: PagedLlama, cache: PagedKVCache, mode: str, budget_s: float = DEFAULT_COMPILE_BUDGET_S
+) -> str:
     """Set and return `forward`'s layer path ("compiled" or "eager"), and the shape classes
     its compiled path covers (`forward.compiled_shapes`), for `mode`.
 
     "off" keeps eager without compiling; "on" compiles and keeps every shape that compiled;
     "auto" compiles, then times each shape's step both ways and keeps the shapes where
-    compiled is faster (eager when none is). Uses (and afterwards frees) temporary slots
-    in `cache`.
+    compiled is faster (eager when none is). The first shape is always built; each further
+    one only while the graphs before took at most `budget_s` seconds. Uses (and afterwards
+    frees) temporary slots in `cache`.
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"mode must be one of {COMPILE_MODES}, got {mode!r}")
@@ -95,7 +99,7 @@ def choose_layer_path(forward: PagedLlama, cache: PagedKVCache, mode: str) -> st
 
         forward.compile_layers()
         forward.set_layer_path("compiled")
-        compile_s = _compile_shapes(forward, step)
+        compile_s = _compile_shapes(forward, step, budget_s)
         if not forward.compiled_shapes:
             forward.set_layer_path("eager")
             return "eager"
@@ -123,17 +127,18 @@ def _timed_requests(shape: tuple[int, int]) -> int:
     return BATCH_SLOTS if shape[0] == MANY else 1
 
 
-def _compile_shapes(forward: PagedLlama, step: Callable[[int, int, int], float]) -> float:
-    """Build the graph of each shape in `SHAPES` by running its steps (while the start-up
-    budget lasts), adding it to `forward.compiled_shapes`; return the seconds spent. A
+def _compile_shapes(forward: PagedLlama, step: Callable[[int, int, int], float], budget_s: float) -> float:
+    """Build the graph of each shape in `SHAPES` by running its steps (while `budget_s`
+    lasts), adding it to `forward.compiled_shapes`; return the seconds spent. A
     batch warms up at 2 and then 3 requests, so that its graph takes any batch size."""
     started = time.perf_counter()
     forward.compile_on_miss = True
     try:
         for shape in SHAPES:
             spent = time.perf_counter() - started
-            if forward.compiled_shapes and spent > MORE_SHAPES_WITHIN_S:
-                log.info("%s stay eager: the graphs before took %.1f s to build", _name(shape), spent)
+            if forward.compiled_shapes and spent > budget_s:
+                log.info("%s stay eager: the graphs before took %.1f s to build, over --compile-budget-s %.0f "
+                         "(a restart loads them from the compile cache and builds the next)", _name(shape), spent, budget_s)
                 break
             requests, width = shape
             forward.compiled_shapes.add(shape)
@@ -164,6 +169,13 @@ def _time_both_paths(
             for shape, samples in by_shape.items():
                 samples.append(step(TIMING_CONTEXT, _timed_requests(shape), shape[1]))
     return times
+
+
+def compiled_step_names(forward: PagedLlama) -> tuple[str, ...]:
+    """The steps `forward` runs compiled, by name (empty on the eager path)."""
+    if forward.layer_path != "compiled":
+        return ()
+    return tuple(_name(shape) for shape in sorted(forward.compiled_shapes))
 
 
 def _name(shape: tuple[int, int]) -> str:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from specdec.errors import InvalidArgumentError
 from specdec.flags import option
-from specdec.model.compiled_layers import COMPILE_MODES
+from specdec.model.compiled_layers import COMPILE_MODES, DEFAULT_COMPILE_BUDGET_S
 from specdec.model.loader import DEFAULT_MODEL
 from specdec.model.runtime import DTYPES, QUANTIZATIONS
 from specdec.serving.security import ServerSecurity
@@ -49,6 +49,10 @@ class ModelServiceConfig(ServerSecurity):
         "off", "torch.compile the decoder layers of the drafting loop's steps (a single request's 1- and 2-token steps, a batch's 1-token step): on, off, or "
         "auto (compile, time both at start-up, keep the faster; eager when --no-measure-costs)", choices=COMPILE_MODES,
     )
+    compile_budget_s: float = option(
+        DEFAULT_COMPILE_BUDGET_S, "start-up seconds for compiled graphs: the first is always built, each further one "
+        "only while the graphs before took at most this long (cached graphs load in seconds, so restarts build more)",
+    )
     threads: int = option(0, "intra-op threads of the forward pass (0 = one per core)")
     release_threads: bool = option(
         True, "after a call that hands the cores to the other service (a Propose; a Verify of draft tokens), let the "
@@ -80,6 +84,8 @@ class ModelServiceConfig(ServerSecurity):
             raise InvalidArgumentError(f"num_layers must be >= 0, got {self.num_layers}")
         if self.threads < 0:
             raise InvalidArgumentError(f"threads must be >= 0, got {self.threads}")
+        if not self.compile_budget_s >= 0:  # also refuses NaN
+            raise InvalidArgumentError(f"compile_budget_s must be >= 0, got {self.compile_budget_s}")
         parse_cores(self.cpu_cores)
         check_metrics_prefix(self.metrics_prefix)
         if not -1 <= self.metrics_port <= 65535:

@@ -16,7 +16,7 @@ import torch
 
 from specdec.cost_model import ForwardCost
 from specdec.errors import CapacityExhaustedError, InvalidArgumentError, SlotNotFoundError
-from specdec.model.compiled_layers import choose_layer_path
+from specdec.model.compiled_layers import choose_layer_path, compiled_step_names
 from specdec.model.cost_profile import measure_forward_costs
 from specdec.model.runtime import ModelRuntime
 from specdec.model.tokenizer_info import TokenizerInfo
@@ -52,7 +52,7 @@ class ModelEngine:
         # "auto" decides by timing both paths: a service told not to measure (tests, fast
         # restarts) stays eager rather than compile blind.
         compile_mode = "off" if config.compile == "auto" and not config.measure_costs else config.compile
-        choose_layer_path(self.forward, self.cache, compile_mode)  # sets `self.forward.layer_path`
+        choose_layer_path(self.forward, self.cache, compile_mode, config.compile_budget_s)  # sets `self.forward.layer_path`
         if config.measure_costs:
             self.forward_costs = tuple(measure_forward_costs(
                 self.forward, self.cache, max_batch=config.max_slots, max_tokens=config.max_speculative_tokens + 1,
@@ -83,6 +83,7 @@ class ModelEngine:
             device=str(self.cache.device),
             quantization="" if self.runtime.quantization == "none" else self.runtime.quantization,
             forward_costs=self.forward_costs,
+            compiled_steps=compiled_step_names(self.forward),
         )
 
     def truncate(self, slot_id: str, new_len: int) -> int:

@@ -237,6 +237,8 @@ class ModelInfo:
     device: str
     quantization: str
     forward_costs: tuple[ForwardCost, ...] = ()
+    #: The forward steps that run compiled, e.g. "single-request 1-token steps".
+    compiled_steps: tuple[str, ...] = ()
 
     def to_pb(self) -> common_pb2.ModelInfo:
         return common_pb2.ModelInfo(
@@ -259,6 +261,7 @@ class ModelInfo:
                 common_pb2.ForwardCost(batch_size=c.batch_size, tokens=c.tokens, seconds=c.seconds)
                 for c in self.forward_costs
             ],
+            compiled_steps=list(self.compiled_steps),
         )
 
     @classmethod
@@ -278,4 +281,5 @@ class ModelInfo:
             device=message.device,
             quantization=message.quantization,
             forward_costs=tuple(ForwardCost(c.batch_size, c.tokens, c.seconds) for c in message.forward_costs),
+            compiled_steps=tuple(message.compiled_steps),
         )

@@ -18,7 +18,7 @@ import torch
 from tiny_models import tiny_llama
 
 from specdec.model import compiled_layers
-from specdec.model.compiled_layers import TIMING_CONTEXT, choose_layer_path
+from specdec.model.compiled_layers import TIMING_CONTEXT, choose_layer_path, compiled_step_names
 from specdec.model.llama import PagedLlama, layers_per_compiled_call
 from specdec.model.quantize import quantize_int8
 from specdec.model.quantize_int4 import quantize_int4
@@ -120,15 +120,17 @@ def test_two_token_steps_run_their_own_graph_with_the_same_numbers(compiled: Pag
         torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
 
 
-def test_further_shapes_wait_for_a_quick_first_graph(compiled: PagedLlama, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(compiled_layers, "MORE_SHAPES_WITHIN_S", -1.0)  # the first graph always took too long
-    try:
-        assert choose_layer_path(compiled, compiled.new_cache(token_budget=1024), "on") == "compiled"
+def test_further_shapes_wait_for_a_quick_first_graph(compiled: PagedLlama) -> None:
+    try:  # a negative budget: the first graph always took too long
+        assert choose_layer_path(compiled, compiled.new_cache(token_budget=1024), "on", budget_s=-1.0) == "compiled"
         assert compiled.compiled_shapes == {(1, 1)}
+        assert compiled_step_names(compiled) == ("single-request 1-token steps",)  # what Info reports
     finally:
-        monkeypatch.undo()
         choose_layer_path(compiled, compiled.new_cache(token_budget=1024), "on")  # restore the shared fixture
     assert compiled.compiled_shapes == {(1, 1), (1, 2), (2, 1)}
+    assert compiled_step_names(compiled) == (
+        "single-request 1-token steps", "single-request 2-token steps", "batch 1-token steps",
+    )
 
 
 def test_batch_steps_of_any_size_run_one_graph_with_the_same_numbers(compiled: PagedLlama) -> None:
@@ -173,7 +175,7 @@ def test_wider_chunks_run_eager_with_the_same_numbers(compiled: PagedLlama) -> N
 def test_off_does_not_compile_and_auto_keeps_the_faster_path(compiled: PagedLlama, caplog: pytest.LogCaptureFixture) -> None:
     fresh = _int4_forward()
     assert choose_layer_path(fresh, fresh.new_cache(token_budget=1024), "off") == "eager"
-    assert fresh.compiled_group is None
+    assert fresh.compiled_group is None and compiled_step_names(fresh) == ()
     with caplog.at_level(logging.INFO, logger=compiled_layers.__name__):
         path = choose_layer_path(compiled, compiled.new_cache(token_budget=1024), "auto")
     assert compiled.layer_path == path

@@ -38,6 +38,11 @@ def test_every_flag_reaches_the_config() -> None:
     )
 
 
+def test_compile_budget_reaches_the_config() -> None:
+    assert parse(DraftConfig).compile_budget_s == 25.0
+    assert parse(DraftConfig, "--compile-budget-s", "300").compile_budget_s == 300.0
+
+
 def test_quantize_is_an_alias_of_quantization() -> None:
     assert parse(DraftConfig, "--quantize", "none").quantization == "none"
     assert parse(TargetConfig, "--quantize", "int8").quantization == "int8"
@@ -49,6 +54,7 @@ def test_quantize_is_an_alias_of_quantization() -> None:
         dict(dtype="float64"), dict(quantization="int2"), dict(port=70000), dict(port=-1), dict(max_slots=0),
         dict(kv_token_budget=0), dict(block_size=0), dict(max_speculative_tokens=0), dict(max_message_bytes=0),
         dict(max_seq_len=-1), dict(group_size=0), dict(threads=-1), dict(cpu_cores="0-x"), dict(cpu_cores="3-1"),
+        dict(compile_budget_s=-1.0), dict(compile_budget_s=float("nan")),
     ],
 )
 def test_bad_config_raises_a_typed_error(fields: dict[str, object]) -> None:
