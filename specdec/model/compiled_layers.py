@@ -105,7 +105,7 @@ def choose_layer_path(
             return "eager"
         if mode == "on":
             log.info("decoder layers compiled (%d a call) for %s in %.1f s (--compile on)",
-                     forward.layers_per_call, _names(forward.compiled_shapes), compile_s)
+                     forward.layers_per_call, ", ".join(compiled_step_names(forward)), compile_s)
             return "compiled"
         times = _time_both_paths(forward, step)
     eager = {shape: statistics.median(samples) for shape, samples in times["eager"].items()}
@@ -117,7 +117,7 @@ def choose_layer_path(
         "decoder layers compiled (%d a call) in %.1f s; steps at %d tokens of context, eager / compiled: %s; "
         "running %s", forward.layers_per_call, compile_s, TIMING_CONTEXT,
         ", ".join(f"{_name(shape)} {eager[shape] * 1e3:.1f} / {compiled[shape] * 1e3:.1f} ms" for shape in sorted(eager)),
-        f"compiled ({_names(forward.compiled_shapes)})" if forward.compiled_shapes else "eager",
+        f"compiled ({', '.join(compiled_step_names(forward))})" if forward.compiled_shapes else "eager",
     )
     return path
 
@@ -182,7 +182,3 @@ def _name(shape: tuple[int, int]) -> str:
     requests, width = shape
     who = "batch" if requests == MANY else "single-request"
     return f"{who} {width}-token steps"
-
-
-def _names(shapes: set[tuple[int, int]]) -> str:
-    return ", ".join(_name(shape) for shape in sorted(shapes))
