@@ -10,14 +10,16 @@ from specdec.model.compiled_layers import COMPILE_MODES, DEFAULT_COMPILE_BUDGET_
 from specdec.model.loader import DEFAULT_MODEL
 from specdec.model.runtime import DTYPES, QUANTIZATIONS
 from specdec.serving.security import ServerSecurity
+from specdec.serving.thread_placement import ThreadPlacement, parse_cores
 from specdec.stats import DEFAULT_PREFIX, check_metrics_prefix
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)
-class ModelServiceConfig(ServerSecurity):
+class ModelServiceConfig(ServerSecurity, ThreadPlacement):
     """What a model service (draft or target) loads, how big its pools are, where it listens
-    (and, from `ServerSecurity`, its TLS and token settings)."""
+    (and, from `ServerSecurity`, its TLS and token settings; from `ThreadPlacement`, which
+    cores its threads run on)."""
 
     model: str = option(DEFAULT_MODEL, "embedded name (smollm2-135m), .gguf file, local directory or hub id")
     dtype: str = option("float32", "compute dtype of the forward pass", choices=sorted(DTYPES))
@@ -58,7 +60,6 @@ class ModelServiceConfig(ServerSecurity):
         True, "after a call that hands the cores to the other service (a Propose; a Verify of draft tokens), let the "
         "OpenMP threads go instead of spinning into its turn",
     )
-    cpu_cores: str = option("", "pin the service to these CPU cores, e.g. 0 or 0-1 (empty = no pinning)")
     metrics_port: int = option(-1, "Prometheus /metrics port (-1 = off, 0 = any free port)")
     metrics_prefix: str = option(DEFAULT_PREFIX, "prefix of every metric name")
     #: A gateway renews its lease every few seconds; one that stops (killed, partitioned)
@@ -94,18 +95,3 @@ class ModelServiceConfig(ServerSecurity):
             raise InvalidArgumentError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
         if self.max_seq_len < 0:
             raise InvalidArgumentError(f"max_seq_len must be >= 0, got {self.max_seq_len}")
-
-
-def parse_cores(spec: str) -> set[int]:
-    """CPU core numbers from "0,2" or "0-3" (empty: none); InvalidArgumentError when malformed."""
-    cores: set[int] = set()
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        low, _, high = part.partition("-")
-        try:
-            first, last = int(low), int(high or low)
-        except ValueError:
-            raise InvalidArgumentError(f"cpu_cores: {part!r} is not a core number or range") from None
-        if not 0 <= first <= last:
-            raise InvalidArgumentError(f"cpu_cores: {part!r} is not a valid range")
-        cores.update(range(first, last + 1))
-    return cores

@@ -18,11 +18,13 @@ import torch
 
 from specdec.errors import InvalidArgumentError
 from specdec.model.runtime import ModelRuntime, build_runtime
-from specdec.serving.config import ModelServiceConfig, parse_cores
+from specdec.serving.config import ModelServiceConfig
 from specdec.serving.engine import ModelEngine
 from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer, start_server
 from specdec.serving.metrics import ServiceStats, service_endpoint
+from specdec.serving.openmp import proc_bind
+from specdec.serving.thread_placement import parse_cores
 from specdec.serving.worker import ModelWorker, cancel_and_wait
 from specdec.v1 import common_pb2
 from specdec.wire.items import Lease
@@ -91,10 +93,12 @@ async def expire_leases_forever(engine: ModelEngine, worker: ModelWorker) -> Non
 def build_engine(engine_cls: Callable[[ModelRuntime, C], E], config: C) -> E:
     """Apply the thread and core settings, load the configured model and wrap an engine
     of `engine_cls` around it (on the model worker thread, which runs all torch work)."""
-    if cores := parse_cores(config.cpu_cores):
+    cores = parse_cores(config.cpu_cores)
+    if cores:
         os.sched_setaffinity(0, cores)
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    if threads := config.threads or len(cores):
+        torch.set_num_threads(threads)
+    log.info("forward on %d intra-op threads, OpenMP binding: %s", torch.get_num_threads(), proc_bind())
     runtime = build_runtime(
         config.model, dtype=config.dtype, device=config.device,
         quantization=config.quantization, num_layers=config.num_layers, group_size=config.group_size,

@@ -30,21 +30,41 @@ log = logging.getLogger(__name__)
 
 #: `omp_pause_soft` of OpenMP 5.0's `omp_pause_resource_t`: release the threads, keep the ICVs.
 OMP_PAUSE_SOFT = 1
+#: OpenMP's `omp_proc_bind_t`, by value.
+PROC_BIND_POLICIES = ("false", "true", "primary", "close", "spread")
+
+
+@functools.cache
+def _libgomp() -> ctypes.CDLL | None:
+    """The libgomp torch loaded (a library already loaded is found by its soname), or None."""
+    try:
+        return ctypes.CDLL("libgomp.so.1")
+    except OSError:
+        return None
 
 
 @functools.cache
 def _pause_all() -> Callable[[int], int] | None:
-    """libgomp's `omp_pause_resource_all` (the library torch loaded: a library already
-    loaded is found by its soname), or None without one."""
-    try:
-        function = ctypes.CDLL("libgomp.so.1").omp_pause_resource_all
-    except (OSError, AttributeError):
+    """libgomp's `omp_pause_resource_all`, or None without one."""
+    function = getattr(_libgomp(), "omp_pause_resource_all", None)
+    if function is None:
         log.info("no libgomp with omp_pause_resource_all: OpenMP threads are left to spin")
         return None
     function.argtypes = [ctypes.c_int]
     function.restype = ctypes.c_int
     pause: Callable[[int], int] = function
     return pause
+
+
+def proc_bind() -> str:
+    """The calling thread's OpenMP thread-binding policy ("false" when unbound; "close" as
+    `specdec.serving.thread_placement` sets it), or "unknown" without libgomp."""
+    function = getattr(_libgomp(), "omp_get_proc_bind", None)
+    if function is None:
+        return "unknown"
+    function.restype = ctypes.c_int
+    policy = function()
+    return PROC_BIND_POLICIES[policy] if 0 <= policy < len(PROC_BIND_POLICIES) else str(policy)
 
 
 def release_threads() -> bool:

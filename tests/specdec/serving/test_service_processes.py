@@ -2,7 +2,8 @@
 
 Both start at once on port 0 with their default models (fp32 target, int8 + bf16 draft),
 announce "<name> listening on host:port", answer Info, the standard health check and
-server reflection, serve a real model call, and exit cleanly on SIGTERM.
+server reflection, serve a real model call on OpenMP threads bound one per core, and exit
+cleanly on SIGTERM.
 """
 
 from __future__ import annotations
@@ -115,6 +116,15 @@ def check_health_and_reflection(channel: grpc.Channel, service_name: str) -> Non
     assert service_name in {s.name for s in replies[0].list_services_response.service}
 
 
+def check_forward_thread_bound(pid: int) -> None:
+    """The entry point bound the OpenMP threads (`thread_placement`): after a model call the
+    thread that runs the forward is pinned to one core, the main thread is not."""
+    if len(os.sched_getaffinity(pid)) < 2:
+        return
+    pinned = [tid for tid in map(int, os.listdir(f"/proc/{pid}/task")) if len(os.sched_getaffinity(tid)) == 1]
+    assert pinned and pid not in pinned
+
+
 def test_entry_points_serve_health_reflection_and_stop_on_sigterm(launch: Callable[[str], ServiceProcess]) -> None:
     draft, target = launch("specdec.draft_server"), launch("specdec.target_server")
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -150,6 +160,8 @@ def test_entry_points_serve_health_reflection_and_stop_on_sigterm(launch: Callab
             target_pb2.VerifyItem(slot_id="r", valid_len=len(prompt) - 1, tokens=[prompt[-1], *proposal.tokens])
         ]), timeout=60).results[0]
         assert tuple(decode_tensor(verified.logits).shape) == (4, target_info.vocab_size)
+        for process in (draft, target):
+            check_forward_thread_bound(process.proc.pid)
     finally:
         for channel in channels.values():
             channel.close()
