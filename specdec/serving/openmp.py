@@ -13,9 +13,10 @@ bridges the gateway's turn (README, "Measured on this machine").
 So a service lets its thread team go only after a call that hands the machine to the
 other service: the draft after every Propose, the target after a Verify that judged
 draft tokens. OpenMP 5.0's `omp_pause_resource_all` ends the calling thread's team, and
-the next forward starts a new one (a fraction of a millisecond). One trio, greedy
-requests alternating with and without it (6 prompts × 128 tokens, 2 repetitions, AMD
-EPYC Zen 5): speculative decoding 92.5 → 100.7 tok/s (pairwise median 1.066×), plain
+the next forward starts a new one (a fraction of a millisecond; where its workers start
+is `specdec.serving.thread_placement`'s business). One trio, greedy requests alternating
+with and without it (6 prompts × 128 tokens, 2 repetitions, AMD EPYC Zen 5): speculative
+decoding 92.5 → 100.7 tok/s (pairwise median 1.066×), plain
 decoding unchanged (0.992×). It is a no-op where torch does not run on libgomp.
 """
 

@@ -51,8 +51,10 @@ def run(*argv: str, env: dict[str, str] | None = None) -> dict:
     return json.loads(out.stdout.splitlines()[-1])
 
 
-def single_core_threads(masks: dict[str, list[int]]) -> dict[int, int]:
-    return {int(tid): mask[0] for tid, mask in masks.items() if len(mask) == 1}
+def bound_threads(masks: dict[str, list[int]]) -> dict[int, list[int]]:
+    """Threads allowed fewer CPUs than the machine gives (a core's, or its hyperthreads')."""
+    every = sorted(os.sched_getaffinity(0))
+    return {int(tid): mask for tid, mask in masks.items() if mask != every}
 
 
 def test_forward_thread_and_each_new_worker_get_a_core_of_their_own() -> None:
@@ -60,10 +62,11 @@ def test_forward_thread_and_each_new_worker_get_a_core_of_their_own() -> None:
     result = run("--threads", "2")
     assert result["applied"] == {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"} and result["policy"] == "close"
     for team in (result["first"], result["second"]):
-        pinned = single_core_threads(team)
-        assert pinned.pop(result["worker"]) == cores[0]  # the thread running the forward
-        assert list(pinned.values()) == [cores[1]]  # its one worker, on the next core
-    assert set(single_core_threads(result["first"])) != set(single_core_threads(result["second"]))  # a new worker
+        bound = bound_threads(team)
+        forward = bound.pop(result["worker"])  # the thread running the forward: the first core
+        assert cores[0] in forward and len(bound) == 1  # its one worker, on a core of its own
+        assert not set(forward) & set(*bound.values())
+    assert set(bound_threads(result["first"])) != set(bound_threads(result["second"]))  # a new worker
     assert result["main_mask"] == cores  # the main thread (and what it starts later) is free
     assert result["env"] == {"OMP_PROC_BIND": None, "OMP_PLACES": None}  # children start unbound
 
@@ -71,11 +74,11 @@ def test_forward_thread_and_each_new_worker_get_a_core_of_their_own() -> None:
 def test_cpu_cores_choose_the_places() -> None:
     cores = sorted(os.sched_getaffinity(0))
     result = run("--cpu-cores", f"{cores[1]},{cores[0]}")
-    pinned = single_core_threads(result["first"])
-    assert pinned.pop(result["worker"]) == cores[0] and list(pinned.values()) == [cores[1]]
+    bound = bound_threads(result["first"])
+    assert bound.pop(result["worker"]) == [cores[0]] and list(bound.values()) == [[cores[1]]]
 
 
 def test_no_bind_threads_and_the_operators_variables_leave_threads_free() -> None:
     for result in (run("--no-bind-threads"), run(env={"OMP_PROC_BIND": "false"})):
         assert result["applied"] == {} and result["policy"] == "false"
-        assert single_core_threads(result["first"]) == {} and single_core_threads(result["second"]) == {}
+        assert bound_threads(result["first"]) == {} and bound_threads(result["second"]) == {}

@@ -119,9 +119,10 @@ def check_health_and_reflection(channel: grpc.Channel, service_name: str) -> Non
 def check_forward_thread_bound(pid: int) -> None:
     """The entry point bound the OpenMP threads (`thread_placement`): after a model call the
     thread that runs the forward is pinned to one core, the main thread is not."""
-    if len(os.sched_getaffinity(pid)) < 2:
+    every = os.sched_getaffinity(pid)
+    if len(every) < 2:
         return
-    pinned = [tid for tid in map(int, os.listdir(f"/proc/{pid}/task")) if len(os.sched_getaffinity(tid)) == 1]
+    pinned = [tid for tid in map(int, os.listdir(f"/proc/{pid}/task")) if os.sched_getaffinity(tid) < every]
     assert pinned and pid not in pinned
 
 
