@@ -16,8 +16,8 @@ draft tokens. OpenMP 5.0's `omp_pause_resource_all` ends the calling thread's te
 the next forward starts a new one (a fraction of a millisecond; where its workers start
 is `specdec.serving.thread_placement`'s business). One trio, greedy requests alternating
 with and without it (6 prompts × 128 tokens, 2 repetitions, AMD EPYC Zen 5): speculative
-decoding 92.5 → 100.7 tok/s (pairwise median 1.066×), plain
-decoding unchanged (0.992×). It is a no-op where torch does not run on libgomp.
+decoding 92.5 → 100.7 tok/s (pairwise median 1.066×), plain decoding unchanged (0.992×).
+It is a no-op where torch does not run on libgomp.
 """
 
 from __future__ import annotations

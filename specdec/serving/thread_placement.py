@@ -74,8 +74,8 @@ def openmp_binding(placement: ThreadPlacement, environ: Mapping[str, str]) -> di
 def bind_threads_before_torch(argv: Sequence[str]) -> dict[str, str]:
     """Read `--bind-threads` and `--cpu-cores` from `argv`, then load torch with the OpenMP
     binding they ask for. Returns the variables it applied ({} when none: binding off, set
-    by the operator, torch already loaded, or no CPU affinity calls on this OS). Malformed flags are left to the service's own
-    parse, which reports them."""
+    by the operator, torch already loaded, or no CPU affinity calls on this OS). Malformed
+    flags are left to the service's own parse, which reports them."""
     if "torch" in sys.modules or not hasattr(os, "sched_getaffinity"):  # too late, or not Linux
         return {}
     parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)

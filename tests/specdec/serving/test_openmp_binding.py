@@ -17,7 +17,7 @@ import pytest
 _CHECK = textwrap.dedent("""
     import json, os, sys, threading
     from concurrent.futures import ThreadPoolExecutor
-    from specdec.serving.thread_placement import bind_threads_before_torch
+    from specdec.serving.thread_placement import OPENMP_BINDING_VARIABLES, bind_threads_before_torch
 
     applied = bind_threads_before_torch(sys.argv[1:])
     import torch
@@ -37,7 +37,7 @@ _CHECK = textwrap.dedent("""
 
     result = ThreadPoolExecutor(1).submit(forward).result()
     result.update(applied=applied, main=threading.get_native_id(), main_mask=sorted(os.sched_getaffinity(0)),
-                  env={name: os.environ.get(name) for name in ("OMP_PROC_BIND", "OMP_PLACES")})
+                  env={name: os.environ.get(name) for name in OPENMP_BINDING_VARIABLES})
     print(json.dumps(result))
 """)
 
