@@ -53,12 +53,14 @@ def build_runtime(
     num_layers: int = 0,
     group_size: int = 32,
     head_shortlist: int = DEFAULT_SHORTLIST,
+    int4_kernel: str = "auto",
 ) -> ModelRuntime:
     """Load `model` in `dtype` on `device`, optionally cut it to its first `num_layers` decoder
     layers and quantize its weights (int8, or int4 in groups of `group_size`), and wrap our
     forward around it. A quantized model's int8 output head becomes a `ShortlistHead` (a 4-bit
     pass, then the int8 head on its `head_shortlist` best tokens) where that measures faster;
-    `head_shortlist=0` keeps the int8 head.
+    `head_shortlist=0` keeps the int8 head. `int4_kernel` names the 4-bit matmul kernel
+    (`specdec.model.quantize_int4.KERNELS`) or "auto", which times them at start-up.
 
     The int8 and int4 kernels only pay off with bfloat16 activations on CPU (see `quantize`
     and `quantize_int4`), so the embedded default draft is `quantization="int4", dtype="bfloat16"`.
@@ -76,9 +78,11 @@ def build_runtime(
         # Decoder projections in 4 bits, from the GGUF's own Q4 blocks when the model came
         # from one; the output head in int8: a 4-bit head cost ~9 points of acceptance on
         # SmolLM2 (teacher-forced greedy agreement 0.90 vs 0.98 with an int8 head).
-        quantize_int4(loaded.model, group_size=group_size, gguf_path=gguf_path_of(model), include_lm_head=False)
+        quantize_int4(
+            loaded.model, group_size=group_size, gguf_path=gguf_path_of(model), include_lm_head=False, kernel=int4_kernel
+        )
         quantize_int8(loaded.model)  # only the head is still an nn.Linear
         loaded.model.config.specdec_quantization = "int4"
     if isinstance(loaded.model.lm_head, Int8Linear):
-        loaded.model.lm_head = choose_head(loaded.model.lm_head, head_shortlist)
+        loaded.model.lm_head = choose_head(loaded.model.lm_head, head_shortlist, kernel=int4_kernel)
     return ModelRuntime(loaded=loaded, forward=PagedLlama(loaded.model), quantization=quantization)

@@ -61,10 +61,13 @@ class ShortlistHead(nn.Module):
         self.out_features, self.in_features = exact.out_features, exact.in_features
 
     @classmethod
-    def from_int8(cls, exact: Int8Linear, shortlist: int = DEFAULT_SHORTLIST, group_size: int = COARSE_GROUP_SIZE) -> ShortlistHead:
-        """The coarse pass quantized from the int8 head's own (dequantized) weight."""
+    def from_int8(
+        cls, exact: Int8Linear, shortlist: int = DEFAULT_SHORTLIST, group_size: int = COARSE_GROUP_SIZE, *, kernel: str = "auto"
+    ) -> ShortlistHead:
+        """The coarse pass quantized from the int8 head's own (dequantized) weight, computed by the
+        int4 ``kernel`` (see `Int4Linear`)."""
         weight = Int4Weight.from_float(exact.dequantized_weight().float(), group_size)
-        coarse = Int4Linear(weight, source="float")
+        coarse = Int4Linear(weight, source="float", kernel=kernel)
         coarse.prepare(exact.weight_int8.device, exact.scales.dtype)
         return cls(exact, coarse, shortlist)
 
@@ -83,8 +86,9 @@ class ShortlistHead(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, shortlist={self.shortlist}"
 
 
-def choose_head(exact: Int8Linear, shortlist: int) -> nn.Module:
-    """``exact``, or a `ShortlistHead` over it if that computes one and four rows faster here.
+def choose_head(exact: Int8Linear, shortlist: int, *, kernel: str = "auto") -> nn.Module:
+    """``exact``, or a `ShortlistHead` over it (its coarse pass on the int4 ``kernel``) if that
+    computes one and four rows faster here.
 
     Timed on one thread, as `specdec.model.quantize_int4.choose_int4_kernel` times its
     kernels: per-core speed ranks them, and a second thread only adds the other process's
@@ -92,7 +96,7 @@ def choose_head(exact: Int8Linear, shortlist: int) -> nn.Module:
     """
     if shortlist <= 0:
         return exact
-    candidate = ShortlistHead.from_int8(exact, min(shortlist, exact.out_features))
+    candidate = ShortlistHead.from_int8(exact, min(shortlist, exact.out_features), kernel=kernel)
     x = torch.randn(4, exact.in_features, generator=torch.Generator().manual_seed(0))
     x = x.to(device=exact.weight_int8.device, dtype=exact.scales.dtype)  # [rows, in]
 

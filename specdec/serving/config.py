@@ -8,6 +8,7 @@ from specdec.errors import InvalidArgumentError
 from specdec.flags import option
 from specdec.model.compiled_layers import COMPILE_MODES, DEFAULT_COMPILE_BUDGET_S
 from specdec.model.loader import DEFAULT_MODEL
+from specdec.model.quantize_int4 import KERNELS as INT4_KERNELS
 from specdec.model.runtime import DTYPES, QUANTIZATIONS
 from specdec.serving.security import ServerSecurity
 from specdec.serving.thread_placement import ThreadPlacement, parse_cores
@@ -32,6 +33,10 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
     head_shortlist: int = option(
         32, "a quantized model's output head: a 4-bit pass over the vocabulary, then the int8 head on this many best "
         "tokens a row, where a start-up timing finds that faster than the int8 head alone (0 = int8 head only)",
+    )
+    int4_kernel: str = option(
+        "auto", "int4 matmul kernel: int4dot (ours, AVX-512 BF16), int4pack (torch's), dequant (float weights), "
+        "or auto (time those that run here at start-up, keep the fastest)", choices=("auto", *INT4_KERNELS),
     )
     num_layers: int = option(0, "keep only the first N decoder layers (0 = all; a weak draft for tests)")
     host: str = option("127.0.0.1", "address to bind")

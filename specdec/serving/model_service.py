@@ -102,7 +102,7 @@ def build_engine(engine_cls: Callable[[ModelRuntime, C], E], config: C) -> E:
     runtime = build_runtime(
         config.model, dtype=config.dtype, device=config.device,
         quantization=config.quantization, num_layers=config.num_layers, group_size=config.group_size,
-        head_shortlist=config.head_shortlist,
+        head_shortlist=config.head_shortlist, int4_kernel=config.int4_kernel,
     )
     return engine_cls(runtime, config)
 

@@ -16,7 +16,7 @@ from torch import nn
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
 from specdec.errors import InvalidArgumentError
-from specdec.model import gguf_q4
+from specdec.model import gguf_q4, int4_dot
 from specdec.model import quantize_int4 as qi4
 from specdec.model.gguf_q4 import gguf_int4_weights, read_gguf_int4_weights, rope_unpermute_rows
 from specdec.model.int4_weight import Int4Weight
@@ -24,7 +24,11 @@ from specdec.model.loader import DEFAULT_MODEL, LoadedModel, embedded_model_path
 from specdec.model.quantize_int4 import Int4Linear, choose_int4_kernel, quantize_int4
 
 HAS_OP = hasattr(torch, "_weight_int4pack_mm_for_cpu")
-KERNELS = ["dequant", pytest.param("int4pack", marks=pytest.mark.skipif(not HAS_OP, reason="no int4pack op"))]
+KERNELS = [
+    "dequant",
+    pytest.param("int4pack", marks=pytest.mark.skipif(not HAS_OP, reason="no int4pack op")),
+    pytest.param("int4dot", marks=pytest.mark.skipif(not int4_dot.available(), reason="int4dot needs AVX-512 BF16")),
+]
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog because",
@@ -121,27 +125,31 @@ def test_int4pack_kernel_convention() -> None:
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernels_match_dequantized_reference(kernel: str, dtype: torch.dtype) -> None:
-    weight = Int4Weight.from_float(random_weight(96, 256) + 0.1, 32)
-    bias = torch.randn(96)
+    if kernel == "int4dot" and dtype != torch.bfloat16:
+        pytest.skip("int4dot takes bfloat16 activations only")
+    weight = Int4Weight.from_float(random_weight(128, 256) + 0.1, 32)
+    bias = torch.randn(128)
     module = Int4Linear(weight, bias.to(dtype), kernel=kernel)
     torch.manual_seed(1)
     x = torch.randn(2, 256, 3, dtype=dtype).transpose(1, 2)  # [2, 3, in], not contiguous in the last dim
     y = module(x)
-    assert module.kernel == kernel and y.shape == (2, 3, 96) and y.dtype == dtype
+    assert module.kernel == kernel and y.shape == (2, 3, 128) and y.dtype == dtype
     ref = x.double() @ weight.dequantize().double().t() + bias.to(dtype).double()  # [2, 3, out]
     # bf16: x, the weight (or the kernel's scales and offsets) and the output are rounded.
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol)
-    assert module(torch.randn(256, dtype=dtype)).shape == (96,)  # a bare [in] vector works too
+    assert module(torch.randn(256, dtype=dtype)).shape == (128,)  # a bare [in] vector works too
 
 
 def test_auto_kernel_choice_and_shape_fallback() -> None:
-    weight = Int4Weight.from_float(random_weight(96, 64), 32)
+    weight = Int4Weight.from_float(random_weight(128, 64), 32)
     module = Int4Linear(weight)
     assert module.kernel == ""  # chosen on first use
     assert module.prepare("cpu", torch.bfloat16) == choose_int4_kernel("cpu", torch.bfloat16)
     odd = Int4Linear(Int4Weight.from_float(random_weight(24, 64), 32))  # 24 rows: int4pack needs out % 16 == 0
     assert odd.prepare("cpu", torch.bfloat16) == "dequant"
+    if HAS_OP and choose_int4_kernel("cpu", torch.bfloat16) == "int4dot":  # 96 rows: int4dot needs out % 64 == 0
+        assert Int4Linear(Int4Weight.from_float(random_weight(96, 64), 32)).prepare("cpu", torch.bfloat16) == "int4pack"
     with pytest.raises(ValueError):
         Int4Linear(odd.int4_weight(), kernel="int4pack")
     assert choose_int4_kernel("cuda", torch.bfloat16) == "dequant"  # no CPU kernel off CPU; nothing measured
@@ -151,10 +159,18 @@ def test_choose_int4_kernel_picks_the_faster(monkeypatch: pytest.MonkeyPatch) ->
     """The choice follows the measurement, whichever kernel wins on this CPU."""
     if not HAS_OP:
         pytest.skip("no int4pack op")
+    monkeypatch.setattr(int4_dot, "available", lambda: False)
     for dequant_ms, int4pack_ms, want in ((5.0, 1.0, "int4pack"), (1.0, 5.0, "dequant")):
         times = iter([dequant_ms, int4pack_ms])  # measured in this order
         monkeypatch.setattr(qi4, "min_time_ms", lambda fn, times=times, **kw: next(times))
         assert choose_int4_kernel.__wrapped__("cpu", torch.bfloat16) == want
+    monkeypatch.undo()
+    if int4_dot.available():
+        for times_ms, want in (((5.0, 1.0, 2.0), "int4dot"), ((5.0, 2.0, 1.0), "int4pack")):
+            times = iter(times_ms)  # dequant, int4dot, int4pack
+            monkeypatch.setattr(qi4, "min_time_ms", lambda fn, times=times, **kw: next(times))
+            assert choose_int4_kernel.__wrapped__("cpu", torch.bfloat16) == want
+        monkeypatch.undo()
     assert choose_int4_kernel("cpu", torch.float32) in qi4.KERNELS
     assert choose_int4_kernel("cpu", torch.float32) is choose_int4_kernel("cpu", torch.float32)  # cached
 
