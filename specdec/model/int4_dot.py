@@ -4,8 +4,8 @@ The draft's decode steps are 1-4 rows through small matrices, where
 `torch._weight_int4pack_mm_for_cpu` is bound by its per-weight dequantization, not by memory.
 The kernel here turns each 4-bit code into a bf16 number with one bitwise OR and multiplies 32
 of them at a time with ``vdpbf16ps``; scales and zeros are applied once per group. On an AMD EPYC
-Zen 4 (2 threads, the draft's 120 decoder matmuls streamed from memory) it took 2.5-2.7 ms
-against 3.8-4.0 ms for the packed kernel, and 3.4 against 6.5 ms on one thread.
+Zen 4 (2 threads, the draft's 120 decoder matmuls streamed from memory) it took 2.4-2.7 ms
+against 3.6-4.0 ms for the packed kernel, and 3.4-3.5 against 6.4-6.5 ms on one thread.
 
 The library is compiled on first use with the machine's C++ compiler (the one torch.compile
 uses) into the specdec cache directory, keyed by the source, the torch version and the flags, and

@@ -45,7 +45,7 @@ inline __m512 bf16_to_fp32(const uint16_t* p) {  // 16 bf16 -> 16 fp32
 
 // One block of 64 outputs for ROWS rows of x.
 template <int ROWS>
-void block(const uint32_t* x_pairs, int64_t ld_pairs, const float* x_sums, int64_t ld_sums, const uint8_t* codes,
+void block(const uint16_t* x, int64_t ld_x, const float* x_sums, int64_t ld_sums, const uint8_t* codes,
            const uint16_t* sz, uint16_t* y, int64_t ld_y, int64_t chunks, int64_t groups, int64_t chunks_per_group) {
   const __m512i nibble = _mm512_set1_epi16(0x000F);
   const __m512i bf16_128 = _mm512_set1_epi16(0x4300);
@@ -64,8 +64,10 @@ void block(const uint32_t* x_pairs, int64_t ld_pairs, const float* x_sums, int64
       _mm_prefetch((const char*)(chunk + kPrefetchChunks * kChunkBytes + 64), _MM_HINT_T0);
       __m512i x01[ROWS], x23[ROWS];  // (x[k], x[k+1]) and (x[k+2], x[k+3]) in every 32-bit lane
       for (int r = 0; r < ROWS; ++r) {
-        x01[r] = _mm512_set1_epi32((int)x_pairs[r * ld_pairs + 2 * c]);
-        x23[r] = _mm512_set1_epi32((int)x_pairs[r * ld_pairs + 2 * c + 1]);
+        int32_t pairs[2];  // memcpy: x's bf16 data need not be 4-byte aligned
+        std::memcpy(pairs, x + r * ld_x + 4 * c, sizeof pairs);
+        x01[r] = _mm512_set1_epi32(pairs[0]);
+        x23[r] = _mm512_set1_epi32(pairs[1]);
       }
       for (int j = 0; j < 4; ++j) {
         __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(chunk + 32 * j)));
@@ -92,7 +94,7 @@ void block(const uint32_t* x_pairs, int64_t ld_pairs, const float* x_sums, int64
       _mm256_storeu_si256((__m256i*)(y + r * ld_y + 16 * j), (__m256i)_mm512_cvtneps_pbh(out[r][j]));
 }
 
-using BlockFn = void (*)(const uint32_t*, int64_t, const float*, int64_t, const uint8_t*, const uint16_t*, uint16_t*,
+using BlockFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint8_t*, const uint16_t*, uint16_t*,
                          int64_t, int64_t, int64_t, int64_t);
 constexpr BlockFn kBlockFns[kMaxRows] = {block<1>, block<2>, block<3>, block<4>};
 
@@ -123,7 +125,6 @@ at::Tensor int4_dot_mm(const at::Tensor& x, const at::Tensor& packed, const at::
     }
     x_sums[i] = sum;
   }
-  const auto* x_pairs = reinterpret_cast<const uint32_t*>(x_bf16);
   const auto* codes = packed.const_data_ptr<uint8_t>();
   const auto* scales = reinterpret_cast<const uint16_t*>(sz.const_data_ptr());
   auto* out = reinterpret_cast<uint16_t*>(y.data_ptr());
@@ -132,7 +133,7 @@ at::Tensor int4_dot_mm(const at::Tensor& x, const at::Tensor& packed, const at::
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t r = 0; r < rows; r += kMaxRows) {
         const int64_t n = std::min<int64_t>(kMaxRows, rows - r);
-        kBlockFns[n - 1](x_pairs + r * (K / 2), K / 2, x_sums.data() + r * groups, groups, codes + b * chunks * kChunkBytes,
+        kBlockFns[n - 1](x_bf16 + r * K, K, x_sums.data() + r * groups, groups, codes + b * chunks * kChunkBytes,
                          scales + b * groups * 2 * kBlockOut, out + r * N + b * kBlockOut, N, chunks, groups,
                          group_size / 4);
       }
