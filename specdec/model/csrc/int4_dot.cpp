@@ -14,7 +14,7 @@
 //     kernels compute the same sum, up to fp32 rounding.
 //
 // It then runs at memory speed (~25 GB/s there, the weights streamed in order with software
-// prefetch) and ~2.4x the packed kernel's speed from cache.
+// prefetch) and 2.2-2.4x the packed kernel's speed from cache.
 //
 // Layout (built by `specdec.model.int4_dot.pack`), for N outputs, K inputs, groups of `gs`:
 //   packed [N / 64, K / 4, 128] uint8: for each block of 64 outputs and each 4 inputs
