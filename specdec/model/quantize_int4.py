@@ -117,30 +117,23 @@ def choose_int4_kernel(device_type: str, dtype: torch.dtype) -> str:
         scales = torch.rand(1024, 1024 // 32, generator=gen) * 0.01 + 0.001  # [out, groups]
         layers.append(Int4Weight(q, scales, -8 * scales, 32))
     x = torch.randn(4, 1024, generator=gen).to(dtype)  # [rows, in]
-    dense = [w.dequantize().to(dtype) for w in layers]  # [out, in] each
     want = F.linear(x.float(), layers[0].dequantize())  # [rows, out]
-    candidates: dict[str, Callable[[torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor]] = {}
-    if dtype == torch.bfloat16 and int4_dot.available():
-        candidates["int4dot"] = lambda rows, ops: int4_dot.int4_dot_mm(rows, ops[0], ops[1], 32)
-    if hasattr(torch, "_weight_int4pack_mm_for_cpu"):
-        candidates["int4pack"] = lambda rows, ops: torch._weight_int4pack_mm_for_cpu(rows, ops[0], 32, ops[1])
+    cpu = torch.device("cpu")
+    candidates = ["int4dot"] if dtype == torch.bfloat16 and int4_dot.available() else []
+    candidates += ["int4pack"] if hasattr(torch, "_weight_int4pack_mm_for_cpu") else []
+    run_dequant = functools.partial(_run_layers, "dequant", x, [kernel_operands("dequant", w, dtype, cpu) for w in layers])
     runs: dict[str, Callable[[], None]] = {}
-    for name, matmul in candidates.items():
+    for name in candidates:
         try:
-            operands = [kernel_operands(name, w, dtype, torch.device("cpu")) for w in layers]
-            got = matmul(x, operands[0]).float()  # [rows, out]
+            operands = [kernel_operands(name, w, dtype, cpu) for w in layers]
+            got = kernel_matmul(name, x, operands[0], 32).float()  # [rows, out]
         except (RuntimeError, NotImplementedError) as exc:
             log.info("int4 kernel for cpu/%s: %s unavailable (%s)", dtype, name, exc)
             continue
         if not torch.allclose(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max())):
             log.warning("int4 kernel for cpu/%s: %s gives wrong results; not used", dtype, name)
             continue
-        runs[name] = functools.partial(_run_layers, matmul, x, operands)
-
-    def run_dequant() -> None:
-        for rows in (1, 4):
-            for w in dense:
-                F.linear(x[:rows], w)
+        runs[name] = functools.partial(_run_layers, name, x, operands)
 
     # One thread: with several, one busy core (another process) stalls every parallel op for
     # milliseconds, and the comparison measures the stalls. Per-core speed ranks the kernels.
@@ -154,13 +147,10 @@ def choose_int4_kernel(device_type: str, dtype: torch.dtype) -> str:
     return kernel
 
 
-def _run_layers(
-    matmul: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor], x: torch.Tensor,
-    operands: list[tuple[torch.Tensor, ...]],
-) -> None:
+def _run_layers(kernel: str, x: torch.Tensor, operands: list[tuple[torch.Tensor, ...]]) -> None:
     for rows in (1, 4):
         for ops in operands:
-            matmul(x[:rows], ops)
+            kernel_matmul(kernel, x[:rows], ops, 32)
 
 
 def kernel_supported(kernel: str, weight: Int4Weight, device: torch.device, dtype: torch.dtype) -> bool:
@@ -181,6 +171,15 @@ def kernel_operands(kernel: str, weight: Int4Weight, dtype: torch.dtype, device:
     if kernel == "int4pack":
         return int4pack_operands(weight, dtype)
     return (weight.dequantize().to(device=device, dtype=dtype),)  # [out, in]
+
+
+def kernel_matmul(kernel: str, x: torch.Tensor, operands: tuple[torch.Tensor, ...], group_size: int) -> torch.Tensor:
+    """``x`` [rows, in] times the weight ``kernel_operands`` built for ``kernel``: [rows, out]."""
+    if kernel == "int4dot":
+        return int4_dot.int4_dot_mm(x.contiguous(), operands[0], operands[1], group_size)
+    if kernel == "int4pack":
+        return torch._weight_int4pack_mm_for_cpu(x.contiguous(), operands[0], group_size, operands[1])
+    return F.linear(x, operands[0])
 
 
 # ---- module -----------------------------------------------------------------------------------
@@ -285,14 +284,7 @@ class Int4Linear(nn.Module):
         """[..., in] -> [..., out], in the dtype of ``x``."""
         kernel = self.prepare(x.device, x.dtype)
         x_2d = x.reshape(-1, self.in_features)  # [tokens, in]
-        if kernel == "int4dot":
-            codes, scales_and_offsets = self._operands
-            y = int4_dot.int4_dot_mm(x_2d.contiguous(), codes, scales_and_offsets, self.group_size)
-        elif kernel == "int4pack":
-            packed, scales_and_zeros = self._operands
-            y = torch._weight_int4pack_mm_for_cpu(x_2d.contiguous(), packed, self.group_size, scales_and_zeros)
-        else:
-            y = F.linear(x_2d, self._operands[0])  # [tokens, out]
+        y = kernel_matmul(kernel, x_2d, self._operands, self.group_size)  # [tokens, out]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)  # [..., out]
