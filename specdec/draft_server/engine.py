@@ -3,8 +3,9 @@
 Each drafting step is one batched forward across every request still drafting. Tokens
 are sampled from q, the request's transformed distribution, with a per-slot generator
 (seeded once per slot), so a seeded request drafts the same tokens whatever it is batched
-with. When q travels in a narrower dtype, the token is sampled from the rounded q so
-the gateway judges it against exactly the distribution it was drawn from.
+with. q is cut to the tokens that carry its mass (`sparse_probs.cut_tail`) and rounded to
+the wire dtype before the token is drawn from it, so acceptance judges each token against
+exactly the distribution it was drawn from.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from specdec.errors import InvalidArgumentError
 from specdec.model.runtime import ModelRuntime
+from specdec.sampling.sparse_probs import SparseRows, cut_tail
 from specdec.sampling.transforms import logits_to_probs, make_generator, pick_tokens
 from specdec.serving.config import ModelServiceConfig
 from specdec.serving.engine import ModelEngine
@@ -114,7 +116,7 @@ class DraftEngine(ModelEngine):
                 tokens = step_logits.float().argmax(dim=-1)  # [n]
             else:
                 context = [self.tokens[items[i].slot_id] for i in rows]
-                probs = logits_to_probs(step_logits, params, context)  # [n, vocab] f32
+                probs = cut_tail(logits_to_probs(step_logits, params, context))  # [n, vocab] f32
                 probs = probs.to(probs_dtype).float()  # what the gateway will see; sample from exactly that
                 tokens = pick_tokens(probs, params, [self.generators[items[i].slot_id] for i in rows])  # [n]
             for n, (i, token) in enumerate(zip(rows, tokens.tolist())):  # one host sync per step
@@ -129,7 +131,7 @@ class DraftEngine(ModelEngine):
             Proposal(
                 slot_id=item.slot_id,
                 tokens=drafted[i],
-                probs=torch.stack(q_rows[i]).to(probs_dtype) if q_rows[i] else None,
+                probs=SparseRows.from_dense(torch.stack(q_rows[i]).to(probs_dtype)) if q_rows[i] else None,
                 cached_len=len(self.tokens[item.slot_id]),
             )
             for i, item in enumerate(items)

@@ -22,8 +22,9 @@ from specdec.sampling.transforms import make_generator
 from specdec.v1 import gateway_pb2
 from specdec.wire.items import sampling_from_pb
 
-#: Random streams of the draft's proposals and of the target's plain-round draws (see
-#: `independent_seed`); the gateway's own stream is the request's seed itself.
+#: Random streams of the draft's proposals and of the target's draws (plain rounds' tokens,
+#: sampled rounds' candidates; see `independent_seed`); the gateway's own stream (its
+#: acceptance uniforms, first tokens) is the request's seed itself.
 DRAFT_STREAM = 1
 TARGET_STREAM = 2
 #: Roles the chat templates of the supported models render.

@@ -22,17 +22,11 @@ from specdec.gateway.model_clients import DraftAPI, TargetAPI, Timed
 from specdec.gateway.sequence import Sequence
 from specdec.sampling.rejection_sampler import (
     RejectionResult,
+    accept_candidates,
     greedy_accept,
     greedy_accept_argmax,
-    rejection_sample,
-    sampled_distribution,
 )
-from specdec.sampling.transforms import (
-    chunk_apply_repetition_penalty,
-    chunk_logits_to_probs,
-    logits_to_probs,
-    sample,
-)
+from specdec.sampling.transforms import chunk_apply_repetition_penalty, logits_to_probs, sample
 from specdec.serving.worker import ModelWorker
 from specdec.wire.items import Proposal, ProposeItem, VerifiedChunk, VerifyItem
 
@@ -85,10 +79,12 @@ async def verify(
     steps: dict[str, int] | None = None,
 ) -> Timed[dict[str, VerifiedChunk]]:
     """One batched Verify: [pending tokens, t1..tK] after each sequence's valid prefix.
-    Returns the logits [K+1, vocab] per slot, or only their argmax [K+1] for a greedy
-    request whose logits need no transform. A request in `steps` (plain rounds) has the
-    target decode its n tokens by itself: the argmax of the raw logits, or, with any
-    transform or a temperature, the choice of its `target_sampling`."""
+    Returns per slot the logits [K+1, vocab] of a greedy request with a repetition penalty,
+    only their argmax [K+1] for a greedy request whose logits need no transform, and for a
+    sampled request the K+1 candidates and p_i(t_i) that `accept_all` needs (the target draws
+    them with its `target_sampling`). A request in `steps` (plain rounds) has the target
+    decode its n tokens by itself: the argmax of the raw logits, or, with any transform or a
+    temperature, the choice of its `target_sampling`."""
     steps = steps or {}
     items = [_verify_item(s, proposals, steps.get(s.slot_id)) for s in seqs]
     timeout = deadlines.verify(len(items), max(len(i.tokens) for i in items), max(i.decode_steps for i in items))
@@ -110,9 +106,13 @@ async def verify(
 
 def _verify_item(seq: Sequence, proposals: dict[str, Proposal], steps: int | None) -> VerifyItem:
     """The Verify item of one sequence; `steps` set: a plain item whose tokens the target decodes."""
-    tokens = seq.tokens[seq.target_valid :] + (proposals[seq.slot_id].tokens if seq.slot_id in proposals else [])
+    proposal = proposals.get(seq.slot_id)
+    tokens = seq.tokens[seq.target_valid :] + (proposal.tokens if proposal is not None else [])
     raw_argmax = seq.sampling.greedy_by_raw_argmax
     if steps is None:
+        if not seq.sampling.is_greedy:
+            return VerifyItem(seq.slot_id, seq.target_valid, tokens, sampling=seq.target_sampling,
+                              draft_probs=proposal.probs if proposal is not None else None)
         return VerifyItem(seq.slot_id, seq.target_valid, tokens, argmax_only=raw_argmax)
     sampling = None if raw_argmax else seq.target_sampling
     return VerifyItem(seq.slot_id, seq.target_valid, tokens, argmax_only=raw_argmax, decode_steps=steps, sampling=sampling)
@@ -155,19 +155,39 @@ def _padded_round(
     return stacked, tokens, ks, drafted
 
 
-def _padded_argmax(
+def _padded_chosen(
     seqs: list[Sequence], verified: dict[str, VerifiedChunk], proposals: dict[str, Proposal]
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """The target's argmax tokens [B, K_max+1] (PAD_TOKEN_ID past each row's K+1) and the
-    `_padded_drafts` tokens [B, K_max] and Ks."""
+    """The tokens the target chose per position [B, K_max+1] (argmax tokens, or a sampled
+    request's candidates; PAD_TOKEN_ID past each row's K+1) and the `_padded_drafts` tokens
+    [B, K_max] and Ks."""
     tokens, ks, _ = _padded_drafts(seqs, proposals)
     width = tokens.shape[1] + 1
     best = [verified[s.slot_id].chosen or [] for s in seqs]
     for s, k, row in zip(seqs, ks, best):
         if len(row) != k + 1:
-            raise ServiceStateError(f"the target sent {len(row)} argmax tokens for slot {s.slot_id}, the gateway expected {k + 1}")
+            raise ServiceStateError(f"the target sent {len(row)} chosen tokens for slot {s.slot_id}, the gateway expected {k + 1}")
     target = torch.tensor([row + [PAD_TOKEN_ID] * (width - len(row)) for row in best], dtype=torch.long)
     return target.view(len(seqs), width), tokens, ks
+
+
+def _padded_probs(seqs: list[Sequence], verified: dict[str, VerifiedChunk], proposals: dict[str, Proposal], ks: list[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sampled round's p_i(t_i) (from the target) and q_i(t_i) (from the draft's q), each
+    [B, K_max], 1.0 past each row's K (never judged)."""
+    k_max = max(ks, default=0)
+    p = torch.ones(len(seqs), k_max)  # [B, K_max]
+    q = torch.ones(len(seqs), k_max)  # [B, K_max]
+    for b, (seq, k) in enumerate(zip(seqs, ks)):
+        if k == 0:
+            continue
+        target_probs, proposal = verified[seq.slot_id].target_probs or [], proposals[seq.slot_id]
+        if len(target_probs) != k or proposal.probs is None:
+            raise ServiceStateError(f"the target sent {len(target_probs)} probabilities for slot {seq.slot_id}, "
+                                    f"the gateway expected {k}")
+        p[b, :k] = torch.tensor(target_probs)
+        q[b, :k] = proposal.probs.probs_of(proposal.tokens)
+    return p, q
 
 
 def _logits_of(chunk: VerifiedChunk) -> torch.Tensor:
@@ -182,17 +202,17 @@ def accept_all(
     """Accept a prefix of each draft and add one recovered or bonus token, for the whole round.
 
     One `greedy_accept_argmax` call for the greedy requests the target sent argmax tokens
-    for, one `greedy_accept` call for the other greedy ones and one `rejection_sample` call
-    for the sampled ones. The target's raw logits get each request's transforms here, with
-    the repetition-penalty context growing through the draft tokens: the same context the
-    draft used for q. Pure tensor work: it runs on the gateway's sampler thread.
+    for, one `greedy_accept` call for the other greedy ones (the repetition penalty applied
+    here, its context growing through the draft tokens) and one `accept_candidates` call for
+    the sampled ones, whose candidates and p_i(t_i) the target drew and computed with the
+    same transforms and context. Pure tensor work: it runs on the gateway's sampler thread.
     """
     results: dict[str, RejectionResult] = {}
     by_argmax = [s for s in seqs if s.sampling.is_greedy and verified[s.slot_id].chosen is not None]
     greedy = [s for s in seqs if s.sampling.is_greedy and verified[s.slot_id].chosen is None]
     sampled = [s for s in seqs if not s.sampling.is_greedy]
     if by_argmax:
-        best, tokens, ks = _padded_argmax(by_argmax, verified, proposals)  # [A, K+1], [A, K]
+        best, tokens, ks = _padded_chosen(by_argmax, verified, proposals)  # [A, K+1], [A, K]
         results.update(_split(by_argmax, greedy_accept_argmax(best, tokens, ks)))
     if greedy:
         scores, tokens, ks, drafted = _padded_round(greedy, verified, proposals)  # [G, K+1, vocab], [G, K]
@@ -203,14 +223,9 @@ def accept_all(
         batch = greedy_accept(scores, tokens, ks)
         results.update(_split(greedy, batch))
     if sampled:
-        raw, tokens, ks, drafted = _padded_round(sampled, verified, proposals)  # [S, K+1, vocab], [S, K]
-        p = chunk_logits_to_probs(raw, [s.sampling for s in sampled], [s.tokens for s in sampled], drafted)
-        q = p.new_zeros(len(sampled), tokens.shape[1], p.shape[-1])  # [S, K, vocab]; zero rows past each K
-        for b, seq in enumerate(sampled):
-            wire_q = proposals[seq.slot_id].probs if seq.slot_id in proposals else None  # [K_b, vocab]
-            if wire_q is not None:
-                q[b, : wire_q.shape[0]] = sampled_distribution(wire_q)
-        batch = rejection_sample(p, q, tokens, ks, [s.generator for s in sampled])
+        candidates, tokens, ks = _padded_chosen(sampled, verified, proposals)  # [S, K+1], [S, K]
+        p, q = _padded_probs(sampled, verified, proposals, ks)  # [S, K] each
+        batch = accept_candidates(p, q, tokens, ks, candidates, [s.generator for s in sampled])
         results.update(_split(sampled, batch))
     return results
 

@@ -22,8 +22,16 @@ Greedy requests use `greedy_accept` (accept while argmax(p_i) == t_i, then the t
 argmax), which draws no random numbers. Feeding greedy rows' one-hot p (see
 `transforms.logits_to_probs`) to `rejection_sample` gives the same tokens.
 
+The round runs in two halves, which the services split between them (target.proto,
+`VerifyItem.sampling`): `draw_candidates`, where p is, draws for every position the token
+the round emits if it stops there (recovered for i <= k, bonus for k + 1); then
+`accept_candidates`, where the uniforms are, decides how many draft tokens to keep from
+p_i(t_i) and q_i(t_i) alone and takes the candidate at the first rejection. Drawing the
+candidates of positions the round never reaches changes nothing: they are independent of
+the uniforms and never seen. `rejection_sample` is the two halves in one process.
+
 Randomness: with a list of per-row generators each row draws, from its own generator,
-first its k uniforms and then one categorical sample, so a seeded request reproduces
+first its k + 1 candidates and then its k uniforms, so a seeded request reproduces
 whatever it is batched with. A single shared generator or None (torch's default RNG)
 draws the whole batch in two calls — much faster for large statistical batches.
 """
@@ -47,18 +55,6 @@ class RejectionResult:
     output_tokens: list[list[int]]
     #: Per request: how many draft tokens were accepted (len(output_tokens[b]) - 1).
     num_accepted: list[int]
-
-
-def sampled_distribution(wire_q: torch.Tensor) -> torch.Tensor:
-    """The distribution the draft drew its tokens from, given the q rows it sent [..., vocab].
-
-    The draft rounds q to the wire dtype and samples from the rounded rows with
-    `transforms.sample`, which normalizes its weights; rounded rows need not sum to 1 (bf16
-    keeps 8 bits). So the distribution the draft sampled from is the rounded q divided by
-    its row sum, and acceptance must judge against exactly that, not the unrounded q.
-    """
-    q = wire_q.float()
-    return q / q.sum(dim=-1, keepdim=True)
 
 
 def _check(
@@ -88,31 +84,42 @@ def _result(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, last: torch.
 
 
 def acceptance_probs(
-    target_probs: torch.Tensor,  # [batch, >= k, vocab]
-    draft_probs: torch.Tensor,  # [batch, k, vocab]
-    draft_tokens: torch.Tensor,  # [batch, k], valid ids only
+    target_token_probs: torch.Tensor,  # [batch, k] p_i(t_i)
+    draft_token_probs: torch.Tensor,  # [batch, k] q_i(t_i)
 ) -> torch.Tensor:
     """min(1, p_i(t_i) / q_i(t_i)) per draft position → [batch, k] float32.
 
     Where q_i(t_i) == 0 (impossible for a token the draft sampled) it is 1 if p_i(t_i) > 0
     else 0.
     """
-    k = draft_tokens.shape[1]
-    index = draft_tokens[..., None]  # [batch, k, 1]
-    p = target_probs[:, :k].gather(-1, index).squeeze(-1).float()  # [batch, k]
-    q = draft_probs.gather(-1, index).squeeze(-1).float()  # [batch, k]
+    p, q = target_token_probs.float(), draft_token_probs.float()
     return torch.where(q > 0, (p / q).clamp(max=1.0), (p > 0).float())
 
 
-def recovery_probs(
+def token_probs(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """probs [batch, >= k, vocab] at tokens [batch, k] (valid ids) → [batch, k] float32."""
+    k = tokens.shape[1]
+    return probs[:, :k].gather(-1, tokens[..., None]).squeeze(-1).float()
+
+
+def residual_weights(
     target_probs: torch.Tensor,  # [batch, vocab] p_i at the rejected position
     draft_probs: torch.Tensor,  # [batch, vocab] q_i at the rejected position
 ) -> torch.Tensor:
-    """norm(max(0, p − q)) → [batch, vocab] float32; p itself where the residual is all zero."""
+    """max(0, p − q), unnormalized → [batch, vocab] float32; p itself where that is all zero
+    (p == q). What a draw needs: `transforms.sample` normalizes its weights."""
     p = target_probs.float()  # [batch, vocab]
-    residual = (p - draft_probs.float()).clamp(min=0.0)  # [batch, vocab]
-    total = residual.sum(dim=-1, keepdim=True)  # [batch, 1]
-    return torch.where(total > 0, residual / total.clamp(min=torch.finfo(p.dtype).tiny), p)
+    residual = (p - draft_probs.float()).clamp_(min=0.0)  # [batch, vocab]
+    empty = residual.sum(dim=-1) <= 0  # [batch]
+    if bool(empty.any()):
+        residual[empty] = p[empty]
+    return residual
+
+
+def recovery_probs(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p − q)) → [batch, vocab] float32; p itself where the residual is all zero."""
+    weights = residual_weights(target_probs, draft_probs)  # [batch, vocab]
+    return weights / weights.sum(dim=-1, keepdim=True)
 
 
 def _uniforms(ks: list[int], k_max: int, generators: Generators, device: torch.device) -> torch.Tensor:
@@ -128,6 +135,37 @@ def _uniforms(ks: list[int], k_max: int, generators: Generators, device: torch.d
     return torch.stack(rows) if rows else torch.empty(0, k_max, device=device)
 
 
+def draw_candidates(
+    target_probs: torch.Tensor,  # [n, vocab] p at each position
+    draft_probs: torch.Tensor,  # [n, vocab] q at each draft position; an all-zero row at a bonus position
+    generators: Generators = None,  # one per row, or shared
+) -> torch.Tensor:
+    """The token each position emits if the round stops there → [n] int64: a draw from the
+    residual norm(max(0, p − q)) at a draft position, from p itself at the bonus position
+    (whose q row is all zero, so the residual is p)."""
+    return sample(residual_weights(target_probs, draft_probs), generators)
+
+
+def accept_candidates(
+    target_token_probs: torch.Tensor,  # [batch, k_max] p_i(t_i), anything past each row's k
+    draft_token_probs: torch.Tensor,  # [batch, k_max] q_i(t_i), anything past each row's k
+    draft_tokens: torch.Tensor,  # [batch, k_max] int, padded past each row's k
+    num_draft_tokens: Sequence[int] | torch.Tensor,  # [batch] k per row, 0 <= k <= k_max
+    candidates: torch.Tensor,  # [batch, k_max+1] int: `draw_candidates` at positions 1..k+1, anything past
+    generators: Generators = None,
+) -> RejectionResult:
+    """Accept t_i with probability min(1, p_i(t_i) / q_i(t_i)) while they are accepted, then
+    emit the candidate of the first unaccepted position (recovered, or the bonus)."""
+    ks, valid = _check(candidates, draft_tokens, num_draft_tokens)  # valid: [batch, k_max]
+    device = candidates.device
+    tokens = torch.where(valid, draft_tokens.to(device=device, dtype=torch.int64), 0)  # [batch, k_max]
+    uniforms = _uniforms(ks, tokens.shape[1], generators, device)  # [batch, k_max]
+    accepted = (uniforms < acceptance_probs(target_token_probs, draft_token_probs)) & valid  # [batch, k_max]
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [batch]
+    last = candidates.to(torch.int64).gather(1, num_accepted[:, None]).squeeze(1)  # [batch]
+    return _result(tokens, num_accepted, last)
+
+
 def rejection_sample(
     target_probs: torch.Tensor,  # [batch, k_max+1, vocab] p, request's transforms applied
     draft_probs: torch.Tensor,  # [batch, k_max, vocab] the exact q each draft token was sampled from
@@ -135,7 +173,8 @@ def rejection_sample(
     num_draft_tokens: Sequence[int] | torch.Tensor,  # [batch] k per row, 0 <= k <= k_max
     generators: Generators = None,
 ) -> RejectionResult:
-    """One speculative-sampling round for a batch (see the module docstring)."""
+    """One speculative-sampling round for a batch: `draw_candidates` then `accept_candidates`
+    (see the module docstring)."""
     batch, k_plus_1, vocab = target_probs.shape
     k_max = k_plus_1 - 1
     if tuple(draft_probs.shape) != (batch, k_max, vocab):
@@ -145,21 +184,20 @@ def rejection_sample(
     ks, valid = _check(target_probs, draft_tokens, num_draft_tokens)  # valid: [batch, k_max]
     device = target_probs.device
     tokens = torch.where(valid, draft_tokens.to(device=device, dtype=torch.int64), 0)  # [batch, k_max]
-
-    uniforms = _uniforms(ks, k_max, generators, device)  # [batch, k_max]
-    accepted = (uniforms < acceptance_probs(target_probs, draft_probs, tokens)) & valid  # [batch, k_max]
-    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [batch]
-
-    rows = torch.arange(batch, device=device)  # [batch]
-    p_next = target_probs[rows, num_accepted].float()  # [batch, vocab] p at the first unaccepted position
-    if k_max > 0:
-        q_next = draft_probs[rows, num_accepted.clamp(max=k_max - 1)]  # [batch, vocab]
-        rejected = num_accepted < valid.sum(dim=1)  # [batch]
-        final = torch.where(rejected[:, None], recovery_probs(p_next, q_next), p_next)  # [batch, vocab]
+    q = torch.cat([draft_probs.to(target_probs.dtype), target_probs.new_zeros(batch, 1, vocab)], dim=1)  # [batch, k_max+1, vocab]
+    q[:, :k_max].masked_fill_(~valid[..., None], 0.0)  # each row's bonus position has no q
+    reached = torch.arange(k_plus_1, device=device)[None, :] <= torch.tensor(ks, device=device)[:, None]  # [batch, k_max+1]
+    if isinstance(generators, torch.Generator) or generators is None:
+        row_generators: Generators = generators
     else:
-        final = p_next
-    last = sample(final, generators)  # [batch] recovered or bonus token
-    return _result(tokens, num_accepted, last)
+        if len(generators) != batch:
+            raise InvalidArgumentError(f"generators: got {len(generators)} for {batch} rows")
+        row_generators = [g for g, k in zip(generators, ks) for _ in range(k + 1)]
+    candidates = torch.full((batch, k_plus_1), -1, dtype=torch.int64, device=device)  # [batch, k_max+1]
+    candidates[reached] = draw_candidates(target_probs[reached], q[reached], row_generators)
+    return accept_candidates(
+        token_probs(target_probs, tokens), token_probs(draft_probs, tokens), tokens, ks, candidates, generators
+    )
 
 
 def greedy_accept(

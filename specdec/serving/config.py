@@ -65,6 +65,10 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
         True, "after a call that hands the cores to the other service (a Propose; a Verify of draft tokens), let the "
         "OpenMP threads go instead of spinning into its turn",
     )
+    retain_freed_memory: bool = option(
+        True, "keep freed memory in the process (glibc malloc thresholds raised) instead of returning it to the "
+        "kernel and page-faulting it back at the next call",
+    )
     metrics_port: int = option(-1, "Prometheus /metrics port (-1 = off, 0 = any free port)")
     metrics_prefix: str = option(DEFAULT_PREFIX, "prefix of every metric name")
     #: A gateway renews its lease every few seconds; one that stops (killed, partitioned)

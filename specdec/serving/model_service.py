@@ -22,6 +22,7 @@ from specdec.serving.config import ModelServiceConfig
 from specdec.serving.engine import ModelEngine
 from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer, start_server
+from specdec.serving.heap import retain_freed_memory
 from specdec.serving.metrics import ServiceStats, service_endpoint
 from specdec.serving.openmp import proc_bind
 from specdec.serving.thread_placement import parse_cores
@@ -91,8 +92,10 @@ async def expire_leases_forever(engine: ModelEngine, worker: ModelWorker) -> Non
 
 
 def build_engine(engine_cls: Callable[[ModelRuntime, C], E], config: C) -> E:
-    """Apply the thread and core settings, load the configured model and wrap an engine
+    """Apply the memory, thread and core settings, load the configured model and wrap an engine
     of `engine_cls` around it (on the model worker thread, which runs all torch work)."""
+    if config.retain_freed_memory:
+        retain_freed_memory()
     cores = parse_cores(config.cpu_cores)
     if cores:
         os.sched_setaffinity(0, cores)

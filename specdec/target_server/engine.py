@@ -9,7 +9,8 @@ import torch
 
 from specdec.errors import InvalidArgumentError, SlotExistsError
 from specdec.model.threads import one_thread
-from specdec.sampling.transforms import logits_to_probs, pick_tokens, position_generator
+from specdec.sampling.rejection_sampler import draw_candidates, token_probs
+from specdec.sampling.transforms import chunk_logits_to_probs, logits_to_probs, pick_tokens, position_generator
 from specdec.serving.engine import ModelEngine
 from specdec.wire.items import Lease, PrefillItem, ScoredChunk, VerifiedChunk, VerifyItem
 
@@ -46,7 +47,8 @@ class TargetEngine(ModelEngine):
         tokens and p_{K+1} gives the bonus token. K = 0 is plain decoding. An `argmax_only`
         item gets each row's argmax instead (`torch.argmax`: the lowest index among equal
         maxima, the same as the gateway's argmax over the same logits). A plain item with
-        `sampling` gets the token those transforms choose (`_choose`). A multi-step item
+        `sampling` gets the token those transforms choose (`_choose`); a speculative one (with
+        `draft_probs`) its K + 1 candidates and p_i(t_i) (`_candidates`). A multi-step item
         (`decode_steps` n > 1) then decodes on by itself: n - 1 more one-token forwards, batched
         across such items, each feeding the token chosen last; it gets all n tokens, or fewer
         (at least one) when another step would not finish before `deadline` (a `time.monotonic`
@@ -63,10 +65,12 @@ class TargetEngine(ModelEngine):
         wanted = [rows.argmax(dim=-1) for item, rows in zip(items, logits) if item.argmax_only]  # [K+1] each
         argmax = iter(torch.cat(wanted).tolist() if wanted else [])  # one device-to-host copy for the batch
         chosen = {item.slot_id: list(itertools.islice(argmax, len(item.tokens))) for item in items if item.argmax_only}
-        sampled = [(item, rows) for item, rows in zip(items, logits) if item.sampling is not None]
+        sampled = [(item, rows) for item, rows in zip(items, logits) if item.sampling is not None and item.draft_probs is None]
         if sampled:
             picks = self._choose([item for item, _ in sampled], torch.cat([rows for _, rows in sampled]))
             chosen.update({item.slot_id: [token] for (item, _), token in zip(sampled, picks)})
+        speculative = [(item, rows) for item, rows in zip(items, logits) if item.draft_probs is not None]
+        target_probs = self._candidates(speculative, chosen) if speculative else {}
         if any(item.decode_steps > 1 for item in items):
             try:
                 self._decode_on([item for item in items if item.decode_steps > 1], chosen, deadline)
@@ -77,7 +81,8 @@ class TargetEngine(ModelEngine):
         if any(len(item.tokens) > 1 for item in items):
             self._hand_over()  # draft tokens were judged: the draft proposes next
         return [
-            VerifiedChunk(item.slot_id, len(self.tokens[item.slot_id]), chosen=chosen[item.slot_id])
+            VerifiedChunk(item.slot_id, len(self.tokens[item.slot_id]), chosen=chosen[item.slot_id],
+                          target_probs=target_probs.get(item.slot_id))
             if item.target_chooses
             else VerifiedChunk(item.slot_id, len(self.tokens[item.slot_id]), logits=rows)
             for item, rows in zip(items, logits)
@@ -93,11 +98,23 @@ class TargetEngine(ModelEngine):
                 f"tokens: slot {item.slot_id!r} sent K={k} draft tokens, above max_speculative_tokens {self.config.max_speculative_tokens}"
             )
         self._check_tokens("tokens", item.slot_id, item.tokens)
-        if item.sampling is not None and (item.argmax_only or k > 0):
+        if item.sampling is not None and (item.argmax_only or (k > 0) != (item.draft_probs is not None)):
             raise InvalidArgumentError(
-                f"sampling: slot {item.slot_id!r} asked the target to choose with its sampling params; that is for "
-                "plain decoding (a single token, K = 0) and excludes argmax_only"
+                f"sampling: slot {item.slot_id!r} asked the target to choose with its sampling params; that takes "
+                "draft_probs with draft tokens (K > 0) and none without, and excludes argmax_only"
             )
+        if item.draft_probs is not None:
+            if item.sampling is None:
+                raise InvalidArgumentError(f"draft_probs: slot {item.slot_id!r} sent q without sampling params")
+            item.draft_probs.validate(self.vocab_size, "draft_probs")
+            if item.draft_probs.num_rows != k:
+                raise InvalidArgumentError(
+                    f"draft_probs: slot {item.slot_id!r} sent {item.draft_probs.num_rows} rows of q for K={k} draft tokens"
+                )
+            if bool((item.draft_probs.probs_of(list(item.tokens[1:])) <= 0).any()):
+                raise InvalidArgumentError(
+                    f"draft_probs: a draft token of slot {item.slot_id!r} has probability 0 in the q it was drawn from"
+                )
         if item.decode_steps > 1:
             if not item.target_chooses or k > 0:
                 raise InvalidArgumentError(
@@ -126,6 +143,39 @@ class TargetEngine(ModelEngine):
                 probs = logits_to_probs(rows.index_select(0, index), params, context)  # [s, vocab]
                 tokens = tokens.index_copy(0, index, pick_tokens(probs, params, generators))
         return tokens.tolist()  # one host sync a step
+
+    def _candidates(self, items: list[tuple[VerifyItem, torch.Tensor]], chosen: dict[str, list[int]]) -> dict[str, list[float]]:
+        """For each sampled speculative item and its logits [K + 1, vocab]: p, the logits with
+        the item's transforms (the repetition-penalty context growing through the draft
+        tokens); its K + 1 candidates into `chosen` (`rejection_sampler.draw_candidates`, each
+        with the generator of its sequence position); and p_i(t_i) [K], returned. One batch."""
+        k_max = max(len(item.tokens) for item, _ in items) - 1
+        vocab = items[0][1].shape[-1]
+        logits = items[0][1].new_zeros(len(items), k_max + 1, vocab)  # [S, K_max+1, vocab]
+        drafts = torch.zeros(len(items), k_max, dtype=torch.int64)  # [S, K_max], 0 past each K
+        q, params = [], []
+        for b, (item, rows) in enumerate(items):
+            assert item.sampling is not None and item.draft_probs is not None  # a sampled speculative item
+            logits[b, : rows.shape[0]] = rows
+            drafts[b, : len(item.tokens) - 1] = torch.tensor(item.tokens[1:])
+            q.append(item.draft_probs.distributions(vocab, extra_rows=1))  # [K_b+1, vocab]
+            params.append(item.sampling)
+        # The context of row 0 is the slot's cached tokens up to and including g.
+        context = [self.tokens[item.slot_id][: item.valid_len + 1] for item, _ in items]
+        with one_thread():  # as in `_choose`
+            p = chunk_logits_to_probs(logits, params, context, [item.tokens[1:] for item, _ in items])  # [S, K_max+1, vocab]
+            rows = torch.cat([p[b, : len(item.tokens)] for b, (item, _) in enumerate(items)])  # [sum(K_b+1), vocab]
+            generators = [position_generator(params[b], item.valid_len + 1 + i, rows.device)
+                          for b, (item, _) in enumerate(items) for i in range(len(item.tokens))]
+            candidates = draw_candidates(rows, torch.cat(q), generators).tolist()  # one host sync
+        p_drafts = token_probs(p, drafts).tolist()  # [S, K_max]
+        out = {}
+        for b, (item, _) in enumerate(items):
+            k = len(item.tokens) - 1
+            chosen[item.slot_id] = candidates[:k + 1]
+            candidates = candidates[k + 1:]
+            out[item.slot_id] = p_drafts[b][:k]
+        return out
 
     def _decode_on(self, items: list[VerifyItem], chosen: dict[str, list[int]], deadline: float | None) -> None:
         """Steps after the verify forward until each item has `decode_steps` tokens in `chosen`;

@@ -16,6 +16,7 @@ import torch
 from specdec.cost_model import ForwardCost
 from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.sampling.params import SamplingParams
+from specdec.sampling.sparse_probs import SparseRows
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 from specdec.wire.tensor_codec import decode_tensor, encode_tensor
 
@@ -39,6 +40,18 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     if params.seed is not None:
         message.seed = params.seed
     return message
+
+
+def sparse_to_pb(rows: SparseRows) -> common_pb2.SparseProbs:
+    return common_pb2.SparseProbs(
+        row_lengths=list(rows.lengths), token_ids=rows.token_ids.tolist(), values=encode_tensor(rows.values)
+    )
+
+
+def sparse_from_pb(message: common_pb2.SparseProbs) -> SparseRows:
+    """The rows as sent; `SparseRows.validate` checks them against a vocabulary."""
+    token_ids = torch.tensor(message.token_ids, dtype=torch.int64)
+    return SparseRows(tuple(message.row_lengths), token_ids, decode_tensor(message.values).reshape(-1))
 
 
 # -- requests ---------------------------------------------------------------------------
@@ -91,8 +104,12 @@ class VerifyItem:
     #: each step feeding the token chosen last (multi-step plain decoding); 1 is one step.
     decode_steps: int = 1
     #: Have the target choose a plain item's tokens with these transforms: argmax or a draw
-    #: (target-side plain decoding; see the proto for the per-position seeds).
+    #: (target-side plain decoding; see the proto for the per-position seeds). With
+    #: `draft_probs`, a sampled speculative item: the target returns the K + 1 candidates and
+    #: p_i(t_i) (`VerifiedChunk.target_probs`) that the gateway's acceptance needs.
     sampling: SamplingParams | None = None
+    #: q_1..q_K as the draft sent them; only with `sampling`.
+    draft_probs: SparseRows | None = None
 
     @property
     def target_chooses(self) -> bool:
@@ -111,14 +128,16 @@ class VerifyItem:
             slot_id=self.slot_id, valid_len=self.valid_len, tokens=self.tokens, argmax_only=self.argmax_only,
             decode_steps=self.decode_steps if self.decode_steps > 1 else 0,
             sampling=sampling_to_pb(self.sampling) if self.sampling is not None else None,
+            draft_probs=sparse_to_pb(self.draft_probs) if self.draft_probs is not None else None,
         )
 
     @classmethod
     def from_pb(cls, message: target_pb2.VerifyItem) -> VerifyItem:
         sampling = sampling_from_pb(message.sampling) if message.HasField("sampling") else None
+        draft_probs = sparse_from_pb(message.draft_probs) if message.HasField("draft_probs") else None
         return cls(
             message.slot_id, message.valid_len, list(message.tokens), message.argmax_only, max(1, message.decode_steps),
-            sampling,
+            sampling, draft_probs,
         )
 
 
@@ -176,6 +195,8 @@ class VerifiedChunk:
     cached_len: int
     logits: torch.Tensor | None = None  # [K + 1, vocab]; raw, at compute precision
     chosen: list[int] | None = None  # [K + 1], or [decode_steps]
+    #: A sampled speculative item's p_i(t_i) [K] (its `chosen` are the K + 1 candidates).
+    target_probs: list[float] | None = None
 
     def __post_init__(self) -> None:
         if (self.logits is None) == (self.chosen is None):
@@ -183,14 +204,17 @@ class VerifiedChunk:
 
     def to_pb(self) -> target_pb2.VerifyResult:
         if self.logits is None:
-            return target_pb2.VerifyResult(slot_id=self.slot_id, cached_len=self.cached_len, chosen_tokens=self.chosen)
+            return target_pb2.VerifyResult(
+                slot_id=self.slot_id, cached_len=self.cached_len, chosen_tokens=self.chosen, target_probs=self.target_probs
+            )
         return target_pb2.VerifyResult(slot_id=self.slot_id, cached_len=self.cached_len, logits=encode_tensor(self.logits))
 
     @classmethod
     def from_pb(cls, message: target_pb2.VerifyResult) -> VerifiedChunk:
         if message.HasField("logits"):
             return cls(message.slot_id, message.cached_len, logits=decode_tensor(message.logits))
-        return cls(message.slot_id, message.cached_len, chosen=list(message.chosen_tokens))
+        return cls(message.slot_id, message.cached_len, chosen=list(message.chosen_tokens),
+                   target_probs=list(message.target_probs) or None)
 
 
 @dataclass(frozen=True)
@@ -199,20 +223,20 @@ class Proposal:
 
     slot_id: str
     tokens: list[int]  # [K]
-    #: q [K, vocab] in the wire dtype, exactly the rows the tokens were sampled from (before
-    #: the sampler's normalization); None for greedy requests.
-    probs: torch.Tensor | None
+    #: q_1..q_K in the wire dtype, exactly the rows the tokens were sampled from (before the
+    #: sampler's normalization), tail cut; None for greedy requests.
+    probs: SparseRows | None
     cached_len: int
 
     def to_pb(self) -> draft_pb2.ProposeResult:
         return draft_pb2.ProposeResult(
             slot_id=self.slot_id, tokens=self.tokens, cached_len=self.cached_len,
-            probs=encode_tensor(self.probs) if self.probs is not None else None,
+            probs=sparse_to_pb(self.probs) if self.probs is not None else None,
         )
 
     @classmethod
     def from_pb(cls, message: draft_pb2.ProposeResult) -> Proposal:
-        probs = decode_tensor(message.probs) if message.HasField("probs") else None
+        probs = sparse_from_pb(message.probs) if message.HasField("probs") else None
         return cls(message.slot_id, list(message.tokens), probs, message.cached_len)
 
 

@@ -18,8 +18,9 @@ from service_fixtures import Service, greedy_continuation, rpc_error
 
 from specdec.draft_server.server import SERVICE_NAME
 from specdec.model.loader import LoadedModel
+from specdec.sampling.sparse_probs import MIN_DRAFT_PROB
 from specdec.v1 import common_pb2, draft_pb2
-from specdec.wire.tensor_codec import decode_tensor
+from specdec.wire.items import sparse_from_pb
 
 TEXTS = [
     "The capital of France is",
@@ -30,7 +31,7 @@ GREEDY = common_pb2.SamplingParams(temperature=0.0)
 
 
 def sampled(seed: int | None = 1234, **fields: float) -> common_pb2.SamplingParams:
-    params = common_pb2.SamplingParams(temperature=0.8, top_k=50, top_p=0.95, **fields)
+    params = common_pb2.SamplingParams(**{"temperature": 0.8, "top_k": 50, "top_p": 0.95, **fields})
     if seed is not None:
         params.seed = seed
     return params
@@ -61,9 +62,19 @@ def propose(
     return {r.slot_id: r for r in response.results}
 
 
+#: SmolLM2's vocabulary (test_info checks the service's against the model's).
+VOCAB = 49152
+
+
 def q_of(result: draft_pb2.ProposeResult) -> torch.Tensor:
+    """The q rows [K, vocab] as sent, in their wire dtype (zero where the draft cut them)."""
     assert result.HasField("probs")
-    return decode_tensor(result.probs)
+    rows = sparse_from_pb(result.probs)
+    rows.validate(VOCAB, "probs")
+    dense = torch.zeros(rows.num_rows, VOCAB, dtype=rows.values.dtype)
+    row_index = torch.repeat_interleave(torch.arange(rows.num_rows), torch.tensor(rows.lengths))
+    dense[row_index, rows.token_ids] = rows.values
+    return dense
 
 
 # -- Info ---------------------------------------------------------------------------------
@@ -72,7 +83,7 @@ def q_of(result: draft_pb2.ProposeResult) -> torch.Tensor:
 def test_info(draft: Service, smollm2: LoadedModel) -> None:
     info = draft.info()
     assert info.model_name == smollm2.name
-    assert info.vocab_size == smollm2.model.config.vocab_size
+    assert info.vocab_size == smollm2.model.config.vocab_size == VOCAB
     assert info.eos_token_ids and len(info.tokenizer_fingerprint) == 64
     assert (info.dtype, info.device, info.quantization) == ("float32", "cpu", "")
     assert (info.block_size, info.max_speculative_tokens, info.max_slots) == (16, 8, 32)
@@ -185,8 +196,23 @@ def test_q_rows_are_the_distributions_the_tokens_were_drawn_from(
     q = q_of(result)
     assert q.dtype == torch.float32 and q.shape == (k, smollm2.model.config.vocab_size)
     assert (q >= 0).all()
-    torch.testing.assert_close(q.sum(dim=-1), torch.ones(k), atol=1e-4, rtol=0)
+    # Rows sum to 1 less the tail cut below MIN_DRAFT_PROB: at most 50 tokens of it (top_k = 50).
+    assert ((q.sum(dim=-1) <= 1 + 1e-5) & (q.sum(dim=-1) >= 1 - 50 * MIN_DRAFT_PROB - 1e-5)).all()
     assert ((q > 0).sum(dim=-1) <= 50).all()  # top_k = 50
+    for row, token in zip(q, result.tokens):
+        assert row[token] > 0
+
+
+def test_q_keeps_only_the_tokens_that_carry_its_mass(draft: Service, prompts: list[list[int]]) -> None:
+    """No top-k, no top-p: q's tail below MIN_DRAFT_PROB is cut before the draw, so a row
+    travels as a small part of the vocabulary and loses little mass."""
+    k = 5
+    result = propose(draft, item("s", prompts[2], k, sampling=sampled(3, top_k=0, top_p=1.0)))["s"]
+    q = q_of(result)
+    kept = (q > 0).sum(dim=-1)  # [k]
+    assert (kept >= 1).all() and (kept < VOCAB // 10).all()
+    assert ((q == 0) | (q >= MIN_DRAFT_PROB)).all()
+    assert (q.sum(dim=-1) > 0.95).all()
     for row, token in zip(q, result.tokens):
         assert row[token] > 0
 
@@ -194,7 +220,7 @@ def test_q_rows_are_the_distributions_the_tokens_were_drawn_from(
 def test_bf16_probs_dtype_returns_bf16_q(draft: Service, smollm2: LoadedModel, prompts: list[list[int]]) -> None:
     k = 4
     result = propose(draft, item("s", prompts[1], k, sampling=sampled(9)), probs_dtype=common_pb2.DTYPE_BFLOAT16)["s"]
-    assert result.probs.dtype == common_pb2.DTYPE_BFLOAT16
+    assert result.probs.values.dtype == common_pb2.DTYPE_BFLOAT16
     q = q_of(result)
     assert q.dtype == torch.bfloat16 and q.shape == (k, smollm2.model.config.vocab_size)
     assert (q >= 0).all()

@@ -1,6 +1,6 @@
-"""q on the wire in bf16: the draft samples from the rounded q, and the gateway judges its
-tokens against exactly that distribution. Deterministic: the tensors are compared bit for
-bit, no statistics."""
+"""q on the wire in bf16, its tail cut: the draft samples from exactly the rows it sends, and
+the gateway (q_i(t_i)) and the target (q_i for the residual) judge its tokens against exactly
+that distribution. Deterministic: the tensors are compared bit for bit, no statistics."""
 
 from __future__ import annotations
 
@@ -12,14 +12,9 @@ import torch
 from specdec.draft_server import engine as draft_engine_module
 from specdec.draft_server.config import DraftConfig
 from specdec.draft_server.engine import DraftEngine
-from specdec.gateway import speculative_step
-from specdec.gateway.detokenizer import StopStringDetokenizer
-from specdec.gateway.sequence import Sequence
 from specdec.model.runtime import ModelRuntime
 from specdec.sampling.params import SamplingParams
-from specdec.sampling.rejection_sampler import sampled_distribution
-from specdec.sampling.transforms import make_generator
-from specdec.wire.items import Proposal, ProposeItem, VerifiedChunk
+from specdec.wire.items import Proposal, ProposeItem
 
 K = 3
 PROMPT = [504, 3575, 282, 4649, 314]
@@ -41,32 +36,23 @@ def test_bf16_q_is_the_distribution_sampled_from_and_judged_against(
     proposal = DraftEngine(fp32_runtime, config).propose(
         [ProposeItem("s", 0, PROMPT, K, sampling)], probs_dtype=torch.bfloat16
     )[0]
-    wire = Proposal.from_pb(proposal.to_pb())  # what the gateway receives
-    assert wire.probs is not None and wire.probs.dtype == torch.bfloat16 and wire.probs.shape[0] == K
+    wire = Proposal.from_pb(proposal.to_pb())  # what the gateway receives and forwards to the target
+    assert wire.probs is not None and wire.probs.values.dtype == torch.bfloat16 and wire.probs.num_rows == K
 
-    # 1. The draft drew each token from the rounded q itself, not from the fp32 q before rounding.
+    # 1. The draft drew each token from the rounded, cut q itself: its rows are the wire's
+    #    values at the wire's tokens, and zero elsewhere.
     drawn = torch.cat(sampled_from)  # [K, vocab], one row per drafting step
-    assert torch.equal(drawn, wire.probs.float())
-    rows_sum = drawn.sum(-1)
-    assert not torch.allclose(rows_sum, torch.ones(K), atol=0, rtol=0), "rounding left every row summing to 1: test proves nothing"
+    vocab = drawn.shape[-1]
+    sent = torch.zeros(K, vocab)
+    rows = torch.repeat_interleave(torch.arange(K), torch.tensor(wire.probs.lengths))
+    sent[rows, wire.probs.token_ids] = wire.probs.values.float()
+    assert torch.equal(drawn, sent)
+    assert not torch.allclose(drawn.sum(-1), torch.ones(K), atol=0, rtol=0), "rows sum to 1: the test proves nothing"
 
-    # 2. The gateway judges against that q, normalized as multinomial normalizes it.
-    judged: list[torch.Tensor] = []
-    real_rejection_sample = speculative_step.rejection_sample
-
-    def spy_rejection_sample(p: torch.Tensor, q: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        judged.append(q.clone())  # [batch, K_max, vocab]
-        return real_rejection_sample(p, q, *args, **kwargs)
-
-    monkeypatch.setattr(speculative_step, "rejection_sample", spy_rejection_sample)
-    seq = Sequence(
-        slot_id="s", prompt=PROMPT, sampling=sampling, max_new_tokens=16, num_speculative_tokens=K,
-        detokenizer=StopStringDetokenizer.__new__(StopStringDetokenizer), generator=make_generator(1, "cpu"),
-        draft_sampling=sampling, target_sampling=sampling,
-    )
-    target_logits = torch.randn(K + 1, wire.probs.shape[-1], generator=torch.Generator().manual_seed(0))  # [K+1, vocab]
-    speculative_step.accept_all([seq], {"s": VerifiedChunk("s", len(PROMPT) + K + 1, logits=target_logits)}, {"s": wire})
-    assert len(judged) == 1
-    expected = drawn / drawn.sum(-1, keepdim=True)
-    assert torch.equal(judged[0][0], expected)
-    assert torch.equal(judged[0][0], sampled_distribution(wire.probs))
+    # 2. The target's q rows and the gateway's q_i(t_i) are one computation of that q, normalized.
+    q = wire.probs.distributions(vocab, extra_rows=1)  # [K+1, vocab], the target's
+    assert torch.equal(q[K], torch.zeros(vocab))  # the bonus position has no q
+    torch.testing.assert_close(q[:K], drawn / drawn.sum(-1, keepdim=True), atol=0, rtol=1e-6)
+    judged = wire.probs.probs_of(wire.tokens)  # [K], the gateway's
+    assert torch.equal(judged, q[torch.arange(K), torch.tensor(wire.tokens)])
+    assert (judged > 0).all()

@@ -14,16 +14,18 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
-from service_fixtures import Service, reference_logits, rpc_error
+from service_fixtures import Service, greedy_continuation, reference_logits, rpc_error
 
 from specdec.model.loader import LoadedModel
 from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.sampling.params import independent_seed
-from specdec.sampling.transforms import logits_to_probs, make_generator, pick_tokens
+from specdec.sampling.rejection_sampler import draw_candidates, token_probs
+from specdec.sampling.sparse_probs import SparseRows
+from specdec.sampling.transforms import chunk_logits_to_probs, logits_to_probs, make_generator, pick_tokens
 from specdec.target_server.server import SERVICE_NAME
 from specdec.v1 import common_pb2, target_pb2
-from specdec.wire.items import VerifyItem, sampling_from_pb
-from specdec.wire.tensor_codec import decode_tensor
+from specdec.wire.items import VerifyItem, sampling_from_pb, sparse_from_pb, sparse_to_pb
+from specdec.wire.tensor_codec import decode_tensor, encode_tensor
 
 #: Logit tolerance. Batched and single rows may run different fp32 kernels (oneDNN or BLAS,
 #: picked per shape by a start-up timing; inputs past 16 rows always on BLAS), which sum in
@@ -217,6 +219,48 @@ def test_sampled_plain_items_choose_with_their_transforms_and_a_seed_per_positio
             assert token == int(pick_tokens(probs, [request], [generator])[0]), (params, context[n:])
             context.append(token)
     assert len(set(greedy.chosen_tokens)) == len(greedy.chosen_tokens)  # the penalty steers away from repeats
+
+
+def sparse_q(rows: list[dict[int, float]]) -> common_pb2.SparseProbs:
+    """q rows given as {token: weight} (weights need not sum to 1), as the draft sends them."""
+    return sparse_to_pb(SparseRows(
+        tuple(len(r) for r in rows), torch.tensor([t for r in rows for t in r]), torch.tensor([w for r in rows for w in r.values()]),
+    ))
+
+
+def test_sampled_speculative_items_get_candidates_and_p_at_the_draft_tokens(
+    target: Service, smollm2: LoadedModel, prompts: list[list[int]]
+) -> None:
+    """A speculative item with sampling params and q gets, instead of logits, p_i(t_i) for
+    its K draft tokens and K + 1 candidates: draws from norm(max(0, p_i - q_i)) and from
+    p_{K+1}, each seeded from (seed, position), p carrying the transforms with the
+    repetition-penalty context growing through the draft. Checked against the reference
+    model; a second slot with the same request draws the same candidates."""
+    prompt = prompts[1]
+    n = len(prompt)
+    g, *drafts = greedy_continuation(smollm2, prompt, 4)  # likely tokens: p_i(t_i) mostly well above 0
+    # The draft tokens themselves, each with a few other tokens: rows weighted unevenly.
+    rows = [{t: 3.0, t + 1: 1.0, 500 + i: 0.5} for i, t in enumerate(drafts)]
+    params = common_pb2.SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.2, seed=11)
+    prefill(target, {"a": prompt, "b": prompt})
+    request = target_pb2.VerifyRequest(items=[
+        target_pb2.VerifyItem(slot_id=slot, valid_len=n, tokens=[g, *drafts], sampling=params, draft_probs=sparse_q(rows))
+        for slot in ("a", "b")
+    ])
+    a, b = target.stub.Verify(request).results
+    assert not a.HasField("logits") and a.cached_len == n + 4
+    assert len(a.chosen_tokens) == 4 and len(a.target_probs) == 3
+    assert list(a.chosen_tokens) == list(b.chosen_tokens)
+    torch.testing.assert_close(list(a.target_probs), list(b.target_probs), atol=1e-5, rtol=1e-4)  # batched rows: another sum order
+    assert max(a.target_probs) > 0.1
+
+    sampling = sampling_from_pb(params)
+    context = prompt + [g]
+    p = chunk_logits_to_probs(reference_logits(smollm2, context + drafts)[None, n:], [sampling], [context], [drafts])[0]  # [4, vocab]
+    torch.testing.assert_close(torch.tensor(list(a.target_probs)), token_probs(p[None], torch.tensor([drafts]))[0], atol=1e-5, rtol=1e-4)
+    q = sparse_from_pb(sparse_q(rows)).distributions(p.shape[-1], extra_rows=1)  # [4, vocab]
+    generators = [make_generator(independent_seed(sampling.seed, n + 1 + i), "cpu") for i in range(4)]  # type: ignore[arg-type]
+    assert list(a.chosen_tokens) == draw_candidates(p, q, generators).tolist()
 
 
 def test_multi_step_stops_early_when_the_call_deadline_is_near(target: Service, prompts: list[list[int]]) -> None:
@@ -490,7 +534,18 @@ def test_invalid_arguments_name_the_field(start_target: Callable[..., Service]) 
             sampling=common_pb2.SamplingParams(temperature=temperature),
         )])
 
+    def q_request(tokens: list[int], rows: list[dict[int, float]], sampling: bool = True) -> target_pb2.VerifyRequest:
+        return target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
+            slot_id="a", valid_len=20, tokens=tokens, draft_probs=sparse_q(rows),
+            sampling=common_pb2.SamplingParams(temperature=0.5) if sampling else None,
+        )])
+
+    duplicate = q_request([1, 2], [{2: 1.0}])
+    duplicate.items[0].draft_probs.row_lengths[0] = 2
+    duplicate.items[0].draft_probs.token_ids.append(2)
+    duplicate.items[0].draft_probs.values.CopyFrom(encode_tensor(torch.tensor([1.0, 1.0])))
     cases = [
+        (service.stub.Verify, duplicate, "draft_probs"),
         (service.stub.Prefill, target_pb2.PrefillRequest(), "items"),
         (service.stub.Prefill, prefill_request(("new", [])), "prompt_tokens"),
         (service.stub.Prefill, prefill_request(("new", [1, vocab])), "prompt_tokens"),
@@ -510,6 +565,12 @@ def test_invalid_arguments_name_the_field(start_target: Callable[..., Service]) 
         (service.stub.Verify, sampled_request([1, 2], argmax_only=False, temperature=0.5), "sampling"),
         (service.stub.Verify, sampled_request([1], argmax_only=True, temperature=0.5), "sampling"),
         (service.stub.Verify, sampled_request([1], argmax_only=False, temperature=-1.0), "temperature"),
+        (service.stub.Verify, q_request([1, 2], [{2: 1.0}], sampling=False), "draft_probs"),
+        (service.stub.Verify, q_request([1, 2, 3], [{2: 1.0}]), "draft_probs"),  # 1 row for K = 2
+        (service.stub.Verify, q_request([1, 2], [{3: 1.0}]), "draft_probs"),  # t_1 outside its row's support
+        (service.stub.Verify, q_request([1, 2], [{2: 1.0, vocab: 1.0}]), "draft_probs"),
+        (service.stub.Verify, q_request([1, 2], [{2: -1.0, 3: 2.0}]), "draft_probs"),
+        (service.stub.Verify, q_request([1], []), "sampling"),  # q without draft tokens
         (service.stub.Truncate, common_pb2.TruncateRequest(slot_id="a", new_len=21), "new_len"),
         (service.stub.Truncate, common_pb2.TruncateRequest(slot_id="a", new_len=-1), "new_len"),
     ]

@@ -24,7 +24,9 @@ from specdec.gateway.scheduler import PoolLimits, Scheduler
 from specdec.gateway.stats import GatewayStats
 from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.sampling.params import SamplingParams
-from specdec.sampling.transforms import logits_to_probs, pick_tokens, position_generator
+from specdec.sampling.rejection_sampler import draw_candidates, token_probs
+from specdec.sampling.sparse_probs import SparseRows
+from specdec.sampling.transforms import chunk_logits_to_probs, logits_to_probs, pick_tokens, position_generator
 from specdec.wire.items import ModelInfo, PrefillItem, Proposal, ProposeItem, ScoredChunk, VerifiedChunk, VerifyItem
 
 VOCAB = 40
@@ -137,7 +139,15 @@ class FakeTarget:
             del cache[item.valid_len :]
             cache.extend(item.tokens)
             rows = torch.stack([logits_after(t) for t in item.tokens])  # [K+1, vocab]
-            if item.decode_steps > 1 or item.sampling is not None:  # decode on, caching all but the last token
+            if item.draft_probs is not None:  # a sampled speculative item: candidates and p_i(t_i), as the target draws them
+                assert item.sampling is not None and len(item.tokens) > 1, item
+                drafts = item.tokens[1:]
+                p = chunk_logits_to_probs(rows[None], [item.sampling], [cache[: item.valid_len + 1]], [drafts])[0]  # [K+1, vocab]
+                generators = [position_generator(item.sampling, item.valid_len + 1 + i, "cpu") for i in range(len(item.tokens))]
+                candidates = draw_candidates(p, item.draft_probs.distributions(VOCAB, extra_rows=1), generators)
+                out[item.slot_id] = VerifiedChunk(item.slot_id, len(cache), chosen=candidates.tolist(),
+                                                  target_probs=token_probs(p[None], torch.tensor([drafts]))[0].tolist())
+            elif item.decode_steps > 1 or item.sampling is not None:  # decode on, caching all but the last token
                 assert len(item.tokens) == 1 and item.argmax_only != (item.sampling is not None), item
                 decoded = decode_reference(cache, min(item.decode_steps, self.max_decoded or item.decode_steps), item.sampling)
                 cache.extend(decoded[:-1])
@@ -209,7 +219,9 @@ class FakeDraft:
                 guess = next_token((drafted or cache)[-1])
                 drafted.append((guess + 1) % _CYCLE if position in self.wrong_at else guess)
             cache.extend(drafted[:-1])  # the last drafted token is not fed back
-            out[item.slot_id] = Proposal(item.slot_id, drafted, None, len(cache) + length_error)
+            # A sampled request's q: the draft is sure of its guesses (q one-hot).
+            q = None if item.sampling.is_greedy else SparseRows((1,) * len(drafted), torch.tensor(drafted), torch.ones(len(drafted)))
+            out[item.slot_id] = Proposal(item.slot_id, drafted, q, len(cache) + length_error)
         return Timed(out, 0.0005, 0.001)
 
     async def release(self, slot_id: str, timeout: float) -> None:

@@ -12,11 +12,14 @@ from specdec.errors import InvalidArgumentError
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.rejection_sampler import (
     RejectionResult,
+    accept_candidates,
     acceptance_probs,
+    draw_candidates,
     greedy_accept,
     greedy_accept_argmax,
     recovery_probs,
     rejection_sample,
+    token_probs,
 )
 from specdec.sampling.transforms import logits_to_probs, make_generator
 
@@ -130,7 +133,7 @@ def test_shape_and_k_validation() -> None:
 
 def test_recovery_falls_back_to_p_when_residual_is_zero() -> None:
     p = random_probs(2, 5, seed=9)
-    assert torch.equal(recovery_probs(p, p), p)
+    torch.testing.assert_close(recovery_probs(p, p), p)  # p itself, renormalized
     residual = recovery_probs(torch.tensor([[0.5, 0.5, 0.0]]), torch.tensor([[0.25, 0.75, 0.0]]))
     assert residual.tolist() == [[1.0, 0.0, 0.0]]
 
@@ -195,7 +198,7 @@ def exact_first_tokens(
         prev = torch.cat([torch.full((len(drafts), 1), state), tokens], dim=1)  # [D, k+1] context of each p
         draft_probs = q_chain[prev[:, :k]].float()  # [D, k, V]
         target = p_chain[prev].float()  # [D, k+1, V]
-        accept = acceptance_probs(target, draft_probs, tokens).double()  # [D, k]
+        accept = acceptance_probs(token_probs(target, tokens), token_probs(draft_probs, tokens)).double()  # [D, k]
         outcomes = []  # (probability, emitted tokens) of every branch
         for d, draft in enumerate(drafts):
             # P(the draft proposes exactly `draft`), then times P(t_1..t_i all accepted).
@@ -246,11 +249,15 @@ def simulate(
     n: int,
     seed: int,
     lie_about_q: bool = False,
+    split: bool = False,
 ) -> torch.Tensor:
     """First n tokens [rows, n] of repeated speculative rounds, every row with a random k
-    per round, all rows drawing from ONE shared generator (fast, deterministic)."""
+    per round, all rows drawing from ONE shared generator (fast, deterministic). `split`
+    runs the round as the services split it: the candidates drawn where p is, with a
+    generator of their own, then `accept_candidates` with the shared one."""
     p32, q32 = p_chain.float(), q_chain.float()
     gen = torch.Generator().manual_seed(seed)
+    target_gen = torch.Generator().manual_seed(seed + 1)
     emitted: list[list[int]] = [[] for _ in range(rows)]
     state = torch.zeros(rows, dtype=torch.long)  # [rows] last emitted token
     while min(len(e) for e in emitted) < n:
@@ -265,11 +272,27 @@ def simulate(
         draft = (p32 if lie_about_q else q32)[prevs[:, :k_max]]  # [rows, k_max, V]
         padding = torch.arange(k_max)[None] >= ks[:, None]  # [rows, k_max]
         tokens = tokens.masked_fill(padding, -1)
-        result = rejection_sample(target, draft, tokens, ks, gen)
+        result = split_round(target, draft, tokens, ks, gen, target_gen) if split else rejection_sample(target, draft, tokens, ks, gen)
         for row_emitted, new in zip(emitted, result.output_tokens):
             row_emitted.extend(new)
         state = torch.tensor([new[-1] for new in result.output_tokens])
     return torch.tensor([e[:n] for e in emitted])
+
+
+def split_round(
+    target: torch.Tensor, draft: torch.Tensor, tokens: torch.Tensor, ks: torch.Tensor,
+    gen: torch.Generator, target_gen: torch.Generator,
+) -> RejectionResult:
+    """One round as the target and the gateway run it: candidates (recovered at each draft
+    position, bonus after the last) from `target_gen`, acceptance from `gen`."""
+    rows, k_max = tokens.shape
+    valid = torch.arange(k_max)[None] < ks[:, None]  # [rows, k_max]
+    drafted = torch.where(valid, tokens, 0)  # [rows, k_max]
+    q = torch.cat([draft * valid[..., None], torch.zeros(rows, 1, draft.shape[-1])], dim=1)  # [rows, k_max+1, V]
+    reached = torch.arange(k_max + 1)[None] <= ks[:, None]  # [rows, k_max+1]
+    candidates = torch.full((rows, k_max + 1), -1, dtype=torch.long)
+    candidates[reached] = draw_candidates(target[reached], q[reached], target_gen)
+    return accept_candidates(token_probs(target, drafted), token_probs(draft, drafted), tokens, ks, candidates, gen)
 
 
 def chi_square_p_value(samples: torch.Tensor, p_chain: torch.Tensor) -> float:
@@ -287,6 +310,14 @@ def chi_square_p_value(samples: torch.Tensor, p_chain: torch.Tensor) -> float:
 def test_chi_square_multi_token_outputs_follow_target() -> None:
     p_chain, q_chain = chain(4, seed=21)
     samples = simulate(p_chain, q_chain, rows=20_000, k_max=3, n=3, seed=1234)  # joint of 3 tokens
+    assert chi_square_p_value(samples, p_chain) > P_VALUE_FLOOR
+
+
+def test_chi_square_split_round_follows_target() -> None:
+    """The round split between the services (candidates on the target with their own random
+    stream, acceptance on the gateway) emits the target's joint distribution too."""
+    p_chain, q_chain = chain(4, seed=22)
+    samples = simulate(p_chain, q_chain, rows=20_000, k_max=3, n=3, seed=4321, split=True)
     assert chi_square_p_value(samples, p_chain) > P_VALUE_FLOOR
 
 
