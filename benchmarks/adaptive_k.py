@@ -12,7 +12,8 @@ Three parts, each on its own freshly started trio (target, draft, gateway):
 
 In each part single greedy requests run plain, with the gateway's adaptive K and with
 every fixed K of `--ks`, interleaved per prompt; then, at every concurrency level, groups
-of requests run plain, adaptive and with the part's best fixed K. Greedy outputs are
+of requests run plain, adaptive and with the part's best fixed K, `--concurrency-reps`
+groups per mode in alternating order, and the table gives their median. Greedy outputs are
 checked against plain decoding. The gateway's upper bound for adaptive K is the largest
 of `--ks`, so adaptive K may pick anything a fixed K was allowed.
 
@@ -104,15 +105,16 @@ def run_part(part: Part, args: argparse.Namespace, progress: tqdm) -> PartResult
             result.adaptive_mean_k = drafted / rounds if rounds else 0.0
             result.adaptive_acceptance = sum(r.num_accepted_tokens for r in adaptive) / drafted if drafted else 0.0
             result.best_k = max(args.ks, key=lambda k: result.single[mode_name(k)])
-            for i, level in enumerate(args.concurrency):
+            modes: list[int | None] = [0, None, result.best_k]
+            for level in args.concurrency:
                 progress.set_description(f"{part.name}: concurrency {level}")
-                modes: list[int | None] = [0, None, result.best_k]
-                row: dict[str, float] = {}
-                for k in modes if i % 2 == 0 else list(reversed(modes)):
-                    group = run_group(client, level, k, max_new_tokens=tokens, prompts=part.prompts, phase="adaptive_k")
-                    row[mode_name(k)] = group.tokens_per_s
-                    progress.update()
-                result.concurrent[level] = row
+                groups: dict[str, list[float]] = {mode_name(k): [] for k in modes}
+                for rep in range(args.concurrency_reps):  # alternating order: a slow minute lands on every mode
+                    for k in modes if rep % 2 == 0 else list(reversed(modes)):
+                        group = run_group(client, level, k, max_new_tokens=tokens, prompts=part.prompts, phase="adaptive_k")
+                        groups[mode_name(k)].append(group.tokens_per_s)
+                        progress.update()
+                result.concurrent[level] = {mode: statistics.median(rates) for mode, rates in groups.items()}
     return result
 
 
@@ -144,11 +146,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96, help="new tokens per request (twice that for the repetitive part)")
     parser.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8], help="fixed Ks to compare")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16])
+    parser.add_argument("--concurrency-reps", type=int, default=3,
+                        help="groups per mode and concurrency level, in alternating order; the table gives their median")
     parser.add_argument("--results", default="benchmarks/results/adaptive_k.json")
     parser.add_argument("--docs", default="docs/adaptive_k.md")
     args = parser.parse_args()
     started = time.monotonic()
-    runs_per_part = 3 * (2 + len(args.ks)) + 3 * len(args.concurrency)
+    runs_per_part = 3 * (2 + len(args.ks)) + 3 * len(args.concurrency) * args.concurrency_reps
     results = []
     with tqdm(total=runs_per_part * len(PARTS), unit="run", file=sys.stderr, dynamic_ncols=True) as progress:
         for part in PARTS:
