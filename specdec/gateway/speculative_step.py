@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from specdec.errors import ServiceStateError
+from specdec.errors import InvalidArgumentError, ServiceStateError
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.model_clients import DraftAPI, TargetAPI, Timed
 from specdec.gateway.sequence import Sequence
@@ -71,7 +71,29 @@ async def propose(
         # The draft caches the valid prefix, the new tokens and all but the last drafted token.
         _check_cached("draft", item.slot_id, proposed.value[item.slot_id].cached_len,
                       item.valid_len + len(item.new_tokens) + item.num_speculative_tokens - 1)
+        if not item.sampling.is_greedy:
+            _check_q(proposed.value[item.slot_id])
     return proposed
+
+
+#: The token ids of a q row are checked against the vocabulary by the target; here only
+#: their range on the wire (int32).
+_WIRE_ID_LIMIT = 2**31
+
+
+def _check_q(proposal: Proposal) -> None:
+    """A sampled request's q must be one well-formed row per drafted token that gives the token
+    a chance. The target would refuse the Verify otherwise, and the requests would fail with
+    it; a bad Propose only costs speculation (the round runs plain)."""
+    q = proposal.probs
+    try:
+        if q is None or q.num_rows != len(proposal.tokens):
+            raise InvalidArgumentError(f"{q.num_rows if q else 'no'} rows for {len(proposal.tokens)} draft tokens")
+        q.validate(_WIRE_ID_LIMIT, "probs")
+        if bool((q.probs_of(proposal.tokens) <= 0).any()):
+            raise InvalidArgumentError("a drafted token has probability 0 in its row")
+    except InvalidArgumentError as error:
+        raise ServiceStateError(f"the draft sent a malformed q for slot {proposal.slot_id}: {error}") from None
 
 
 async def verify(

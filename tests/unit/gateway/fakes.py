@@ -181,10 +181,10 @@ class FakeDraft:
     calls: list[list[ProposeItem]] = field(default_factory=list)
     #: Call number (1-based) at which `fault` strikes once, so it lands mid-stream whatever
     #: the scheduler's pace (a test polling for the right moment raced a short request's end):
-    #: an error the call raises, or how far off the cached length it reports (a draft that
-    #: lost track of a slot).
+    #: an error the call raises, how far off the cached length it reports (a draft that
+    #: lost track of a slot), or "bad_q": q rows that give the drafted tokens no chance.
     fault_on_call: int = 0
-    fault: grpc.aio.AioRpcError | int | None = None
+    fault: grpc.aio.AioRpcError | int | str | None = None
     #: Seconds every Propose takes (a hung draft when above the call's deadline), and what
     #: its health check says.
     propose_delay_s: float = 0.0
@@ -207,7 +207,7 @@ class FakeDraft:
         fault = self.fault if len(self.calls) == self.fault_on_call else None
         if isinstance(fault, grpc.aio.AioRpcError):
             raise fault
-        length_error = fault or 0
+        length_error = fault if isinstance(fault, int) else 0
         out = {}
         for item in items:
             cache = self.slots.setdefault(item.slot_id, [])
@@ -220,7 +220,8 @@ class FakeDraft:
                 drafted.append((guess + 1) % _CYCLE if position in self.wrong_at else guess)
             cache.extend(drafted[:-1])  # the last drafted token is not fed back
             # A sampled request's q: the draft is sure of its guesses (q one-hot).
-            q = None if item.sampling.is_greedy else SparseRows((1,) * len(drafted), torch.tensor(drafted), torch.ones(len(drafted)))
+            support = [(t + 1) % VOCAB for t in drafted] if fault == "bad_q" else drafted
+            q = None if item.sampling.is_greedy else SparseRows((1,) * len(drafted), torch.tensor(support), torch.ones(len(drafted)))
             out[item.slot_id] = Proposal(item.slot_id, drafted, q, len(cache) + length_error)
         return Timed(out, 0.0005, 0.001)
 

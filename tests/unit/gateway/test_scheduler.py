@@ -286,6 +286,25 @@ def test_a_failing_draft_leaves_the_output_unchanged(failure: str) -> None:
     run(test, target, draft)
 
 
+def test_a_draft_sending_a_malformed_q_costs_speculation_not_the_request() -> None:
+    """q rows that do not give the drafted tokens a chance would make the target refuse the
+    Verify; the gateway catches them, and the round runs plain."""
+    target, draft = FakeTarget(), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        req = request(max_new_tokens=30)
+        req.sampling.CopyFrom(common_pb2.SamplingParams(temperature=0.7, seed=3))
+        seq = new_sequence(req, policy())
+        draft.fault_on_call, draft.fault = 2, "bad_q"
+        sched.submit(seq)
+        tokens, finished = await drain(seq)
+        assert finished.reason == FinishReason.LENGTH and len(tokens) == 30
+        assert sched.stats.draft_failures == 1 and sched.stats.off_rounds["draft_unavailable"] >= 1
+        assert all(item.draft_probs is None for item in target.verify_batches[1])  # the round ran plain
+
+    run(test, target, draft)
+
+
 def test_a_failing_target_ends_the_requests_with_its_status_and_releases_them() -> None:
     target, draft = FakeTarget(), FakeDraft()
 
