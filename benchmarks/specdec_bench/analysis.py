@@ -334,7 +334,8 @@ def summarize(results: BenchResults) -> Summary:
     hf_plain, hf_assisted = _peer_spread(results.peers, "hf_plain"), _peer_spread(results.peers, "hf_assisted")
     checked = [p.matches_ours for p in results.peers if p.method == "hf_plain" and p.matches_ours is not None]
     anatomy = {"plain": anatomy_shares([r for r in results.w1 if r.k == 0]),
-               "speculative": anatomy_shares([r for r in results.w1 if r.k is None])}
+               "speculative": anatomy_shares([r for r in results.w1 if r.k is None and r.temperature == 0]),
+               "speculative, sampled": anatomy_shares([r for r in results.w1 if r.k is None and r.temperature > 0])}
     for k in sorted({r.k for r in results.k_sweep if r.k is not None}):
         anatomy[f"K={k}"] = anatomy_shares([r for r in results.k_sweep if r.k == k])
     return Summary(

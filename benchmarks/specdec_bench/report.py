@@ -231,7 +231,8 @@ def render_page(results: BenchResults, summary: Summary, plots: dict[str, Path],
         "",
         "## Round anatomy",
         "",
-        "Share of round time per phase, summed over requests (`Completion.anatomy`).",
+        "Share of round time per phase, summed over requests (`Completion.anatomy`): W1 plain (both "
+        "temperatures), W1 speculative greedy and sampled, and each K of the fixed-K sweep (greedy).",
         "",
         *_table(["requests", *PHASES],
                 [[name, *(_f(shares.get(p, math.nan) * 100, 1, " %") for p in PHASES)]
