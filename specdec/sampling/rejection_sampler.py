@@ -30,9 +30,9 @@ p_i(t_i) and q_i(t_i) alone and takes the candidate at the first rejection. Draw
 candidates of positions the round never reaches changes nothing: they are independent of
 the uniforms and never seen. `rejection_sample` is the two halves in one process.
 
-Randomness: with a list of per-row generators each row draws, from its own generator,
-first its k + 1 candidates and then its k uniforms, so a seeded request reproduces
-whatever it is batched with. A single shared generator or None (torch's default RNG)
+Randomness in `rejection_sample`: with a list of per-row generators each row draws, from
+its own generator, first its k + 1 candidates and then its k uniforms, so a seeded request
+reproduces whatever it is batched with. A single shared generator or None (torch's default RNG)
 draws the whole batch in two calls — much faster for large statistical batches.
 """
 

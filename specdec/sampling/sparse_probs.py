@@ -66,13 +66,13 @@ class SparseRows:
         totals = torch.zeros(self.num_rows, dtype=torch.float32, device=values.device).index_add_(0, rows, values)
         return rows, values / totals[rows]
 
-    def distributions(self, vocab: int, extra_rows: int = 0) -> torch.Tensor:
-        """The rows as normalized float32 distributions [rows + extra_rows, vocab], exactly
-        the distributions the draft sampled from; `extra_rows` zero rows follow (the bonus
-        position has no q)."""
+    def distributions(self, vocab: int, extra_rows: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
+        """The rows as normalized float32 distributions [rows + extra_rows, vocab] on `device`
+        (default: where the rows are), exactly the distributions the draft sampled from;
+        `extra_rows` zero rows follow (the bonus position has no q)."""
         rows, probs = self._normalized()
-        dense = torch.zeros(self.num_rows + extra_rows, vocab, dtype=torch.float32, device=probs.device)
-        dense[rows, self.token_ids] = probs
+        dense = torch.zeros(self.num_rows + extra_rows, vocab, dtype=torch.float32, device=device or probs.device)
+        dense[rows.to(dense.device), self.token_ids.to(dense.device)] = probs.to(dense.device)
         return dense
 
     def probs_of(self, tokens: list[int]) -> torch.Tensor:

@@ -152,13 +152,13 @@ class TargetEngine(ModelEngine):
         k_max = max(len(item.tokens) for item, _ in items) - 1
         vocab = items[0][1].shape[-1]
         logits = items[0][1].new_zeros(len(items), k_max + 1, vocab)  # [S, K_max+1, vocab]
-        drafts = torch.zeros(len(items), k_max, dtype=torch.int64)  # [S, K_max], 0 past each K
+        drafts = torch.zeros(len(items), k_max, dtype=torch.int64, device=logits.device)  # [S, K_max], 0 past each K
         q, params = [], []
-        for b, (item, rows) in enumerate(items):
+        for b, (item, item_logits) in enumerate(items):
             assert item.sampling is not None and item.draft_probs is not None  # a sampled speculative item
-            logits[b, : rows.shape[0]] = rows
-            drafts[b, : len(item.tokens) - 1] = torch.tensor(item.tokens[1:])
-            q.append(item.draft_probs.distributions(vocab, extra_rows=1))  # [K_b+1, vocab]
+            logits[b, : item_logits.shape[0]] = item_logits
+            drafts[b, : len(item.tokens) - 1] = torch.tensor(item.tokens[1:], device=logits.device)
+            q.append(item.draft_probs.distributions(vocab, extra_rows=1, device=logits.device))  # [K_b+1, vocab]
             params.append(item.sampling)
         # The context of row 0 is the slot's cached tokens up to and including g.
         context = [self.tokens[item.slot_id][: item.valid_len + 1] for item, _ in items]
@@ -167,7 +167,7 @@ class TargetEngine(ModelEngine):
             rows = torch.cat([p[b, : len(item.tokens)] for b, (item, _) in enumerate(items)])  # [sum(K_b+1), vocab]
             generators = [position_generator(params[b], item.valid_len + 1 + i, rows.device)
                           for b, (item, _) in enumerate(items) for i in range(len(item.tokens))]
-            candidates = draw_candidates(rows, torch.cat(q), generators).tolist()  # one host sync
+            candidates = draw_candidates(rows, torch.cat(q), generators).tolist()  # [sum(K_b+1)]
         p_drafts = token_probs(p, drafts).tolist()  # [S, K_max]
         out = {}
         for b, (item, _) in enumerate(items):
