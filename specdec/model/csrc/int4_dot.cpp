@@ -48,12 +48,28 @@ inline __m512 bf16_to_fp32(const uint16_t* p) {  // 16 bf16 -> 16 fp32
 // broadcast also cost a register-to-vector move on the vector pipes the products need.
 inline __m512i broadcast_pair(const uint16_t* p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); }
 
+// Each row's (x[k], x[k+1]) and (x[k+2], x[k+3]) for the 4 inputs of chunk c.
+template <int ROWS>
+inline void load_x_pairs(const uint16_t* x, int64_t ld_x, int64_t c, __m512i (&x01)[ROWS], __m512i (&x23)[ROWS]) {
+  for (int r = 0; r < ROWS; ++r) {
+    x01[r] = broadcast_pair(x + r * ld_x + 4 * c);
+    x23[r] = broadcast_pair(x + r * ld_x + 4 * c + 2);
+  }
+}
+
+// 16 outputs' codes for 4 inputs (32 bytes) as bf16 128 + q: inputs k, k+1 in `lo`, k+2, k+3 in `hi`.
+inline void expand_codes(const uint8_t* piece, __m512i& lo, __m512i& hi) {
+  const __m512i nibble = _mm512_set1_epi16(0x000F);
+  const __m512i bf16_128 = _mm512_set1_epi16(0x4300);
+  __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)piece));
+  lo = _mm512_ternarylogic_epi32(bytes, nibble, bf16_128, 0xEA);  // (bytes & 0xF) | 0x4300
+  hi = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), bf16_128);
+}
+
 // One block of 64 outputs for ROWS rows of x.
 template <int ROWS>
 void block(const uint16_t* x, int64_t ld_x, const float* x_sums, int64_t ld_sums, const uint8_t* codes,
            const uint16_t* sz, uint16_t* y, int64_t ld_y, int64_t chunks, int64_t groups, int64_t chunks_per_group) {
-  const __m512i nibble = _mm512_set1_epi16(0x000F);
-  const __m512i bf16_128 = _mm512_set1_epi16(0x4300);
   const __m512 minus_136 = _mm512_set1_ps(-136.0f);
   __m512 out[ROWS][4];
   for (int r = 0; r < ROWS; ++r)
@@ -68,14 +84,10 @@ void block(const uint16_t* x, int64_t ld_x, const float* x_sums, int64_t ld_sums
       _mm_prefetch((const char*)(chunk + kPrefetchChunks * kChunkBytes), _MM_HINT_T0);
       _mm_prefetch((const char*)(chunk + kPrefetchChunks * kChunkBytes + 64), _MM_HINT_T0);
       __m512i x01[ROWS], x23[ROWS];  // (x[k], x[k+1]) and (x[k+2], x[k+3]) in every 32-bit lane
-      for (int r = 0; r < ROWS; ++r) {
-        x01[r] = broadcast_pair(x + r * ld_x + 4 * c);
-        x23[r] = broadcast_pair(x + r * ld_x + 4 * c + 2);
-      }
+      load_x_pairs<ROWS>(x, ld_x, c, x01, x23);
       for (int j = 0; j < 4; ++j) {
-        __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(chunk + 32 * j)));
-        __m512i lo = _mm512_ternarylogic_epi32(bytes, nibble, bf16_128, 0xEA);  // (bytes & 0xF) | 0x4300
-        __m512i hi = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), bf16_128);
+        __m512i lo, hi;
+        expand_codes(chunk + 32 * j, lo, hi);
         for (int r = 0; r < ROWS; ++r) {
           lo_acc[r][j] = _mm512_dpbf16_ps(lo_acc[r][j], (__m512bh)lo, (__m512bh)x01[r]);
           hi_acc[r][j] = _mm512_dpbf16_ps(hi_acc[r][j], (__m512bh)hi, (__m512bh)x23[r]);
@@ -107,8 +119,6 @@ void block(const uint16_t* x, int64_t ld_x, const float* x_sums, int64_t ld_sums
 template <int ROWS>
 void block_lean(const uint16_t* x, int64_t ld_x, const float* x_sums, int64_t ld_sums, const uint8_t* codes,
                 const uint16_t* sz, uint16_t* y, int64_t ld_y, int64_t chunks, int64_t groups, int64_t chunks_per_group) {
-  const __m512i nibble = _mm512_set1_epi16(0x000F);
-  const __m512i bf16_128 = _mm512_set1_epi16(0x4300);
   const __m512 minus_136 = _mm512_set1_ps(-136.0f);
   alignas(64) float out[ROWS][kBlockOut] = {};
   for (int64_t g = 0; g < groups; ++g) {
@@ -120,14 +130,10 @@ void block_lean(const uint16_t* x, int64_t ld_x, const float* x_sums, int64_t ld
       _mm_prefetch((const char*)(chunk + kPrefetchChunks * kChunkBytes), _MM_HINT_T0);
       _mm_prefetch((const char*)(chunk + kPrefetchChunks * kChunkBytes + 64), _MM_HINT_T0);
       __m512i x01[ROWS], x23[ROWS];
-      for (int r = 0; r < ROWS; ++r) {
-        x01[r] = broadcast_pair(x + r * ld_x + 4 * c);
-        x23[r] = broadcast_pair(x + r * ld_x + 4 * c + 2);
-      }
+      load_x_pairs<ROWS>(x, ld_x, c, x01, x23);
       for (int j = 0; j < 4; ++j) {
-        __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(chunk + 32 * j)));
-        __m512i lo = _mm512_ternarylogic_epi32(bytes, nibble, bf16_128, 0xEA);  // (bytes & 0xF) | 0x4300
-        __m512i hi = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), bf16_128);
+        __m512i lo, hi;
+        expand_codes(chunk + 32 * j, lo, hi);
         for (int r = 0; r < ROWS; ++r) {
           acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)lo, (__m512bh)x01[r]);
           acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)hi, (__m512bh)x23[r]);
