@@ -85,13 +85,10 @@ def _check_q(proposal: Proposal) -> None:
     """A sampled request's q must be one well-formed row per drafted token that gives the token
     a chance. The target would refuse the Verify otherwise, and the requests would fail with
     it; a bad Propose only costs speculation (the round runs plain)."""
-    q = proposal.probs
+    if proposal.probs is None:
+        raise ServiceStateError(f"the draft sent no q for the sampled slot {proposal.slot_id}")
     try:
-        if q is None or q.num_rows != len(proposal.tokens):
-            raise InvalidArgumentError(f"{q.num_rows if q else 'no'} rows for {len(proposal.tokens)} draft tokens")
-        q.validate(_WIRE_ID_LIMIT, "probs")
-        if bool((q.probs_of(proposal.tokens) <= 0).any()):
-            raise InvalidArgumentError("a drafted token has probability 0 in its row")
+        proposal.probs.check_drafted(proposal.tokens, _WIRE_ID_LIMIT, "probs")
     except InvalidArgumentError as error:
         raise ServiceStateError(f"the draft sent a malformed q for slot {proposal.slot_id}: {error}") from None
 

@@ -58,13 +58,16 @@ class SparseRows:
         lengths = torch.tensor(self.lengths, dtype=torch.int64, device=self.token_ids.device)
         return torch.repeat_interleave(torch.arange(self.num_rows, device=lengths.device), lengths)
 
+    def _row_sums(self, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Each row's sum of `values` [nnz] (entry rows `rows` [nnz]): [rows] float32."""
+        return torch.zeros(self.num_rows, dtype=torch.float32, device=values.device).index_add_(0, rows, values)
+
     def _normalized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each entry's row [nnz] and its value divided by its row's sum [nnz] float32: the
         one computation of q that the gateway and the target share."""
         rows = self._row_index()
         values = self.values.float()
-        totals = torch.zeros(self.num_rows, dtype=torch.float32, device=values.device).index_add_(0, rows, values)
-        return rows, values / totals[rows]
+        return rows, values / self._row_sums(rows, values)[rows]
 
     def distributions(self, vocab: int, extra_rows: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
         """The rows as normalized float32 distributions [rows + extra_rows, vocab] on `device`
@@ -82,8 +85,7 @@ class SparseRows:
             raise InvalidArgumentError(f"probs_of: {len(tokens)} tokens for {self.num_rows} rows")
         rows, probs = self._normalized()
         wanted = torch.tensor(tokens, dtype=torch.int64, device=rows.device)[rows] == self.token_ids  # [nnz]
-        return torch.zeros(self.num_rows, dtype=torch.float32, device=probs.device).index_add_(
-            0, rows, torch.where(wanted, probs, 0.0))
+        return self._row_sums(rows, torch.where(wanted, probs, 0.0))
 
     def validate(self, vocab: int, field: str) -> None:
         """Raise InvalidArgumentError, naming `field`, unless these are well-formed rows over `vocab` tokens."""
@@ -101,6 +103,16 @@ class SparseRows:
         rows = self._row_index()
         if torch.unique(rows * vocab + self.token_ids).numel() != nnz:
             raise InvalidArgumentError(f"{field}: a token appears twice in one row")
-        totals = torch.zeros(self.num_rows, dtype=torch.float32).index_add_(0, rows, values)
-        if bool((totals <= 0).any()):
+        if bool((self._row_sums(rows, values) <= 0).any()):
             raise InvalidArgumentError(f"{field}: every row needs a positive sum")
+
+    def check_drafted(self, tokens: list[int], vocab: int, field: str) -> None:
+        """Raise InvalidArgumentError, naming `field`, unless these rows are a q the draft can
+        have drawn `tokens` from: well-formed over `vocab` tokens, one row per drafted token,
+        each token with a chance in its row. The gateway checks what the draft sent, and the
+        target what the gateway forwards."""
+        self.validate(vocab, field)
+        if self.num_rows != len(tokens):
+            raise InvalidArgumentError(f"{field}: {self.num_rows} rows of q for {len(tokens)} draft tokens")
+        if bool((self.probs_of(tokens) <= 0).any()):
+            raise InvalidArgumentError(f"{field}: a draft token has probability 0 in the q it was drawn from")

@@ -106,15 +106,7 @@ class TargetEngine(ModelEngine):
         if item.draft_probs is not None:
             if item.sampling is None:
                 raise InvalidArgumentError(f"draft_probs: slot {item.slot_id!r} sent q without sampling params")
-            item.draft_probs.validate(self.vocab_size, "draft_probs")
-            if item.draft_probs.num_rows != k:
-                raise InvalidArgumentError(
-                    f"draft_probs: slot {item.slot_id!r} sent {item.draft_probs.num_rows} rows of q for K={k} draft tokens"
-                )
-            if bool((item.draft_probs.probs_of(list(item.tokens[1:])) <= 0).any()):
-                raise InvalidArgumentError(
-                    f"draft_probs: a draft token of slot {item.slot_id!r} has probability 0 in the q it was drawn from"
-                )
+            item.draft_probs.check_drafted(list(item.tokens[1:]), self.vocab_size, f"draft_probs of slot {item.slot_id!r}")
         if item.decode_steps > 1:
             if not item.target_chooses or k > 0:
                 raise InvalidArgumentError(
