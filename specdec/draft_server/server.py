@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import grpc
 
 from specdec.draft_server.config import DraftConfig
@@ -25,6 +27,14 @@ class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
     async def Propose(
         self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
     ) -> draft_pb2.ProposeResponse:
+        return await self._propose(request)
+
+    async def ProposeStream(
+        self, requests: AsyncIterator[draft_pb2.ProposeRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        await self.answer_each(context, "Propose", self._propose)
+
+    async def _propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         items = [ProposeItem.from_pb(item) for item in request.items]
         probs_dtype = torch_dtype(request.probs_dtype or common_pb2.DTYPE_FLOAT32)
         lease = Lease.from_pb(request.lease)

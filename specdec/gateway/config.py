@@ -63,6 +63,10 @@ class GatewayConfig(ServerSecurity):
     service_tls_cert: str = option("", "PEM certificate the gateway presents to the model services (mutual TLS)")
     service_tls_key: str = option("", "PEM private key of --service-tls-cert")
     service_auth_token_file: str = option("", "file holding the bearer token the model services demand")
+    #: A message on a kept stream costs less than a new call (`specdec.gateway.streamed_rpc`).
+    streamed_calls: bool = option(
+        True, "carry each round's Propose and Verify on one kept stream per service (--no-streamed-calls: a unary call each)",
+    )
     rpc_timeout_factor: float = option(20.0, "a call's deadline in multiples of its expected compute (from the measured costs)")
 
     def __post_init__(self) -> None:

@@ -8,14 +8,15 @@ types to protobuf and back, with the conversions of `specdec.wire.items`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.serving.security import BearerToken
+from specdec.gateway.streamed_rpc import StreamedRpc
+from specdec.serving.security import bearer_token_interceptors
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.wire.items import Lease, ModelInfo, PrefillItem, Proposal, ProposeItem, ScoredChunk, VerifiedChunk, VerifyItem
 from specdec.wire.limits import message_size_options
@@ -67,10 +68,13 @@ class ServiceLink:
     credentials: grpc.ChannelCredentials | None = None
     #: Bearer token sent with every call ("" for none).
     token: str = ""
+    #: Propose and Verify as exchanges on one kept stream per service (`StreamedRpc`)
+    #: rather than a unary call each.
+    streamed: bool = True
 
     def channel(self, address: str) -> grpc.aio.Channel:
         options = message_size_options(self.max_message_bytes)
-        interceptors = [BearerToken(self.token)] if self.token else None
+        interceptors = bearer_token_interceptors(self.token) if self.token else None
         if self.credentials is not None:
             return grpc.aio.secure_channel(address, self.credentials, options=options, interceptors=interceptors)
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
@@ -120,6 +124,12 @@ class _ServiceClient(Generic[Stub]):
 class TargetClient(_ServiceClient[target_pb2_grpc.TargetServiceStub]):
     def __init__(self, address: str, link: ServiceLink, lease: Lease) -> None:
         super().__init__(address, link, target_pb2_grpc.TargetServiceStub, lease)
+        self._verify: Callable[[target_pb2.VerifyRequest, float], Awaitable[target_pb2.VerifyResponse]] = (
+            StreamedRpc(self.stub.VerifyStream, self._verify_unary) if link.streamed else self._verify_unary
+        )
+
+    async def _verify_unary(self, request: target_pb2.VerifyRequest, timeout: float) -> target_pb2.VerifyResponse:
+        return await self.stub.Verify(request, timeout=timeout)
 
     async def prefill(self, items: list[PrefillItem], timeout: float) -> Timed[dict[str, ScoredChunk]]:
         """Last-position logits [vocab] per slot."""
@@ -134,7 +144,8 @@ class TargetClient(_ServiceClient[target_pb2_grpc.TargetServiceStub]):
     async def verify(self, items: list[VerifyItem], timeout: float) -> Timed[dict[str, VerifiedChunk]]:
         """Logits [K+1, vocab], or the target's chosen tokens (`VerifyItem.target_chooses`), per slot."""
         started = time.perf_counter()
-        response = await self.stub.Verify(target_pb2.VerifyRequest(items=[item.to_pb() for item in items]), timeout=timeout)
+        request = target_pb2.VerifyRequest(items=[item.to_pb() for item in items], timeout_s=timeout)
+        response = await self._verify(request, timeout)
         results = {r.slot_id: VerifiedChunk.from_pb(r) for r in response.results}
         return Timed(results, response.compute_s, time.perf_counter() - started)
 
@@ -143,6 +154,12 @@ class DraftClient(_ServiceClient[draft_pb2_grpc.DraftServiceStub]):
     def __init__(self, address: str, link: ServiceLink, probs_dtype: common_pb2.DType, lease: Lease) -> None:
         super().__init__(address, link, draft_pb2_grpc.DraftServiceStub, lease)
         self.probs_dtype = probs_dtype
+        self._propose: Callable[[draft_pb2.ProposeRequest, float], Awaitable[draft_pb2.ProposeResponse]] = (
+            StreamedRpc(self.stub.ProposeStream, self._propose_unary) if link.streamed else self._propose_unary
+        )
+
+    async def _propose_unary(self, request: draft_pb2.ProposeRequest, timeout: float) -> draft_pb2.ProposeResponse:
+        return await self.stub.Propose(request, timeout=timeout)
 
     async def propose(self, items: list[ProposeItem], timeout: float) -> Timed[dict[str, Proposal]]:
         """The K drafted tokens per slot, with q in the wire dtype exactly as the draft sent it."""
@@ -150,6 +167,6 @@ class DraftClient(_ServiceClient[draft_pb2_grpc.DraftServiceStub]):
         request = draft_pb2.ProposeRequest(
             items=[item.to_pb() for item in items], probs_dtype=self.probs_dtype, lease=self.lease.to_pb()
         )
-        response = await self.stub.Propose(request, timeout=timeout)
+        response = await self._propose(request, timeout)
         results = {r.slot_id: Proposal.from_pb(r) for r in response.results}
         return Timed(results, response.compute_s, time.perf_counter() - started)

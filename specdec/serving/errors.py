@@ -43,6 +43,35 @@ class RpcObserver(Protocol):
     def record_rpc(self, method: str, seconds: float, code: str) -> None: ...
 
 
+async def answer(
+    observer: RpcObserver | None, method: str, qualname: str, context: grpc.aio.ServicerContext,
+    handle: Callable[[], Awaitable[T]],
+) -> T:
+    """Await `handle()` as the rpc `method`: an engine error aborts the call with its precise
+    gRPC status, and `observer` (if any) is told the latency and status."""
+    started = time.perf_counter()
+
+    def record(code: str) -> None:
+        # Before the status leaves: a client that scrapes right after its error must see it.
+        if observer is not None:
+            observer.record_rpc(method, time.perf_counter() - started, code)
+
+    try:
+        result = await handle()
+    except (grpc.aio.AbortError, grpc.aio.UsageError):
+        record("UNKNOWN")
+        raise
+    except Exception as error:  # noqa: BLE001 - this is the mapping layer
+        record(status_of(error)[0].name)
+        await _abort(context, error, qualname)
+        raise  # unreachable: abort raises
+    except BaseException:  # cancelled by the client or at shutdown
+        record("CANCELLED")
+        raise
+    record("OK")
+    return result
+
+
 def grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     """Decorate a unary servicer method so engine errors become precise gRPC statuses.
 
@@ -52,27 +81,9 @@ def grpc_errors(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
         observer: RpcObserver | None = getattr(self, "rpc_observer", None)
-        started = time.perf_counter()
-
-        def record(code: str) -> None:
-            # Before the status leaves: a client that scrapes right after its error must see it.
-            if observer is not None:
-                observer.record_rpc(method.__name__, time.perf_counter() - started, code)
-
-        try:
-            result = await method(self, request, context)
-        except (grpc.aio.AbortError, grpc.aio.UsageError):
-            record("UNKNOWN")
-            raise
-        except Exception as error:  # noqa: BLE001 - this is the mapping layer
-            record(status_of(error)[0].name)
-            await _abort(context, error, method.__qualname__)
-            raise  # unreachable: abort raises
-        except BaseException:  # cancelled by the client or at shutdown
-            record("CANCELLED")
-            raise
-        record("OK")
-        return result
+        return await answer(
+            observer, method.__name__, method.__qualname__, context, lambda: method(self, request, context)
+        )
 
     return wrapper
 

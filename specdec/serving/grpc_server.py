@@ -62,7 +62,8 @@ class RunningServer:
     """A started server, its bound port and its health servicer."""
 
     def __init__(self, server: grpc.aio.Server, port: int, health_servicer: health.aio.HealthServicer,
-                 service_names: Sequence[str], on_stop: StopHook | None) -> None:
+                 service_names: Sequence[str], on_stop: StopHook | None,
+                 on_drain: Callable[[], None] | None = None) -> None:
         self.server = server
         self.port = port
         self.health = health_servicer
@@ -70,10 +71,13 @@ class RunningServer:
         #: Port of the Prometheus /metrics endpoint, for servers that export one.
         self.metrics_port: int | None = None
         self._on_stop = on_stop
+        self._on_drain = on_drain
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Report NOT_SERVING, let in-flight RPCs finish for `grace` seconds, then release resources."""
         await self.health.enter_graceful_shutdown()
+        if self._on_drain is not None:
+            self._on_drain()  # long-lived streams end once idle, rather than at the grace's end
         await self.server.stop(grace)
         if self._on_stop is not None:
             result = self._on_stop()
@@ -92,11 +96,13 @@ async def start_server(
     port: int,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     on_stop: StopHook | None = None,
+    on_drain: Callable[[], None] | None = None,
     credentials: grpc.ServerCredentials | None = None,
     token: str = "",
 ) -> RunningServer:
     """Create, register and start a server; `port=0` binds a free port (returned). With
-    `credentials` it serves TLS; with `token` every call but health and reflection needs it."""
+    `credentials` it serves TLS; with `token` every call but health and reflection needs it.
+    `on_drain` is called as the stop begins, to end long-lived streams."""
     interceptors = [TokenCheck(token)] if token else []
     server = grpc.aio.server(options=message_size_options(max_message_bytes), interceptors=interceptors)
     register(server)
@@ -111,7 +117,7 @@ async def start_server(
     for name in ["", *service_names]:  # "" is the whole-server status
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving %s on %s:%d", ", ".join(service_names), host, bound)
-    return RunningServer(server, bound, health_servicer, service_names, on_stop)
+    return RunningServer(server, bound, health_servicer, service_names, on_stop, on_drain)
 
 
 async def serve_until_signal(running: RunningServer, grace: float = 5.0) -> None:

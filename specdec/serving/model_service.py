@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import grpc
@@ -25,6 +25,7 @@ from specdec.serving.grpc_server import RunningServer, start_server
 from specdec.serving.heap import retain_freed_memory
 from specdec.serving.metrics import ServiceStats, service_endpoint
 from specdec.serving.openmp import proc_bind
+from specdec.serving.streams import Req, Resp, answer_each
 from specdec.serving.thread_placement import parse_cores
 from specdec.serving.worker import ModelWorker, cancel_and_wait
 from specdec.v1 import common_pb2
@@ -45,6 +46,17 @@ class SlotServicer:
         self.stats = stats
         #: `grpc_errors` reports every call's latency and status here.
         self.rpc_observer = stats
+        #: Set when the service stops: streamed rpcs waiting for their next request end.
+        self.closing = asyncio.Event()
+
+    async def answer_each(
+        self, context: grpc.aio.ServicerContext, method: str, handle: Callable[[Req], Awaitable[Resp]]
+    ) -> None:
+        """Serve a streamed rpc: `handle` each request as the unary rpc `method` would."""
+        await answer_each(context, method, handle, self.rpc_observer, self.closing)
+
+    def end_streams(self) -> None:
+        self.closing.set()
 
     @grpc_errors
     async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
@@ -114,8 +126,8 @@ async def start_model_service(
     config: C,
     engine: E | None,
     engine_cls: Callable[[ModelRuntime, C], E],
-    make_servicer: Callable[[E, ModelWorker, ServiceStats], object],
-    add_servicer: Callable[[object, grpc.aio.Server], None],
+    make_servicer: Callable[[E, ModelWorker, ServiceStats], SlotServicer],
+    add_servicer: Callable[[SlotServicer, grpc.aio.Server], None],
     service_name: str,
     work_methods: Sequence[str],
 ) -> RunningServer:
@@ -147,6 +159,7 @@ async def start_model_service(
             port=config.port,
             max_message_bytes=config.max_message_bytes,
             on_stop=stop,
+            on_drain=servicer.end_streams,
             credentials=config.server_credentials(),
             token=config.token(),
         )

@@ -140,16 +140,24 @@ def _refusal(handler: grpc.RpcMethodHandler[Any, Any] | None, reason: str) -> gr
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
         yield  # pragma: no cover - makes this an async generator
 
+    async def abort_both(requests: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
     deserializer = getattr(handler, "request_deserializer", None)
     serializer = getattr(handler, "response_serializer", None)
+    if handler is not None and handler.request_streaming:  # the streamed work rpcs are bidirectional
+        return grpc.stream_stream_rpc_method_handler(abort_both, deserializer, serializer)
     if handler is not None and handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(abort_stream, deserializer, serializer)
     return grpc.unary_unary_rpc_method_handler(abort, deserializer, serializer)
 
 
-class BearerToken(grpc.aio.UnaryUnaryClientInterceptor):
-    """Add the bearer token to every unary call of an aio channel (the gateway toward the services)."""
+def _with_token(details: grpc.aio.ClientCallDetails, token: tuple[tuple[str, str], ...]) -> grpc.aio.ClientCallDetails:
+    metadata = grpc.aio.Metadata(*(details.metadata or ()), *token)
+    return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials, details.wait_for_ready)
 
+
+class _UnaryBearerToken(grpc.aio.UnaryUnaryClientInterceptor):
     def __init__(self, token: str) -> None:
         self._metadata = bearer_metadata(token)
 
@@ -157,8 +165,22 @@ class BearerToken(grpc.aio.UnaryUnaryClientInterceptor):
         self, continuation: Callable[[grpc.aio.ClientCallDetails, Any], Any],
         details: grpc.aio.ClientCallDetails, request: Any,
     ) -> Any:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._metadata)
-        updated = grpc.aio.ClientCallDetails(
-            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready,
-        )
-        return await continuation(updated, request)
+        return await continuation(_with_token(details, self._metadata), request)
+
+
+class _StreamBearerToken(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._metadata = bearer_metadata(token)
+
+    async def intercept_stream_stream(
+        self, continuation: Callable[[grpc.aio.ClientCallDetails, Any], Any],
+        details: grpc.aio.ClientCallDetails, request_iterator: Any,
+    ) -> Any:
+        return await continuation(_with_token(details, self._metadata), request_iterator)
+
+
+def bearer_token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors that add the bearer token to every call of an aio channel (the gateway
+    toward the services): the unary calls and the streamed work rpcs. An aio channel files
+    each interceptor under one kind of call only, hence one per kind."""
+    return [_UnaryBearerToken(token), _StreamBearerToken(token)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -35,8 +36,20 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
     async def Verify(
         self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.VerifyResponse:
+        return await self._verify(request, context.time_remaining())
+
+    async def VerifyStream(
+        self, requests: AsyncIterator[target_pb2.VerifyRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        await self.answer_each(context, "Verify", self._verify)
+
+    async def _verify(
+        self, request: target_pb2.VerifyRequest, remaining: float | None = None
+    ) -> target_pb2.VerifyResponse:
+        """`remaining`: seconds left of the call's gRPC deadline; without one, the request's timeout_s."""
         items = [VerifyItem.from_pb(item) for item in request.items]
-        remaining = context.time_remaining()  # None without a deadline
+        if remaining is None and request.timeout_s > 0:
+            remaining = request.timeout_s
         deadline = time.monotonic() + remaining if remaining is not None else None
         results, compute_s = await self.worker.run_timed(self.engine.verify, items, deadline)
         self.stats.record_work("Verify", compute_s, len(items), sum(len(i.tokens) for i in items))

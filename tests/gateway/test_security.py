@@ -11,7 +11,9 @@ Certificates are made per session (tests/pki.py). What must hold:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -80,6 +82,7 @@ def test_a_model_service_with_mutual_tls_and_a_token_refuses_everyone_else(start
     target = start_target(tls_cert=pki.server_cert, tls_key=pki.server_key, tls_client_ca=pki.ca, auth_token_file=token)
     address = f"127.0.0.1:{target.port}"
     prefill = target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(slot_id="s", prompt_tokens=[1, 2, 3])])
+    verify = target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(slot_id="s", valid_len=0, tokens=[1])])
     without_cert = grpc.secure_channel(address, channel_credentials(pki.ca))
     with without_cert:
         stub = target_pb2_grpc.TargetServiceStub(without_cert)
@@ -89,12 +92,18 @@ def test_a_model_service_with_mutual_tls_and_a_token_refuses_everyone_else(start
         for metadata in ((), bearer_metadata("nope")):
             info_call = functools.partial(stub.Info, common_pb2.InfoRequest(), timeout=5, metadata=metadata)
             prefill_call = functools.partial(stub.Prefill, prefill, timeout=5, metadata=metadata)
-            assert _code(info_call) == _code(prefill_call) == grpc.StatusCode.UNAUTHENTICATED
+            streamed_call = functools.partial(_answers, stub.VerifyStream, [verify], metadata)
+            assert _code(info_call) == _code(prefill_call) == _code(streamed_call) == grpc.StatusCode.UNAUTHENTICATED
         assert not target.engine.tokens  # the refused Prefill allocated nothing
         info = stub.Info(common_pb2.InfoRequest(), timeout=5, metadata=bearer_metadata("t0ken"))
         assert info.vocab_size > 0
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _answers(streamed_rpc: Callable[..., Iterator[Any]], requests: list[Any], metadata: Any) -> list[Any]:
+    """Every answer of a streamed rpc to `requests`."""
+    return list(streamed_rpc(iter(requests), timeout=5, metadata=metadata))
 
 
 def test_incomplete_security_settings_are_refused_at_start(pki: Pki, tmp_path: Path) -> None:
