@@ -11,7 +11,10 @@ Three parts, each on its own freshly started trio (target, draft, gateway):
   lists), with twice as many new tokens: long, highly predictable outputs.
 
 In each part single greedy requests run plain, with the gateway's adaptive K and with
-every fixed K of `--ks`, interleaved per prompt; then, at every concurrency level, groups
+every fixed K of `--ks`, interleaved per prompt, `--single-reps` times over the prompts;
+adaptive K is compared with each mode by the median of its ratios on the same prompt and
+repetition (pairwise: a ratio of two requests that ran a few seconds apart, where the
+machine's speed drifts by ±20 % over minutes). Then, at every concurrency level, groups
 of requests run plain, adaptive and with the part's best fixed K, `--concurrency-reps`
 groups per mode in alternating order, and the table gives their median. Greedy outputs are
 checked against plain decoding. The gateway's upper bound for adaptive K is the largest
@@ -66,6 +69,8 @@ class PartResult:
     name: str
     #: Median single-request tokens/s per mode (`plain`, `speculative` = adaptive, `K=<k>`).
     single: dict[str, float] = field(default_factory=dict)
+    #: Per other mode: the median over prompts and repetitions of adaptive ÷ that mode.
+    adaptive_ratio: dict[str, float] = field(default_factory=dict)
     #: Mean K the adaptive runs chose, and their acceptance rate.
     adaptive_mean_k: float = 0.0
     adaptive_acceptance: float = 0.0
@@ -84,22 +89,27 @@ def run_part(part: Part, args: argparse.Namespace, progress: tqdm) -> PartResult
         with SpecdecClient(stack.address, timeout=REQUEST_TIMEOUT_S) as client:
             for k in (0, None, max(args.ks)):  # warm-up: allocators and kernels
                 run_request(client, "warm-up", 0, k, max_new_tokens=8)
-            rates: dict[str, list[float]] = {mode_name(k): [] for k in ks}
+            rates: dict[str, list[float]] = {mode_name(k): [] for k in ks}  # in (repetition, prompt) order
             adaptive: list[RunRecord] = []
-            for prompt in range(len(part.prompts)):
-                progress.set_description(f"{part.name}: single requests")
-                order = ks if prompt % 2 == 0 else list(reversed(ks))
-                outputs: dict[str, list[int]] = {}
-                for k in order:
-                    record, out = run_request(client, "adaptive_k", prompt, k, max_new_tokens=tokens, prompts=part.prompts)
-                    rates[record.mode].append(record.tokens_per_s)
-                    outputs[record.mode] = out.token_ids
-                    if k is None:
-                        adaptive.append(record)
-                    progress.update()
-                for mode, ids in outputs.items():
-                    check_exact(prompt, mode, ids, outputs["plain"])
+            progress.set_description(f"{part.name}: single requests")
+            for rep in range(args.single_reps):
+                for prompt in range(len(part.prompts)):
+                    order = ks if (rep + prompt) % 2 == 0 else list(reversed(ks))
+                    outputs: dict[str, list[int]] = {}
+                    for k in order:
+                        record, out = run_request(client, "adaptive_k", prompt, k, max_new_tokens=tokens, prompts=part.prompts)
+                        rates[record.mode].append(record.tokens_per_s)
+                        outputs[record.mode] = out.token_ids
+                        if k is None:
+                            adaptive.append(record)
+                        progress.update()
+                    for mode, ids in outputs.items():
+                        check_exact(prompt, mode, ids, outputs["plain"])
             result.single = {mode: statistics.median(values) for mode, values in rates.items()}
+            result.adaptive_ratio = {
+                mode: statistics.median(a / b for a, b in zip(rates["speculative"], values))
+                for mode, values in rates.items() if mode != "speculative"
+            }
             rounds = sum(r.num_rounds for r in adaptive)
             drafted = sum(r.num_draft_tokens for r in adaptive)
             result.adaptive_mean_k = drafted / rounds if rounds else 0.0
@@ -120,11 +130,9 @@ def run_part(part: Part, args: argparse.Namespace, progress: tqdm) -> PartResult
 
 def verdicts(r: PartResult) -> list[str]:
     """The issue's three checks on one part, as text."""
-    adaptive, plain = r.single["speculative"], r.single["plain"]
-    best = r.single[mode_name(r.best_k)]
     lines = [
-        f"adaptive ÷ best fixed K (K={r.best_k}): {adaptive / best:.2f}x",
-        f"adaptive ÷ plain: {adaptive / plain:.2f}x",
+        f"adaptive ÷ best fixed K (K={r.best_k}), pairwise median: {r.adaptive_ratio[mode_name(r.best_k)]:.2f}x",
+        f"adaptive ÷ plain, pairwise median: {r.adaptive_ratio['plain']:.2f}x",
     ]
     worst = min(row["speculative"] / max(row["plain"], row[mode_name(r.best_k)]) for row in r.concurrent.values())
     lines.append(f"concurrency, adaptive ÷ better of plain and K={r.best_k}, worst level: {worst:.2f}x")
@@ -134,7 +142,9 @@ def verdicts(r: PartResult) -> list[str]:
 def table(r: PartResult, ks: list[int]) -> str:
     modes = ["plain", "speculative", *(mode_name(k) for k in ks)]
     head = "| single request, tok/s | " + " | ".join("adaptive" if m == "speculative" else m for m in modes) + " |"
-    rows = [head, "|" + "---|" * (len(modes) + 1), "| median | " + " | ".join(f"{r.single[m]:.1f}" for m in modes) + " |"]
+    rows = [head, "|" + "---|" * (len(modes) + 1), "| median | " + " | ".join(f"{r.single[m]:.1f}" for m in modes) + " |",
+            "| adaptive ÷ this mode, pairwise median | "
+            + " | ".join("1.00" if m == "speculative" else f"{r.adaptive_ratio[m]:.2f}" for m in modes) + " |"]
     conc_modes = ["plain", "speculative", mode_name(r.best_k)]
     rows += ["", "| concurrency, aggregate tok/s | plain | adaptive | " + mode_name(r.best_k) + " |", "|---|---|---|---|"]
     rows += [f"| {level} | " + " | ".join(f"{row[m]:.1f}" for m in conc_modes) + " |" for level, row in r.concurrent.items()]
@@ -148,11 +158,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16])
     parser.add_argument("--concurrency-reps", type=int, default=3,
                         help="groups per mode and concurrency level, in alternating order; the table gives their median")
+    parser.add_argument("--single-reps", type=int, default=2, help="single requests per prompt and mode")
     parser.add_argument("--results", default="benchmarks/results/adaptive_k.json")
     parser.add_argument("--docs", default="docs/adaptive_k.md")
     args = parser.parse_args()
     started = time.monotonic()
-    runs_per_part = 3 * (2 + len(args.ks)) + 3 * len(args.concurrency) * args.concurrency_reps
+    runs_per_part = 3 * (2 + len(args.ks)) * args.single_reps + 3 * len(args.concurrency) * args.concurrency_reps
     results = []
     with tqdm(total=runs_per_part * len(PARTS), unit="run", file=sys.stderr, dynamic_ncols=True) as progress:
         for part in PARTS:
