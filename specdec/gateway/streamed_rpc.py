@@ -66,6 +66,8 @@ class StreamedRpc(Generic[Req, Resp]):
         except TimeoutError:
             self._end(call)
             raise deadline_exceeded(timeout) from None
+        except asyncio.InvalidStateError:  # it ended before the request went out
+            response = grpc.aio.EOF
         except BaseException:
             self._end(call)
             raise

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator
 
 import grpc
 
+from specdec.errors import InvalidArgumentError
 from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer
 from specdec.serving.model_service import SlotServicer, start_model_service
@@ -47,6 +49,8 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
         self, request: target_pb2.VerifyRequest, remaining: float | None = None
     ) -> target_pb2.VerifyResponse:
         """`remaining`: seconds left of the call's gRPC deadline; without one, the request's timeout_s."""
+        if not math.isfinite(request.timeout_s) or request.timeout_s < 0:
+            raise InvalidArgumentError(f"timeout_s must be a finite number of seconds >= 0, got {request.timeout_s}")
         items = [VerifyItem.from_pb(item) for item in request.items]
         if remaining is None and request.timeout_s > 0:
             remaining = request.timeout_s

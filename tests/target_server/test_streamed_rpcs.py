@@ -72,6 +72,18 @@ def test_an_error_ends_the_stream_with_the_status_verify_answers(target: Service
     assert responses.code() == grpc.StatusCode.NOT_FOUND  # the stream ended there: the third is never answered
 
 
+@pytest.mark.parametrize("timeout_s", [-1.0, float("nan"), float("inf")])
+def test_a_timeout_that_is_not_a_duration_is_invalid_argument(target: Service, prompt: list[int], timeout_s: float) -> None:
+    _prefill(target, ["t"], prompt)
+    request = _verify_request("t", len(prompt), [5])
+    request.timeout_s = timeout_s
+    with pytest.raises(grpc.RpcError) as error:
+        target.stub.Verify(request)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s" in (error.value.details() or "")
+    request.timeout_s = 30.0
+    assert target.stub.Verify(request).results[0].cached_len == len(prompt) + 1  # the slot is untouched
+
+
 def test_propose_stream_answers_each_request_as_propose_does(draft: Service, prompt: list[int]) -> None:
     def request(slot: str, valid_len: int, new_tokens: list[int]) -> draft_pb2.ProposeRequest:
         item = draft_pb2.ProposeItem(slot_id=slot, valid_len=valid_len, new_tokens=new_tokens, num_speculative_tokens=3,
