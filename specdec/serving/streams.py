@@ -9,8 +9,8 @@ Each request is counted under its unary rpc's name (`rpc_observer`), so dashboar
 one Verify whichever way it came. An error ends the stream with the unary rpc's status;
 the caller opens a new stream for its next request. When the service stops, every stream
 that waits for its next request ends at once with status OK (a stream in the middle of a
-request ends after answering it), so a graceful stop does not sit out its grace period
-because a gateway is connected.
+request answers it first, and any request already received), so a graceful stop does not
+sit out its grace period because a gateway is connected.
 """
 
 from __future__ import annotations
