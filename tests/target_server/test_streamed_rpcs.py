@@ -126,12 +126,14 @@ def test_stopping_the_service_ends_an_idle_stream_at_once(
 # -- the gateway's side: StreamedRpc through TargetClient / DraftClient ---------------------
 
 
-def _clients(service_loop: LoopThread, target: Service, draft: Service | None = None) -> tuple[TargetClient, DraftClient | None]:
+def _clients(service_loop: LoopThread, target_port: int, draft_port: int | None = None) -> tuple[TargetClient, DraftClient | None]:
+    """The gateway's clients (kept streams, the default) of the services on these ports."""
+
     async def make() -> tuple[TargetClient, DraftClient | None]:  # channels belong to the loop that uses them
         link = ServiceLink(DEFAULT_MAX_MESSAGE_BYTES)
         lease = Lease("streams-test", "1")
-        draft_client = DraftClient(f"127.0.0.1:{draft.port}", link, common_pb2.DTYPE_FLOAT32, lease) if draft else None
-        return TargetClient(f"127.0.0.1:{target.port}", link, lease), draft_client
+        draft_client = DraftClient(f"127.0.0.1:{draft_port}", link, common_pb2.DTYPE_FLOAT32, lease) if draft_port else None
+        return TargetClient(f"127.0.0.1:{target_port}", link, lease), draft_client
 
     return service_loop.run(make())
 
@@ -146,7 +148,7 @@ def test_streamed_verify_keeps_one_stream_and_gets_the_unary_answers(
     service_loop: LoopThread, target: Service, draft: Service, prompt: list[int]
 ) -> None:
     _prefill(target, ["a", "b"], prompt)
-    client, draft_client = _clients(service_loop, target, draft)
+    client, draft_client = _clients(service_loop, target.port, draft.port)
     assert draft_client is not None
     try:
         answers = [service_loop.run(client.verify([VerifyItem("a", v, t, argmax_only=True)], 30.0)) for v, t in _chunks(prompt)]
@@ -169,7 +171,7 @@ def test_an_abandoned_exchange_never_answers_the_next_request(
     """The deadline passes while the target still computes: DEADLINE_EXCEEDED, as a unary call
     would fail, and the next request is answered on a new stream with its own answer."""
     _prefill(target, ["slow", "next"], prompt)
-    client, _ = _clients(service_loop, target)
+    client, _ = _clients(service_loop, target.port)
     try:
         slow = [VerifyItem("slow", len(prompt), [5], argmax_only=True, decode_steps=9)]
         with pytest.raises(grpc.aio.AioRpcError) as error:
@@ -186,7 +188,7 @@ def test_a_service_error_fails_the_exchange_with_its_status_and_the_next_one_wor
     service_loop: LoopThread, target: Service, prompt: list[int]
 ) -> None:
     _prefill(target, ["known"], prompt)
-    client, _ = _clients(service_loop, target)
+    client, _ = _clients(service_loop, target.port)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as error:
             service_loop.run(client.verify([VerifyItem("unknown", 0, [5], argmax_only=True)], 30.0))
@@ -200,7 +202,7 @@ def test_a_service_error_fails_the_exchange_with_its_status_and_the_next_one_wor
 def test_overlapping_exchanges_are_both_answered(service_loop: LoopThread, target: Service, prompt: list[int]) -> None:
     """The second of two concurrent calls goes unary rather than queue on the stream."""
     _prefill(target, ["x", "y"], prompt)
-    client, _ = _clients(service_loop, target)
+    client, _ = _clients(service_loop, target.port)
 
     async def both() -> list[int]:
         calls = [client.verify([VerifyItem(slot, len(prompt), [5, 6], argmax_only=True)], 30.0) for slot in ("x", "y")]
@@ -218,7 +220,7 @@ def test_a_stopped_service_fails_the_next_exchange_as_unavailable(
 ) -> None:
     config = TargetConfig(port=0, **SMALL_POOL)
     server = service_loop.run(create_target_server(config, TargetEngine(fp32_runtime, config)))
-    client = service_loop.run(_make_target_client(server.port))
+    client, _ = _clients(service_loop, server.port)
     try:
         service_loop.run(client.prefill([PrefillItem("s", prompt)], 30.0))
         service_loop.run(client.verify([VerifyItem("s", len(prompt), [5], argmax_only=True)], 30.0))
@@ -228,7 +230,3 @@ def test_a_stopped_service_fails_the_next_exchange_as_unavailable(
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         _close(service_loop, client)
-
-
-async def _make_target_client(port: int) -> TargetClient:
-    return TargetClient(f"127.0.0.1:{port}", ServiceLink(DEFAULT_MAX_MESSAGE_BYTES), Lease("streams-test", "2"))
