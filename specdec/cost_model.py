@@ -14,15 +14,23 @@ import bisect
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
 class ForwardCost:
-    """Seconds one forward took over `batch_size` requests of `tokens` new tokens each."""
+    """Seconds one forward took over `batch_size` requests of `tokens` new tokens each, each
+    request with `context` tokens cached before them (0: not reported, taken as short)."""
 
     batch_size: int
     tokens: int
     seconds: float
+    context: int = 0
+
+    @classmethod
+    def from_pb(cls, message: Any) -> ForwardCost:
+        """From a `specdec.v1.ForwardCost` message (duck-typed: this module imports no wire code)."""
+        return cls(message.batch_size, message.tokens, message.seconds, message.context_tokens)
 
 
 def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -67,28 +75,64 @@ def _smoothed(tokens: Sequence[int], seconds: Sequence[float]) -> list[float]:
     return out
 
 
-class CostTable:
-    """Forward-pass seconds for any (batch size, tokens per request), from a measured grid.
+def _context_slopes(costs: Sequence[ForwardCost], base: dict[tuple[int, int], float], base_context: int) -> dict[int, float]:
+    """Seconds each cached context token adds to a forward, per request, by tokens per request.
 
-    Interpolates linearly in tokens within each measured batch size, then linearly in
-    batch size; outside the grid it extends the nearest segment. Within a batch size the
-    verify-sized figures are smoothed and all are made non-decreasing (see `_smoothed`).
+    From the points measured at a longer context than `base_context` beside the same
+    (batch size, tokens) point at it: the extra seconds of all batch sizes over their extra
+    context-token-requests (a pooled ratio, so the large batches, whose extra is well above
+    the timing noise, carry it). Attention reads every cached token, and the draft's
+    batched step doubled from 48 to 300 tokens of context at 8 requests (19 to 38 ms, AMD
+    EPYC Zen 4): without this term the planner's online scale, one per service, chased a
+    cost that grows through every request's life.
+    """
+    extra: dict[int, float] = {}
+    weight: dict[int, float] = {}
+    for cost in costs:
+        if cost.context > base_context and (cost.batch_size, cost.tokens) in base:
+            extra[cost.tokens] = extra.get(cost.tokens, 0.0) + cost.seconds - base[(cost.batch_size, cost.tokens)]
+            weight[cost.tokens] = weight.get(cost.tokens, 0.0) + cost.batch_size * (cost.context - base_context)
+    return {t: max(0.0, extra[t] / weight[t]) for t in sorted(extra)}
+
+
+class CostTable:
+    """Forward-pass seconds for any (batch size, tokens per request, cached context), from a
+    measured grid.
+
+    The grid is measured at one short context. Within it, interpolates linearly in tokens
+    within each measured batch size, then linearly in batch size; outside the grid it
+    extends the nearest segment. Within a batch size the verify-sized figures are smoothed
+    and all are made non-decreasing (see `_smoothed`). A longer context adds a cost linear
+    in the batch's cached tokens, with a slope per tokens per request (`_context_slopes`)
+    measured at a few points; without such points the context is ignored.
     """
 
     def __init__(self, costs: Sequence[ForwardCost], scale: float = 1.0) -> None:
         if not costs:
             raise ValueError("a cost table needs at least one measurement")
+        #: The context the grid was measured at: the shortest reported.
+        self.base_context = min(cost.context for cost in costs)
+        base = {(c.batch_size, c.tokens): c.seconds for c in costs if c.context == self.base_context}
         rows: dict[int, dict[int, float]] = {}
-        for cost in costs:
-            rows.setdefault(cost.batch_size, {})[cost.tokens] = cost.seconds
+        for (batch, tokens), seconds in base.items():
+            rows.setdefault(batch, {})[tokens] = seconds
         self._batches = sorted(rows)
         self._rows = {b: (sorted(rows[b]), _smoothed(sorted(rows[b]), [rows[b][t] for t in sorted(rows[b])])) for b in self._batches}
+        slopes = _context_slopes(costs, base, self.base_context)
+        self._slope_tokens, self._slopes = [float(t) for t in slopes], list(slopes.values())
         #: Correction factor applied to every figure (measured online ÷ measured at start-up).
         self.scale = scale
+        #: Mean cached tokens per request that `seconds` prices (the base context by default).
+        self.context = float(self.base_context)
         #: Unscaled seconds per (batch size, tokens) asked so far, shared by the scaled copies:
         #: a plan asks for the same few points ~100 times (batch 16), and interpolating them
         #: anew took most of a ~0.5 ms plan.
         self._memo: dict[tuple[int, float], float] = {}
+
+    @property
+    def has_context_term(self) -> bool:
+        """Whether the table knows how its costs grow with the context."""
+        return bool(self._slopes)
 
     def scaled(self, factor: float) -> CostTable:
         """The same table with every figure multiplied by `factor` (sharing the smoothed
@@ -97,13 +141,26 @@ class CostTable:
         table.scale = factor
         return table
 
+    def at_context(self, context: float) -> CostTable:
+        """The same table pricing forwards whose requests hold `context` cached tokens on average."""
+        table = copy.copy(self)
+        table.context = context
+        return table
+
+    def context_seconds(self, batch_size: int, tokens: float) -> float:
+        """Unscaled seconds the context beyond the base one adds to a forward (negative below it)."""
+        if not self._slopes or self.context == self.base_context:
+            return 0.0
+        slope = self._slopes[0] if len(self._slopes) == 1 else _interpolate(self._slope_tokens, self._slopes, tokens)
+        return batch_size * (self.context - self.base_context) * slope
+
     def seconds(self, batch_size: int, tokens: float) -> float:
         key = (batch_size, tokens)
         unscaled = self._memo.get(key)
         if unscaled is None:
             per_batch = [_interpolate(*self._rows[b], tokens) for b in self._batches]
             unscaled = self._memo[key] = _interpolate(self._batches, per_batch, batch_size)
-        return self.scale * unscaled
+        return self.scale * max(0.0, unscaled + self.context_seconds(batch_size, tokens))
 
     def step(self, batch_size: int = 1) -> float:
         """One 1-token decode step over `batch_size` requests."""

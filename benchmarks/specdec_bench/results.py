@@ -50,7 +50,7 @@ class ServiceCosts:
     @classmethod
     def from_info(cls, info: gateway_pb2.GatewayInfo) -> ServiceCosts:
         def costs(model: Any) -> list[ForwardCost]:
-            return [ForwardCost(c.batch_size, c.tokens, c.seconds) for c in model.forward_costs]
+            return [ForwardCost.from_pb(c) for c in model.forward_costs]
 
         return cls(
             target=costs(info.target), draft=costs(info.draft), default_num_speculative_tokens=info.default_num_speculative_tokens,

@@ -125,7 +125,7 @@ class DraftEngine(ModelEngine):
                     q_rows[i].append(probs[n])
             feed = [i for i in rows if items[i].num_speculative_tokens > step + 1]  # the last drafted token is not fed
             if feed:
-                out = self._run([(items[i].slot_id, [drafted[i][-1]]) for i in feed], logits="last")
+                out = self._run([(items[i].slot_id, [drafted[i][-1]]) for i in feed], logits="last", prompt=False)
                 current = dict(zip(feed, out))
         return [
             Proposal(

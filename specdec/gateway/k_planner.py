@@ -184,6 +184,8 @@ class KPlanner:
     _measured_alpha: bool = field(default=False, init=False)
     #: Tokens each request of the planned round feeds the draft before drafting (`_feed`).
     _round_feeds: dict[str, int] = field(default_factory=dict, init=False)
+    #: Mean tokens per request of the planned round, cached before it (None: not planned).
+    _round_context: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.global_alpha = AcceptanceEstimate(self.prior_alpha, self.global_weight)
@@ -205,16 +207,26 @@ class KPlanner:
         """Both services advertised their costs (they measure them at start-up by default)."""
         return self._target is not None and self._draft is not None
 
-    def cost_model(self) -> RoundCostModel:
+    def cost_model(self, context: float | None = None) -> RoundCostModel:
+        """The round cost model with the online scales, pricing requests that hold `context`
+        cached tokens on average (default: the context the services measured at)."""
         if self._target is None:
             raise RuntimeError("no target cost table: the target did not measure its costs")
+        target, draft = self._at_context(context)
         return RoundCostModel(
-            target=self._target.scaled(self._target_scale.value),
-            draft=self._draft.scaled(self._draft_scale.value) if self._draft else None,
+            target=target.scaled(self._target_scale.value),
+            draft=draft.scaled(self._draft_scale.value) if draft else None,
             overhead_s=self.overhead_s,
             draft_round_overhead_s=self.draft_overhead.per_round,
             draft_token_overhead_s=self.draft_overhead.per_token,
         )
+
+    def _at_context(self, context: float | None) -> tuple[CostTable, CostTable | None]:
+        """Both unscaled tables at `context` (as measured when None)."""
+        assert self._target is not None
+        if context is None:
+            return self._target, self._draft
+        return self._target.at_context(context), self._draft.at_context(context) if self._draft else None
 
     def alphas(self, seq: Sequence) -> list[float]:
         estimate = self._estimates.get(seq.slot_id)
@@ -228,12 +240,13 @@ class KPlanner:
         plain round would decode per request (multi-step), which prices K = 0."""
         ks = dict(caps)
         self._round_feeds = {s.slot_id: self._feed(s) for s in seqs}
+        self._round_context = sum(len(s.tokens) for s in seqs) / len(seqs) if seqs else None
         flexible = [s for s in seqs if adaptive[s.slot_id] and caps[s.slot_id] > 0]
         chosen_by_us = {s.slot_id for s in flexible}
         self.last_off_reason = None
         if not flexible or not self.can_adapt:
             return ks
-        model = self.cost_model()
+        model = self.cost_model(self._round_context)
         alphas = [self.alphas(s) for s in seqs]
         start = [self._catch_up_cost(s, model, alphas[i]) for i, s in enumerate(seqs)]
         feeds = [self._round_feeds[s.slot_id] for s in seqs]
@@ -246,9 +259,9 @@ class KPlanner:
                 best_rate, best_k = rate, k
         if log.isEnabledFor(logging.DEBUG):
             plain = model.tokens_per_second([0] * len(seqs), alphas, steps=plain_steps)
-            log.debug("plan: batch %d, best uniform K %d at %.1f tok/s (plain %.1f), α_1 %s, scales t %.2f d %.2f, "
-                      "overhead %.1f ms, drafting + %.1f ms + %.1f ms per token", len(seqs), best_k, best_rate,
-                      plain, [round(a[0], 2) for a in alphas], self._target_scale.value, self._draft_scale.value,
+            log.debug("plan: batch %d, context %.0f, best uniform K %d at %.1f tok/s (plain %.1f), α_1 %s, scales t %.2f "
+                      "d %.2f, overhead %.1f ms, drafting + %.1f ms + %.1f ms per token", len(seqs), self._round_context,
+                      best_k, best_rate, plain, [round(a[0], 2) for a in alphas], self._target_scale.value, self._draft_scale.value,
                       1e3 * self.overhead_s, 1e3 * self.draft_overhead.per_round, 1e3 * self.draft_overhead.per_token)
         for s in flexible:
             ks[s.slot_id] = min(best_k, caps[s.slot_id])
@@ -373,7 +386,7 @@ class KPlanner:
             self._measured_alpha = True
         ks = [report.ks[s.slot_id] for s in seqs]
         if self._target is not None:  # the unscaled tables' prediction: the EMAs track the ratio
-            unscaled = RoundCostModel(self._target, self._draft)
+            unscaled = RoundCostModel(*self._at_context(self._round_context))
             steps = [report.steps.get(s.slot_id, 1) for s in seqs]
             self._target_scale.observe(report.verify.compute_s, unscaled.verify_seconds(ks, steps), self.cost_weight)
             if not self._catching_up:

@@ -31,6 +31,11 @@ PREFILL_WIDTH = 64
 MAX_ROWS = 64
 #: Cached tokens each profiling slot holds before the timed forwards (a short chat prompt).
 CONTEXT_LEN = 48
+#: The context a few points are timed at again, so the gateway can price longer contexts
+#: (`specdec.cost_model.CostTable`): the narrowest and widest chunk of each batch size.
+#: Its extra positions are appended without a forward (attention's cost does not depend on
+#: what the cached K/V hold), so the longer context costs no prefill at start-up.
+LONG_CONTEXT_LEN = CONTEXT_LEN + 256
 _SLOT_PREFIX = "\x00profile-"  # never a gateway slot id: those are printable
 
 
@@ -48,7 +53,8 @@ def measure_forward_costs(
     forward: PagedLlama, cache: PagedKVCache, *, max_batch: int, max_tokens: int, repeats: int = REPEATS
 ) -> list[ForwardCost]:
     """Median seconds of one forward over `b` slots × `t` new tokens, for the grid within limits,
-    plus one `PREFILL_WIDTH`-token chunk at batch 1.
+    plus one `PREFILL_WIDTH`-token chunk at batch 1, every slot holding `CONTEXT_LEN` cached
+    tokens; and the narrowest and widest chunk of each batch size again at `LONG_CONTEXT_LEN`.
 
     The grid is timed in `repeats` interleaved passes, not point by point: on a shared VM
     the machine's speed drifts by ±30 % over seconds (measured, AMD EPYC KVM guest), and
@@ -61,8 +67,8 @@ def measure_forward_costs(
     """
     batches = [b for b in BATCH_SIZES if b <= max_batch]
     widths = [t for t in CHUNK_WIDTHS if t <= max_tokens]
-    def tokens_needed(batch: int, prefill: bool) -> int:  # every slot's widest chunk (and slot 0's prefill)
-        return batch * (CONTEXT_LEN + widths[-1] + cache.block_size) + (PREFILL_WIDTH if prefill else 0)
+    def tokens_needed(batch: int, prefill: bool, context: int = CONTEXT_LEN) -> int:  # every slot's widest chunk (and slot 0's prefill)
+        return batch * (context + widths[-1] + cache.block_size) + (PREFILL_WIDTH if prefill else 0)
 
     room = cache.blocks.free_tokens // 2  # leave at least half the pool free whatever its size
     while batches and tokens_needed(batches[-1], False) > room:
@@ -74,22 +80,30 @@ def measure_forward_costs(
     with cache.temporary_slots(_SLOT_PREFIX, batches[-1]) as slots:
         prompt = filler_prompt(forward.vocab_size, max(CONTEXT_LEN, PREFILL_WIDTH))
         forward.run(cache, [(slot, prompt[:CONTEXT_LEN]) for slot in slots])
-        grid = [(batch, width) for batch in batches for width in widths if width == 1 or batch * width <= MAX_ROWS]
+        short = [(batch, width) for batch in batches for width in widths if width == 1 or batch * width <= MAX_ROWS]
+        grid = [(batch, width, CONTEXT_LEN) for batch, width in short]
         if with_prefill:
-            grid = sorted([*grid, (1, PREFILL_WIDTH)])  # by batch size, then width
-        times: dict[tuple[int, int], list[float]] = {point: [] for point in grid}
+            grid.append((1, PREFILL_WIDTH, CONTEXT_LEN))
+        for batch in batches:
+            if tokens_needed(batch, False, LONG_CONTEXT_LEN) <= room:
+                widest = max(width for b, width in short if b == batch)
+                grid += [(batch, width, LONG_CONTEXT_LEN) for width in sorted({1, widest})]
+        grid.sort()  # by batch size, then width, then context
+        times: dict[tuple[int, int, int], list[float]] = {point: [] for point in grid}
         for timed_pass in range(repeats + 1):  # pass 0 warms up kernels and allocator
-            for batch, width in grid:
+            for batch, width, context in grid:
                 # A verify chunk returns logits for every token, a prefill for its last one only.
                 logits = "last" if width == PREFILL_WIDTH else "all"
                 for slot in slots[:batch]:
                     cache.blocks.truncate_to(slot, CONTEXT_LEN)
+                if context > CONTEXT_LEN:
+                    cache.blocks.append_many([(slot, context - CONTEXT_LEN) for slot in slots[:batch]])
                 started = time.perf_counter()
-                forward.run(cache, [(slot, prompt[:width]) for slot in slots[:batch]], logits=logits)
+                forward.run(cache, [(slot, prompt[:width]) for slot in slots[:batch]], logits=logits, prompt=width == PREFILL_WIDTH)
                 if timed_pass:
-                    times[(batch, width)].append(time.perf_counter() - started)
-    costs = [ForwardCost(batch_size=b, tokens=t, seconds=statistics.median(times[(b, t)])) for b, t in grid]
-    single = {c.tokens: c.seconds * 1e3 for c in costs if c.batch_size == 1}
+                    times[(batch, width, context)].append(time.perf_counter() - started)
+    costs = [ForwardCost(b, t, statistics.median(times[(b, t, n)]), context=n) for b, t, n in grid]
+    single = {c.tokens: c.seconds * 1e3 for c in costs if c.batch_size == 1 and c.context == CONTEXT_LEN}
     log.info(
         "forward costs (batch 1): 1 token %.1f ms, %d tokens %.1f ms, %d-token prefill %s",
         single[1], widths[-1], single[widths[-1]], PREFILL_WIDTH,

@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from specdec.errors import InvalidArgumentError
 from specdec.kv_cache.paged_cache import PagedKVCache
 from specdec.model.forward_batch import ForwardBatch, build_forward_batch
-from specdec.model.linear import DenseLinear, fuse
+from specdec.model.linear import DenseLinear, fastest_wide_kernel, fuse
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 #: How a single request's decode step runs its decoder layers: see `PagedLlama.compile_layers`.
@@ -150,25 +150,32 @@ class PagedLlama:
             dtype=self.dtype, device=self.embed_tokens.weight.device,
         )
 
-    def run(self, cache: PagedKVCache, chunks: list[tuple[str, list[int]]], logits: str = "last") -> list[torch.Tensor]:
+    def run(
+        self, cache: PagedKVCache, chunks: list[tuple[str, list[int]]], logits: str = "last", *, prompt: bool = True
+    ) -> list[torch.Tensor]:
         """Append each (slot, tokens) chunk to its slot (all or nothing), then `compute` them.
 
         A convenience for tests and benchmarks; engines allocate blocks themselves and
         call `compute`. Slots must exist and already be truncated to the chunk's start.
         """
         cache.blocks.append_many([(slot_id, len(tokens)) for slot_id, tokens in chunks])
-        return self.compute(cache, chunks, logits)
+        return self.compute(cache, chunks, logits, prompt=prompt)
 
     @torch.inference_mode()
-    def compute(self, cache: PagedKVCache, chunks: list[tuple[str, list[int]]], logits: str = "last") -> list[torch.Tensor]:
+    def compute(
+        self, cache: PagedKVCache, chunks: list[tuple[str, list[int]]], logits: str = "last", *, prompt: bool = True
+    ) -> list[torch.Tensor]:
         """One batched forward over chunks already appended to their slots; writes their K/V.
 
         Returns one logits tensor per chunk: `[vocab]` for `logits="last"`, `[len(tokens), vocab]`
-        for `logits="all"`.
+        for `logits="all"`. `prompt=False` (verify and decode steps) lets wide inputs take
+        the matmul kernel measured fastest; a prompt's keep the one whose rounding matches
+        transformers' (`specdec.model.linear`).
         """
         batch = build_forward_batch(cache, chunks)
         rows = batch.flat_rows(logits)
-        out = self.forward(batch, cache, rows)  # [n_rows, vocab]
+        with fastest_wide_kernel(not prompt):
+            out = self.forward(batch, cache, rows)  # [n_rows, vocab]
         if logits == "last":
             return list(out.unbind(0))
         return list(out.split(batch.chunk_lens, dim=0))

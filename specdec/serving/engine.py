@@ -189,12 +189,13 @@ class ModelEngine:
         if self.config.release_threads:
             release_threads()
 
-    def _run(self, chunks: list[tuple[str, list[int]]], logits: str) -> list[torch.Tensor]:
-        """One batched forward that appends each chunk to its slot; all or nothing."""
+    def _run(self, chunks: list[tuple[str, list[int]]], logits: str, *, prompt: bool = True) -> list[torch.Tensor]:
+        """One batched forward that appends each chunk to its slot; all or nothing. `prompt`
+        as in `PagedLlama.compute` (False for verify and decode steps)."""
         before = {slot_id: len(self.tokens[slot_id]) for slot_id, _ in chunks}
         self.cache.blocks.append_many([(slot_id, len(tokens)) for slot_id, tokens in chunks])  # all or nothing
         try:
-            out = self.forward.compute(self.cache, chunks, logits=logits)
+            out = self.forward.compute(self.cache, chunks, logits=logits, prompt=prompt)
         except BaseException:
             for slot_id, length in before.items():  # undo a partial append
                 if self.cache.blocks.length(slot_id) > length:

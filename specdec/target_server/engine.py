@@ -61,7 +61,7 @@ class TargetEngine(ModelEngine):
         # all-or-nothing, so a capacity error leaves every slot at its valid prefix.
         for item in items:
             self._rollback(item.slot_id, item.valid_len)
-        logits = self._run([(item.slot_id, list(item.tokens)) for item in items], logits="all")  # [K+1, vocab] each
+        logits = self._run([(item.slot_id, list(item.tokens)) for item in items], logits="all", prompt=False)  # [K+1, vocab] each
         wanted = [rows.argmax(dim=-1) for item, rows in zip(items, logits) if item.argmax_only]  # [K+1] each
         argmax = iter(torch.cat(wanted).tolist() if wanted else [])  # one device-to-host copy for the batch
         chosen = {item.slot_id: list(itertools.islice(argmax, len(item.tokens))) for item in items if item.argmax_only}
@@ -185,7 +185,7 @@ class TargetEngine(ModelEngine):
                 return
             started = time.monotonic()
             active = [item for item in items if item.decode_steps > step]
-            rows = self._run([(item.slot_id, [chosen[item.slot_id][-1]]) for item in active], logits="last")  # [vocab] each
+            rows = self._run([(item.slot_id, [chosen[item.slot_id][-1]]) for item in active], logits="last", prompt=False)  # [vocab] each
             for item, token in zip(active, self._choose(active, torch.stack(rows))):
                 chosen[item.slot_id].append(token)
             slowest = max(slowest, time.monotonic() - started)

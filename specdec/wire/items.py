@@ -282,7 +282,7 @@ class ModelInfo:
             device=self.device,
             quantization=self.quantization,
             forward_costs=[
-                common_pb2.ForwardCost(batch_size=c.batch_size, tokens=c.tokens, seconds=c.seconds)
+                common_pb2.ForwardCost(batch_size=c.batch_size, tokens=c.tokens, seconds=c.seconds, context_tokens=c.context)
                 for c in self.forward_costs
             ],
             compiled_steps=list(self.compiled_steps),
@@ -304,6 +304,6 @@ class ModelInfo:
             dtype=message.dtype,
             device=message.device,
             quantization=message.quantization,
-            forward_costs=tuple(ForwardCost(c.batch_size, c.tokens, c.seconds) for c in message.forward_costs),
+            forward_costs=tuple(ForwardCost.from_pb(c) for c in message.forward_costs),
             compiled_steps=tuple(message.compiled_steps),
         )

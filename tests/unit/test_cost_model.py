@@ -24,6 +24,31 @@ def test_table_hits_measured_points_and_interpolates_between_them() -> None:
     assert table.scaled(2.0).seconds(1, 5) == pytest.approx(0.028)
 
 
+def test_a_longer_context_adds_a_cost_per_cached_token_and_request() -> None:
+    # Measured at 48 tokens of context; two points again at 304: 20 and 40 µs per token and request.
+    long = [ForwardCost(4, 1, 0.016 + 4 * 256 * 20e-6, context=304), ForwardCost(4, 5, 0.040 + 4 * 256 * 40e-6, context=304)]
+    table = CostTable([ForwardCost(c.batch_size, c.tokens, c.seconds, context=48) for c in GRID] + long)
+    assert table.has_context_term and table.base_context == 48
+    assert table.seconds(4, 5) == pytest.approx(0.040)  # the grid prices its own context
+    at_176 = table.at_context(176)
+    assert at_176.seconds(4, 1) == pytest.approx(0.016 + 4 * 128 * 20e-6)
+    assert at_176.seconds(1, 3) == pytest.approx(0.012 + 1 * 128 * 30e-6)  # the slope interpolated in tokens
+    assert at_176.scaled(2.0).seconds(4, 1) == pytest.approx(2 * (0.016 + 4 * 128 * 20e-6))
+    assert table.at_context(16).seconds(1, 1) == pytest.approx(0.010 - 32 * 20e-6)  # a shorter context costs less
+    # Without long-context points (an older service) the context changes nothing.
+    assert CostTable(GRID).at_context(1000).seconds(4, 5) == pytest.approx(0.040)
+    assert not CostTable(GRID).has_context_term
+
+
+def test_context_slopes_pool_the_batch_sizes() -> None:
+    # 1 request: 2 ms more over 256 tokens (noise-sized); 16 requests: 82 ms more.
+    costs = [ForwardCost(1, 1, 0.010, context=48), ForwardCost(16, 1, 0.030, context=48),
+             ForwardCost(1, 1, 0.012, context=304), ForwardCost(16, 1, 0.112, context=304)]
+    table = CostTable(costs).at_context(304)
+    pooled = (0.002 + 0.082) / (17 * 256)
+    assert table.seconds(8, 1) - CostTable(costs).seconds(8, 1) == pytest.approx(8 * 256 * pooled)
+
+
 def test_a_noisy_table_never_makes_more_tokens_cheaper() -> None:
     # Start-up timings are noisy: here the 2-token forward timed below the 1-token one.
     table = CostTable([ForwardCost(1, 1, 0.058), ForwardCost(1, 2, 0.056), ForwardCost(1, 5, 0.066)])

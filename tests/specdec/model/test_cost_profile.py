@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tiny_models import tiny_llama
 
-from specdec.model.cost_profile import CHUNK_WIDTHS, PREFILL_WIDTH, measure_forward_costs
+from specdec.model.cost_profile import CHUNK_WIDTHS, CONTEXT_LEN, LONG_CONTEXT_LEN, PREFILL_WIDTH, measure_forward_costs
 from specdec.model.llama import PagedLlama
 
 
@@ -13,11 +13,14 @@ def test_profile_times_verify_chunks_and_a_prompt_sized_prefill() -> None:
     cache = forward.new_cache(token_budget=4096, block_size=16)
     costs = measure_forward_costs(forward, cache, max_batch=4, max_tokens=9, repeats=1)
 
-    points = {(c.batch_size, c.tokens) for c in costs}
+    points = {(c.batch_size, c.tokens) for c in costs if c.context == CONTEXT_LEN}
     assert {(1, t) for t in CHUNK_WIDTHS} <= points
     assert {(4, t) for t in CHUNK_WIDTHS} <= points
     # A catch-up or prefill is interpolated from a measured prompt-sized chunk, not extrapolated.
     assert (1, PREFILL_WIDTH) in points and PREFILL_WIDTH > max(CHUNK_WIDTHS)
+    # The narrowest and widest chunk of each batch size again at a long context.
+    long = {(c.batch_size, c.tokens) for c in costs if c.context == LONG_CONTEXT_LEN}
+    assert long == {(1, 1), (1, 9), (4, 1), (4, 9)}
     assert all(c.seconds > 0 for c in costs)
     assert cache.blocks.free_tokens == cache.capacity_tokens  # the profile's slots are gone
 
@@ -27,6 +30,7 @@ def test_profile_skips_batches_that_would_take_more_than_half_the_pool() -> None
     cache = forward.new_cache(token_budget=512, block_size=16)
     costs = measure_forward_costs(forward, cache, max_batch=16, max_tokens=9, repeats=1)
     assert {c.batch_size for c in costs} == {1}
+    assert {c.context for c in costs} == {CONTEXT_LEN}  # no room for a long context either
 
 
 def test_a_small_pool_skips_the_prefill_point_and_a_tiny_one_skips_the_profile() -> None:

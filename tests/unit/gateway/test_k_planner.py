@@ -290,3 +290,42 @@ def test_a_two_token_feed_is_not_mistaken_for_dearer_draft_steps() -> None:
         planner.observe([a], RoundReport(ks, {"a": k}, Timed(None, propose_s, propose_s), Timed(None, verify_s, verify_s), 0.0, 0.0))
     model = planner.cost_model()
     assert model.draft is not None and model.draft.step(1) == pytest.approx(step, rel=1e-3)
+
+
+def with_context_slope(costs: list[ForwardCost], per_token_s: float) -> list[ForwardCost]:
+    """`costs` measured at 48 tokens of context, plus their 1-token points again at 304,
+    `per_token_s` dearer per cached token and request."""
+    short = [dataclasses.replace(c, context=48) for c in costs]
+    return short + [dataclasses.replace(c, context=304, seconds=c.seconds + c.batch_size * 256 * per_token_s)
+                    for c in short if c.tokens == 1]
+
+
+def test_a_long_context_can_make_drafting_stop_paying() -> None:
+    # A draft whose step grows with the context much faster than the target's (its attention
+    # is the slow part): worth drafting for at 50 tokens of context, not at 1000.
+    planner = KPlanner(with_context_slope(TARGET, 2e-6), with_context_slope(draft_costs(0.15), 40e-6))
+    seqs = [seq(f"r{i}") for i in range(4)]
+    assert set(feed(planner, seqs, {s.slot_id: 0.8 for s in seqs}, rounds=5).values()) != {0}
+    for s in seqs:
+        s.tokens = list(range(1000))
+        s.draft_valid = 999
+    assert set(feed(planner, seqs, {s.slot_id: 0.8 for s in seqs}, rounds=1).values()) == {0}
+
+
+def test_the_online_scale_does_not_chase_a_growing_context() -> None:
+    # Rounds whose compute is exactly what the tables say at each round's context leave
+    # both scales at 1, however long the contexts grow.
+    target, draft = with_context_slope(TARGET, 10e-6), with_context_slope(draft_costs(0.15), 10e-6)
+    planner = KPlanner(target, draft)
+    seqs = [seq(f"r{i}") for i in range(4)]
+    for length in range(50, 400, 50):
+        for s in seqs:
+            s.tokens, s.draft_valid = list(range(length)), length - 1
+        ks = planner.plan(seqs, {s.slot_id: 4 for s in seqs}, {s.slot_id: False for s in seqs})
+        truth = planner.cost_model(context=length)  # scales are still 1: the tables at this context
+        kk = [ks[s.slot_id] for s in seqs]
+        report = RoundReport(ks, {s.slot_id: 4 for s in seqs}, Timed(None, truth.draft_seconds(kk), 0.0),
+                             Timed(None, truth.verify_seconds(kk), 0.0), 0.0, 0.0)
+        planner.observe(seqs, report)
+        assert planner.cost_model(context=length).draft.scale == pytest.approx(1.0)  # type: ignore[union-attr]
+        assert planner.cost_model(context=length).target.scale == pytest.approx(1.0)
