@@ -68,6 +68,12 @@ class GatewayConfig(ServerSecurity):
         True, "carry each round's Propose and Verify on one kept stream per service (--no-streamed-calls: a unary call each)",
     )
     rpc_timeout_factor: float = option(20.0, "a call's deadline in multiples of its expected compute (from the measured costs)")
+    #: Notices a service that vanished without closing its connections (`specdec.wire.keepalive`).
+    keepalive_s: float = option(
+        10.0, "seconds between keepalive pings on each connection to a model service (0 = none); at least the "
+        "services' --min-ping-interval-s",
+    )
+    keepalive_timeout_s: float = option(5.0, "seconds a keepalive ping may go unanswered before the connection is closed")
 
     def __post_init__(self) -> None:
         self.check_security()
@@ -89,6 +95,8 @@ class GatewayConfig(ServerSecurity):
             raise InvalidArgumentError(f"threads must be >= 0, got {self.threads}")
         if self.rpc_timeout_floor_s <= 0 or self.rpc_timeout_factor < 1:
             raise InvalidArgumentError("rpc_timeout_floor_s must be > 0 and rpc_timeout_factor >= 1")
+        if not self.keepalive_s >= 0 or not self.keepalive_timeout_s > 0:  # also refuses NaN
+            raise InvalidArgumentError("keepalive_s must be >= 0 and keepalive_timeout_s > 0")
         if self.draft_probs_dtype not in PROBS_DTYPES:
             raise InvalidArgumentError(f"draft_probs_dtype must be one of {PROBS_DTYPES}, got {self.draft_probs_dtype!r}")
         check_metrics_prefix(self.metrics_prefix)

@@ -19,6 +19,7 @@ from specdec.gateway.streamed_rpc import StreamedRpc
 from specdec.serving.security import bearer_token_interceptors
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.wire.items import Lease, ModelInfo, PrefillItem, Proposal, ProposeItem, ScoredChunk, VerifiedChunk, VerifyItem
+from specdec.wire.keepalive import client_keepalive_options
 from specdec.wire.limits import message_size_options
 
 T = TypeVar("T")
@@ -71,9 +72,13 @@ class ServiceLink:
     #: Propose and Verify as exchanges on one kept stream per service (`StreamedRpc`)
     #: rather than a unary call each.
     streamed: bool = True
+    #: Seconds between keepalive pings on each connection (0: none), and how long one may
+    #: go unanswered (`specdec.wire.keepalive`).
+    keepalive_s: float = 0.0
+    keepalive_timeout_s: float = 5.0
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        options = message_size_options(self.max_message_bytes)
+        options = message_size_options(self.max_message_bytes) + client_keepalive_options(self.keepalive_s, self.keepalive_timeout_s)
         interceptors = bearer_token_interceptors(self.token) if self.token else None
         if self.credentials is not None:
             return grpc.aio.secure_channel(address, self.credentials, options=options, interceptors=interceptors)

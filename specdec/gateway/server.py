@@ -121,6 +121,8 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
         channel_credentials(config.service_tls_ca, config.service_tls_cert, config.service_tls_key),
         read_token(config.service_auth_token_file),
         streamed=config.streamed_calls,
+        keepalive_s=config.keepalive_s,
+        keepalive_timeout_s=config.keepalive_timeout_s,
     )
     target = TargetClient(config.target_address, link, lease)
     probs_dtype = common_pb2.DTYPE_BFLOAT16 if config.draft_probs_dtype == "bfloat16" else common_pb2.DTYPE_FLOAT32

@@ -74,6 +74,12 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
     #: A gateway renews its lease every few seconds; one that stops (killed, partitioned)
     #: loses its slots this long after its last renewal.
     lease_ttl_s: float = option(30.0, "seconds after a gateway's last lease renewal at which its slots are freed")
+    #: The gateway pings every 10 s by default (`--keepalive-s`); gRPC's own policy allows
+    #: one ping per 5 minutes and closes the connection of a client that pings more.
+    min_ping_interval_s: float = option(
+        5.0, "shortest interval between a client's keepalive pings that the service accepts (more often: the "
+        "connection is closed)",
+    )
 
     def __post_init__(self) -> None:
         self.check_security()
@@ -102,5 +108,7 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
             raise InvalidArgumentError(f"metrics_port must be in -1..65535, got {self.metrics_port}")
         if not self.lease_ttl_s > 0:
             raise InvalidArgumentError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        if not self.min_ping_interval_s > 0:
+            raise InvalidArgumentError(f"min_ping_interval_s must be > 0, got {self.min_ping_interval_s}")
         if self.max_seq_len < 0:
             raise InvalidArgumentError(f"max_seq_len must be >= 0, got {self.max_seq_len}")

@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from specdec.serving.security import TokenCheck
+from specdec.wire.keepalive import server_keepalive_options
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES, message_size_options
 
 log = logging.getLogger(__name__)
@@ -99,12 +100,18 @@ async def start_server(
     on_drain: Callable[[], None] | None = None,
     credentials: grpc.ServerCredentials | None = None,
     token: str = "",
+    min_ping_interval_s: float | None = None,
 ) -> RunningServer:
     """Create, register and start a server; `port=0` binds a free port (returned). With
     `credentials` it serves TLS; with `token` every call but health and reflection needs it.
-    `on_drain` is called as the stop begins, to end long-lived streams."""
+    `on_drain` is called as the stop begins, to end long-lived streams. With
+    `min_ping_interval_s` it accepts keepalive pings that often (`specdec.wire.keepalive`);
+    without, gRPC's default policy."""
     interceptors = [TokenCheck(token)] if token else []
-    server = grpc.aio.server(options=message_size_options(max_message_bytes), interceptors=interceptors)
+    options = message_size_options(max_message_bytes)
+    if min_ping_interval_s is not None:
+        options += server_keepalive_options(min_ping_interval_s)
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     register(server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -162,6 +162,7 @@ async def start_model_service(
             on_drain=servicer.end_streams,
             credentials=config.server_credentials(),
             token=config.token(),
+            min_ping_interval_s=config.min_ping_interval_s,
         )
     except BaseException:  # e.g. the port is taken
         await stop()

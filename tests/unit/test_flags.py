@@ -10,6 +10,7 @@ import pytest
 
 from specdec.cli.main import build_parser, serve_configs
 from specdec.draft_server.config import DraftConfig
+from specdec.errors import InvalidArgumentError
 from specdec.flags import add_flags, option, parse_config, to_argv
 from specdec.gateway.config import GatewayConfig
 from specdec.model.loader import DEFAULT_MODEL
@@ -67,3 +68,17 @@ def test_a_field_without_help_is_refused() -> None:
 
     with pytest.raises(TypeError, match="undocumented has no help"):
         add_flags(argparse.ArgumentParser(), Bare)
+
+
+def test_the_gateway_pings_no_more_often_than_the_services_accept_by_default() -> None:
+    # A service closes the connection of a client that pings more often than it allows.
+    gateway = GatewayConfig(target_address="a:1", draft_address="b:2")
+    assert gateway.keepalive_s >= TargetConfig().min_ping_interval_s
+    assert gateway.keepalive_s >= DraftConfig().min_ping_interval_s
+    assert gateway.keepalive_timeout_s < gateway.keepalive_s
+
+
+@pytest.mark.parametrize("fields", [dict(keepalive_s=-1.0), dict(keepalive_s=float("nan")), dict(keepalive_timeout_s=0.0)])
+def test_keepalive_settings_that_are_not_durations_are_refused(fields: dict[str, float]) -> None:
+    with pytest.raises(InvalidArgumentError, match="keepalive"):
+        GatewayConfig(target_address="a:1", draft_address="b:2", **fields)  # type: ignore[arg-type]

@@ -1,0 +1,127 @@
+"""Keepalive between the gateway's clients and a real service, through a loopback proxy that
+can go silent: a connection whose pings go unanswered is closed within seconds (calls fail
+UNAVAILABLE instead of waiting out their deadline), and a service accepts pings as often as
+its --min-ping-interval-s allows."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import grpc
+import pytest
+from service_fixtures import LoopThread, Service
+
+from specdec.gateway.model_clients import ServiceLink, TargetClient
+from specdec.wire.items import Lease
+from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
+
+
+class SilentProxy:
+    """Forwards loopback TCP connections to `upstream_port` until `silence()`; from then on it
+    reads and drops every byte both ways and keeps the sockets open, as a peer on a failed
+    node or behind a partition looks to TCP."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self.connections = 0
+        self.silent = threading.Event()
+        self._sockets: list[socket.socket] = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def silence(self) -> None:
+        self.silent.set()
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            self._sockets += [client, upstream]
+            self.connections += 1
+            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        while True:
+            try:
+                data = source.recv(65536)
+                if not data:
+                    return
+                if not self.silent.is_set():
+                    sink.sendall(data)
+            except OSError:
+                return
+
+
+@contextmanager
+def _client_via_proxy(service_loop: LoopThread, target: Service, keepalive_s: float) -> Iterator[tuple[TargetClient, SilentProxy]]:
+    proxy = SilentProxy(target.port)
+
+    async def make() -> TargetClient:  # the channel belongs to the loop that uses it
+        link = ServiceLink(DEFAULT_MAX_MESSAGE_BYTES, keepalive_s=keepalive_s, keepalive_timeout_s=0.5)
+        return TargetClient(f"127.0.0.1:{proxy.port}", link, Lease("keepalive-test", "1"))
+
+    client = service_loop.run(make())
+    try:
+        yield client, proxy
+    finally:
+        service_loop.run(client.close())
+        proxy.close()
+
+
+def _info_error(service_loop: LoopThread, client: TargetClient, timeout: float) -> tuple[grpc.StatusCode, float]:
+    started = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        service_loop.run(client.info(timeout=timeout))
+    return error.value.code(), time.monotonic() - started
+
+
+def test_a_silent_service_fails_calls_unavailable_within_the_keepalive_timeout(
+    service_loop: LoopThread, start_target: Callable[..., Service]
+) -> None:
+    target = start_target(min_ping_interval_s=0.2)
+    with _client_via_proxy(service_loop, target, keepalive_s=0.5) as (client, proxy):
+        service_loop.run(client.info(timeout=10))
+        time.sleep(2.0)  # pings on an idle connection, at the rate the service accepts
+        service_loop.run(client.info(timeout=10))
+        assert proxy.connections == 1  # the service kept the connection
+        proxy.silence()
+        code, waited = _info_error(service_loop, client, timeout=20)
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert waited < 5.0  # a ping interval and its timeout, not the call's 20-s deadline
+
+
+def test_without_keepalive_a_call_to_a_silent_service_waits_out_its_deadline(
+    service_loop: LoopThread, start_target: Callable[..., Service]
+) -> None:
+    target = start_target()
+    with _client_via_proxy(service_loop, target, keepalive_s=0) as (client, proxy):
+        service_loop.run(client.info(timeout=10))
+        proxy.silence()
+        code, waited = _info_error(service_loop, client, timeout=3)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and waited >= 3.0
+
+
+def test_a_service_closes_the_connection_of_a_client_that_pings_more_often_than_it_allows(
+    service_loop: LoopThread, start_target: Callable[..., Service]
+) -> None:
+    target = start_target(min_ping_interval_s=60.0)
+    with _client_via_proxy(service_loop, target, keepalive_s=0.5) as (client, _):
+        service_loop.run(client.info(timeout=10))
+        time.sleep(3.0)  # a few pings on an idle connection: strikes, then GOAWAY
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            service_loop.run(client.info(timeout=10))
+    # What a gateway that pings more often than its services allow sees (and logs).
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE and "ping" in (error.value.details() or "").lower()
