@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from specdec.cost_model import ForwardCost
 from specdec_bench.analysis import PHASES, CostSummary, Spread, Summary, W1Summary
 from specdec_bench.config import BENCH_COMPILE_BUDGET_S
 from specdec_bench.results import BenchResults
@@ -80,6 +81,10 @@ def _cost_rows(costs: CostSummary, batch: int) -> list[str]:
 
 def _image(plot: Path, docs: Path, alt: str) -> str:
     return f"![{alt}]({Path(os.path.relpath(plot, docs.parent)).as_posix()})"
+
+
+def _cost_point(cost: ForwardCost) -> str:
+    return f"{cost.batch_size}×{cost.tokens}" + (f" @{cost.context}" if cost.context else "")
 
 
 def render_page(results: BenchResults, summary: Summary, plots: dict[str, Path], docs: Path, results_path: Path) -> str:
@@ -183,12 +188,12 @@ def render_page(results: BenchResults, summary: Summary, plots: dict[str, Path],
                 [_cost_rows(costs_of, summary.cost_batch)
                  for costs_of in (summary.side_by_side, summary.startup, summary.online) if costs_of is not None]),
         "",
-        "Forward seconds measured at start-up (batch × tokens per request):",
+        "Forward milliseconds measured at start-up (batch × tokens per request, @ cached tokens per request):",
         "",
-        *_table(["service", *(f"{c.batch_size}×{c.tokens}" for c in costs.target)],
+        *_table(["service", *(_cost_point(c) for c in costs.target)],
                 [["target", *(_f(c.seconds * 1e3, 1) for c in costs.target)]]),
         "",
-        *_table(["service", *(f"{c.batch_size}×{c.tokens}" for c in costs.draft)],
+        *_table(["service", *(_cost_point(c) for c in costs.draft)],
                 [["draft", *(_f(c.seconds * 1e3, 1) for c in costs.draft)]]),
         "",
         "## Fixed K",

@@ -22,8 +22,8 @@ Two levers, both measured rather than assumed:
   library that `transformers` runs on: a prompt's logits then differ from transformers'
   by up to 1.3e-4 (the parity test's batched prefill; 5.7e-5 with `F.linear`), past the
   1e-4 the parity tests hold our forward to. So wide inputs take the measured choice
-  only inside `fastest_wide_kernel()`, which verify and decode steps enter (where every
-  row of a narrow input already went through oneDNN); a prompt's prefill does not.
+  only inside `fastest_wide_kernel()`, which verify and decode steps enter (their narrow
+  inputs already took the measured choice); a prompt's prefill does not.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 #: Rows the kernel benchmark times for narrow inputs (a decode step, a verify chunk) ...
 _NARROW_BENCH_ROWS = (1, 5)
-#: ... and for wide ones (a batch's verify, a prompt's prefill).
+#: ... and for wide ones (a batch's verify).
 _WIDE_BENCH_ROWS = (64,)
 #: Inputs up to this many rows are narrow.
 MAX_NARROW_ROWS = 16

@@ -16,7 +16,7 @@ import pytest
 from service_fixtures import LoopThread, Service
 
 from specdec.gateway.model_clients import ServiceLink, TargetClient
-from specdec.wire.items import Lease
+from specdec.wire.items import Lease, PrefillItem
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
 
 
@@ -101,6 +101,23 @@ def test_a_silent_service_fails_calls_unavailable_within_the_keepalive_timeout(
         code, waited = _info_error(service_loop, client, timeout=20)
     assert code == grpc.StatusCode.UNAVAILABLE
     assert waited < 5.0  # a ping interval and its timeout, not the call's 20-s deadline
+
+
+def test_keepalive_does_not_take_a_busy_service_for_a_silent_one(
+    service_loop: LoopThread, start_target: Callable[..., Service], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A forward that takes six ping timeouts: gRPC's own threads answer the pings meanwhile.
+    target = start_target(min_ping_interval_s=0.2)
+    prefill = target.engine.prefill
+
+    def slow_prefill(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(3.0)  # on the service's model worker, as a long forward
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(target.engine, "prefill", slow_prefill)
+    with _client_via_proxy(service_loop, target, keepalive_s=0.5) as (client, proxy):
+        result = service_loop.run(client.prefill([PrefillItem("busy", [1, 2, 3])], timeout=20))
+        assert "busy" in result.value and proxy.connections == 1
 
 
 def test_without_keepalive_a_call_to_a_silent_service_waits_out_its_deadline(
