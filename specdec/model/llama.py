@@ -34,6 +34,8 @@ LAYER_PATHS = ("eager", "compiled")
 #: 1-token step took 21.1 ms at 1 layer a call, 18.6 ms at 10, and 16.5 ms at 10 with the
 #: C++ wrapper (eager: 26.7 ms); 10 layers compiled in ~30 s cold, 15 in ~48 s.
 MAX_LAYERS_PER_COMPILED_CALL = 10
+#: What dynamo's error says when a call under `skip_guard_eval_unsafe` matches no compiled graph.
+GUARD_SKIP_MISS = "skip_guard_eval_unsafe"
 #: The request count of a compiled shape class with the batch dimension dynamic: two or more.
 MANY = 2
 
@@ -240,7 +242,17 @@ class PagedLlama:
     def _compiled_layers(self, hidden: torch.Tensor, inputs: LayerInputs, cache: PagedKVCache) -> torch.Tensor:
         """The layers through the compiled group function. Once warmed up (`compile_on_miss`
         off), a call whose shapes no compiled graph covers runs eager instead of compiling
-        while a request waits."""
+        while a request waits.
+
+        Warmed up, a call runs under dynamo's `skip_guard_eval_unsafe`: it checks the guards
+        on its tensors (dtype, device, sizes: what tells the graphs apart) and skips the
+        rest, which check Python values and attributes that are fixed once the model is
+        built and the same every step (`forward` calls this only for the shape classes
+        compiled). The full check cost 0.37 ms of the int4 draft's 6.7 ms 1-token step (AMD
+        EPYC Zen 4, side by side: 6.66 → 6.29 ms). A call that fits no graph (a context of
+        one token, which the graphs specialised away) makes dynamo raise before anything
+        runs; it is then checked in full and, uncovered, runs eager.
+        """
         assert self.compiled_group is not None
         # One graph for every context length L (and any pool size, should a model serve two
         # pools). The pool's tensors live on, so they are marked once: marking all 30 layers'
@@ -255,10 +267,21 @@ class PagedLlama:
                 torch._dynamo.mark_dynamic(kv, 0)
             self._dynamic_pools.add(cache)
         step = self.layers_per_call
-        with torch.compiler.set_stance("default" if self.compile_on_miss else "eager_on_recompile"):
-            for start in range(0, len(self.layers), step):
-                group = slice(start, start + step)
-                hidden = self.compiled_group(tuple(self.layers[group]), hidden, inputs, tuple(cache.kv[group]))
+        skip_guards = not self.compile_on_miss
+        for start in range(0, len(self.layers), step):
+            group = slice(start, start + step)
+            args = (tuple(self.layers[group]), hidden, inputs, tuple(cache.kv[group]))
+            if skip_guards:
+                try:
+                    with torch.compiler.set_stance("eager_on_recompile", skip_guard_eval_unsafe=True):
+                        hidden = self.compiled_group(*args)
+                    continue
+                except RuntimeError as error:  # raised before the graph ran: nothing was written
+                    if GUARD_SKIP_MISS not in str(error):
+                        raise
+                    skip_guards = False  # a shape the graphs do not cover (e.g. a 1-token context)
+            with torch.compiler.set_stance("default" if self.compile_on_miss else "eager_on_recompile"):
+                hidden = self.compiled_group(*args)
         return hidden
 
     def _layer_group(

@@ -172,6 +172,42 @@ def test_wider_chunks_run_eager_with_the_same_numbers(compiled: PagedLlama) -> N
         assert torch.equal(want, got)  # the same eager code ran both times
 
 
+def test_serving_checks_only_the_guards_that_tell_graphs_apart(compiled: PagedLlama, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Warmed up, steps skip dynamo's full guard check and keep the warm-up graphs' numbers;
+    a 1-token context, which the graphs specialised away, runs eager instead of failing."""
+    stances: list[bool] = []
+    set_stance = torch.compiler.set_stance
+
+    def recording_stance(stance: str = "default", **kwargs: bool) -> object:
+        stances.append(bool(kwargs.get("skip_guard_eval_unsafe")))
+        return set_stance(stance, **kwargs)
+
+    steps = [[("a", [7])], [("a", [8])], [("a", [9, 10])], [("a", [11]), ("b", [12])], [("a", [13]), ("b", [14]), ("c", [15])]]
+    results: dict[str, list[torch.Tensor]] = {}
+    for path in ("eager", "compiled"):
+        compiled.set_layer_path(path)
+        cache = compiled.new_cache(token_budget=512)
+        results[path] = []
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.compiler, "set_stance", recording_stance)
+            for chunks in steps:  # "a" starts from one token, "b" and "c" join a batch with one token each
+                for slot, _ in chunks:
+                    if not cache.blocks.has_slot(slot):
+                        cache.blocks.allocate(slot)
+                with torch.profiler.profile() as profile:
+                    results[path] += compiled.run(cache, chunks)
+                ran_compiled = any(event.name.startswith("Torch-Compiled Region") for event in profile.events())
+                assert ran_compiled == (path == "compiled" and chunks != steps[0])  # the 1-token context ran eager
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled while serving
+    # Two calls a step (two 2-layer groups): the 1-token context fell back to the full check
+    # at its first group and kept it; every later call made only the short one.
+    assert stances[:3] == [True, False, False] and len(stances) == 3 + 2 * (len(steps) - 1) and all(stances[3:])
+    assert torch.equal(results["compiled"][0], results["eager"][0])  # the fallback is the eager code
+    for want, got in zip(results["eager"], results["compiled"]):
+        torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
+
+
 def test_off_does_not_compile_and_auto_keeps_the_faster_path(compiled: PagedLlama, caplog: pytest.LogCaptureFixture) -> None:
     fresh = _int4_forward()
     assert choose_layer_path(fresh, fresh.new_cache(token_budget=1024), "off") == "eager"
