@@ -248,11 +248,12 @@ class PagedLlama:
         on its tensors (dtype, device, sizes: what tells the graphs apart) and skips the
         rest, which check Python values and attributes that are fixed once the model is
         built and the same every step (`forward` calls this only for the shape classes
-        compiled). The full check cost ~4 % of the int4 draft's 1-token step (AMD EPYC Zen 4,
-        side by side: 6.66 → 6.29 and 7.16 → 6.85 ms a step; 6.88 → 6.62 ms a forward inside
-        K = 8 Proposes, whose own pairwise ratio read 0.95 and 1.01 in two runs). A call that fits no graph (a context of
-        one token, which the graphs specialised away) makes dynamo raise before anything
-        runs; it is then checked in full and, uncovered, runs eager.
+        compiled). The full check cost ~4 % of the int4 draft's 1-token step (AMD EPYC
+        Zen 4, side by side: 6.66 → 6.29 and 7.16 → 6.85 ms a step; 6.88 → 6.62 ms a
+        forward inside K = 8 Proposes, whose own pairwise ratio read 0.95 and 1.01 in two
+        runs). A call that fits no graph (a context of one token, which the graphs
+        specialised away) makes dynamo raise before anything runs; it is then checked in
+        full and, uncovered, runs eager.
         """
         assert self.compiled_group is not None
         # One graph for every context length L (and any pool size, should a model serve two
