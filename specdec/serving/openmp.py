@@ -8,7 +8,7 @@ holds a core when the other one starts. Called straight, Propose (K = 8) and a 9
 Verify alternating, each took 2-5 ms longer than when its service was called alone (AMD
 EPYC Zen 5, 2 cores). A shorter spin for the whole process is no cure: plain decoding
 lost as much as speculation gained, since between two plain steps the target's spin
-bridges the gateway's turn (README, "Measured on this machine").
+bridges the gateway's turn (docs/performance.md).
 
 So a service lets its thread team go only after a call that hands the machine to the
 other service: the draft after every Propose, the target after a Verify that judged
