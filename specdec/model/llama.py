@@ -214,7 +214,7 @@ class PagedLlama:
         group's graph, not the whole model's (the whole 30-layer forward took ~60 s to
         compile on a 2-core CPU). Only the shapes of the drafting loop are compiled, one
         graph per shape class (`compiled_shapes`: a single request's 1- and 2-token steps,
-        a batch's 1-token step), with the context length (and a batch's size) dynamic:
+        a batch's 1- and 2-token steps), with the context length (and a batch's size) dynamic:
         each graph costs as much start-up as the first, so `choose_layer_path` builds them
         in order while start-up allows. A single request keeps its own graph because one
         with the batch size dynamic ran its step 15 % slower (AMD EPYC Zen 5). The graph gets a

@@ -53,7 +53,7 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
     )
     measure_costs: bool = option(True, "time the forward pass at start-up so the gateway can plan K from real costs")
     compile: str = option(
-        "off", "torch.compile the decoder layers of the drafting loop's steps (a single request's 1- and 2-token steps, a batch's 1-token step): on, off, or "
+        "off", "torch.compile the decoder layers of the drafting loop's steps (a single request's and a batch's 1- and 2-token steps): on, off, or "
         "auto (compile, time both at start-up, keep the faster; eager when --no-measure-costs)", choices=COMPILE_MODES,
     )
     compile_budget_s: float = option(

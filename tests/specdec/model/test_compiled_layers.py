@@ -4,7 +4,8 @@ context length, and eager whenever compiling is off, fails or does not apply.
 Compiles for real (inductor, C++), once per module: a tiny int4 Llama in bfloat16, the
 default draft's formats, so the int4 kernel runs inside the compiled graph. Its four
 layers run as two calls of one compiled 2-layer group, with one graph for a single
-request's 1-token steps, one for its 2-token steps and one for a batch's 1-token steps.
+request's 1-token steps, one for its 2-token steps, and one each for a batch's 1- and
+2-token steps.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def test_one_graph_serves_every_context_length(compiled: PagedLlama) -> None:
 
 def test_two_token_steps_run_their_own_graph_with_the_same_numbers(compiled: PagedLlama) -> None:
     # The step that opens a drafting round after a fully accepted one feeds two tokens.
-    assert compiled.compiled_shapes == {(1, 1), (1, 2), (2, 1)}
+    assert compiled.compiled_shapes == {(1, 1), (1, 2), (2, 1), (2, 2)}
     results = {}
     for path in ("eager", "compiled"):
         compiled.set_layer_path(path)
@@ -127,9 +128,9 @@ def test_further_shapes_wait_for_a_quick_first_graph(compiled: PagedLlama) -> No
         assert compiled_step_names(compiled) == ("single-request 1-token steps",)  # what Info reports
     finally:
         choose_layer_path(compiled, compiled.new_cache(token_budget=1024), "on")  # restore the shared fixture
-    assert compiled.compiled_shapes == {(1, 1), (1, 2), (2, 1)}
+    assert compiled.compiled_shapes == {(1, 1), (1, 2), (2, 1), (2, 2)}
     assert compiled_step_names(compiled) == (
-        "single-request 1-token steps", "single-request 2-token steps", "batch 1-token steps",
+        "single-request 1-token steps", "single-request 2-token steps", "batch 1-token steps", "batch 2-token steps",
     )
 
 
@@ -156,6 +157,26 @@ def test_batch_steps_of_any_size_run_one_graph_with_the_same_numbers(compiled: P
         for eager_kv, compiled_kv in zip(caches["eager"].kv, caches["compiled"].kv):
             torch.testing.assert_close(compiled_kv.index_select(0, rows).float(), eager_kv.index_select(0, rows).float(),
                                        atol=0.02, rtol=0.02)
+
+
+def test_batch_round_openings_run_their_own_graph_with_the_same_numbers(compiled: PagedLlama) -> None:
+    """A batch's round-opening feed: rows after a fully accepted round feed 2 tokens, the
+    others 1, padded to one [B, 2] step that runs the batch 2-token graph with eager's numbers."""
+    lengths = {"a": 20, "b": 33, "c": 7}
+    results: dict[str, list[torch.Tensor]] = {}
+    for path in ("eager", "compiled"):
+        compiled.set_layer_path(path)
+        cache = compiled.new_cache(token_budget=1024)
+        for slot, length in lengths.items():
+            cache.blocks.allocate(slot)
+            compiled.run(cache, [(slot, PROMPT[:length])])
+        with compiled_graph_only(compiled) if path == "compiled" else contextlib.nullcontext():
+            results[path] = [  # the second step reads what the first wrote
+                *compiled.run(cache, [("a", PROMPT[150:152]), ("b", [PROMPT[152]])], logits="all"),
+                *compiled.run(cache, [("a", [PROMPT[153]]), ("b", PROMPT[154:156]), ("c", PROMPT[156:158])], logits="all"),
+            ]
+    for want, got in zip(results["eager"], results["compiled"], strict=True):
+        torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
 
 
 def test_wider_chunks_run_eager_with_the_same_numbers(compiled: PagedLlama) -> None:
