@@ -18,6 +18,7 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 
+from specdec.kv_cache.paged_cache import PagedKVCache
 from specdec.model import compiled_layers
 from specdec.model.compiled_layers import TIMING_CONTEXT, choose_layer_path, compiled_step_names
 from specdec.model.llama import PagedLlama, layers_per_compiled_call
@@ -84,6 +85,36 @@ def _decode(forward: PagedLlama, path: str, prompt_len: int, steps: int) -> tupl
     return out, torch.stack([kv.index_select(0, rows).float() for kv in cache.kv])  # [layers, len, 2, Hkv, D]
 
 
+Chunks = list[tuple[str, list[int]]]
+
+
+def _steps_on_both_paths(
+    forward: PagedLlama, lengths: dict[str, int], steps: list[Chunks], logits: str = "last"
+) -> dict[str, tuple[list[torch.Tensor], PagedKVCache]]:
+    """Prefill each slot of `lengths` with that many PROMPT tokens, then run `steps` (each
+    one batched call), eager and then compiled; the compiled steps must run warm-up graphs.
+    Returns each path's logits, in call order, and its cache."""
+    runs = {}
+    for path in ("eager", "compiled"):
+        forward.set_layer_path(path)
+        cache = forward.new_cache(token_budget=1024)
+        for slot, length in lengths.items():
+            cache.blocks.allocate(slot)
+            forward.run(cache, [(slot, PROMPT[:length])])
+        results: list[torch.Tensor] = []
+        with compiled_graph_only(forward) if path == "compiled" else contextlib.nullcontext():
+            for chunks in steps:
+                results += forward.run(cache, chunks, logits=logits)
+        runs[path] = (results, cache)
+    return runs
+
+
+def _assert_same_logits(runs: dict[str, tuple[list[torch.Tensor], PagedKVCache]]) -> None:
+    # bf16 activations: the compiled kernels round once where eager rounds after every op.
+    for want, got in zip(runs["eager"][0], runs["compiled"][0], strict=True):
+        torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
+
+
 @pytest.mark.parametrize("prompt_len", [3, 61, 190])
 def test_compiled_steps_match_eager_at_every_context_length(compiled: PagedLlama, prompt_len: int) -> None:
     eager_logits, eager_kv = _decode(compiled, "eager", prompt_len, steps=6)
@@ -107,18 +138,8 @@ def test_one_graph_serves_every_context_length(compiled: PagedLlama) -> None:
 def test_two_token_steps_run_their_own_graph_with_the_same_numbers(compiled: PagedLlama) -> None:
     # The step that opens a drafting round after a fully accepted one feeds two tokens.
     assert compiled.compiled_shapes == {(1, 1), (1, 2), (2, 1), (2, 2)}
-    results = {}
-    for path in ("eager", "compiled"):
-        compiled.set_layer_path(path)
-        cache = compiled.new_cache(token_budget=512)
-        cache.blocks.allocate("s")
-        compiled.run(cache, [("s", PROMPT[:40])])
-        with compiled_graph_only(compiled) if path == "compiled" else contextlib.nullcontext():
-            results[path] = [
-                compiled.run(cache, [("s", PROMPT[start : start + 2])], logits="all")[0].float() for start in range(40, 52, 2)
-            ]
-    for want, got in zip(results["eager"], results["compiled"]):
-        torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+    steps = [[("s", PROMPT[start : start + 2])] for start in range(40, 52, 2)]
+    _assert_same_logits(_steps_on_both_paths(compiled, {"s": 40}, steps, logits="all"))
 
 
 def test_further_shapes_wait_for_a_quick_first_graph(compiled: PagedLlama) -> None:
@@ -138,23 +159,13 @@ def test_batch_steps_of_any_size_run_one_graph_with_the_same_numbers(compiled: P
     """2, 3 and 5 requests at different context lengths, 1 token each: the batch graph (the
     batch size dynamic), with eager's logits and cache writes."""
     lengths = {"a": 20, "b": 33, "c": 7, "d": 61, "e": 45}
-    results: dict[str, list[torch.Tensor]] = {}
-    caches = {}
-    for path in ("eager", "compiled"):
-        compiled.set_layer_path(path)
-        cache = caches[path] = compiled.new_cache(token_budget=1024)
-        for slot, length in lengths.items():
-            cache.blocks.allocate(slot)
-            compiled.run(cache, [(slot, PROMPT[:length])])
-        results[path] = []
-        with compiled_graph_only(compiled) if path == "compiled" else contextlib.nullcontext():
-            for batch in (["a", "b"], ["c", "d", "e"], ["a", "b", "c", "d", "e"], ["e", "a"]):
-                results[path] += compiled.run(cache, [(slot, [PROMPT[100 + len(slot)]]) for slot in batch])
-    for want, got in zip(results["eager"], results["compiled"]):
-        torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
+    batches = (["a", "b"], ["c", "d", "e"], ["a", "b", "c", "d", "e"], ["e", "a"])
+    runs = _steps_on_both_paths(compiled, lengths, [[(slot, [PROMPT[100 + len(slot)]]) for slot in batch] for batch in batches])
+    _assert_same_logits(runs)
+    eager_cache, compiled_cache = runs["eager"][1], runs["compiled"][1]
     for slot in lengths:
-        rows = torch.tensor(caches["eager"].blocks.positions(slot))
-        for eager_kv, compiled_kv in zip(caches["eager"].kv, caches["compiled"].kv):
+        rows = torch.tensor(eager_cache.blocks.positions(slot))
+        for eager_kv, compiled_kv in zip(eager_cache.kv, compiled_cache.kv):
             torch.testing.assert_close(compiled_kv.index_select(0, rows).float(), eager_kv.index_select(0, rows).float(),
                                        atol=0.02, rtol=0.02)
 
@@ -162,21 +173,11 @@ def test_batch_steps_of_any_size_run_one_graph_with_the_same_numbers(compiled: P
 def test_batch_round_openings_run_their_own_graph_with_the_same_numbers(compiled: PagedLlama) -> None:
     """A batch's round-opening feed: rows after a fully accepted round feed 2 tokens, the
     others 1, padded to one [B, 2] step that runs the batch 2-token graph with eager's numbers."""
-    lengths = {"a": 20, "b": 33, "c": 7}
-    results: dict[str, list[torch.Tensor]] = {}
-    for path in ("eager", "compiled"):
-        compiled.set_layer_path(path)
-        cache = compiled.new_cache(token_budget=1024)
-        for slot, length in lengths.items():
-            cache.blocks.allocate(slot)
-            compiled.run(cache, [(slot, PROMPT[:length])])
-        with compiled_graph_only(compiled) if path == "compiled" else contextlib.nullcontext():
-            results[path] = [  # the second step reads what the first wrote
-                *compiled.run(cache, [("a", PROMPT[150:152]), ("b", [PROMPT[152]])], logits="all"),
-                *compiled.run(cache, [("a", [PROMPT[153]]), ("b", PROMPT[154:156]), ("c", PROMPT[156:158])], logits="all"),
-            ]
-    for want, got in zip(results["eager"], results["compiled"], strict=True):
-        torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
+    steps: list[Chunks] = [  # the second step reads what the first wrote
+        [("a", PROMPT[150:152]), ("b", [PROMPT[152]])],
+        [("a", [PROMPT[153]]), ("b", PROMPT[154:156]), ("c", PROMPT[156:158])],
+    ]
+    _assert_same_logits(_steps_on_both_paths(compiled, {"a": 20, "b": 33, "c": 7}, steps, logits="all"))
 
 
 def test_wider_chunks_run_eager_with_the_same_numbers(compiled: PagedLlama) -> None:
