@@ -3,9 +3,9 @@
 A round with K draft tokens costs K draft steps plus one (K+1)-token verify, and emits
 1 + Σ_{i=1..K} Π_{j≤i} α_j tokens on average, where α_j is the chance that draft token j
 is accepted given tokens 1..j-1 were (Leviathan et al. 2023, Thm 3.8, with per-position
-acceptance and a measured verify cost instead of a free one). Plain decoding is K = 0:
-one 1-token step per token. Costs come from the services' own start-up measurements
-(`ForwardCost`), so the model holds on whatever hardware they run.
+acceptance and a measured verify cost instead of a free one; docs/architecture.md#speed-model).
+Plain decoding is K = 0. Costs come from the services' own start-up measurements (`ForwardCost`),
+so the model holds on whatever hardware they run.
 """
 
 from __future__ import annotations
@@ -52,15 +52,11 @@ def _smoothed(tokens: Sequence[int], seconds: Sequence[float]) -> list[float]:
     """`seconds` at ascending `tokens`, the verify-sized ones replaced by their least-squares
     line when there are at least three, then made non-decreasing.
 
-    A forward over more tokens never costs less, and one more verified token costs about
-    the same at any K; but a single start-up timing on a shared VM is off by up to ±20 %
-    (measured: a 2-token verify timed 52 ms beside a 43 ms 1-token step, and 42 ms when
-    measured on its own). Raw, such a point bends the verify slope the K planner compares
-    (once it made drafting one token look free). Fitted over four widths, one outlier moves
-    it about half as much. The 1-token step stays as measured: it is what plain decoding
-    and every draft step cost, and a line through the wider chunks misses it where a small
-    forward is bound by reading the weights, not by compute (the int4 draft: 1 and 2 tokens
-    cost the same, 25 ms, then about 5 ms more per token).
+    A forward over more tokens never costs less, and one more verified token costs about the
+    same at any K, but a single start-up timing is noisy; raw, one outlier bends the verify slope
+    the K planner compares (docs/performance.md#cost-table-smoothing). The 1-token step stays as
+    measured: a small forward is bound by reading the weights, and a line through the wider
+    chunks misses it.
     """
     out = list(seconds)
     short = [i for i, t in enumerate(tokens) if 2 <= t <= VERIFY_MAX_TOKENS]
@@ -81,10 +77,9 @@ def _context_slopes(costs: Sequence[ForwardCost], base: dict[tuple[int, int], fl
     From the points measured at a longer context than `base_context` beside the same
     (batch size, tokens) point at it: the extra seconds of all batch sizes over their extra
     context-token-requests (a pooled ratio, so the large batches, whose extra is well above
-    the timing noise, carry it). Attention reads every cached token, and the draft's
-    batched step doubled from 48 to 300 tokens of context at 8 requests (19 to 38 ms, AMD
-    EPYC Zen 4): without this term the planner's online scale, one per service, chased a
-    cost that grows through every request's life.
+    the timing noise, carry it). Attention reads every cached token: without this term the
+    planner's online scale chases a cost that grows through every request's life
+    (docs/performance.md#context-cost).
     """
     extra: dict[int, float] = {}
     weight: dict[int, float] = {}
@@ -125,8 +120,7 @@ class CostTable:
         #: Mean cached tokens per request that `seconds` prices (the base context by default).
         self.context = float(self.base_context)
         #: Unscaled seconds per (batch size, tokens) asked so far, shared by the scaled copies:
-        #: a plan asks for the same few points ~100 times (batch 16), and interpolating them
-        #: anew took most of a ~0.5 ms plan.
+        #: a plan asks for the same few points many times over.
         self._memo: dict[tuple[int, float], float] = {}
 
     @property
@@ -205,8 +199,8 @@ class RoundCostModel:
     (de)serialisation, acceptance, scheduling). A round that drafts adds
     `draft_round_overhead_s` (the Propose RPC) plus `draft_token_overhead_s` per draft
     token (q vectors and logits rows on the wire, the rejection sampler). All three are
-    measured online by the gateway. Without the draft's share, a cheap draft that is
-    almost always rejected looked free at K = 1 and ran at 0.69x of plain.
+    measured online by the gateway; without the draft's share a cheap, mostly rejected draft
+    looks free (docs/performance.md#draft-overhead-in-the-round-cost).
     """
 
     target: CostTable
@@ -241,9 +235,8 @@ class RoundCostModel:
 
         The first step also feeds what the draft has not seen: feeds[i] tokens for request
         i (default 1). That is 2 after a fully accepted round (the last draft token and the
-        bonus token), and such a step cost 1.76 one-token steps with the compiled draft
-        (AMD EPYC): counted as one, the online rescale spread it over every step and made
-        long drafts look dearer than they were.
+        bonus token), priced as a 2-token forward: counted as a 1-token step, the online rescale
+        spreads its cost over every step (docs/performance.md#two-token-draft-feed).
         """
         spec = [i for i, k in enumerate(ks) if k > 0]
         if not spec or self.draft is None:

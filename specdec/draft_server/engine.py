@@ -110,9 +110,9 @@ class DraftEngine(ModelEngine):
             params = [items[i].sampling for i in rows]
             step_logits = torch.stack([current[i] for i in rows])  # [n, vocab]
             if all(p.greedy_by_raw_argmax for p in params):
-                # Only argmax rows: no distribution to build (greedy rows send no q), ~0.1 ms a step.
-                # In fp32: torch's CPU argmax of 49k bf16 logits took 149 µs against 31 µs for
-                # the exact cast plus an fp32 argmax (AMD EPYC Zen 5), ~2.5 % of a draft step.
+                # Only argmax rows: no distribution to build (greedy rows send no q). In fp32: the
+                # cast is exact and torch's CPU argmax is faster on fp32 than on bf16
+                # (docs/performance.md#draft-argmax-in-fp32).
                 tokens = step_logits.float().argmax(dim=-1)  # [n]
             else:
                 context = [self.tokens[items[i].slot_id] for i in rows]

@@ -10,7 +10,8 @@ them identical), and every series carries `model_name`. With the default prefix:
     per-position acceptance  = rate(specdec_spec_decode_num_accepted_tokens_per_pos_total[5m])
                                / ignoring(position) group_left rate(specdec_spec_decode_num_drafts_total[5m])
     tokens/s                 = rate(specdec_generation_tokens_total[1m])
-    TTFT p95                 = histogram_quantile(0.95, sum by (le) (rate(specdec_time_to_first_token_seconds_bucket[5m])))
+    TTFT p95                 = histogram_quantile(0.95,
+                                   sum by (le) (rate(specdec_time_to_first_token_seconds_bucket[5m])))
     round time by phase      = rate(specdec_round_time_seconds_total[5m])
     speculation turned off   = sum by (reason) (rate(specdec_spec_decode_off_rounds_total[5m]))
 

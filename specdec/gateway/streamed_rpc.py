@@ -1,8 +1,8 @@
 """Request → response exchanges on one long-lived bidirectional stream (the services'
 VerifyStream and ProposeStream), for the gateway's two calls of every round.
 
-On loopback a message on an open stream cost ~1.2 ms beyond the service's compute, a new
-unary call ~1.8 ms (grpcio aio, AMD EPYC Zen 4, 2 cores; `specdec.serving.streams`).
+A message on an open stream costs less than a new unary call (`specdec.serving.streams`,
+docs/performance.md#kept-streams).
 
 The stream is opened on first use and kept. Whatever ends an exchange early (an error
 status, the deadline, the caller's cancellation) ends the stream with it, since its next

@@ -83,11 +83,10 @@ def _decode_q4_blocks(data: np.ndarray, in_features: int, *, has_min: bool) -> I
 def gguf_int4_weights(gguf_path: Path | str, config: Any, cache_dir: Path | str | None = None) -> dict[str, Int4Weight]:
     """`read_gguf_int4_weights`, kept in the GGUF's cache directory after the first read.
 
-    Parsing a GGUF file means parsing all its metadata, the tokenizer's vocabulary included:
-    about 6 s for SmolLM2-135M on 2 cores, far more while the machine serves (a draft
-    restarting beside a busy target took 38 s in the soak). The cached codes, scales and
-    zeros load in a fraction of a second. The file name records the head counts, which
-    decide the row order of attn_q and attn_k.
+    Parsing a GGUF file means parsing all its metadata, the tokenizer's vocabulary included,
+    which takes seconds (docs/performance.md#model-loading); the cached codes, scales and zeros
+    load in a fraction of one. The file name records the head counts, which decide the row
+    order of attn_q and attn_k.
     """
     n_head, n_kv_head = _head_counts(config)
     path = gguf_cache_dir(Path(gguf_path), cache_dir) / f"int4-blocks-h{n_head}-kv{n_kv_head}.safetensors"

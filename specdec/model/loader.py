@@ -7,9 +7,9 @@ Sources, tried in this order:
   * a local directory with safetensors weights and a tokenizer;
   * anything else is handed to `from_pretrained` as a hub id.
 
-GGUF files are dequantized by `transformers` on load, which takes ~20 s for a 135M
-model on this class of CPU. The first load therefore saves the result as a safetensors
-directory in a cache; later loads read that directory in well under a second.
+GGUF files are dequantized by `transformers` on load, which is slow
+(docs/performance.md#model-loading). The first load therefore saves the result as a
+safetensors directory in a cache; later loads read that directory.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Int8 weight-only quantization of a loaded `transformers` causal LM (the "quantized self-draft").
 
 Each weight row gets one symmetric scale, ``absmax / 127``. Activations stay in the model dtype.
-The fast path is `torch._weight_int8pack_mm`. We measured it with torch 2.13 on this CPU:
+The fast path is `torch._weight_int8pack_mm`:
 
-- Only bfloat16 has a vectorised (AVX512) kernel. It runs about 2.2-2.7x faster than a bf16
-  `F.linear` for one input row. float32 and float16 use a scalar loop that is 3-7x SLOWER than
-  `F.linear`, so those dtypes take the fallback.
+- On CPU only bfloat16 has a vectorised kernel, faster than a bf16 `F.linear`; float32 and
+  float16 run a scalar loop slower than `F.linear`, so those dtypes take the fallback
+  (docs/performance.md#int8-weight-kernel).
 - ``scales`` must have the same dtype as ``x``. ``x`` must be 2-D and contiguous in its last
   dimension, and the int8 weight must be contiguous.
 

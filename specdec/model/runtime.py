@@ -1,4 +1,4 @@
-"""Build the runtime a service runs: a loaded model, optional int8 quantization, our forward."""
+"""Build the runtime a service runs: a loaded model, optional int8 or int4 quantization, our forward."""
 
 from __future__ import annotations
 
@@ -76,8 +76,8 @@ def build_runtime(
         quantize_int8(loaded.model)
     elif quantization == "int4":
         # Decoder projections in 4 bits, from the GGUF's own Q4 blocks when the model came
-        # from one; the output head in int8: a 4-bit head cost ~9 points of acceptance on
-        # SmolLM2 (teacher-forced greedy agreement 0.90 vs 0.98 with an int8 head).
+        # from one; the output head in int8, since a 4-bit head costs acceptance
+        # (docs/performance.md#int4-draft-output-head).
         quantize_int4(
             loaded.model, group_size=group_size, gguf_path=gguf_path_of(model), include_lm_head=False, kernel=int4_kernel
         )

@@ -4,10 +4,13 @@
 from the engine at scrape time (counters only, each read atomic under the GIL). With the
 default prefix:
 
-    RPC p95 by method   = histogram_quantile(0.95, sum by (le, method) (rate(specdec_service_rpc_latency_seconds_bucket[5m])))
-    compute share       = rate(specdec_service_compute_seconds_sum[5m]) / ignoring(le) rate(specdec_service_rpc_latency_seconds_sum[5m])
+    RPC p95 by method   = histogram_quantile(0.95,
+                              sum by (le, method) (rate(specdec_service_rpc_latency_seconds_bucket[5m])))
+    compute share       = rate(specdec_service_compute_seconds_sum[5m])
+                          / ignoring(le) rate(specdec_service_rpc_latency_seconds_sum[5m])
     KV usage            = specdec_service_kv_blocks{state="used"} / ignoring(state) specdec_service_kv_blocks_total
-    prefix-cache hits   = rate(specdec_service_prefix_cache_hits_total[5m]) / rate(specdec_service_prefix_cache_queries_total[5m])
+    prefix-cache hits   = rate(specdec_service_prefix_cache_hits_total[5m])
+                          / rate(specdec_service_prefix_cache_queries_total[5m])
     errors by code      = sum by (method, code) (rate(specdec_service_rpc_errors_total[5m]))
 """
 

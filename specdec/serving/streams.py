@@ -1,9 +1,9 @@
 """The streamed work rpcs (VerifyStream, ProposeStream): one exchange after another on a
 long-lived stream, each answered as its unary rpc would answer it.
 
-Why streams: on loopback a new unary call cost the gateway ~1.8 ms beyond the service's
-compute once the machine had sat idle through a forward, and a message on an open stream
-~1.2 ms (grpcio aio, AMD EPYC Zen 4, 2 cores). A speculative round makes two such calls.
+Why streams: a message on an open stream costs the gateway less beyond the service's compute
+than a new unary call, and a speculative round makes two such calls
+(docs/performance.md#kept-streams).
 
 Each request is counted under its unary rpc's name (`rpc_observer`), so dashboards see
 one Verify whichever way it came. An error ends the stream with the unary rpc's status;
