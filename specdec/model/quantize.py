@@ -101,15 +101,9 @@ class Int8Linear(nn.Module):
 def quantize_int8(model: nn.Module, *, include_lm_head: bool = True) -> nn.Module:
     """Replace the model's `nn.Linear` layers with `Int8Linear`, in place, and return the model.
 
-    This covers the q/k/v/o and gate/up/down projections of a Llama decoder. Norms and embeddings
-    stay at full precision. The output embedding (``lm_head``) is quantised only when
-    ``include_lm_head`` is set.
-
-    If ``lm_head`` is tied to the input embedding, quantising it UNTIES the two. The embedding
-    keeps its full-precision weight for token lookup, and ``lm_head`` gets an int8 copy. To stop
-    `transformers` from re-tying them later, we set ``config.tie_word_embeddings = False``.
-
-    We also set ``config.specdec_quantization = "int8"`` so the model-info code can report it.
+    Norms and embeddings stay at full precision; ``lm_head`` is quantised only with
+    ``include_lm_head``. Quantising a tied ``lm_head`` unties it: the embedding keeps its
+    full-precision weight for lookup, ``lm_head`` gets an int8 copy (see `mark_quantized`).
     """
     get_out = getattr(model, "get_output_embeddings", None)
     lm_head = get_out() if callable(get_out) else None

@@ -1,17 +1,10 @@
 """Transport security and bearer tokens, shared by the three services and their clients.
 
-Everything is off by default (the services bind 127.0.0.1). Turned on by flags:
-
-* **TLS on a server**: `--tls-cert` and `--tls-key` (PEM files). With `--tls-client-ca`
-  as well, the server demands a client certificate signed by that CA: mutual TLS, which is
-  how the model services should only accept their gateways.
-* **TLS as a client** (the gateway toward the services): `--service-tls-ca` verifies the
-  services' certificates; `--service-tls-cert` / `--service-tls-key` present the
-  gateway's own certificate for mutual TLS.
-* **Bearer token**: `--auth-token-file` (or `$SPECDEC_AUTH_TOKEN`) makes a server answer
-  UNAUTHENTICATED to any call without `authorization: Bearer <token>`. Health checks and
-  reflection stay open, for load balancers and Kubernetes probes. A token never goes on
-  a command line, where `ps` would show it.
+Everything is off by default (the services bind 127.0.0.1); docs/security.md has the flags.
+A server with `--tls-client-ca` demands a client certificate (mutual TLS: the model services
+accept only their gateways). With a bearer token, every call but health checks and reflection
+(open for load balancers and probes) needs `authorization: Bearer <token>`; the token comes
+from a file or the environment, never the command line, where `ps` would show it.
 
 This module imports gRPC only, so the light `specdec health` command can use it.
 """
@@ -42,7 +35,9 @@ class ServerSecurity:
 
     tls_cert: str = option("", "PEM certificate chain of this server; with --tls-key, serve TLS instead of plaintext")
     tls_key: str = option("", "PEM private key of --tls-cert")
-    tls_client_ca: str = option("", "PEM CA that client certificates must chain to: mutual TLS (needs --tls-cert)")
+    tls_client_ca: str = option(
+        "", "PEM CA that client certificates must chain to: mutual TLS (needs --tls-cert)", advanced=True,
+    )
     auth_token_file: str = option(
         "", f"file holding the bearer token every call must carry (health checks excepted); default ${TOKEN_ENV} if set"
     )

@@ -1,16 +1,13 @@
 """HTTP/2 keepalive between the gateway and the model services.
 
-A service that vanishes without closing its connections (its node failed, a network
-partition, a proxy that drops a connection silently) leaves TCP "established" for many
-minutes, and every call on it, on a kept stream or not, waits out its deadline. With
-keepalive the gateway pings each connection every `interval_s` seconds while it carries
-nothing and closes it when no answer comes within `timeout_s`: calls in flight fail
-UNAVAILABLE at once, and the next call opens a new connection.
+A service that vanishes without closing its connections (a failed node, a partition) leaves
+TCP "established" for minutes, and every call on it waits out its deadline. With keepalive the
+gateway pings each connection every `interval_s` seconds and closes it when no answer comes
+within `timeout_s`: calls in flight fail UNAVAILABLE at once, and the next call reconnects.
 
-A gRPC server treats pings more frequent than its policy allows as abuse and closes the
-connection (GOAWAY "too_many_pings"; by default it allows one ping per 5 minutes, and
-none on a connection without calls), so the services state the interval they accept and
-the gateway must not ping more often.
+A gRPC server closes the connection of a client that pings more often than its policy allows
+(GOAWAY "too_many_pings"), so the services state the interval they accept and the gateway must
+not ping more often.
 
 A plain module with no gRPC import, like `specdec.wire.limits`.
 """
