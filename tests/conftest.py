@@ -1,7 +1,8 @@
 """Shared fixtures: the embedded model is loaded once per test session.
 
 The first load converts the embedded GGUF to safetensors in the specdec cache
-(`$SPECDEC_CACHE_DIR`, default `~/.cache/specdec`); later sessions reuse it.
+(`$SPECDEC_CACHE_DIR`, default `~/.cache/specdec`); later sessions reuse it. The fixtures of
+tests/support are registered here, so every test folder finds them by name.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 from specdec.model.loader import DEFAULT_MODEL, LoadedModel, load_model
+
+pytest_plugins = ["tests.support.services", "tests.support.stacks", "tests.support.pki"]
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 import yaml
-from service_commands import parse_service_command
+
+from tests.support.service_commands import parse_service_command
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = shutil.which("docker-compose")

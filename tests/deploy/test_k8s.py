@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 import yaml
-from kustomize_lite import build
-from service_commands import expand, parse_service_command
+
+from tests.support.kustomize_lite import build
+from tests.support.service_commands import expand, parse_service_command
 
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="the pip package kubernetes-validate is needed (a dev extra)"

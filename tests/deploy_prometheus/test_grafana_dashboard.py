@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 import yaml
-from dashboard_queries import (
+
+from tests.support.dashboard_queries import (
     DASHBOARD,
     iter_panels,
     load_dashboard,
@@ -25,7 +26,7 @@ from dashboard_queries import (
     panel_queries,
     variable_defaults,
 )
-from prometheus_deploy import (
+from tests.support.prometheus_deploy import (
     DASHBOARD_PROVIDERS,
     DATASOURCES,
     PROCESS_METRICS,

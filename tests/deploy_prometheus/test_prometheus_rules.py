@@ -12,8 +12,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from dashboard_queries import metric_names
-from prometheus_deploy import (
+
+from tests.support.dashboard_queries import metric_names
+from tests.support.prometheus_deploy import (
     PROMETHEUS_CONFIG,
     PROMETHEUS_DIR,
     RULE_TESTS_DIR,

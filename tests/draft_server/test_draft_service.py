@@ -11,22 +11,16 @@ import threading
 from collections.abc import Callable
 
 import grpc
-import pytest
 import torch
 from grpc_health.v1 import health_pb2
-from service_fixtures import Service, greedy_continuation, rpc_error
 
 from specdec.draft_server.server import SERVICE_NAME
 from specdec.model.loader import LoadedModel
 from specdec.sampling.sparse_probs import MIN_DRAFT_PROB
 from specdec.v1 import common_pb2, draft_pb2
 from specdec.wire.items import sparse_from_pb
+from tests.support.services import Service, greedy_continuation, rpc_error
 
-TEXTS = [
-    "The capital of France is",
-    "def add(a, b):\n    return",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-]
 GREEDY = common_pb2.SamplingParams(temperature=0.0)
 
 
@@ -35,13 +29,6 @@ def sampled(seed: int | None = 1234, **fields: float) -> common_pb2.SamplingPara
     if seed is not None:
         params.seed = seed
     return params
-
-
-@pytest.fixture(scope="module")
-def prompts(smollm2: LoadedModel) -> list[list[int]]:
-    tokens = [smollm2.tokenizer.encode(text) for text in TEXTS]
-    assert len({len(t) for t in tokens}) == len(tokens)
-    return tokens
 
 
 def item(

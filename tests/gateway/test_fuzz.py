@@ -23,10 +23,10 @@ import grpc
 from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from service_fixtures import Service, start_draft, start_target  # noqa: F401 - fixtures by name
 
 from specdec.client import SpecdecClient
 from specdec.v1 import common_pb2, draft_pb2, gateway_pb2, target_pb2
+from tests.support.services import Service
 
 VOCAB = 49152
 #: The codes a bad request may get: each names what was wrong.

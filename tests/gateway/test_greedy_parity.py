@@ -15,6 +15,7 @@ import pytest
 from specdec.client import GenerationResult
 from specdec.model.chat import encode_chat
 from specdec.model.loader import LoadedModel
+from tests.support.stacks import chat
 
 PROMPTS = [
     "What is the capital of France?",
@@ -26,18 +27,14 @@ PROMPTS = [
 MAX_NEW_TOKENS = 32
 
 
-def _chat(text: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": text}]
-
-
 @pytest.fixture(scope="module")
 def expected(smollm2: LoadedModel, hf_greedy: Callable[[list[int], int], list[int]]) -> list[list[int]]:
-    return [hf_greedy(encode_chat(smollm2.tokenizer, _chat(p)), MAX_NEW_TOKENS) for p in PROMPTS]
+    return [hf_greedy(encode_chat(smollm2.tokenizer, chat(p)), MAX_NEW_TOKENS) for p in PROMPTS]
 
 
 def _run_all(stack, **options) -> list[GenerationResult]:  # type: ignore[no-untyped-def]
     with stack.client() as client, ThreadPoolExecutor(len(PROMPTS)) as pool:
-        futures = [pool.submit(client.generate, _chat(p), max_new_tokens=MAX_NEW_TOKENS, **options) for p in PROMPTS]
+        futures = [pool.submit(client.generate, chat(p), max_new_tokens=MAX_NEW_TOKENS, **options) for p in PROMPTS]
         return [f.result() for f in futures]
 
 
@@ -65,5 +62,5 @@ def test_speculative_equals_plain_equals_transformers(
 def test_num_speculative_tokens_per_request_keeps_exactness(int8_stack, expected: list[list[int]]) -> None:  # type: ignore[no-untyped-def]
     with int8_stack.client() as client:
         for k in (1, 7):
-            result = client.generate(_chat(PROMPTS[0]), max_new_tokens=MAX_NEW_TOKENS, num_speculative_tokens=k)
+            result = client.generate(chat(PROMPTS[0]), max_new_tokens=MAX_NEW_TOKENS, num_speculative_tokens=k)
             assert result.token_ids == expected[0], f"K={k}"

@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
-from service_fixtures import Service, start_draft, start_target  # noqa: F401 - fixtures by name
 
 from specdec.cli.launcher import ServiceProcess, start_service
 from specdec.client import build_request
 from specdec.v1 import gateway_pb2_grpc
+from tests.support.services import Service
 
 STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
 

@@ -8,19 +8,20 @@ import json
 import shutil
 import socket
 import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-RULES = sorted((ROOT / "deploy" / "prometheus" / "rules").glob("*.yml"))
-DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "specdec.json"
+from specdec.model.runtime import ModelRuntime
+from tests.support.dashboard_queries import DASHBOARD, panel_queries
+from tests.support.prometheus_deploy import write_prometheus_config
+from tests.support.stacks import StartStack
+
 SCRAPE_S = 1
 WINDOW = "15m"  # longer than the test: the rates cover the whole run
 CHAT = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
@@ -50,22 +51,19 @@ class Prometheus:
 
 
 @pytest.fixture
-def prometheus(tmp_path: Path) -> Iterator[Any]:
-    """`prometheus({job: metrics_port})` starts Prometheus scraping those loopback ports."""
+def prometheus(tmp_path: Path) -> Iterator[Callable[[dict[str, int]], Prometheus]]:
+    """`prometheus({job: metrics_port})` starts Prometheus scraping those loopback ports, with the
+    deployment's prometheus.yml and rule files."""
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.skip("Debian's prometheus is not installed (`make test` installs it)")
     processes: list[subprocess.Popen[bytes]] = []
 
     def start(jobs: dict[str, int]) -> Prometheus:
-        config = tmp_path / "prometheus.yml"
-        config.write_text(json.dumps({  # JSON is YAML
-            "global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
-            "rule_files": [str(path) for path in RULES],
-            "scrape_configs": [
-                {"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]} for job, port in jobs.items()
-            ],
-        }))
+        config = write_prometheus_config(
+            tmp_path / "prometheus.yml", {job: f"127.0.0.1:{port}" for job, port in jobs.items()},
+            scrape_interval=f"{SCRAPE_S}s", evaluation_interval=f"{SCRAPE_S}s",
+        )
         port = _free_port()
         log = (tmp_path / "prometheus.log").open("wb")
         processes.append(subprocess.Popen(
@@ -90,14 +88,16 @@ def prometheus(tmp_path: Path) -> Iterator[Any]:
         process.wait(30)
 
 
-def _wait_for(check: Any, timeout: float = 30.0) -> None:
+def _wait_for(check: Callable[[], object], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.5)
 
 
-def test_prometheus_sees_the_stack_and_agrees_with_the_final_messages(start_stack, int8_runtime, prometheus) -> None:  # type: ignore[no-untyped-def]
+def test_prometheus_sees_the_stack_and_agrees_with_the_final_messages(
+    start_stack: StartStack, int8_runtime: ModelRuntime, prometheus: Callable[[dict[str, int]], Prometheus]
+) -> None:
     stack = start_stack(int8_runtime, metrics_port=0, target={"metrics_port": 0}, draft={"metrics_port": 0})
     jobs = {"gateway": stack.gateway.metrics_port, "target": stack.servers[0].metrics_port, "draft": stack.servers[1].metrics_port}
     prom = prometheus(jobs)
@@ -137,8 +137,5 @@ def test_prometheus_sees_the_stack_and_agrees_with_the_final_messages(start_stac
     assert prom.scalar('sum(specdec_service_compute_seconds_count{service="target",method="Verify"})') > 0
 
     if DASHBOARD.exists():  # every Grafana panel's query parses and returns series
-        sys.path.insert(0, str(ROOT / "tests" / "deploy_prometheus"))
-        from dashboard_queries import panel_queries  # type: ignore[import-not-found]
-
         empty = [(title, expr) for title, expr in panel_queries(DASHBOARD) if not prom.query(expr)]
         assert empty == [], empty

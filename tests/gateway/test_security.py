@@ -18,14 +18,13 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pki import Pki, pki  # noqa: F401 - fixture by name
-from service_fixtures import start_target  # noqa: F401 - fixture by name
 
 from specdec.client import SpecdecClient
 from specdec.errors import InvalidArgumentError
 from specdec.serving.config import ModelServiceConfig
 from specdec.serving.security import bearer_metadata, channel_credentials
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from tests.support.pki import Pki
 
 PROMPT = [{"role": "user", "content": "Name three colours."}]
 

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from specdec.client import build_request, collect
+from tests.support.stacks import chat
 
 STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
 QUESTIONS = [
@@ -16,10 +17,6 @@ QUESTIONS = [
     "Give me a synonym for happy.", "What is the opposite of cold?", "Name a fruit.", "Count to five.",
     "What is water made of?", "Name a musical instrument.",
 ]
-
-
-def _chat(text: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": text}]
 
 
 def test_a_round_with_several_accepted_tokens_arrives_as_one_message(int8_stack) -> None:  # type: ignore[no-untyped-def]
@@ -39,10 +36,10 @@ def test_concurrent_streams_match_each_request_alone(int8_stack, monkeypatch) ->
         return verify(items, deadline)
 
     with int8_stack.client() as client:
-        alone = [client.generate(_chat(q), max_new_tokens=16) for q in QUESTIONS]
+        alone = [client.generate(chat(q), max_new_tokens=16) for q in QUESTIONS]
         monkeypatch.setattr(int8_stack.target, "verify", counting_verify)
         with ThreadPoolExecutor(len(QUESTIONS)) as pool:
-            together = list(pool.map(lambda q: client.generate(_chat(q), max_new_tokens=16), QUESTIONS))
+            together = list(pool.map(lambda q: client.generate(chat(q), max_new_tokens=16), QUESTIONS))
     assert max(batch_sizes) > 1, "the concurrent requests were never verified in one batch"
     for question, a, b in zip(QUESTIONS, alone, together):
         assert b.finish_reason in ("stop", "length")
@@ -134,10 +131,10 @@ def test_adaptive_k_turns_a_weak_draft_off_and_stays_exact(start_stack, weak_run
     adaptive_stack = start_stack(weak_runtime, adaptive_k=True, target=measured, draft=measured)
     with adaptive_stack.client() as client:
         assert client.info().adaptive_k
-        adaptive = client.generate(_chat(QUESTIONS[0]), max_new_tokens=48)
+        adaptive = client.generate(chat(QUESTIONS[0]), max_new_tokens=48)
     with weak_stack.client() as client:
-        fixed = client.generate(_chat(QUESTIONS[0]), max_new_tokens=48, num_speculative_tokens=4)
-        plain = client.generate(_chat(QUESTIONS[0]), max_new_tokens=48, speculative=False)
+        fixed = client.generate(chat(QUESTIONS[0]), max_new_tokens=48, num_speculative_tokens=4)
+        plain = client.generate(chat(QUESTIONS[0]), max_new_tokens=48, speculative=False)
     assert adaptive.token_ids == fixed.token_ids == plain.token_ids
     assert adaptive.num_draft_tokens < fixed.num_draft_tokens / 2
     # The final message counts the rounds that drafted nothing: all of them when plain, the

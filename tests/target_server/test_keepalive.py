@@ -13,11 +13,11 @@ from contextlib import contextmanager
 
 import grpc
 import pytest
-from service_fixtures import LoopThread, Service
 
 from specdec.gateway.model_clients import ServiceLink, TargetClient
 from specdec.wire.items import Lease, PrefillItem
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
+from tests.support.services import LoopThread, Service
 
 
 class SilentProxy:

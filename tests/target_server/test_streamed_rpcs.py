@@ -12,7 +12,6 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from service_fixtures import SMALL_POOL, LoopThread, Service
 
 from specdec.gateway.model_clients import DraftClient, ServiceLink, TargetClient
 from specdec.model.loader import LoadedModel
@@ -24,6 +23,7 @@ from specdec.target_server.server import create_server as create_target_server
 from specdec.v1 import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
 from specdec.wire.items import Lease, PrefillItem, ProposeItem, VerifyItem
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
+from tests.support.services import SMALL_POOL, LoopThread, Service
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -14,7 +14,6 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
-from service_fixtures import Service, greedy_continuation, reference_logits, rpc_error
 
 from specdec.model.loader import LoadedModel
 from specdec.model.tokenizer_info import TokenizerInfo
@@ -26,6 +25,7 @@ from specdec.target_server.server import SERVICE_NAME
 from specdec.v1 import common_pb2, target_pb2
 from specdec.wire.items import VerifyItem, sampling_from_pb, sparse_from_pb, sparse_to_pb
 from specdec.wire.tensor_codec import decode_tensor, encode_tensor
+from tests.support.services import Service, greedy_continuation, reference_logits, rpc_error
 
 #: Logit tolerance. Batched and single rows may run different fp32 kernels (oneDNN or BLAS,
 #: picked per shape by a start-up timing; inputs past 16 rows always on BLAS), which sum in

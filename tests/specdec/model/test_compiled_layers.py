@@ -17,7 +17,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from tiny_models import tiny_llama
 
 from specdec.kv_cache.paged_cache import PagedKVCache
 from specdec.model import compiled_layers
@@ -25,6 +24,7 @@ from specdec.model.compiled_layers import TIMING_CONTEXT, choose_layer_path, com
 from specdec.model.llama import PagedLlama, layers_per_compiled_call
 from specdec.model.quantize import quantize_int8
 from specdec.model.quantize_int4 import quantize_int4
+from tests.support.tiny_models import tiny_llama
 
 PROMPT = [(i * 37) % 256 for i in range(200)]
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from tiny_models import tiny_llama
-
 from specdec.model.cost_profile import CHUNK_WIDTHS, CONTEXT_LEN, LONG_CONTEXT_LEN, PREFILL_WIDTH, measure_forward_costs
 from specdec.model.llama import PagedLlama
+from tests.support.tiny_models import tiny_llama
 
 
 def test_profile_times_verify_chunks_and_a_prompt_sized_prefill() -> None:

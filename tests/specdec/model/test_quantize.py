@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import tiny_llama
 from torch import nn
 
 from specdec.model.quantize import Int8Linear, int8_matmul, int8pack_mm_supported, quantize_int8
+from tests.support.tiny_models import tiny_llama
 
 HAS_OP = hasattr(torch, "_weight_int8pack_mm")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import quants
-from tiny_models import tiny_llama
 from torch import nn
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
@@ -22,6 +21,7 @@ from specdec.model.gguf_q4 import gguf_int4_weights, read_gguf_int4_weights, rop
 from specdec.model.int4_weight import Int4Weight
 from specdec.model.loader import DEFAULT_MODEL, LoadedModel, embedded_model_path
 from specdec.model.quantize_int4 import Int4Linear, choose_int4_kernel, quantize_int4
+from tests.support.tiny_models import tiny_llama
 
 HAS_OP = hasattr(torch, "_weight_int4pack_mm_for_cpu")
 KERNELS = [

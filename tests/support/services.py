@@ -5,12 +5,13 @@ to them through ordinary synchronous channels, so no async test plugin is needed
 are built from the session's fp32 SmolLM2 (`smollm2` in tests/conftest.py): no second load.
 The draft uses the same fp32 model, so its greedy draft is the model's own greedy continuation.
 
-Imported by the `conftest.py` of each service test folder.
+A plugin of tests/conftest.py: its fixtures are found by name in every test folder.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
@@ -41,6 +42,12 @@ T = TypeVar("T")
 RPC_TIMEOUT_S = 60.0
 #: Small pools: big enough for every test, cheap to allocate per test (~94 MB of fp32 KV).
 SMALL_POOL: dict[str, Any] = dict(kv_token_budget=2048, block_size=16, max_slots=32, max_speculative_tokens=8, measure_costs=False, compile="off")
+#: The texts of the `prompts` fixture: three lengths.
+TEXTS = [
+    "The capital of France is",
+    "def add(a, b):\n    return",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+]
 
 
 class LoopThread:
@@ -79,6 +86,10 @@ class Service:
         return self.stub.Info(common_pb2.InfoRequest())
 
 
+#: `start_target(**config_overrides)` / `start_draft(**config_overrides)`: a running service.
+StartService = Callable[..., Service]
+
+
 def _client_channel(port: int) -> grpc.Channel:
     """A loopback channel with the services' message limit and a default deadline per call."""
     # Like any client of these services, lift gRPC's 4 MB default receive limit: a verify
@@ -90,32 +101,47 @@ def _client_channel(port: int) -> grpc.Channel:
 class _TimeoutInterceptor(grpc.UnaryUnaryClientInterceptor):
     """Give every unary call a deadline unless it sets its own."""
 
-    def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+    def intercept_unary_unary(
+        self, continuation: Callable[[grpc.ClientCallDetails, Any], Any], client_call_details: grpc.ClientCallDetails,
+        request: Any,
+    ) -> Any:
         if client_call_details.timeout is None:
-            details = _Details(
-                client_call_details.method, RPC_TIMEOUT_S, client_call_details.metadata,
-                client_call_details.credentials, client_call_details.wait_for_ready,
-                getattr(client_call_details, "compression", None),
-            )
-            return continuation(details, request)
+            client_call_details = _WithDeadline(client_call_details, RPC_TIMEOUT_S)
         return continuation(client_call_details, request)
 
 
-class _Details(grpc.ClientCallDetails):
-    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):  # type: ignore[no-untyped-def]
-        self.method = method
+class _WithDeadline(grpc.ClientCallDetails):
+    """`details` of a call, with `timeout` as its deadline."""
+
+    def __init__(self, details: grpc.ClientCallDetails, timeout: float) -> None:
+        self.method = details.method
         self.timeout = timeout
-        self.metadata = metadata
-        self.credentials = credentials
-        self.wait_for_ready = wait_for_ready
-        self.compression = compression
+        self.metadata = details.metadata
+        self.credentials = details.credentials
+        self.wait_for_ready = details.wait_for_ready
+        self.compression = getattr(details, "compression", None)
+
+
+def target_server(runtime: ModelRuntime, **fields: Any) -> tuple[TargetEngine, Coroutine[Any, Any, RunningServer]]:
+    """A target engine over `runtime` and the coroutine that starts its server on a free port."""
+    config = TargetConfig(port=0, **fields)
+    engine = TargetEngine(runtime, config)
+    return engine, create_target_server(config, engine)
+
+
+def draft_server(runtime: ModelRuntime, **fields: Any) -> tuple[DraftEngine, Coroutine[Any, Any, RunningServer]]:
+    """A draft engine over `runtime` (its dtype and quantization) and the coroutine that starts its server."""
+    dtype = str(runtime.dtype).removeprefix("torch.")
+    config = DraftConfig(port=0, **{"dtype": dtype, "quantization": runtime.quantization, **fields})
+    engine = DraftEngine(runtime, config)
+    return engine, create_draft_server(config, engine)
 
 
 def _service_factory(
     loop: LoopThread,
     make: Callable[..., tuple[ModelEngine, Coroutine[Any, Any, RunningServer]]],
     stub_cls: type,
-) -> Iterator[Callable[..., Service]]:
+) -> Iterator[StartService]:
     started: list[Service] = []
 
     def start(**overrides: Any) -> Service:
@@ -146,37 +172,33 @@ def fp32_runtime(smollm2: LoadedModel) -> ModelRuntime:
 
 
 @pytest.fixture
-def start_target(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterator[Callable[..., Service]]:
+def start_target(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterator[StartService]:
     """`start_target(**config_overrides)` -> a running fp32 target server (stopped at teardown)."""
-
-    def make(**fields: Any) -> tuple[ModelEngine, Coroutine[Any, Any, RunningServer]]:
-        config = TargetConfig(port=0, **fields)
-        engine = TargetEngine(fp32_runtime, config)
-        return engine, create_target_server(config, engine)
-
-    yield from _service_factory(service_loop, make, target_pb2_grpc.TargetServiceStub)
+    yield from _service_factory(service_loop, functools.partial(target_server, fp32_runtime), target_pb2_grpc.TargetServiceStub)
 
 
 @pytest.fixture
-def start_draft(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterator[Callable[..., Service]]:
+def start_draft(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterator[StartService]:
     """`start_draft(**config_overrides)` -> a running fp32 draft server (stopped at teardown)."""
-
-    def make(**fields: Any) -> tuple[ModelEngine, Coroutine[Any, Any, RunningServer]]:
-        config = DraftConfig(port=0, dtype="float32", quantization="none", **fields)
-        engine = DraftEngine(fp32_runtime, config)
-        return engine, create_draft_server(config, engine)
-
-    yield from _service_factory(service_loop, make, draft_pb2_grpc.DraftServiceStub)
+    yield from _service_factory(service_loop, functools.partial(draft_server, fp32_runtime), draft_pb2_grpc.DraftServiceStub)
 
 
 @pytest.fixture
-def target(start_target: Callable[..., Service]) -> Service:
+def target(start_target: StartService) -> Service:
     return start_target()
 
 
 @pytest.fixture
-def draft(start_draft: Callable[..., Service]) -> Service:
+def draft(start_draft: StartService) -> Service:
     return start_draft()
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2: LoadedModel) -> list[list[int]]:
+    """Three prompts of different lengths."""
+    tokens = [smollm2.tokenizer.encode(text) for text in TEXTS]
+    assert len({len(t) for t in tokens}) == len(tokens)
+    return tokens
 
 
 # -- references and helpers ---------------------------------------------------------------

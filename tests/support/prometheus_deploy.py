@@ -3,14 +3,11 @@ and a copy of deploy/prometheus/prometheus.yml rendered for a stack on loopback.
 
 An end-to-end test starts Prometheus with the same rule files as the deployment:
 
-    from prometheus_deploy import write_prometheus_config
+    from tests.support.prometheus_deploy import write_prometheus_config
     config = write_prometheus_config(tmp_path / "prometheus.yml",
                                      {"gateway": f"127.0.0.1:{gw_port}", "target": ..., "draft": ...},
                                      scrape_interval="1s")
     # prometheus --config.file={config} --storage.tsdb.path={tmp_path / "data"} --web.listen-address=127.0.0.1:0 ...
-
-(tests/ has no __init__.py: pytest puts this folder on sys.path for the tests in it; a test
-elsewhere adds it itself.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The PromQL queries of the Grafana dashboard, ready to send to Prometheus.
 
-    from dashboard_queries import panel_queries
+    from tests.support.dashboard_queries import panel_queries
     for title, expr in panel_queries():                      # deploy/grafana/dashboards/specdec.json
         ...  # GET /api/v1/query?query=expr: it must parse and return series
 
@@ -8,9 +8,6 @@ Grafana's template variables are substituted: `$__rate_interval`, `$__interval` 
 `$__range` by `rate_interval`; the dashboard's own variables (`$model_name`) by the value
 given in `variables`, else by the variable's "All" value (`.*`). Values go in as they are:
 they sit inside `=~` matchers, so pass a regex (a plain model name is one).
-
-(tests/ has no __init__.py: pytest puts this folder on sys.path for the tests in it; a test
-elsewhere adds it itself.)
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """Real gateway stacks on loopback: fp32 target + a draft + the gateway, all over gRPC.
 
 Everything runs in-process on the session's background event loop (see
-tests/service_fixtures.py); clients are the public `SpecdecClient`. Two stacks share the
+tests/support/services.py); clients are the public `SpecdecClient`. Two stacks share the
 session's fp32 target model:
 
 * `int8_stack`: the embedded default draft, int8 weights with bf16 activations (α ≈ 0.93);
 * `weak_stack`: a first-2-layer copy of the target as draft, almost always rejected.
+
+A plugin of tests/conftest.py: its fixtures are found by name in every test folder.
 """
 
 from __future__ import annotations
@@ -13,25 +15,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 import torch
-from service_fixtures import LoopThread, fp32_runtime, service_loop  # noqa: F401 - fixtures by name
 
 from specdec.client import SpecdecClient
-from specdec.draft_server.config import DraftConfig
 from specdec.draft_server.engine import DraftEngine
-from specdec.draft_server.server import create_server as create_draft_server
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.server import create_gateway
 from specdec.model.loader import LoadedModel
 from specdec.model.runtime import ModelRuntime, build_runtime
 from specdec.serving.engine import ModelEngine
 from specdec.serving.grpc_server import RunningServer
-from specdec.target_server.config import TargetConfig
 from specdec.target_server.engine import TargetEngine
-from specdec.target_server.server import create_server as create_target_server
+from tests.support.services import LoopThread, draft_server, target_server
 
 POOL: dict[str, Any] = dict(kv_token_budget=8192, block_size=16, max_slots=32, max_speculative_tokens=8, measure_costs=False, compile="off")
 
@@ -65,6 +63,24 @@ class Stack:
             time.sleep(0.05)
 
 
+class StartStack(Protocol):
+    """`start_stack(draft_runtime | None, target=dict(...), draft=dict(...), **gateway_overrides)` -> a running
+    Stack (`target_runtime=` serves another target model than the session's fp32 one)."""
+
+    def __call__(self, draft_runtime: ModelRuntime | None, *, target: dict[str, Any] | None = None,
+                 draft: dict[str, Any] | None = None, target_runtime: ModelRuntime | None = None,
+                 **gateway: Any) -> Stack: ...
+
+
+#: `hf_greedy(prompt_ids, n)`: the target's greedy continuation by transformers.
+HfGreedy = Callable[[list[int], int], list[int]]
+
+
+def chat(text: str) -> list[dict[str, str]]:
+    """A one-message conversation: the user says `text`."""
+    return [{"role": "user", "content": text}]
+
+
 @pytest.fixture(scope="session")
 def int8_runtime() -> ModelRuntime:
     return build_runtime("smollm2-135m", dtype="bfloat16", quantization="int8")
@@ -76,22 +92,18 @@ def weak_runtime() -> ModelRuntime:
 
 
 @pytest.fixture(scope="session")
-def start_stack(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterator[Callable[..., Stack]]:
-    """`start_stack(draft_runtime | None, target=dict(...), **gateway_overrides)` -> a running Stack
-    (`target_runtime=` serves another target model than the session's fp32 one)."""
+def start_stack(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterator[StartStack]:
+    """Starts stacks on the session's loop; all of them stop at the end of the session."""
     stacks: list[Stack] = []
 
     def start(draft_runtime: ModelRuntime | None, *, target: dict[str, Any] | None = None,
               draft: dict[str, Any] | None = None, target_runtime: ModelRuntime | None = None, **gateway: Any) -> Stack:
-        target_config = TargetConfig(port=0, **{**POOL, **(target or {})})
-        target_engine = TargetEngine(target_runtime or fp32_runtime, target_config)
-        servers = [service_loop.run(create_target_server(target_config, target_engine))]
+        target_engine, target_start = target_server(target_runtime or fp32_runtime, **{**POOL, **(target or {})})
+        servers = [service_loop.run(target_start)]
         draft_engine = None
         if draft_runtime is not None:
-            draft_config = DraftConfig(port=0, dtype=str(draft_runtime.dtype).removeprefix("torch."),
-                                       quantization=draft_runtime.quantization, **{**POOL, **(draft or {})})
-            draft_engine = DraftEngine(draft_runtime, draft_config)
-            servers.append(service_loop.run(create_draft_server(draft_config, draft_engine)))
+            draft_engine, draft_start = draft_server(draft_runtime, **{**POOL, **(draft or {})})
+            servers.append(service_loop.run(draft_start))
         config = GatewayConfig(
             target_address=f"127.0.0.1:{servers[0].port}",
             draft_address=f"127.0.0.1:{servers[1].port}" if draft_engine else "",
@@ -112,17 +124,17 @@ def start_stack(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterato
 
 
 @pytest.fixture(scope="session")
-def int8_stack(start_stack: Callable[..., Stack], int8_runtime: ModelRuntime) -> Stack:
+def int8_stack(start_stack: StartStack, int8_runtime: ModelRuntime) -> Stack:
     return start_stack(int8_runtime)
 
 
 @pytest.fixture(scope="session")
-def weak_stack(start_stack: Callable[..., Stack], weak_runtime: ModelRuntime) -> Stack:
+def weak_stack(start_stack: StartStack, weak_runtime: ModelRuntime) -> Stack:
     return start_stack(weak_runtime)
 
 
 @pytest.fixture(scope="session")
-def hf_greedy(smollm2: LoadedModel) -> Callable[[list[int], int], list[int]]:
+def hf_greedy(smollm2: LoadedModel) -> HfGreedy:
     """`hf_greedy(prompt_ids, n)`: transformers generate(do_sample=False) on the target, EOS stripped
     (the gateway never emits EOS)."""
 

@@ -1,0 +1,1 @@
+"""The test suite: a package, so its shared helpers import as `tests.support.*`."""
