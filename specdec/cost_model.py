@@ -72,14 +72,10 @@ def _smoothed(tokens: Sequence[int], seconds: Sequence[float]) -> list[float]:
 
 
 def _context_slopes(costs: Sequence[ForwardCost], base: dict[tuple[int, int], float], base_context: int) -> dict[int, float]:
-    """Seconds each cached context token adds to a forward, per request, by tokens per request.
-
-    From the points measured at a longer context than `base_context` beside the same
-    (batch size, tokens) point at it: the extra seconds of all batch sizes over their extra
-    context-token-requests (a pooled ratio, so the large batches, whose extra is well above
-    the timing noise, carry it). Attention reads every cached token: without this term the
-    planner's online scale chases a cost that grows through every request's life
-    (docs/performance.md#context-cost).
+    """Seconds each cached context token adds to a forward, per request, by tokens per request:
+    the extra seconds of the long-context points over their extra context-token-requests, pooled
+    over batch sizes so the large batches (well above the timing noise) carry it. Attention reads
+    every cached token (docs/performance.md#context-cost).
     """
     extra: dict[int, float] = {}
     weight: dict[int, float] = {}
@@ -92,14 +88,9 @@ def _context_slopes(costs: Sequence[ForwardCost], base: dict[tuple[int, int], fl
 
 class CostTable:
     """Forward-pass seconds for any (batch size, tokens per request, cached context), from a
-    measured grid.
-
-    The grid is measured at one short context. Within it, interpolates linearly in tokens
-    within each measured batch size, then linearly in batch size; outside the grid it
-    extends the nearest segment. Within a batch size the verify-sized figures are smoothed
-    and all are made non-decreasing (see `_smoothed`). A longer context adds a cost linear
-    in the batch's cached tokens, with a slope per tokens per request (`_context_slopes`)
-    measured at a few points; without such points the context is ignored.
+    grid measured at one short context: linear in tokens within a batch size (rows smoothed by
+    `_smoothed`), then linear in batch size, extended past the grid; plus a cost linear in the
+    batch's cached tokens where the grid has long-context points (`_context_slopes`).
     """
 
     def __init__(self, costs: Sequence[ForwardCost], scale: float = 1.0) -> None:
