@@ -35,7 +35,7 @@ from specdec.gateway.model_clients import DraftClient, ServiceLink, TargetClient
 from specdec.model.cost_profile import filler_prompt
 from specdec.sampling.params import SamplingParams
 from specdec.v1 import common_pb2
-from specdec.wire.items import Lease, PrefillItem, ProposeItem, VerifyItem
+from specdec.wire.items import ArgmaxMode, Lease, PrefillItem, ProposeItem, VerifyItem
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
 
 SERVICE_ARGS = ["--log-level", "WARNING", "--no-prefix-caching"]
@@ -67,7 +67,7 @@ async def measure(
                 target, draft = clients[name]
                 # The same round each time: both slots roll back to where they were.
                 proposed = await draft.propose([ProposeItem("s", CONTEXT - 1, [prompt[CONTEXT - 1]], 1, greedy)], TIMEOUT_S)
-                verified = await target.verify([VerifyItem("s", CONTEXT, prompt[CONTEXT:CONTEXT + 2], argmax_only=True)],
+                verified = await target.verify([VerifyItem("s", CONTEXT, prompt[CONTEXT:CONTEXT + 2], ArgmaxMode())],
                                                TIMEOUT_S)
                 if i >= WARM_UP:
                     overhead.setdefault(f"Propose, {name}", []).append(proposed.wall_s - proposed.compute_s)

@@ -51,7 +51,8 @@ def main() -> None:
             return draft.Propose(draft_pb2.ProposeRequest(items=[item])).compute_s
 
         def verify() -> float:
-            item = target_pb2.VerifyItem(slot_id="t", valid_len=n, tokens=[7], argmax_only=True, decode_steps=1)
+            item = target_pb2.VerifyItem(slot_id="t", valid_len=n, tokens=[7],
+                                         mode=target_pb2.VerifyMode(argmax=target_pb2.VerifyMode.Argmax()))
             return target.Verify(target_pb2.VerifyRequest(items=[item])).compute_s
 
         def after(first: Callable[[], object], call: Callable[[], float]) -> Callable[[], float]:

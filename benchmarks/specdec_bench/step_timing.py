@@ -81,8 +81,8 @@ def probe_steps(target_address: str, draft_address: str, vocab_size: int, probe:
         draft = draft_pb2_grpc.DraftServiceStub(draft_channel)
 
         def target_call(steps: int) -> float:
-            item = target_pb2.VerifyItem(slot_id=slot, valid_len=CONTEXT_LEN, tokens=[token], argmax_only=True,
-                                         decode_steps=steps)
+            mode = target_pb2.VerifyMode(decode=target_pb2.VerifyMode.Decode(steps=steps))
+            item = target_pb2.VerifyItem(slot_id=slot, valid_len=CONTEXT_LEN, tokens=[token], mode=mode)
             return float(target.Verify(target_pb2.VerifyRequest(items=[item]), timeout=CALL_TIMEOUT_S).compute_s)
 
         def draft_call(k: int, valid_len: int = CONTEXT_LEN, tokens: list[int] | None = None) -> float:

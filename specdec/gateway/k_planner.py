@@ -32,11 +32,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specdec.cost_model import CostTable, ForwardCost, RoundCostModel, expected_tokens
+from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence
-from specdec.gateway.speculative_step import RoundReport
 
 log = logging.getLogger(__name__)
 
@@ -175,17 +175,8 @@ class KPlanner:
     _idle_rounds: dict[str, int] = field(default_factory=dict, init=False)
     _probe_interval: dict[str, int] = field(default_factory=dict, init=False)
     _probing: set[str] = field(default_factory=set, init=False)
-    #: The planned round feeds the draft tokens it skipped while off: its Propose time says
-    #: little about a draft step's cost.
-    _catching_up: bool = field(default=False, init=False)
-    #: Reason the last round drafted nothing for some request that could have speculated.
-    last_off_reason: str | None = field(default=None, init=False)
     #: Whether any round with draft tokens has been observed (α is more than the prior).
     _measured_alpha: bool = field(default=False, init=False)
-    #: Tokens each request of the planned round feeds the draft before drafting (`_feed`).
-    _round_feeds: dict[str, int] = field(default_factory=dict, init=False)
-    #: Mean tokens per request of the planned round, cached before it (None: not planned).
-    _round_context: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.global_alpha = AcceptanceEstimate(self.prior_alpha, self.global_weight)
@@ -234,56 +225,62 @@ class KPlanner:
 
     def plan(
         self, seqs: list[Sequence], caps: dict[str, int], adaptive: dict[str, bool], steps: dict[str, int] | None = None
-    ) -> dict[str, int]:
+    ) -> RoundPlan:
         """K per request: `caps` bounds each (its requested or remaining room), adaptive
         requests get the planner's choice in 0..cap, the others their cap. `steps` is what a
-        plain round would decode per request (multi-step), which prices K = 0."""
-        ks = dict(caps)
-        self._round_feeds = {s.slot_id: self._feed(s) for s in seqs}
-        self._round_context = sum(len(s.tokens) for s in seqs) / len(seqs) if seqs else None
+        plain round would decode per request (multi-step), which prices K = 0; the plan keeps
+        them when no request drafts."""
+        steps = steps or {}
+        feeds = {s.slot_id: self._feed(s) for s in seqs}
+        context = sum(len(s.tokens) for s in seqs) / len(seqs) if seqs else None
         flexible = [s for s in seqs if adaptive[s.slot_id] and caps[s.slot_id] > 0]
+        ks, off_reason = dict(caps), None
+        if flexible and self.can_adapt:
+            model = self.cost_model(context)
+            alphas = [self.alphas(s) for s in seqs]
+            rates = RatePredictor(model, seqs, alphas, [self._catch_up_cost(s, model, a) for s, a in zip(seqs, alphas)],
+                                   [feeds[s.slot_id] for s in seqs])
+            ks, off_reason = self._choose_ks(rates, flexible, caps, steps)
+            plain_round = model.round_seconds([0] * len(seqs))
+
+            def worth_probing(s: Sequence) -> bool:
+                return self._probe_affordable(s, model, plain_round, len(seqs)) and rates.probe_could_pay(s, ks, caps)
+
+            self._schedule_probe(flexible, ks, caps, worth_probing)
+        catching_up = any(ks[s.slot_id] > 0 and s.draft_pending > MAX_ROUND_FEED for s in seqs)
+        return RoundPlan(ks, {} if any(ks.values()) else steps, feeds, context, catching_up, off_reason)
+
+    def _choose_ks(
+        self, rates: RatePredictor, flexible: list[Sequence], caps: dict[str, int], steps: dict[str, int]
+    ) -> tuple[dict[str, int], str | None]:
+        """The best uniform K for the flexible requests (each capped), then K = 0 for any of
+        them whose own drafting costs the batch more than it yields; and why some went off."""
+        seqs, ks = rates.seqs, dict(caps)
         chosen_by_us = {s.slot_id for s in flexible}
-        self.last_off_reason = None
-        if not flexible or not self.can_adapt:
-            return ks
-        model = self.cost_model(self._round_context)
-        alphas = [self.alphas(s) for s in seqs]
-        start = [self._catch_up_cost(s, model, alphas[i]) for i, s in enumerate(seqs)]
-        feeds = [self._round_feeds[s.slot_id] for s in seqs]
         plain_steps = [steps.get(s.slot_id, 1) for s in seqs] if steps else None
         best_rate, best_k = -1.0, 0
         for k in range(max(caps[s.slot_id] for s in flexible) + 1):
             uniform = [min(k, caps[s.slot_id]) if s.slot_id in chosen_by_us else ks[s.slot_id] for s in seqs]
-            rate = model.tokens_per_second(uniform, alphas, start, feeds, plain_steps)
+            rate = rates.rate(uniform, plain_steps)
             if rate > best_rate:
                 best_rate, best_k = rate, k
         if log.isEnabledFor(logging.DEBUG):
-            plain = model.tokens_per_second([0] * len(seqs), alphas, steps=plain_steps)
-            log.debug("plan: batch %d, context %.0f, best uniform K %d at %.1f tok/s (plain %.1f), α_1 %s, scales t %.2f "
-                      "d %.2f, overhead %.1f ms, drafting + %.1f ms + %.1f ms per token", len(seqs), self._round_context,
-                      best_k, best_rate, plain, [round(a[0], 2) for a in alphas], self._target_scale.value, self._draft_scale.value,
-                      1e3 * self.overhead_s, 1e3 * self.draft_overhead.per_round, 1e3 * self.draft_overhead.per_token)
+            log.debug("plan: batch %d, best uniform K %d at %.1f tok/s (plain %.1f), α_1 %s, scales t %.2f d %.2f, "
+                      "overhead %.1f ms, drafting + %.1f ms + %.1f ms per token", len(seqs), best_k, best_rate,
+                      rates.rate([0] * len(seqs), plain_steps), [round(a[0], 2) for a in rates.alphas],
+                      self._target_scale.value, self._draft_scale.value, 1e3 * self.overhead_s,
+                      1e3 * self.draft_overhead.per_round, 1e3 * self.draft_overhead.per_token)
         for s in flexible:
             ks[s.slot_id] = min(best_k, caps[s.slot_id])
         if best_k == 0:
-            self.last_off_reason = "not_paying" if len(seqs) == 1 else "batch"
-        else:  # drop requests whose own drafting costs the batch more than it yields
-            for s in flexible:
-                trial = dict(ks, **{s.slot_id: 0})
-                rate = model.tokens_per_second([trial[x.slot_id] for x in seqs], alphas, start, feeds)
-                if rate > best_rate:
-                    ks, best_rate = trial, rate
-                    self.last_off_reason = "not_paying"
-        plain_round = model.round_seconds([0] * len(seqs))
-
-        def worth_probing(s: Sequence) -> bool:
-            return self._probe_affordable(s, model, plain_round, len(seqs)) and self._probe_could_pay(
-                s, seqs, ks, caps, alphas, start, feeds, model
-            )
-
-        self._schedule_probe(flexible, ks, caps, worth_probing)
-        self._catching_up = any(ks[s.slot_id] > 0 and s.draft_pending > MAX_ROUND_FEED for s in seqs)
-        return ks
+            return ks, "not_paying" if len(seqs) == 1 else "batch"
+        off_reason = None
+        for s in flexible:
+            trial = dict(ks, **{s.slot_id: 0})
+            rate = rates.rate([trial[x.slot_id] for x in seqs])
+            if rate > best_rate:
+                ks, best_rate, off_reason = trial, rate, "not_paying"
+        return ks, off_reason
 
     @staticmethod
     def _feed(seq: Sequence) -> int:
@@ -319,25 +316,6 @@ class KPlanner:
         remaining_s = (seq.max_new_tokens - seq.completion_tokens) * plain_round
         return cost * batch_size <= self.probe_budget * remaining_s
 
-    @staticmethod
-    def _probe_could_pay(
-        seq: Sequence, seqs: list[Sequence], ks: dict[str, int], caps: dict[str, int],
-        alphas: list[list[float]], start: list[float], feeds: list[int], model: RoundCostModel,
-    ) -> bool:
-        """Whether drafting for `seq` would raise the batch's rate if its draft were always
-        accepted. If not, the batch's size or the draft's cost keeps it off, not its
-        acceptance, and a probe could not change the decision (measured: 16 concurrent
-        requests, each probing in turn, spent a third of the run on catch-ups)."""
-        i = seqs.index(seq)
-        hopeful = [*alphas[:i], [1.0], *alphas[i + 1:]]
-        trial = [ks[s.slot_id] for s in seqs]
-        current = model.tokens_per_second(trial, hopeful, start, feeds)
-        for k in range(1, caps[seq.slot_id] + 1):
-            trial[i] = k
-            if model.tokens_per_second(trial, hopeful, start, feeds) > current:
-                return True
-        return False
-
     def _schedule_probe(
         self, flexible: list[Sequence], ks: dict[str, int], caps: dict[str, int], worth_probing: Callable[[Sequence], bool]
     ) -> None:
@@ -371,8 +349,8 @@ class KPlanner:
             interval = self._probe_interval.get(s.slot_id, self.probe_every)
             self._idle_rounds[s.slot_id] = max(0, interval - len(flexible))
 
-    def observe(self, seqs: list[Sequence], report: RoundReport) -> None:
-        """Learn from a finished round: acceptance per request, cost scales, overhead."""
+    def observe(self, plan: RoundPlan, seqs: list[Sequence], report: RoundReport) -> None:
+        """Learn from a finished round of `plan`: acceptance per request, cost scales, overhead."""
         for seq in seqs:
             k, accepted = report.ks[seq.slot_id], report.num_accepted[seq.slot_id]
             if k == 0:
@@ -386,11 +364,11 @@ class KPlanner:
             self._measured_alpha = True
         ks = [report.ks[s.slot_id] for s in seqs]
         if self._target is not None:  # the unscaled tables' prediction: the EMAs track the ratio
-            unscaled = RoundCostModel(*self._at_context(self._round_context))
+            unscaled = RoundCostModel(*self._at_context(plan.context))
             steps = [report.steps.get(s.slot_id, 1) for s in seqs]
             self._target_scale.observe(report.verify.compute_s, unscaled.verify_seconds(ks, steps), self.cost_weight)
-            if not self._catching_up:
-                feeds = [self._round_feeds.get(s.slot_id, 1) for s in seqs]
+            if not plan.catching_up:
+                feeds = [plan.feeds.get(s.slot_id, 1) for s in seqs]
                 self._draft_scale.observe(report.propose.compute_s, unscaled.draft_seconds(ks, feeds), self.cost_weight)
         drafted = sum(ks)
         if drafted == 0:
@@ -404,3 +382,32 @@ class KPlanner:
         self._idle_rounds.pop(seq.slot_id, None)
         self._probe_interval.pop(seq.slot_id, None)
         self._probing.discard(seq.slot_id)
+
+
+@dataclass(frozen=True)
+class RatePredictor:
+    """Tokens per second of one batch for any Ks, from the cost model and each request's α,
+    catch-up cost and round feed."""
+
+    model: RoundCostModel
+    seqs: list[Sequence]
+    alphas: list[list[float]]
+    start: list[float]
+    feeds: list[int]
+
+    def rate(self, ks: list[int], plain_steps: list[int] | None = None) -> float:
+        return self.model.tokens_per_second(ks, self.alphas, self.start, self.feeds, plain_steps)
+
+    def probe_could_pay(self, seq: Sequence, ks: dict[str, int], caps: dict[str, int]) -> bool:
+        """Whether drafting for `seq` would raise the batch's rate if its draft were always
+        accepted. If not, the batch's size or the draft's cost keeps it off, not its
+        acceptance, and a probe could not change the decision."""
+        i = self.seqs.index(seq)
+        hopeful = replace(self, alphas=[*self.alphas[:i], [1.0], *self.alphas[i + 1:]])
+        trial = [ks[s.slot_id] for s in self.seqs]
+        current = hopeful.rate(trial)
+        for k in range(1, caps[seq.slot_id] + 1):
+            trial[i] = k
+            if hopeful.rate(trial) > current:
+                return True
+        return False

@@ -18,7 +18,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec.gateway.streamed_rpc import StreamedRpc
 from specdec.serving.security import bearer_token_interceptors
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specdec.wire.items import Lease, ModelInfo, PrefillItem, Proposal, ProposeItem, ScoredChunk, VerifiedChunk, VerifyItem
+from specdec.wire.items import (
+    Lease,
+    ModelInfo,
+    PrefillItem,
+    Proposal,
+    ProposeItem,
+    ScoredChunk,
+    VerifiedChunk,
+    VerifyItem,
+    verified_from_pb,
+)
 from specdec.wire.keepalive import client_keepalive_options
 from specdec.wire.limits import message_size_options
 
@@ -147,11 +157,11 @@ class TargetClient(_ServiceClient[target_pb2_grpc.TargetServiceStub]):
         return Timed(results, response.compute_s, time.perf_counter() - started)
 
     async def verify(self, items: list[VerifyItem], timeout: float) -> Timed[dict[str, VerifiedChunk]]:
-        """Logits [K+1, vocab], or the target's chosen tokens (`VerifyItem.target_chooses`), per slot."""
+        """The answer of each item's mode, per slot."""
         started = time.perf_counter()
         request = target_pb2.VerifyRequest(items=[item.to_pb() for item in items], timeout_s=timeout)
         response = await self._verify(request, timeout)
-        results = {r.slot_id: VerifiedChunk.from_pb(r) for r in response.results}
+        results = {r.slot_id: verified_from_pb(r) for r in response.results}
         return Timed(results, response.compute_s, time.perf_counter() - started)
 
 

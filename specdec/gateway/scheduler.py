@@ -27,6 +27,7 @@ from specdec.errors import CapacityExhaustedError, SpecdecError
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.k_planner import KPlanner
 from specdec.gateway.model_clients import DraftAPI, TargetAPI
+from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import FinishReason, Sequence
 from specdec.gateway.speculative_step import first_tokens, plan_k, plan_steps, run_round
 from specdec.gateway.stats import GatewayStats
@@ -182,25 +183,10 @@ class Scheduler:
     async def _round(self) -> None:
         await self._make_room()
         batch = list(self.running)
-        draft_off = self.draft_degraded or self.draft_refused
-        speculate = self.draft is not None and not draft_off
-        caps = {s.slot_id: plan_k(s, self.max_seq_len) if speculate else 0 for s in batch}
-        # One step a round while a waiting request could join the batch at the next round;
-        # a full batch (or pool) decodes multi-step even with a queue, when throughput counts.
-        limit = 1 if self._queue_head_fits() else self.decode_steps
-        steps = {s.slot_id: plan_steps(s, self.max_seq_len, limit) for s in batch}
-        ks = self.planner.plan(batch, caps, {s.slot_id: s.adaptive for s in batch}, steps)
-        if any(ks.values()):
-            steps = {}
-        if self.draft is not None and draft_off and any(plan_k(s, self.max_seq_len) for s in batch):
-            self.stats.off_rounds["draft_unavailable"] += 1
-        elif self.planner.last_off_reason is not None:
-            self.stats.off_rounds[self.planner.last_off_reason] += 1
+        plan = self._plan(batch)
         before = {s.slot_id: (s.completion_tokens, s.last_token_at) for s in batch}
         try:
-            report = await run_round(
-                self.target, self.draft, batch, ks, self.sampler, self.max_seq_len, self.deadlines, steps
-            )
+            report = await run_round(self.target, self.draft, batch, plan, self.sampler, self.max_seq_len, self.deadlines)
         except Exception as error:  # noqa: BLE001 - a failed round fails its requests, not the gateway
             await self._fail(batch, error)
             return
@@ -208,7 +194,31 @@ class Scheduler:
             self.stats.draft_failures += 1
             self.stats.off_rounds["draft_unavailable"] += 1
             self._degrade_draft()
-        self.planner.observe(batch, report)
+        self.planner.observe(plan, batch, report)
+        self._record_round(batch, report, before)
+        for seq in batch:
+            if seq.done:
+                await self._retire(seq, seq.finish_reason)  # type: ignore[arg-type]
+
+    def _plan(self, batch: list[Sequence]) -> RoundPlan:
+        """K per request (0 without a usable draft) and, for a plain round, the tokens the
+        target decodes per request: one while a waiting request could join the batch at the
+        next round, more when the batch (or a pool) is full and throughput counts."""
+        draft_off = self.draft_degraded or self.draft_refused
+        speculate = self.draft is not None and not draft_off
+        caps = {s.slot_id: plan_k(s, self.max_seq_len) if speculate else 0 for s in batch}
+        limit = 1 if self._queue_head_fits() else self.decode_steps
+        steps = {s.slot_id: plan_steps(s, self.max_seq_len, limit) for s in batch}
+        plan = self.planner.plan(batch, caps, {s.slot_id: s.adaptive for s in batch}, steps)
+        if self.draft is not None and draft_off and any(plan_k(s, self.max_seq_len) for s in batch):
+            self.stats.off_rounds["draft_unavailable"] += 1
+        elif plan.off_reason is not None:
+            self.stats.off_rounds[plan.off_reason] += 1
+        return plan
+
+    def _record_round(
+        self, batch: list[Sequence], report: RoundReport, before: dict[str, tuple[int, float | None]]
+    ) -> None:
         phases = report.phases()
         self.stats.record_phases(phases, report)
         for seq in batch:
@@ -219,9 +229,6 @@ class Scheduler:
             count, last_at = before[seq.slot_id]
             if seq.completion_tokens > count and seq.last_token_at is not None and last_at is not None:
                 self.stats.record_tokens(seq.completion_tokens - count, seq.last_token_at - last_at)
-        for seq in batch:
-            if seq.done:
-                await self._retire(seq, seq.finish_reason)  # type: ignore[arg-type]
 
     async def _admit(self) -> int:
         """Admit waiting requests that fit, in FIFO order, with one batched Prefill; returns

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2
+from transformers import PreTrainedTokenizerBase
 
 from specdec.cost_model import CostTable
 from specdec.errors import InvalidArgumentError, ServiceRefusedError, SpecdecError
@@ -115,6 +116,71 @@ def new_lease(config: GatewayConfig) -> Lease:
 
 async def create_gateway(config: GatewayConfig) -> RunningServer:
     """Connect to the model services, check them, start the scheduler and the server."""
+    services = await connect_services(config)
+    tokenizer = check_services(config, services)
+    stats = GatewayStats(services.max_speculative_tokens)
+    scheduler = new_scheduler(config, services, stats)
+    monitor = ServiceMonitor(services.clients(), services.infos(), stats)
+    policy = new_policy(config, services, tokenizer)
+    servicer = GatewayServicer(GatewayState(config, services.target, services.draft, policy, scheduler, stats, monitor))
+    scheduler.start()
+    endpoint = gateway_endpoint(stats, services.target_info.model_name, config.metrics_prefix)
+
+    async def close() -> None:
+        await monitor.stop()
+        await scheduler.stop()
+        await asyncio.to_thread(servicer.tokenizer_thread.shutdown)
+        await services.close()
+        endpoint.close()
+
+    try:
+        running = await start_server(
+            lambda server: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server),
+            [SERVICE_NAME], host=config.host, port=config.port, max_message_bytes=config.max_request_bytes,
+            on_stop=close, credentials=config.server_credentials(), token=config.token(),
+        )
+    except BaseException:  # e.g. the port is taken: stop what was started
+        await close()
+        raise
+    watch_services(config, services, monitor, scheduler, running)
+    if config.metrics_port >= 0:
+        running.metrics_port = endpoint.serve(config.metrics_port, config.host)
+    return running
+
+
+@dataclass(frozen=True)
+class Services:
+    """The gateway's clients of its model services and what their Info said at start-up."""
+
+    lease: Lease
+    target: TargetClient
+    target_info: ModelInfo
+    draft: DraftClient | None = None
+    draft_info: ModelInfo | None = None
+
+    def clients(self) -> dict[str, TargetAPI | DraftAPI]:
+        return {"target": self.target, **({"draft": self.draft} if self.draft is not None else {})}
+
+    def infos(self) -> dict[str, ModelInfo]:
+        return {"target": self.target_info, **({"draft": self.draft_info} if self.draft_info is not None else {})}
+
+    @property
+    def max_speculative_tokens(self) -> int:
+        return min(info.max_speculative_tokens for info in self.infos().values())
+
+    @property
+    def max_seq_len(self) -> int:
+        return min(info.max_seq_len for info in self.infos().values())
+
+    async def close(self) -> None:
+        await self.target.close()
+        if self.draft is not None:
+            await self.draft.close()
+
+
+async def connect_services(config: GatewayConfig) -> Services:
+    """Clients of both services, their Info, and this gateway's lease renewed on each (which
+    frees what an earlier run of this gateway left there)."""
     lease = new_lease(config)
     link = ServiceLink(
         config.max_message_bytes,
@@ -127,76 +193,62 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
     target = TargetClient(config.target_address, link, lease)
     probs_dtype = common_pb2.DTYPE_BFLOAT16 if config.draft_probs_dtype == "bfloat16" else common_pb2.DTYPE_FLOAT32
     draft = DraftClient(config.draft_address, link, probs_dtype, lease) if config.draft_address else None
-    target_info: ModelInfo = await target.info()
-    draft_info = await draft.info() if draft is not None else None
-    for name, service in (("target", target), ("draft", draft)):
-        if service is not None and (swept := await service.renew_lease(timeout=INFO_TIMEOUT_S)):
+    services = Services(lease, target, await target.info(), draft, await draft.info() if draft is not None else None)
+    for name, service in services.clients().items():
+        if swept := await service.renew_lease(timeout=INFO_TIMEOUT_S):
             log.warning("the %s freed %d slot(s) of this gateway's previous run (%s)", name, swept, lease.holder)
+    return services
+
+
+def check_services(config: GatewayConfig, services: Services) -> PreTrainedTokenizerBase:
+    """The target's tokenizer, loaded here; refuses a draft with another tokenizer, a tokenizer
+    that differs from the target's own, or a K above what the services accept."""
+    target_info = services.target_info
     tokenizer = load_tokenizer(target_info.model_id)
     if tokenizer_fingerprint(tokenizer) != target_info.tokenizer.fingerprint:
         raise SpecdecError(f"the gateway's tokenizer for {target_info.model_id!r} differs from the target's")
-    limits = [target_info]
-    if draft_info is not None:
-        check_compatible(draft_info.tokenizer, target_info.tokenizer)
-        limits.append(draft_info)
-    max_speculative_tokens = min(info.max_speculative_tokens for info in limits)
-    if draft is not None and config.num_speculative_tokens > max_speculative_tokens:
-        raise InvalidArgumentError(f"num_speculative_tokens {config.num_speculative_tokens} exceeds the services' maximum {max_speculative_tokens}")
-    max_seq_len = min(info.max_seq_len for info in limits)
-    stats = GatewayStats(max_speculative_tokens)
-    planner = KPlanner(
-        list(target_info.forward_costs),
-        list(draft_info.forward_costs) if draft_info is not None and config.adaptive_k else [],
-    )
-    pools = [
-        PoolLimits(name, info.total_kv_tokens, info.block_size, info.max_slots)
-        for name, info in zip(("target", "draft"), limits)
-    ]
-    scheduler = Scheduler(
-        target, draft, pools, max_seq_len=max_seq_len, max_batch_size=config.max_batch_size,
+    if services.draft_info is not None:
+        check_compatible(services.draft_info.tokenizer, target_info.tokenizer)
+    limit = services.max_speculative_tokens
+    if services.draft is not None and config.num_speculative_tokens > limit:
+        raise InvalidArgumentError(f"num_speculative_tokens {config.num_speculative_tokens} exceeds the services' maximum {limit}")
+    return tokenizer
+
+
+def new_scheduler(config: GatewayConfig, services: Services, stats: GatewayStats) -> Scheduler:
+    target_costs, draft_info = services.target_info.forward_costs, services.draft_info
+    draft_costs = draft_info.forward_costs if draft_info is not None else ()
+    planner = KPlanner(list(target_costs), list(draft_costs) if config.adaptive_k else [])
+    pools = [PoolLimits(name, info.total_kv_tokens, info.block_size, info.max_slots) for name, info in services.infos().items()]
+    return Scheduler(
+        services.target, services.draft, pools, max_seq_len=services.max_seq_len, max_batch_size=config.max_batch_size,
         max_queue=config.max_queue, planner=planner, stats=stats,
         # A target that comes back allowing less than the promised K is refused (`service_changes`),
         # so steps within it stay valid whatever target answers.
-        decode_steps=min(config.decode_steps, max_speculative_tokens + 1),
+        decode_steps=min(config.decode_steps, services.max_speculative_tokens + 1),
         deadlines=Deadlines(
             config.rpc_timeout_floor_s, config.rpc_timeout_factor,
-            CostTable(target_info.forward_costs) if target_info.forward_costs else None,
-            CostTable(draft_info.forward_costs) if draft_info is not None and draft_info.forward_costs else None,
+            CostTable(target_costs) if target_costs else None, CostTable(draft_costs) if draft_costs else None,
         ),
     )
-    services: dict[str, TargetAPI | DraftAPI] = {"target": target, **({"draft": draft} if draft is not None else {})}
-    infos = {"target": target_info, **({"draft": draft_info} if draft_info is not None else {})}
-    monitor = ServiceMonitor(services, infos, stats)
-    policy = RequestPolicy(
-        tokenizer=tokenizer, vocab_size=target_info.tokenizer.vocab_size,
-        eos_token_ids=frozenset(target_info.tokenizer.eos_token_ids), max_seq_len=max_seq_len,
-        max_speculative_tokens=max_speculative_tokens, has_draft=draft is not None, speculative=config.speculative,
+
+
+def new_policy(config: GatewayConfig, services: Services, tokenizer: PreTrainedTokenizerBase) -> RequestPolicy:
+    info, lease = services.target_info, services.lease
+    return RequestPolicy(
+        tokenizer=tokenizer, vocab_size=info.tokenizer.vocab_size, eos_token_ids=frozenset(info.tokenizer.eos_token_ids),
+        max_seq_len=services.max_seq_len, max_speculative_tokens=services.max_speculative_tokens,
+        has_draft=services.draft is not None, speculative=config.speculative,
         num_speculative_tokens=config.num_speculative_tokens, adaptive_k=config.adaptive_k,
         max_new_tokens_default=config.max_new_tokens_default, slot_prefix=f"{lease.holder}/{lease.incarnation}/",
     )
-    state = GatewayState(config, target, draft, policy, scheduler, stats, monitor)
-    servicer = GatewayServicer(state)
-    scheduler.start()
-    endpoint = gateway_endpoint(stats, target_info.model_name, config.metrics_prefix)
 
-    async def close() -> None:
-        await monitor.stop()
-        await scheduler.stop()
-        await asyncio.to_thread(servicer.tokenizer_thread.shutdown)
-        await target.close()
-        if draft is not None:
-            await draft.close()
-        endpoint.close()
 
-    try:
-        running = await start_server(
-            lambda server: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server),
-            [SERVICE_NAME], host=config.host, port=config.port, max_message_bytes=config.max_request_bytes,
-            on_stop=close, credentials=config.server_credentials(), token=config.token(),
-        )
-    except BaseException:  # e.g. the port is taken: stop what was started
-        await close()
-        raise
+def watch_services(
+    config: GatewayConfig, services: Services, monitor: ServiceMonitor, scheduler: Scheduler, running: RunningServer
+) -> None:
+    """Start polling the services: the gateway's health follows the target's, and a service that
+    comes back changed is adopted or refused (`ServiceChanges`)."""
 
     async def report_target(available: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if available else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -204,10 +256,8 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
             await running.health.set(name, status)
 
     monitor.on_target = report_target
+    max_k = services.max_speculative_tokens if services.draft is not None else 0
     monitor.on_change = ServiceChanges(
-        scheduler, target_info.tokenizer, max_speculative_tokens if draft is not None else 0, max_seq_len, config.adaptive_k
+        scheduler, services.target_info.tokenizer, max_k, services.max_seq_len, config.adaptive_k
     )
     monitor.start()
-    if config.metrics_port >= 0:
-        running.metrics_port = endpoint.serve(config.metrics_port, config.host)
-    return running

@@ -11,24 +11,32 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+import typing
 
 import grpc
 import torch
 
 from specdec.errors import InvalidArgumentError, ServiceStateError
+from specdec.gateway.acceptance import accept_all
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.model_clients import DraftAPI, TargetAPI, Timed
+from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence
-from specdec.sampling.rejection_sampler import (
-    RejectionResult,
-    accept_candidates,
-    greedy_accept,
-    greedy_accept_argmax,
-)
-from specdec.sampling.transforms import chunk_apply_repetition_penalty, logits_to_probs, sample
+from specdec.sampling.rejection_sampler import RejectionResult
+from specdec.sampling.transforms import logits_to_probs, sample
 from specdec.serving.worker import ModelWorker
-from specdec.wire.items import Proposal, ProposeItem, VerifiedChunk, VerifyItem
+from specdec.wire.items import (
+    ArgmaxMode,
+    DecodeMode,
+    LogitsMode,
+    Proposal,
+    ProposeItem,
+    SampledMode,
+    VerifiedChunk,
+    VerifiedDecode,
+    VerifyItem,
+    VerifyMode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -94,47 +102,44 @@ def _check_q(proposal: Proposal) -> None:
 
 
 async def verify(
-    target: TargetAPI, seqs: list[Sequence], proposals: dict[str, Proposal], deadlines: Deadlines,
-    steps: dict[str, int] | None = None,
+    target: TargetAPI, seqs: list[Sequence], proposals: dict[str, Proposal], plan: RoundPlan, deadlines: Deadlines
 ) -> Timed[dict[str, VerifiedChunk]]:
-    """One batched Verify: [pending tokens, t1..tK] after each sequence's valid prefix.
-    Returns per slot the logits [K+1, vocab] of a greedy request with a repetition penalty,
-    only their argmax [K+1] for a greedy request whose logits need no transform, and for a
-    sampled request the K+1 candidates and p_i(t_i) that `accept_all` needs (the target draws
-    them with its `target_sampling`). A request in `steps` (plain rounds) has the target
-    decode its n tokens by itself: the argmax of the raw logits, or, with any transform or a
-    temperature, the choice of its `target_sampling`."""
-    steps = steps or {}
-    items = [_verify_item(s, proposals, steps.get(s.slot_id)) for s in seqs]
-    timeout = deadlines.verify(len(items), max(len(i.tokens) for i in items), max(i.decode_steps for i in items))
+    """One batched Verify of [pending tokens, t1..tK] after each sequence's valid prefix, each
+    item in the mode its request needs (`verify_mode`)."""
+    items = [VerifyItem(s.slot_id, s.target_valid, s.tokens[s.target_valid :] + (proposals[s.slot_id].tokens
+                        if s.slot_id in proposals else []), verify_mode(s, proposals.get(s.slot_id), plan))
+             for s in seqs]
+    timeout = deadlines.verify(len(items), max(len(i.tokens) for i in items), max(plan.steps.values(), default=1))
     verified = await target.verify(items, timeout)
     for item in items:
         result = verified.value[item.slot_id]
-        if item.slot_id not in steps:
+        if not isinstance(item.mode, DecodeMode):
             _check_cached("target", item.slot_id, result.cached_len, item.cached_len_after)
             continue
-        # The target may stop a multi-step item early near the call's deadline: 1..n tokens,
+        # The target may stop a Decode item early near the call's deadline: 1..n tokens,
         # of which it cached the pending token and all but the last.
-        decoded = len(result.chosen or [])
-        if not 1 <= decoded <= item.decode_steps:
-            raise ServiceStateError(f"the target sent {decoded} tokens for slot {item.slot_id}, "
-                                    f"the gateway asked for {item.decode_steps}")
+        decoded = len(result.tokens) if isinstance(result, VerifiedDecode) else 0
+        if not 1 <= decoded <= item.mode.steps:
+            raise ServiceStateError(f"the target sent {decoded} decoded tokens for slot {item.slot_id}, "
+                                    f"the gateway asked for {item.mode.steps}")
         _check_cached("target", item.slot_id, result.cached_len, item.valid_len + decoded)
     return verified
 
 
-def _verify_item(seq: Sequence, proposals: dict[str, Proposal], steps: int | None) -> VerifyItem:
-    """The Verify item of one sequence; `steps` set: a plain item whose tokens the target decodes."""
-    proposal = proposals.get(seq.slot_id)
-    tokens = seq.tokens[seq.target_valid :] + (proposal.tokens if proposal is not None else [])
+def verify_mode(seq: Sequence, proposal: Proposal | None, plan: RoundPlan) -> VerifyMode:
+    """How the target answers `seq`: a request without a proposal decodes plainly on the
+    target; a drafting one is judged here from the argmax (greedy, untransformed), the logits
+    (greedy with a repetition penalty) or the target's candidates (sampled)."""
     raw_argmax = seq.sampling.greedy_by_raw_argmax
-    if steps is None:
-        if not seq.sampling.is_greedy:
-            return VerifyItem(seq.slot_id, seq.target_valid, tokens, sampling=seq.target_sampling,
-                              draft_probs=proposal.probs if proposal is not None else None)
-        return VerifyItem(seq.slot_id, seq.target_valid, tokens, argmax_only=raw_argmax)
-    sampling = None if raw_argmax else seq.target_sampling
-    return VerifyItem(seq.slot_id, seq.target_valid, tokens, argmax_only=raw_argmax, decode_steps=steps, sampling=sampling)
+    if proposal is None:
+        return DecodeMode(plan.steps_of(seq.slot_id), None if raw_argmax else seq.target_sampling)
+    if raw_argmax:
+        return ArgmaxMode()
+    if seq.sampling.is_greedy:
+        return LogitsMode()
+    if proposal.probs is None:
+        raise ServiceStateError(f"the draft sent no q for the sampled slot {seq.slot_id}")
+    return SampledMode(seq.target_sampling, proposal.probs)
 
 
 def _check_cached(service: str, slot_id: str, cached_len: int, expected: int) -> None:
@@ -144,115 +149,6 @@ def _check_cached(service: str, slot_id: str, cached_len: int, expected: int) ->
         raise ServiceStateError(
             f"the {service} holds {cached_len} tokens for slot {slot_id}, the gateway expected {expected}"
         )
-
-
-PAD_TOKEN_ID = -1  # marks positions past a request's K in the padded [batch, K_max] tensors
-
-
-def _padded_drafts(seqs: list[Sequence], proposals: dict[str, Proposal]) -> tuple[torch.Tensor, list[int], list[list[int]]]:
-    """Draft tokens [B, K_max] (PAD_TOKEN_ID past each row's K), the K of each row and each
-    row's drafted tokens as lists."""
-    drafted = [proposals[s.slot_id].tokens if s.slot_id in proposals else [] for s in seqs]
-    ks = [len(d) for d in drafted]
-    k_max = max(ks)
-    tokens = torch.tensor([d + [PAD_TOKEN_ID] * (k_max - len(d)) for d in drafted], dtype=torch.long)
-    return tokens.view(len(seqs), k_max), ks, drafted
-
-
-def _padded_round(
-    seqs: list[Sequence], verified: dict[str, VerifiedChunk], proposals: dict[str, Proposal]
-) -> tuple[torch.Tensor, torch.Tensor, list[int], list[list[int]]]:
-    """Stack the sequences' verify logits and draft tokens into batch tensors.
-
-    Returns logits [B, K_max+1, vocab] and the `_padded_drafts`.
-    """
-    tokens, ks, drafted = _padded_drafts(seqs, proposals)  # tokens: [B, K_max]
-    rows = [_logits_of(verified[s.slot_id]) for s in seqs]  # [K_b+1, vocab] each
-    stacked = rows[0].new_zeros(len(seqs), tokens.shape[1] + 1, rows[0].shape[-1])  # [B, K_max+1, vocab]
-    for b, row in enumerate(rows):
-        stacked[b, : row.shape[0]] = row
-    return stacked, tokens, ks, drafted
-
-
-def _padded_chosen(
-    seqs: list[Sequence], verified: dict[str, VerifiedChunk], proposals: dict[str, Proposal]
-) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """The tokens the target chose per position [B, K_max+1] (argmax tokens, or a sampled
-    request's candidates; PAD_TOKEN_ID past each row's K+1) and the `_padded_drafts` tokens
-    [B, K_max] and Ks."""
-    tokens, ks, _ = _padded_drafts(seqs, proposals)
-    width = tokens.shape[1] + 1
-    best = [verified[s.slot_id].chosen or [] for s in seqs]
-    for s, k, row in zip(seqs, ks, best):
-        if len(row) != k + 1:
-            raise ServiceStateError(f"the target sent {len(row)} chosen tokens for slot {s.slot_id}, the gateway expected {k + 1}")
-    target = torch.tensor([row + [PAD_TOKEN_ID] * (width - len(row)) for row in best], dtype=torch.long)
-    return target.view(len(seqs), width), tokens, ks
-
-
-def _padded_probs(seqs: list[Sequence], verified: dict[str, VerifiedChunk], proposals: dict[str, Proposal], ks: list[int]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A sampled round's p_i(t_i) (from the target) and q_i(t_i) (from the draft's q), each
-    [B, K_max], 1.0 past each row's K (never judged)."""
-    k_max = max(ks, default=0)
-    p = torch.ones(len(seqs), k_max)  # [B, K_max]
-    q = torch.ones(len(seqs), k_max)  # [B, K_max]
-    for b, (seq, k) in enumerate(zip(seqs, ks)):
-        if k == 0:
-            continue
-        target_probs, proposal = verified[seq.slot_id].target_probs or [], proposals[seq.slot_id]
-        if len(target_probs) != k or proposal.probs is None:
-            raise ServiceStateError(f"the target sent {len(target_probs)} probabilities for slot {seq.slot_id}, "
-                                    f"the gateway expected {k}")
-        p[b, :k] = torch.tensor(target_probs)
-        q[b, :k] = proposal.probs.probs_of(proposal.tokens)
-    return p, q
-
-
-def _logits_of(chunk: VerifiedChunk) -> torch.Tensor:
-    if chunk.logits is None:
-        raise ServiceStateError(f"the target sent argmax tokens for slot {chunk.slot_id}, where the gateway asked for logits")
-    return chunk.logits
-
-
-def accept_all(
-    seqs: list[Sequence], verified: dict[str, VerifiedChunk], proposals: dict[str, Proposal]
-) -> dict[str, RejectionResult]:
-    """Accept a prefix of each draft and add one recovered or bonus token, for the whole round.
-
-    One `greedy_accept_argmax` call for the greedy requests the target sent argmax tokens
-    for, one `greedy_accept` call for the other greedy ones (the repetition penalty applied
-    here, its context growing through the draft tokens) and one `accept_candidates` call for
-    the sampled ones, whose candidates and p_i(t_i) the target drew and computed with the
-    same transforms and context. Pure tensor work: it runs on the gateway's sampler thread.
-    """
-    results: dict[str, RejectionResult] = {}
-    by_argmax = [s for s in seqs if s.sampling.is_greedy and verified[s.slot_id].chosen is not None]
-    greedy = [s for s in seqs if s.sampling.is_greedy and verified[s.slot_id].chosen is None]
-    sampled = [s for s in seqs if not s.sampling.is_greedy]
-    if by_argmax:
-        best, tokens, ks = _padded_chosen(by_argmax, verified, proposals)  # [A, K+1], [A, K]
-        results.update(_split(by_argmax, greedy_accept_argmax(best, tokens, ks)))
-    if greedy:
-        scores, tokens, ks, drafted = _padded_round(greedy, verified, proposals)  # [G, K+1, vocab], [G, K]
-        scores = scores.float()
-        penalties = [s.sampling.repetition_penalty for s in greedy]
-        if any(p != 1.0 for p in penalties):
-            scores = chunk_apply_repetition_penalty(scores, [s.tokens for s in greedy], drafted, penalties)
-        batch = greedy_accept(scores, tokens, ks)
-        results.update(_split(greedy, batch))
-    if sampled:
-        candidates, tokens, ks = _padded_chosen(sampled, verified, proposals)  # [S, K+1], [S, K]
-        p, q = _padded_probs(sampled, verified, proposals, ks)  # [S, K] each
-        batch = accept_candidates(p, q, tokens, ks, candidates, [s.generator for s in sampled])
-        results.update(_split(sampled, batch))
-    return results
-
-
-def _split(seqs: list[Sequence], batch: RejectionResult) -> dict[str, RejectionResult]:
-    return {
-        s.slot_id: RejectionResult([batch.output_tokens[b]], [batch.num_accepted[b]]) for b, s in enumerate(seqs)
-    }
 
 
 def advance_steps(seq: Sequence, steps: int) -> None:
@@ -284,93 +180,62 @@ def first_tokens(seqs: list[Sequence], logits: dict[str, torch.Tensor]) -> dict[
     return out
 
 
-@dataclass(frozen=True)
-class RoundReport:
-    """What one round did, for statistics and the K planner: K and accepted count per slot,
-    and where the round's time went."""
-
-    ks: dict[str, int]
-    num_accepted: dict[str, int]
-    #: Propose and Verify: compute inside the service, and wall time seen by the gateway.
-    propose: Timed[None]
-    verify: Timed[None]
-    #: The gateway's acceptance step (rejection sampling / greedy matching) for the batch.
-    accept_s: float
-    #: The whole round, wall clock.
-    total_s: float
-    #: Propose failed and the round ran as plain decoding.
-    draft_failed: bool = False
-    #: Tokens the target decoded per slot in a multi-step plain round (1 in any other round).
-    steps: dict[str, int] = field(default_factory=dict)
-
-    def phases(self) -> dict[str, float]:
-        """The round's wall time split by `ROUND_PHASES`."""
-        rpc = self.propose.wall_s - self.propose.compute_s + self.verify.wall_s - self.verify.compute_s
-        counted = self.propose.compute_s + self.verify.compute_s + max(0.0, rpc) + self.accept_s
-        return {
-            "draft_compute": self.propose.compute_s,
-            "verify_compute": self.verify.compute_s,
-            "rpc": max(0.0, rpc),
-            "accept": self.accept_s,
-            "other": max(0.0, self.total_s - counted),
-        }
-
-    @property
-    def overhead_s(self) -> float:
-        """Round time spent outside both services' compute: RPCs, (de)serialisation, acceptance."""
-        return max(0.0, self.total_s - self.propose.compute_s - self.verify.compute_s)
-
-
 async def run_round(
-    target: TargetAPI, draft: DraftAPI | None, seqs: list[Sequence], ks: dict[str, int], sampler: ModelWorker,
-    max_seq_len: int, deadlines: Deadlines, steps: dict[str, int] | None = None,
+    target: TargetAPI, draft: DraftAPI | None, seqs: list[Sequence], plan: RoundPlan, sampler: ModelWorker,
+    max_seq_len: int, deadlines: Deadlines,
 ) -> RoundReport:
-    """Propose, verify, accept and advance every sequence by one round with the planned `ks`.
-    In a plain round (every K 0) `steps` may give requests n >= 1 tokens that the target
-    decodes by itself: nothing comes back to judge, and n tokens share one call."""
-    steps = steps or {}
-    if steps and any(ks.values()):
-        raise ValueError("multi-step decoding is for plain rounds: every K must be 0")
+    """Propose, verify, accept and advance every sequence by one round as `plan` says. A
+    request without a proposal (K = 0, or the draft failed) decodes plainly on the target:
+    nothing comes back to judge, and the plan's `steps` tokens share one call."""
     started = time.perf_counter()
-    draft_error = None
-    try:
-        proposed = await propose(draft, seqs, ks, deadlines)
-    except (grpc.aio.AioRpcError, ServiceStateError) as error:
-        # The draft only ever speeds things up: without it the round is plain decoding
-        # (K = 0), with the very same output. The next Propose resends each whole
-        # sequence (valid_len 0), which rebuilds the draft's cache whatever it kept.
-        reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else str(error)
-        log.warning("Propose failed (%s); this round decodes without speculation", reason)
-        draft_error = error
-        proposed = Timed({}, 0.0, time.perf_counter() - started)
-        for seq in seqs:
-            seq.draft_valid = 0
-    proposals = proposed.value
-    verified = await verify(target, seqs, proposals, deadlines, steps)
+    proposed, draft_failed = await propose_or_plain(draft, seqs, plan, deadlines)
+    verified = await verify(target, seqs, proposed.value, plan, deadlines)
     accept_started = time.perf_counter()
-    judged = [s for s in seqs if s.slot_id not in steps]  # the target decoded the others by itself
-    results = await sampler.run(accept_all, judged, verified.value, proposals) if judged else {}
+    drafting = [s for s in seqs if s.slot_id in proposed.value]
+    accepted = await sampler.run(accept_all, drafting, verified.value, proposed.value) if drafting else {}
     accept_s = time.perf_counter() - accept_started
-    done = {}
-    decoded: dict[str, int] = {}
+    ks, num_accepted, steps = advance_all(seqs, proposed.value, verified.value, accepted, max_seq_len)
+    return RoundReport(
+        ks, num_accepted, propose=Timed(None, proposed.compute_s, proposed.wall_s),
+        verify=Timed(None, verified.compute_s, verified.wall_s), accept_s=accept_s,
+        total_s=time.perf_counter() - started, draft_failed=draft_failed, steps=steps,
+    )
+
+
+def advance_all(
+    seqs: list[Sequence], proposals: dict[str, Proposal], verified: dict[str, VerifiedChunk],
+    accepted: dict[str, RejectionResult], max_seq_len: int,
+) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """Advance every sequence past its new tokens and emit them; returns per slot the K
+    drafted, the tokens accepted and the tokens decoded plainly (1 for a drafting request)."""
+    ks, num_accepted, steps = {}, {}, {}
     for seq in seqs:
-        if seq.slot_id in steps:
-            tokens = verified.value[seq.slot_id].chosen or []
-            done[seq.slot_id], decoded[seq.slot_id] = 0, len(tokens)
+        slot = seq.slot_id
+        if slot in accepted:
+            ks[slot], num_accepted[slot], steps[slot] = len(proposals[slot].tokens), accepted[slot].num_accepted[0], 1
+            advance(seq, ks[slot], num_accepted[slot])
+            seq.emit(accepted[slot].output_tokens[0], max_seq_len)
+        else:
+            tokens = typing.cast(VerifiedDecode, verified[slot]).tokens  # `verify` checked the kind
+            ks[slot], num_accepted[slot], steps[slot] = 0, 0, len(tokens)
             advance_steps(seq, len(tokens))
             seq.emit(tokens, max_seq_len)
-            continue
-        k = len(proposals[seq.slot_id].tokens) if seq.slot_id in proposals else 0
-        done[seq.slot_id] = k
-        advance(seq, k, results[seq.slot_id].num_accepted[0])
-        seq.emit(results[seq.slot_id].output_tokens[0], max_seq_len)
-    return RoundReport(
-        ks=done,
-        num_accepted={slot: results[slot].num_accepted[0] if slot in results else 0 for slot in done},
-        propose=Timed(None, proposed.compute_s, proposed.wall_s),
-        verify=Timed(None, verified.compute_s, verified.wall_s),
-        accept_s=accept_s,
-        total_s=time.perf_counter() - started,
-        draft_failed=draft_error is not None,
-        steps={slot: decoded.get(slot, 1) for slot in done},
-    )
+    return ks, num_accepted, steps
+
+
+async def propose_or_plain(
+    draft: DraftAPI | None, seqs: list[Sequence], plan: RoundPlan, deadlines: Deadlines
+) -> tuple[Timed[dict[str, Proposal]], bool]:
+    """The round's proposals, and whether Propose failed: the draft only ever speeds things
+    up, so without it the round is plain decoding (no proposals), with the very same output.
+    The next Propose then resends each whole sequence (valid_len 0), which rebuilds the
+    draft's cache whatever it kept."""
+    started = time.perf_counter()
+    try:
+        return await propose(draft, seqs, plan.ks, deadlines), False
+    except (grpc.aio.AioRpcError, ServiceStateError) as error:
+        reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else str(error)
+        log.warning("Propose failed (%s); this round decodes without speculation", reason)
+        for seq in seqs:
+            seq.draft_valid = 0
+        return Timed({}, 0.0, time.perf_counter() - started), True

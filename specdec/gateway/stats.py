@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdec.gateway.k_planner import OFF_REASONS
+from specdec.gateway.rounds import RoundReport
 from specdec.gateway.sequence import ROUND_PHASES, FinishReason, Sequence
-from specdec.gateway.speculative_step import RoundReport
 from specdec.stats import BATCH_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS, Distribution
 
 RPC_METHODS = ("Prefill", "Verify", "Propose")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import typing
 
 import torch
 
@@ -12,7 +13,21 @@ from specdec.model.threads import one_thread
 from specdec.sampling.rejection_sampler import draw_candidates, token_probs
 from specdec.sampling.transforms import chunk_logits_to_probs, logits_to_probs, pick_tokens, position_generator
 from specdec.serving.engine import ModelEngine
-from specdec.wire.items import Lease, PrefillItem, ScoredChunk, VerifiedChunk, VerifyItem
+from specdec.wire.items import (
+    ArgmaxMode,
+    DecodeMode,
+    Lease,
+    LogitsMode,
+    PrefillItem,
+    SampledMode,
+    ScoredChunk,
+    VerifiedArgmax,
+    VerifiedChunk,
+    VerifiedDecode,
+    VerifiedLogits,
+    VerifiedSampled,
+    VerifyItem,
+)
 
 
 class TargetEngine(ModelEngine):
@@ -41,18 +56,10 @@ class TargetEngine(ModelEngine):
         return [ScoredChunk(item.slot_id, row, len(self.tokens[item.slot_id])) for item, row in zip(items, logits)]
 
     def verify(self, items: list[VerifyItem], deadline: float | None = None) -> list[VerifiedChunk]:
-        """Roll each slot back to valid_len, then score [g, t1..tK] for all requests in ONE forward.
-
-        Row i of a result is the target's logits after tokens[0..i]: p_1..p_K judge the draft
-        tokens and p_{K+1} gives the bonus token. K = 0 is plain decoding. An `argmax_only`
-        item gets each row's argmax instead (`torch.argmax`: the lowest index among equal
-        maxima, the same as the gateway's argmax over the same logits). A plain item with
-        `sampling` gets the token those transforms choose (`_choose`); a speculative one (with
-        `draft_probs`) its K + 1 candidates and p_i(t_i) (`_candidates`). A multi-step item
-        (`decode_steps` n > 1) then decodes on by itself: n - 1 more one-token forwards, batched
-        across such items, each feeding the token chosen last; it gets all n tokens, or fewer
-        (at least one) when another step would not finish before `deadline` (a `time.monotonic`
-        instant: the call's own deadline).
+        """Roll each slot back to valid_len, then score [g, t1..tK] for all requests in ONE forward
+        and answer each item as its mode says (one method per mode). Row i of an item's logits is
+        the target's prediction after tokens[0..i]: p_1..p_K judge the draft tokens and p_{K+1}
+        gives the bonus token. `deadline` (a `time.monotonic` instant) bounds Decode items' steps.
         """
         self._check_batch([item.slot_id for item in items])
         for item in items:
@@ -61,131 +68,135 @@ class TargetEngine(ModelEngine):
         # all-or-nothing, so a capacity error leaves every slot at its valid prefix.
         for item in items:
             self._rollback(item.slot_id, item.valid_len)
-        logits = self._run([(item.slot_id, list(item.tokens)) for item in items], logits="all", prompt=False)  # [K+1, vocab] each
-        wanted = [rows.argmax(dim=-1) for item, rows in zip(items, logits) if item.argmax_only]  # [K+1] each
-        argmax = iter(torch.cat(wanted).tolist() if wanted else [])  # one device-to-host copy for the batch
-        chosen = {item.slot_id: list(itertools.islice(argmax, len(item.tokens))) for item in items if item.argmax_only}
-        sampled = [(item, rows) for item, rows in zip(items, logits) if item.sampling is not None and item.draft_probs is None]
-        if sampled:
-            picks = self._choose([item for item, _ in sampled], torch.cat([rows for _, rows in sampled]))
-            chosen.update({item.slot_id: [token] for (item, _), token in zip(sampled, picks)})
-        speculative = [(item, rows) for item, rows in zip(items, logits) if item.draft_probs is not None]
-        target_probs = self._candidates(speculative, chosen) if speculative else {}
-        if any(item.decode_steps > 1 for item in items):
-            try:
-                self._decode_on([item for item in items if item.decode_steps > 1], chosen, deadline)
-            except BaseException:
-                for item in items:
-                    self._rollback(item.slot_id, item.valid_len)
-                raise
+        rows = self._run([(item.slot_id, list(item.tokens)) for item in items], logits="all", prompt=False)
+        scored = list(zip(items, rows))  # rows: [K+1, vocab] each
+        try:
+            answers = {
+                **self._answer_logits([(i, r) for i, r in scored if isinstance(i.mode, LogitsMode)]),
+                **self._answer_argmax([(i, r) for i, r in scored if isinstance(i.mode, ArgmaxMode)]),
+                **self._answer_sampled([(i, r) for i, r in scored if isinstance(i.mode, SampledMode)]),
+                **self._answer_decode([(i, r) for i, r in scored if isinstance(i.mode, DecodeMode)], deadline),
+            }
+        except BaseException:
+            for item in items:
+                self._rollback(item.slot_id, item.valid_len)
+            raise
         if any(len(item.tokens) > 1 for item in items):
             self._hand_over()  # draft tokens were judged: the draft proposes next
-        return [
-            VerifiedChunk(item.slot_id, len(self.tokens[item.slot_id]), chosen=chosen[item.slot_id],
-                          target_probs=target_probs.get(item.slot_id))
-            if item.target_chooses
-            else VerifiedChunk(item.slot_id, len(self.tokens[item.slot_id]), logits=rows)
-            for item, rows in zip(items, logits)
-        ]
+        return [answers[item.slot_id] for item in items]
 
     def _check_verify_item(self, item: VerifyItem) -> None:
         self._check_rollback(item.slot_id, item.valid_len, "valid_len")
         if not item.tokens:
             raise InvalidArgumentError(f"tokens: slot {item.slot_id!r} sent no tokens (need [g, t1..tK])")
         k = len(item.tokens) - 1
-        if k > self.config.max_speculative_tokens:
+        limit = self.config.max_speculative_tokens
+        if k > limit:
             raise InvalidArgumentError(
-                f"tokens: slot {item.slot_id!r} sent K={k} draft tokens, above max_speculative_tokens {self.config.max_speculative_tokens}"
+                f"tokens: slot {item.slot_id!r} sent K={k} draft tokens, above max_speculative_tokens {limit}"
             )
         self._check_tokens("tokens", item.slot_id, item.tokens)
-        if item.sampling is not None and (item.argmax_only or (k > 0) != (item.draft_probs is not None)):
-            raise InvalidArgumentError(
-                f"sampling: slot {item.slot_id!r} asked the target to choose with its sampling params; that takes "
-                "draft_probs with draft tokens (K > 0) and none without, and excludes argmax_only"
-            )
-        if item.draft_probs is not None:
-            if item.sampling is None:
-                raise InvalidArgumentError(f"draft_probs: slot {item.slot_id!r} sent q without sampling params")
-            item.draft_probs.check_drafted(list(item.tokens[1:]), self.vocab_size, f"draft_probs of slot {item.slot_id!r}")
-        if item.decode_steps > 1:
-            if not item.target_chooses or k > 0:
-                raise InvalidArgumentError(
-                    f"decode_steps: slot {item.slot_id!r} asked for {item.decode_steps} steps; multi-step decoding "
-                    "needs a single token (K = 0) and argmax_only or sampling"
-                )
-            if item.decode_steps > self.config.max_speculative_tokens + 1:
-                raise InvalidArgumentError(
-                    f"decode_steps: {item.decode_steps} for slot {item.slot_id!r} is above max_speculative_tokens + 1 "
-                    f"= {self.config.max_speculative_tokens + 1}"
-                )
+        match item.mode:
+            case SampledMode(draft_probs=draft_probs):
+                if k == 0:
+                    raise InvalidArgumentError(f"mode: slot {item.slot_id!r} is sampled with no draft tokens")
+                draft_probs.check_drafted(list(item.tokens[1:]), self.vocab_size, f"draft_probs of slot {item.slot_id!r}")
+            case DecodeMode(steps=steps):
+                if k > 0:
+                    raise InvalidArgumentError(f"mode: slot {item.slot_id!r} decodes on after {k} draft tokens")
+                if not 1 <= steps <= limit + 1:
+                    raise InvalidArgumentError(
+                        f"steps: {steps} for slot {item.slot_id!r}, need 1 to max_speculative_tokens + 1 = {limit + 1}"
+                    )
         self._check_length(item.slot_id, item.cached_len_after)
 
+    def _answer_logits(self, scored: list[tuple[VerifyItem, torch.Tensor]]) -> dict[str, VerifiedChunk]:
+        return {item.slot_id: VerifiedLogits(item.slot_id, self._cached(item), rows) for item, rows in scored}
+
+    def _answer_argmax(self, scored: list[tuple[VerifyItem, torch.Tensor]]) -> dict[str, VerifiedChunk]:
+        """Each row's argmax (`torch.argmax`: the lowest index among equal maxima, as the
+        gateway's argmax over the same logits), with one device-to-host copy for the batch."""
+        if not scored:
+            return {}
+        best = iter(torch.cat([rows.argmax(dim=-1) for _, rows in scored]).tolist())
+        return {
+            item.slot_id: VerifiedArgmax(item.slot_id, self._cached(item), list(itertools.islice(best, len(item.tokens))))
+            for item, _ in scored
+        }
+
+    def _answer_sampled(self, scored: list[tuple[VerifyItem, torch.Tensor]]) -> dict[str, VerifiedChunk]:
+        """For each item and its logits [K + 1, vocab]: p, the logits with the item's transforms
+        (the repetition-penalty context growing through the draft tokens), the K + 1 candidates
+        (`rejection_sampler.draw_candidates`, each with the generator of its sequence position)
+        and p_i(t_i) [K]. One batch."""
+        if not scored:
+            return {}
+        modes = [typing.cast(SampledMode, item.mode) for item, _ in scored]
+        params = [mode.sampling for mode in modes]
+        k_max = max(len(item.tokens) for item, _ in scored) - 1
+        vocab = scored[0][1].shape[-1]
+        logits = scored[0][1].new_zeros(len(scored), k_max + 1, vocab)  # [S, K_max+1, vocab]
+        drafts = torch.zeros(len(scored), k_max, dtype=torch.int64, device=logits.device)  # [S, K_max], 0 past each K
+        for b, (item, rows) in enumerate(scored):
+            logits[b, : rows.shape[0]] = rows
+            drafts[b, : len(item.tokens) - 1] = torch.tensor(item.tokens[1:], device=logits.device)
+        q = torch.cat([m.draft_probs.distributions(vocab, extra_rows=1, device=logits.device) for m in modes])
+        # The context of row 0 is the slot's cached tokens up to and including g.
+        context = [self.tokens[item.slot_id][: item.valid_len + 1] for item, _ in scored]
+        with one_thread():  # a top-p sort on two threads stalls when another process holds a core
+            p = chunk_logits_to_probs(logits, params, context, [item.tokens[1:] for item, _ in scored])  # [S, K_max+1, vocab]
+            rows = torch.cat([p[b, : len(item.tokens)] for b, (item, _) in enumerate(scored)])  # [sum(K_b+1), vocab]
+            generators = [position_generator(params[b], item.valid_len + 1 + i, rows.device)
+                          for b, (item, _) in enumerate(scored) for i in range(len(item.tokens))]
+            candidates = iter(draw_candidates(rows, q, generators).tolist())  # [sum(K_b+1)]
+        p_drafts = token_probs(p, drafts).tolist()  # [S, K_max]
+        return {
+            item.slot_id: VerifiedSampled(item.slot_id, self._cached(item), list(itertools.islice(candidates, len(item.tokens))),
+                                          p_drafts[b][: len(item.tokens) - 1])
+            for b, (item, _) in enumerate(scored)
+        }
+
+    def _answer_decode(self, scored: list[tuple[VerifyItem, torch.Tensor]], deadline: float | None) -> dict[str, VerifiedChunk]:
+        """Plain decoding on the target: each item's first token from its verify row, then
+        one-token forwards batched across the items that want more, each feeding the token
+        chosen last, until every item has its `steps` tokens.
+
+        The steps only save calls, so they must never turn a slow call into a failed one: with
+        less than twice the slowest step so far left before `deadline`, decoding stops and
+        each item returns the tokens it has (its cached length says how many).
+        """
+        if not scored:
+            return {}
+        items = [item for item, _ in scored]
+        chosen = {item.slot_id: [token] for item, token in zip(items, self._choose(items, torch.cat([r for _, r in scored])))}
+        slowest = 0.0
+        for step in range(1, max(typing.cast(DecodeMode, item.mode).steps for item in items)):
+            if deadline is not None and time.monotonic() + 2 * slowest > deadline:
+                break
+            started = time.monotonic()
+            active = [item for item in items if typing.cast(DecodeMode, item.mode).steps > step]
+            rows = self._run([(item.slot_id, [chosen[item.slot_id][-1]]) for item in active], logits="last", prompt=False)
+            for item, token in zip(active, self._choose(active, torch.stack(rows))):  # rows: [vocab] each
+                chosen[item.slot_id].append(token)
+            slowest = max(slowest, time.monotonic() - started)
+        return {item.slot_id: VerifiedDecode(item.slot_id, self._cached(item), chosen[item.slot_id]) for item in items}
+
     def _choose(self, items: list[VerifyItem], rows: torch.Tensor) -> list[int]:
-        """The next token of each item from its last logits row (`rows` [n, vocab]): the argmax
-        for `argmax_only`, else `sampling`'s transforms over the slot's cached tokens, then the
-        argmax or a draw, with the draw's `position_generator` (a seed per sequence position)."""
+        """The next token of each Decode item from its last logits row (`rows` [n, vocab]): the
+        raw argmax without sampling params, else the transforms over the slot's cached tokens,
+        then the argmax or a draw with `position_generator` (a seed per sequence position)."""
         tokens = rows.argmax(dim=-1)  # [n]
-        sampled = [(n, item.sampling) for n, item in enumerate(items) if item.sampling is not None]
+        modes = [typing.cast(DecodeMode, item.mode) for item in items]
+        sampled = [(n, mode.sampling) for n, mode in enumerate(modes) if mode.sampling is not None]
         if sampled:
             params = [p for _, p in sampled]
             context = [self.tokens[items[n].slot_id] for n, _ in sampled]
             index = torch.tensor([n for n, _ in sampled], device=rows.device)  # [s]
             generators = [position_generator(p, len(c), rows.device) for p, c in zip(params, context)]
-            with one_thread():  # a top-p sort on two threads stalls for ~100 ms when another process holds a core
+            with one_thread():  # as in `_answer_sampled`
                 probs = logits_to_probs(rows.index_select(0, index), params, context)  # [s, vocab]
                 tokens = tokens.index_copy(0, index, pick_tokens(probs, params, generators))
         return tokens.tolist()  # one host sync a step
 
-    def _candidates(self, items: list[tuple[VerifyItem, torch.Tensor]], chosen: dict[str, list[int]]) -> dict[str, list[float]]:
-        """For each sampled speculative item and its logits [K + 1, vocab]: p, the logits with
-        the item's transforms (the repetition-penalty context growing through the draft
-        tokens); its K + 1 candidates into `chosen` (`rejection_sampler.draw_candidates`, each
-        with the generator of its sequence position); and p_i(t_i) [K], returned. One batch."""
-        k_max = max(len(item.tokens) for item, _ in items) - 1
-        vocab = items[0][1].shape[-1]
-        logits = items[0][1].new_zeros(len(items), k_max + 1, vocab)  # [S, K_max+1, vocab]
-        drafts = torch.zeros(len(items), k_max, dtype=torch.int64, device=logits.device)  # [S, K_max], 0 past each K
-        q, params = [], []
-        for b, (item, item_logits) in enumerate(items):
-            assert item.sampling is not None and item.draft_probs is not None  # a sampled speculative item
-            logits[b, : item_logits.shape[0]] = item_logits
-            drafts[b, : len(item.tokens) - 1] = torch.tensor(item.tokens[1:], device=logits.device)
-            q.append(item.draft_probs.distributions(vocab, extra_rows=1, device=logits.device))  # [K_b+1, vocab]
-            params.append(item.sampling)
-        # The context of row 0 is the slot's cached tokens up to and including g.
-        context = [self.tokens[item.slot_id][: item.valid_len + 1] for item, _ in items]
-        with one_thread():  # as in `_choose`
-            p = chunk_logits_to_probs(logits, params, context, [item.tokens[1:] for item, _ in items])  # [S, K_max+1, vocab]
-            rows = torch.cat([p[b, : len(item.tokens)] for b, (item, _) in enumerate(items)])  # [sum(K_b+1), vocab]
-            generators = [position_generator(params[b], item.valid_len + 1 + i, rows.device)
-                          for b, (item, _) in enumerate(items) for i in range(len(item.tokens))]
-            candidates = draw_candidates(rows, torch.cat(q), generators).tolist()  # [sum(K_b+1)]
-        p_drafts = token_probs(p, drafts).tolist()  # [S, K_max]
-        out = {}
-        for b, (item, _) in enumerate(items):
-            k = len(item.tokens) - 1
-            chosen[item.slot_id] = candidates[:k + 1]
-            candidates = candidates[k + 1:]
-            out[item.slot_id] = p_drafts[b][:k]
-        return out
-
-    def _decode_on(self, items: list[VerifyItem], chosen: dict[str, list[int]], deadline: float | None) -> None:
-        """Steps after the verify forward until each item has `decode_steps` tokens in `chosen`;
-        step j feeds every item that still needs a token the one chosen last.
-
-        Multi-step only saves calls, so it must never turn a slow call into a failed one: with
-        less than twice the slowest step so far left before `deadline`, it stops, and each
-        item returns the tokens it has (its cached length says so). Measured on 2 cores while
-        a draft service restarted beside the target: 4-step Verify calls of 8 requests took
-        up to 9-10 s against 0.1-0.7 s before, and one overran the gateway's 10 s deadline.
-        """
-        slowest = 0.0
-        for step in range(1, max(item.decode_steps for item in items)):
-            if deadline is not None and time.monotonic() + 2 * slowest > deadline:
-                return
-            started = time.monotonic()
-            active = [item for item in items if item.decode_steps > step]
-            rows = self._run([(item.slot_id, [chosen[item.slot_id][-1]]) for item in active], logits="last", prompt=False)  # [vocab] each
-            for item, token in zip(active, self._choose(active, torch.stack(rows))):
-                chosen[item.slot_id].append(token)
-            slowest = max(slowest, time.monotonic() - started)
+    def _cached(self, item: VerifyItem) -> int:
+        return len(self.tokens[item.slot_id])

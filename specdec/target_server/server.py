@@ -15,7 +15,7 @@ from specdec.serving.model_service import SlotServicer, start_model_service
 from specdec.target_server.config import TargetConfig
 from specdec.target_server.engine import TargetEngine
 from specdec.v1 import target_pb2, target_pb2_grpc
-from specdec.wire.items import Lease, PrefillItem, VerifyItem
+from specdec.wire.items import Lease, PrefillItem, VerifyItem, verified_to_pb
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
@@ -57,7 +57,7 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
         deadline = time.monotonic() + remaining if remaining is not None else None
         results, compute_s = await self.worker.run_timed(self.engine.verify, items, deadline)
         self.stats.record_work("Verify", compute_s, len(items), sum(len(i.tokens) for i in items))
-        return target_pb2.VerifyResponse(results=[r.to_pb() for r in results], compute_s=compute_s)
+        return target_pb2.VerifyResponse(results=[verified_to_pb(r) for r in results], compute_s=compute_s)
 
 
 async def create_server(config: TargetConfig, engine: TargetEngine | None = None) -> RunningServer:

@@ -1,7 +1,8 @@
 """Domain forms of everything the model-service rpcs carry, each with `to_pb` / `from_pb`.
 
-Requests (`PrefillItem`, `VerifyItem`, `ProposeItem`), results (`ScoredChunk` for Prefill,
-`VerifiedChunk` for Verify, `Proposal` for Propose) and `ModelInfo`. The services validate and execute
+Requests (`PrefillItem`, `VerifyItem` with its `VerifyMode`, `ProposeItem`), results
+(`ScoredChunk` for Prefill, a `VerifiedChunk` per mode for Verify, `Proposal` for Propose)
+and `ModelInfo`. The services validate and execute
 these; the gateway builds the requests and reads the results. Generated protobuf classes
 are touched here and nowhere else, so each servicer handler and each client call is a
 conversion in, one engine call, a conversion out.
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.cost_model import ForwardCost
+from specdec.errors import InvalidArgumentError, ServiceStateError
 from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.sparse_probs import SparseRows
@@ -92,53 +94,92 @@ class PrefillItem:
 
 
 @dataclass(frozen=True)
+class LogitsMode:
+    """Return the raw logits [K + 1, vocab]: the gateway transforms them itself."""
+
+
+@dataclass(frozen=True)
+class ArgmaxMode:
+    """Return each row's argmax [K + 1]: a greedy request whose logits need no transform."""
+
+
+@dataclass(frozen=True)
+class SampledMode:
+    """A sampled speculative item (K >= 1): the target returns the K + 1 candidates and
+    p_i(t_i) that the gateway's acceptance needs, drawn with `sampling`'s transforms."""
+
+    sampling: SamplingParams
+    draft_probs: SparseRows  # q_1..q_K as the draft sent them
+
+
+@dataclass(frozen=True)
+class DecodeMode:
+    """Plain decoding on the target (tokens = [g]): `steps` one-token forwards, each feeding the
+    token chosen last: `sampling`'s choice, or the raw argmax when None."""
+
+    steps: int = 1
+    sampling: SamplingParams | None = None
+
+
+#: How the target answers a Verify item; each mode is one code path on the target.
+VerifyMode = LogitsMode | ArgmaxMode | SampledMode | DecodeMode
+
+
+def verify_mode_to_pb(mode: VerifyMode) -> target_pb2.VerifyMode:
+    match mode:
+        case LogitsMode():
+            return target_pb2.VerifyMode(logits=target_pb2.VerifyMode.Logits())
+        case ArgmaxMode():
+            return target_pb2.VerifyMode(argmax=target_pb2.VerifyMode.Argmax())
+        case SampledMode(sampling, draft_probs):
+            sampled = target_pb2.VerifyMode.Sampled(sampling=sampling_to_pb(sampling), draft_probs=sparse_to_pb(draft_probs))
+            return target_pb2.VerifyMode(sampled=sampled)
+        case DecodeMode(steps, sampling):
+            decode = target_pb2.VerifyMode.Decode(steps=steps, sampling=sampling_to_pb(sampling) if sampling else None)
+            return target_pb2.VerifyMode(decode=decode)
+
+
+def verify_mode_from_pb(message: target_pb2.VerifyMode) -> VerifyMode:
+    match message.WhichOneof("mode"):
+        case "logits" | None:
+            return LogitsMode()
+        case "argmax":
+            return ArgmaxMode()
+        case "sampled":
+            sampled = message.sampled
+            return SampledMode(sampling_from_pb(sampled.sampling), sparse_from_pb(sampled.draft_probs))
+        case "decode":
+            decode = message.decode
+            sampling = sampling_from_pb(decode.sampling) if decode.HasField("sampling") else None
+            return DecodeMode(decode.steps, sampling)
+    raise InvalidArgumentError(f"mode: unknown Verify mode {message.WhichOneof('mode')!r}")
+
+
+@dataclass(frozen=True)
 class VerifyItem:
-    """Target Verify: roll back to `valid_len`, then score `tokens` = [g, t1 .. tK]."""
+    """Target Verify: roll back to `valid_len`, then score `tokens` = [g, t1 .. tK] and answer
+    as `mode` says."""
 
     slot_id: str
     valid_len: int
     tokens: list[int]
-    #: Return each row's argmax instead of its logits (a greedy request with untransformed logits).
-    argmax_only: bool = False
-    #: Tokens a plain item (tokens = [g]) that has the target choose decodes in this call,
-    #: each step feeding the token chosen last (multi-step plain decoding); 1 is one step.
-    decode_steps: int = 1
-    #: Have the target choose a plain item's tokens with these transforms: argmax or a draw
-    #: (target-side plain decoding; see the proto for the per-position seeds). With
-    #: `draft_probs`, a sampled speculative item: the target returns the K + 1 candidates and
-    #: p_i(t_i) (`VerifiedChunk.target_probs`) that the gateway's acceptance needs.
-    sampling: SamplingParams | None = None
-    #: q_1..q_K as the draft sent them; only with `sampling`.
-    draft_probs: SparseRows | None = None
-
-    @property
-    def target_chooses(self) -> bool:
-        """Whether the target returns chosen tokens, not logits, for this item."""
-        return self.argmax_only or self.sampling is not None
+    mode: VerifyMode = LogitsMode()
 
     @property
     def cached_len_after(self) -> int:
-        """Tokens the slot holds after this item: valid_len + K + 1, or, multi-step, the
-        pending token and all but the last of the decoded ones (if the target took every
-        step: it may stop early near the call's deadline)."""
-        return self.valid_len + max(len(self.tokens), self.decode_steps)
+        """Tokens the slot holds after this item: valid_len + K + 1, or for a Decode item g and
+        all but the last decoded token (if it took every step: it may stop early)."""
+        steps = self.mode.steps if isinstance(self.mode, DecodeMode) else 1
+        return self.valid_len + max(len(self.tokens), steps)
 
     def to_pb(self) -> target_pb2.VerifyItem:
         return target_pb2.VerifyItem(
-            slot_id=self.slot_id, valid_len=self.valid_len, tokens=self.tokens, argmax_only=self.argmax_only,
-            decode_steps=self.decode_steps if self.decode_steps > 1 else 0,
-            sampling=sampling_to_pb(self.sampling) if self.sampling is not None else None,
-            draft_probs=sparse_to_pb(self.draft_probs) if self.draft_probs is not None else None,
+            slot_id=self.slot_id, valid_len=self.valid_len, tokens=self.tokens, mode=verify_mode_to_pb(self.mode)
         )
 
     @classmethod
     def from_pb(cls, message: target_pb2.VerifyItem) -> VerifyItem:
-        sampling = sampling_from_pb(message.sampling) if message.HasField("sampling") else None
-        draft_probs = sparse_from_pb(message.draft_probs) if message.HasField("draft_probs") else None
-        return cls(
-            message.slot_id, message.valid_len, list(message.tokens), message.argmax_only, max(1, message.decode_steps),
-            sampling, draft_probs,
-        )
+        return cls(message.slot_id, message.valid_len, list(message.tokens), verify_mode_from_pb(message.mode))
 
 
 @dataclass(frozen=True)
@@ -185,36 +226,74 @@ class ScoredChunk:
 
 
 @dataclass(frozen=True)
-class VerifiedChunk:
-    """What the target returns per request from Verify: the raw logits [K + 1, vocab], or, for
-    an item that has the target choose (`VerifyItem.target_chooses`), only the tokens: each
-    row's argmax [K + 1], or the [decode_steps] tokens a plain item decoded (a few bytes
-    instead of 196 KB a row for a 49,152-token vocabulary in fp32)."""
+class VerifiedLogits:
+    """A `LogitsMode` item's answer."""
 
     slot_id: str
     cached_len: int
-    logits: torch.Tensor | None = None  # [K + 1, vocab]; raw, at compute precision
-    chosen: list[int] | None = None  # [K + 1], or [decode_steps]
-    #: A sampled speculative item's p_i(t_i) [K] (its `chosen` are the K + 1 candidates).
-    target_probs: list[float] | None = None
+    logits: torch.Tensor  # [K + 1, vocab]; raw, at compute precision
 
-    def __post_init__(self) -> None:
-        if (self.logits is None) == (self.chosen is None):
-            raise ValueError(f"slot {self.slot_id!r}: a verify result carries either logits or chosen tokens")
 
-    def to_pb(self) -> target_pb2.VerifyResult:
-        if self.logits is None:
-            return target_pb2.VerifyResult(
-                slot_id=self.slot_id, cached_len=self.cached_len, chosen_tokens=self.chosen, target_probs=self.target_probs
-            )
-        return target_pb2.VerifyResult(slot_id=self.slot_id, cached_len=self.cached_len, logits=encode_tensor(self.logits))
+@dataclass(frozen=True)
+class VerifiedArgmax:
+    """An `ArgmaxMode` item's answer."""
 
-    @classmethod
-    def from_pb(cls, message: target_pb2.VerifyResult) -> VerifiedChunk:
-        if message.HasField("logits"):
-            return cls(message.slot_id, message.cached_len, logits=decode_tensor(message.logits))
-        return cls(message.slot_id, message.cached_len, chosen=list(message.chosen_tokens),
-                   target_probs=list(message.target_probs) or None)
+    slot_id: str
+    cached_len: int
+    tokens: list[int]  # [K + 1]
+
+
+@dataclass(frozen=True)
+class VerifiedSampled:
+    """A `SampledMode` item's answer."""
+
+    slot_id: str
+    cached_len: int
+    candidates: list[int]  # [K + 1]: the token the round emits if it stops at each position
+    target_probs: list[float]  # [K]: p_i(t_i)
+
+
+@dataclass(frozen=True)
+class VerifiedDecode:
+    """A `DecodeMode` item's answer."""
+
+    slot_id: str
+    cached_len: int
+    tokens: list[int]  # [1..steps]
+
+
+#: What the target returns per Verify item: the answer of the item's mode.
+VerifiedChunk = VerifiedLogits | VerifiedArgmax | VerifiedSampled | VerifiedDecode
+
+
+def verified_to_pb(chunk: VerifiedChunk) -> target_pb2.VerifyResult:
+    result = target_pb2.VerifyResult(slot_id=chunk.slot_id, cached_len=chunk.cached_len)
+    match chunk:
+        case VerifiedLogits(logits=logits):
+            result.logits.CopyFrom(encode_tensor(logits))
+        case VerifiedArgmax(tokens=tokens):
+            result.argmax.ids.extend(tokens)
+        case VerifiedSampled(candidates=candidates, target_probs=target_probs):
+            result.sampled.candidates.extend(candidates)
+            result.sampled.target_probs.extend(target_probs)
+        case VerifiedDecode(tokens=tokens):
+            result.decoded.ids.extend(tokens)
+    return result
+
+
+def verified_from_pb(message: target_pb2.VerifyResult) -> VerifiedChunk:
+    slot_id, cached_len = message.slot_id, message.cached_len
+    match message.WhichOneof("answer"):
+        case "logits":
+            return VerifiedLogits(slot_id, cached_len, decode_tensor(message.logits))
+        case "argmax":
+            return VerifiedArgmax(slot_id, cached_len, list(message.argmax.ids))
+        case "sampled":
+            return VerifiedSampled(slot_id, cached_len, list(message.sampled.candidates),
+                                   list(message.sampled.target_probs))
+        case "decoded":
+            return VerifiedDecode(slot_id, cached_len, list(message.decoded.ids))
+    raise ServiceStateError(f"the target sent no answer for slot {slot_id!r}")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import time
+import typing
 from collections.abc import Iterator
 
 import grpc
@@ -21,7 +22,7 @@ from specdec.target_server.config import TargetConfig
 from specdec.target_server.engine import TargetEngine
 from specdec.target_server.server import create_server as create_target_server
 from specdec.v1 import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
-from specdec.wire.items import Lease, PrefillItem, ProposeItem, VerifyItem
+from specdec.wire.items import ArgmaxMode, DecodeMode, Lease, PrefillItem, ProposeItem, VerifiedArgmax, VerifyItem
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
 from tests.support.services import SMALL_POOL, LoopThread, Service
 
@@ -39,7 +40,8 @@ def _prefill(service: Service, slots: list[str], prompt: list[int]) -> None:
 
 
 def _verify_request(slot: str, valid_len: int, tokens: list[int]) -> target_pb2.VerifyRequest:
-    item = target_pb2.VerifyItem(slot_id=slot, valid_len=valid_len, tokens=tokens, argmax_only=True)
+    mode = target_pb2.VerifyMode(argmax=target_pb2.VerifyMode.Argmax())
+    item = target_pb2.VerifyItem(slot_id=slot, valid_len=valid_len, tokens=tokens, mode=mode)
     return target_pb2.VerifyRequest(items=[item])
 
 
@@ -55,7 +57,7 @@ def test_verify_stream_answers_each_request_in_order_as_verify_does(target: Serv
     unary = [target.stub.Verify(_verify_request("unary", v, t)) for v, t in _chunks(prompt)]
     assert len(streamed) == 3
     for got, expected in zip(streamed, unary):
-        assert list(got.results[0].chosen_tokens) == list(expected.results[0].chosen_tokens)
+        assert list(got.results[0].argmax.ids) == list(expected.results[0].argmax.ids)
         assert got.results[0].cached_len == expected.results[0].cached_len
         assert got.compute_s > 0
 
@@ -151,9 +153,9 @@ def test_streamed_verify_keeps_one_stream_and_gets_the_unary_answers(
     client, draft_client = _clients(service_loop, target.port, draft.port)
     assert draft_client is not None
     try:
-        answers = [service_loop.run(client.verify([VerifyItem("a", v, t, argmax_only=True)], 30.0)) for v, t in _chunks(prompt)]
+        answers = [service_loop.run(client.verify([VerifyItem("a", v, t, ArgmaxMode())], 30.0)) for v, t in _chunks(prompt)]
         expected = [target.stub.Verify(_verify_request("b", v, t)).results[0] for v, t in _chunks(prompt)]
-        assert [a.value["a"].chosen for a in answers] == [list(e.chosen_tokens) for e in expected]
+        assert [typing.cast(VerifiedArgmax, a.value["a"]).tokens for a in answers] == [list(e.argmax.ids) for e in expected]
         assert all(a.compute_s > 0 and a.wall_s > a.compute_s for a in answers)
         stream = client._verify._call  # type: ignore[attr-defined]
         assert stream is not None and not stream.done()  # the same stream carried all three
@@ -173,11 +175,11 @@ def test_an_abandoned_exchange_never_answers_the_next_request(
     _prefill(target, ["slow", "next"], prompt)
     client, _ = _clients(service_loop, target.port)
     try:
-        slow = [VerifyItem("slow", len(prompt), [5], argmax_only=True, decode_steps=9)]
+        slow = [VerifyItem("slow", len(prompt), [5], DecodeMode(9))]
         with pytest.raises(grpc.aio.AioRpcError) as error:
             service_loop.run(client.verify(slow, 0.001))
         assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        answer = service_loop.run(client.verify([VerifyItem("next", len(prompt), [11, 12], argmax_only=True)], 30.0))
+        answer = service_loop.run(client.verify([VerifyItem("next", len(prompt), [11, 12], ArgmaxMode())], 30.0))
         assert list(answer.value) == ["next"]
         assert answer.value["next"].cached_len == len(prompt) + 2
     finally:
@@ -191,9 +193,9 @@ def test_a_service_error_fails_the_exchange_with_its_status_and_the_next_one_wor
     client, _ = _clients(service_loop, target.port)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as error:
-            service_loop.run(client.verify([VerifyItem("unknown", 0, [5], argmax_only=True)], 30.0))
+            service_loop.run(client.verify([VerifyItem("unknown", 0, [5], ArgmaxMode())], 30.0))
         assert error.value.code() == grpc.StatusCode.NOT_FOUND
-        answer = service_loop.run(client.verify([VerifyItem("known", len(prompt), [5], argmax_only=True)], 30.0))
+        answer = service_loop.run(client.verify([VerifyItem("known", len(prompt), [5], ArgmaxMode())], 30.0))
         assert answer.value["known"].cached_len == len(prompt) + 1
     finally:
         _close(service_loop, client)
@@ -205,7 +207,7 @@ def test_overlapping_exchanges_are_both_answered(service_loop: LoopThread, targe
     client, _ = _clients(service_loop, target.port)
 
     async def both() -> list[int]:
-        calls = [client.verify([VerifyItem(slot, len(prompt), [5, 6], argmax_only=True)], 30.0) for slot in ("x", "y")]
+        calls = [client.verify([VerifyItem(slot, len(prompt), [5, 6], ArgmaxMode())], 30.0) for slot in ("x", "y")]
         answers = await asyncio.gather(*calls)
         return [a.value[slot].cached_len for a, slot in zip(answers, ("x", "y"))]
 
@@ -223,10 +225,10 @@ def test_a_stopped_service_fails_the_next_exchange_as_unavailable(
     client, _ = _clients(service_loop, server.port)
     try:
         service_loop.run(client.prefill([PrefillItem("s", prompt)], 30.0))
-        service_loop.run(client.verify([VerifyItem("s", len(prompt), [5], argmax_only=True)], 30.0))
+        service_loop.run(client.verify([VerifyItem("s", len(prompt), [5], ArgmaxMode())], 30.0))
         service_loop.run(server.stop(grace=5.0))
         with pytest.raises(grpc.aio.AioRpcError) as error:
-            service_loop.run(client.verify([VerifyItem("s", len(prompt) + 1, [6], argmax_only=True)], 5.0))
+            service_loop.run(client.verify([VerifyItem("s", len(prompt) + 1, [6], ArgmaxMode())], 5.0))
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         _close(service_loop, client)

@@ -23,7 +23,7 @@ from specdec.sampling.sparse_probs import SparseRows
 from specdec.sampling.transforms import chunk_logits_to_probs, logits_to_probs, make_generator, pick_tokens
 from specdec.target_server.server import SERVICE_NAME
 from specdec.v1 import common_pb2, target_pb2
-from specdec.wire.items import VerifyItem, sampling_from_pb, sparse_from_pb, sparse_to_pb
+from specdec.wire.items import DecodeMode, VerifiedDecode, VerifyItem, sampling_from_pb, sparse_from_pb, sparse_to_pb
 from specdec.wire.tensor_codec import decode_tensor, encode_tensor
 from tests.support.services import Service, greedy_continuation, reference_logits, rpc_error
 
@@ -136,28 +136,37 @@ def test_verify_logits_match_in_process_forward(
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
-def test_argmax_only_items_get_each_rows_argmax_and_no_logits(
-    target: Service, prompts: list[list[int]]
-) -> None:
-    """In one batch, an argmax_only item gets the argmax of exactly the logits a full item at
-    the same position gets, and no logits; the full item is unchanged by its neighbour."""
+ARGMAX = target_pb2.VerifyMode(argmax=target_pb2.VerifyMode.Argmax())
+
+
+def decode_mode(steps: int, sampling: common_pb2.SamplingParams | None = None) -> target_pb2.VerifyMode:
+    return target_pb2.VerifyMode(decode=target_pb2.VerifyMode.Decode(steps=steps, sampling=sampling))
+
+
+def sampled_mode(sampling: common_pb2.SamplingParams, q: common_pb2.SparseProbs) -> target_pb2.VerifyMode:
+    return target_pb2.VerifyMode(sampled=target_pb2.VerifyMode.Sampled(sampling=sampling, draft_probs=q))
+
+
+def test_argmax_items_get_each_rows_argmax_and_no_logits(target: Service, prompts: list[list[int]]) -> None:
+    """In one batch, an Argmax item gets the argmax of exactly the logits a Logits item at
+    the same position gets, and no logits; the Logits item is unchanged by its neighbour."""
     prefill(target, {"full": prompts[0], "ids": prompts[0]})
     chunk = [11, 300, 301, 302]
     n = len(prompts[0])
     response = target.stub.Verify(target_pb2.VerifyRequest(items=[
         target_pb2.VerifyItem(slot_id="full", valid_len=n, tokens=chunk),
-        target_pb2.VerifyItem(slot_id="ids", valid_len=n, tokens=chunk, argmax_only=True),
+        target_pb2.VerifyItem(slot_id="ids", valid_len=n, tokens=chunk, mode=ARGMAX),
     ]))
     full, ids = response.results
-    assert ids.cached_len == n + len(chunk) and not ids.HasField("logits")
-    assert list(ids.chosen_tokens) == decode_tensor(full.logits).argmax(dim=-1).tolist()
+    assert ids.cached_len == n + len(chunk) and ids.WhichOneof("answer") == "argmax"
+    assert list(ids.argmax.ids) == decode_tensor(full.logits).argmax(dim=-1).tolist()
 
 
-def test_multi_step_items_decode_greedily_as_one_step_calls_would(
+def test_decode_items_decode_greedily_as_one_step_calls_would(
     target: Service, smollm2: LoadedModel, prompts: list[list[int]]
 ) -> None:
-    """decode_steps n: the n tokens and the cache of n one-token argmax calls, batched with
-    an ordinary item and a shorter multi-step one; the ordinary item is unchanged by them."""
+    """A Decode item of n steps: the n tokens and the cache of n one-token argmax calls, batched
+    with a Logits item and a shorter Decode item; the Logits item is unchanged by them."""
     prompt = prompts[1]
     n = len(prompt)
     prefill(target, {"one": prompt, "multi": prompt, "short": prompt, "plain": prompt})
@@ -165,18 +174,18 @@ def test_multi_step_items_decode_greedily_as_one_step_calls_would(
     expected, tokens = [], [g]
     for step in range(5):  # one argmax step a call
         result = target.stub.Verify(target_pb2.VerifyRequest(items=[
-            target_pb2.VerifyItem(slot_id="one", valid_len=n + step, tokens=tokens[-1:], argmax_only=True),
+            target_pb2.VerifyItem(slot_id="one", valid_len=n + step, tokens=tokens[-1:], mode=ARGMAX),
         ])).results[0]
-        expected.append(result.chosen_tokens[0])
-        tokens.append(result.chosen_tokens[0])
+        expected.append(result.argmax.ids[0])
+        tokens.append(result.argmax.ids[0])
     response = target.stub.Verify(target_pb2.VerifyRequest(items=[
-        target_pb2.VerifyItem(slot_id="multi", valid_len=n, tokens=[g], argmax_only=True, decode_steps=5),
-        target_pb2.VerifyItem(slot_id="short", valid_len=n, tokens=[g], argmax_only=True, decode_steps=2),
+        target_pb2.VerifyItem(slot_id="multi", valid_len=n, tokens=[g], mode=decode_mode(5)),
+        target_pb2.VerifyItem(slot_id="short", valid_len=n, tokens=[g], mode=decode_mode(2)),
         target_pb2.VerifyItem(slot_id="plain", valid_len=n, tokens=[g, 20, 21]),
     ]))
     multi, short, plain = response.results
-    assert list(multi.chosen_tokens) == expected and multi.cached_len == n + 5
-    assert list(short.chosen_tokens) == expected[:2] and short.cached_len == n + 2
+    assert list(multi.decoded.ids) == expected and multi.cached_len == n + 5
+    assert list(short.decoded.ids) == expected[:2] and short.cached_len == n + 2
     assert plain.cached_len == n + 3
     torch.testing.assert_close(decode_tensor(plain.logits), reference_logits(smollm2, prompt + [g, 20, 21])[n:], atol=ATOL, rtol=0)
     # The cache holds g and the first four decoded tokens: the next position scores as after them.
@@ -184,10 +193,10 @@ def test_multi_step_items_decode_greedily_as_one_step_calls_would(
     torch.testing.assert_close(after, reference_logits(smollm2, prompt + [g, *expected])[n + 5 :], atol=ATOL, rtol=0)
 
 
-def test_sampled_plain_items_choose_with_their_transforms_and_a_seed_per_position(
+def test_sampled_decode_items_choose_with_their_transforms_and_a_seed_per_position(
     target: Service, smollm2: LoadedModel, prompts: list[list[int]]
 ) -> None:
-    """A plain item with sampling params gets tokens, not logits: at each position the
+    """A Decode item with sampling params gets tokens, not logits: at each position the
     transforms over the cached tokens, then a draw seeded from (seed, position), or the
     argmax at temperature 0. So five steps in one call equal five one-step calls, and each
     token is the reference model's choice at its position."""
@@ -197,19 +206,19 @@ def test_sampled_plain_items_choose_with_their_transforms_and_a_seed_per_positio
     penalised = common_pb2.SamplingParams(repetition_penalty=3.0)  # greedy, with a penalty
     prefill(target, {"multi": prompt, "one": prompt, "greedy": prompt})
     response = target.stub.Verify(target_pb2.VerifyRequest(items=[
-        target_pb2.VerifyItem(slot_id="multi", valid_len=n, tokens=[g], decode_steps=5, sampling=sampled),
-        target_pb2.VerifyItem(slot_id="greedy", valid_len=n, tokens=[g], decode_steps=4, sampling=penalised),
+        target_pb2.VerifyItem(slot_id="multi", valid_len=n, tokens=[g], mode=decode_mode(5, sampled)),
+        target_pb2.VerifyItem(slot_id="greedy", valid_len=n, tokens=[g], mode=decode_mode(4, penalised)),
     ]))
     multi, greedy = response.results
-    assert not multi.HasField("logits") and multi.cached_len == n + 5 and greedy.cached_len == n + 4
+    assert multi.WhichOneof("answer") == "decoded" and multi.cached_len == n + 5 and greedy.cached_len == n + 4
     one_step = []
     for step in range(5):
         result = target.stub.Verify(target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
-            slot_id="one", valid_len=n + step, tokens=[([g] + one_step)[-1]], sampling=sampled,
+            slot_id="one", valid_len=n + step, tokens=[([g] + one_step)[-1]], mode=decode_mode(1, sampled),
         )])).results[0]
-        one_step.extend(result.chosen_tokens)
-    assert list(multi.chosen_tokens) == one_step
-    for params, chosen in ((sampled, list(multi.chosen_tokens)), (penalised, list(greedy.chosen_tokens))):
+        one_step.extend(result.decoded.ids)
+    assert list(multi.decoded.ids) == one_step
+    for params, chosen in ((sampled, list(multi.decoded.ids)), (penalised, list(greedy.decoded.ids))):
         request = sampling_from_pb(params)
         context = prompt + [g]
         for token in chosen:
@@ -218,7 +227,7 @@ def test_sampled_plain_items_choose_with_their_transforms_and_a_seed_per_positio
             generator = None if seed is None else make_generator(seed, "cpu")
             assert token == int(pick_tokens(probs, [request], [generator])[0]), (params, context[n:])
             context.append(token)
-    assert len(set(greedy.chosen_tokens)) == len(greedy.chosen_tokens)  # the penalty steers away from repeats
+    assert len(set(greedy.decoded.ids)) == len(greedy.decoded.ids)  # the penalty steers away from repeats
 
 
 def sparse_q(rows: list[dict[int, float]]) -> common_pb2.SparseProbs:
@@ -231,7 +240,7 @@ def sparse_q(rows: list[dict[int, float]]) -> common_pb2.SparseProbs:
 def test_sampled_speculative_items_get_candidates_and_p_at_the_draft_tokens(
     target: Service, smollm2: LoadedModel, prompts: list[list[int]]
 ) -> None:
-    """A speculative item with sampling params and q gets, instead of logits, p_i(t_i) for
+    """A Sampled item (sampling params and q) gets, instead of logits, p_i(t_i) for
     its K draft tokens and K + 1 candidates: draws from norm(max(0, p_i - q_i)) and from
     p_{K+1}, each seeded from (seed, position), p carrying the transforms with the
     repetition-penalty context growing through the draft. Checked against the reference
@@ -244,13 +253,14 @@ def test_sampled_speculative_items_get_candidates_and_p_at_the_draft_tokens(
     params = common_pb2.SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.2, seed=11)
     prefill(target, {"a": prompt, "b": prompt})
     request = target_pb2.VerifyRequest(items=[
-        target_pb2.VerifyItem(slot_id=slot, valid_len=n, tokens=[g, *drafts], sampling=params, draft_probs=sparse_q(rows))
+        target_pb2.VerifyItem(slot_id=slot, valid_len=n, tokens=[g, *drafts], mode=sampled_mode(params, sparse_q(rows)))
         for slot in ("a", "b")
     ])
-    a, b = target.stub.Verify(request).results
-    assert not a.HasField("logits") and a.cached_len == n + 4
-    assert len(a.chosen_tokens) == 4 and len(a.target_probs) == 3
-    assert list(a.chosen_tokens) == list(b.chosen_tokens)
+    results = target.stub.Verify(request).results
+    assert [r.cached_len for r in results] == [n + 4, n + 4]
+    a, b = (result.sampled for result in results)
+    assert len(a.candidates) == 4 and len(a.target_probs) == 3
+    assert list(a.candidates) == list(b.candidates)
     torch.testing.assert_close(list(a.target_probs), list(b.target_probs), atol=1e-5, rtol=1e-4)  # batched rows: another sum order
     assert max(a.target_probs) > 0.1
 
@@ -260,22 +270,22 @@ def test_sampled_speculative_items_get_candidates_and_p_at_the_draft_tokens(
     torch.testing.assert_close(torch.tensor(list(a.target_probs)), token_probs(p[None], torch.tensor([drafts]))[0], atol=1e-5, rtol=1e-4)
     q = sparse_from_pb(sparse_q(rows)).distributions(p.shape[-1], extra_rows=1)  # [4, vocab]
     generators = [make_generator(independent_seed(sampling.seed, n + 1 + i), "cpu") for i in range(4)]  # type: ignore[arg-type]
-    assert list(a.chosen_tokens) == draw_candidates(p, q, generators).tolist()
+    assert list(a.candidates) == draw_candidates(p, q, generators).tolist()
 
 
-def test_multi_step_stops_early_when_the_call_deadline_is_near(target: Service, prompts: list[list[int]]) -> None:
+def test_decoding_stops_early_when_the_call_deadline_is_near(target: Service, prompts: list[list[int]]) -> None:
     """With no time left the engine still decodes the first token of each item, then stops;
     each slot caches what it returned and decodes on from there."""
     prompt = prompts[2]
     n, g = len(prompt), 21
     prefill(target, {"late": prompt, "on_time": prompt})
-    items = [VerifyItem(slot, n, [g], argmax_only=True, decode_steps=4) for slot in ("late", "on_time")]
+    items = [VerifyItem(slot, n, [g], DecodeMode(4)) for slot in ("late", "on_time")]
     late = target.engine.verify(items[:1], deadline=time.monotonic())[0]
     on_time = target.engine.verify(items[1:], deadline=time.monotonic() + 60)[0]
-    assert late.chosen is not None and on_time.chosen is not None
-    assert late.chosen == on_time.chosen[:1] and late.cached_len == n + 1 and on_time.cached_len == n + 4
-    rest = target.engine.verify([VerifyItem("late", n + 1, late.chosen[-1:], argmax_only=True, decode_steps=3)])[0]
-    assert late.chosen + (rest.chosen or []) == on_time.chosen
+    assert isinstance(late, VerifiedDecode) and isinstance(on_time, VerifiedDecode)
+    assert late.tokens == on_time.tokens[:1] and late.cached_len == n + 1 and on_time.cached_len == n + 4
+    rest = target.engine.verify([VerifyItem("late", n + 1, late.tokens[-1:], DecodeMode(3))])[0]
+    assert isinstance(rest, VerifiedDecode) and late.tokens + rest.tokens == on_time.tokens
 
 
 def test_verify_after_rollback_equals_verify_without_rejected_tokens(
@@ -366,7 +376,9 @@ def test_rolling_back_into_a_shared_block_copies_it(
     torch.testing.assert_close(c, reference_logits(smollm2, prompt)[-1], atol=ATOL, rtol=0)
 
 
-def test_without_prefix_caching_every_prompt_is_computed(start_target: Callable[..., Service], prompts: list[list[int]]) -> None:
+def test_without_prefix_caching_every_prompt_is_computed(
+    start_target: Callable[..., Service], prompts: list[list[int]]
+) -> None:
     target = start_target(prefix_caching=False)
     prefill(target, {"a": prompts[2] * 3, "b": prompts[2] * 3})
     assert target.engine.prefix_cache_hits == 0
@@ -488,10 +500,10 @@ def test_kv_pool_full_is_resource_exhausted_and_frees_nothing_of_others(
     )
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert service.info().free_kv_tokens == 0
-    # Multi-step: the first forward fits (b's second block has room), a later step does not;
+    # Decode: the first forward fits (b's second block has room), a later step does not;
     # the whole batch is undone, a's and b's valid tokens included.
     error = rpc_error(service.stub.Verify, target_pb2.VerifyRequest(items=[
-        target_pb2.VerifyItem(slot_id="b", valid_len=30, tokens=[8], argmax_only=True, decode_steps=4),
+        target_pb2.VerifyItem(slot_id="b", valid_len=30, tokens=[8], mode=decode_mode(4)),
     ]))
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert service.info().free_kv_tokens == 0 and truncate(service, "b", 30) == 30
@@ -523,27 +535,21 @@ def test_invalid_arguments_name_the_field(start_target: Callable[..., Service]) 
     def verify_request(valid_len: int, tokens: list[int]) -> target_pb2.VerifyRequest:
         return target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(slot_id="a", valid_len=valid_len, tokens=tokens)])
 
-    def multi_step_request(tokens: list[int], argmax_only: bool, steps: int) -> target_pb2.VerifyRequest:
+    def decode_request(tokens: list[int], steps: int, temperature: float = 0.0) -> target_pb2.VerifyRequest:
+        sampling = common_pb2.SamplingParams(temperature=temperature)
         return target_pb2.VerifyRequest(items=[
-            target_pb2.VerifyItem(slot_id="a", valid_len=20, tokens=tokens, argmax_only=argmax_only, decode_steps=steps)
+            target_pb2.VerifyItem(slot_id="a", valid_len=20, tokens=tokens, mode=decode_mode(steps, sampling))
         ])
 
-    def sampled_request(tokens: list[int], argmax_only: bool, temperature: float) -> target_pb2.VerifyRequest:
-        return target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
-            slot_id="a", valid_len=20, tokens=tokens, argmax_only=argmax_only,
-            sampling=common_pb2.SamplingParams(temperature=temperature),
-        )])
-
-    def q_request(tokens: list[int], rows: list[dict[int, float]], sampling: bool = True) -> target_pb2.VerifyRequest:
-        return target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(
-            slot_id="a", valid_len=20, tokens=tokens, draft_probs=sparse_q(rows),
-            sampling=common_pb2.SamplingParams(temperature=0.5) if sampling else None,
-        )])
+    def q_request(tokens: list[int], rows: list[dict[int, float]]) -> target_pb2.VerifyRequest:
+        mode = sampled_mode(common_pb2.SamplingParams(temperature=0.5), sparse_q(rows))
+        return target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(slot_id="a", valid_len=20, tokens=tokens, mode=mode)])
 
     duplicate = q_request([1, 2], [{2: 1.0}])
-    duplicate.items[0].draft_probs.row_lengths[0] = 2
-    duplicate.items[0].draft_probs.token_ids.append(2)
-    duplicate.items[0].draft_probs.values.CopyFrom(encode_tensor(torch.tensor([1.0, 1.0])))
+    duplicate_q = duplicate.items[0].mode.sampled.draft_probs
+    duplicate_q.row_lengths[0] = 2
+    duplicate_q.token_ids.append(2)
+    duplicate_q.values.CopyFrom(encode_tensor(torch.tensor([1.0, 1.0])))
     cases = [
         (service.stub.Verify, duplicate, "draft_probs"),
         (service.stub.Prefill, target_pb2.PrefillRequest(), "items"),
@@ -559,18 +565,15 @@ def test_invalid_arguments_name_the_field(start_target: Callable[..., Service]) 
         (service.stub.Verify, verify_request(20, [1, 2, 3, 4, 5, 6]), "max_speculative_tokens"),  # K = 5 > 4
         (service.stub.Verify, verify_request(20, [1, vocab + 5]), "tokens"),
         (service.stub.Verify, verify_request(20, [-3]), "tokens"),
-        (service.stub.Verify, multi_step_request([1], argmax_only=False, steps=2), "decode_steps"),
-        (service.stub.Verify, multi_step_request([1, 2], argmax_only=True, steps=2), "decode_steps"),
-        (service.stub.Verify, multi_step_request([1], argmax_only=True, steps=6), ("decode_steps", "max_speculative_tokens")),
-        (service.stub.Verify, sampled_request([1, 2], argmax_only=False, temperature=0.5), "sampling"),
-        (service.stub.Verify, sampled_request([1], argmax_only=True, temperature=0.5), "sampling"),
-        (service.stub.Verify, sampled_request([1], argmax_only=False, temperature=-1.0), "temperature"),
-        (service.stub.Verify, q_request([1, 2], [{2: 1.0}], sampling=False), "draft_probs"),
+        (service.stub.Verify, decode_request([1, 2], steps=2), "mode"),  # decoding on after a draft token
+        (service.stub.Verify, decode_request([1], steps=0), "steps"),
+        (service.stub.Verify, decode_request([1], steps=6), ("steps", "max_speculative_tokens")),
+        (service.stub.Verify, decode_request([1], steps=1, temperature=-1.0), "temperature"),
         (service.stub.Verify, q_request([1, 2, 3], [{2: 1.0}]), "draft_probs"),  # 1 row for K = 2
         (service.stub.Verify, q_request([1, 2], [{3: 1.0}]), "draft_probs"),  # t_1 outside its row's support
         (service.stub.Verify, q_request([1, 2], [{2: 1.0, vocab: 1.0}]), "draft_probs"),
         (service.stub.Verify, q_request([1, 2], [{2: -1.0, 3: 2.0}]), "draft_probs"),
-        (service.stub.Verify, q_request([1], []), "sampling"),  # q without draft tokens
+        (service.stub.Verify, q_request([1], []), "mode"),  # sampled without draft tokens
         (service.stub.Truncate, common_pb2.TruncateRequest(slot_id="a", new_len=21), "new_len"),
         (service.stub.Truncate, common_pb2.TruncateRequest(slot_id="a", new_len=-1), "new_len"),
     ]
@@ -586,9 +589,9 @@ def test_invalid_arguments_name_the_field(start_target: Callable[..., Service]) 
     ))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "tokens" in error.details() and "max_seq_len" in error.details()
-    # Multi-step past max_seq_len: 36 cached + 5 decoded (the last one not cached) = 41 > 40.
+    # Decoding past max_seq_len: 36 cached + 5 decoded (the last one not cached) = 41 > 40.
     error = rpc_error(service.stub.Verify, target_pb2.VerifyRequest(
-        items=[target_pb2.VerifyItem(slot_id="long", valid_len=36, tokens=[1], argmax_only=True, decode_steps=5)]
+        items=[target_pb2.VerifyItem(slot_id="long", valid_len=36, tokens=[1], mode=decode_mode(5))]
     ))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_seq_len" in error.details()
     # None of the failures touched "a": it still holds its 20 tokens.

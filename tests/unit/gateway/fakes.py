@@ -27,7 +27,23 @@ from specdec.sampling.params import SamplingParams
 from specdec.sampling.rejection_sampler import draw_candidates, token_probs
 from specdec.sampling.sparse_probs import SparseRows
 from specdec.sampling.transforms import chunk_logits_to_probs, logits_to_probs, pick_tokens, position_generator
-from specdec.wire.items import ModelInfo, PrefillItem, Proposal, ProposeItem, ScoredChunk, VerifiedChunk, VerifyItem
+from specdec.wire.items import (
+    ArgmaxMode,
+    DecodeMode,
+    LogitsMode,
+    ModelInfo,
+    PrefillItem,
+    Proposal,
+    ProposeItem,
+    SampledMode,
+    ScoredChunk,
+    VerifiedArgmax,
+    VerifiedChunk,
+    VerifiedDecode,
+    VerifiedLogits,
+    VerifiedSampled,
+    VerifyItem,
+)
 
 VOCAB = 40
 EOS = 39
@@ -139,24 +155,29 @@ class FakeTarget:
             del cache[item.valid_len :]
             cache.extend(item.tokens)
             rows = torch.stack([logits_after(t) for t in item.tokens])  # [K+1, vocab]
-            if item.draft_probs is not None:  # a sampled speculative item: candidates and p_i(t_i), as the target draws them
-                assert item.sampling is not None and len(item.tokens) > 1, item
-                drafts = item.tokens[1:]
-                p = chunk_logits_to_probs(rows[None], [item.sampling], [cache[: item.valid_len + 1]], [drafts])[0]  # [K+1, vocab]
-                generators = [position_generator(item.sampling, item.valid_len + 1 + i, "cpu") for i in range(len(item.tokens))]
-                candidates = draw_candidates(p, item.draft_probs.distributions(VOCAB, extra_rows=1), generators)
-                out[item.slot_id] = VerifiedChunk(item.slot_id, len(cache), chosen=candidates.tolist(),
-                                                  target_probs=token_probs(p[None], torch.tensor([drafts]))[0].tolist())
-            elif item.decode_steps > 1 or item.sampling is not None:  # decode on, caching all but the last token
-                assert len(item.tokens) == 1 and item.argmax_only != (item.sampling is not None), item
-                decoded = decode_reference(cache, min(item.decode_steps, self.max_decoded or item.decode_steps), item.sampling)
-                cache.extend(decoded[:-1])
-                out[item.slot_id] = VerifiedChunk(item.slot_id, len(cache), chosen=decoded)
-            elif item.argmax_only:
-                out[item.slot_id] = VerifiedChunk(item.slot_id, len(cache), chosen=rows.argmax(dim=-1).tolist())
-            else:
-                out[item.slot_id] = VerifiedChunk(item.slot_id, len(cache), logits=rows)
+            out[item.slot_id] = self._answer(item, cache, rows)
         return Timed(out, 0.001, 0.002)
+
+    def _answer(self, item: VerifyItem, cache: list[int], rows: torch.Tensor) -> VerifiedChunk:
+        """The answer of the item's mode, as the real target computes it."""
+        match item.mode:
+            case SampledMode(sampling, draft_probs):  # candidates and p_i(t_i), as the target draws them
+                assert len(item.tokens) > 1, item
+                drafts = item.tokens[1:]
+                p = chunk_logits_to_probs(rows[None], [sampling], [cache[: item.valid_len + 1]], [drafts])[0]  # [K+1, vocab]
+                generators = [position_generator(sampling, item.valid_len + 1 + i, "cpu") for i in range(len(item.tokens))]
+                candidates = draw_candidates(p, draft_probs.distributions(VOCAB, extra_rows=1), generators)
+                target_probs = token_probs(p[None], torch.tensor([drafts]))[0].tolist()
+                return VerifiedSampled(item.slot_id, len(cache), candidates.tolist(), target_probs)
+            case DecodeMode(steps, sampling):  # decode on, caching all but the last token
+                assert len(item.tokens) == 1, item
+                decoded = decode_reference(cache, min(steps, self.max_decoded or steps), sampling)
+                cache.extend(decoded[:-1])
+                return VerifiedDecode(item.slot_id, len(cache), decoded)
+            case ArgmaxMode():
+                return VerifiedArgmax(item.slot_id, len(cache), rows.argmax(dim=-1).tolist())
+            case LogitsMode():
+                return VerifiedLogits(item.slot_id, len(cache), rows)
 
     async def release(self, slot_id: str, timeout: float) -> None:
         if self.failing_releases > 0:

@@ -9,10 +9,10 @@ import torch
 
 from specdec.cost_model import ForwardCost
 from specdec.gateway.detokenizer import StopStringDetokenizer
-from specdec.gateway.k_planner import AcceptanceEstimate, DraftOverhead, KPlanner
+from specdec.gateway.k_planner import AcceptanceEstimate, DraftOverhead, KPlanner, RatePredictor
 from specdec.gateway.model_clients import Timed
+from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence
-from specdec.gateway.speculative_step import RoundReport
 from specdec.sampling.params import SamplingParams
 
 # A memory-bound target: a 9-token verify costs 1.3x a step, and batching is nearly free.
@@ -32,19 +32,20 @@ def seq(slot: str) -> Sequence:
     )
 
 
-def feed(planner: KPlanner, seqs: list[Sequence], alpha: dict[str, float], rounds: int) -> dict[str, int]:
-    """Run `rounds` planned rounds where request r accepts each draft token with prob alpha[r]."""
+def feed(planner: KPlanner, seqs: list[Sequence], alpha: dict[str, float], rounds: int) -> RoundPlan:
+    """Run `rounds` planned rounds where request r accepts each draft token with prob alpha[r];
+    returns the last round's plan."""
     rng = torch.Generator().manual_seed(0)
-    ks: dict[str, int] = {}
+    plan = RoundPlan({})
     for _ in range(rounds):
-        ks = planner.plan(seqs, {s.slot_id: 8 for s in seqs}, {s.slot_id: True for s in seqs})
+        plan = planner.plan(seqs, {s.slot_id: 8 for s in seqs}, {s.slot_id: True for s in seqs})
         accepted = {}
         for s in seqs:
-            draws = torch.rand(ks[s.slot_id], generator=rng) < alpha[s.slot_id]
-            accepted[s.slot_id] = int(draws.long().cumprod(0).sum()) if ks[s.slot_id] else 0
+            draws = torch.rand(plan.ks[s.slot_id], generator=rng) < alpha[s.slot_id]
+            accepted[s.slot_id] = int(draws.long().cumprod(0).sum()) if plan.ks[s.slot_id] else 0
         zero = Timed(None, 0.0, 0.0)
-        planner.observe(seqs, RoundReport(ks, accepted, zero, zero, 0.0, 0.0))
-    return ks
+        planner.observe(plan, seqs, RoundReport(plan.ks, accepted, zero, zero, 0.0, 0.0))
+    return plan
 
 
 def test_acceptance_estimate_learns_from_judged_tokens_only() -> None:
@@ -78,13 +79,13 @@ def test_one_late_rejection_does_not_shorten_k_for_good() -> None:
     a = seq("a")
     feed(planner, [a], {"a": 0.95}, rounds=20)
     zero = Timed(None, 0.0, 0.0)
-    planner.observe([a], RoundReport({"a": 8}, {"a": 4}, zero, zero, 0.0, 0.0))
-    assert planner.plan([a], {"a": 8}, {"a": True})["a"] >= 6
+    planner.observe(RoundPlan({"a": 8}), [a], RoundReport({"a": 8}, {"a": 4}, zero, zero, 0.0, 0.0))
+    assert planner.plan([a], {"a": 8}, {"a": True}).ks["a"] >= 6
 
 
 def test_good_cheap_draft_speculates_with_a_long_k() -> None:
     planner = KPlanner(TARGET, draft_costs(0.1))
-    ks = feed(planner, [seq("a")], {"a": 0.95}, rounds=40)
+    ks = feed(planner, [seq("a")], {"a": 0.95}, rounds=40).ks
     assert ks["a"] >= 5
 
 
@@ -93,35 +94,36 @@ def test_weak_draft_turns_speculation_off_and_reprobes() -> None:
     a = seq("a")
     history = []
     for _ in range(40):
-        history.append(feed(planner, [a], {"a": 0.05}, rounds=1)["a"])
+        plan = feed(planner, [a], {"a": 0.05}, rounds=1)
+        history.append(plan.ks["a"])
     assert history[0] > 0  # the prior is optimistic: it tries first
     assert history[-16:].count(0) >= 14  # then stays off ...
     assert any(k > 0 for k in history[-16:])  # ... apart from the periodic probe
-    assert planner.last_off_reason == "not_paying" or history[-1] > 0
+    assert plan.off_reason == "not_paying" or history[-1] > 0
 
 
 def test_expensive_draft_never_pays() -> None:
     planner = KPlanner(TARGET, draft_costs(1.2))
-    ks = feed(planner, [seq("a")], {"a": 0.9}, rounds=5)
+    ks = feed(planner, [seq("a")], {"a": 0.9}, rounds=5).ks
     assert ks["a"] == 0
 
 
 def test_mixed_batch_drops_only_the_request_whose_draft_fails() -> None:
     planner = KPlanner(TARGET, draft_costs(0.1))
     good, bad = seq("good"), seq("bad")
-    ks = feed(planner, [good, bad], {"good": 0.95, "bad": 0.0}, rounds=30)
+    ks = feed(planner, [good, bad], {"good": 0.95, "bad": 0.0}, rounds=30).ks
     assert ks["good"] >= 3 and ks["bad"] == 0
 
 
 def test_fixed_requests_and_missing_costs_keep_their_cap() -> None:
     a, b = seq("a"), dataclasses.replace(seq("b"), adaptive=False)
     planner = KPlanner(TARGET, draft_costs(1.5))
-    assert planner.plan([a], {"a": 4}, {"a": True}) == {"a": 0}  # alone, a costly draft does not pay
-    assert planner.plan([a, b], {"a": 4, "b": 0}, {"a": True, "b": False})["b"] == 0
-    assert planner.plan([b], {"b": 3}, {"b": False}) == {"b": 3}  # fixed K is kept whatever it costs
+    assert planner.plan([a], {"a": 4}, {"a": True}).ks == {"a": 0}  # alone, a costly draft does not pay
+    assert planner.plan([a, b], {"a": 4, "b": 0}, {"a": True, "b": False}).ks["b"] == 0
+    assert planner.plan([b], {"b": 3}, {"b": False}).ks == {"b": 3}  # fixed K is kept whatever it costs
     no_costs = KPlanner(TARGET, [])
     assert not no_costs.can_adapt
-    assert no_costs.plan([a], {"a": 4}, {"a": True}) == {"a": 4}
+    assert no_costs.plan([a], {"a": 4}, {"a": True}).ks == {"a": 4}
 
 
 def test_cost_scale_follows_the_measured_compute() -> None:
@@ -129,7 +131,7 @@ def test_cost_scale_follows_the_measured_compute() -> None:
     a = seq("a")
     report = RoundReport({"a": 0}, {"a": 0}, Timed(None, 0.0, 0.0), Timed(None, 0.080, 0.085), 0.0, 0.090)
     for _ in range(20):
-        planner.observe([a], report)
+        planner.observe(RoundPlan(report.ks), [a], report)
     assert planner.cost_model().target.step(1) == pytest.approx(0.080, rel=1e-3)
     assert planner.overhead_s == pytest.approx(0.010, rel=1e-3)
 
@@ -141,13 +143,13 @@ def test_a_multi_step_round_teaches_the_cost_of_one_step() -> None:
     a = seq("a")
     report = RoundReport({"a": 0}, {"a": 0}, Timed(None, 0.0, 0.0), Timed(None, 0.320, 0.325), 0.0, 0.330, steps={"a": 4})
     for _ in range(20):
-        planner.observe([a], report)
+        planner.observe(RoundPlan(report.ks), [a], report)
     assert planner.cost_model().target.step(1) == pytest.approx(0.080, rel=1e-3)
     # A draft whose K = 1 barely beats one-step plain rounds loses to 4 steps a round.
     close = KPlanner(TARGET, draft_costs(0.4), overhead_s=0.010)
     close.global_alpha.alpha = 0.6
-    assert close.plan([a], {"a": 8}, {"a": True})["a"] > 0
-    assert close.plan([a], {"a": 8}, {"a": True}, steps={"a": 4})["a"] == 0
+    assert close.plan([a], {"a": 8}, {"a": True}).ks["a"] > 0
+    assert close.plan([a], {"a": 8}, {"a": True}, steps={"a": 4}).ks["a"] == 0
 
 
 def test_probes_back_off_and_never_come_together() -> None:
@@ -155,7 +157,7 @@ def test_probes_back_off_and_never_come_together() -> None:
     seqs = [seq(f"r{i}") for i in range(3)]
     probe_rounds = []
     for round_index in range(80):
-        ks = feed(planner, seqs, {s.slot_id: 0.0 for s in seqs}, rounds=1)
+        ks = feed(planner, seqs, {s.slot_id: 0.0 for s in seqs}, rounds=1).ks
         probing = [slot for slot, k in ks.items() if k > 0]
         if round_index > 8:  # the optimistic prior has been corrected: every request is off
             assert len(probing) <= 1  # at most one request pays for a catch-up per round
@@ -174,8 +176,8 @@ def test_a_draft_prefill_is_worth_it_only_for_a_long_enough_future() -> None:
         s.tokens = list(range(60))
         s.max_new_tokens = max_new
     planner = KPlanner(TARGET, costly_prefill, prior_alpha=0.9)
-    assert planner.plan([long_future], {"long": 4}, {"long": True})["long"] > 0
-    assert planner.plan([short_future], {"short": 4}, {"short": True})["short"] == 0
+    assert planner.plan([long_future], {"long": 4}, {"long": True}).ks["long"] > 0
+    assert planner.plan([short_future], {"short": 4}, {"short": True}).ks["short"] == 0
 
 
 def test_the_first_probe_ignores_the_budget_so_a_good_draft_is_found() -> None:
@@ -186,12 +188,12 @@ def test_the_first_probe_ignores_the_budget_so_a_good_draft_is_found() -> None:
     fresh = seq("fresh")
     fresh.tokens = list(range(60))
     planner = KPlanner(TARGET, costly_prefill, prior_alpha=0.5, probe_every=4)
-    history = [planner.plan([fresh], {"fresh": 4}, {"fresh": True})["fresh"] for _ in range(4)]
+    history = [planner.plan([fresh], {"fresh": 4}, {"fresh": True}).ks["fresh"] for _ in range(4)]
     assert history[:3] == [0, 0, 0] and history[3] > 0  # probed once its interval passed
 
     zero = Timed(None, 0.0, 0.0)
-    planner.observe([fresh], RoundReport({"fresh": history[3]}, {"fresh": 0}, zero, zero, 0.0, 0.0))
-    later = [planner.plan([fresh], {"fresh": 4}, {"fresh": True})["fresh"] for _ in range(12)]
+    planner.observe(RoundPlan({"fresh": history[3]}), [fresh], RoundReport({"fresh": history[3]}, {"fresh": 0}, zero, zero, 0.0, 0.0))
+    later = [planner.plan([fresh], {"fresh": 4}, {"fresh": True}).ks["fresh"] for _ in range(12)]
     assert later == [0] * 12  # measured now: the same catch-up is over budget, so no probe
 
 
@@ -204,10 +206,10 @@ def test_no_probe_where_even_a_perfect_draft_would_not_pay() -> None:
     crowd = [seq(f"r{i}") for i in range(16)]
     planner = KPlanner(compute_bound, drafts, probe_every=4)
     for _ in range(60):
-        ks = feed(planner, crowd, {s.slot_id: 1.0 for s in crowd}, rounds=1)
+        ks = feed(planner, crowd, {s.slot_id: 1.0 for s in crowd}, rounds=1).ks
         assert set(ks.values()) == {0}
     alone = seq("alone")
-    assert feed(planner, [alone], {"alone": 1.0}, rounds=1)["alone"] > 0
+    assert feed(planner, [alone], {"alone": 1.0}, rounds=1).ks["alone"] > 0
 
 
 def test_a_request_not_worth_probing_is_asked_again_after_as_many_rounds_as_the_batch_has(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -218,13 +220,13 @@ def test_a_request_not_worth_probing_is_asked_again_after_as_many_rounds_as_the_
     drafts = [ForwardCost(b, 1, 0.012 + 0.006 * b) for b in (1, 4, 16)]
     crowd = [seq(f"r{i}") for i in range(16)]
     asked: list[str] = []
-    could_pay = KPlanner._probe_could_pay
+    could_pay = RatePredictor.probe_could_pay
 
-    def counting(s: Sequence, *args: object) -> bool:
+    def counting(self: RatePredictor, s: Sequence, ks: dict[str, int], caps: dict[str, int]) -> bool:
         asked.append(s.slot_id)
-        return could_pay(s, *args)  # type: ignore[arg-type]
+        return could_pay(self, s, ks, caps)
 
-    monkeypatch.setattr(KPlanner, "_probe_could_pay", staticmethod(counting))
+    monkeypatch.setattr(RatePredictor, "probe_could_pay", counting)
     planner = KPlanner(compute_bound, drafts, probe_every=32)
     feed(planner, crowd, {s.slot_id: 1.0 for s in crowd}, rounds=80)
     assert all(asked.count(s.slot_id) == 4 for s in crowd)  # rounds 32, 48, 64 and 80
@@ -241,7 +243,7 @@ def test_a_batch_shares_one_probe_budget() -> None:
     planner = KPlanner(TARGET, costly_prefill, probe_every=4)
     probes = 0
     for round_index in range(60):
-        ks = feed(planner, seqs, {s.slot_id: 0.0 for s in seqs}, rounds=1)
+        ks = feed(planner, seqs, {s.slot_id: 0.0 for s in seqs}, rounds=1).ks
         if round_index > 8:  # the optimistic prior has been corrected: every request is off
             probes += sum(k > 0 for k in ks.values())
     assert probes == 0
@@ -254,12 +256,12 @@ def test_the_overhead_a_draft_token_adds_keeps_a_cheap_weak_draft_off() -> None:
     planner = KPlanner(TARGET, draft_costs(0.02), prior_alpha=0.1, request_weight=0.0, global_weight=0.0, probe_every=1000)
     a = seq("a")
     zero = Timed(None, 0.0, 0.0)
-    assert planner.plan([a], {"a": 8}, {"a": True})["a"] > 0
+    assert planner.plan([a], {"a": 8}, {"a": True}).ks["a"] > 0
     for k in (0, 1, 0, 1, 0, 1) * 10:
         report = RoundReport({"a": k}, {"a": 0}, zero, zero, 0.0, 0.002 + 0.015 * k)
-        planner.observe([a], report)
+        planner.observe(RoundPlan(report.ks), [a], report)
     assert planner.draft_overhead.per_token == pytest.approx(0.015, rel=0.05)
-    assert planner.plan([a], {"a": 8}, {"a": True})["a"] == 0
+    assert planner.plan([a], {"a": 8}, {"a": True}).ks["a"] == 0
 
 
 def test_the_draft_overhead_splits_into_a_fixed_and_a_per_token_part() -> None:
@@ -281,13 +283,14 @@ def test_a_two_token_feed_is_not_mistaken_for_dearer_draft_steps() -> None:
     a = seq("a")
     a.draft_valid = len(a.tokens) - 2
     assert a.draft_pending == 2
-    ks = planner.plan([a], {"a": 4}, {"a": True})
+    plan = planner.plan([a], {"a": 4}, {"a": True})
+    ks = plan.ks
     k = ks["a"]
     assert k > 0
     propose_s = 1.8 * step + (k - 1) * step
     verify_s = planner.cost_model().target.seconds(1, k + 1)
     for _ in range(10):
-        planner.observe([a], RoundReport(ks, {"a": k}, Timed(None, propose_s, propose_s), Timed(None, verify_s, verify_s), 0.0, 0.0))
+        planner.observe(plan, [a], RoundReport(ks, {"a": k}, Timed(None, propose_s, propose_s), Timed(None, verify_s, verify_s), 0.0, 0.0))
     model = planner.cost_model()
     assert model.draft is not None and model.draft.step(1) == pytest.approx(step, rel=1e-3)
 
@@ -305,11 +308,11 @@ def test_a_long_context_can_make_drafting_stop_paying() -> None:
     # is the slow part): worth drafting for at 50 tokens of context, not at 1000.
     planner = KPlanner(with_context_slope(TARGET, 2e-6), with_context_slope(draft_costs(0.15), 40e-6))
     seqs = [seq(f"r{i}") for i in range(4)]
-    assert set(feed(planner, seqs, {s.slot_id: 0.8 for s in seqs}, rounds=5).values()) != {0}
+    assert set(feed(planner, seqs, {s.slot_id: 0.8 for s in seqs}, rounds=5).ks.values()) != {0}
     for s in seqs:
         s.tokens = list(range(1000))
         s.draft_valid = 999
-    assert set(feed(planner, seqs, {s.slot_id: 0.8 for s in seqs}, rounds=1).values()) == {0}
+    assert set(feed(planner, seqs, {s.slot_id: 0.8 for s in seqs}, rounds=1).ks.values()) == {0}
 
 
 def test_the_online_scale_does_not_chase_a_growing_context() -> None:
@@ -321,11 +324,12 @@ def test_the_online_scale_does_not_chase_a_growing_context() -> None:
     for length in range(50, 400, 50):
         for s in seqs:
             s.tokens, s.draft_valid = list(range(length)), length - 1
-        ks = planner.plan(seqs, {s.slot_id: 4 for s in seqs}, {s.slot_id: False for s in seqs})
+        plan = planner.plan(seqs, {s.slot_id: 4 for s in seqs}, {s.slot_id: False for s in seqs})
+        ks = plan.ks
         truth = planner.cost_model(context=length)  # scales are still 1: the tables at this context
         kk = [ks[s.slot_id] for s in seqs]
         report = RoundReport(ks, {s.slot_id: 4 for s in seqs}, Timed(None, truth.draft_seconds(kk), 0.0),
                              Timed(None, truth.verify_seconds(kk), 0.0), 0.0, 0.0)
-        planner.observe(seqs, report)
+        planner.observe(plan, seqs, report)
         assert planner.cost_model(context=length).draft.scale == pytest.approx(1.0)  # type: ignore[union-attr]
         assert planner.cost_model(context=length).target.scale == pytest.approx(1.0)

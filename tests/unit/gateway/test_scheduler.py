@@ -5,6 +5,7 @@ fallback to plain decoding when the draft fails. Real-stack tests live in tests/
 from __future__ import annotations
 
 import asyncio
+import typing
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from specdec.gateway.scheduler import Scheduler
 from specdec.gateway.sequence import Delta, Finished, FinishReason, Sequence
 from specdec.gateway.speculative_step import advance
 from specdec.v1 import common_pb2, gateway_pb2
+from specdec.wire.items import ArgmaxMode, DecodeMode, LogitsMode, SampledMode, VerifyItem
 
 PROMPT = "hello"  # token ids 7 4 11 11 14
 
@@ -300,7 +302,7 @@ def test_a_draft_sending_a_malformed_q_costs_speculation_not_the_request() -> No
         tokens, finished = await drain(seq)
         assert finished.reason == FinishReason.LENGTH and len(tokens) == 30
         assert sched.stats.draft_failures == 1 and sched.stats.off_rounds["draft_unavailable"] >= 1
-        assert all(item.draft_probs is None for item in target.verify_batches[1])  # the round ran plain
+        assert all(isinstance(item.mode, DecodeMode) for item in target.verify_batches[1])  # the round ran plain
 
     run(test, target, draft)
 
@@ -346,7 +348,7 @@ def test_plain_greedy_rounds_decode_several_tokens_a_verify_and_stop_where_one_s
         tokens, finished = await drain(seq)
         assert tokens == greedy_reference(prompt_ids(), 10) and finished.reason == FinishReason.LENGTH
         # The first token comes from the prefill; then 4 + 4 + 1.
-        assert [item.decode_steps for batch in target.verify_batches for item in batch] == [4, 4, 1]
+        assert [steps(item) for batch in target.verify_batches for item in batch] == [4, 4, 1]
         assert sched.stats.emitted_tokens == 9
         seq = new_sequence(request(counting_up, max_new_tokens=20, enabled=False), policy())
         sched.submit(seq)
@@ -356,7 +358,7 @@ def test_plain_greedy_rounds_decode_several_tokens_a_verify_and_stop_where_one_s
         seq = new_sequence(request(max_new_tokens=10), policy())  # speculating: one step a round
         sched.submit(seq)
         assert (await drain(seq))[0] == greedy_reference(prompt_ids(), 10) and draft.calls
-        assert {i.decode_steps for b in target.verify_batches for i in b if i.slot_id == seq.slot_id} == {1}
+        assert {steps(i) for b in target.verify_batches for i in b if i.slot_id == seq.slot_id} == {1}
 
     run(test, target, draft, decode_steps=4)
     assert target.slots == {}
@@ -413,8 +415,8 @@ def test_plain_sampled_and_penalised_requests_have_the_target_choose_their_token
         outputs = {name: (await drain(seq))[0] for name, seq in seqs.items()}
         for name, seq in seqs.items():
             items = [item for batch in target.verify_batches for item in batch if item.slot_id == seq.slot_id]
-            assert {(item.sampling, item.argmax_only) for item in items} == {(seq.target_sampling, False)}, name
-            assert sum(item.decode_steps for item in items) == 9 - 1 and max(steps_of(target, seq)) == 3, name
+            assert {typing.cast(DecodeMode, item.mode).sampling for item in items} == {seq.target_sampling}, name
+            assert sum(steps(item) for item in items) == 9 - 1 and max(steps_of(target, seq)) == 3, name
         assert seqs["sampled"].target_sampling.seed not in (None, 5, seqs["sampled"].draft_sampling.seed)
         assert seqs["unseeded"].target_sampling.seed is None
         for name in ("sampled", "penalised"):  # seeded or greedy: what the target decoded, token for token
@@ -441,16 +443,21 @@ def test_a_round_decodes_one_step_while_a_waiting_request_could_join() -> None:
         sched.submit(late)
         for seq in (first, second, late):
             assert (await drain(seq))[0] == greedy_reference(prompt_ids(), 12)
-        assert [item.decode_steps for item in target.verify_batches[0]] == [1, 1]
+        assert [steps(item) for item in target.verify_batches[0]] == [1, 1]
         assert [item.slot_id for item in target.verify_batches[1]] == [first.slot_id, second.slot_id, late.slot_id]
-        assert [item.decode_steps for item in target.verify_batches[1]] == [3, 3, 3]
+        assert [steps(item) for item in target.verify_batches[1]] == [3, 3, 3]
 
     run(test, target, draft, decode_steps=3)
 
 
+def steps(item: VerifyItem) -> int:
+    """The tokens a Verify item asked the target to decode (1 for an item that drafted)."""
+    return item.mode.steps if isinstance(item.mode, DecodeMode) else 1
+
+
 def steps_of(target: FakeTarget, seq: Sequence) -> list[int]:
-    """The decode_steps of each Verify item the request sent."""
-    return [item.decode_steps for batch in target.verify_batches for item in batch if item.slot_id == seq.slot_id]
+    """The steps of each Verify item the request sent."""
+    return [steps(item) for batch in target.verify_batches for item in batch if item.slot_id == seq.slot_id]
 
 
 def test_a_hung_draft_costs_one_deadline_then_rounds_run_plain_until_its_health_check_passes() -> None:
@@ -514,10 +521,10 @@ def test_a_failed_release_is_retried_until_the_slot_is_freed(monkeypatch: pytest
     run(test, target, draft)
 
 
-def test_only_greedy_requests_with_untransformed_logits_ask_for_argmax_tokens() -> None:
-    """A plain greedy request asks the target for argmax tokens only (K + 1 ints instead of
-    K + 1 vocabulary rows); a greedy one with a repetition penalty and a sampled one need
-    the logits. In one batch all three still decode as they would alone."""
+def test_each_kind_of_request_asks_for_the_verify_mode_it_needs() -> None:
+    """A drafting greedy request asks the target for argmax tokens only (K + 1 ints instead of
+    K + 1 vocabulary rows); a greedy one with a repetition penalty needs the logits, and a
+    sampled one the target's candidates. In one batch all three decode as they would alone."""
     target, draft = FakeTarget(), FakeDraft()
     modes = {
         "plain": common_pb2.SamplingParams(),
@@ -534,8 +541,9 @@ def test_only_greedy_requests_with_untransformed_logits_ask_for_argmax_tokens() 
             sched.submit(seqs[name])
         outputs = {name: (await drain(seq))[0] for name, seq in seqs.items()}
         assert outputs["plain"] == greedy_reference(prompt_ids(), 12)
-        asked = {item.slot_id: item.argmax_only for batch in target.verify_batches for item in batch}
-        assert asked == {seqs["plain"].slot_id: True, seqs["penalised"].slot_id: False, seqs["sampled"].slot_id: False}
+        asked = {item.slot_id: type(item.mode) for batch in target.verify_batches for item in batch if len(item.tokens) > 1}
+        assert asked == {seqs["plain"].slot_id: ArgmaxMode, seqs["penalised"].slot_id: LogitsMode,
+                         seqs["sampled"].slot_id: SampledMode}
 
     run(test, target, draft)
 

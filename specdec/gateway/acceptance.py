@@ -1,0 +1,112 @@
+"""The accept phase of a round: each draft's accepted prefix plus one recovered or bonus token.
+
+The target answered each drafting request in the mode the gateway asked for
+(`specdec.wire.items.VerifyMode`): argmax tokens for a greedy request with untransformed
+logits, raw logits for a greedy request with a repetition penalty (applied here, its
+context growing through the draft tokens), and for a sampled request the K + 1 candidates
+and p_i(t_i) that it drew and computed with the request's transforms. Each kind is judged
+in one batched call of `specdec.sampling.rejection_sampler`. Pure tensor work: it runs on
+the gateway's sampler thread.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import torch
+
+from specdec.errors import ServiceStateError
+from specdec.gateway.sequence import Sequence
+from specdec.sampling.rejection_sampler import RejectionResult, accept_candidates, greedy_accept, greedy_accept_argmax
+from specdec.sampling.transforms import chunk_apply_repetition_penalty
+from specdec.wire.items import Proposal, VerifiedArgmax, VerifiedChunk, VerifiedLogits, VerifiedSampled
+
+C = TypeVar("C", VerifiedArgmax, VerifiedLogits, VerifiedSampled)
+#: Marks positions past a request's K in the padded [batch, K_max] tensors.
+PAD_TOKEN_ID = -1
+
+
+def accept_all(
+    seqs: list[Sequence], verified: dict[str, VerifiedChunk], proposals: dict[str, Proposal]
+) -> dict[str, RejectionResult]:
+    """Judge every drafting request of the round (each has a proposal); one call per kind."""
+    by_argmax = [s for s in seqs if s.sampling.is_greedy and s.sampling.greedy_by_raw_argmax]
+    greedy = [s for s in seqs if s.sampling.is_greedy and not s.sampling.greedy_by_raw_argmax]
+    sampled = [s for s in seqs if not s.sampling.is_greedy]
+    results: dict[str, RejectionResult] = {}
+    if by_argmax:
+        best = [_answer(verified, s, VerifiedArgmax).tokens for s in by_argmax]
+        tokens, ks = _padded_drafts(by_argmax, proposals)  # [A, K_max]
+        results |= _split(by_argmax, greedy_accept_argmax(_padded_rows(by_argmax, best, ks), tokens, ks))
+    if greedy:
+        logits = [_answer(verified, s, VerifiedLogits).logits for s in greedy]
+        tokens, ks = _padded_drafts(greedy, proposals)  # [G, K_max]
+        scores = _stacked(logits, tokens.shape[1] + 1).float()  # [G, K_max+1, vocab]
+        penalties = [s.sampling.repetition_penalty for s in greedy]
+        if any(p != 1.0 for p in penalties):
+            drafted = [proposals[s.slot_id].tokens for s in greedy]
+            scores = chunk_apply_repetition_penalty(scores, [s.tokens for s in greedy], drafted, penalties)
+        results |= _split(greedy, greedy_accept(scores, tokens, ks))
+    if sampled:
+        answers = [_answer(verified, s, VerifiedSampled) for s in sampled]
+        tokens, ks = _padded_drafts(sampled, proposals)  # [S, K_max]
+        candidates = _padded_rows(sampled, [a.candidates for a in answers], ks)  # [S, K_max+1]
+        p, q = _padded_probs(sampled, answers, proposals, ks)  # [S, K_max] each
+        results |= _split(sampled, accept_candidates(p, q, tokens, ks, candidates, [s.generator for s in sampled]))
+    return results
+
+
+def _answer(verified: dict[str, VerifiedChunk], seq: Sequence, kind: type[C]) -> C:
+    chunk = verified[seq.slot_id]
+    if not isinstance(chunk, kind):
+        raise ServiceStateError(f"the target answered slot {seq.slot_id} with {type(chunk).__name__}, "
+                                f"the gateway asked for {kind.__name__}")
+    return chunk
+
+
+def _padded_drafts(seqs: list[Sequence], proposals: dict[str, Proposal]) -> tuple[torch.Tensor, list[int]]:
+    """Draft tokens [B, K_max] (PAD_TOKEN_ID past each row's K) and each row's K."""
+    drafted = [proposals[s.slot_id].tokens for s in seqs]
+    ks = [len(d) for d in drafted]
+    k_max = max(ks)
+    tokens = torch.tensor([d + [PAD_TOKEN_ID] * (k_max - len(d)) for d in drafted], dtype=torch.long)
+    return tokens.view(len(seqs), k_max), ks
+
+
+def _padded_rows(seqs: list[Sequence], rows: list[list[int]], ks: list[int]) -> torch.Tensor:
+    """The target's K + 1 tokens per request (argmax tokens or candidates) as [B, K_max+1],
+    PAD_TOKEN_ID past each row's K + 1."""
+    width = max(ks) + 1
+    for seq, k, row in zip(seqs, ks, rows):
+        if len(row) != k + 1:
+            raise ServiceStateError(f"the target sent {len(row)} tokens for slot {seq.slot_id}, the gateway expected {k + 1}")
+    return torch.tensor([row + [PAD_TOKEN_ID] * (width - len(row)) for row in rows], dtype=torch.long).view(len(rows), width)
+
+
+def _stacked(logits: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Logits [K_b+1, vocab] each, zero-padded to [B, width, vocab]."""
+    stacked = logits[0].new_zeros(len(logits), width, logits[0].shape[-1])
+    for b, rows in enumerate(logits):
+        stacked[b, : rows.shape[0]] = rows
+    return stacked
+
+
+def _padded_probs(
+    seqs: list[Sequence], answers: list[VerifiedSampled], proposals: dict[str, Proposal], ks: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sampled round's p_i(t_i) (from the target) and q_i(t_i) (from the draft's q), each
+    [B, K_max], 1.0 past each row's K (never judged)."""
+    p = torch.ones(len(seqs), max(ks))  # [B, K_max]
+    q = torch.ones(len(seqs), max(ks))  # [B, K_max]
+    for b, (seq, answer, k) in enumerate(zip(seqs, answers, ks)):
+        proposal = proposals[seq.slot_id]
+        if len(answer.target_probs) != k or proposal.probs is None:
+            raise ServiceStateError(f"the target sent {len(answer.target_probs)} probabilities for slot {seq.slot_id}, "
+                                    f"the gateway expected {k}")
+        p[b, :k] = torch.tensor(answer.target_probs)
+        q[b, :k] = proposal.probs.probs_of(proposal.tokens)
+    return p, q
+
+
+def _split(seqs: list[Sequence], batch: RejectionResult) -> dict[str, RejectionResult]:
+    return {s.slot_id: RejectionResult([batch.output_tokens[b]], [batch.num_accepted[b]]) for b, s in enumerate(seqs)}

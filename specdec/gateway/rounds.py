@@ -1,0 +1,72 @@
+"""What a round is planned to do (`RoundPlan`, from the K planner) and what it did
+(`RoundReport`, back to the planner and the statistics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.gateway.model_clients import Timed
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """One round of a batch, per request (by slot id)."""
+
+    #: Draft tokens K per request; 0 decodes that request plainly this round.
+    ks: dict[str, int]
+    #: Tokens the target decodes by itself per request in a plain round (multi-step), each
+    #: feeding the one it chose last; empty in a round that drafts (its plain requests take 1).
+    steps: dict[str, int] = field(default_factory=dict)
+    #: Tokens each request feeds the draft before drafting (1, or 2 after a fully accepted round).
+    feeds: dict[str, int] = field(default_factory=dict)
+    #: Mean cached tokens per request, which prices the round's forwards (None: unknown).
+    context: float | None = None
+    #: Some request feeds the draft more than a round's tokens (a catch-up): the round's
+    #: Propose time says little about a draft step's cost.
+    catching_up: bool = False
+    #: Why a request that could have drafted did not (one of `OFF_REASONS`), if one did not.
+    off_reason: str | None = None
+
+    @property
+    def drafts(self) -> bool:
+        return any(self.ks.values())
+
+    def steps_of(self, slot_id: str) -> int:
+        return self.steps.get(slot_id, 1)
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What one round did, for statistics and the K planner: K and accepted count per slot,
+    and where the round's time went."""
+
+    ks: dict[str, int]
+    num_accepted: dict[str, int]
+    #: Propose and Verify: compute inside the service, and wall time seen by the gateway.
+    propose: Timed[None]
+    verify: Timed[None]
+    #: The gateway's acceptance step (rejection sampling / greedy matching) for the batch.
+    accept_s: float
+    #: The whole round, wall clock.
+    total_s: float
+    #: Propose failed and the round ran as plain decoding.
+    draft_failed: bool = False
+    #: Tokens the target decoded per slot in a plain round (1 in any other round).
+    steps: dict[str, int] = field(default_factory=dict)
+
+    def phases(self) -> dict[str, float]:
+        """The round's wall time split by `ROUND_PHASES`."""
+        rpc = self.propose.wall_s - self.propose.compute_s + self.verify.wall_s - self.verify.compute_s
+        counted = self.propose.compute_s + self.verify.compute_s + max(0.0, rpc) + self.accept_s
+        return {
+            "draft_compute": self.propose.compute_s,
+            "verify_compute": self.verify.compute_s,
+            "rpc": max(0.0, rpc),
+            "accept": self.accept_s,
+            "other": max(0.0, self.total_s - counted),
+        }
+
+    @property
+    def overhead_s(self) -> float:
+        """Round time spent outside both services' compute: RPCs, (de)serialisation, acceptance."""
+        return max(0.0, self.total_s - self.propose.compute_s - self.verify.compute_s)
