@@ -6,12 +6,16 @@ argparse flags, `from_args` turns parsed flags back into the config, and `to_arg
 config as the flags a child process parses back into the same config. `specdec serve`, the
 standalone gateway and both model services all build their command lines this way, so a
 default or a flag cannot exist in one place and be missing or different in another.
+
+A field declared `advanced=True` (a tuning knob, a diagnostic switch) is listed in `--help`
+after the everyday flags, in an "advanced" group, so the flags a user reaches for come first.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import typing
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
@@ -21,18 +25,37 @@ C = TypeVar("C")
 
 
 def option(
-    default: T, help: str, *, choices: Iterable[Any] | None = None, aliases: Iterable[str] = (), flag: str = ""
+    default: T,
+    help: str,
+    *,
+    choices: Iterable[Any] | None = None,
+    aliases: Iterable[str] = (),
+    flag: str = "",
+    advanced: bool = False,
 ) -> T:
     """A config field with its command-line help. `flag` renames the flag (default: the field
-    name with dashes); `aliases` are extra spellings, offered only on unprefixed flags."""
-    metadata = {"help": help, "choices": list(choices) if choices is not None else None, "aliases": tuple(aliases), "flag": flag}
+    name with dashes); `aliases` are extra spellings, offered only on unprefixed flags;
+    `advanced` lists it in the "advanced" group of `--help`."""
+    metadata = {
+        "help": help, "choices": list(choices) if choices is not None else None, "aliases": tuple(aliases),
+        "flag": flag, "advanced": advanced,
+    }
     return typing.cast(T, dataclasses.field(default=default, metadata=metadata))
 
 
-def inherit(base: type, name: str, default: T) -> T:
-    """Override a base config field's default in a subclass, keeping its help and choices."""
+def inherit(base: type, name: str, default: Any = dataclasses.MISSING, *, advanced: bool | None = None) -> Any:
+    """Redeclare a base config field in a subclass, keeping its help and choices: with a new
+    default, or (`advanced`) listed in another group of `--help`."""
     original = next(f for f in dataclasses.fields(base) if f.name == name)
-    return typing.cast(T, dataclasses.field(default=default, metadata=original.metadata))
+    metadata = dict(original.metadata)
+    if advanced is not None:
+        metadata["advanced"] = advanced
+    return dataclasses.field(default=original.default if default is dataclasses.MISSING else default, metadata=metadata)
+
+
+def is_advanced(field: dataclasses.Field[Any]) -> bool:
+    """Whether the field's flag belongs in the "advanced" group of `--help`."""
+    return bool(field.metadata.get("advanced", False))
 
 
 _METAVARS = {int: "N", float: "X", str: "TEXT"}
@@ -50,36 +73,69 @@ def add_flags(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     cls: type,
     *,
+    advanced: argparse._ArgumentGroup | None = None,
     prefix: str = "",
     skip: Iterable[str] = (),
+    demote: Iterable[str] = (),
     defaults: Mapping[str, Any] | None = None,
     helps: Mapping[str, str] | None = None,
 ) -> None:
     """One `--<prefix><field>` flag per field of `cls` except `skip`.
 
-    `defaults` and `helps` override a field's default and help for this command line only
-    (e.g. `specdec serve` defaults the draft model to the target's).
+    Everyday flags go to `parser`; advanced ones (the field's marker, or named in `demote` for
+    this command line) to `advanced`, by default a group "advanced options" of `parser` (the
+    advanced flags of a group `parser` stay in it). `defaults` and `helps` override a field's
+    default and help for this command line only (e.g. `specdec serve` defaults the draft model
+    to the target's).
     """
     hints = typing.get_type_hints(cls)
-    defaults, helps, skipped = dict(defaults or {}), dict(helps or {}), set(skip)
-    for field in dataclasses.fields(cls):
+    defaults, helps, skipped, demoted = dict(defaults or {}), dict(helps or {}), set(skip), set(demote)
+    for field in _own_fields_first(cls):
         if field.name in skipped:
             continue
         meta = field.metadata
         if "help" not in meta:
             raise TypeError(f"{cls.__name__}.{field.name} has no help: declare it with specdec.flags.option")
-        default = defaults.get(field.name, field.default)
-        names = [f"--{prefix}{meta['flag'] or field.name.replace('_', '-')}"]
-        if not prefix:
-            names += list(meta["aliases"])
-        text = f"{helps.get(field.name, meta['help'])} (default: {_shown(default)})"
-        dest = _dest(prefix, field.name)
-        if hints[field.name] is bool:
-            parser.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=text)
-        else:
-            kind = hints[field.name]
-            metavar = None if meta["choices"] else _METAVARS.get(kind, "VALUE")
-            parser.add_argument(*names, dest=dest, type=kind, default=default, choices=meta["choices"], metavar=metavar, help=text)
+        container = parser
+        if is_advanced(field) or field.name in demoted:
+            if advanced is None and isinstance(parser, argparse.ArgumentParser):
+                advanced = parser.add_argument_group("advanced options")
+            container = advanced or parser
+        _add_flag(container, field, hints[field.name], prefix, defaults.get(field.name, field.default), helps)
+
+
+def _own_fields_first(cls: type) -> list[dataclasses.Field[Any]]:
+    """The fields of `cls`, those its mixins declare (TLS settings, thread placement) after its
+    own, so `--help` opens with what the service is about."""
+    bases = [base for base in cls.__mro__ if dataclasses.is_dataclass(base)]
+
+    def declared_by(field: dataclasses.Field[Any]) -> int:
+        return max(i for i, base in enumerate(bases) if field.name in inspect.get_annotations(base))
+
+    return sorted(dataclasses.fields(cls), key=declared_by)
+
+
+def _add_flag(
+    container: argparse.ArgumentParser | argparse._ArgumentGroup,
+    field: dataclasses.Field[Any],
+    kind: Any,
+    prefix: str,
+    default: Any,
+    helps: Mapping[str, str],
+) -> None:
+    meta = field.metadata
+    names = [f"--{prefix}{meta['flag'] or field.name.replace('_', '-')}"]
+    if not prefix:
+        names += list(meta["aliases"])
+    text = f"{helps.get(field.name, meta['help'])} (default: {_shown(default)})"
+    dest = _dest(prefix, field.name)
+    if kind is bool:
+        container.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=text)
+    else:
+        metavar = None if meta["choices"] else _METAVARS.get(kind, "VALUE")
+        container.add_argument(
+            *names, dest=dest, type=kind, default=default, choices=meta["choices"], metavar=metavar, help=text,
+        )
 
 
 def from_args(cls: type[C], args: argparse.Namespace, *, prefix: str = "", **values: Any) -> C:

@@ -21,7 +21,9 @@ def add_health_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--service", default="", help="service name to check (default: the whole server)")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default: 5)")
     parser.add_argument("--tls-ca", default="", help="PEM CA of the server's certificate: check over TLS")
-    parser.add_argument("--tls-cert", default="", help="PEM client certificate, for a server that demands one (mutual TLS)")
+    parser.add_argument(
+        "--tls-cert", default="", help="PEM client certificate, for a server that demands one (mutual TLS)",
+    )
     parser.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
 
 
@@ -43,6 +45,8 @@ def health(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="specdec health", description="check a service with grpc.health.v1; exit 0 when SERVING")
+    parser = argparse.ArgumentParser(
+        prog="specdec health", description="check a service with grpc.health.v1; exit 0 when SERVING",
+    )
     add_health_flags(parser)
     return health(parser.parse_args(argv))

@@ -32,13 +32,26 @@ DEFAULT_GATEWAY = "127.0.0.1:50050"
 _CHILD_SKIP = ("host", "port")
 
 
+#: Flags of the model services that `specdec serve` lists as advanced although their own
+#: command lines show them first: the gateway's own flags say the same for the whole server.
+_CHILD_DEMOTE = ("tls_cert", "tls_key", "auth_token_file", "metrics_port", "max_seq_len")
+
+
 def _serve_flags(parser: argparse.ArgumentParser) -> None:
-    """The gateway's flags as they are, then the target's and the draft's with a prefix."""
-    add_flags(parser.add_argument_group("gateway"), GatewayConfig, skip=("target_address", "draft_address"))
-    add_flags(parser.add_argument_group("target service"), TargetConfig, prefix="target-", skip=_CHILD_SKIP)
+    """The gateway's flags as they are, then the target's and the draft's with a prefix: the
+    everyday ones of all three first, then their advanced ones."""
+    parser.add_argument(
+        "--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
+        help="the gateway's log level; the model services log at INFO (default: WARNING)",
+    )
+    draft_title = "draft service (not started with --no-speculative)"
+    groups = [parser.add_argument_group(title) for title in ("gateway", "target service", draft_title)]
+    advanced = [parser.add_argument_group(f"advanced: {group.title}") for group in groups]
+    add_flags(groups[0], GatewayConfig, advanced=advanced[0], skip=("target_address", "draft_address"))
+    add_flags(groups[1], TargetConfig, advanced=advanced[1], prefix="target-", skip=_CHILD_SKIP, demote=_CHILD_DEMOTE)
     add_flags(
-        parser.add_argument_group("draft service (not started with --no-speculative)"), DraftConfig, prefix="draft-",
-        skip=_CHILD_SKIP, defaults={"model": ""}, helps={"model": "draft model; empty: the target model, quantized"},
+        groups[2], DraftConfig, advanced=advanced[2], prefix="draft-", skip=_CHILD_SKIP, demote=_CHILD_DEMOTE,
+        defaults={"model": ""}, helps={"model": "draft model; empty: the target model, quantized"},
     )
 
 
@@ -54,14 +67,18 @@ def _generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=None, help="draft tokens per round for this request")
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, default=None, help="draft tokens per round for this request",
+    )
     parser.add_argument("--no-speculative", action="store_true", help="plain decoding for this request")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     parser.add_argument("--tls-ca", default="", help="PEM CA of the gateway's certificate: connect over TLS")
     parser.add_argument("--tls-cert", default="", help="PEM client certificate, for a gateway that demands one")
     parser.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
-    parser.add_argument("--token-file", default="", help="file holding the gateway's bearer token (default: $SPECDEC_AUTH_TOKEN)")
+    parser.add_argument(
+        "--token-file", default="", help="file holding the gateway's bearer token (default: $SPECDEC_AUTH_TOKEN)",
+    )
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -74,7 +91,8 @@ def serve_configs(args: argparse.Namespace) -> tuple[TargetConfig, DraftConfig |
     target = from_args(TargetConfig, args, prefix="target-", host=args.host, port=0)
     draft = None
     if args.speculative:
-        draft = from_args(DraftConfig, args, prefix="draft-", host=args.host, port=0, model=args.draft_model or target.model)
+        draft_model = args.draft_model or target.model
+        draft = from_args(DraftConfig, args, prefix="draft-", host=args.host, port=0, model=draft_model)
     gateway = from_args(GatewayConfig, args, target_address="-", draft_address="-" if draft else "")
     return target, draft, gateway
 
@@ -139,7 +157,8 @@ def generate(args: argparse.Namespace) -> int:
     else:
         print(
             f"\n\n[{result.completion_tokens} tokens, finish: {result.finish_reason}, "
-            f"acceptance rate {result.acceptance_rate:.2f}, mean acceptance length {result.mean_acceptance_length:.2f}, "
+            f"acceptance rate {result.acceptance_rate:.2f}, "
+            f"mean acceptance length {result.mean_acceptance_length:.2f}, "
             f"{result.tokens_per_s:.1f} tok/s, first token {result.time_to_first_token_s * 1000:.0f} ms]",
             file=sys.stderr,
         )

@@ -21,10 +21,15 @@ class GatewayConfig(ServerSecurity):
     TLS and token settings come from `ServerSecurity`, those toward the services are `service_*`."""
 
     target_address: str = option("", "target service address, host:port (required)", aliases=["--target"])
-    draft_address: str = option("", "draft service address, host:port; empty runs without speculation", aliases=["--draft"])
+    draft_address: str = option(
+        "", "draft service address, host:port; empty runs without speculation", aliases=["--draft"],
+    )
     #: Slot ids carry it, and the services hold this gateway's slots under a lease in its
     #: name: a restart under the same name frees the slots the previous run left behind.
-    instance_id: str = option("", "stable name of this gateway instance, e.g. its pod name (empty = host:port, or a random name with port 0)")
+    instance_id: str = option(
+        "", "stable name of this gateway instance, e.g. its pod name (empty = host:port, or a random name with "
+        "port 0)", advanced=True,
+    )
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(50050, "gateway port (0 = any free port)")
     #: Requests may opt out (or in, when this is off).
@@ -32,48 +37,69 @@ class GatewayConfig(ServerSecurity):
     #: K unless a request asks for another value; with adaptive_k, the largest K the planner may choose.
     num_speculative_tokens: int = option(8, "draft tokens per round, K (the upper bound with --adaptive-k)")
     #: K = 0 when speculation does not pay, e.g. in crowded rounds on a compute-bound target.
-    adaptive_k: bool = option(True, "choose K in 0..--num-speculative-tokens each round from measured costs and acceptance")
-    #: vLLM's multi-step scheduling, for plain rounds: each call to a service costs ~1 ms
-    #: besides its compute on a CPU host (cores waking from idle, caches the target's weights
-    #: evicted), which n steps a call share. Tokens then stream n at a time.
+    adaptive_k: bool = option(
+        True, "choose K in 0..--num-speculative-tokens each round from measured costs and acceptance",
+    )
+    #: vLLM's multi-step scheduling, for plain rounds: n steps share one call's fixed cost
+    #: (docs/performance.md#call-cost-and-multi-step-plain-rounds); tokens then stream n at a time.
     decode_steps: int = option(
         DEFAULT_DECODE_STEPS, "tokens a plain round decodes per request in one target call (1 = one step a call)",
+        advanced=True,
     )
     max_new_tokens_default: int = option(256, "completion length of requests that set none", flag="max-new-tokens")
     max_batch_size: int = option(16, "requests decoded together; more wait in the queue")
     max_queue: int = option(64, "requests waiting for admission; beyond this Generate answers RESOURCE_EXHAUSTED")
     draft_probs_dtype: str = option(
-        "float32", "wire precision of the draft's q vectors (exact either way; bf16 halves them)", choices=PROBS_DTYPES,
+        "float32", "wire precision of the draft's q vectors (exact either way; bf16 halves them)",
+        choices=PROBS_DTYPES, advanced=True,
     )
-    #: The gateway's tensor work (acceptance over the verify logits) is small and runs while
-    #: both services wait. With a second OpenMP thread that thread spun on after each step and
-    #: took a core from the target's next forward: one thread made plain decoding ~12 %
-    #: faster through the stack and acceptance 2.5 -> 1 ms a round (AMD EPYC, 2 cores).
-    threads: int = option(1, "intra-op threads of the gateway's own tensor work (0 = one per core)")
+    #: The gateway's tensor work (acceptance) is small and runs while both services wait; a
+    #: second OpenMP thread would spin on after it and take a core from the target's next
+    #: forward (docs/performance.md, "The gateway computes on one OpenMP thread").
+    threads: int = option(1, "intra-op threads of the gateway's own tensor work (0 = one per core)", advanced=True)
     metrics_port: int = option(-1, "Prometheus /metrics port (-1 = off, 0 = any free port)")
-    metrics_prefix: str = option(DEFAULT_PREFIX, "prefix of every metric name; 'vllm:' gives vLLM's names")
+    metrics_prefix: str = option(
+        DEFAULT_PREFIX, "prefix of every metric name; 'vllm:' gives vLLM's names", advanced=True,
+    )
     #: Client requests are small (a prompt, options); replies from the services are large (logits).
     max_request_bytes: int = option(
-        DEFAULT_MAX_REQUEST_BYTES, "largest Generate / Info request accepted; larger ones get RESOURCE_EXHAUSTED"
+        DEFAULT_MAX_REQUEST_BYTES, "largest Generate / Info request accepted; larger ones get RESOURCE_EXHAUSTED",
+        advanced=True,
     )
-    max_message_bytes: int = option(DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message exchanged with the model services")
+    max_message_bytes: int = option(
+        DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message exchanged with the model services", advanced=True,
+    )
     #: Deadline of a call to a model service: factor x its expected compute, at least the floor.
-    rpc_timeout_floor_s: float = option(10.0, "shortest deadline of a call to a model service, in seconds")
-    service_tls_ca: str = option("", "PEM CA to verify the model services' certificates (TLS toward the services)")
-    service_tls_cert: str = option("", "PEM certificate the gateway presents to the model services (mutual TLS)")
-    service_tls_key: str = option("", "PEM private key of --service-tls-cert")
-    service_auth_token_file: str = option("", "file holding the bearer token the model services demand")
-    #: A message on a kept stream costs less than a new call (`specdec.gateway.streamed_rpc`).
-    streamed_calls: bool = option(
-        True, "carry each round's Propose and Verify on one kept stream per service (--no-streamed-calls: a unary call each)",
+    rpc_timeout_floor_s: float = option(
+        10.0, "shortest deadline of a call to a model service, in seconds", advanced=True,
     )
-    rpc_timeout_factor: float = option(20.0, "a call's deadline in multiples of its expected compute (from the measured costs)")
+    service_tls_ca: str = option(
+        "", "PEM CA to verify the model services' certificates (TLS toward the services)", advanced=True,
+    )
+    service_tls_cert: str = option(
+        "", "PEM certificate the gateway presents to the model services (mutual TLS)", advanced=True,
+    )
+    service_tls_key: str = option("", "PEM private key of --service-tls-cert", advanced=True)
+    service_auth_token_file: str = option(
+        "", "file holding the bearer token the model services demand", advanced=True,
+    )
+    #: A message on a kept stream costs less than a new call (`specdec.gateway.streamed_rpc`);
+    #: unary calls suit a proxy that drops idle streams.
+    streamed_calls: bool = option(
+        True, "carry each round's Propose and Verify on one kept stream per service (--no-streamed-calls: a "
+        "unary call each)", advanced=True,
+    )
+    rpc_timeout_factor: float = option(
+        20.0, "a call's deadline in multiples of its expected compute (from the measured costs)", advanced=True,
+    )
     #: Notices a service that vanished without closing its connections (`specdec.wire.keepalive`).
     keepalive_s: float = option(
         10.0, "seconds between keepalive pings on each connection to a model service (0 = none); at least the "
-        "services' --min-ping-interval-s",
+        "services' --min-ping-interval-s", advanced=True,
     )
-    keepalive_timeout_s: float = option(5.0, "seconds a keepalive ping may go unanswered before the connection is closed")
+    keepalive_timeout_s: float = option(
+        5.0, "seconds a keepalive ping may go unanswered before the connection is closed", advanced=True,
+    )
 
     def __post_init__(self) -> None:
         self.check_security()
@@ -88,7 +114,11 @@ class GatewayConfig(ServerSecurity):
             raise InvalidArgumentError("speculation requires a draft: set draft_address or disable speculation")
         if self.num_speculative_tokens < 1:
             raise InvalidArgumentError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
-        for name in ("decode_steps", "max_new_tokens_default", "max_batch_size", "max_queue", "max_request_bytes", "max_message_bytes"):
+        positive = (
+            "decode_steps", "max_new_tokens_default", "max_batch_size", "max_queue", "max_request_bytes",
+            "max_message_bytes",
+        )
+        for name in positive:
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.threads < 0:
@@ -98,7 +128,9 @@ class GatewayConfig(ServerSecurity):
         if not self.keepalive_s >= 0 or not self.keepalive_timeout_s > 0:  # also refuses NaN
             raise InvalidArgumentError("keepalive_s must be >= 0 and keepalive_timeout_s > 0")
         if self.draft_probs_dtype not in PROBS_DTYPES:
-            raise InvalidArgumentError(f"draft_probs_dtype must be one of {PROBS_DTYPES}, got {self.draft_probs_dtype!r}")
+            raise InvalidArgumentError(
+                f"draft_probs_dtype must be one of {PROBS_DTYPES}, got {self.draft_probs_dtype!r}"
+            )
         check_metrics_prefix(self.metrics_prefix)
         if not 0 <= self.port <= 65535 or not -1 <= self.metrics_port <= 65535:
             raise InvalidArgumentError("port and metrics_port must be valid port numbers")

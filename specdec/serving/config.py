@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.errors import InvalidArgumentError
-from specdec.flags import option
+from specdec.flags import inherit, option
 from specdec.model.compiled_layers import COMPILE_MODES, DEFAULT_COMPILE_BUDGET_S
 from specdec.model.loader import DEFAULT_MODEL
 from specdec.model.quantize_int4 import KERNELS as INT4_KERNELS
@@ -26,60 +26,72 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
     dtype: str = option("float32", "compute dtype of the forward pass", choices=sorted(DTYPES))
     device: str = option("cpu", "torch device, e.g. cpu or cuda:0")
     quantization: str = option(
-        "none", "weight-only quantization: int8 per channel, or int4 in groups (from a GGUF's own Q4 blocks when it has them)",
-        choices=QUANTIZATIONS, aliases=["--quantize"],
+        "none", "weight-only quantization: int8 per channel, or int4 in groups (from a GGUF's own Q4 blocks when it "
+        "has them)", choices=QUANTIZATIONS, aliases=["--quantize"],
     )
-    group_size: int = option(32, "weights per scale group of int4 quantization")
+    group_size: int = option(32, "weights per scale group of int4 quantization", advanced=True)
     head_shortlist: int = option(
-        32, "a quantized model's output head: a 4-bit pass over the vocabulary, then the int8 head on this many best "
-        "tokens a row, where a start-up timing finds that faster than the int8 head alone (0 = int8 head only)",
+        32, "a quantized model's output head: a 4-bit pass over the vocabulary, then the int8 head on this many "
+        "best tokens a row, kept where the start-up timing finds it faster (0 = the int8 head only)", advanced=True,
     )
     int4_kernel: str = option(
-        "auto", "int4 matmul kernel: int4dot (ours, AVX-512 BF16), int4pack (torch's), dequant (float weights), "
-        "or auto (time those that run here at start-up, keep the fastest)", choices=("auto", *INT4_KERNELS),
+        "auto", "int4 matmul kernel: int4dot (ours, needs AVX-512 BF16), int4pack (torch's), dequant (float "
+        "weights), or auto (time those that run here at start-up, keep the fastest)",
+        choices=("auto", *INT4_KERNELS), advanced=True,
     )
-    num_layers: int = option(0, "keep only the first N decoder layers (0 = all; a weak draft for tests)")
+    num_layers: int = option(
+        0, "keep only the first N decoder layers (0 = all; a weak draft for tests)", advanced=True,
+    )
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(0, "port to bind (0 = any free port, printed at start)")
     max_slots: int = option(64, "concurrent request slots")
     kv_token_budget: int = option(16384, "KV-cache capacity in tokens over all slots")
-    block_size: int = option(16, "tokens per KV-cache block")
-    max_speculative_tokens: int = option(16, "largest K (draft tokens per request and round) accepted")
+    block_size: int = option(16, "tokens per KV-cache block", advanced=True)
+    max_speculative_tokens: int = option(16, "largest K (draft tokens per request and round) accepted", advanced=True)
     max_seq_len: int = option(0, "longest sequence per slot (0 = the model's limit)")
-    max_message_bytes: int = option(DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received")
-    prefix_caching: bool = option(
-        True, "automatic prefix caching: a new prompt starts from the cached KV blocks of an earlier sequence "
-        "with the same leading tokens (whole blocks), instead of computing them again",
+    max_message_bytes: int = option(
+        DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message sent or received", advanced=True,
     )
-    measure_costs: bool = option(True, "time the forward pass at start-up so the gateway can plan K from real costs")
+    prefix_caching: bool = option(
+        True, "automatic prefix caching: a new prompt starts from the cached KV blocks of an earlier sequence with "
+        "the same leading whole blocks", advanced=True,
+    )
+    measure_costs: bool = option(
+        True, "time the forward pass at start-up so the gateway can plan K from real costs", advanced=True,
+    )
     compile: str = option(
-        "off", "torch.compile the decoder layers of the drafting loop's steps (a single request's and a batch's 1- and 2-token steps): on, off, or "
-        "auto (compile, time both at start-up, keep the faster; eager when --no-measure-costs)", choices=COMPILE_MODES,
+        "off", "torch.compile the decoder layers of the drafting loop's 1- and 2-token steps: on, off, or auto "
+        "(compile, time both at start-up, keep the faster; eager with --no-measure-costs)",
+        choices=COMPILE_MODES, advanced=True,
     )
     compile_budget_s: float = option(
-        DEFAULT_COMPILE_BUDGET_S, "start-up seconds for compiled graphs: the first is always built, each further one "
-        "only while the graphs before took at most this long (cached graphs load in seconds, so restarts build more)",
+        DEFAULT_COMPILE_BUDGET_S, "start-up seconds for compiled graphs: the first is always built, each further "
+        "one only while those before took at most this long", advanced=True,
     )
-    threads: int = option(0, "intra-op threads of the forward pass (0 = one per core)")
+    threads: int = option(0, "intra-op threads of the forward pass (0 = one per core)", advanced=True)
     release_threads: bool = option(
         True, "after a call that hands the cores to the other service (a Propose; a Verify of draft tokens), let the "
-        "OpenMP threads go instead of spinning into its turn",
+        "OpenMP threads go instead of spinning into its turn", advanced=True,
     )
     retain_freed_memory: bool = option(
         True, "keep freed memory in the process (glibc malloc thresholds raised) instead of returning it to the "
-        "kernel and page-faulting it back at the next call",
+        "kernel and page-faulting it back at the next call", advanced=True,
     )
     metrics_port: int = option(-1, "Prometheus /metrics port (-1 = off, 0 = any free port)")
-    metrics_prefix: str = option(DEFAULT_PREFIX, "prefix of every metric name")
+    metrics_prefix: str = option(DEFAULT_PREFIX, "prefix of every metric name", advanced=True)
     #: A gateway renews its lease every few seconds; one that stops (killed, partitioned)
     #: loses its slots this long after its last renewal.
-    lease_ttl_s: float = option(30.0, "seconds after a gateway's last lease renewal at which its slots are freed")
-    #: The gateway pings every 10 s by default (`--keepalive-s`); gRPC's own policy allows
-    #: one ping per 5 minutes and closes the connection of a client that pings more.
+    lease_ttl_s: float = option(
+        30.0, "seconds after a gateway's last lease renewal at which its slots are freed", advanced=True,
+    )
+    #: gRPC's own policy allows one ping per 5 minutes and closes the connection of a client
+    #: that pings more; the gateway's `--keepalive-s` must not be shorter than this.
     min_ping_interval_s: float = option(
         5.0, "shortest interval between a client's keepalive pings that the service accepts (more often: the "
-        "connection is closed)",
+        "connection is closed)", advanced=True,
     )
+    bind_threads: bool = inherit(ThreadPlacement, "bind_threads", advanced=True)
+    cpu_cores: str = inherit(ThreadPlacement, "cpu_cores", advanced=True)
 
     def __post_init__(self) -> None:
         self.check_security()
@@ -91,7 +103,8 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
             raise InvalidArgumentError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if not 0 <= self.port <= 65535:
             raise InvalidArgumentError(f"port must be in 0..65535, got {self.port}")
-        for name in ("group_size", "max_slots", "kv_token_budget", "block_size", "max_speculative_tokens", "max_message_bytes"):
+        positive = ("group_size", "max_slots", "kv_token_budget", "block_size", "max_speculative_tokens")
+        for name in (*positive, "max_message_bytes"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.head_shortlist < 0:

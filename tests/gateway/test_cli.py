@@ -24,7 +24,9 @@ def test_generate_json_prints_one_object(int8_stack) -> None:  # type: ignore[no
     done = _generate(int8_stack.address, "Name three fruits.", "--max-new-tokens", "12", "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert set(result) >= {"text", "token_ids", "finish_reason", "acceptance_rate", "mean_acceptance_length", "tokens_per_s"}
+    assert set(result) >= {
+        "text", "token_ids", "finish_reason", "acceptance_rate", "mean_acceptance_length", "tokens_per_s",
+    }
     assert len(result["token_ids"]) == 12 and result["finish_reason"] == "length"
     with int8_stack.client() as client:
         same = client.generate([{"role": "user", "content": "Name three fruits."}], max_new_tokens=12)
@@ -48,7 +50,10 @@ def test_generate_error_exits_non_zero_with_status(int8_stack) -> None:  # type:
 def test_gateway_runs_alone_against_running_services(int8_stack) -> None:  # type: ignore[no-untyped-def]
     target, draft = (f"127.0.0.1:{s.port}" for s in int8_stack.servers)
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "specdec.gateway", "--target-address", target, "--draft-address", draft, "--port", "0", "--log-level", "WARNING"],
+        [
+            sys.executable, "-m", "specdec.gateway", "--target-address", target, "--draft-address", draft,
+            "--port", "0", "--log-level", "WARNING",
+        ],
         stdout=subprocess.PIPE, text=True,
     )
     try:
@@ -67,13 +72,22 @@ def test_gateway_runs_alone_against_running_services(int8_stack) -> None:  # typ
     int8_stack.wait_until_idle()
 
 
+def test_serve_help_lists_the_everyday_flags_before_the_advanced_ones() -> None:
+    done = subprocess.run([*CLI, "serve", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    text = done.stdout.split("\noptions:", 1)[1]  # the groups, past the usage line
+    order = ["--num-speculative-tokens", "--draft-quantization", "advanced: gateway:", "--decode-steps",
+             "advanced: target service:", "--target-compile-budget-s"]
+    assert [text.index(item) for item in order] == sorted(text.index(item) for item in order)
+
+
 @pytest.mark.slow
 def test_serve_runs_the_trio_and_stops_it_on_sigterm() -> None:
     serve = subprocess.Popen(
         # Without the start-up cost profiles (~10 s each; covered by test_faults and
         # test_streaming): without costs K cannot adapt, so every round drafts.
-        [*CLI, "serve", "--port", "0", "--metrics-port", "0", "--target-kv-token-budget", "2048", "--draft-kv-token-budget", "2048",
-         "--no-target-measure-costs", "--no-draft-measure-costs"],
+        [*CLI, "serve", "--port", "0", "--metrics-port", "0", "--target-kv-token-budget", "2048",
+         "--draft-kv-token-budget", "2048", "--no-target-measure-costs", "--no-draft-measure-costs"],
         stdout=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:

@@ -11,14 +11,30 @@ import pytest
 from specdec.cli.main import build_parser, serve_configs
 from specdec.draft_server.config import DraftConfig
 from specdec.errors import InvalidArgumentError
-from specdec.flags import add_flags, option, parse_config, to_argv
+from specdec.flags import add_flags, inherit, is_advanced, option, parse_config, to_argv
 from specdec.gateway.config import GatewayConfig
 from specdec.model.loader import DEFAULT_MODEL
+from specdec.serving.config import ModelServiceConfig
 from specdec.target_server.config import TargetConfig
+
+#: What `specdec serve --help` may list before its advanced groups (the issue asks for ~25).
+MAX_EVERYDAY_SERVE_FLAGS = 25
 
 
 def serve_args(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(["serve", *argv])
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    return build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr,no-any-return]
+
+
+def flags_by_group(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
+    """Each `--help` group's title and its flags' first spellings, in the order `--help` lists them."""
+    return {
+        str(group.title): [action.option_strings[0] for action in group._group_actions if action.dest != "help"]
+        for group in parser._action_groups
+    }
 
 
 @pytest.mark.parametrize("config", [
@@ -45,12 +61,16 @@ def test_serve_reaches_every_field_of_every_config() -> None:
         "--target-model", "t.gguf", "--target-kv-token-budget", "512", "--no-target-measure-costs",
         "--draft-quantization", "int8", "--draft-threads", "1", "--draft-num-layers", "2",
     ))
-    assert (target.host, target.model, target.kv_token_budget, target.measure_costs) == ("0.0.0.0", "t.gguf", 512, False)
-    assert draft is not None and (draft.model, draft.quantization, draft.threads, draft.num_layers) == ("t.gguf", "int8", 1, 2)
-    assert (gateway.host, gateway.max_queue, gateway.adaptive_k, gateway.num_speculative_tokens) == ("0.0.0.0", 7, False, 3)
-    flags = {o for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions for o in a.option_strings}  # type: ignore[union-attr]
+    assert (target.host, target.model, target.kv_token_budget) == ("0.0.0.0", "t.gguf", 512)
+    assert not target.measure_costs
+    assert draft is not None
+    assert (draft.model, draft.quantization, draft.threads, draft.num_layers) == ("t.gguf", "int8", 1, 2)
+    assert (gateway.host, gateway.max_queue, gateway.num_speculative_tokens) == ("0.0.0.0", 7, 3)
+    assert not gateway.adaptive_k
+    flags = {o for a in serve_parser()._actions for o in a.option_strings}
     for prefix, cls in (("--target-", TargetConfig), ("--draft-", DraftConfig)):
-        assert {f"{prefix}{f.name.replace('_', '-')}" for f in dataclasses.fields(cls) if f.name not in ("host", "port")} <= flags
+        names = {f.name.replace("_", "-") for f in dataclasses.fields(cls)} - {"host", "port"}
+        assert {f"{prefix}{name}" for name in names} <= flags
     gateway_fields = {f.metadata["flag"] or f.name.replace("_", "-") for f in dataclasses.fields(GatewayConfig)}
     assert {f"--{name}" for name in gateway_fields - {"target-address", "draft-address"}} <= flags
 
@@ -78,7 +98,83 @@ def test_the_gateway_pings_no_more_often_than_the_services_accept_by_default() -
     assert gateway.keepalive_timeout_s < gateway.keepalive_s
 
 
-@pytest.mark.parametrize("fields", [dict(keepalive_s=-1.0), dict(keepalive_s=float("nan")), dict(keepalive_timeout_s=0.0)])
+@pytest.mark.parametrize(
+    "fields", [dict(keepalive_s=-1.0), dict(keepalive_s=float("nan")), dict(keepalive_timeout_s=0.0)],
+)
 def test_keepalive_settings_that_are_not_durations_are_refused(fields: dict[str, float]) -> None:
     with pytest.raises(InvalidArgumentError, match="keepalive"):
         GatewayConfig(target_address="a:1", draft_address="b:2", **fields)  # type: ignore[arg-type]
+
+
+def test_serve_help_lists_the_everyday_flags_first_and_the_rest_as_advanced() -> None:
+    groups = flags_by_group(serve_parser())
+    titles = list(groups)
+    advanced = [title for title in titles if title.startswith("advanced")]
+    everyday = [flag for title in titles if title not in advanced for flag in groups[title]]
+    assert len(advanced) == 3 and titles.index(advanced[0]) > max(titles.index(t) for t in titles if t not in advanced)
+    assert len(everyday) <= MAX_EVERYDAY_SERVE_FLAGS, everyday
+    assert {
+        "--log-level", "--port", "--speculative", "--num-speculative-tokens", "--adaptive-k", "--max-batch-size",
+        "--target-model", "--target-dtype", "--draft-model", "--draft-quantization", "--target-kv-token-budget",
+        "--tls-cert", "--auth-token-file",
+    } <= set(everyday)
+    # The model services' own everyday TLS and metrics flags are advanced here: the gateway's serve for all three.
+    assert {"--target-tls-cert", "--draft-metrics-port", "--decode-steps", "--draft-compile"} <= {
+        flag for title in advanced for flag in groups[title]
+    }
+
+
+@pytest.mark.parametrize("cls", [TargetConfig, DraftConfig, GatewayConfig])
+def test_a_services_own_help_lists_its_advanced_flags_last(cls: type) -> None:
+    parser = argparse.ArgumentParser()
+    add_flags(parser, cls)
+    groups = flags_by_group(parser)
+    assert list(groups)[-1] == "advanced options"
+    fields = {f"--{f.metadata['flag'] or f.name.replace('_', '-')}": f for f in dataclasses.fields(cls)}
+    assert all(is_advanced(fields[flag]) for flag in groups["advanced options"])
+    assert not any(is_advanced(fields[flag]) for title, flags in groups.items() if title != "advanced options"
+                   for flag in flags)
+    if issubclass(cls, ModelServiceConfig):  # what the service is about first, its TLS mixin's flags after
+        assert groups["options"][:2] == ["--model", "--dtype"]
+
+
+def test_advanced_flags_go_to_the_group_given_and_demote_moves_more() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Service:
+        port: int = option(1, "everyday")
+        knob: int = option(2, "tuning", advanced=True)
+        limit: int = option(3, "everyday elsewhere")
+
+    parser = argparse.ArgumentParser()
+    mine, tuning = parser.add_argument_group("mine"), parser.add_argument_group("mine, advanced")
+    add_flags(mine, Service, advanced=tuning, prefix="x-", demote=("limit",))
+    groups = flags_by_group(parser)
+    assert groups["mine"] == ["--x-port"] and groups["mine, advanced"] == ["--x-knob", "--x-limit"]
+    plain = argparse.ArgumentParser()
+    add_flags(plain.add_argument_group("one group"), Service)
+    assert flags_by_group(plain)["one group"] == ["--port", "--knob", "--limit"]  # no advanced group: all in it
+
+
+def test_inherit_keeps_help_and_can_move_a_field_to_advanced() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Base:
+        workers: int = option(1, "worker threads")
+
+    @dataclasses.dataclass(frozen=True)
+    class Tuned(Base):
+        workers: int = inherit(Base, "workers", advanced=True)
+
+    @dataclasses.dataclass(frozen=True)
+    class Bigger(Base):
+        workers: int = inherit(Base, "workers", 4)
+
+    (tuned,), (bigger,) = dataclasses.fields(Tuned), dataclasses.fields(Bigger)
+    assert is_advanced(tuned) and tuned.default == 1 and tuned.metadata["help"] == "worker threads"
+    assert not is_advanced(bigger) and bigger.default == 4
+    assert not is_advanced(dataclasses.fields(Base)[0])
+
+
+def test_serve_takes_the_log_level_after_the_command_too() -> None:
+    assert serve_args("--log-level", "INFO").log_level == "INFO"
+    assert build_parser().parse_args(["--log-level", "DEBUG", "serve"]).log_level == "DEBUG"
+    assert serve_args().log_level == "WARNING"
