@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ from tests.support.prometheus_deploy import (
 SEVERITIES = {"critical", "warning"}
 
 
-def _ok(result) -> str:  # type: ignore[no-untyped-def]
+def _ok(result: subprocess.CompletedProcess[str]) -> str:
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     return output

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import grpc
+import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
@@ -261,17 +263,19 @@ def test_many_slots_at_once(start_draft: Callable[..., Service], smollm2: Loaded
     assert (info.free_kv_tokens, info.active_slots) == (info.total_kv_tokens, 0)
 
 
-def test_health_check_answers_while_propose_runs_on_the_worker(draft: Service, prompts: list[list[int]]) -> None:
+def test_health_check_answers_while_propose_runs_on_the_worker(
+    draft: Service, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     engine = draft.engine
     started, finish = threading.Event(), threading.Event()
     real_propose = engine.propose
 
-    def slow_propose(*args):  # type: ignore[no-untyped-def]
+    def slow_propose(*args: Any) -> object:
         started.set()
         finish.wait(timeout=30)
         return real_propose(*args)
 
-    engine.propose = slow_propose  # type: ignore[method-assign]
+    monkeypatch.setattr(engine, "propose", slow_propose)
     pending = draft.stub.Propose.future(draft_pb2.ProposeRequest(items=[item("s", prompts[0], 2)]))
     try:
         assert started.wait(timeout=30), "Propose never reached the worker"

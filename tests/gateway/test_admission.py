@@ -10,17 +10,23 @@ from __future__ import annotations
 
 import threading
 
+from specdec.client import GenerationResult
+from specdec.model.runtime import ModelRuntime
+from tests.support.stacks import StartStack
+
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy keeps counting: no early EOS
 SHORT = ["The capital of France is", "Water boils at", "The opposite of hot is"]
 SMALL_POOL = dict(kv_token_budget=128)
 
 
-def test_huge_requests_do_not_starve_short_ones_and_nothing_leaks(start_stack, int8_runtime) -> None:  # type: ignore[no-untyped-def]
+def test_huge_requests_do_not_starve_short_ones_and_nothing_leaks(
+    start_stack: StartStack, int8_runtime: ModelRuntime
+) -> None:
     stack = start_stack(int8_runtime, target=SMALL_POOL, draft=SMALL_POOL, num_speculative_tokens=2)
     with stack.client() as client:
         references = {prompt: client.generate(prompt, max_new_tokens=8, speculative=False).token_ids for prompt in SHORT}
         huge_done = [threading.Event() for _ in range(2)]
-        huge_results: list[object] = [None, None]
+        huge_results: list[GenerationResult | None] = [None, None]
 
         def run_huge(i: int) -> None:
             try:
@@ -39,9 +45,9 @@ def test_huge_requests_do_not_starve_short_ones_and_nothing_leaks(start_stack, i
             assert not all(done.is_set() for done in huge_done), "a short request waited for the huge ones"
         for thread in threads:
             thread.join(timeout=120)
-    for result in huge_results:
-        assert result is not None and result.finish_reason == "length"  # type: ignore[attr-defined]
-        assert result.prompt_tokens + result.completion_tokens == 128  # type: ignore[attr-defined]
+    for huge in huge_results:
+        assert huge is not None and huge.finish_reason == "length"
+        assert huge.prompt_tokens + huge.completion_tokens == 128
     stack.wait_until_idle()
     for engine in stack.engines():
         assert engine.cache.blocks.free_tokens == engine.cache.capacity_tokens

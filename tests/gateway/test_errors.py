@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -12,13 +13,16 @@ from specdec.client import build_request
 from specdec.errors import InvalidArgumentError
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.server import create_gateway
+from specdec.model.runtime import ModelRuntime
 from specdec.model.tokenizer_info import TokenizerMismatchError
 from specdec.v1 import gateway_pb2
+from tests.support.services import LoopThread
+from tests.support.stacks import Stack, StartStack
 
 STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
 
 
-def _status(stack, request: gateway_pb2.GenerateRequest) -> grpc.RpcError:  # type: ignore[no-untyped-def]
+def _status(stack: Stack, request: gateway_pb2.GenerateRequest) -> grpc.RpcError:
     with stack.client() as client, pytest.raises(grpc.RpcError) as info:
         list(client.stub.Generate(request, timeout=60))
     return info.value
@@ -45,13 +49,15 @@ def _status(stack, request: gateway_pb2.GenerateRequest) -> grpc.RpcError:  # ty
     ids=["no-input", "empty-prompt", "empty-chat", "temperature", "top_p", "top_k", "max_new_tokens", "spec-0", "spec-99",
          "unknown-role", "empty-role", "too-many-stops", "long-stop", "empty-stop"],
 )
-def test_invalid_requests_are_invalid_argument(int8_stack, request_: gateway_pb2.GenerateRequest, field: str) -> None:  # type: ignore[no-untyped-def]
+def test_invalid_requests_are_invalid_argument(
+    int8_stack: Stack, request_: gateway_pb2.GenerateRequest, field: str
+) -> None:
     error = _status(int8_stack, request_)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert field in error.details()
+    assert field in (error.details() or "")
 
 
-def test_speculation_without_a_draft_is_refused(start_stack) -> None:  # type: ignore[no-untyped-def]
+def test_speculation_without_a_draft_is_refused(start_stack: StartStack) -> None:
     stack = start_stack(None)
     error = _status(stack, build_request("hi", speculative=True))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -59,7 +65,7 @@ def test_speculation_without_a_draft_is_refused(start_stack) -> None:  # type: i
         assert client.generate("hi", max_new_tokens=3).completion_tokens == 3  # plain decoding works
 
 
-def test_full_queue_is_resource_exhausted(start_stack, int8_runtime) -> None:  # type: ignore[no-untyped-def]
+def test_full_queue_is_resource_exhausted(start_stack: StartStack, int8_runtime: ModelRuntime) -> None:
     stack = start_stack(int8_runtime, max_batch_size=1, max_queue=1)
     with stack.client() as client, ThreadPoolExecutor(4) as pool:
         calls = [client.stub.Generate(build_request(STORY, max_new_tokens=30), timeout=120) for _ in range(4)]
@@ -71,7 +77,7 @@ def test_full_queue_is_resource_exhausted(start_stack, int8_runtime) -> None:  #
     stack.wait_until_idle()
 
 
-def _outcome(call) -> str:  # type: ignore[no-untyped-def]
+def _outcome(call: Iterable[object]) -> str:
     try:
         for _ in call:
             pass
@@ -80,7 +86,9 @@ def _outcome(call) -> str:  # type: ignore[no-untyped-def]
         return error.code().name
 
 
-def test_requests_beyond_kv_capacity_wait_and_then_complete(start_stack, int8_runtime) -> None:  # type: ignore[no-untyped-def]
+def test_requests_beyond_kv_capacity_wait_and_then_complete(
+    start_stack: StartStack, int8_runtime: ModelRuntime
+) -> None:
     """With room for one whole request at a time, both start, the newer one is preempted when
     the pools run out and resumes later: both complete, with the same greedy output."""
     stack = start_stack(int8_runtime, target=dict(kv_token_budget=192), draft=dict(kv_token_budget=192))
@@ -100,14 +108,18 @@ def test_config_validation() -> None:
         GatewayConfig(target_address="127.0.0.1:1", speculative=False, draft_probs_dtype="int4")
 
 
-def test_gateway_refuses_num_speculative_tokens_above_the_services_maximum(int8_stack, service_loop) -> None:  # type: ignore[no-untyped-def]
+def test_gateway_refuses_num_speculative_tokens_above_the_services_maximum(
+    int8_stack: Stack, service_loop: LoopThread
+) -> None:
     target, draft = (f"127.0.0.1:{s.port}" for s in int8_stack.servers)
     config = GatewayConfig(target_address=target, draft_address=draft, port=0, num_speculative_tokens=9)
     with pytest.raises(InvalidArgumentError, match="maximum 8"):
         service_loop.run(create_gateway(config))
 
 
-def test_gateway_refuses_a_draft_with_another_tokenizer(start_stack, int8_runtime, service_loop) -> None:  # type: ignore[no-untyped-def]
+def test_gateway_refuses_a_draft_with_another_tokenizer(
+    start_stack: StartStack, int8_runtime: ModelRuntime, service_loop: LoopThread
+) -> None:
     """A draft whose tokenizer fingerprint differs from the target's must not be used.
 
     A stack of its own: the shared stack's gateway would see the altered fingerprint in its
@@ -120,7 +132,7 @@ def test_gateway_refuses_a_draft_with_another_tokenizer(start_stack, int8_runtim
         service_loop.run(create_gateway(GatewayConfig(target_address=target, draft_address=draft, port=0)))
 
 
-def test_gateway_info_describes_both_models(int8_stack) -> None:  # type: ignore[no-untyped-def]
+def test_gateway_info_describes_both_models(int8_stack: Stack) -> None:
     with int8_stack.client() as client:
         info = client.info()
     assert info.speculative_enabled and info.default_num_speculative_tokens == 8 and info.max_speculative_tokens == 8
@@ -128,7 +140,9 @@ def test_gateway_info_describes_both_models(int8_stack) -> None:  # type: ignore
     assert info.target.dtype == "float32" and info.draft.quantization == "int8"
 
 
-def test_a_target_cut_to_its_first_layers_serves_through_the_gateway(start_stack, weak_runtime, int8_runtime) -> None:  # type: ignore[no-untyped-def]
+def test_a_target_cut_to_its_first_layers_serves_through_the_gateway(
+    start_stack: StartStack, weak_runtime: ModelRuntime, int8_runtime: ModelRuntime
+) -> None:
     """`--num-layers` renames the model for display; the gateway loads its tokenizer from the
     unchanged model id (this failed at start-up while one field was both)."""
     stack = start_stack(int8_runtime, target_runtime=weak_runtime, target={"num_layers": 2})
@@ -141,7 +155,7 @@ def test_a_target_cut_to_its_first_layers_serves_through_the_gateway(start_stack
     stack.wait_until_idle()
 
 
-def test_an_oversized_request_is_resource_exhausted_and_the_gateway_keeps_serving(int8_stack) -> None:  # type: ignore[no-untyped-def]
+def test_an_oversized_request_is_resource_exhausted_and_the_gateway_keeps_serving(int8_stack: Stack) -> None:
     error = _status(int8_stack, build_request("x" * (5 * 1024 * 1024)))
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     with int8_stack.client() as client:

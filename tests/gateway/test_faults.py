@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 import pytest
@@ -12,19 +13,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.client import build_request
 from specdec.draft_server.server import create_server as create_draft_server
+from specdec.model.runtime import ModelRuntime
 from specdec.target_server.server import create_server as create_target_server
 from specdec.v1 import gateway_pb2
+from tests.support.services import LoopThread
+from tests.support.stacks import Stack, StartStack
 
 MONITOR_INTERVAL_S = 2.0  # the gateway's default Info poll
 STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
 
 
-def _info(stack) -> gateway_pb2.GatewayInfo:  # type: ignore[no-untyped-def]
+def _info(stack: Stack) -> gateway_pb2.GatewayInfo:
     with stack.client() as client:
         return client.info()
 
 
-def _gateway_health(stack) -> int:  # type: ignore[no-untyped-def]
+def _gateway_health(stack: Stack) -> int:
     with grpc.insecure_channel(stack.address) as channel:
         return int(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status)
 
@@ -38,13 +42,15 @@ def _eventually(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
     return True
 
 
-def _kill(stack, index: int, service_loop) -> None:  # type: ignore[no-untyped-def]
+def _kill(stack: Stack, index: int, service_loop: LoopThread) -> None:
     """Stop one model server of the stack at once (and keep teardown from stopping it again)."""
     server = stack.servers.pop(index)
     service_loop.run(server.stop(grace=0))
 
 
-def test_losing_the_draft_mid_stream_falls_back_to_plain_decoding(start_stack, int8_runtime, service_loop) -> None:  # type: ignore[no-untyped-def]
+def test_losing_the_draft_mid_stream_falls_back_to_plain_decoding(
+    start_stack: StartStack, int8_runtime: ModelRuntime, service_loop: LoopThread
+) -> None:
     stack = start_stack(int8_runtime)
     with stack.client() as client:
         reference = client.generate(STORY, max_new_tokens=30, speculative=False)
@@ -61,7 +67,9 @@ def test_losing_the_draft_mid_stream_falls_back_to_plain_decoding(start_stack, i
     assert _eventually(lambda: not stack.target.tokens), "the target slot was not released"
 
 
-def test_losing_the_target_fails_the_stream_and_frees_the_draft_slot(start_stack, int8_runtime, service_loop) -> None:  # type: ignore[no-untyped-def]
+def test_losing_the_target_fails_the_stream_and_frees_the_draft_slot(
+    start_stack: StartStack, int8_runtime: ModelRuntime, service_loop: LoopThread
+) -> None:
     stack = start_stack(int8_runtime)
     completion = None
     with stack.client() as client, pytest.raises(grpc.RpcError) as error:
@@ -82,7 +90,9 @@ def test_losing_the_target_fails_the_stream_and_frees_the_draft_slot(start_stack
     assert time.monotonic() - started < 1.0 and not info.target_available
 
 
-def test_a_hung_draft_costs_one_deadline_and_the_output_stays_exact(start_stack, int8_runtime, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_hung_draft_costs_one_deadline_and_the_output_stays_exact(
+    start_stack: StartStack, int8_runtime: ModelRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A Propose that hangs (the draft's model worker blocked, as under SIGSTOP) misses its
     deadline: that round and the next run as plain decoding with the same tokens, and
     speculation resumes once the draft answers its health check."""
@@ -91,7 +101,7 @@ def test_a_hung_draft_costs_one_deadline_and_the_output_stays_exact(start_stack,
         expected = client.generate(STORY, max_new_tokens=40, speculative=False).token_ids
     propose, hangs = stack.draft.propose, [4.0]
 
-    def hanging_propose(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def hanging_propose(*args: Any, **kwargs: Any) -> object:
         if hangs:
             time.sleep(hangs.pop())  # on the draft's model worker: Propose, not the loop, hangs
         return propose(*args, **kwargs)
@@ -109,7 +119,9 @@ def test_a_hung_draft_costs_one_deadline_and_the_output_stays_exact(start_stack,
     stack.wait_until_idle()
 
 
-def test_a_request_right_after_the_target_restarts_waits_for_it_instead_of_failing(start_stack, service_loop) -> None:  # type: ignore[no-untyped-def]
+def test_a_request_right_after_the_target_restarts_waits_for_it_instead_of_failing(
+    start_stack: StartStack, service_loop: LoopThread
+) -> None:
     """The gateway's connection to a restarted target is in reconnect backoff for a while:
     a Prefill waits for it within its deadline instead of failing with UNAVAILABLE."""
     stack = start_stack(None)
@@ -125,7 +137,9 @@ def test_a_request_right_after_the_target_restarts_waits_for_it_instead_of_faili
     stack.wait_until_idle()
 
 
-def _restart(stack, index: int, service_loop, tokenizer_fingerprint: str = "", **config) -> None:  # type: ignore[no-untyped-def]
+def _restart(
+    stack: Stack, index: int, service_loop: LoopThread, tokenizer_fingerprint: str = "", **config: Any
+) -> None:
     """Replace model server `index` (0 target, 1 draft) by a fresh engine on the same port,
     with `config` changes (and a tampered tokenizer fingerprint if given)."""
     engine = stack.target if index == 0 else stack.draft
@@ -142,17 +156,19 @@ def _restart(stack, index: int, service_loop, tokenizer_fingerprint: str = "", *
         stack.draft = fresh
 
 
-def _refusal(stack) -> tuple[grpc.StatusCode, bool] | None:  # type: ignore[no-untyped-def]
+def _refusal(stack: Stack) -> tuple[grpc.StatusCode, bool] | None:
     """The status of a short generation (None if it succeeds), and whether it names the tokenizer."""
     with stack.client() as client:
         try:
             client.generate(STORY, max_new_tokens=2)
         except grpc.RpcError as error:
-            return error.code(), "tokenizer fingerprints differ" in error.details()  # type: ignore[attr-defined]
+            return error.code(), "tokenizer fingerprints differ" in (error.details() or "")
     return None
 
 
-def test_restarted_services_are_adopted_with_their_new_costs_or_refused(start_stack, int8_runtime, service_loop) -> None:  # type: ignore[no-untyped-def]
+def test_restarted_services_are_adopted_with_their_new_costs_or_refused(
+    start_stack: StartStack, int8_runtime: ModelRuntime, service_loop: LoopThread
+) -> None:
     """The gateway re-reads a restarted service's Info: new costs and pool are adopted, another
     tokenizer is refused (a draft: no speculation; a target: UNAVAILABLE) until it is fixed."""
     stack = start_stack(int8_runtime, adaptive_k=True)  # services without cost tables: K cannot adapt

@@ -25,8 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specdec.client import SpecdecClient
+from specdec.model.runtime import ModelRuntime
 from specdec.v1 import common_pb2, draft_pb2, gateway_pb2, target_pb2
-from tests.support.services import Service
+from tests.support.services import Service, StartService
+from tests.support.stacks import StartStack
 
 VOCAB = 49152
 #: The codes a bad request may get: each names what was wrong.
@@ -101,7 +103,7 @@ target_calls = st.one_of(
 )
 
 
-def test_fuzz_target_requests(start_target) -> None:  # type: ignore[no-untyped-def]
+def test_fuzz_target_requests(start_target: StartService) -> None:
     target = start_target(kv_token_budget=256, max_slots=4, max_speculative_tokens=4)
     known = target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(slot_id=KNOWN, prompt_tokens=[1, 2, 3])])
     _fuzz_service(target, target_calls, lambda: target.stub.Prefill(known))
@@ -124,7 +126,7 @@ draft_calls = st.one_of(
 )
 
 
-def test_fuzz_draft_requests(start_draft) -> None:  # type: ignore[no-untyped-def]
+def test_fuzz_draft_requests(start_draft: StartService) -> None:
     draft = start_draft(kv_token_budget=256, max_slots=4, max_speculative_tokens=4)
     known = draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(slot_id=KNOWN, new_tokens=[1, 2, 3], num_speculative_tokens=1)])
     _fuzz_service(draft, draft_calls, lambda: draft.stub.Propose(known))
@@ -150,7 +152,7 @@ generate_requests = st.builds(
 )
 
 
-def test_fuzz_gateway_requests(start_stack, int8_runtime) -> None:  # type: ignore[no-untyped-def]
+def test_fuzz_gateway_requests(start_stack: StartStack, int8_runtime: ModelRuntime) -> None:
     # Short sequences keep 10**9-token requests quick: the gateway caps them at max_seq_len.
     short = dict(kv_token_budget=512, max_seq_len=48)
     stack = start_stack(int8_runtime, target=short, draft=short, max_new_tokens_default=3)

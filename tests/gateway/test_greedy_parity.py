@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
 from specdec.client import GenerationResult
 from specdec.model.chat import encode_chat
 from specdec.model.loader import LoadedModel
-from tests.support.stacks import chat
+from tests.support.stacks import Stack, chat
 
 PROMPTS = [
     "What is the capital of France?",
@@ -32,7 +33,7 @@ def expected(smollm2: LoadedModel, hf_greedy: Callable[[list[int], int], list[in
     return [hf_greedy(encode_chat(smollm2.tokenizer, chat(p)), MAX_NEW_TOKENS) for p in PROMPTS]
 
 
-def _run_all(stack, **options) -> list[GenerationResult]:  # type: ignore[no-untyped-def]
+def _run_all(stack: Stack, **options: Any) -> list[GenerationResult]:
     with stack.client() as client, ThreadPoolExecutor(len(PROMPTS)) as pool:
         futures = [pool.submit(client.generate, chat(p), max_new_tokens=MAX_NEW_TOKENS, **options) for p in PROMPTS]
         return [f.result() for f in futures]
@@ -59,7 +60,7 @@ def test_speculative_equals_plain_equals_transformers(
     stack.wait_until_idle()
 
 
-def test_num_speculative_tokens_per_request_keeps_exactness(int8_stack, expected: list[list[int]]) -> None:  # type: ignore[no-untyped-def]
+def test_num_speculative_tokens_per_request_keeps_exactness(int8_stack: Stack, expected: list[list[int]]) -> None:
     with int8_stack.client() as client:
         for k in (1, 7):
             result = client.generate(chat(PROMPTS[0]), max_new_tokens=MAX_NEW_TOKENS, num_speculative_tokens=k)

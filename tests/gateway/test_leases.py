@@ -16,7 +16,7 @@ import pytest
 from specdec.cli.launcher import ServiceProcess, start_service
 from specdec.client import build_request
 from specdec.v1 import gateway_pb2_grpc
-from tests.support.services import Service
+from tests.support.services import Service, StartService
 
 STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
 
@@ -60,7 +60,9 @@ def _wait_until(condition: Callable[[], bool], timeout: float) -> float:
     return time.monotonic() - started
 
 
-def test_slots_of_a_killed_gateway_expire_with_its_lease(start_target, start_draft, gateways) -> None:  # type: ignore[no-untyped-def]
+def test_slots_of_a_killed_gateway_expire_with_its_lease(
+    start_target: StartService, start_draft: StartService, gateways: Callable[..., ServiceProcess]
+) -> None:
     target, draft = start_target(lease_ttl_s=2.0), start_draft(lease_ttl_s=2.0)
     services = [target, draft]
     _stream_then_kill(gateways(target, draft), services)
@@ -73,7 +75,9 @@ def test_slots_of_a_killed_gateway_expire_with_its_lease(start_target, start_dra
         assert service.engine.leases.expired_slots_total == 1
 
 
-def test_a_restarted_gateway_sweeps_the_slots_of_its_previous_run(start_target, start_draft, gateways) -> None:  # type: ignore[no-untyped-def]
+def test_a_restarted_gateway_sweeps_the_slots_of_its_previous_run(
+    start_target: StartService, start_draft: StartService, gateways: Callable[..., ServiceProcess]
+) -> None:
     target, draft = start_target(lease_ttl_s=600.0), start_draft(lease_ttl_s=600.0)
     services = [target, draft]
     _stream_then_kill(gateways(target, draft, instance_id="gw-under-test"), services)

@@ -10,7 +10,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from specdec.model.runtime import ModelRuntime
 from specdec.v1 import common_pb2, target_pb2_grpc
+from tests.support.stacks import StartStack
 
 STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -26,7 +28,7 @@ def _scrape(port: int, drop: tuple[str, ...] = ("model_name",)) -> Samples:
     }
 
 
-def test_speculation_counters_match_the_requests(start_stack, int8_runtime) -> None:  # type: ignore[no-untyped-def]
+def test_speculation_counters_match_the_requests(start_stack: StartStack, int8_runtime: ModelRuntime) -> None:
     stack = start_stack(int8_runtime, metrics_port=0)
     before = _scrape(stack.gateway.metrics_port)
     # Every labelled series exists before anything happened, at zero.
@@ -70,7 +72,7 @@ def test_speculation_counters_match_the_requests(start_stack, int8_runtime) -> N
         time.sleep(0.2)
 
 
-def test_model_services_export_rpc_batch_and_kv_metrics(start_stack, int8_runtime) -> None:  # type: ignore[no-untyped-def]
+def test_model_services_export_rpc_batch_and_kv_metrics(start_stack: StartStack, int8_runtime: ModelRuntime) -> None:
     stack = start_stack(int8_runtime, target={"metrics_port": 0}, draft={"metrics_port": 0})
     target_port, draft_port = (server.metrics_port for server in stack.servers)
     assert target_port and draft_port
@@ -100,5 +102,5 @@ def test_model_services_export_rpc_batch_and_kv_metrics(start_stack, int8_runtim
     with grpc.insecure_channel(f"127.0.0.1:{stack.servers[0].port}") as channel:
         with pytest.raises(grpc.RpcError) as refused:
             target_pb2_grpc.TargetServiceStub(channel).Release(common_pb2.ReleaseRequest(slot_id="nobody"), timeout=10)
-    assert refused.value.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
     assert _scrape(target_port)[t("specdec_service_rpc_errors_total", method="Release", code="NOT_FOUND")] == 1

@@ -11,7 +11,7 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ class Prometheus:
 
 
 @pytest.fixture
-def prometheus(tmp_path: Path) -> Iterator[Callable[[dict[str, int]], Prometheus]]:
+def prometheus(tmp_path: Path) -> Iterator[Callable[[Mapping[str, int | None]], Prometheus]]:
     """`prometheus({job: metrics_port})` starts Prometheus scraping those loopback ports, with the
     deployment's prometheus.yml and rule files."""
     binary = shutil.which("prometheus")
@@ -59,7 +59,7 @@ def prometheus(tmp_path: Path) -> Iterator[Callable[[dict[str, int]], Prometheus
         pytest.skip("Debian's prometheus is not installed (`make test` installs it)")
     processes: list[subprocess.Popen[bytes]] = []
 
-    def start(jobs: dict[str, int]) -> Prometheus:
+    def start(jobs: Mapping[str, int | None]) -> Prometheus:
         config = write_prometheus_config(
             tmp_path / "prometheus.yml", {job: f"127.0.0.1:{port}" for job, port in jobs.items()},
             scrape_interval=f"{SCRAPE_S}s", evaluation_interval=f"{SCRAPE_S}s",
@@ -96,7 +96,7 @@ def _wait_for(check: Callable[[], object], timeout: float = 30.0) -> None:
 
 
 def test_prometheus_sees_the_stack_and_agrees_with_the_final_messages(
-    start_stack: StartStack, int8_runtime: ModelRuntime, prometheus: Callable[[dict[str, int]], Prometheus]
+    start_stack: StartStack, int8_runtime: ModelRuntime, prometheus: Callable[[Mapping[str, int | None]], Prometheus]
 ) -> None:
     stack = start_stack(int8_runtime, metrics_port=0, target={"metrics_port": 0}, draft={"metrics_port": 0})
     jobs = {"gateway": stack.gateway.metrics_port, "target": stack.servers[0].metrics_port, "draft": stack.servers[1].metrics_port}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ from scipy.stats import chisquare
 
 from specdec.model.chat import encode_chat
 from specdec.model.loader import LoadedModel
+from specdec.model.runtime import ModelRuntime
+from tests.support.stacks import Stack, StartStack
 
 PROMPT = [{"role": "user", "content": "Pick a random animal and name it."}]
 TOP_K = 4
@@ -44,12 +47,12 @@ def exact_second_token(smollm2: LoadedModel) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def bf16_q_stack(start_stack, weak_runtime):  # type: ignore[no-untyped-def]
+def bf16_q_stack(start_stack: StartStack, weak_runtime: ModelRuntime) -> Stack:
     """The mostly-rejected 2-layer draft sending q in bf16: exact only if it samples from the rounded q."""
     return start_stack(weak_runtime, draft_probs_dtype="bfloat16")
 
 
-def _second_tokens(stack, seeds: range, **options) -> list[int]:  # type: ignore[no-untyped-def]
+def _second_tokens(stack: Stack, seeds: range, **options: Any) -> list[int]:
     with stack.client() as client, ThreadPoolExecutor(16) as pool:
         results = pool.map(
             lambda seed: client.generate(PROMPT, max_new_tokens=2, temperature=1.0, top_k=TOP_K, seed=seed, **options),
@@ -92,7 +95,7 @@ def test_second_token_follows_the_target_distribution(
 
 
 @pytest.mark.parametrize("mode", [{"num_speculative_tokens": 4}, {"speculative": False}], ids=["speculative", "plain"])
-def test_seeded_requests_reproduce_exactly(int8_stack, mode: dict) -> None:  # type: ignore[no-untyped-def]
+def test_seeded_requests_reproduce_exactly(int8_stack: Stack, mode: dict) -> None:
     """Plain rounds draw on the target (a seed per position), speculative ones at the gateway."""
     options = dict(max_new_tokens=24, temperature=0.9, top_p=0.95, repetition_penalty=1.1, **mode)
     with int8_stack.client() as client:
@@ -103,7 +106,7 @@ def test_seeded_requests_reproduce_exactly(int8_stack, mode: dict) -> None:  # t
     assert any(o.token_ids != first.token_ids for o in others)
 
 
-def test_sampled_text_is_coherent(int8_stack) -> None:  # type: ignore[no-untyped-def]
+def test_sampled_text_is_coherent(int8_stack: Stack) -> None:
     with int8_stack.client() as client:
         result = client.generate(
             [{"role": "user", "content": "Describe a sunny day at the beach."}],

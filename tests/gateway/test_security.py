@@ -21,10 +21,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.client import SpecdecClient
 from specdec.errors import InvalidArgumentError
+from specdec.model.runtime import ModelRuntime
 from specdec.serving.config import ModelServiceConfig
 from specdec.serving.security import bearer_metadata, channel_credentials
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tests.support.pki import Pki
+from tests.support.services import StartService
+from tests.support.stacks import StartStack
 
 PROMPT = [{"role": "user", "content": "Name three colours."}]
 
@@ -35,14 +38,14 @@ def _token_file(folder: Path, name: str, token: str) -> str:
     return str(path)
 
 
-def _code(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
+def _code(call: Callable[[], object]) -> grpc.StatusCode:
     with pytest.raises(grpc.RpcError) as error:
         call()
     return error.value.code()
 
 
-def test_a_fully_protected_stack_serves_only_clients_with_the_ca_and_the_token(  # type: ignore[no-untyped-def]
-    start_stack, int8_runtime, pki: Pki, tmp_path: Path
+def test_a_fully_protected_stack_serves_only_clients_with_the_ca_and_the_token(
+    start_stack: StartStack, int8_runtime: ModelRuntime, pki: Pki, tmp_path: Path
 ) -> None:
     service_token = _token_file(tmp_path, "service-token", "s3rvice")
     client_token = _token_file(tmp_path, "client-token", "cl1ent")
@@ -76,7 +79,9 @@ def test_a_fully_protected_stack_serves_only_clients_with_the_ca_and_the_token( 
     stack.wait_until_idle()
 
 
-def test_a_model_service_with_mutual_tls_and_a_token_refuses_everyone_else(start_target, pki: Pki, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_model_service_with_mutual_tls_and_a_token_refuses_everyone_else(
+    start_target: StartService, pki: Pki, tmp_path: Path
+) -> None:
     token = _token_file(tmp_path, "token", "t0ken")
     target = start_target(tls_cert=pki.server_cert, tls_key=pki.server_key, tls_client_ca=pki.ca, auth_token_file=token)
     address = f"127.0.0.1:{target.port}"

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import pytest
 
 from specdec.client import build_request, collect
-from tests.support.stacks import chat
+from specdec.model.loader import LoadedModel
+from specdec.model.runtime import ModelRuntime
+from tests.support.stacks import HfGreedy, Stack, StartStack, chat
 
 STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
 QUESTIONS = [
@@ -19,7 +22,7 @@ QUESTIONS = [
 ]
 
 
-def test_a_round_with_several_accepted_tokens_arrives_as_one_message(int8_stack) -> None:  # type: ignore[no-untyped-def]
+def test_a_round_with_several_accepted_tokens_arrives_as_one_message(int8_stack: Stack) -> None:
     with int8_stack.client() as client:
         result = client.generate(STORY, max_new_tokens=40, num_speculative_tokens=4)
     assert max(len(chunk) for chunk in result.chunks) > 1, result.chunks
@@ -27,13 +30,13 @@ def test_a_round_with_several_accepted_tokens_arrives_as_one_message(int8_stack)
     assert result.mean_acceptance_length > 1.0
 
 
-def test_concurrent_streams_match_each_request_alone(int8_stack, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_concurrent_streams_match_each_request_alone(int8_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
     batch_sizes: list[int] = []
     verify = int8_stack.target.verify
 
-    def counting_verify(items, deadline=None):  # type: ignore[no-untyped-def]
+    def counting_verify(items: list[Any], *rest: Any) -> object:
         batch_sizes.append(len(items))
-        return verify(items, deadline)
+        return verify(items, *rest)
 
     with int8_stack.client() as client:
         alone = [client.generate(chat(q), max_new_tokens=16) for q in QUESTIONS]
@@ -47,7 +50,7 @@ def test_concurrent_streams_match_each_request_alone(int8_stack, monkeypatch) ->
     int8_stack.wait_until_idle()
 
 
-def test_max_new_tokens_is_exact(int8_stack) -> None:  # type: ignore[no-untyped-def]
+def test_max_new_tokens_is_exact(int8_stack: Stack) -> None:
     with int8_stack.client() as client:
         for n in (1, 2, 5, 13):
             result = client.generate(STORY, max_new_tokens=n, num_speculative_tokens=4)
@@ -55,7 +58,7 @@ def test_max_new_tokens_is_exact(int8_stack) -> None:  # type: ignore[no-untyped
             assert len(result.token_ids) == result.completion_tokens == n
 
 
-def test_stop_string_across_a_token_boundary(int8_stack, smollm2) -> None:  # type: ignore[no-untyped-def]
+def test_stop_string_across_a_token_boundary(int8_stack: Stack, smollm2: LoadedModel) -> None:
     tokenizer = smollm2.tokenizer
     with int8_stack.client() as client:
         free = client.generate(STORY, max_new_tokens=40)
@@ -73,7 +76,7 @@ def test_stop_string_across_a_token_boundary(int8_stack, smollm2) -> None:  # ty
     assert result.token_ids == free.token_ids[: index + 2]  # tokens after the one completing it are dropped
 
 
-def test_stop_string_with_plain_decoding(int8_stack) -> None:  # type: ignore[no-untyped-def]
+def test_stop_string_with_plain_decoding(int8_stack: Stack) -> None:
     with int8_stack.client() as client:
         free = client.generate(STORY, max_new_tokens=30, speculative=False)
         word = free.text.split()[3]
@@ -82,7 +85,9 @@ def test_stop_string_with_plain_decoding(int8_stack) -> None:  # type: ignore[no
     assert result.text == free.text[: free.text.index(word)]
 
 
-def test_max_sequence_length_edge(start_stack, int8_runtime, hf_greedy, smollm2) -> None:  # type: ignore[no-untyped-def]
+def test_max_sequence_length_edge(
+    start_stack: StartStack, int8_runtime: ModelRuntime, hf_greedy: HfGreedy, smollm2: LoadedModel
+) -> None:
     """Near max_seq_len K shrinks so K+1 fits, then falls back to K=0; output stays exact."""
     from specdec.model.chat import encode_chat
 
@@ -101,7 +106,7 @@ def test_max_sequence_length_edge(start_stack, int8_runtime, hf_greedy, smollm2)
     stack.wait_until_idle()
 
 
-def test_cancelled_stream_frees_its_slots_in_both_services(int8_stack) -> None:  # type: ignore[no-untyped-def]
+def test_cancelled_stream_frees_its_slots_in_both_services(int8_stack: Stack) -> None:
     with int8_stack.client() as client:
         call = client.stub.Generate(build_request(STORY, max_new_tokens=400), timeout=120)
         received = 0
@@ -116,7 +121,7 @@ def test_cancelled_stream_frees_its_slots_in_both_services(int8_stack) -> None: 
         assert engine.cache.blocks.num_free_blocks == engine.cache.blocks.num_blocks
 
 
-def test_deadline_exceeded_frees_slots(int8_stack) -> None:  # type: ignore[no-untyped-def]
+def test_deadline_exceeded_frees_slots(int8_stack: Stack) -> None:
     with int8_stack.client() as client:
         with pytest.raises(grpc.RpcError) as error:
             collect(client.stub.Generate(build_request(STORY, max_new_tokens=400), timeout=1.5))
@@ -125,7 +130,9 @@ def test_deadline_exceeded_frees_slots(int8_stack) -> None:  # type: ignore[no-u
     int8_stack.wait_until_idle()
 
 
-def test_adaptive_k_turns_a_weak_draft_off_and_stays_exact(start_stack, weak_runtime, weak_stack) -> None:  # type: ignore[no-untyped-def]
+def test_adaptive_k_turns_a_weak_draft_off_and_stays_exact(
+    start_stack: StartStack, weak_runtime: ModelRuntime, weak_stack: Stack
+) -> None:
     """With measured costs, the planner stops drafting for a draft that is almost never accepted."""
     measured = {"measure_costs": True}
     adaptive_stack = start_stack(weak_runtime, adaptive_k=True, target=measured, draft=measured)

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import grpc
 import pytest
@@ -66,7 +67,9 @@ class SilentProxy:
 
 
 @contextmanager
-def _client_via_proxy(service_loop: LoopThread, target: Service, keepalive_s: float) -> Iterator[tuple[TargetClient, SilentProxy]]:
+def _client_via_proxy(
+    service_loop: LoopThread, target: Service, keepalive_s: float
+) -> Iterator[tuple[TargetClient, SilentProxy]]:
     proxy = SilentProxy(target.port)
 
     async def make() -> TargetClient:  # the channel belongs to the loop that uses it
@@ -110,7 +113,7 @@ def test_keepalive_does_not_take_a_busy_service_for_a_silent_one(
     target = start_target(min_ping_interval_s=0.2)
     prefill = target.engine.prefill
 
-    def slow_prefill(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def slow_prefill(*args: Any, **kwargs: Any) -> object:
         time.sleep(3.0)  # on the service's model worker, as a long forward
         return prefill(*args, **kwargs)
 

@@ -4,36 +4,40 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import grpc
 import pytest
 
 from specdec.v1 import common_pb2, target_pb2
+from tests.support.services import Service, StartService
 
 LEASE = common_pb2.Lease(holder="gw", incarnation="0001")
 
 
-def _prefill(target, slot_id: str, lease: common_pb2.Lease = LEASE) -> None:  # type: ignore[no-untyped-def]
+def _prefill(target: Service, slot_id: str, lease: common_pb2.Lease = LEASE) -> None:
     item = target_pb2.PrefillItem(slot_id=slot_id, prompt_tokens=[1, 2, 3])
     target.stub.Prefill(target_pb2.PrefillRequest(items=[item], lease=lease))
 
 
-def _renew(target, lease: common_pb2.Lease = LEASE) -> common_pb2.RenewLeaseResponse:  # type: ignore[no-untyped-def]
+def _renew(target: Service, lease: common_pb2.Lease = LEASE) -> common_pb2.RenewLeaseResponse:
     return target.stub.RenewLease(common_pb2.RenewLeaseRequest(lease=lease), timeout=1.0)
 
 
-def test_renewals_during_a_long_batch_keep_the_slots(start_target) -> None:  # type: ignore[no-untyped-def]
+def test_renewals_during_a_long_batch_keep_the_slots(
+    start_target: StartService, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The worker is busy for 2.5 TTLs; renewals answered meanwhile (on the event loop) keep the lease."""
     target = start_target(lease_ttl_s=2.0)
     _prefill(target, "kept")
     release = threading.Event()
     real_verify = target.engine.verify
 
-    def stalled_verify(items, deadline=None):  # type: ignore[no-untyped-def]
+    def stalled_verify(*args: Any) -> object:
         release.wait(timeout=30)
-        return real_verify(items, deadline)
+        return real_verify(*args)
 
-    target.engine.verify = stalled_verify  # type: ignore[method-assign]
+    monkeypatch.setattr(target.engine, "verify", stalled_verify)
     item = target_pb2.VerifyItem(slot_id="kept", valid_len=3, tokens=[4])
     pending = target.stub.Verify.future(target_pb2.VerifyRequest(items=[item]))
     started = time.monotonic()
@@ -48,7 +52,7 @@ def test_renewals_during_a_long_batch_keep_the_slots(start_target) -> None:  # t
     assert "kept" not in target.engine.tokens and target.engine.leases.expired_slots_total == 1
 
 
-def test_an_older_incarnation_is_refused_and_a_newer_one_sweeps(start_target) -> None:  # type: ignore[no-untyped-def]
+def test_an_older_incarnation_is_refused_and_a_newer_one_sweeps(start_target: StartService) -> None:
     target = start_target(lease_ttl_s=60.0)
     _prefill(target, "old")
     newer = common_pb2.Lease(holder="gw", incarnation="0002")

@@ -15,16 +15,14 @@ import grpc
 import pytest
 
 from specdec.gateway.model_clients import DraftClient, ServiceLink, TargetClient
+from specdec.gateway.streamed_rpc import StreamedRpc
 from specdec.model.loader import LoadedModel
 from specdec.model.runtime import ModelRuntime
 from specdec.sampling.params import SamplingParams
-from specdec.target_server.config import TargetConfig
-from specdec.target_server.engine import TargetEngine
-from specdec.target_server.server import create_server as create_target_server
 from specdec.v1 import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
 from specdec.wire.items import ArgmaxMode, DecodeMode, Lease, PrefillItem, ProposeItem, VerifiedArgmax, VerifyItem
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
-from tests.support.services import SMALL_POOL, LoopThread, Service
+from tests.support.services import SMALL_POOL, LoopThread, Service, target_server
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -103,8 +101,7 @@ def test_stopping_the_service_ends_an_idle_stream_at_once(
     service_loop: LoopThread, fp32_runtime: ModelRuntime, prompt: list[int]
 ) -> None:
     """A connected gateway's open stream must not hold a graceful stop for its whole grace."""
-    config = TargetConfig(port=0, **SMALL_POOL)
-    server = service_loop.run(create_target_server(config, TargetEngine(fp32_runtime, config)))
+    server = service_loop.run(target_server(fp32_runtime, **SMALL_POOL)[1])
     pending: queue.Queue[target_pb2.VerifyRequest | None] = queue.Queue()
 
     def requests() -> Iterator[target_pb2.VerifyRequest]:
@@ -157,7 +154,8 @@ def test_streamed_verify_keeps_one_stream_and_gets_the_unary_answers(
         expected = [target.stub.Verify(_verify_request("b", v, t)).results[0] for v, t in _chunks(prompt)]
         assert [typing.cast(VerifiedArgmax, a.value["a"]).tokens for a in answers] == [list(e.argmax.ids) for e in expected]
         assert all(a.compute_s > 0 and a.wall_s > a.compute_s for a in answers)
-        stream = client._verify._call  # type: ignore[attr-defined]
+        assert isinstance(client._verify, StreamedRpc)  # kept streams, the default
+        stream = client._verify._call
         assert stream is not None and not stream.done()  # the same stream carried all three
 
         proposals = [service_loop.run(draft_client.propose([ProposeItem("d", v, t, 2, GREEDY)], 30.0))
@@ -220,8 +218,7 @@ def test_overlapping_exchanges_are_both_answered(service_loop: LoopThread, targe
 def test_a_stopped_service_fails_the_next_exchange_as_unavailable(
     service_loop: LoopThread, fp32_runtime: ModelRuntime, prompt: list[int]
 ) -> None:
-    config = TargetConfig(port=0, **SMALL_POOL)
-    server = service_loop.run(create_target_server(config, TargetEngine(fp32_runtime, config)))
+    server = service_loop.run(target_server(fp32_runtime, **SMALL_POOL)[1])
     client, _ = _clients(service_loop, server.port)
     try:
         service_loop.run(client.prefill([PrefillItem("s", prompt)], 30.0))

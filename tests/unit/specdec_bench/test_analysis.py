@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,13 +23,13 @@ from specdec_bench.workloads import RunRecord
 FINAL_LINE = re.compile(r"^speedup=\d+\.\d{3} vs_hf_assisted=\d+\.\d{3} efficiency=\d+\.\d{3} alpha=\d+\.\d{3} c=\d+\.\d{3}$")
 
 
-def _run(k: int | None, rate: float, *, phase: str = "w1", temperature: float = 0.0, **extra: object) -> RunRecord:
-    fields: dict[str, object] = dict(
+def _run(k: int | None, rate: float, *, phase: str = "w1", temperature: float = 0.0, **extra: Any) -> RunRecord:
+    fields: dict[str, Any] = dict(
         phase=phase, prompt=0, k=k, temperature=temperature, repetition=0, tokens_per_s=rate,
         time_to_first_token_s=0.1, total_s=1.1, completion_tokens=11, num_rounds=0, num_draft_tokens=0,
         num_accepted_tokens=0, anatomy={"draft_compute": 0.2, "verify_compute": 0.7, "rpc": 0.05, "accept": 0.05, "other": 0.0},
     )
-    return RunRecord(**{**fields, **extra})  # type: ignore[arg-type]
+    return RunRecord(**{**fields, **extra})
 
 
 def test_alpha_is_the_geometric_mle_and_positions_are_conditional() -> None:
