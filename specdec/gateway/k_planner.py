@@ -42,10 +42,9 @@ log = logging.getLogger(__name__)
 
 #: Rounds at most over which a draft catch-up is spread: its payback is an estimate (a
 #: request may stop early), and a crowd of fresh requests all catching up at once stalls
-#: every stream (measured: 16 concurrent requests ran at 0.59x of plain when two rounds paid
-#: the draft's prefill). At 8 rounds a single 48-token request never started drafting
-#: although fixed K = 3 ran 1.36x faster than plain (AMD EPYC, AVX2): with α ≈ 0.9 and
-#: K = 2..4 16 rounds are 40-60 tokens, which most chat completions outlive.
+#: every stream. Shorter horizons kept short requests from ever drafting; 16 rounds at
+#: K = 2..4 are 40-60 tokens, which most chat completions outlive
+#: (docs/performance.md#adaptive-k-planner-rules).
 CATCH_UP_HORIZON = 16.0
 #: The most tokens a round leaves for the draft to feed: the last draft token and the bonus
 #: token after a fully accepted round. More (a prompt, tokens decoded while speculation
@@ -64,10 +63,9 @@ class AcceptanceEstimate:
     K (all accepted); the rest were never judged and teach nothing. The model of a round is
     then geometric in α (`expected_tokens` with one α).
 
-    Pooled, not per position: an estimate per position saw one outcome per round, so with
-    any useful reaction speed a single rejection at position 5 (a 1-in-20 event at α = 0.95)
-    cut α_5 to 0.7, the planner shortened K, and positions past the new K were never judged
-    again to repair it (measured: α_1 = 1.0 and K stuck at 2 where K = 8 ran 1.2x faster).
+    Pooled, not per position: an estimate per position sees one outcome per round, so a
+    single rejection at a late position shortens K, and positions past the new K are never
+    judged again to repair it.
 
     The starting value counts as one outcome plus those `seen` before it (a request starts
     from the batch-wide estimate and what it has seen): outcome n has weight
@@ -103,7 +101,7 @@ class DraftOverhead:
 
     Until those rounds drafted different totals Σk the split is unknown, and all of it is
     put on the tokens. Charging a fixed Propose cost per token would make long K look too
-    dear (measured: adaptive K chose K ≈ 2 where K = 8 ran 1.2x faster).
+    dear.
     """
 
     weight: float
@@ -149,12 +147,9 @@ class KPlanner:
     prior_alpha: float = 0.8
     #: EMA weights: per judged draft token for a request's own acceptance and the
     #: batch-wide one new requests start from; per round for costs and overhead.
-    #: Acceptance is nearly memoryless (greedy, teacher-forced: rounds of K tokens yield
-    #: within 1-3 % of the geometric 1 + α + … + α^K), so a rejection says little about
-    #: the next round. At 0.05 each one shortened K for a while: mean K 7.2-7.6 where
-    #: K = 8 paid; at 0.02, 7.6-7.7, and single requests ran 1.04-1.07x faster (three
-    #: runs of two gateways on one pair of services, requests alternating, 6 prompts ×
-    #: 2 reps × 128 greedy tokens, AMD EPYC Zen 5; 0.01: 1.04x); two at once, 1.01x.
+    #: Acceptance is nearly memoryless (rounds of K tokens yield close to the geometric
+    #: 1 + α + … + α^K), so a rejection says little about the next round: slow weights
+    #: (docs/performance.md#adaptive-k-planner-rules).
     request_weight: float = 0.02
     global_weight: float = 0.01
     cost_weight: float = 0.1
@@ -323,8 +318,7 @@ class KPlanner:
         that is worth probing drafts `probe_k` tokens. A due request found not worth probing
         is asked again after as many rounds as the batch has flexible requests: next round
         when alone (its probe window is short, since a catch-up only grows dearer), about one
-        question per round in any batch. Asking every due request every round cost ~8 ms of
-        planning per round at 16 requests, each question being a dozen rate predictions."""
+        question per round in any batch: each question is a dozen rate predictions."""
         due = []
         for s in flexible:
             slot = s.slot_id

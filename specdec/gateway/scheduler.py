@@ -169,8 +169,7 @@ class Scheduler:
         # Requests that arrived during an admission's Prefill are admitted before the round as
         # well (once, so a steady stream of arrivals cannot stall decoding). A burst then starts
         # in two Prefills, and its first round plans K for the whole burst rather than for the
-        # first arrival alone: that round drafted 8 tokens for the first one or two requests
-        # and held the rest of 16 back by about half a second.
+        # first arrival alone (docs/performance.md#adaptive-k-planner-rules).
         if await self._admit() and self.waiting:
             await self._admit()
         if not self.running:
