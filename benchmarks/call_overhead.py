@@ -32,8 +32,8 @@ import torch
 
 from specdec.cli.launcher import start_service
 from specdec.gateway.model_clients import DraftClient, ServiceLink, TargetClient
-from specdec.model.cost_profile import filler_prompt
 from specdec.sampling.params import SamplingParams
+from specdec.tuning.cost_profile import filler_prompt
 from specdec.v1 import common_pb2
 from specdec.wire.items import ArgmaxMode, Lease, PrefillItem, ProposeItem, VerifyItem
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES

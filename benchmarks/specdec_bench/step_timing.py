@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from specdec.model.cost_profile import filler_prompt
+from specdec.tuning.cost_profile import filler_prompt
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 #: Cached tokens of the scratch slot (a chat prompt and some output, as W1's requests have).

@@ -3,10 +3,8 @@
 The draft's decode steps are 1-4 rows through small matrices, where
 `torch._weight_int4pack_mm_for_cpu` is bound by its per-weight dequantization, not by memory.
 The kernel here turns each 4-bit code into a bf16 number with one bitwise OR and multiplies 32
-of them at a time with ``vdpbf16ps``; scales and zeros are applied once per group. On an AMD EPYC
-Zen 4 (2 threads, the draft's 120 decoder matmuls streamed from memory) it took 2.4-2.7 ms
-against 3.6-4.0 ms for the packed kernel, and 3.4-3.5 against 6.4-6.5 ms on one thread; for
-4 rows 5.6-5.9 against 11.2-12.5 ms, for 64 (a prefill) 77 against 162-182 ms.
+of them at a time with ``vdpbf16ps``; scales and zeros are applied once per group
+(docs/performance.md#int4-kernels).
 
 The library is compiled on first use with the machine's C++ compiler (the one torch.compile
 uses) into the specdec cache directory, keyed by the source, the torch version and the flags, and
@@ -41,7 +39,7 @@ OUT_BLOCK = 64
 #: CPU flags (as /proc/cpuinfo names them) the kernel's instructions need.
 CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
 COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
-#: The build of one small file against torch's headers takes ~8 s; more means something is wrong.
+#: The build of one small file against torch's headers takes seconds; more means something is wrong.
 BUILD_TIMEOUT_S = 300.0
 
 

@@ -1,38 +1,29 @@
 """Projection layers of our forward: fused where Llama allows it, on the kernel this machine runs fastest.
 
-Two levers, both measured rather than assumed:
-
 - **Fusion.** q, k and v read the same input, as do gate and up: concatenating their
   weights along the output dimension turns seven matmuls per layer into four, which
   matters when a 1-token step is dominated by per-call overhead. `fuse` concatenates
   dense, int8 and int4 weights alike (each quantized format keeps its per-row or
   per-group scales, which concatenate along the same axis).
-- **Kernel choice for dense weights.** On CPU, `F.linear` goes to the BLAS library; on
-  some CPUs (seen on an AMD EPYC with torch's MKL build) its skinny-matrix path is 2-4×
-  slower than oneDNN's with a pre-packed weight, on others it is the faster one. So
-  `DenseLinear` times both on the layer's own shape, once per shape, and keeps the faster
-  for each of two kinds of input: narrow ones (up to 16 rows: a decode step, a single
-  request's verify; timed at 1 and 5 rows) and wide ones (a batch's verify; timed at 64
-  rows). One choice for both was not enough: with oneDNN for narrow inputs only, a
-  forward over 17 rows cost twice one over 16 (SmolLM2-135M fp32 target, 97 against
-  57 ms, AMD EPYC Zen 4), and the K planner avoided every verify past 16 rows of a batch.
-  The packed copy costs a second copy of the weights in memory. On CUDA (or without
-  oneDNN) it is `F.linear`.
+- **Kernel choice for dense weights.** On CPU, `F.linear` goes to the BLAS library, whose
+  skinny-matrix path is several times slower than oneDNN's with a pre-packed weight on some
+  CPUs and the faster one on others. So each `DenseLinear` runs the kernel measured faster
+  for its shape (`specdec.tuning.kernels.measure_dense`), separately for narrow inputs (up to
+  `MAX_NARROW_ROWS` rows: a decode step, a single request's verify) and wide ones (a batch's
+  verify): one choice for both made a forward just past the narrow limit cost twice one
+  within it. The packed copy costs a second copy of the weights. On CUDA (or without oneDNN)
+  it is `F.linear`.
 - **Prompts keep `F.linear` when wide.** oneDNN sums in another order than the BLAS
-  library that `transformers` runs on: a prompt's logits then differ from transformers'
-  by up to 1.3e-4 (the parity test's batched prefill; 5.7e-5 with `F.linear`), past the
-  1e-4 the parity tests hold our forward to. So wide inputs take the measured choice
-  only inside `fastest_wide_kernel()`, which verify and decode steps enter (their narrow
-  inputs already took the measured choice); a prompt's prefill does not.
+  library that `transformers` runs on, and a prompt's logits then differ from transformers'
+  by more than the parity tests allow. So wide inputs take the chosen kernel only inside
+  `fastest_wide_kernel()`, which verify and decode steps enter; a prompt's prefill does not.
 """
 
 from __future__ import annotations
 
 import contextvars
-import functools
 import logging
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -43,15 +34,12 @@ from specdec.model.quantize import Int8Linear
 
 log = logging.getLogger(__name__)
 
-#: Rows the kernel benchmark times for narrow inputs (a decode step, a verify chunk) ...
-_NARROW_BENCH_ROWS = (1, 5)
-#: ... and for wide ones (a batch's verify).
-_WIDE_BENCH_ROWS = (64,)
 #: Inputs up to this many rows are narrow.
 MAX_NARROW_ROWS = 16
 
 
-def _onednn_available(weight: torch.Tensor) -> bool:
+def onednn_available(weight: torch.Tensor) -> bool:
+    """Whether oneDNN's linear can take this weight (CPU, fp32 or bf16, a build with oneDNN)."""
     return (
         weight.device.type == "cpu"
         and torch.backends.mkldnn.is_available()
@@ -60,51 +48,20 @@ def _onednn_available(weight: torch.Tensor) -> bool:
     )
 
 
-def _time(fn: Callable[[], object], max_repeats: int = 8, budget_s: float = 0.02) -> float:
-    """Mean seconds per call after a warm-up; big layers (an output head) get fewer repeats."""
-    started = time.perf_counter()
-    fn()  # warm-up: first-call packing and allocation
-    repeats = max(1, min(max_repeats, int(budget_s / max(time.perf_counter() - started, 1e-9))))
-    started = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - started) / repeats
-
-
-#: (out, in, dtype) -> whether oneDNN won for (narrow, wide) inputs: timed once per shape and process.
-_onednn_choices: dict[tuple[int, int, torch.dtype], tuple[bool, bool]] = {}
-
-
-def _prefer_onednn(weight: torch.Tensor) -> tuple[bool, bool]:
-    """Whether oneDNN with a packed weight beats `F.linear` for this weight's shape here, for
-    narrow and for wide inputs (see the module docstring).
-
-    Timed on the weight itself (values do not change the speed): a random stand-in of an
-    output head's size (128k x 3k for Llama 3.2) took seconds just to generate.
-    """
-    out_features, in_features = weight.shape
-    key = (out_features, in_features, weight.dtype)
-    if key in _onednn_choices:
-        return _onednn_choices[key]
+def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight packed for oneDNN's linear, or None where it cannot run here (e.g. bf16 on a
+    CPU without the instructions)."""
+    if not onednn_available(weight):
+        return None
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    except RuntimeError as error:  # e.g. bf16 on a CPU without avx512bw / avx_ne_convert
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    except RuntimeError as error:
         log.debug("no oneDNN linear for %s here: %s", weight.dtype, error)
-        _onednn_choices[key] = (False, False)
-        return _onednn_choices[key]
+        return None
 
-    def onednn_wins(bench_rows: Sequence[int]) -> bool:
-        aten = onednn = 0.0
-        for rows in bench_rows:
-            x = torch.randn(rows, in_features, dtype=weight.dtype)  # [rows, in]
-            aten += _time(functools.partial(F.linear, x, weight))
-            onednn += _time(functools.partial(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], ""))
-        log.debug("linear %dx%d %s at %s rows: aten %.0f us, onednn %.0f us",
-                  out_features, in_features, weight.dtype, bench_rows, aten * 1e6, onednn * 1e6)
-        return onednn < aten
 
-    _onednn_choices[key] = (onednn_wins(_NARROW_BENCH_ROWS), onednn_wins(_WIDE_BENCH_ROWS))
-    return _onednn_choices[key]
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 KERNELS = ("aten", "onednn")
@@ -123,23 +80,31 @@ def fastest_wide_kernel(enabled: bool = True) -> Iterator[None]:
 
 
 class DenseLinear(nn.Module):
-    """`y = x @ weight.T` on the faster of `F.linear` and oneDNN for narrow and for wide
-    inputs (see the module docstring); `kernel` forces one for both. Wide inputs outside
-    `fastest_wide_kernel()` take `F.linear`."""
+    """`y = x @ weight.T` on one of `KERNELS` for narrow and for wide inputs (see the module
+    docstring): `kernel` for both, `F.linear` ("aten") by default, until `set_kernels`. Wide
+    inputs outside `fastest_wide_kernel()` take `F.linear`."""
 
-    def __init__(self, weight: torch.Tensor, *, kernel: str | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, *, kernel: str = "aten") -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        if kernel is not None and kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-        if kernel is not None:
-            narrow = wide = kernel == "onednn"
-        else:
-            narrow, wide = _prefer_onednn(weight) if _onednn_available(weight) else (False, False)
-        #: The kernel for inputs of up to MAX_NARROW_ROWS rows, and for wider ones.
-        self.narrow_kernel, self.wide_kernel = KERNELS[narrow], KERNELS[wide]
         self.weight = weight  # [out, in]; the aten path uses it
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if narrow or wide else None
+        self._packed: torch.Tensor | None = None
+        self.set_kernels(kernel, kernel)
+
+    def set_kernels(self, narrow: str, wide: str) -> None:
+        """Run inputs of up to `MAX_NARROW_ROWS` rows on `narrow`, wider ones on `wide`; "onednn"
+        falls back to "aten" where oneDNN cannot take the weight."""
+        for kernel in (narrow, wide):
+            if kernel not in KERNELS:
+                raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        if "onednn" in (narrow, wide) and self._packed is None:
+            self._packed = onednn_packed(self.weight)
+        if self._packed is None:
+            narrow = wide = "aten"
+        #: The kernel for inputs of up to MAX_NARROW_ROWS rows, and for wider ones.
+        self.narrow_kernel, self.wide_kernel = narrow, wide
+        if "onednn" not in (narrow, wide):
+            self._packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in] -> [..., out]."""
@@ -151,7 +116,7 @@ class DenseLinear(nn.Module):
             else:
                 kernel = self.wide_kernel if _wide_on_choice.get() else "aten"
             if kernel == "onednn":
-                return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
+                return onednn_linear(x, self._packed)
         return F.linear(x, self.weight)
 
     def extra_repr(self) -> str:

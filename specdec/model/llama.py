@@ -1,8 +1,7 @@
 """Our Llama forward pass over a paged KV cache.
 
 The weights are the ones `transformers` loaded (possibly with projections swapped for
-int8 modules by `specdec.model.quantize`); the computation is ours so that one batched
-call can mix prefills, verify chunks and single-token decodes, each request at its own
+quantized modules); the computation is ours so that one batched call can mix prefills, verify chunks and single-token decodes, each request at its own
 position, with keys and values living in the paged pool. Covers Llama 3.x (incl. the
 `llama3` RoPE scaling, via the rotary inverse frequencies `transformers` computed), GQA,
 tied embeddings and SmolLM2. Device-agnostic: nothing here names a device.
@@ -10,10 +9,8 @@ tied embeddings and SmolLM2. Device-agnostic: nothing here names a device.
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,30 +23,6 @@ from specdec.model.forward_batch import ForwardBatch, build_forward_batch
 from specdec.model.linear import DenseLinear, fastest_wide_kernel, fuse
 
 SUPPORTED_MODEL_TYPES = ("llama",)
-#: How a single request's decode step runs its decoder layers: see `PagedLlama.compile_layers`.
-LAYER_PATHS = ("eager", "compiled")
-#: The most decoder layers one compiled call runs. Fewer, larger calls save the compiled
-#: region's per-call cost (guards, entry), while each layer in a group adds compile time.
-#: Side by side on an AMD EPYC (Zen 3, 2 cores, 15 alternations), a 30-layer int4 draft's
-#: 1-token step took 21.1 ms at 1 layer a call, 18.6 ms at 10, and 16.5 ms at 10 with the
-#: C++ wrapper (eager: 26.7 ms); 10 layers compiled in ~30 s cold, 15 in ~48 s.
-MAX_LAYERS_PER_COMPILED_CALL = 10
-#: What dynamo's error says when a call under `skip_guard_eval_unsafe` matches no compiled graph.
-GUARD_SKIP_MISS = "skip_guard_eval_unsafe"
-#: The request count of a compiled shape class with the batch dimension dynamic: two or more.
-MANY = 2
-
-
-def shape_class(batch_size: int, width: int) -> tuple[int, int]:
-    """The compiled graph a forward of `batch_size` requests × `width` tokens would run:
-    (1, width) for a single request, (MANY, width) for any batch of two or more."""
-    return min(batch_size, MANY), width
-
-
-def layers_per_compiled_call(num_layers: int, limit: int = MAX_LAYERS_PER_COMPILED_CALL) -> int:
-    """The largest group size, at most `limit`, that divides `num_layers`: equal groups share
-    one compiled graph (30 layers: 10; 16: 8; 28: 7; a prime count above the limit: 1)."""
-    return max(size for size in range(1, min(limit, num_layers) + 1) if num_layers % size == 0)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,6 +72,12 @@ class LayerInputs(NamedTuple):
     context_index: torch.Tensor  # [B, L] pool rows of each request's context
 
 
+class LayerRunner(Protocol):
+    """Runs every decoder layer of one forward: `hidden` [B, T, hidden] in, the same shape out."""
+
+    def __call__(self, hidden: torch.Tensor, inputs: LayerInputs, cache: PagedKVCache) -> torch.Tensor: ...
+
+
 class PagedLlama:
     """Runs a loaded Llama `transformers` model over a `PagedKVCache`.
 
@@ -125,17 +104,9 @@ class PagedLlama:
         # inv_freq already carries the `llama3` (or linear, ...) rescaling of the config.
         self.inv_freq: torch.Tensor = decoder.rotary_emb.inv_freq  # [head_dim / 2]
         self.attention_scaling: float = float(decoder.rotary_emb.attention_scaling)
-        #: `compile_layers` sets the compiled layer group; `set_layer_path` switches between the two.
-        self.compiled_group: Callable[..., torch.Tensor] | None = None
-        self.layers_per_call = layers_per_compiled_call(len(self.layers))
-        self.layer_path = "eager"
-        #: Shape classes (`shape_class`) whose layers run compiled on the compiled path:
-        #: `choose_layer_path` adds each once its graph is built.
-        self.compiled_shapes: set[tuple[int, int]] = set()
-        #: Whether a call that no compiled graph covers compiles one (warm-up) or runs eager (serving).
-        self.compile_on_miss = False
-        #: Pools whose K/V tensors are already marked dynamic in their row count (see `_compiled_layers`).
-        self._dynamic_pools: weakref.WeakSet[PagedKVCache] = weakref.WeakSet()
+        #: What runs the decoder layers: `eager_layers`, or the compiled runner that
+        #: `specdec.tuning.compiled_layers` installs for the drafting steps.
+        self.layer_runner: LayerRunner = self.eager_layers
 
     @property
     def vocab_size(self) -> int:
@@ -187,9 +158,7 @@ class PagedLlama:
 
         Everything shared by the layers — RoPE angles and the attention bias — is built
         once here; a layer runs four matmuls, attention and a handful of elementwise ops,
-        with no host synchronisation and no Python loop over requests. A step runs its
-        layers compiled when `set_layer_path("compiled")` chose so and its shape class is
-        one of `compiled_shapes`.
+        with no host synchronisation and no Python loop over requests.
         """
         bsz, width = batch.input_ids.shape
         hidden = self.embed_tokens(batch.input_ids)  # [B, T, hidden]
@@ -198,103 +167,24 @@ class PagedLlama:
         bias = torch.zeros(batch.attn_mask.shape, dtype=self._attention_dtype(hidden), device=hidden.device)  # [B, 1, T, L]
         bias = bias.masked_fill(~batch.attn_mask, float("-inf")).repeat(1, 1, groups, 1)  # [B, 1, G*T, L]
         inputs = LayerInputs(cos, sin, bias, batch.write_index, batch.token_rows, batch.context_index)
-        if self.layer_path == "compiled" and shape_class(bsz, width) in self.compiled_shapes:
-            hidden = self._compiled_layers(hidden, inputs, cache)
-        else:
-            hidden = self._layer_group(tuple(self.layers), hidden, inputs, tuple(cache.kv))
+        hidden = self.layer_runner(hidden, inputs, cache)
         hidden = rms_norm(hidden, self.final_norm.weight, self.eps)
         selected = hidden.reshape(bsz * width, -1).index_select(0, logit_rows)  # [n_rows, hidden]
         return self.lm_head(selected)  # [n_rows, vocab]
 
-    def compile_layers(self) -> None:
-        """Prepare `torch.compile` of the decoder layers for the short steps of drafting.
+    def eager_layers(self, hidden: torch.Tensor, inputs: LayerInputs, cache: PagedKVCache) -> torch.Tensor:
+        """Every decoder layer, eager."""
+        return self.layer_group(tuple(self.layers), hidden, inputs, tuple(cache.kv))
 
-        One function runs a group of `layers_per_call` consecutive layers, their weights
-        among its inputs, so one compiled graph serves every group: compiling costs a
-        group's graph, not the whole model's (the whole 30-layer forward took ~60 s to
-        compile on a 2-core CPU). Only the shapes of the drafting loop are compiled, one
-        graph per shape class (`compiled_shapes`: a single request's 1- and 2-token steps,
-        a batch's 1- and 2-token steps), with the context length (and a batch's size) dynamic:
-        each graph costs as much start-up as the first, so `choose_layer_path` builds them
-        in order while start-up allows. A single request keeps its own graph because one
-        with the batch size dynamic ran its step 15 % slower (AMD EPYC Zen 5). The graph gets a
-        C++ wrapper, which launches its kernels without Python in between, and no guards
-        on the layers' modules: their attributes (kernel choice, packed operands) are
-        fixed once the model is built, and checking them on every call cost ~0.4 ms a
-        call, 6 % of a step (guards on tensor shapes and dtypes stay). Nothing is
-        compiled until the first call; `set_layer_path` chooses which path runs. On CUDA
-        the same code compiles to Triton kernels; CUDA graphs would also need the context
-        padded to a few fixed lengths.
-        """
-        if self.compiled_group is None:
-            self.compiled_group = torch.compile(self._layer_group, options={
-                "cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-            })
-
-    def set_layer_path(self, path: str) -> None:
-        """Run the steps of `compiled_shapes` "compiled" (after `compile_layers`) or "eager"."""
-        if path not in LAYER_PATHS:
-            raise ValueError(f"path must be one of {LAYER_PATHS}, got {path!r}")
-        if path == "compiled" and self.compiled_group is None:
-            raise ValueError("call compile_layers() before choosing the compiled path")
-        self.layer_path = path
-
-    def _compiled_layers(self, hidden: torch.Tensor, inputs: LayerInputs, cache: PagedKVCache) -> torch.Tensor:
-        """The layers through the compiled group function. Once warmed up (`compile_on_miss`
-        off), a call whose shapes no compiled graph covers runs eager instead of compiling
-        while a request waits.
-
-        Warmed up, a call runs under dynamo's `skip_guard_eval_unsafe`: it checks the guards
-        on its tensors (dtype, device, sizes: what tells the graphs apart) and skips the
-        rest, which check Python values and attributes that are fixed once the model is
-        built and the same every step (`forward` calls this only for the shape classes
-        compiled). The full check cost ~4 % of the int4 draft's 1-token step (AMD EPYC
-        Zen 4, side by side: 6.66 → 6.29 and 7.16 → 6.85 ms a step; 6.88 → 6.62 ms a
-        forward inside K = 8 Proposes, whose own pairwise ratio read 0.95 and 1.01 in two
-        runs). A call that fits no graph (a context of one token, which the graphs
-        specialised away) makes dynamo raise before anything runs; it is then checked in
-        full and, uncovered, runs eager.
-        """
-        assert self.compiled_group is not None
-        # One graph for every context length L (and any pool size, should a model serve two
-        # pools). The pool's tensors live on, so they are marked once: marking all 30 layers'
-        # on every call cost ~0.13 ms a step (AMD EPYC Zen 5, int4 draft: ~2 % of a step).
-        torch._dynamo.mark_dynamic(inputs.context_index, 1)
-        torch._dynamo.mark_dynamic(inputs.bias, 3)
-        if hidden.shape[0] >= MANY:  # one graph for every batch of two or more (a single request keeps its own)
-            for tensor in (hidden, *inputs):
-                torch._dynamo.mark_dynamic(tensor, 0)
-        if cache not in self._dynamic_pools:
-            for kv in cache.kv:
-                torch._dynamo.mark_dynamic(kv, 0)
-            self._dynamic_pools.add(cache)
-        step = self.layers_per_call
-        skip_guards = not self.compile_on_miss
-        for start in range(0, len(self.layers), step):
-            group = slice(start, start + step)
-            args = (tuple(self.layers[group]), hidden, inputs, tuple(cache.kv[group]))
-            if skip_guards:
-                try:
-                    with torch.compiler.set_stance("eager_on_recompile", skip_guard_eval_unsafe=True):
-                        hidden = self.compiled_group(*args)
-                    continue
-                except RuntimeError as error:  # raised before the graph ran: nothing was written
-                    if GUARD_SKIP_MISS not in str(error):
-                        raise
-                    skip_guards = False  # a shape the graphs do not cover (e.g. a 1-token context)
-            with torch.compiler.set_stance("default" if self.compile_on_miss else "eager_on_recompile"):
-                hidden = self.compiled_group(*args)
-        return hidden
-
-    def _layer_group(
+    def layer_group(
         self,
         layers: tuple[DecoderLayer, ...],
         hidden: torch.Tensor,  # [B, T, hidden]
         inputs: LayerInputs,
         kvs: tuple[torch.Tensor, ...],  # each [rows, 2, Hkv, D]: the layers' slices of the pool
     ) -> torch.Tensor:
-        """Consecutive decoder layers: all of them in an eager forward, a group of
-        `layers_per_call` as the unit `compile_layers` compiles."""
+        """Consecutive decoder layers: all of them in an eager forward, or a group of them,
+        the unit `specdec.tuning.compiled_layers` compiles (only tensors and weights go in)."""
         for layer, kv in zip(layers, kvs):
             hidden = self._layer(layer, hidden, inputs, kv)
         return hidden
@@ -316,7 +206,7 @@ class PagedLlama:
         """One decoder layer: writes the chunk's keys and values to `kv`, returns the new hidden state.
 
         Only tensors and the layer's weights go in, so the same function runs eager and
-        under `torch.compile` (see `compile_layers`).
+        under `torch.compile`.
         """
         attn_in = rms_norm(hidden, layer.input_norm, self.eps)
         hidden = hidden + self._attention(layer, attn_in, inputs, kv)
@@ -328,10 +218,10 @@ class PagedLlama:
 
         Each KV head serves G = H / Hkv query heads, so the G·T queries of a group are
         stacked into one matrix and meet their keys in a single matmul: no repeat of K/V,
-        and (unlike the CPU flash-attention kernel, measured at ~2 ms per call for one
-        query) cheap for the short chunks of decoding and verification. Keys are gathered
-        as [L, D] rows and multiplied transposed: gathering them straight into a [D, L]
-        layout made the compiled kernel read the pool element by element (~10× slower).
+        and cheap for the short chunks of decoding and verification, where the CPU
+        flash-attention kernel is not. Keys are gathered as [L, D] rows and multiplied
+        transposed: gathered straight into a [D, L] layout, the compiled kernel read the pool
+        element by element.
         """
         bsz, width, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -353,9 +243,9 @@ class PagedLlama:
 
     @staticmethod
     def _attention_dtype(x: torch.Tensor) -> torch.dtype:
-        """fp32 for the attention math on CPU: without native bf16 units a bf16 batched
-        matmul took ~800 µs where fp32 took ~125 µs (AMD EPYC, AVX2), and the tensors
-        are tiny. On accelerators the model's own dtype."""
+        """fp32 for the attention math on CPU, where a CPU without native bf16 units runs a bf16
+        batched matmul several times slower and the tensors are tiny; on accelerators the
+        model's own dtype."""
         return torch.float32 if x.device.type == "cpu" else x.dtype
 
     @staticmethod

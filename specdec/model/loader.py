@@ -130,6 +130,25 @@ def load_model(
     return LoadedModel(model=model, tokenizer=tokenizer, model_id=name_or_path, name=name_or_path, source=source)
 
 
+def weights_fingerprint(name_or_path: str) -> str:
+    """What identifies the weights a source holds, cheaply: the path, size and modification
+    time of each weight file (a GGUF, or a directory's safetensors, bin and config files), or
+    the hub id itself."""
+    gguf = gguf_path_of(name_or_path) if name_or_path in EMBEDDED_MODELS or name_or_path.endswith(".gguf") else None
+    if gguf is not None:
+        files = [gguf]
+    elif Path(name_or_path).is_dir():
+        files = sorted(p for p in Path(name_or_path).iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
+    else:
+        return name_or_path
+    digest = hashlib.sha256()
+    for path in files:
+        if path.is_file():
+            stat = path.stat()
+            digest.update(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
 def gguf_cache_dir(gguf: Path, cache_dir: Path | str | None = None) -> Path:
     """This GGUF file's own directory in the cache (keyed by its path, size and mtime)."""
     stat = gguf.stat()

@@ -6,8 +6,8 @@ the special case ``zero = -8 * scale``. So a GGUF checkpoint's own blocks load w
 (`specdec.model.gguf_q4`). The embedded target was itself dequantized from those blocks, so a draft built
 from them computes with the target's own weights, up to float rounding.
 
-There are three matmul kernels. `choose_int4_kernel` picks one per (device, dtype) with a short
-measurement, because the winner depends on the CPU:
+There are three matmul kernels; which is fastest depends on the CPU, so the service times them
+at start-up (`specdec.tuning.kernels`) and passes the winner as ``prefer``:
 
 - ``"int4dot"``: our own kernel for CPUs with AVX-512 BF16 and bfloat16 activations
   (`specdec.model.int4_dot`), compiled on first use. It needs ``out % 64 == 0``.
@@ -16,9 +16,8 @@ measurement, because the winner depends on the CPU:
   [in // group_size, out, 2] in the activation dtype. It computes ``w = (q - 8) * sz[..., 0] + sz[..., 1]``
   (checked by experiment with torch 2.13), so we pass ``sz[..., 0] = scale`` and
   ``sz[..., 1] = zero + 8 * scale``. It accepts float32, bfloat16 and float16 activations. It needs
-  ``out % 16 == 0``, a group size in {32, 64, 128, 256} and ``in % group_size == 0``. On an AVX2-only
-  AMD EPYC, with 1 thread and 1 row, only bfloat16 is vectorised: 576->49152 takes 4.2 ms against
-  8.7 ms for an fp32 `F.linear`. float32 and float16 take a scalar loop (59 ms and 77 ms).
+  ``out % 16 == 0``, a group size in {32, 64, 128, 256} and ``in % group_size == 0``. Without
+  AVX-512 only its bfloat16 path is vectorised; float32 and float16 take a scalar loop.
 - ``"dequant"``: ``F.linear(x, w)``, with ``w`` dequantized once into the activation dtype and cached
   in the module. It works on any device, CUDA included. The cache costs as much memory as the float
   weight. We accept that: the draft is small, and dequantizing on every call would cost more time
@@ -27,9 +26,7 @@ measurement, because the winner depends on the CPU:
 
 from __future__ import annotations
 
-import functools
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,7 +40,6 @@ from specdec.model import int4_dot
 from specdec.model.gguf_q4 import gguf_int4_weights
 from specdec.model.int4_weight import Int4Weight
 from specdec.model.quantize import mark_quantized
-from specdec.model.threads import one_thread
 
 log = logging.getLogger(__name__)
 
@@ -77,80 +73,14 @@ def int4pack_operands(weight: Int4Weight, dtype: torch.dtype) -> tuple[torch.Ten
     return packed, scales_and_zeros.to(dtype).contiguous()
 
 
-def min_time_ms(fn: Callable[[], Any], *, give_up_ms: float = float("inf"), budget_s: float = 0.005, reps: int = 3) -> float:
-    """Best wall time of ``fn`` over a few calls, in ms. The minimum ignores stalls from other
-    processes on a shared CPU. If the warm-up call already takes longer than ``give_up_ms``, that
-    time is returned at once, so a clearly slower kernel costs only one call."""
-    t0 = time.perf_counter()
-    fn()  # warm-up: first-call allocations, thread-pool start
-    best = time.perf_counter() - t0
-    if best * 1e3 > give_up_ms:
-        return best * 1e3
-    start, done = time.perf_counter(), 0
-    while done < reps or (time.perf_counter() - start < budget_s and done < 50):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        done += 1
-    return best * 1e3
-
-
-@functools.cache
-def choose_int4_kernel(device_type: str, dtype: torch.dtype) -> str:
-    """The fastest int4 matmul kernel for activations of ``dtype`` on ``device_type``. It is measured
-    once per process and cached.
-
-    Off CPU, only ``"dequant"`` exists. On CPU we time every kernel that runs here, on one thread,
-    on a decode-shaped workload: 1 and 4 rows through four 1024->1024 layers, which is 16 MB of
-    fp32 weights, so the float path is not measured from a warm L2 cache. We also check each
-    4-bit kernel against the reference. The winner depends on the CPU's vector units. On an
-    AVX2-only EPYC, ``"int4pack"`` wins for bfloat16 and loses about 15x for float32; on an AMD
-    EPYC Zen 4 (AVX-512 BF16) ``"int4dot"`` took 0.40 ms, int4pack 0.64 ms, dequant 0.87 ms. The
-    measurement, set-up included, takes about 0.1 s (plus one compile of ``"int4dot"`` per machine).
-    """
+def default_int4_kernel(device_type: str, dtype: torch.dtype) -> str:
+    """The kernel to prefer when nothing was measured: ours where it runs (bfloat16 on a CPU
+    with AVX-512 BF16), else torch's packed kernel on CPU, else ``"dequant"``."""
     if device_type != "cpu":
         return "dequant"
-    gen = torch.Generator().manual_seed(0)
-    layers = []
-    for _ in range(4):
-        q = torch.randint(0, 16, (1024, 1024), dtype=torch.uint8, generator=gen)  # [out, in]
-        scales = torch.rand(1024, 1024 // 32, generator=gen) * 0.01 + 0.001  # [out, groups]
-        layers.append(Int4Weight(q, scales, -8 * scales, 32))
-    x = torch.randn(4, 1024, generator=gen).to(dtype)  # [rows, in]
-    want = F.linear(x.float(), layers[0].dequantize())  # [rows, out]
-    cpu = torch.device("cpu")
-    candidates = ["int4dot"] if dtype == torch.bfloat16 and int4_dot.available() else []
-    candidates += ["int4pack"] if hasattr(torch, "_weight_int4pack_mm_for_cpu") else []
-    run_dequant = functools.partial(_run_layers, "dequant", x, [kernel_operands("dequant", w, dtype, cpu) for w in layers])
-    runs: dict[str, Callable[[], None]] = {}
-    for name in candidates:
-        try:
-            operands = [kernel_operands(name, w, dtype, cpu) for w in layers]
-            got = kernel_matmul(name, x, operands[0], 32).float()  # [rows, out]
-        except (RuntimeError, NotImplementedError) as exc:
-            log.info("int4 kernel for cpu/%s: %s unavailable (%s)", dtype, name, exc)
-            continue
-        if not torch.allclose(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max())):
-            log.warning("int4 kernel for cpu/%s: %s gives wrong results; not used", dtype, name)
-            continue
-        runs[name] = functools.partial(_run_layers, name, x, operands)
-
-    # One thread: with several, one busy core (another process) stalls every parallel op for
-    # milliseconds, and the comparison measures the stalls. Per-core speed ranks the kernels.
-    with one_thread(), torch.inference_mode():
-        times = {"dequant": min_time_ms(run_dequant)}
-        for name, run in runs.items():
-            times[name] = min_time_ms(run, give_up_ms=4 * times["dequant"])
-    kernel = min(times, key=times.__getitem__)
-    log.info("int4 kernel for cpu/%s: %s (1 thread: %s)", dtype, kernel,
-             ", ".join(f"{name} {ms:.2f} ms" for name, ms in times.items()))
-    return kernel
-
-
-def _run_layers(kernel: str, x: torch.Tensor, operands: list[tuple[torch.Tensor, ...]]) -> None:
-    for rows in (1, 4):
-        for ops in operands:
-            kernel_matmul(kernel, x[:rows], ops, 32)
+    if dtype == torch.bfloat16 and int4_dot.available():
+        return "int4dot"
+    return "int4pack" if hasattr(torch, "_weight_int4pack_mm_for_cpu") else "dequant"
 
 
 def kernel_supported(kernel: str, weight: Int4Weight, device: torch.device, dtype: torch.dtype) -> bool:
@@ -197,9 +127,9 @@ class Int4Linear(nn.Module):
     ``module.to(dtype)`` also casts ``scales`` and ``zeros``. Quantize the model after it has its
     final dtype, so the scales stay in fp32.
 
-    ``kernel`` is ``"auto"`` (use `choose_int4_kernel`, falling back to the next kernel for shapes
-    the chosen one cannot take) or one of `KERNELS`. After `prepare` or the first forward, the
-    attribute ``kernel`` names the kernel in use.
+    ``kernel`` is ``"auto"`` (``prefer``, or `default_int4_kernel` when that is empty, falling back
+    to the next of `KERNELS` for shapes it cannot take) or one of `KERNELS`. After `prepare` or the
+    first forward, the attribute ``kernel`` names the kernel in use.
     """
 
     qweight: torch.Tensor
@@ -207,10 +137,15 @@ class Int4Linear(nn.Module):
     zeros: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None, *, kernel: str = "auto", source: str = "") -> None:
+    def __init__(
+        self, weight: Int4Weight, bias: torch.Tensor | None = None, *, kernel: str = "auto", prefer: str = "",
+        source: str = "",
+    ) -> None:
         super().__init__()
         if kernel not in ("auto", *KERNELS):
             raise ValueError(f"kernel must be 'auto' or one of {KERNELS}, got {kernel!r}")
+        if prefer not in ("", *KERNELS):
+            raise ValueError(f"prefer must be empty or one of {KERNELS}, got {prefer!r}")
         if kernel == "int4pack" and not int4pack_supported(weight):
             raise ValueError(f"int4pack cannot take out={weight.out_features}, group_size={weight.group_size}")
         if weight.in_features % 2:
@@ -218,7 +153,7 @@ class Int4Linear(nn.Module):
         if bias is not None and tuple(bias.shape) != (weight.out_features,):
             raise ValueError(f"bias must have shape [{weight.out_features}], got {list(bias.shape)}")
         self.out_features, self.in_features, self.group_size = weight.out_features, weight.in_features, weight.group_size
-        self.requested_kernel = kernel
+        self.requested_kernel, self.prefer = kernel, prefer
         self.kernel = kernel if kernel != "auto" else ""
         self.source = source  # where the weights came from: "gguf", "float" (from_float) or ""
         self.register_buffer("qweight", weight.q[:, 0::2] | (weight.q[:, 1::2] << 4))  # [out, in // 2] uint8
@@ -249,14 +184,15 @@ class Int4Linear(nn.Module):
             Int4Weight.concat([m.int4_weight() for m in modules]),
             bias,
             kernel=requested.pop() if len(requested) == 1 else "auto",
+            prefer=modules[0].prefer,
             source=sources.pop() if len(sources) == 1 else "mixed",
         )
 
     def prepare(self, device: torch.device | str, dtype: torch.dtype) -> str:
         """Choose the kernel for activations of ``dtype`` on ``device`` and build its operands; returns it.
 
-        "auto" takes `choose_int4_kernel`'s pick, and the next one that fits where this layer's
-        shape does not fit it (int4dot, then int4pack, then dequant).
+        "auto" takes ``prefer`` (or `default_int4_kernel`), and the next one that fits where this
+        layer's shape does not fit it (int4dot, then int4pack, then dequant).
         """
         device = torch.device(device)
         if self._cache_key == (device, dtype):
@@ -264,7 +200,7 @@ class Int4Linear(nn.Module):
         weight = self.int4_weight()
         kernel = self.requested_kernel
         if kernel == "auto":
-            best = KERNELS.index(choose_int4_kernel(device.type, dtype))
+            best = KERNELS.index(self.prefer or default_int4_kernel(device.type, dtype))
             kernel = next(k for k in KERNELS[best:] if kernel_supported(k, weight, device, dtype))
         elif not kernel_supported(kernel, weight, device, dtype):
             raise ValueError(f"the {kernel} kernel cannot take this layer on {device} with {dtype} activations")
@@ -306,6 +242,7 @@ def quantize_int4(
     gguf_path: Path | str | None = None,
     include_lm_head: bool = True,
     kernel: str = "auto",
+    prefer: str = "",
 ) -> nn.Module:
     """Replace the model's `nn.Linear` layers with `Int4Linear`, in place, and return the model.
 
@@ -319,7 +256,7 @@ def quantize_int4(
     ``config.specdec_quantization = "int4"``. Kernels are chosen here, for the dtype of the
     model's input embedding.
 
-    ``kernel`` is every module's `Int4Linear` kernel ("auto" by default).
+    ``kernel`` and ``prefer`` are every module's `Int4Linear` kernel settings.
 
     For a draft, consider ``include_lm_head=False``. The embedded SmolLM2 GGUF stores its tied
     head as Q8_0, and a 4-bit head has about 9 % relative weight error. In our measurement of
@@ -357,11 +294,11 @@ def quantize_int4(
             weight, source = Int4Weight.from_float(w, group_size), "float"
         weight = Int4Weight(weight.q.to(w.device), weight.scales.to(w.device), weight.zeros.to(w.device), weight.group_size)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        module = Int4Linear(weight, bias, source=source, kernel=kernel)
+        module = Int4Linear(weight, bias, source=source, kernel=kernel, prefer=prefer)
         chosen = module.prepare(w.device, embed.weight.dtype if embed is not None else w.dtype)
         kernels[chosen] = kernels.get(chosen, 0) + 1
         setattr(parent, child_name, module)
 
     mark_quantized(model, "int4", untied=tied and include_lm_head)
-    log.info("int4: %d linear layers, %d from GGUF blocks, kernels %s", len(targets), from_gguf, kernels)
+    log.debug("int4: %d linear layers, %d from GGUF blocks, kernels %s", len(targets), from_gguf, kernels)
     return model

@@ -3,18 +3,36 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from specdec.errors import InvalidArgumentError
 from specdec.model.llama import PagedLlama
 from specdec.model.loader import LoadedModel, gguf_path_of, load_model
 from specdec.model.quantize import Int8Linear, quantize_int8
 from specdec.model.quantize_int4 import quantize_int4
-from specdec.model.shortlist_head import DEFAULT_SHORTLIST, choose_head
+from specdec.model.shortlist_head import DEFAULT_SHORTLIST
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANTIZATIONS = ("none", "int8", "int4")
+
+
+class RuntimeTuner(Protocol):
+    """The start-up choices `build_runtime` asks for (`specdec.tuning.startup.StartupTuner`)."""
+
+    def int4_kernel(self, kernel: str, device: str, dtype: torch.dtype) -> str:
+        """The int4 kernel to prefer for "auto" ("" to leave it to `kernel`)."""
+        ...
+
+    def output_head(self, exact: Int8Linear, shortlist: int, kernel: str, prefer: str) -> nn.Module:
+        """`exact` or a `ShortlistHead` over it."""
+        ...
+
+    def dense_kernels(self, forward: PagedLlama) -> None:
+        """Set the dense projections' kernels."""
+        ...
 
 
 @dataclass
@@ -24,6 +42,8 @@ class ModelRuntime:
     loaded: LoadedModel
     forward: PagedLlama
     quantization: str
+    #: What made the start-up choices (None: the untuned defaults).
+    tuner: RuntimeTuner | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -54,13 +74,15 @@ def build_runtime(
     group_size: int = 32,
     head_shortlist: int = DEFAULT_SHORTLIST,
     int4_kernel: str = "auto",
+    tuner: RuntimeTuner | None = None,
 ) -> ModelRuntime:
     """Load `model` in `dtype` on `device`, optionally cut it to its first `num_layers` decoder
     layers and quantize its weights (int8, or int4 in groups of `group_size`), and wrap our
-    forward around it. A quantized model's int8 output head becomes a `ShortlistHead` (a 4-bit
-    pass, then the int8 head on its `head_shortlist` best tokens) where that measures faster;
-    `head_shortlist=0` keeps the int8 head. `int4_kernel` names the 4-bit matmul kernel
-    (`specdec.model.quantize_int4.KERNELS`) or "auto", which times them at start-up.
+    forward around it. `tuner` makes the machine-dependent choices: the int4 kernel for
+    `int4_kernel="auto"` (`specdec.model.quantize_int4.KERNELS`), whether a quantized model's
+    int8 output head becomes a `ShortlistHead` (a 4-bit pass, then the int8 head on its
+    `head_shortlist` best tokens; 0 keeps the int8 head), and the dense kernels. Without one,
+    each takes its untuned default: the kernel order of `Int4Linear`, the int8 head, `F.linear`.
 
     The int8 and int4 kernels only pay off with bfloat16 activations on CPU (see `quantize`
     and `quantize_int4`), so the embedded default draft is `quantization="int4", dtype="bfloat16"`.
@@ -74,15 +96,22 @@ def build_runtime(
         keep_first_layers(loaded, num_layers)
     if quantization == "int8":
         quantize_int8(loaded.model)
-    elif quantization == "int4":
+    prefer = ""
+    if quantization == "int4":
         # Decoder projections in 4 bits, from the GGUF's own Q4 blocks when the model came
         # from one; the output head in int8, since a 4-bit head costs acceptance
         # (docs/performance.md#int4-draft-output-head).
+        prefer = tuner.int4_kernel(int4_kernel, device, DTYPES[dtype]) if tuner is not None else ""
         quantize_int4(
-            loaded.model, group_size=group_size, gguf_path=gguf_path_of(model), include_lm_head=False, kernel=int4_kernel
+            loaded.model, group_size=group_size, gguf_path=gguf_path_of(model), include_lm_head=False,
+            kernel=int4_kernel, prefer=prefer,
         )
         quantize_int8(loaded.model)  # only the head is still an nn.Linear
         loaded.model.config.specdec_quantization = "int4"
-    if isinstance(loaded.model.lm_head, Int8Linear):
-        loaded.model.lm_head = choose_head(loaded.model.lm_head, head_shortlist, kernel=int4_kernel)
-    return ModelRuntime(loaded=loaded, forward=PagedLlama(loaded.model), quantization=quantization)
+    head = loaded.model.lm_head
+    if isinstance(head, Int8Linear) and tuner is not None:
+        loaded.model.lm_head = tuner.output_head(head, head_shortlist, int4_kernel, prefer)
+    forward = PagedLlama(loaded.model)
+    if tuner is not None:
+        tuner.dense_kernels(forward)
+    return ModelRuntime(loaded=loaded, forward=forward, quantization=quantization, tuner=tuner)

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 from specdec.errors import InvalidArgumentError
 from specdec.flags import inherit, option
-from specdec.model.compiled_layers import COMPILE_MODES, DEFAULT_COMPILE_BUDGET_S
 from specdec.model.loader import DEFAULT_MODEL
 from specdec.model.quantize_int4 import KERNELS as INT4_KERNELS
 from specdec.model.runtime import DTYPES, QUANTIZATIONS
 from specdec.serving.security import ServerSecurity
-from specdec.serving.thread_placement import ThreadPlacement, parse_cores
 from specdec.stats import DEFAULT_PREFIX, check_metrics_prefix
+from specdec.tuning.compiled_layers import COMPILE_MODES, DEFAULT_COMPILE_BUDGET_S
+from specdec.tuning.thread_placement import ThreadPlacement, parse_cores
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
 
 
@@ -67,6 +67,11 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
     compile_budget_s: float = option(
         DEFAULT_COMPILE_BUDGET_S, "start-up seconds for compiled graphs: the first is always built, each further "
         "one only while those before took at most this long", advanced=True,
+    )
+    tuning_cache: bool = option(
+        True, "reuse the start-up measurements (kernel choices, compiled steps, forward costs) kept in the specdec "
+        "cache dir when nothing they depend on changed (machine, torch, model, weights, dtype, code, these flags); "
+        "off: measure at every start", advanced=True,
     )
     threads: int = option(0, "intra-op threads of the forward pass (0 = one per core)", advanced=True)
     release_threads: bool = option(

@@ -16,13 +16,12 @@ import torch
 
 from specdec.cost_model import ForwardCost
 from specdec.errors import CapacityExhaustedError, InvalidArgumentError, SlotNotFoundError
-from specdec.model.compiled_layers import choose_layer_path, compiled_step_names
-from specdec.model.cost_profile import measure_forward_costs
 from specdec.model.runtime import ModelRuntime
 from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.serving.config import ModelServiceConfig
 from specdec.serving.leases import LeaseTable
-from specdec.serving.openmp import release_threads
+from specdec.tuning.openmp import release_threads
+from specdec.tuning.startup import StartupTuner
 from specdec.wire.items import Lease, ModelInfo
 
 log = logging.getLogger(__name__)
@@ -47,16 +46,14 @@ class ModelEngine:
         self.prefix_cache_hits = 0
         #: Which gateway holds which slot; a silent gateway's slots expire (see `leases`).
         self.leases = LeaseTable(config.lease_ttl_s)
+        #: The start-up choices: the runtime's tuner (a fresh one, without a cache, when it has none).
+        self.tuner = runtime.tuner if isinstance(runtime.tuner, StartupTuner) else StartupTuner()
+        self.tuner.layer_path(self.forward, self.cache, config.compile, config.compile_budget_s, config.measure_costs)
         #: Forward costs measured on this machine at start-up (empty when disabled).
-        self.forward_costs: tuple[ForwardCost, ...] = ()
-        # "auto" decides by timing both paths: a service told not to measure (tests, fast
-        # restarts) stays eager rather than compile blind.
-        compile_mode = "off" if config.compile == "auto" and not config.measure_costs else config.compile
-        choose_layer_path(self.forward, self.cache, compile_mode, config.compile_budget_s)  # sets `self.forward.layer_path`
-        if config.measure_costs:
-            self.forward_costs = tuple(measure_forward_costs(
-                self.forward, self.cache, max_batch=config.max_slots, max_tokens=config.max_speculative_tokens + 1,
-            ))
+        self.forward_costs: tuple[ForwardCost, ...] = self.tuner.forward_costs(
+            self.forward, self.cache, max_batch=config.max_slots, max_tokens=config.max_speculative_tokens + 1,
+            enabled=config.measure_costs,
+        )
         log.info(
             "%s: KV pool of %d tokens (%d blocks of %d), %.0f MiB; max_seq_len %d",
             runtime.loaded.name, self.cache.capacity_tokens, self.cache.blocks.num_blocks, self.cache.block_size,
@@ -83,7 +80,8 @@ class ModelEngine:
             device=str(self.cache.device),
             quantization="" if self.runtime.quantization == "none" else self.runtime.quantization,
             forward_costs=self.forward_costs,
-            compiled_steps=compiled_step_names(self.forward),
+            compiled_steps=self.tuner.compiled_steps(self.forward),
+            tuning=tuple(self.tuner.choices),
         )
 
     def truncate(self, slot_id: str, new_len: int) -> int:
@@ -185,7 +183,7 @@ class ModelEngine:
 
     def _hand_over(self) -> None:
         """This call is followed by the other service's work: let the OpenMP threads go
-        rather than spin on a core it needs (see `specdec.serving.openmp`)."""
+        rather than spin on a core it needs (see `specdec.tuning.openmp`)."""
         if self.config.release_threads:
             release_threads()
 

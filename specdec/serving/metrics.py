@@ -73,7 +73,7 @@ def service_families(stats: ServiceStats, engine: ModelEngine, prefix: str) -> I
     yield f.gauge("service_model_info", "How the model runs (always 1): weights, compute dtype, device, and whether a "
                   "single request's decode step runs compiled decoder layers", ["quantization", "dtype", "device", "decode_layers"],
                   {(engine.runtime.quantization, str(forward.dtype).removeprefix("torch."), engine.cache.device.type,
-                    forward.layer_path): 1})
+                    "compiled" if engine.tuner.compiled_steps(forward) else "eager"): 1})
     yield f.histogram("service_rpc_latency_seconds", "Server-side rpc latency, queueing on the model worker included",
                       ["method"], {(m,): d for m, d in stats.rpc_latency.items()})
     yield f.counter("service_rpc_errors", "Rpcs that ended with a non-OK status", ["method", "code"], stats.errors)

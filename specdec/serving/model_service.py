@@ -22,12 +22,14 @@ from specdec.serving.config import ModelServiceConfig
 from specdec.serving.engine import ModelEngine
 from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer, start_server
-from specdec.serving.heap import retain_freed_memory
 from specdec.serving.metrics import ServiceStats, service_endpoint
-from specdec.serving.openmp import proc_bind
 from specdec.serving.streams import Req, Resp, answer_each
-from specdec.serving.thread_placement import parse_cores
 from specdec.serving.worker import ModelWorker, cancel_and_wait
+from specdec.tuning.heap import retain_freed_memory
+from specdec.tuning.inductor import use_compile_cache
+from specdec.tuning.openmp import proc_bind
+from specdec.tuning.startup import StartupTuner
+from specdec.tuning.thread_placement import parse_cores
 from specdec.v1 import common_pb2
 from specdec.wire.items import Lease
 
@@ -103,23 +105,45 @@ async def expire_leases_forever(engine: ModelEngine, worker: ModelWorker) -> Non
             log.exception("lease expiry failed")
 
 
+#: The service flags a start-up measurement depends on besides model, dtype, quantization,
+#: device and threads (`specdec.tuning.store.TuningKey.settings`).
+TUNING_SETTINGS = (
+    "num_layers", "group_size", "head_shortlist", "int4_kernel", "compile", "compile_budget_s", "measure_costs",
+    "max_slots", "max_speculative_tokens", "kv_token_budget", "block_size", "cpu_cores",
+)
+
+
 def build_engine(engine_cls: Callable[[ModelRuntime, C], E], config: C) -> E:
     """Apply the memory, thread and core settings, load the configured model and wrap an engine
-    of `engine_cls` around it (on the model worker thread, which runs all torch work)."""
-    if config.retain_freed_memory:
-        retain_freed_memory()
+    of `engine_cls` around it (on the model worker thread, which runs all torch work); log
+    every start-up choice in one line and keep the measured ones for the next start."""
+    heap = config.retain_freed_memory and retain_freed_memory()
     cores = parse_cores(config.cpu_cores)
     if cores:
         os.sched_setaffinity(0, cores)
     if threads := config.threads or len(cores):
         torch.set_num_threads(threads)
-    log.info("forward on %d intra-op threads, OpenMP binding: %s", torch.get_num_threads(), proc_bind())
+    settings = {name: getattr(config, name) for name in TUNING_SETTINGS}
+    tuner = StartupTuner.for_service(
+        model=config.model, dtype=config.dtype, quantization=config.quantization, device=config.device,
+        settings=settings, reuse=config.tuning_cache,
+    )
+    tuner.note("heap", "retained" if heap else "default", "flag" if config.retain_freed_memory == heap else "fixed")
+    tuner.note("threads", torch.get_num_threads(), "flag" if config.threads or cores else "fixed",
+               f"cores {config.cpu_cores}" if cores else "")
+    tuner.note("openmp_binding", proc_bind(), "flag")
+    tuner.note("release_threads", "on" if config.release_threads else "off", "flag")
+    cache_dir, reason = use_compile_cache()
+    tuner.note("compile_cache", cache_dir, reason)
     runtime = build_runtime(
         config.model, dtype=config.dtype, device=config.device,
         quantization=config.quantization, num_layers=config.num_layers, group_size=config.group_size,
-        head_shortlist=config.head_shortlist, int4_kernel=config.int4_kernel,
+        head_shortlist=config.head_shortlist, int4_kernel=config.int4_kernel, tuner=tuner,
     )
-    return engine_cls(runtime, config)
+    engine = engine_cls(runtime, config)
+    tuner.save()
+    log.info("%s", tuner.line())
+    return engine
 
 
 async def start_model_service(

@@ -2,7 +2,7 @@
 
 import sys
 
-from specdec.serving.thread_placement import bind_threads_before_torch
+from specdec.tuning.thread_placement import bind_threads_before_torch
 
 if __name__ == "__main__":
     bind_threads_before_torch(sys.argv[1:])  # first: libgomp reads its binding once, as torch loads

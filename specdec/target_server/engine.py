@@ -9,10 +9,10 @@ import typing
 import torch
 
 from specdec.errors import InvalidArgumentError, SlotExistsError
-from specdec.model.threads import one_thread
 from specdec.sampling.rejection_sampler import draw_candidates, token_probs
 from specdec.sampling.transforms import chunk_logits_to_probs, logits_to_probs, pick_tokens, position_generator
 from specdec.serving.engine import ModelEngine
+from specdec.tuning.threads import one_thread
 from specdec.wire.items import (
     ArgmaxMode,
     DecodeMode,

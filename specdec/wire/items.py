@@ -19,6 +19,7 @@ from specdec.errors import InvalidArgumentError, ServiceStateError
 from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.sparse_probs import SparseRows
+from specdec.tuning.choices import TuningChoice
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 from specdec.wire.tensor_codec import decode_tensor, encode_tensor
 
@@ -342,6 +343,8 @@ class ModelInfo:
     forward_costs: tuple[ForwardCost, ...] = ()
     #: The forward steps that run compiled, e.g. "single-request 1-token steps".
     compiled_steps: tuple[str, ...] = ()
+    #: Every start-up choice and why (`specdec.tuning.choices`).
+    tuning: tuple[TuningChoice, ...] = ()
 
     def to_pb(self) -> common_pb2.ModelInfo:
         return common_pb2.ModelInfo(
@@ -365,6 +368,7 @@ class ModelInfo:
                 for c in self.forward_costs
             ],
             compiled_steps=list(self.compiled_steps),
+            tuning=[common_pb2.TuningChoice(name=c.name, value=c.value, reason=c.reason, detail=c.detail) for c in self.tuning],
         )
 
     @classmethod
@@ -385,4 +389,5 @@ class ModelInfo:
             quantization=message.quantization,
             forward_costs=tuple(ForwardCost.from_pb(c) for c in message.forward_costs),
             compiled_steps=tuple(message.compiled_steps),
+            tuning=tuple(TuningChoice(c.name, c.value, c.reason, c.detail) for c in message.tuning),
         )

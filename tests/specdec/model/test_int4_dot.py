@@ -74,8 +74,7 @@ def test_int4_linear_and_compiled_graph() -> None:
 def test_not_available_without_the_instructions(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(int4_dot, "cpu_supported", lambda: False)
     assert int4_dot.available.__wrapped__() is False
-    module = Int4Linear(weight(128, 64, 32))
-    monkeypatch.setattr(qi4, "choose_int4_kernel", lambda device_type, dtype: "int4dot")
+    module = Int4Linear(weight(128, 64, 32), prefer="int4dot")
     monkeypatch.setattr(int4_dot, "available", lambda: False)
     assert module.prepare("cpu", torch.bfloat16) in ("int4pack", "dequant")  # the next kernel that runs
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.model.linear import MAX_NARROW_ROWS, DenseLinear, _onednn_available, fastest_wide_kernel
+from specdec.model.linear import MAX_NARROW_ROWS, DenseLinear, fastest_wide_kernel, onednn_available
 
 IN = 576  # the kernels sum a row of this length in different orders, so their results differ in the last bits
 WEIGHT = torch.randn(96, IN, generator=torch.Generator().manual_seed(0))  # [out, in]
-pytestmark = pytest.mark.skipif(not _onednn_available(WEIGHT), reason="no oneDNN linear on this build")
+pytestmark = pytest.mark.skipif(not onednn_available(WEIGHT), reason="no oneDNN linear on this build")
 
 
 def _onednn(x: torch.Tensor) -> torch.Tensor:
@@ -44,8 +44,12 @@ def test_narrow_inputs_take_the_chosen_kernel_everywhere() -> None:
         assert torch.equal(aten(wide), F.linear(wide, WEIGHT))
 
 
-def test_the_measured_choice_is_made_per_kind_of_input() -> None:
+def test_kernels_are_set_per_kind_of_input() -> None:
     layer = DenseLinear(WEIGHT)
-    assert layer.narrow_kernel in ("aten", "onednn") and layer.wide_kernel in ("aten", "onednn")
+    assert (layer.narrow_kernel, layer.wide_kernel) == ("aten", "aten")  # untuned: F.linear
+    layer.set_kernels("onednn", "aten")
+    narrow, wide = _inputs(1), _inputs(3)
+    with fastest_wide_kernel():
+        assert torch.equal(layer(narrow), _onednn(narrow)) and torch.equal(layer(wide), F.linear(wide, WEIGHT))
     with pytest.raises(ValueError, match="kernel"):
         DenseLinear(WEIGHT, kernel="mkl")

@@ -20,7 +20,7 @@ from specdec.model import quantize_int4 as qi4
 from specdec.model.gguf_q4 import gguf_int4_weights, read_gguf_int4_weights, rope_unpermute_rows
 from specdec.model.int4_weight import Int4Weight
 from specdec.model.loader import DEFAULT_MODEL, LoadedModel, embedded_model_path
-from specdec.model.quantize_int4 import Int4Linear, choose_int4_kernel, quantize_int4
+from specdec.model.quantize_int4 import Int4Linear, default_int4_kernel, quantize_int4
 from tests.support.tiny_models import tiny_llama
 
 HAS_OP = hasattr(torch, "_weight_int4pack_mm_for_cpu")
@@ -141,38 +141,23 @@ def test_kernels_match_dequantized_reference(kernel: str, dtype: torch.dtype) ->
     assert module(torch.randn(256, dtype=dtype)).shape == (128,)  # a bare [in] vector works too
 
 
-def test_auto_kernel_choice_and_shape_fallback() -> None:
+def test_auto_kernel_takes_the_preferred_one_and_falls_back_by_shape() -> None:
     weight = Int4Weight.from_float(random_weight(128, 64), 32)
     module = Int4Linear(weight)
     assert module.kernel == ""  # chosen on first use
-    assert module.prepare("cpu", torch.bfloat16) == choose_int4_kernel("cpu", torch.bfloat16)
+    assert module.prepare("cpu", torch.bfloat16) == default_int4_kernel("cpu", torch.bfloat16)  # nothing measured
+    assert Int4Linear(weight, prefer="dequant").prepare("cpu", torch.bfloat16) == "dequant"
     odd = Int4Linear(Int4Weight.from_float(random_weight(24, 64), 32))  # 24 rows: int4pack needs out % 16 == 0
     assert odd.prepare("cpu", torch.bfloat16) == "dequant"
-    if HAS_OP and choose_int4_kernel("cpu", torch.bfloat16) == "int4dot":  # 96 rows: int4dot needs out % 64 == 0
+    if HAS_OP and default_int4_kernel("cpu", torch.bfloat16) == "int4dot":  # 96 rows: int4dot needs out % 64 == 0
         assert Int4Linear(Int4Weight.from_float(random_weight(96, 64), 32)).prepare("cpu", torch.bfloat16) == "int4pack"
     with pytest.raises(ValueError):
         Int4Linear(odd.int4_weight(), kernel="int4pack")
-    assert choose_int4_kernel("cuda", torch.bfloat16) == "dequant"  # no CPU kernel off CPU; nothing measured
-
-
-def test_choose_int4_kernel_picks_the_faster(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The choice follows the measurement, whichever kernel wins on this CPU."""
-    if not HAS_OP:
-        pytest.skip("no int4pack op")
-    monkeypatch.setattr(int4_dot, "available", lambda: False)
-    for dequant_ms, int4pack_ms, want in ((5.0, 1.0, "int4pack"), (1.0, 5.0, "dequant")):
-        times = iter([dequant_ms, int4pack_ms])  # measured in this order
-        monkeypatch.setattr(qi4, "min_time_ms", lambda fn, times=times, **kw: next(times))
-        assert choose_int4_kernel.__wrapped__("cpu", torch.bfloat16) == want
-    monkeypatch.undo()
-    if int4_dot.available():
-        for times_ms, want in (((5.0, 1.0, 2.0), "int4dot"), ((5.0, 2.0, 1.0), "int4pack")):
-            times = iter(times_ms)  # dequant, int4dot, int4pack
-            monkeypatch.setattr(qi4, "min_time_ms", lambda fn, times=times, **kw: next(times))
-            assert choose_int4_kernel.__wrapped__("cpu", torch.bfloat16) == want
-        monkeypatch.undo()
-    assert choose_int4_kernel("cpu", torch.float32) in qi4.KERNELS
-    assert choose_int4_kernel("cpu", torch.float32) is choose_int4_kernel("cpu", torch.float32)  # cached
+    with pytest.raises(ValueError, match="prefer"):
+        Int4Linear(weight, prefer="fast")
+    assert default_int4_kernel("cuda", torch.bfloat16) == "dequant"  # no CPU kernel off CPU
+    fused = Int4Linear.concat([Int4Linear(weight, prefer="dequant"), Int4Linear(weight, prefer="dequant")])
+    assert fused.prefer == "dequant"
 
 
 def test_state_dict_round_trip_and_cache_invalidation() -> None:

@@ -6,12 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from specdec.model import shortlist_head as sh
 from specdec.model.int4_weight import Int4Weight
 from specdec.model.loader import LoadedModel
 from specdec.model.quantize import Int8Linear
 from specdec.model.quantize_int4 import Int4Linear
-from specdec.model.shortlist_head import ShortlistHead, choose_head
+from specdec.model.shortlist_head import ShortlistHead
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog because it wanted to see what was on the other side. "
@@ -59,19 +58,6 @@ def test_rejects_bad_heads() -> None:
     biased = Int8Linear(exact.weight_int8, exact.scales, torch.zeros(64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="bias"):
         ShortlistHead(biased, coarse, 8)
-
-
-def test_choose_head_follows_the_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
-    exact = int8_head()
-    assert choose_head(exact, 0) is exact  # 0 turns it off: nothing measured
-    for int8_ms, shortlist_ms, want in ((2.0, 1.0, ShortlistHead), (1.0, 2.0, Int8Linear)):
-        times = iter([int8_ms, shortlist_ms])  # measured in this order
-        monkeypatch.setattr(sh, "min_time_ms", lambda fn, times=times, **kw: (fn(), next(times))[1])
-        assert type(choose_head(exact, 16)) is want
-    monkeypatch.undo()
-    threads = torch.get_num_threads()
-    choose_head(exact, 16)
-    assert torch.get_num_threads() == threads  # timed on one thread, then restored
 
 
 def test_real_head_agrees_with_the_int8_head(smollm2: LoadedModel) -> None:

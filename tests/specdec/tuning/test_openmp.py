@@ -1,4 +1,4 @@
-"""Releasing the OpenMP threads between forwards (`specdec.serving.openmp`): the workers
+"""Releasing the OpenMP threads between forwards (`specdec.tuning.openmp`): the workers
 really exit, and the next forward runs with its full team and the same numbers."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from specdec.serving.config import ModelServiceConfig
 # Runs in a fresh interpreter: nothing else there starts or stops threads meanwhile.
 _CHECK = textwrap.dedent("""
     import os, time, torch
-    from specdec.serving.openmp import release_threads
+    from specdec.tuning.openmp import release_threads
 
     def threads() -> int:
         return len(os.listdir("/proc/self/task"))

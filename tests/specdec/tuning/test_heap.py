@@ -12,7 +12,7 @@ import pytest
 PROBE = textwrap.dedent("""
     import resource, sys
     import torch
-    from specdec.serving.heap import retain_freed_memory
+    from specdec.tuning.heap import retain_freed_memory
     torch.set_num_threads(1)
     if sys.argv[1] == "retain":
         assert retain_freed_memory()

@@ -1,23 +1,20 @@
 """Hand the cores over: let a model service's idle OpenMP threads go instead of spinning
-(small sync-heavy ops run on one thread with `specdec.model.threads.one_thread`).
+(small sync-heavy ops run on one thread with `specdec.tuning.threads.one_thread`).
 
 Target and draft share the machine's cores and take turns. After a forward, libgomp's
 worker threads spin for a while before they sleep (`GOMP_SPINCOUNT`, 300,000 pause
 iterations by default: a few milliseconds), so the service that just answered still
-holds a core when the other one starts. Called straight, Propose (K = 8) and a 9-token
-Verify alternating, each took 2-5 ms longer than when its service was called alone (AMD
-EPYC Zen 5, 2 cores). A shorter spin for the whole process is no cure: plain decoding
-lost as much as speculation gained, since between two plain steps the target's spin
-bridges the gateway's turn (docs/performance.md).
+holds a core when the other one starts, and each call is slower than when its service runs
+alone. A shorter spin for the whole process is no cure: plain decoding loses as much as
+speculation gains, since between two plain steps the target's spin bridges the gateway's turn
+(docs/performance.md#openmp-threads-between-calls).
 
 So a service lets its thread team go only after a call that hands the machine to the
 other service: the draft after every Propose, the target after a Verify that judged
 draft tokens. OpenMP 5.0's `omp_pause_resource_all` ends the calling thread's team, and
 the next forward starts a new one (a fraction of a millisecond; where its workers start
-is `specdec.serving.thread_placement`'s business). One trio, greedy requests alternating
-with and without it (6 prompts × 128 tokens, 2 repetitions, AMD EPYC Zen 5): speculative
-decoding 92.5 → 100.7 tok/s (pairwise median 1.066×), plain decoding unchanged (0.992×).
-It is a no-op where torch does not run on libgomp.
+is `specdec.tuning.thread_placement`'s business). It is a no-op where torch does not run on
+libgomp.
 """
 
 from __future__ import annotations
@@ -59,7 +56,7 @@ def _pause_all() -> Callable[[int], int] | None:
 
 def proc_bind() -> str:
     """The calling thread's OpenMP thread-binding policy ("false" when unbound; "close" as
-    `specdec.serving.thread_placement` sets it), or "unknown" without libgomp."""
+    `specdec.tuning.thread_placement` sets it), or "unknown" without libgomp."""
     function = getattr(_libgomp(), "omp_get_proc_bind", None)
     if function is None:
         return "unknown"

@@ -1,4 +1,4 @@
-"""Which OpenMP binding a model service asks for (`specdec.serving.thread_placement`)."""
+"""Which OpenMP binding a model service asks for (`specdec.tuning.thread_placement`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from specdec.errors import InvalidArgumentError
 from specdec.flags import add_flags, from_args
 from specdec.serving.config import ModelServiceConfig
-from specdec.serving.thread_placement import ThreadPlacement, openmp_binding, parse_cores
+from specdec.tuning.thread_placement import ThreadPlacement, openmp_binding, parse_cores
 
 
 def test_binding_is_on_by_default_one_place_per_core() -> None:

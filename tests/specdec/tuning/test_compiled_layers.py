@@ -1,5 +1,6 @@
-"""The compiled decoder layer (`--compile`): same numbers as eager, one graph for every
-context length, and eager whenever compiling is off, fails or does not apply.
+"""The compiled decoder layers (`--compile`): same numbers as eager, one graph for every
+context length, eager whenever compiling is off, fails or does not apply, and decisions
+reused from the tuning cache.
 
 Compiles for real (inductor, C++), once per module: a tiny int4 Llama in bfloat16, the
 default draft's formats, so the int4 kernel runs inside the compiled graph. Its four
@@ -12,18 +13,25 @@ from __future__ import annotations
 
 import contextlib
 import math
-import logging
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from specdec.kv_cache.paged_cache import PagedKVCache
-from specdec.model import compiled_layers
-from specdec.model.compiled_layers import TIMING_CONTEXT, choose_layer_path, compiled_step_names
-from specdec.model.llama import PagedLlama, layers_per_compiled_call
+from specdec.model.llama import PagedLlama
 from specdec.model.quantize import quantize_int8
 from specdec.model.quantize_int4 import quantize_int4
+from specdec.tuning import compiled_layers
+from specdec.tuning.compiled_layers import (
+    SHAPES,
+    TIMING_CONTEXT,
+    CompiledLayers,
+    choose_layer_path,
+    compiled_step_names,
+    layers_per_compiled_call,
+    shape_key,
+)
 from tests.support.tiny_models import tiny_llama
 
 PROMPT = [(i * 37) % 256 for i in range(200)]
@@ -33,8 +41,18 @@ def _int4_forward() -> PagedLlama:
     model = tiny_llama(num_layers=4)
     quantize_int4(model, group_size=32, include_lm_head=False)
     quantize_int8(model)
-    forward = PagedLlama(model.to(torch.bfloat16))
-    forward.layers_per_call = 2
+    return PagedLlama(model.to(torch.bfloat16))
+
+
+def _runner(forward: PagedLlama) -> CompiledLayers:
+    return CompiledLayers(forward, layers_per_call=2)
+
+
+def _use(runner: CompiledLayers, path: str) -> PagedLlama:
+    """Run `runner`'s model on `path`, the compiled one for every shape class; returns the model."""
+    forward = runner.forward
+    runner.shapes = set(SHAPES)
+    forward.layer_runner = runner if path == "compiled" else forward.eager_layers
     return forward
 
 
@@ -44,42 +62,43 @@ def test_layers_are_compiled_in_equal_groups_of_at_most_ten(num_layers: int, per
 
 
 @pytest.fixture(scope="module")
-def compiled() -> PagedLlama:
+def runner() -> CompiledLayers:
     forward = _int4_forward()
     cache = forward.new_cache(token_budget=1024)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     # No budget: every shape is built however long this machine takes to compile it.
-    assert choose_layer_path(forward, cache, "on", budget_s=math.inf) == "compiled"
+    chosen = choose_layer_path(forward, cache, "on", budget_s=math.inf, runner=_runner(forward))
+    assert chosen.path == "compiled" and chosen.runner is forward.layer_runner and not chosen.measured
     # One graph per shape class: the batch graph is dynamic in the batch size from its first
     # warm-up step (a recompile for the second would cost as much start-up again).
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == len(compiled_layers.SHAPES)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == len(SHAPES)
     assert cache.blocks.free_tokens == cache.capacity_tokens  # its timing slots are gone
-    return forward
+    return chosen.runner
 
 
 @contextlib.contextmanager
-def compiled_graph_only(forward: PagedLlama) -> Iterator[None]:
+def compiled_graph_only(runner: CompiledLayers) -> Iterator[None]:
     """Fail unless the calls inside ran the warm-up's compiled graph: a call that would need
     another graph (which serving would quietly run eager) compiles one here and is caught."""
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    forward.compile_on_miss = True
+    runner.compile_on_miss = True
     try:
         with torch.profiler.profile() as profile:
             yield
     finally:
-        forward.compile_on_miss = False
+        runner.compile_on_miss = False
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert any(event.name.startswith("Torch-Compiled Region") for event in profile.events())
 
 
-def _decode(forward: PagedLlama, path: str, prompt_len: int, steps: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _decode(runner: CompiledLayers, path: str, prompt_len: int, steps: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Logits of `steps` greedy 1-token steps after an eager prefill, and the slot's cached K/V."""
-    forward.set_layer_path(path)
+    forward = _use(runner, path)
     cache = forward.new_cache(token_budget=512)
     cache.blocks.allocate("s")
     (logits,) = forward.run(cache, [("s", PROMPT[:prompt_len])])
     out = []
-    with compiled_graph_only(forward) if path == "compiled" else contextlib.nullcontext():
+    with compiled_graph_only(runner) if path == "compiled" else contextlib.nullcontext():
         for _ in range(steps):
             (logits,) = forward.run(cache, [("s", [int(logits.argmax())])])
             out.append(logits.float())
@@ -91,20 +110,20 @@ Chunks = list[tuple[str, list[int]]]
 
 
 def _steps_on_both_paths(
-    forward: PagedLlama, lengths: dict[str, int], steps: list[Chunks], logits: str = "last"
+    runner: CompiledLayers, lengths: dict[str, int], steps: list[Chunks], logits: str = "last"
 ) -> dict[str, tuple[list[torch.Tensor], PagedKVCache]]:
     """Prefill each slot of `lengths` with that many PROMPT tokens, then run `steps` (each
     one batched call), eager and then compiled; the compiled steps must run warm-up graphs.
     Returns each path's logits, in call order, and its cache."""
     runs = {}
     for path in ("eager", "compiled"):
-        forward.set_layer_path(path)
+        forward = _use(runner, path)
         cache = forward.new_cache(token_budget=1024)
         for slot, length in lengths.items():
             cache.blocks.allocate(slot)
             forward.run(cache, [(slot, PROMPT[:length])])
         results: list[torch.Tensor] = []
-        with compiled_graph_only(forward) if path == "compiled" else contextlib.nullcontext():
+        with compiled_graph_only(runner) if path == "compiled" else contextlib.nullcontext():
             for chunks in steps:
                 results += forward.run(cache, chunks, logits=logits)
         runs[path] = (results, cache)
@@ -118,51 +137,51 @@ def _assert_same_logits(runs: dict[str, tuple[list[torch.Tensor], PagedKVCache]]
 
 
 @pytest.mark.parametrize("prompt_len", [3, 61, 190])
-def test_compiled_steps_match_eager_at_every_context_length(compiled: PagedLlama, prompt_len: int) -> None:
-    eager_logits, eager_kv = _decode(compiled, "eager", prompt_len, steps=6)
-    compiled_logits, compiled_kv = _decode(compiled, "compiled", prompt_len, steps=6)
+def test_compiled_steps_match_eager_at_every_context_length(runner: CompiledLayers, prompt_len: int) -> None:
+    eager_logits, eager_kv = _decode(runner, "eager", prompt_len, steps=6)
+    compiled_logits, compiled_kv = _decode(runner, "compiled", prompt_len, steps=6)
     for want, got in zip(eager_logits, compiled_logits):
         # bf16 activations: the compiled kernels round once where eager rounds after every op.
         torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
     torch.testing.assert_close(compiled_kv, eager_kv, atol=0.02, rtol=0.02)  # the cache writes landed in the same rows
 
 
-def test_one_graph_serves_every_context_length(compiled: PagedLlama) -> None:
-    compiled.set_layer_path("compiled")
-    cache = compiled.new_cache(token_budget=512)
+def test_one_graph_serves_every_context_length(runner: CompiledLayers) -> None:
+    forward = _use(runner, "compiled")
+    cache = forward.new_cache(token_budget=512)
     cache.blocks.allocate("s")
-    compiled.run(cache, [("s", PROMPT[:5])])
-    with compiled_graph_only(compiled):
+    forward.run(cache, [("s", PROMPT[:5])])
+    with compiled_graph_only(runner):
         for token in PROMPT[5:40]:
-            compiled.run(cache, [("s", [token])])
+            forward.run(cache, [("s", [token])])
 
 
-def test_two_token_steps_run_their_own_graph_with_the_same_numbers(compiled: PagedLlama) -> None:
+def test_two_token_steps_run_their_own_graph_with_the_same_numbers(runner: CompiledLayers) -> None:
     # The step that opens a drafting round after a fully accepted one feeds two tokens.
-    assert compiled.compiled_shapes == {(1, 1), (1, 2), (2, 1), (2, 2)}
     steps = [[("s", PROMPT[start : start + 2])] for start in range(40, 52, 2)]
-    _assert_same_logits(_steps_on_both_paths(compiled, {"s": 40}, steps, logits="all"))
+    _assert_same_logits(_steps_on_both_paths(runner, {"s": 40}, steps, logits="all"))
 
 
-def test_further_shapes_wait_for_a_quick_first_graph(compiled: PagedLlama) -> None:
-    try:  # a negative budget: the first graph always took too long
-        assert choose_layer_path(compiled, compiled.new_cache(token_budget=1024), "on", budget_s=-1.0) == "compiled"
-        assert compiled.compiled_shapes == {(1, 1)}
-        assert compiled_step_names(compiled) == ("single-request 1-token steps",)  # what Info reports
-    finally:
-        choose_layer_path(compiled, compiled.new_cache(token_budget=1024), "on", budget_s=math.inf)  # restore the fixture
-    assert compiled.compiled_shapes == {(1, 1), (1, 2), (2, 1), (2, 2)}
-    assert compiled_step_names(compiled) == (
+def test_further_shapes_wait_for_a_quick_first_graph(runner: CompiledLayers) -> None:
+    forward = runner.forward
+    # A negative budget: the first graph always took too long.
+    chosen = choose_layer_path(forward, forward.new_cache(token_budget=1024), "on", budget_s=-1.0, runner=runner)
+    assert chosen.path == "compiled" and runner.shapes == {(1, 1)}
+    assert compiled_step_names(forward) == ("single-request 1-token steps",)  # what Info reports
+    assert chosen.decisions == {"1x1": True}  # the others are left for a later start
+    chosen = choose_layer_path(forward, forward.new_cache(token_budget=1024), "on", budget_s=math.inf, runner=runner)
+    assert runner.shapes == set(SHAPES)
+    assert compiled_step_names(forward) == (
         "single-request 1-token steps", "single-request 2-token steps", "batch 1-token steps", "batch 2-token steps",
     )
 
 
-def test_batch_steps_of_any_size_run_one_graph_with_the_same_numbers(compiled: PagedLlama) -> None:
+def test_batch_steps_of_any_size_run_one_graph_with_the_same_numbers(runner: CompiledLayers) -> None:
     """2, 3 and 5 requests at different context lengths, 1 token each: the batch graph (the
     batch size dynamic), with eager's logits and cache writes."""
     lengths = {"a": 20, "b": 33, "c": 7, "d": 61, "e": 45}
     batches = (["a", "b"], ["c", "d", "e"], ["a", "b", "c", "d", "e"], ["e", "a"])
-    runs = _steps_on_both_paths(compiled, lengths, [[(slot, [PROMPT[100 + len(slot)]]) for slot in batch] for batch in batches])
+    runs = _steps_on_both_paths(runner, lengths, [[(slot, [PROMPT[100 + len(slot)]]) for slot in batch] for batch in batches])
     _assert_same_logits(runs)
     eager_cache, compiled_cache = runs["eager"][1], runs["compiled"][1]
     for slot in lengths:
@@ -172,31 +191,33 @@ def test_batch_steps_of_any_size_run_one_graph_with_the_same_numbers(compiled: P
                                        atol=0.02, rtol=0.02)
 
 
-def test_batch_round_openings_run_their_own_graph_with_the_same_numbers(compiled: PagedLlama) -> None:
+def test_batch_round_openings_run_their_own_graph_with_the_same_numbers(runner: CompiledLayers) -> None:
     """A batch's round-opening feed: rows after a fully accepted round feed 2 tokens, the
     others 1, padded to one [B, 2] step that runs the batch 2-token graph with eager's numbers."""
     steps: list[Chunks] = [  # the second step reads what the first wrote
         [("a", PROMPT[150:152]), ("b", [PROMPT[152]])],
         [("a", [PROMPT[153]]), ("b", PROMPT[154:156]), ("c", PROMPT[156:158])],
     ]
-    _assert_same_logits(_steps_on_both_paths(compiled, {"a": 20, "b": 33, "c": 7}, steps, logits="all"))
+    _assert_same_logits(_steps_on_both_paths(runner, {"a": 20, "b": 33, "c": 7}, steps, logits="all"))
 
 
-def test_wider_chunks_run_eager_with_the_same_numbers(compiled: PagedLlama) -> None:
+def test_wider_chunks_run_eager_with_the_same_numbers(runner: CompiledLayers) -> None:
     results = {}
     for path in ("eager", "compiled"):
-        compiled.set_layer_path(path)
-        cache = compiled.new_cache(token_budget=512)
+        forward = _use(runner, path)
+        cache = forward.new_cache(token_budget=512)
         for slot, length in (("a", 20), ("b", 33)):
             cache.blocks.allocate(slot)
-            compiled.run(cache, [(slot, PROMPT[:length])])
-        results[path] = compiled.run(cache, [("a", [1]), ("b", [2, 3, 4])], logits="all")
-        results[path] += compiled.run(cache, [("a", [5, 6, 7])], logits="all")  # 3 tokens: no graph
+            forward.run(cache, [(slot, PROMPT[:length])])
+        results[path] = forward.run(cache, [("a", [1]), ("b", [2, 3, 4])], logits="all")
+        results[path] += forward.run(cache, [("a", [5, 6, 7])], logits="all")  # 3 tokens: no graph
     for want, got in zip(results["eager"], results["compiled"]):
         assert torch.equal(want, got)  # the same eager code ran both times
 
 
-def test_serving_checks_only_the_guards_that_tell_graphs_apart(compiled: PagedLlama, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serving_checks_only_the_guards_that_tell_graphs_apart(
+    runner: CompiledLayers, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Warmed up, steps skip dynamo's full guard check and keep the warm-up graphs' numbers;
     a 1-token context, which the graphs specialised away, runs eager instead of failing."""
     stances: list[bool] = []
@@ -209,8 +230,8 @@ def test_serving_checks_only_the_guards_that_tell_graphs_apart(compiled: PagedLl
     steps = [[("a", [7])], [("a", [8])], [("a", [9, 10])], [("a", [11]), ("b", [12])], [("a", [13]), ("b", [14]), ("c", [15])]]
     results: dict[str, list[torch.Tensor]] = {}
     for path in ("eager", "compiled"):
-        compiled.set_layer_path(path)
-        cache = compiled.new_cache(token_budget=512)
+        forward = _use(runner, path)
+        cache = forward.new_cache(token_budget=512)
         results[path] = []
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         with monkeypatch.context() as patch:
@@ -220,7 +241,7 @@ def test_serving_checks_only_the_guards_that_tell_graphs_apart(compiled: PagedLl
                     if not cache.blocks.has_slot(slot):
                         cache.blocks.allocate(slot)
                 with torch.profiler.profile() as profile:
-                    results[path] += compiled.run(cache, chunks)
+                    results[path] += forward.run(cache, chunks)
                 ran_compiled = any(event.name.startswith("Torch-Compiled Region") for event in profile.events())
                 assert ran_compiled == (path == "compiled" and chunks != steps[0])  # the 1-token context ran eager
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled while serving
@@ -232,19 +253,43 @@ def test_serving_checks_only_the_guards_that_tell_graphs_apart(compiled: PagedLl
         torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
 
 
-def test_off_does_not_compile_and_auto_keeps_the_faster_path(compiled: PagedLlama, caplog: pytest.LogCaptureFixture) -> None:
+def test_off_does_not_compile(runner: CompiledLayers) -> None:
     fresh = _int4_forward()
-    assert choose_layer_path(fresh, fresh.new_cache(token_budget=1024), "off") == "eager"
-    assert fresh.compiled_group is None and compiled_step_names(fresh) == ()
-    with caplog.at_level(logging.INFO, logger=compiled_layers.__name__):
-        path = choose_layer_path(compiled, compiled.new_cache(token_budget=1024), "auto", budget_s=math.inf)
-    assert compiled.layer_path == path
-    assert f"running {path}" in caplog.text and "eager" in caplog.text and "compiled" in caplog.text
+    chosen = choose_layer_path(fresh, fresh.new_cache(token_budget=1024), "off")
+    assert chosen.runner is None and chosen.path == "eager" and chosen.decisions == {}
+    assert fresh.layer_runner == fresh.eager_layers and compiled_step_names(fresh) == ()
+
+
+def test_auto_keeps_the_shapes_measured_faster(runner: CompiledLayers, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decision follows the timing (pinned here: compiled faster for 1-token steps only)."""
+    def pinned(candidates: dict[tuple[str, tuple[int, int]], object], **kwargs: object) -> dict[object, float]:
+        return {(path, shape): 1.0 if path == "compiled" and shape[1] == 1 else 2.0 for path, shape in candidates}
+
+    monkeypatch.setattr(compiled_layers, "median_times", pinned)
+    forward = runner.forward
+    chosen = choose_layer_path(forward, forward.new_cache(token_budget=1024), "auto", budget_s=math.inf, runner=runner)
+    assert chosen.measured and chosen.path == "compiled" and runner.shapes == {(1, 1), (2, 1)}
+    assert chosen.decisions == {"1x1": True, "1x2": False, "2x1": True, "2x2": False}
+    assert forward.layer_runner is runner and set(chosen.times) == {shape_key(s) for s in SHAPES}
+
+
+def test_auto_reuses_known_decisions_without_timing(runner: CompiledLayers, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_timing(*args: object, **kwargs: object) -> None:
+        raise AssertionError("timed although every decision was known")
+
+    monkeypatch.setattr(compiled_layers, "median_times", no_timing)
+    forward = runner.forward
+    known = {"1x1": True, "1x2": False, "2x1": False, "2x2": True}
+    chosen = choose_layer_path(forward, forward.new_cache(token_budget=1024), "auto", known=known, runner=runner)
+    assert not chosen.measured and runner.shapes == {(1, 1), (2, 2)} and chosen.decisions == known
+    everything_eager = dict.fromkeys(known, False)
+    chosen = choose_layer_path(forward, forward.new_cache(token_budget=1024), "auto", known=everything_eager, runner=runner)
+    assert chosen.path == "eager" and forward.layer_runner == forward.eager_layers and chosen.decisions == everything_eager
 
 
 def test_a_small_pool_or_a_failing_compiler_leaves_the_model_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     forward = _int4_forward()
-    assert choose_layer_path(forward, forward.new_cache(token_budget=TIMING_CONTEXT), "on") == "eager"
+    assert choose_layer_path(forward, forward.new_cache(token_budget=TIMING_CONTEXT), "on").path == "eager"
 
     def broken_compile(fn: object, **kwargs: object) -> object:
         def raises(*args: object) -> None:
@@ -253,8 +298,8 @@ def test_a_small_pool_or_a_failing_compiler_leaves_the_model_eager(monkeypatch: 
 
     monkeypatch.setattr(torch, "compile", broken_compile)
     cache = forward.new_cache(token_budget=1024)
-    assert choose_layer_path(forward, cache, "on") == "eager"
-    assert forward.layer_path == "eager" and cache.blocks.free_tokens == cache.capacity_tokens
+    assert choose_layer_path(forward, cache, "on").path == "eager"
+    assert forward.layer_runner == forward.eager_layers and cache.blocks.free_tokens == cache.capacity_tokens
     cache.blocks.allocate("s")
     (logits,) = forward.run(cache, [("s", PROMPT[:4])])
     assert logits.shape == (256,)

@@ -1,11 +1,10 @@
 """Where a model service's threads run: its OpenMP threads bound one per core, set before torch loads.
 
 The draft and the target take turns on the same cores, and each lets its OpenMP threads go
-when it hands the cores over (`specdec.serving.openmp`), so every Propose and every Verify of
+when it hands the cores over (`specdec.tuning.openmp`), so every Propose and every Verify of
 draft tokens starts a new thread team. Left to the kernel, a new worker thread often starts
 on the core its creator is running on, and the two share that core for several scheduler
-ticks while the other core idles: traced on an AMD EPYC Zen 4 (2 cores, KVM), a K = 1 Propose
-took 24-30 ms that way instead of 8-10 ms. Bound (`OMP_PROC_BIND=close`, `OMP_PLACES=cores`),
+ticks while the other core idles (docs/performance.md#openmp-threads-between-calls). Bound (`OMP_PROC_BIND=close`, `OMP_PLACES=cores`),
 the thread that runs the forward stays on the first core and each worker starts on a core of
 its own.
 

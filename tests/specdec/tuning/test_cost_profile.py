@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from specdec.model.cost_profile import CHUNK_WIDTHS, CONTEXT_LEN, LONG_CONTEXT_LEN, PREFILL_WIDTH, measure_forward_costs
 from specdec.model.llama import PagedLlama
+from specdec.tuning.cost_profile import CHUNK_WIDTHS, CONTEXT_LEN, LONG_CONTEXT_LEN, PREFILL_WIDTH, measure_forward_costs
 from tests.support.tiny_models import tiny_llama
 
 

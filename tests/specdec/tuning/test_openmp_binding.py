@@ -17,11 +17,11 @@ import pytest
 _CHECK = textwrap.dedent("""
     import json, os, sys, threading
     from concurrent.futures import ThreadPoolExecutor
-    from specdec.serving.thread_placement import OPENMP_BINDING_VARIABLES, bind_threads_before_torch
+    from specdec.tuning.thread_placement import OPENMP_BINDING_VARIABLES, bind_threads_before_torch
 
     applied = bind_threads_before_torch(sys.argv[1:])
     import torch
-    from specdec.serving.openmp import proc_bind, release_threads
+    from specdec.tuning.openmp import proc_bind, release_threads
 
     def masks() -> dict[int, list[int]]:
         return {int(tid): sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")}

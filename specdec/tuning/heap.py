@@ -5,10 +5,7 @@ glibc's malloc serves a large block with its own `mmap` and unmaps it when freed
 the top of its heap back once more than 128 KB of it is free. A tensor of a few MB — a
 Verify's logits [K + 1, vocab] are 1.7 MB at K = 8 over SmolLM2's 49,152 tokens, 38 MB at
 K = 8 over Llama 3's 128,256 — then costs a page fault per 4 KB page each time it is
-written anew. Measured in process (AMD EPYC Zen 4, 2 threads): the residual distributions
-of a K = 8 sampled round, [9, 49152] fp32, took 2.7 ms a call with glibc's defaults and 0.25
-ms with freed memory kept; the target's sampled Verify took 53 against 45 ms, and its
-greedy one was unchanged (40 ms).
+written anew (docs/performance.md#freed-memory-kept).
 
 `retain_freed_memory` raises both thresholds (`mallopt`), the fix PyTorch's CPU tuning guide
 reaches for with jemalloc or tcmalloc, without another library. A process's resident memory

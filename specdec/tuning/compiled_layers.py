@@ -1,0 +1,285 @@
+"""The drafting loop's short steps with their decoder layers under `torch.compile`, where that
+measures faster.
+
+A 1-token step of a small model is mostly small ops (RMSNorm, RoPE, the cache write and
+gather, softmax, SiLU), each its own kernel launch between the matmuls. Compiled, the ops
+between two matmuls become one generated kernel, and a group of up to ten layers runs as one
+call with a C++ wrapper. Whether that pays depends on the CPU (or GPU), its compiler and the
+model, so "auto" compiles, times both paths side by side and keeps the faster; compilation
+that fails (no C++ compiler, an op the compiler does not know on this device) leaves the
+model eager with a warning.
+
+One function runs a group of `layers_per_call` consecutive layers with their weights among
+its inputs, so one graph serves every group. Only the drafting loop's shapes are compiled,
+one graph per shape class (`SHAPES`), with the context length (and a batch's size) dynamic:
+a single request's 1-token step, its 2-token round opening (the last draft token and the
+bonus token after a fully accepted round), and the same two for a batch (rows of 1 and 2
+tokens padded to 2). A single request keeps its own graphs: with the batch size dynamic its
+step ran slower. Each graph costs as much start-up as the first, so further shapes are
+built only while `--compile-budget-s` lasts; inductor's on-disk cache makes a restart's
+graphs cheap, and the decisions themselves are kept in the tuning cache
+(`specdec.tuning.startup`), so a restart times nothing.
+
+The graph has no guards on the layers' modules (their attributes are fixed once the model is
+built); once warmed up, calls also skip dynamo's guards on Python values
+(`skip_guard_eval_unsafe`) and check only those on tensors, which tell the graphs apart.
+Timings behind these rules: docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.kv_cache.paged_cache import PagedKVCache
+from specdec.model.llama import LayerInputs, PagedLlama
+from specdec.tuning.cost_profile import filler_prompt
+from specdec.tuning.timing import median_times, synchronizer
+
+log = logging.getLogger(__name__)
+
+COMPILE_MODES = ("auto", "on", "off")
+#: The most decoder layers one compiled call runs: fewer, larger calls save the compiled
+#: region's per-call cost, while each layer in a group adds compile time.
+MAX_LAYERS_PER_COMPILED_CALL = 10
+#: What dynamo's error says when a call under `skip_guard_eval_unsafe` matches no compiled graph.
+GUARD_SKIP_MISS = "skip_guard_eval_unsafe"
+#: The request count of a compiled shape class with the batch dimension dynamic: two or more.
+MANY = 2
+#: Shape classes (requests, tokens each) that get a graph, in order of use.
+SHAPES = ((1, 1), (1, 2), (MANY, 1), (MANY, 2))
+#: Context the timed steps attend to (a short chat prompt plus some output).
+TIMING_CONTEXT = 128
+#: Contexts of the warm-up steps: the first compiles (context length dynamic), the second
+#: runs a new length through that graph.
+WARM_UP_CONTEXTS = (TIMING_CONTEXT - 1, TIMING_CONTEXT)
+#: The default of `--compile-budget-s`: a shape after the first gets its graph only when the
+#: graphs so far took at most this many seconds to build.
+DEFAULT_COMPILE_BUDGET_S = 25.0
+#: Requests in the batch steps that warm up and time the batch graphs: the warm-up runs 2
+#: (the graph is built with the batch size dynamic) and then 3 through it, the timing all.
+BATCH_SLOTS = 3
+#: Interleaved timed steps per path and shape.
+TIMING_REPEATS = 9
+#: "auto" keeps a shape compiled only when its step is at least this much faster so.
+MIN_GAIN = 0.05
+_SLOT_PREFIX = "\x00compile-"  # never a gateway slot id: those are printable
+
+Shape = tuple[int, int]
+
+
+def shape_class(batch_size: int, width: int) -> Shape:
+    """The graph a forward of `batch_size` requests × `width` tokens would run: (1, width) for
+    a single request, (MANY, width) for any batch of two or more."""
+    return min(batch_size, MANY), width
+
+
+def layers_per_compiled_call(num_layers: int, limit: int = MAX_LAYERS_PER_COMPILED_CALL) -> int:
+    """The largest group size, at most `limit`, that divides `num_layers`: equal groups share
+    one compiled graph (30 layers: 10; 16: 8; 28: 7; a prime count above the limit: 1)."""
+    return max(size for size in range(1, min(limit, num_layers) + 1) if num_layers % size == 0)
+
+
+def shape_name(shape: Shape) -> str:
+    requests, width = shape
+    return f"{'batch' if requests == MANY else 'single-request'} {width}-token steps"
+
+
+def shape_key(shape: Shape) -> str:
+    """How the tuning cache names a shape class: "1x1", "2x1", ..."""
+    return f"{shape[0]}x{shape[1]}"
+
+
+class CompiledLayers:
+    """A `PagedLlama`'s layer runner: the decoder layers through one compiled group function for
+    the shape classes in `shapes`, eager for every other forward. Nothing is compiled until
+    the first call of a shape with `compile_on_miss` set."""
+
+    def __init__(self, forward: PagedLlama, layers_per_call: int = 0) -> None:
+        self.forward = forward
+        self.layers_per_call = layers_per_call or layers_per_compiled_call(len(forward.layers))
+        self.group: Callable[..., torch.Tensor] = torch.compile(forward.layer_group, options={
+            "cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+        })
+        #: Shape classes (`shape_class`) whose layers run compiled.
+        self.shapes: set[Shape] = set()
+        #: Whether a call that no compiled graph covers compiles one (warm-up) or runs eager (serving).
+        self.compile_on_miss = False
+        #: Pools whose K/V tensors are already marked dynamic in their row count.
+        self._dynamic_pools: weakref.WeakSet[PagedKVCache] = weakref.WeakSet()
+
+    def step_names(self) -> tuple[str, ...]:
+        return tuple(shape_name(shape) for shape in sorted(self.shapes))
+
+    def __call__(self, hidden: torch.Tensor, inputs: LayerInputs, cache: PagedKVCache) -> torch.Tensor:
+        """The layers of one forward. Warmed up (`compile_on_miss` off), a call runs under
+        `skip_guard_eval_unsafe`; one that fits no graph (a context of one token, which the
+        graphs specialised away) makes dynamo raise before anything ran, and then runs with
+        the full guard check, eager where no graph covers it."""
+        if shape_class(hidden.shape[0], hidden.shape[1]) not in self.shapes:
+            return self.forward.eager_layers(hidden, inputs, cache)
+        self._mark_dynamic(hidden, inputs, cache)
+        layers, step = self.forward.layers, self.layers_per_call
+        skip_guards = not self.compile_on_miss
+        for start in range(0, len(layers), step):
+            group = slice(start, start + step)
+            args = (tuple(layers[group]), hidden, inputs, tuple(cache.kv[group]))
+            if skip_guards:
+                try:
+                    with torch.compiler.set_stance("eager_on_recompile", skip_guard_eval_unsafe=True):
+                        hidden = self.group(*args)
+                    continue
+                except RuntimeError as error:  # raised before the graph ran: nothing was written
+                    if GUARD_SKIP_MISS not in str(error):
+                        raise
+                    skip_guards = False
+            with torch.compiler.set_stance("default" if self.compile_on_miss else "eager_on_recompile"):
+                hidden = self.group(*args)
+        return hidden
+
+    def _mark_dynamic(self, hidden: torch.Tensor, inputs: LayerInputs, cache: PagedKVCache) -> None:
+        """One graph for every context length L, every pool size and, for a batch, every batch
+        size. A pool's tensors live on, so they are marked once, not on every call."""
+        torch._dynamo.mark_dynamic(inputs.context_index, 1)
+        torch._dynamo.mark_dynamic(inputs.bias, 3)
+        if hidden.shape[0] >= MANY:
+            for tensor in (hidden, *inputs):
+                torch._dynamo.mark_dynamic(tensor, 0)
+        if cache not in self._dynamic_pools:
+            for kv in cache.kv:
+                torch._dynamo.mark_dynamic(kv, 0)
+            self._dynamic_pools.add(cache)
+
+
+def compiled_step_names(forward: PagedLlama) -> tuple[str, ...]:
+    """The steps `forward` runs compiled, by name (empty when it runs eager)."""
+    runner = forward.layer_runner
+    return runner.step_names() if isinstance(runner, CompiledLayers) else ()
+
+
+@dataclass
+class LayerPath:
+    """What `choose_layer_path` decided."""
+
+    #: The runner now installed on the model (None: eager, nothing compiled).
+    runner: CompiledLayers | None
+    #: Per shape class (`shape_key`): True to run compiled, False to stay eager; shapes over
+    #: the budget are absent (a later start may build them).
+    decisions: dict[str, bool] = field(default_factory=dict)
+    #: Whether anything was timed here (False: every decision came from `known` or the mode).
+    measured: bool = False
+    #: Seconds spent building graphs.
+    compile_s: float = 0.0
+    #: Median seconds of each timed shape's step (`shape_key`), eager and compiled.
+    times: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return "compiled" if self.runner is not None and self.runner.shapes else "eager"
+
+
+def choose_layer_path(
+    forward: PagedLlama,
+    cache: PagedKVCache,
+    mode: str,
+    budget_s: float = DEFAULT_COMPILE_BUDGET_S,
+    *,
+    known: Mapping[str, bool] | None = None,
+    runner: CompiledLayers | None = None,
+) -> LayerPath:
+    """Install on `forward` the layer runner `mode` asks for and return what was decided.
+
+    "off" keeps eager without compiling; "on" compiles and keeps every shape that compiled;
+    "auto" compiles, times each new shape's step both ways and keeps the shapes where compiled
+    is faster. `known` holds earlier decisions (the tuning cache): a shape known to stay eager
+    is not built, one known to run compiled is built but not timed. The first shape built is
+    always built; each further one only while the graphs before took at most `budget_s`
+    seconds. `runner` reuses an existing compiled function (its graphs). Uses (and afterwards
+    frees) temporary slots in `cache`.
+    """
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"mode must be one of {COMPILE_MODES}, got {mode!r}")
+    forward.layer_runner = forward.eager_layers
+    known = dict(known or {}) if mode == "auto" else {}
+    wanted = [shape for shape in SHAPES if known.get(shape_key(shape), True)]
+    if mode == "off" or not wanted:
+        return LayerPath(None, {shape_key(s): False for s in SHAPES if shape_key(s) in known})
+    widest = max(width for _, width in SHAPES)
+    if cache.blocks.free_tokens < 2 * BATCH_SLOTS * (TIMING_CONTEXT + widest + cache.block_size):  # leave half free
+        log.warning("decoder layers not compiled: a KV pool of %d tokens is too small to time it", cache.capacity_tokens)
+        return LayerPath(None)
+    runner = runner or CompiledLayers(forward)
+    runner.shapes = set()
+    prompt = filler_prompt(forward.vocab_size, TIMING_CONTEXT + widest)
+    with cache.temporary_slots(_SLOT_PREFIX, BATCH_SLOTS) as slots:
+        forward.run(cache, [(slot, prompt[:TIMING_CONTEXT]) for slot in slots])
+
+        def step(requests: int, width: int, context: int = TIMING_CONTEXT) -> None:
+            """One step of `requests` × `width` tokens, the first new token at position `context`."""
+            for slot in slots[:requests]:
+                cache.blocks.truncate_to(slot, context)
+            forward.run(cache, [(slot, prompt[context : context + width]) for slot in slots[:requests]])
+
+        forward.layer_runner = runner
+        compile_s = _build_graphs(runner, wanted, step, budget_s)
+        new = sorted(shape for shape in runner.shapes if shape_key(shape) not in known)
+        decisions = {shape_key(shape): known.get(shape_key(shape), True) for shape in runner.shapes}
+        times = _time_both_paths(forward, runner, new, step) if mode == "auto" and new else {}
+        decisions.update({key: compiled < (1 - MIN_GAIN) * eager for key, (eager, compiled) in times.items()})
+    runner.shapes = {shape for shape in runner.shapes if decisions[shape_key(shape)]}
+    decisions.update({shape_key(s): False for s in SHAPES if shape_key(s) in known and not known[shape_key(s)]})
+    if not runner.shapes:
+        forward.layer_runner = forward.eager_layers
+    return LayerPath(runner, decisions, measured=bool(times), compile_s=compile_s, times=times)
+
+
+def _build_graphs(
+    runner: CompiledLayers, shapes: list[Shape], step: Callable[..., None], budget_s: float
+) -> float:
+    """Build the graph of each of `shapes` by running its warm-up steps while `budget_s` lasts,
+    adding it to `runner.shapes`; return the seconds spent. A batch warms up at 2 and then 3
+    requests, so that its graph takes any batch size."""
+    started = time.perf_counter()
+    runner.compile_on_miss = True
+    try:
+        for shape in shapes:
+            spent = time.perf_counter() - started
+            if runner.shapes and spent > budget_s:
+                log.info("%s stay eager: the graphs before took %.1f s to build, over --compile-budget-s %.0f "
+                         "(a restart loads them from the compile cache and builds the next)",
+                         shape_name(shape), spent, budget_s)
+                break
+            requests, width = shape
+            runner.shapes.add(shape)
+            try:
+                for extra, context in enumerate(WARM_UP_CONTEXTS):
+                    step(requests + extra if requests == MANY else requests, width, context)
+            except Exception as error:  # noqa: BLE001 - any compiler failure means: run that shape eager
+                runner.shapes.discard(shape)
+                log.warning("torch.compile of %s failed, running them eager: %s: %s",
+                            shape_name(shape), type(error).__name__, error)
+                break
+    finally:
+        runner.compile_on_miss = False
+    return time.perf_counter() - started
+
+
+def _time_both_paths(
+    forward: PagedLlama, runner: CompiledLayers, shapes: list[Shape], step: Callable[..., None]
+) -> dict[str, tuple[float, float]]:
+    """Median seconds of each shape's step (`shape_key`), eager and compiled, timed interleaved."""
+    def setup(key: tuple[str, Shape]) -> None:
+        forward.layer_runner = runner if key[0] == "compiled" else forward.eager_layers
+
+    candidates = {
+        (path, shape): (lambda shape=shape: step(BATCH_SLOTS if shape[0] == MANY else 1, shape[1]))
+        for path in ("eager", "compiled") for shape in shapes
+    }
+    times = median_times(candidates, repeats=TIMING_REPEATS, setup=setup, sync=synchronizer(forward.embed_tokens.weight.device))
+    forward.layer_runner = runner
+    return {shape_key(shape): (times[("eager", shape)], times[("compiled", shape)]) for shape in shapes}

@@ -1,0 +1,209 @@
+"""The seam for start-up choices: each made once, from a flag, the tuning cache or a
+measurement, recorded with its reason, and the measured ones saved for the next start.
+
+The runtime builder and the engine call `StartupTuner`; one log line (`StartupTuner.line`)
+and `ModelInfo.tuning` report what it chose. The measurements live beside it (`kernels`,
+`compiled_layers`, `cost_profile`); the model code takes the choices as arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from specdec.cost_model import ForwardCost
+from specdec.kv_cache.paged_cache import PagedKVCache
+from specdec.model.linear import DenseLinear, onednn_available
+from specdec.model.llama import PagedLlama
+from specdec.model.loader import default_cache_dir, weights_fingerprint
+from specdec.model.quantize import Int8Linear
+from specdec.model.quantize_int4 import KERNELS as INT4_KERNELS
+from specdec.model.shortlist_head import ShortlistHead
+from specdec.tuning.choices import TuningChoice, tuning_line
+from specdec.tuning.compiled_layers import CompiledLayers, choose_layer_path, shape_name
+from specdec.tuning.cost_profile import measure_forward_costs
+from specdec.tuning.kernels import measure_dense, measure_head, measure_int4_kernels
+from specdec.tuning.store import TuningKey, TuningStore, code_version, machine_fingerprint
+
+log = logging.getLogger(__name__)
+
+JSON = Any
+
+
+def _ms(times: Mapping[str, float]) -> str:
+    return ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in times.items())
+
+
+class StartupTuner:
+    """Makes and records a service's start-up choices; with a `store` and a `key` it reuses and
+    keeps its measurements."""
+
+    def __init__(self, store: TuningStore | None = None, key: TuningKey | None = None) -> None:
+        self.store, self.key = store, key
+        self._cached: dict[str, JSON] = store.load(key) if store is not None and key is not None else {}
+        #: What the next start may reuse: every value measured or reused now.
+        self.values: dict[str, JSON] = {}
+        self.choices: list[TuningChoice] = []
+        #: Whether anything was timed at this start (then it is saved).
+        self.measured = False
+        #: The compiled layer runner installed by `layer_path`, if any.
+        self.runner: CompiledLayers | None = None
+
+    @classmethod
+    def for_service(
+        cls, *, model: str, dtype: str, quantization: str, device: str, settings: Mapping[str, object], reuse: bool = True
+    ) -> StartupTuner:
+        """A tuner keyed by everything the measurements depend on (this machine, torch, the
+        model and its weights, dtype, quantization, device, thread count, code, `settings`);
+        one without the cache when `reuse` is off."""
+        if not reuse:
+            return cls()
+        key = TuningKey(
+            machine=machine_fingerprint(device), torch=torch.__version__, model=model, weights=weights_fingerprint(model),
+            dtype=dtype, quantization=quantization, device=device, threads=torch.get_num_threads(), code=code_version(),
+            settings=",".join(f"{name}={value}" for name, value in sorted(settings.items())),
+        )
+        return cls(TuningStore(default_cache_dir() / "tuning"), key)
+
+    def note(self, name: str, value: object, reason: str, detail: str = "") -> None:
+        """Record a choice (`specdec.tuning.choices.REASONS`)."""
+        self.choices.append(TuningChoice(name, str(value), reason, detail))
+
+    def decide(
+        self, name: str, measure: Callable[[], tuple[JSON, str]], valid: Callable[[JSON], bool] = lambda _: True
+    ) -> tuple[JSON, str, str]:
+        """The cached value of `name` where there is a `valid` one, else `measure()`'s (value,
+        detail); returns (value, reason, detail) and keeps the value for the next start."""
+        cached = self._cached.get(name)
+        if cached is not None and valid(cached):
+            self.values[name] = cached
+            return cached, "cached", ""
+        value, detail = measure()
+        self.values[name], self.measured = value, True
+        return value, "measured", detail
+
+    def line(self) -> str:
+        return tuning_line(self.choices)
+
+    def save(self) -> None:
+        """Keep this start's measurements for the next one (nothing to write when all were reused)."""
+        if self.store is not None and self.key is not None and self.measured:
+            self.store.save(self.key, self.values)
+
+    # -- the choices, in the order a service makes them --------------------------------
+
+    def int4_kernel(self, kernel: str, device: str, dtype: torch.dtype) -> str:
+        """The int4 kernel to prefer ("" when `kernel` names one: the flag decides)."""
+        if kernel != "auto":
+            self.note("int4_kernel", kernel, "flag")
+            return ""
+        if torch.device(device).type != "cpu":
+            self.note("int4_kernel", "dequant", "fixed", "the only int4 kernel off CPU")
+            return "dequant"
+
+        def measure() -> tuple[str, str]:
+            times = measure_int4_kernels(dtype)
+            return min(times, key=times.__getitem__), f"1 thread: {_ms(times)}"
+
+        chosen, reason, detail = self.decide("int4_kernel", measure, lambda value: value in INT4_KERNELS)
+        self.note("int4_kernel", chosen, reason, detail)
+        return str(chosen)
+
+    def output_head(self, exact: Int8Linear, shortlist: int, kernel: str, prefer: str) -> nn.Module:
+        """`exact`, or a `ShortlistHead` over it where that is faster (`shortlist` 0: never)."""
+        if shortlist <= 0:
+            self.note("output_head", "int8", "flag")
+            return exact
+        cached = self._cached.get("output_head")
+        if cached == "int8":  # nothing to build
+            self.values["output_head"] = cached
+            self.note("output_head", "int8", "cached")
+            return exact
+        candidate = ShortlistHead.from_int8(exact, min(shortlist, exact.out_features), kernel=kernel, prefer=prefer)
+
+        def measure() -> tuple[str, str]:
+            times = measure_head(exact, candidate)
+            return min(times, key=times.__getitem__), f"1 + 4 rows, 1 thread: {_ms(times)}"
+
+        chosen, reason, detail = self.decide("output_head", measure, lambda value: value in ("int8", "shortlist"))
+        self.note("output_head", chosen if chosen == "int8" else f"shortlist of {candidate.shortlist}", reason, detail)
+        return candidate if chosen == "shortlist" else exact
+
+    def dense_kernels(self, forward: PagedLlama) -> None:
+        """Set every dense projection's kernels for narrow and wide inputs, per weight shape."""
+        modules = [m for layer in forward.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        dense = [m for m in [*modules, forward.lm_head] if isinstance(m, DenseLinear)]
+        if not dense:
+            self.note("dense_kernels", "none", "fixed", "no dense projections")
+            return
+        if not onednn_available(dense[0].weight):
+            self.note("dense_kernels", "aten", "fixed", "no oneDNN linear for this device and dtype")
+            return
+        shapes = {f"{m.out_features}x{m.in_features}": m for m in dense}
+
+        def measure() -> tuple[dict[str, list[str]], str]:
+            return {shape: list(measure_dense(m.weight)) for shape, m in shapes.items()}, ""
+
+        def valid(value: JSON) -> bool:
+            return isinstance(value, dict) and set(value) == set(shapes)
+
+        chosen, reason, _ = self.decide("dense_kernels", measure, valid)
+        for m in dense:
+            m.set_kernels(*chosen[f"{m.out_features}x{m.in_features}"])
+        summary = ", ".join(f"{shape} {'/'.join(kernels)}" for shape, kernels in chosen.items())
+        self.note("dense_kernels", "narrow/wide per shape", reason, summary)
+
+    def layer_path(self, forward: PagedLlama, cache: PagedKVCache, mode: str, budget_s: float, measure: bool) -> None:
+        """Install the compiled layer runner where `mode` and the measurements say so."""
+        if mode == "auto" and not measure:
+            mode = "off"  # "auto" decides by timing: a service told not to measure stays eager
+        cached = self._cached.get("compiled_steps") if mode == "auto" else None
+        known = cached if isinstance(cached, dict) and all(isinstance(v, bool) for v in cached.values()) else None
+        chosen = choose_layer_path(forward, cache, mode, budget_s, known=known, runner=self.runner)
+        self.runner = chosen.runner
+        steps = ", ".join(self.compiled_steps(forward)) or "none"
+        if mode != "auto":
+            self.note("compiled_steps", steps, "flag", f"--compile {mode}")
+            return
+        self.values["compiled_steps"] = chosen.decisions
+        self.measured |= chosen.measured
+        detail = "; ".join(
+            f"{key} eager / compiled {eager * 1e3:.1f} / {compiled * 1e3:.1f} ms" for key, (eager, compiled) in chosen.times.items()
+        )
+        if chosen.compile_s:
+            detail = f"graphs built in {chosen.compile_s:.1f} s" + (f"; {detail}" if detail else "")
+        self.note("compiled_steps", steps, "measured" if chosen.measured else "cached", detail)
+
+    @staticmethod
+    def compiled_steps(forward: PagedLlama) -> tuple[str, ...]:
+        runner = forward.layer_runner
+        return tuple(shape_name(s) for s in sorted(runner.shapes)) if isinstance(runner, CompiledLayers) else ()
+
+    def forward_costs(
+        self, forward: PagedLlama, cache: PagedKVCache, *, max_batch: int, max_tokens: int, enabled: bool
+    ) -> tuple[ForwardCost, ...]:
+        """The forward cost table the gateway plans with: cached only when every other choice
+        was too (a newly measured choice may have changed what a forward costs)."""
+        if not enabled:
+            self.note("forward_costs", "not measured", "flag", "--no-measure-costs")
+            return ()
+        if self.measured:
+            self._cached.pop("forward_costs", None)
+
+        def measure() -> tuple[list[list[float]], str]:
+            costs = measure_forward_costs(forward, cache, max_batch=max_batch, max_tokens=max_tokens)
+            return [[c.batch_size, c.tokens, c.seconds, c.context] for c in costs], ""
+
+        def valid(value: JSON) -> bool:
+            return isinstance(value, list) and all(isinstance(row, list) and len(row) == 4 for row in value)
+
+        rows, reason, _ = self.decide("forward_costs", measure, valid)
+        costs = tuple(ForwardCost(int(b), int(t), float(s), context=int(n)) for b, t, s, n in rows)
+        step = next((c.seconds for c in costs if (c.batch_size, c.tokens) == (1, 1)), None)
+        self.note("forward_costs", f"{len(costs)} points", reason, f"1-token step {step * 1e3:.1f} ms" if step else "")
+        return costs
+

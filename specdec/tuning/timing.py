@@ -1,0 +1,56 @@
+"""The one timing helper of start-up choices: median seconds of interleaved repeats.
+
+Candidates are timed in turns (a, b, c, a, b, c, ...), not one after the other, so a change
+in the machine's speed (another process, a frequency step) lands on all of them alike, and
+the median drops the stalls. On an asynchronous device the clock is read only after the
+device has finished (`synchronizer`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Hashable, Mapping
+from typing import TypeVar
+
+import torch
+
+K = TypeVar("K", bound=Hashable)
+Clock = Callable[[], float]
+
+
+def synchronizer(device: torch.device | str) -> Callable[[], None]:
+    """What waits for `device` to finish its queued work: `torch.cuda.synchronize` on CUDA,
+    nothing on the CPU (whose ops return when done)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def median_times(
+    candidates: Mapping[K, Callable[[], object]],
+    *,
+    repeats: int,
+    warmup: int = 1,
+    setup: Callable[[K], None] | None = None,
+    sync: Callable[[], None] = lambda: None,
+    clock: Clock = time.perf_counter,
+) -> dict[K, float]:
+    """Median seconds of one call of each candidate over `repeats` interleaved rounds, after
+    `warmup` untimed rounds (first-call allocation, packing, thread start). `setup(key)` runs
+    untimed before each call (e.g. to roll a KV slot back)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    samples: dict[K, list[float]] = {key: [] for key in candidates}
+    for timed_round in range(warmup + repeats):
+        for key, fn in candidates.items():
+            if setup is not None:
+                setup(key)
+            sync()
+            started = clock()
+            fn()
+            sync()
+            if timed_round >= warmup:
+                samples[key].append(clock() - started)
+    return {key: statistics.median(values) for key, values in samples.items()}

@@ -1,0 +1,99 @@
+"""`StartupTuner`: a flag wins, a cached value is reused without measuring, a missing or bad one
+is measured (with the measurement pinned here) and saved for the next start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.tuning import startup
+from specdec.tuning.startup import StartupTuner
+from specdec.tuning.store import TuningKey, TuningStore
+
+KEY = TuningKey(
+    machine="cpu", torch="t", model="m", weights="w", dtype="bfloat16", quantization="int4", device="cpu", threads=2,
+    code="c", settings="",
+)
+
+
+def _tuner(tmp_path: Path) -> StartupTuner:
+    return StartupTuner(TuningStore(tmp_path), KEY)
+
+
+def _pin_int4(monkeypatch: pytest.MonkeyPatch, times: dict[str, float]) -> list[int]:
+    calls: list[int] = []
+
+    def measure(dtype: torch.dtype) -> dict[str, float]:
+        calls.append(1)
+        return times
+
+    monkeypatch.setattr(startup, "measure_int4_kernels", measure)
+    return calls
+
+
+def test_measured_then_cached_then_measured_again_when_the_file_is_bad(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _pin_int4(monkeypatch, {"dequant": 3.0, "int4pack": 1.0, "int4dot": 2.0})
+    first = _tuner(tmp_path)
+    assert first.int4_kernel("auto", "cpu", torch.bfloat16) == "int4pack"
+    assert (first.choices[0].value, first.choices[0].reason) == ("int4pack", "measured")
+    assert "int4pack 1000.00 ms" in first.choices[0].detail
+    first.save()
+
+    second = _tuner(tmp_path)
+    assert second.int4_kernel("auto", "cpu", torch.bfloat16) == "int4pack"
+    assert second.choices[0].reason == "cached" and len(calls) == 1 and not second.measured
+    second.save()  # nothing measured: nothing written
+
+    TuningStore(tmp_path).path(KEY).write_text("{broken")
+    third = _tuner(tmp_path)
+    third.int4_kernel("auto", "cpu", torch.bfloat16)
+    assert third.choices[0].reason == "measured" and len(calls) == 2
+
+
+def test_a_cached_value_that_is_no_longer_valid_is_measured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    TuningStore(tmp_path).save(KEY, {"int4_kernel": "fastest-ever"})
+    calls = _pin_int4(monkeypatch, {"dequant": 1.0})
+    tuner = _tuner(tmp_path)
+    assert tuner.int4_kernel("auto", "cpu", torch.bfloat16) == "dequant" and len(calls) == 1
+
+
+def test_flags_and_devices_decide_without_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _pin_int4(monkeypatch, {"dequant": 1.0})
+    tuner = StartupTuner()  # no cache
+    assert tuner.int4_kernel("int4pack", "cpu", torch.bfloat16) == ""
+    assert tuner.int4_kernel("auto", "cuda:0", torch.bfloat16) == "dequant"
+    assert [(c.value, c.reason) for c in tuner.choices] == [("int4pack", "flag"), ("dequant", "fixed")]
+    assert calls == []
+    tuner.save()  # no store: nothing to do
+
+
+def test_the_cost_table_is_reused_only_when_nothing_else_was_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = [[1, 1, 0.01, 48], [1, 2, 0.012, 48]]
+    TuningStore(tmp_path).save(KEY, {"int4_kernel": "dequant", "forward_costs": table})
+    measured: list[int] = []
+
+    def measure(forward: object, cache: object, *, max_batch: int, max_tokens: int) -> list[object]:
+        measured.append(1)
+        return []
+
+    monkeypatch.setattr(startup, "measure_forward_costs", measure)
+    tuner = _tuner(tmp_path)
+    costs = tuner.forward_costs(object(), object(), max_batch=4, max_tokens=9, enabled=True)  # type: ignore[arg-type]
+    assert [(c.batch_size, c.tokens, c.seconds, c.context) for c in costs] == [(1, 1, 0.01, 48), (1, 2, 0.012, 48)]
+    assert tuner.choices[-1].reason == "cached" and measured == []
+    assert tuner.choices[-1].detail == "1-token step 10.0 ms"
+
+    tuner = _tuner(tmp_path)
+    tuner.measured = True  # e.g. a kernel was measured anew: its forward may cost something else now
+    assert tuner.forward_costs(object(), object(), max_batch=4, max_tokens=9, enabled=True) == ()  # type: ignore[arg-type]
+    assert tuner.choices[-1].reason == "measured" and measured == [1]
+
+    off = _tuner(tmp_path)
+    assert off.forward_costs(object(), object(), max_batch=4, max_tokens=9, enabled=False) == ()  # type: ignore[arg-type]
+    assert (off.choices[-1].value, off.choices[-1].reason) == ("not measured", "flag")
