@@ -69,9 +69,8 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
         "one only while those before took at most this long", advanced=True,
     )
     tuning_cache: bool = option(
-        True, "reuse the start-up measurements (kernel choices, compiled steps, forward costs) kept in the specdec "
-        "cache dir when nothing they depend on changed (machine, torch, model, weights, dtype, code, these flags); "
-        "off: measure at every start", advanced=True,
+        True, "reuse the start-up measurements (kernels, compiled steps, forward costs) cached for the same machine, "
+        "torch, model, weights, dtype, code and flags; off: measure at every start", advanced=True,
     )
     threads: int = option(0, "intra-op threads of the forward pass (0 = one per core)", advanced=True)
     release_threads: bool = option(
