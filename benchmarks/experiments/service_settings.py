@@ -1,6 +1,6 @@
 """A/B of service settings through the real stack, side by side in one run.
 
-    .venv/bin/python benchmarks/service_settings.py [--tokens 64] [--rounds 2]
+    .venv/bin/python benchmarks/experiments/service_settings.py [--tokens 64] [--rounds 2]
         --variant "int8:--quantization int8 --dtype bfloat16" --variant "int4:--quantization int4 --dtype bfloat16"
         [--variant "passive:...:OMP_WAIT_POLICY=PASSIVE"]
 

@@ -1,6 +1,6 @@
 """Quantized self-draft vs its target: greedy agreement α and decode tokens/s, one run side by side.
 
-    .venv/bin/python benchmarks/quantized_draft.py [--tokens 64] [--model smollm2-135m]
+    .venv/bin/python benchmarks/experiments/quantized_draft.py [--tokens 64] [--model smollm2-135m]
 
 α is measured by teacher forcing: the target's greedy continuation is fed to the draft in
 one pass and α is the fraction of positions where the draft's argmax equals the target's

@@ -1,7 +1,7 @@
 """What automatic prefix caching saves, side by side: the same chat turns through two stacks,
 one with `--prefix-caching` (the default) and one with `--no-prefix-caching`.
 
-    .venv/bin/python benchmarks/prefix_cache.py [--tokens 64]
+    .venv/bin/python benchmarks/experiments/prefix_cache.py [--tokens 64]
 
 Both stacks (target, draft, gateway each) are started one service after another; requests
 then alternate between them. Each chat prompt of the benchmark is sent as a first turn

@@ -1,6 +1,6 @@
 """Adaptive K on a mixed workload: is it as fast as the best fixed K, and never slower than plain?
 
-    .venv/bin/python benchmarks/adaptive_k.py [--tokens 96] [--ks 1,2,4,8] [--concurrency 1,2,4,8,16]
+    .venv/bin/python benchmarks/experiments/adaptive_k.py [--tokens 96] [--ks 1,2,4,8] [--concurrency 1,2,4,8,16]
 
 Three parts, each on its own freshly started trio (target, draft, gateway):
 

@@ -1,7 +1,7 @@
 """What a call to a model service costs the gateway beyond the service's compute: a unary
 call against a message on the kept stream (`--no-streamed-calls` against the default).
 
-    .venv/bin/python benchmarks/call_overhead.py [--calls 75]
+    .venv/bin/python benchmarks/experiments/call_overhead.py [--calls 75]
 
 Starts the default target and draft services and drives them with the gateway's own
 clients, one with unary calls and one with kept streams, alternating call by call: a

@@ -1,6 +1,6 @@
 """What a model service's call costs after its process sat idle, against the same call back to back.
 
-    .venv/bin/python benchmarks/idle_wake.py [--repeats 25] [service flags, e.g. --no-release-threads]
+    .venv/bin/python benchmarks/experiments/idle_wake.py [--repeats 25] [service flags, e.g. --no-release-threads]
 
 Starts `target_server` and then `draft_server` (one after the other, so neither times its
 start-up while the other loads), fills one slot in each with a 100-token prompt, and

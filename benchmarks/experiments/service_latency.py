@@ -1,6 +1,6 @@
 """Per-call latency of the model services over real gRPC, one request, side by side.
 
-    .venv/bin/python benchmarks/service_latency.py [--iterations 20]
+    .venv/bin/python benchmarks/experiments/service_latency.py [--iterations 20]
 
 Starts `target_server` (fp32) and `draft_server` (int8, bf16) as subprocesses and times
 Verify with K=0 and K=4 and Propose with k=4 for a single request at a ~40-token
