@@ -1,30 +1,13 @@
 """Choose K (draft tokens per request) for every round from measured costs and acceptance.
 
-Each round the planner predicts, with `specdec.cost_model`, how many tokens per second
-the batch would emit for each uniform K from 0 up to the largest allowed, and keeps the
-best. It then turns speculation off for any request whose own K > 0 lowers the batch's
-rate (a request whose draft is rarely accepted). K = 0 for every request is plain
-decoding, so speculation switches itself off when it does not pay: a weak draft, a
-crowded batch on a compute-bound target, an expensive draft step.
-
-Inputs, all measured:
-- forward costs of both services, timed at their start-up (`ModelInfo.forward_costs`),
-  rescaled online by the ratio of the compute time the services report to the predicted
-  one (the machine may be busier than at start-up);
-- the round overhead outside both services' compute (RPCs, acceptance): an EMA over plain
-  rounds, and what drafting adds to it, per round and per draft token (`DraftOverhead`);
-- acceptance α per request: an EMA over its judged draft tokens, started from the batch-wide
-  one (`AcceptanceEstimate`).
-A request that runs with K = 0 by choice is re-probed with a small K after
-`probe_every` rounds, so its α estimate (and the decision) can recover. A probe is not
-free: the draft first catches up on every token it skipped, and every stream in the
-batch waits for it. So each probe that confirms "off" doubles that request's interval (up
-to `max_probe_every`), at most one request probes per round, and only
-- if drafting for it would pay with a perfectly accepted draft (otherwise the batch or the
-  draft's cost keeps it off, and no α it could measure would change that), and
-- if the batch's probes together cost at most `probe_budget` of the remaining plain
-  decoding — except until the first round with draft tokens was observed: the prior α
-  alone must not keep a gateway from ever measuring its draft.
+Each round the planner predicts with `specdec.cost_model` the batch's tokens per second for
+every uniform K up to the largest allowed, keeps the best, and turns speculation off for a
+request whose own drafting lowers the batch's rate. K = 0 everywhere is plain decoding, so
+speculation switches itself off when it does not pay. Its inputs are the services' forward
+costs (rescaled online by the compute they report), the round overhead outside them, and α
+per request. A request kept at K = 0 is re-probed with a small K now and then, where a probe
+is affordable and could change the decision. The rules and their reasons:
+docs/architecture.md#adaptive-k.
 """
 
 from __future__ import annotations
@@ -302,7 +285,7 @@ class KPlanner:
         """A probe's catch-up may cost at most `probe_budget` of the request's remaining plain
         decoding, shared with the rest of the batch: a catch-up stalls every stream in its
         round, and each of them may probe in turn. The first probe of all is always
-        affordable (see the module docstring)."""
+        affordable: the prior α alone must not keep a gateway from ever measuring its draft."""
         if model.draft is None:
             return False
         if not self._measured_alpha:
