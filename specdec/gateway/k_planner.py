@@ -111,13 +111,17 @@ class DraftOverhead:
 
 @dataclass
 class _Scale:
-    """EMA of measured ÷ predicted seconds for one service."""
+    """EMA of measured ÷ predicted seconds for one service. Its first rounds are averaged, not
+    nudged (weight max(`weight`, 1 / n) for the n-th), so a cost table timed on a busy machine
+    is corrected within the first rounds that use it."""
 
     value: float = 1.0
+    seen: int = 0
 
     def observe(self, measured: float, predicted: float, weight: float) -> None:
         if measured > 0 and predicted > 0:
-            self.value += weight * (measured / predicted - self.value)
+            self.seen += 1
+            self.value += max(weight, 1.0 / self.seen) * (measured / predicted - self.value)
 
 
 @dataclass

@@ -136,6 +136,22 @@ def test_cost_scale_follows_the_measured_compute() -> None:
     assert planner.overhead_s == pytest.approx(0.010, rel=1e-3)
 
 
+def test_a_table_timed_on_a_busy_machine_is_corrected_by_the_first_rounds() -> None:
+    # The draft timed itself while the machine was busy: its table says 3x what a step costs.
+    # The first round that drafts sets the scale from what the draft reports, not a tenth of it.
+    planner = KPlanner(TARGET, draft_costs(0.3), cost_weight=0.1)
+    a = seq("a")
+    plan = RoundPlan({"a": 4}, feeds={"a": 1})
+    truth = planner.cost_model().draft_seconds([4], [1]) / 3
+    verify_s = planner.cost_model().verify_seconds([4])
+    for _ in range(2):
+        report = RoundReport({"a": 4}, {"a": 4}, Timed(None, truth, truth), Timed(None, verify_s, verify_s), 0.0, 0.0)
+        planner.observe(plan, [a], report)
+    model = planner.cost_model()
+    assert model.draft is not None and model.draft.scale == pytest.approx(1 / 3, rel=1e-3)
+    assert model.target.scale == pytest.approx(1.0)
+
+
 def test_a_multi_step_round_teaches_the_cost_of_one_step() -> None:
     """A plain round that decoded 4 tokens a request ran 4 forwards: its compute rescales
     the step cost by a quarter of it, and multi-step prices K = 0 higher."""
