@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -94,6 +95,22 @@ class SlotServicer:
         return common_pb2.RenewLeaseResponse(ttl_s=self.engine.leases.ttl_s, swept_slots=len(stale))
 
 
+#: Seconds between tries to load a deferred graph while the KV pool has no room for its warm-up.
+GRAPH_RETRY_S = 1.0
+
+
+async def load_graphs_after_start(engine: ModelEngine, worker: ModelWorker) -> None:
+    """Load the compiled graphs the start-up left for later (`StartupTuner.load_pending`), one
+    per model-worker call: a request arriving meanwhile waits for at most one graph."""
+    started = time.perf_counter()
+    if not engine.tuner.pending:
+        return
+    while await worker.run(engine.tuner.load_pending, engine.cache):
+        await asyncio.sleep(GRAPH_RETRY_S if engine.cache.blocks.free_tokens < engine.cache.capacity_tokens // 2 else 0)
+    log.info("compiled steps loaded after start-up in %.1f s: %s", time.perf_counter() - started,
+             ", ".join(engine.tuner.compiled_steps(engine.forward)) or "none")
+
+
 async def expire_leases_forever(engine: ModelEngine, worker: ModelWorker) -> None:
     """Free the slots of silent gateways, checking a few times per TTL (at least every second)."""
     interval = min(1.0, engine.leases.ttl_s / 4)
@@ -169,8 +186,10 @@ async def start_model_service(
     endpoint = service_endpoint(stats, engine, config.metrics_prefix)
     servicer = make_servicer(engine, worker, stats)
     expiry = asyncio.create_task(expire_leases_forever(engine, worker), name="specdec-lease-expiry")
+    graphs = asyncio.create_task(load_graphs_after_start(engine, worker), name="specdec-graphs")
 
     async def stop() -> None:
+        await cancel_and_wait(graphs)
         await cancel_and_wait(expiry)
         endpoint.close()
         await asyncio.to_thread(worker.shutdown)  # waits for the running batch off the loop

@@ -29,9 +29,11 @@ Timings behind these rules: docs/performance.md.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -209,22 +211,12 @@ def choose_layer_path(
     wanted = [shape for shape in SHAPES if known.get(shape_key(shape), True)]
     if mode == "off" or not wanted:
         return LayerPath(None, {shape_key(s): False for s in SHAPES if shape_key(s) in known})
-    widest = max(width for _, width in SHAPES)
-    if cache.blocks.free_tokens < 2 * BATCH_SLOTS * (TIMING_CONTEXT + widest + cache.block_size):  # leave half free
+    if not _has_room(cache):
         log.warning("decoder layers not compiled: a KV pool of %d tokens is too small to time it", cache.capacity_tokens)
         return LayerPath(None)
     runner = runner or CompiledLayers(forward)
     runner.shapes = set()
-    prompt = filler_prompt(forward.vocab_size, TIMING_CONTEXT + widest)
-    with cache.temporary_slots(_SLOT_PREFIX, BATCH_SLOTS) as slots:
-        forward.run(cache, [(slot, prompt[:TIMING_CONTEXT]) for slot in slots])
-
-        def step(requests: int, width: int, context: int = TIMING_CONTEXT) -> None:
-            """One step of `requests` × `width` tokens, the first new token at position `context`."""
-            for slot in slots[:requests]:
-                cache.blocks.truncate_to(slot, context)
-            forward.run(cache, [(slot, prompt[context : context + width]) for slot in slots[:requests]])
-
+    with _step_slots(forward, cache) as step:
         forward.layer_runner = runner
         compile_s = _build_graphs(runner, wanted, step, budget_s)
         new = sorted(shape for shape in runner.shapes if shape_key(shape) not in known)
@@ -236,6 +228,40 @@ def choose_layer_path(
     if not runner.shapes:
         forward.layer_runner = forward.eager_layers
     return LayerPath(runner, decisions, measured=bool(times), compile_s=compile_s, times=times)
+
+
+def load_graphs(runner: CompiledLayers, cache: PagedKVCache, shapes: list[Shape]) -> bool:
+    """Build (from inductor's cache, when warm) the graphs of `shapes`, decided earlier, and
+    add each to `runner.shapes`; no timing, no budget. False, with nothing done, while
+    `cache` has no room for the warm-up slots (try again later)."""
+    if not _has_room(cache):
+        return False
+    with _step_slots(runner.forward, cache) as step:
+        _build_graphs(runner, shapes, step, math.inf)
+    return True
+
+
+def _has_room(cache: PagedKVCache) -> bool:
+    """Whether the warm-up and timing slots fit in half of the pool's free tokens."""
+    widest = max(width for _, width in SHAPES)
+    return cache.blocks.free_tokens >= 2 * BATCH_SLOTS * (TIMING_CONTEXT + widest + cache.block_size)
+
+
+@contextmanager
+def _step_slots(forward: PagedLlama, cache: PagedKVCache) -> Iterator[Callable[..., None]]:
+    """Temporary slots holding `TIMING_CONTEXT` tokens, and a function running one step on them:
+    `step(requests, width, context)` rolls the first `requests` slots back to `context` tokens
+    and feeds `width` more. The slots are freed afterwards."""
+    prompt = filler_prompt(forward.vocab_size, TIMING_CONTEXT + max(width for _, width in SHAPES))
+    with cache.temporary_slots(_SLOT_PREFIX, BATCH_SLOTS) as slots:
+        forward.run(cache, [(slot, prompt[:TIMING_CONTEXT]) for slot in slots])
+
+        def step(requests: int, width: int, context: int = TIMING_CONTEXT) -> None:
+            for slot in slots[:requests]:
+                cache.blocks.truncate_to(slot, context)
+            forward.run(cache, [(slot, prompt[context : context + width]) for slot in slots[:requests]])
+
+        yield step
 
 
 def _build_graphs(

@@ -24,7 +24,15 @@ from specdec.model.quantize import Int8Linear
 from specdec.model.quantize_int4 import KERNELS as INT4_KERNELS
 from specdec.model.shortlist_head import ShortlistHead
 from specdec.tuning.choices import TuningChoice, tuning_line
-from specdec.tuning.compiled_layers import CompiledLayers, choose_layer_path, shape_name
+from specdec.tuning.compiled_layers import (
+    SHAPES,
+    CompiledLayers,
+    Shape,
+    choose_layer_path,
+    load_graphs,
+    shape_key,
+    shape_name,
+)
 from specdec.tuning.cost_profile import measure_forward_costs
 from specdec.tuning.kernels import measure_dense, measure_head, measure_int4_kernels
 from specdec.tuning.store import TuningKey, TuningStore, code_version, machine_fingerprint
@@ -52,6 +60,11 @@ class StartupTuner:
         self.measured = False
         #: The compiled layer runner installed by `layer_path`, if any.
         self.runner: CompiledLayers | None = None
+        #: Whether `layer_path` may leave graphs whose decisions are all cached to
+        #: `load_pending` (the service calls it after it started serving).
+        self.defer_graphs = True
+        #: Shape classes decided compiled whose graphs are not loaded yet.
+        self.pending: list[Shape] = []
 
     @classmethod
     def for_service(
@@ -163,6 +176,9 @@ class StartupTuner:
             mode = "off"  # "auto" decides by timing: a service told not to measure stays eager
         cached = self._cached.get("compiled_steps") if mode == "auto" else None
         known = cached if isinstance(cached, dict) and all(isinstance(v, bool) for v in cached.values()) else None
+        if known is not None and self.defer_graphs and set(known) == {shape_key(s) for s in SHAPES}:
+            self._defer(forward, known)
+            return
         chosen = choose_layer_path(forward, cache, mode, budget_s, known=known, runner=self.runner)
         self.runner = chosen.runner
         steps = ", ".join(self.compiled_steps(forward)) or "none"
@@ -171,12 +187,34 @@ class StartupTuner:
             return
         self.values["compiled_steps"] = chosen.decisions
         self.measured |= chosen.measured
-        detail = "; ".join(
+        detail = ", ".join(
             f"{key} eager / compiled {eager * 1e3:.1f} / {compiled * 1e3:.1f} ms" for key, (eager, compiled) in chosen.times.items()
         )
         if chosen.compile_s:
-            detail = f"graphs built in {chosen.compile_s:.1f} s" + (f"; {detail}" if detail else "")
+            detail = f"graphs built in {chosen.compile_s:.1f} s" + (f", {detail}" if detail else "")
         self.note("compiled_steps", steps, "measured" if chosen.measured else "cached", detail)
+
+    def _defer(self, forward: PagedLlama, known: dict[str, bool]) -> None:
+        """Every decision is cached: serve eager at once and leave the graphs to `load_pending`."""
+        self.values["compiled_steps"] = known
+        self.pending = [shape for shape in SHAPES if known[shape_key(shape)]]
+        if self.pending:
+            self.runner = self.runner or CompiledLayers(forward)
+            self.runner.shapes = set()
+            forward.layer_runner = self.runner
+        names = ", ".join(shape_name(shape) for shape in self.pending) or "none"
+        self.note("compiled_steps", names, "cached", "graphs load after start-up" if self.pending else "")
+
+    def load_pending(self, cache: PagedKVCache) -> bool:
+        """Load the next pending graph (on the thread that runs the model, between calls); True
+        while more remain. A graph that fails to build leaves its steps eager."""
+        if not self.pending or self.runner is None:
+            return False
+        if load_graphs(self.runner, cache, self.pending[:1]):
+            loaded = self.pending.pop(0)
+            if loaded not in self.runner.shapes:
+                self.pending.clear()  # the compiler failed (logged): the rest would too
+        return bool(self.pending)
 
     @staticmethod
     def compiled_steps(forward: PagedLlama) -> tuple[str, ...]:

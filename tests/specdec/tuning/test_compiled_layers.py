@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +33,8 @@ from specdec.tuning.compiled_layers import (
     layers_per_compiled_call,
     shape_key,
 )
+from specdec.tuning.startup import StartupTuner
+from specdec.tuning.store import TuningKey, TuningStore
 from tests.support.tiny_models import tiny_llama
 
 PROMPT = [(i * 37) % 256 for i in range(200)]
@@ -304,3 +307,26 @@ def test_a_small_pool_or_a_failing_compiler_leaves_the_model_eager(monkeypatch: 
     (logits,) = forward.run(cache, [("s", PROMPT[:4])])
     assert logits.shape == (256,)
     forward.run(cache, [("s", [int(logits.argmax())])])  # a 1-token step still runs (eager)
+
+
+def test_cached_decisions_leave_the_graphs_for_after_start_up(runner: CompiledLayers, tmp_path: Path) -> None:
+    """A restart with every decision cached serves eager at once; the graphs it decided on load
+    afterwards, one call at a time, without timing anything."""
+    key = TuningKey(machine="m", torch="t", model="tiny", weights="w", dtype="bfloat16", quantization="int4",
+                    device="cpu", threads=1, code="c", settings="")
+    known = {"1x1": True, "1x2": False, "2x1": True, "2x2": False}
+    TuningStore(tmp_path).save(key, {"compiled_steps": known})
+    forward = runner.forward
+    cache = forward.new_cache(token_budget=1024)
+    tuner = StartupTuner(TuningStore(tmp_path), key)
+    tuner.runner = runner
+    tuner.layer_path(forward, cache, "auto", math.inf, measure=True)
+    assert tuner.pending == [(1, 1), (2, 1)] and forward.layer_runner is runner and runner.shapes == set()
+    assert (tuner.choices[-1].reason, tuner.choices[-1].detail) == ("cached", "graphs load after start-up")
+    assert not tuner.measured and tuner.values["compiled_steps"] == known
+    loads = 0
+    while tuner.load_pending(cache):
+        loads += 1
+    assert loads == 1 and runner.shapes == {(1, 1), (2, 1)} and tuner.pending == []
+    assert tuner.compiled_steps(forward) == ("single-request 1-token steps", "batch 1-token steps")
+    assert cache.blocks.free_tokens == cache.capacity_tokens
