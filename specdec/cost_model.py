@@ -71,7 +71,9 @@ def _smoothed(tokens: Sequence[int], seconds: Sequence[float]) -> list[float]:
     return out
 
 
-def _context_slopes(costs: Sequence[ForwardCost], base: dict[tuple[int, int], float], base_context: int) -> dict[int, float]:
+def _context_slopes(
+    costs: Sequence[ForwardCost], base: dict[tuple[int, int], float], base_context: int
+) -> dict[int, float]:
     """Seconds each cached context token adds to a forward, per request, by tokens per request:
     the extra seconds of the long-context points over their extra context-token-requests, pooled
     over batch sizes so the large batches (well above the timing noise) carry it. Attention reads
@@ -103,7 +105,10 @@ class CostTable:
         for (batch, tokens), seconds in base.items():
             rows.setdefault(batch, {})[tokens] = seconds
         self._batches = sorted(rows)
-        self._rows = {b: (sorted(rows[b]), _smoothed(sorted(rows[b]), [rows[b][t] for t in sorted(rows[b])])) for b in self._batches}
+        self._rows = {}
+        for b in self._batches:
+            tokens = sorted(rows[b])
+            self._rows[b] = (tokens, _smoothed(tokens, [rows[b][t] for t in tokens]))
         slopes = _context_slopes(costs, base, self.base_context)
         self._slope_tokens, self._slopes = [float(t) for t in slopes], list(slopes.values())
         #: Correction factor applied to every figure (measured online ÷ measured at start-up).

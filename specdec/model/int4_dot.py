@@ -38,7 +38,9 @@ SOURCE = Path(__file__).with_name("csrc") / "int4_dot.cpp"
 OUT_BLOCK = 64
 #: CPU flags (as /proc/cpuinfo names them) the kernel's instructions need.
 CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
-COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
+COMPILE_FLAGS = (
+    "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
+)
 #: The build of one small file against torch's headers takes seconds; more means something is wrong.
 BUILD_TIMEOUT_S = 300.0
 
@@ -132,8 +134,8 @@ def pack(weight: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     odd = q[..., 1] | (q[..., 3] << 4)  # codes of k + 1 and k + 3
     codes = torch.stack([even, odd], dim=-1).reshape(blocks, in_features // 4, 128).contiguous()
     offsets = weight.zeros + 8 * weight.scales  # [out, groups]
-    sz = torch.stack([t.to(torch.bfloat16).reshape(blocks, OUT_BLOCK, groups).transpose(1, 2) for t in (weight.scales, offsets)],
-                     dim=2)  # [blocks, groups, 2, 64]
+    parts = [t.to(torch.bfloat16).reshape(blocks, OUT_BLOCK, groups).transpose(1, 2) for t in (weight.scales, offsets)]
+    sz = torch.stack(parts, dim=2)  # [blocks, groups, 2, 64]
     return codes, sz.contiguous()
 
 

@@ -11,8 +11,8 @@
   for its shape (`specdec.tuning.kernels.measure_dense`), separately for narrow inputs (up to
   `MAX_NARROW_ROWS` rows: a decode step, a single request's verify) and wide ones (a batch's
   verify): one choice for both made a forward just past the narrow limit cost twice one
-  within it. The packed copy costs a second copy of the weights. On CUDA (or without oneDNN)
-  it is `F.linear`.
+  within it (docs/performance.md#dense-kernels). The packed copy costs a second copy of the
+  weights. On CUDA (or without oneDNN) it is `F.linear`.
 - **Prompts keep `F.linear` when wide.** oneDNN sums in another order than the BLAS
   library that `transformers` runs on, and a prompt's logits then differ from transformers'
   by more than the parity tests allow. So wide inputs take the chosen kernel only inside

@@ -1,8 +1,9 @@
 """Our Llama forward pass over a paged KV cache.
 
 The weights are the ones `transformers` loaded (possibly with projections swapped for
-quantized modules); the computation is ours so that one batched call can mix prefills, verify chunks and single-token decodes, each request at its own
-position, with keys and values living in the paged pool. Covers Llama 3.x (incl. the
+quantized modules); the computation is ours so that one batched call can mix prefills, verify
+chunks and single-token decodes, each request at its own position, with keys and values living
+in the paged pool. Covers Llama 3.x (incl. the
 `llama3` RoPE scaling, via the rotary inverse frequencies `transformers` computed), GQA,
 tied embeddings and SmolLM2. Device-agnostic: nothing here names a device.
 """
@@ -88,7 +89,9 @@ class PagedLlama:
     def __init__(self, model: PreTrainedModel) -> None:
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise InvalidArgumentError(f"model type {config.model_type!r} is not supported (need one of {SUPPORTED_MODEL_TYPES})")
+            raise InvalidArgumentError(
+                f"model type {config.model_type!r} is not supported (need one of {SUPPORTED_MODEL_TYPES})"
+            )
         self.model = model
         self.config = config
         self.num_heads = config.num_attention_heads
@@ -164,7 +167,9 @@ class PagedLlama:
         hidden = self.embed_tokens(batch.input_ids)  # [B, T, hidden]
         cos, sin = self._rope(batch.positions, hidden.dtype)  # [B, T, 1, head_dim] each
         groups = self.num_heads // self.num_kv_heads
-        bias = torch.zeros(batch.attn_mask.shape, dtype=self._attention_dtype(hidden), device=hidden.device)  # [B, 1, T, L]
+        bias = torch.zeros(  # [B, 1, T, L]
+            batch.attn_mask.shape, dtype=self._attention_dtype(hidden), device=hidden.device
+        )
         bias = bias.masked_fill(~batch.attn_mask, float("-inf")).repeat(1, 1, groups, 1)  # [B, 1, G*T, L]
         inputs = LayerInputs(cos, sin, bias, batch.write_index, batch.token_rows, batch.context_index)
         hidden = self.layer_runner(hidden, inputs, cache)
@@ -221,7 +226,7 @@ class PagedLlama:
         and cheap for the short chunks of decoding and verification, where the CPU
         flash-attention kernel is not. Keys are gathered as [L, D] rows and multiplied
         transposed: gathered straight into a [D, L] layout, the compiled kernel read the pool
-        element by element.
+        element by element (docs/performance.md#attention-on-cpu).
         """
         bsz, width, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -238,7 +243,8 @@ class PagedLlama:
         q = q.reshape(bsz, kv_heads, -1, dim).to(math)  # [B, Hkv, G*T, D]: head h = g_kv * G + g
         scores = torch.matmul(q, k_ctx.to(math).transpose(2, 3)) * dim**-0.5 + inputs.bias  # [B, Hkv, G*T, L]
         out = torch.matmul(torch.softmax(scores, dim=-1), v_ctx.to(math))  # [B, Hkv, G*T, D]
-        out = out.to(x.dtype).view(bsz, heads, width, dim).transpose(1, 2).reshape(bsz, width, heads * dim)  # [B, T, H*D]
+        out = out.to(x.dtype).view(bsz, heads, width, dim).transpose(1, 2)  # [B, T, H, D]
+        out = out.reshape(bsz, width, heads * dim)  # [B, T, H*D]
         return layer.o(out)
 
     @staticmethod

@@ -125,7 +125,8 @@ def load_model(
         source = name_or_path  # hub id: never used in tests or CI (no hub is reachable there)
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    model.to(device).eval()  # type: ignore[arg-type]  # transformers types `to` through a decorator that loses its signature
+    # transformers types `to` through a decorator that loses its signature.
+    model.to(device).eval()  # type: ignore[arg-type]
     model.requires_grad_(False)
     return LoadedModel(model=model, tokenizer=tokenizer, model_id=name_or_path, name=name_or_path, source=source)
 

@@ -6,8 +6,8 @@ the special case ``zero = -8 * scale``. So a GGUF checkpoint's own blocks load w
 (`specdec.model.gguf_q4`). The embedded target was itself dequantized from those blocks, so a draft built
 from them computes with the target's own weights, up to float rounding.
 
-There are three matmul kernels; which is fastest depends on the CPU, so the service times them
-at start-up (`specdec.tuning.kernels`) and passes the winner as ``prefer``:
+There are three matmul kernels; which is fastest depends on the CPU (docs/performance.md#int4-kernels),
+so the service times them at start-up (`specdec.tuning.kernels`) and passes the winner as ``prefer``:
 
 - ``"int4dot"``: our own kernel for CPUs with AVX-512 BF16 and bfloat16 activations
   (`specdec.model.int4_dot`), compiled on first use. It needs ``out % 64 == 0``.
@@ -94,7 +94,9 @@ def kernel_supported(kernel: str, weight: Int4Weight, device: torch.device, dtyp
     return int4pack_supported(weight)
 
 
-def kernel_operands(kernel: str, weight: Int4Weight, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+def kernel_operands(
+    kernel: str, weight: Int4Weight, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, ...]:
     """What ``kernel`` multiplies with: packed codes and scales, or the dequantized weight."""
     if kernel == "int4dot":
         return int4_dot.pack(weight)
@@ -152,7 +154,8 @@ class Int4Linear(nn.Module):
             raise ValueError(f"in_features must be even, got {weight.in_features}")
         if bias is not None and tuple(bias.shape) != (weight.out_features,):
             raise ValueError(f"bias must have shape [{weight.out_features}], got {list(bias.shape)}")
-        self.out_features, self.in_features, self.group_size = weight.out_features, weight.in_features, weight.group_size
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self.group_size = weight.group_size
         self.requested_kernel, self.prefer = kernel, prefer
         self.kernel = kernel if kernel != "auto" else ""
         self.source = source  # where the weights came from: "gguf", "float" (from_float) or ""
@@ -258,16 +261,15 @@ def quantize_int4(
 
     ``kernel`` and ``prefer`` are every module's `Int4Linear` kernel settings.
 
-    For a draft, consider ``include_lm_head=False``. The embedded SmolLM2 GGUF stores its tied
-    head as Q8_0, and a 4-bit head has about 9 % relative weight error. In our measurement of
-    teacher-forced greedy agreement with the fp32 target (4 prompts x 64 tokens), it cut
-    agreement from 1.00 to 0.90.
+    For a draft, consider ``include_lm_head=False``: the embedded SmolLM2 GGUF stores its tied
+    head as Q8_0, and a 4-bit head costs acceptance (docs/performance.md#int4-draft-output-head).
     """
     get_out = getattr(model, "get_output_embeddings", None)
     lm_head = get_out() if callable(get_out) else None
     get_in = getattr(model, "get_input_embeddings", None)
     embed = get_in() if callable(get_in) else None
-    tied = lm_head is not None and embed is not None and getattr(lm_head, "weight", None) is getattr(embed, "weight", None)
+    tied = lm_head is not None and embed is not None
+    tied = tied and getattr(lm_head, "weight", None) is getattr(embed, "weight", None)
     config = getattr(model, "config", None)
     if gguf_path is not None and config is None:
         raise InvalidArgumentError("quantize_int4: a GGUF source needs the model's config (head counts)")
@@ -286,13 +288,17 @@ def quantize_int4(
         w = linear.weight.detach()  # [out, in]
         weight = gguf_weights.get(f"{name}.weight")
         if weight is not None and tuple(weight.q.shape) != tuple(w.shape):
-            raise InvalidArgumentError(f"{gguf_path}: {name} is {list(weight.q.shape)} in the GGUF, {list(w.shape)} in the model")
+            raise InvalidArgumentError(
+                f"{gguf_path}: {name} is {list(weight.q.shape)} in the GGUF, {list(w.shape)} in the model"
+            )
         if weight is not None and weight.group_size == group_size:
             source = "gguf"
             from_gguf += 1
         else:
             weight, source = Int4Weight.from_float(w, group_size), "float"
-        weight = Int4Weight(weight.q.to(w.device), weight.scales.to(w.device), weight.zeros.to(w.device), weight.group_size)
+        weight = Int4Weight(
+            weight.q.to(w.device), weight.scales.to(w.device), weight.zeros.to(w.device), weight.group_size
+        )
         bias = None if linear.bias is None else linear.bias.detach().clone()
         module = Int4Linear(weight, bias, source=source, kernel=kernel, prefer=prefer)
         chosen = module.prepare(w.device, embed.weight.dtype if embed is not None else w.dtype)

@@ -30,7 +30,7 @@ from specdec.model.quantize_int4 import Int4Linear
 log = logging.getLogger(__name__)
 
 #: Tokens per row that the exact head re-scores: the int8 head's winner was always among the
-#: coarse pass's top 32 (docs/performance.md).
+#: coarse pass's top 32 (docs/performance.md#shortlist-output-head).
 DEFAULT_SHORTLIST = 32
 #: Weights per scale of the coarse pass: the finest group the int4 kernels take.
 COARSE_GROUP_SIZE = 32
@@ -45,7 +45,8 @@ class ShortlistHead(nn.Module):
             raise ValueError("ShortlistHead takes heads without bias")
         if (coarse.out_features, coarse.in_features) != (exact.out_features, exact.in_features):
             raise ValueError(
-                f"coarse head is {coarse.out_features}x{coarse.in_features}, exact {exact.out_features}x{exact.in_features}"
+                f"coarse head is {coarse.out_features}x{coarse.in_features}, "
+                f"exact {exact.out_features}x{exact.in_features}"
             )
         if not 1 <= shortlist <= exact.out_features:
             raise ValueError(f"shortlist must be in [1, {exact.out_features}], got {shortlist}")

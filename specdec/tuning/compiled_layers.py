@@ -23,7 +23,7 @@ graphs cheap, and the decisions themselves are kept in the tuning cache
 The graph has no guards on the layers' modules (their attributes are fixed once the model is
 built); once warmed up, calls also skip dynamo's guards on Python values
 (`skip_guard_eval_unsafe`) and check only those on tensors, which tell the graphs apart.
-Timings behind these rules: docs/performance.md.
+Timings behind these rules: docs/performance.md#compiled-draft-layers.
 """
 
 from __future__ import annotations
@@ -212,7 +212,8 @@ def choose_layer_path(
     if mode == "off" or not wanted:
         return LayerPath(None, {shape_key(s): False for s in SHAPES if shape_key(s) in known})
     if not _has_room(cache):
-        log.warning("decoder layers not compiled: a KV pool of %d tokens is too small to time it", cache.capacity_tokens)
+        log.warning("decoder layers not compiled: a KV pool of %d tokens is too small to time it",
+                    cache.capacity_tokens)
         return LayerPath(None)
     runner = runner or CompiledLayers(forward)
     runner.shapes = set()
@@ -306,6 +307,7 @@ def _time_both_paths(
         (path, shape): (lambda shape=shape: step(BATCH_SLOTS if shape[0] == MANY else 1, shape[1]))
         for path in ("eager", "compiled") for shape in shapes
     }
-    times = median_times(candidates, repeats=TIMING_REPEATS, setup=setup, sync=synchronizer(forward.embed_tokens.weight.device))
+    sync = synchronizer(forward.embed_tokens.weight.device)
+    times = median_times(candidates, repeats=TIMING_REPEATS, setup=setup, sync=sync)
     forward.layer_runner = runner
     return {shape_key(shape): (times[("eager", shape)], times[("compiled", shape)]) for shape in shapes}

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 BATCH_SIZES = (1, 4, 16)
 CHUNK_WIDTHS = (1, 2, 3, 5, 9)
 #: A prompt-sized chunk, timed at batch 1 only: what a prefill or a draft catching up on a
-#: prompt costs (extrapolated from the verify-sized points, it came out about twice too high).
+#: prompt costs (extrapolated from the verify-sized points, it came out about twice too high:
+#: docs/performance.md#start-up-cost-profile).
 PREFILL_WIDTH = 64
 #: Largest forward the profile times (batch × tokens); the cost table extends past it linearly.
 MAX_ROWS = 64
@@ -62,7 +63,8 @@ def measure_forward_costs(
     """
     batches = [b for b in BATCH_SIZES if b <= max_batch]
     widths = [t for t in CHUNK_WIDTHS if t <= max_tokens]
-    def tokens_needed(batch: int, prefill: bool, context: int = CONTEXT_LEN) -> int:  # every slot's widest chunk (and slot 0's prefill)
+    def tokens_needed(batch: int, prefill: bool, context: int = CONTEXT_LEN) -> int:
+        """Every slot's widest chunk (and slot 0's prefill)."""
         return batch * (context + widths[-1] + cache.block_size) + (PREFILL_WIDTH if prefill else 0)
 
     room = cache.blocks.free_tokens // 2  # leave at least half the pool free whatever its size

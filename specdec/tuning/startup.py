@@ -68,7 +68,8 @@ class StartupTuner:
 
     @classmethod
     def for_service(
-        cls, *, model: str, dtype: str, quantization: str, device: str, settings: Mapping[str, object], reuse: bool = True
+        cls, *, model: str, dtype: str, quantization: str, device: str, settings: Mapping[str, object],
+        reuse: bool = True,
     ) -> StartupTuner:
         """A tuner keyed by everything the measurements depend on (this machine, torch, the
         model and its weights, dtype, quantization, device, thread count, code, `settings`);
@@ -76,8 +77,9 @@ class StartupTuner:
         if not reuse:
             return cls()
         key = TuningKey(
-            machine=machine_fingerprint(device), torch=torch.__version__, model=model, weights=weights_fingerprint(model),
-            dtype=dtype, quantization=quantization, device=device, threads=torch.get_num_threads(), code=code_version(),
+            machine=machine_fingerprint(device), torch=torch.__version__, model=model,
+            weights=weights_fingerprint(model), dtype=dtype, quantization=quantization, device=device,
+            threads=torch.get_num_threads(), code=code_version(),
             settings=",".join(f"{name}={value}" for name, value in sorted(settings.items())),
         )
         return cls(TuningStore(default_cache_dir() / "tuning"), key)
@@ -188,7 +190,8 @@ class StartupTuner:
         self.values["compiled_steps"] = chosen.decisions
         self.measured |= chosen.measured
         detail = ", ".join(
-            f"{key} eager / compiled {eager * 1e3:.1f} / {compiled * 1e3:.1f} ms" for key, (eager, compiled) in chosen.times.items()
+            f"{key} eager / compiled {eager * 1e3:.1f} / {compiled * 1e3:.1f} ms"
+            for key, (eager, compiled) in chosen.times.items()
         )
         if chosen.compile_s:
             detail = f"graphs built in {chosen.compile_s:.1f} s" + (f", {detail}" if detail else "")

@@ -4,9 +4,9 @@ The draft and the target take turns on the same cores, and each lets its OpenMP 
 when it hands the cores over (`specdec.tuning.openmp`), so every Propose and every Verify of
 draft tokens starts a new thread team. Left to the kernel, a new worker thread often starts
 on the core its creator is running on, and the two share that core for several scheduler
-ticks while the other core idles (docs/performance.md#openmp-threads-between-calls). Bound (`OMP_PROC_BIND=close`, `OMP_PLACES=cores`),
-the thread that runs the forward stays on the first core and each worker starts on a core of
-its own.
+ticks while the other core idles (docs/performance.md#openmp-threads-between-calls). Bound
+(`OMP_PROC_BIND=close`, `OMP_PLACES=cores`), the thread that runs the forward stays on the
+first core and each worker starts on a core of its own.
 
 libgomp reads those two variables once, as it loads with torch, so a service's `__main__`
 calls `bind_threads_before_torch` before anything imports torch. Loading also binds the

@@ -368,7 +368,9 @@ class ModelInfo:
                 for c in self.forward_costs
             ],
             compiled_steps=list(self.compiled_steps),
-            tuning=[common_pb2.TuningChoice(name=c.name, value=c.value, reason=c.reason, detail=c.detail) for c in self.tuning],
+            tuning=[
+                common_pb2.TuningChoice(name=c.name, value=c.value, reason=c.reason, detail=c.detail) for c in self.tuning
+            ],
         )
 
     @classmethod

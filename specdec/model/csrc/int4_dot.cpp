@@ -2,8 +2,8 @@
 //
 // Why not `_weight_int4pack_mm_for_cpu`: for the decode-shaped calls a draft makes (1-4 rows),
 // that kernel dequantizes every weight to fp32 (a table lookup and a multiply-add) before its
-// multiply-add with x, and is compute-bound: on an AMD EPYC Zen 4 it reads its weights at ~17
-// GB/s from memory and ~19 GB/s from L2. This kernel does no per-weight float arithmetic:
+// multiply-add with x, and is compute-bound: it reads its weights far below memory bandwidth
+// (docs/performance.md#int4-kernels). This kernel does no per-weight float arithmetic:
 //
 //   * a 4-bit code q becomes the bf16 number 128 + q by OR-ing it into 0x4300 (bf16 has 7
 //     mantissa bits, so 128 + q is exact), and `vdpbf16ps` multiplies 32 such weights with a
