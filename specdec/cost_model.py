@@ -157,26 +157,6 @@ class CostTable:
         return self.seconds(batch_size, 1)
 
 
-@dataclass
-class OnlineScale:
-    """Measured ÷ predicted seconds for one service's cost table, learnt from observed rounds.
-
-    An EMA with `weight`, warm-started: the n-th observation weighs at least 1/n, so the first
-    one replaces the prior of 1 outright and the first 1/`weight` form a running mean. A table
-    timed on a busy machine (every figure several times too high) is then corrected at the
-    first observed round instead of after dozens, while the steady state still averages noise.
-    """
-
-    weight: float
-    value: float = 1.0
-    observed: int = 0
-
-    def observe(self, measured: float, predicted: float) -> None:
-        if measured > 0 and predicted > 0:
-            self.observed += 1
-            self.value += max(self.weight, 1.0 / self.observed) * (measured / predicted - self.value)
-
-
 def expected_tokens(alphas: Sequence[float], k: int) -> float:
     """Mean tokens a round emits with `k` draft tokens: accepted ones plus the recovered or bonus one.
 
