@@ -10,6 +10,7 @@ the draft positions it is told to get wrong, so tests can steer acceptance exact
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -81,6 +82,18 @@ def logits_after(token: int) -> torch.Tensor:
     return row
 
 
+async def until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Yield to the event loop until `condition()` holds; fail after `timeout` seconds.
+
+    For what the scheduler does in the background (a release, a retry): a fixed sleep before
+    the assertion races a loaded machine, this waits as long as it takes."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, f"condition not met within {timeout} s"
+        await asyncio.sleep(0.001)
+
+
 async def _answer_within(delay_s: float, timeout: float) -> None:
     """Take `delay_s` like a real call (yielding to the event loop); past `timeout`, fail
     as gRPC does with DEADLINE_EXCEEDED."""
@@ -117,6 +130,11 @@ class FakeTarget:
     verify_delay_s: float = 0.0
     #: Seconds every Prefill takes.
     prefill_delay_s: float = 0.0
+    #: Slot ids of every Prefill, recorded as it starts.
+    prefills_started: list[list[str]] = field(default_factory=list)
+    #: When given, a Prefill waits for this event after it started (`open_gate` lets the
+    #: waiting ones through), so a test can act "during a Prefill" without racing a timer.
+    prefill_gate: asyncio.Event | None = None
     #: Fail this many Release calls with UNAVAILABLE before answering them.
     failing_releases: int = 0
     #: Decode at most this many tokens of a multi-step item, as the real target does when
@@ -133,6 +151,9 @@ class FakeTarget:
         return 0
 
     async def prefill(self, items: list[PrefillItem], timeout: float) -> Timed[dict[str, ScoredChunk]]:
+        self.prefills_started.append([item.slot_id for item in items])
+        if self.prefill_gate is not None:
+            await self.prefill_gate.wait()
         await _answer_within(self.prefill_delay_s, timeout)
         out = {}
         for item in items:
@@ -142,6 +163,15 @@ class FakeTarget:
             self.slots[item.slot_id] = list(item.prompt_tokens)
             out[item.slot_id] = ScoredChunk(item.slot_id, logits_after(item.prompt_tokens[-1]), len(item.prompt_tokens))
         return Timed(out, 0.001, 0.002)
+
+    def open_gate(self, *, for_good: bool = False) -> None:
+        """Let the Prefills waiting at `prefill_gate` through; later ones wait again unless `for_good`."""
+        assert self.prefill_gate is not None
+        self.prefill_gate.set()
+        if for_good:
+            self.prefill_gate = None
+        else:
+            self.prefill_gate.clear()  # the woken waiters go on; the next Prefill waits
 
     async def verify(self, items: list[VerifyItem], timeout: float) -> Timed[dict[str, VerifiedChunk]]:
         await _answer_within(self.verify_delay_s, timeout)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -222,6 +223,35 @@ def greedy_continuation(loaded: LoadedModel, tokens: list[int], n: int) -> list[
             out.append(int(step.logits[0, -1].argmax()))
             step = loaded.model(torch.tensor([out[-1:]]), past_key_values=step.past_key_values, use_cache=True)
     return out
+
+
+def eventually(condition: Callable[[], object], timeout: float = 60.0) -> bool:
+    """Whether `condition()` held within `timeout` seconds, polled every 50 ms.
+
+    For state that a service reaches in the background (a slot expired, a monitor's poll): the
+    timeout is generous, so a loaded machine only takes longer, and a fast one returns at once."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def slow_down(monkeypatch: pytest.MonkeyPatch, owner: object, method: str, seconds: float) -> None:
+    """Every call of `owner.method` (an engine's `verify`, `prefill` or `propose`) first sleeps
+    `seconds`, on the service's model worker as a slower machine would; restored after the test.
+
+    For a test that needs a request still running at some point (a deadline passing, a cancel,
+    a service killed mid-stream): a fixed cost per call makes that hold on any hardware, where
+    a long request alone finishes first on a fast machine."""
+    real = getattr(owner, method)
+
+    def slowed(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, method, slowed)
 
 
 def rpc_error(call: Callable[[Any], Any], request: Any) -> grpc.RpcError:

@@ -13,7 +13,7 @@ A plugin of tests/conftest.py: its fixtures are found by name in every test fold
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from specdec.client import SpecdecClient
+from specdec.cost_model import ForwardCost
 from specdec.draft_server.engine import DraftEngine
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.server import create_gateway
@@ -32,6 +33,23 @@ from specdec.target_server.engine import TargetEngine
 from tests.support.services import LoopThread, draft_server, target_server
 
 POOL: dict[str, Any] = dict(kv_token_budget=8192, block_size=16, max_slots=32, max_speculative_tokens=8, measure_costs=False, compile="off")
+
+
+def pinned_costs(step_s: float, token_s: float) -> tuple[ForwardCost, ...]:
+    """A forward-cost table in the shape a service measures at start-up (batches 1-32, 1-9
+    tokens a request), from two figures instead of a timing of this machine: `step_s` for a
+    one-token forward of one request, `token_s` for each further token; each further request in
+    a batch adds half a step. A test that needs costs (adaptive K) gets the same ones everywhere."""
+    return tuple(
+        ForwardCost(batch, tokens, step_s * (1 + 0.5 * (batch - 1)) + token_s * (tokens - 1) * batch)
+        for batch in (1, 2, 4, 8, 16, 32) for tokens in range(1, 10)
+    )
+
+
+#: Pinned costs of the fp32 target and of a draft at a quarter of its cost (about what the
+#: 2-layer copy costs beside the 30-layer target: the output head dominates both).
+TARGET_COSTS = pinned_costs(step_s=0.040, token_s=0.002)
+DRAFT_COSTS = pinned_costs(step_s=0.010, token_s=0.0005)
 
 
 @dataclass
@@ -53,7 +71,7 @@ class Stack:
     def engines(self) -> list[ModelEngine]:
         return [e for e in (self.target, self.draft) if e is not None]
 
-    def wait_until_idle(self, timeout: float = 30.0) -> None:
+    def wait_until_idle(self, timeout: float = 60.0) -> None:
         """Block until neither service holds a slot (every request released), or fail."""
         deadline = time.monotonic() + timeout
         while any(engine.tokens for engine in self.engines()):
@@ -65,10 +83,12 @@ class Stack:
 
 class StartStack(Protocol):
     """`start_stack(draft_runtime | None, target=dict(...), draft=dict(...), **gateway_overrides)` -> a running
-    Stack (`target_runtime=` serves another target model than the session's fp32 one)."""
+    Stack (`target_runtime=` serves another target model than the session's fp32 one; `target_costs=` /
+    `draft_costs=` are the forward costs the services advertise instead of none, never timed here)."""
 
     def __call__(self, draft_runtime: ModelRuntime | None, *, target: dict[str, Any] | None = None,
                  draft: dict[str, Any] | None = None, target_runtime: ModelRuntime | None = None,
+                 target_costs: Sequence[ForwardCost] = (), draft_costs: Sequence[ForwardCost] = (),
                  **gateway: Any) -> Stack: ...
 
 
@@ -97,12 +117,16 @@ def start_stack(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterato
     stacks: list[Stack] = []
 
     def start(draft_runtime: ModelRuntime | None, *, target: dict[str, Any] | None = None,
-              draft: dict[str, Any] | None = None, target_runtime: ModelRuntime | None = None, **gateway: Any) -> Stack:
+              draft: dict[str, Any] | None = None, target_runtime: ModelRuntime | None = None,
+              target_costs: Sequence[ForwardCost] = (), draft_costs: Sequence[ForwardCost] = (),
+              **gateway: Any) -> Stack:
         target_engine, target_start = target_server(target_runtime or fp32_runtime, **{**POOL, **(target or {})})
+        target_engine.forward_costs = tuple(target_costs) or target_engine.forward_costs  # before Info is served
         servers = [service_loop.run(target_start)]
         draft_engine = None
         if draft_runtime is not None:
             draft_engine, draft_start = draft_server(draft_runtime, **{**POOL, **(draft or {})})
+            draft_engine.forward_costs = tuple(draft_costs) or draft_engine.forward_costs
             servers.append(service_loop.run(draft_start))
         config = GatewayConfig(
             target_address=f"127.0.0.1:{servers[0].port}",

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from fakes import policy
-
 from specdec.gateway.requests import new_sequence
 from specdec.v1 import gateway_pb2
+from tests.support.fakes import policy
 
 
 def test_max_new_tokens_is_capped_at_what_the_sequence_limit_leaves() -> None:

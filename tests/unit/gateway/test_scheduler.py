@@ -11,7 +11,6 @@ from typing import Any
 
 import grpc
 import pytest
-from fakes import FakeDraft, FakeTarget, ToyTokenizer, decode_reference, greedy_reference, policy, rpc_error, scheduler
 
 from specdec.errors import CapacityExhaustedError
 from specdec.gateway.requests import new_sequence
@@ -20,6 +19,17 @@ from specdec.gateway.sequence import Delta, Finished, FinishReason, Sequence
 from specdec.gateway.speculative_step import advance
 from specdec.v1 import common_pb2, gateway_pb2
 from specdec.wire.items import ArgmaxMode, DecodeMode, LogitsMode, SampledMode, VerifyItem
+from tests.support.fakes import (
+    FakeDraft,
+    FakeTarget,
+    ToyTokenizer,
+    decode_reference,
+    greedy_reference,
+    policy,
+    rpc_error,
+    scheduler,
+    until,
+)
 
 PROMPT = "hello"  # token ids 7 4 11 11 14
 
@@ -182,7 +192,7 @@ def test_a_full_pool_preempts_the_newest_request_which_resumes_with_the_same_out
         sched.submit(second)
         (tokens_1, _), (tokens_2, _) = await drain(first), await drain(second)
         assert tokens_1 == tokens_2 == greedy_reference(prompt_ids(), 20)
-        await asyncio.sleep(0.01)
+        await until(lambda: not target.slots and not draft.slots and not sched.running)  # released in the background
         assert second.preemptions >= 1 and first.preemptions == 0
         assert sched.stats.preemptions == second.preemptions
         prefills = [slot for event, slot in target.events if event == "prefill"]
@@ -214,8 +224,7 @@ def test_huge_requests_cannot_starve_short_ones() -> None:
         for seq in huge:
             tokens, finished = await drain(seq, timeout=30)
             assert finished.reason == FinishReason.LENGTH and len(tokens) == 256 - len(PROMPT)
-        await asyncio.sleep(0.01)
-        assert target.slots == {} and draft.slots == {}
+        await until(lambda: not target.slots and not draft.slots)
 
     run(test, target, draft, kv_tokens=512)  # the two huge requests alone can fill it
 
@@ -236,7 +245,8 @@ def test_a_full_queue_is_refused() -> None:
 
 
 def test_cancelling_a_running_request_frees_its_slots_in_both_services() -> None:
-    target, draft = FakeTarget(), FakeDraft()
+    # Rounds of at least 10 ms: the 200 tokens cannot all be decoded before the cancel lands.
+    target, draft = FakeTarget(verify_delay_s=0.01), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
         seq = new_sequence(request(max_new_tokens=200), policy())
@@ -246,7 +256,7 @@ def test_cancelling_a_running_request_frees_its_slots_in_both_services() -> None
         sched.cancel(seq)
         _, finished = await drain(seq)
         assert finished.reason == FinishReason.CANCELLED
-        await asyncio.sleep(0.01)
+        await until(lambda: bool(target.released and draft.released))
         assert target.released == [seq.slot_id] and draft.released == [seq.slot_id]
         assert sched.running == []
 
@@ -317,7 +327,7 @@ def test_a_failing_target_ends_the_requests_with_its_status_and_releases_them() 
         _, finished = await drain(seq)
         assert finished.reason == FinishReason.ERROR and seq.error_status == grpc.StatusCode.UNAVAILABLE
         assert "UNAVAILABLE" in finished.error and "target down" not in finished.error  # details stay in the log
-        await asyncio.sleep(0.01)
+        await until(lambda: bool(draft.released))
         assert draft.released == [seq.slot_id]
 
     run(test, target, draft)
@@ -430,17 +440,19 @@ def test_a_round_decodes_one_step_while_a_waiting_request_could_join() -> None:
     """A request that arrives during the second admission's Prefill is left for the next
     iteration; the round before it takes one step a request, so it joins one step later,
     not three. From then on the batch decodes multi-step."""
-    target, draft = FakeTarget(prefill_delay_s=0.1), FakeDraft()
+    target, draft = FakeTarget(prefill_gate=asyncio.Event()), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
         first = new_sequence(request(enabled=False), policy())
         sched.submit(first)
-        await asyncio.sleep(0.02)  # inside first's Prefill
+        await until(lambda: len(target.prefills_started) == 1)  # inside first's Prefill
         second = new_sequence(request(enabled=False), policy())
         sched.submit(second)  # admitted right after it, in a second Prefill
-        await asyncio.sleep(0.12)  # inside second's Prefill
+        target.open_gate()
+        await until(lambda: len(target.prefills_started) == 2)  # inside second's Prefill
         late = new_sequence(request(enabled=False), policy())
         sched.submit(late)
+        target.open_gate(for_good=True)
         for seq in (first, second, late):
             assert (await drain(seq))[0] == greedy_reference(prompt_ids(), 12)
         assert [steps(item) for item in target.verify_batches[0]] == [1, 1]
@@ -460,7 +472,11 @@ def steps_of(target: FakeTarget, seq: Sequence) -> list[int]:
     return [steps(item) for batch in target.verify_batches for item in batch if item.slot_id == seq.slot_id]
 
 
-def test_a_hung_draft_costs_one_deadline_then_rounds_run_plain_until_its_health_check_passes() -> None:
+def test_a_hung_draft_costs_one_deadline_then_rounds_run_plain_until_its_health_check_passes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A health check every 10 ms: the request (rounds of at least 30 ms) outlives many of them.
+    monkeypatch.setattr("specdec.gateway.scheduler.DRAFT_RECHECK_S", 0.01)
     target, draft = FakeTarget(), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
@@ -481,7 +497,6 @@ def test_a_hung_draft_costs_one_deadline_then_rounds_run_plain_until_its_health_
         assert tokens == greedy_reference(prompt_ids(), 60) and finished.reason == FinishReason.LENGTH
         assert not sched.draft_degraded and sched.stats.speculation_enabled == 1
 
-    # Fast rounds: the health check runs once a second, so let the request outlive it.
     target.verify_delay_s = 0.03
     run(test, target, draft, deadline_s=0.05)
     assert len(draft.calls) > 2, "speculation never resumed"
@@ -495,8 +510,8 @@ def test_a_hung_target_ends_its_requests_with_deadline_exceeded_and_frees_them()
         sched.submit(seq)
         _, finished = await drain(seq)
         assert finished.reason == FinishReason.ERROR and seq.error_status == grpc.StatusCode.DEADLINE_EXCEEDED
-        await asyncio.sleep(0.01)
-        assert target.slots == {} and draft.released == [seq.slot_id]
+        await until(lambda: not target.slots and bool(draft.released))
+        assert draft.released == [seq.slot_id]
 
     run(test, target, draft, deadline_s=0.1)
 
@@ -511,11 +526,8 @@ def test_a_failed_release_is_retried_until_the_slot_is_freed(monkeypatch: pytest
         seq = new_sequence(request(max_new_tokens=6), policy())
         sched.submit(seq)
         await drain(seq)
-        for _ in range(200):
-            if not target.slots:
-                break
-            await asyncio.sleep(0.01)
-        assert target.slots == {} and target.released == [seq.slot_id]
+        await until(lambda: not target.slots)
+        assert target.released == [seq.slot_id]
         assert sched.unreleased == {"target": set(), "draft": set()}
 
     run(test, target, draft)
@@ -552,15 +564,16 @@ def test_requests_that_arrive_during_a_prefill_join_the_first_round() -> None:
     """A burst: the first request's Prefill is under way when two more arrive. They are
     admitted (in one more Prefill) before the first round, so that round, and the K it
     plans, covers all three; the first request does not decode alone meanwhile."""
-    target, draft = FakeTarget(prefill_delay_s=0.1), FakeDraft()
+    target, draft = FakeTarget(prefill_gate=asyncio.Event()), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
         first = new_sequence(request(), policy())
         sched.submit(first)
-        await asyncio.sleep(0.02)  # the scheduler is inside first's Prefill now
+        await until(lambda: len(target.prefills_started) == 1)  # the scheduler is inside first's Prefill now
         later = [new_sequence(request(), policy()) for _ in range(2)]
         for seq in later:
             sched.submit(seq)
+        target.open_gate(for_good=True)
         for seq in (first, *later):
             assert (await drain(seq))[0] == greedy_reference(prompt_ids(), 12)
         assert [item.slot_id for item in target.verify_batches[0]] == [first.slot_id] + [s.slot_id for s in later]

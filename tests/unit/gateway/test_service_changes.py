@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from fakes import FakeDraft, FakeTarget, model_info, scheduler
-
 from specdec.gateway.service_changes import ServiceChanges
+from tests.support.fakes import FakeDraft, FakeTarget, model_info, scheduler
 
 
 def changes(max_speculative_tokens: int = 8) -> ServiceChanges:
