@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from specdec.client import GenerationResult
 from specdec.model.runtime import ModelRuntime
+from tests.support.services import eventually, slow_down
 from tests.support.stacks import StartStack
 
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy keeps counting: no early EOS
@@ -20,11 +23,14 @@ SMALL_POOL = dict(kv_token_budget=128)
 
 
 def test_huge_requests_do_not_starve_short_ones_and_nothing_leaks(
-    start_stack: StartStack, int8_runtime: ModelRuntime
+    start_stack: StartStack, int8_runtime: ModelRuntime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     stack = start_stack(int8_runtime, target=SMALL_POOL, draft=SMALL_POOL, num_speculative_tokens=2)
     with stack.client() as client:
         references = {prompt: client.generate(prompt, max_new_tokens=8, speculative=False).token_ids for prompt in SHORT}
+        # Rounds of at least 50 ms: the huge requests' ~40 rounds outlast the short ones' few (and
+        # the client's pauses between them) on any machine.
+        slow_down(monkeypatch, stack.target, "verify", 0.05)
         huge_done = [threading.Event() for _ in range(2)]
         huge_results: list[GenerationResult | None] = [None, None]
 
@@ -37,8 +43,8 @@ def test_huge_requests_do_not_starve_short_ones_and_nothing_leaks(
         threads = [threading.Thread(target=run_huge, args=(i,)) for i in range(2)]
         for thread in threads:
             thread.start()
-        while len(stack.target.tokens) < 2:  # both huge requests hold slots before the short ones arrive
-            threading.Event().wait(0.01)
+        # Both huge requests hold slots before the short ones arrive.
+        assert eventually(lambda: len(stack.target.tokens) >= 2), "the huge requests were never admitted"
         for prompt in SHORT:
             result = client.generate(prompt, max_new_tokens=8)
             assert result.token_ids == references[prompt]

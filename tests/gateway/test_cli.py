@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Iterable
 
 import pytest
 
 from specdec.client import SpecdecClient
-from specdec.serving.ready import parse_ready_line
+from specdec.serving.ready import ReadyLine, parse_ready_line
 
 CLI = [sys.executable, "-m", "specdec.cli"]
 
@@ -92,7 +95,7 @@ def test_serve_runs_the_trio_and_stops_it_on_sigterm() -> None:
     )
     try:
         assert serve.stdout is not None
-        ready = next(filter(None, map(parse_ready_line, serve.stdout)), None)
+        ready = _first_ready_line(serve.stdout, timeout=600)  # a cold machine loads and tunes both models
         assert ready is not None and ready.name == "gateway", "specdec serve never became ready"
         address, metrics_port = ready.address, ready.metrics_port
         with SpecdecClient(address, timeout=120) as client:
@@ -112,6 +115,17 @@ def test_serve_runs_the_trio_and_stops_it_on_sigterm() -> None:
     finally:
         if serve.poll() is None:
             os.killpg(serve.pid, signal.SIGKILL)
+
+
+def _first_ready_line(lines: Iterable[str], timeout: float) -> ReadyLine | None:
+    """The first ready line among `lines`, read on a thread: None at the end of the output or
+    after `timeout` seconds, so a start-up that hangs fails the test instead of the session."""
+    found: queue.Queue[ReadyLine | None] = queue.Queue()
+    threading.Thread(target=lambda: found.put(next(filter(None, map(parse_ready_line, lines)), None)), daemon=True).start()
+    try:
+        return found.get(timeout=timeout)
+    except queue.Empty:
+        return None
 
 
 def _children(pid: int) -> list[int]:

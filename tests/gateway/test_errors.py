@@ -16,7 +16,7 @@ from specdec.gateway.server import create_gateway
 from specdec.model.runtime import ModelRuntime
 from specdec.model.tokenizer_info import TokenizerMismatchError
 from specdec.v1 import gateway_pb2
-from tests.support.services import LoopThread
+from tests.support.services import LoopThread, slow_down
 from tests.support.stacks import Stack, StartStack
 
 STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
@@ -65,8 +65,13 @@ def test_speculation_without_a_draft_is_refused(start_stack: StartStack) -> None
         assert client.generate("hi", max_new_tokens=3).completion_tokens == 3  # plain decoding works
 
 
-def test_full_queue_is_resource_exhausted(start_stack: StartStack, int8_runtime: ModelRuntime) -> None:
+def test_full_queue_is_resource_exhausted(
+    start_stack: StartStack, int8_runtime: ModelRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
     stack = start_stack(int8_runtime, max_batch_size=1, max_queue=1)
+    # The first request takes seconds (at least 0.3 s a round) on any machine: the other three
+    # arrive while it runs.
+    slow_down(monkeypatch, stack.target, "verify", 0.3)
     with stack.client() as client, ThreadPoolExecutor(4) as pool:
         calls = [client.stub.Generate(build_request(STORY, max_new_tokens=30), timeout=120) for _ in range(4)]
         outcomes = list(pool.map(lambda call: _outcome(call), calls))

@@ -3,7 +3,6 @@ and the model services export their own rpc, batch and KV figures."""
 
 from __future__ import annotations
 
-import time
 import urllib.request
 
 import grpc
@@ -12,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.model.runtime import ModelRuntime
 from specdec.v1 import common_pb2, target_pb2_grpc
+from tests.support.services import eventually
 from tests.support.stacks import StartStack
 
 STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
@@ -66,10 +66,9 @@ def test_speculation_counters_match_the_requests(start_stack: StartStack, int8_r
     for r in results:
         assert r.acceptance_rate == r.num_accepted_tokens / r.num_draft_tokens
     # KV usage comes from the services' own Info: back to zero once every slot is released.
-    deadline = time.monotonic() + 10
-    while _scrape(stack.gateway.metrics_port)[("specdec_kv_cache_usage_perc", (("service", "target"),))] != 0:
-        assert time.monotonic() < deadline, "the gateway never saw the target's KV pool empty again"
-        time.sleep(0.2)
+    usage = ("specdec_kv_cache_usage_perc", (("service", "target"),))
+    emptied = eventually(lambda: _scrape(stack.gateway.metrics_port)[usage] == 0)
+    assert emptied, "the gateway never saw the target's KV pool empty again"
 
 
 def test_model_services_export_rpc_batch_and_kv_metrics(start_stack: StartStack, int8_runtime: ModelRuntime) -> None:
