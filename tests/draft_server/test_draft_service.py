@@ -272,14 +272,15 @@ def test_health_check_answers_while_propose_runs_on_the_worker(
 
     def slow_propose(*args: Any) -> object:
         started.set()
-        finish.wait(timeout=30)
+        finish.wait(timeout=60)
         return real_propose(*args)
 
     monkeypatch.setattr(engine, "propose", slow_propose)
     pending = draft.stub.Propose.future(draft_pb2.ProposeRequest(items=[item("s", prompts[0], 2)]))
     try:
         assert started.wait(timeout=30), "Propose never reached the worker"
-        reply = draft.health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+        # A deadline well inside the worker's stall (until `finish`, up to a minute).
+        reply = draft.health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=20)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
         assert not pending.done()
     finally:

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from specdec.client import SpecdecClient
 from specdec.model.runtime import ModelRuntime
 from specdec.v1 import common_pb2, draft_pb2, gateway_pb2, target_pb2
-from tests.support.services import Service, StartService
+from tests.support.services import RPC_TIMEOUT_S, Service, StartService
 from tests.support.stacks import StartStack
 
 VOCAB = 49152
@@ -83,7 +83,7 @@ def _fuzz_service(service: Service, calls: st.SearchStrategy[tuple[str, Any]], c
         method, request = call
         if KNOWN not in service.engine.tokens:
             create_known()
-        _call(lambda: getattr(service.stub, method)(request, timeout=30))
+        _call(lambda: getattr(service.stub, method)(request, timeout=RPC_TIMEOUT_S))
         _check_clean(service)
 
     check()
@@ -164,7 +164,7 @@ def test_fuzz_gateway_requests(start_stack: StartStack, int8_runtime: ModelRunti
         outcome = _call(lambda: list(client.stub.Generate(request, timeout=60)))
         if outcome == grpc.StatusCode.OK:
             assert _call(client.info) == grpc.StatusCode.OK
-        stack.wait_until_idle(timeout=30)
+        stack.wait_until_idle()
         for engine in stack.engines():
             assert engine.cache.blocks.free_tokens == engine.cache.capacity_tokens
 
