@@ -106,7 +106,8 @@ def run_part(part: Part, args: argparse.Namespace, progress: tqdm) -> PartResult
                     order = ks if (rep + prompt) % 2 == 0 else list(reversed(ks))
                     outputs: dict[str, list[int]] = {}
                     for k in order:
-                        record, out = run_request(client, "adaptive_k", prompt, k, max_new_tokens=tokens, prompts=part.prompts)
+                        record, out = run_request(client, "adaptive_k", prompt, k, max_new_tokens=tokens,
+                                                  prompts=part.prompts)
                         rates[record.mode].append(record.tokens_per_s)
                         outputs[record.mode] = out.token_ids
                         if k is None:
@@ -130,7 +131,8 @@ def run_part(part: Part, args: argparse.Namespace, progress: tqdm) -> PartResult
                 groups: dict[str, list[float]] = {mode_name(k): [] for k in modes}
                 for rep in range(args.concurrency_reps):  # alternating order: a slow minute lands on every mode
                     for k in modes if rep % 2 == 0 else list(reversed(modes)):
-                        group = run_group(client, level, k, max_new_tokens=tokens, prompts=part.prompts, phase="adaptive_k")
+                        group = run_group(client, level, k, max_new_tokens=tokens, prompts=part.prompts,
+                                          phase="adaptive_k")
                         groups[mode_name(k)].append(group.tokens_per_s)
                         progress.update()
                 result.concurrent[level] = {mode: statistics.median(rates) for mode, rates in groups.items()}
@@ -149,15 +151,16 @@ def verdicts(r: PartResult) -> list[str]:
         f"adaptive ÷ plain, pairwise median: {r.adaptive_ratio['plain']:.2f}x",
     ]
     worst = min(row["speculative"] / max(row["plain"], row[mode_name(r.best_k)]) for row in r.concurrent.values())
-    lines.append(f"concurrency, adaptive ÷ better of plain and K={r.best_k}, worst level: {worst:.2f}x of the medians, "
-                 f"{min(r.concurrent_ratio.values()):.2f}x pairwise (median over repetitions)")
+    lines.append(f"concurrency, adaptive ÷ better of plain and K={r.best_k}, worst level: {worst:.2f}x "
+                 f"of the medians, {min(r.concurrent_ratio.values()):.2f}x pairwise (median over repetitions)")
     return lines
 
 
 def table(r: PartResult, ks: list[int]) -> str:
     modes = ["plain", "speculative", *(mode_name(k) for k in ks)]
     head = "| single request, tok/s | " + " | ".join("adaptive" if m == "speculative" else m for m in modes) + " |"
-    rows = [head, "|" + "---|" * (len(modes) + 1), "| median | " + " | ".join(f"{r.single[m]:.1f}" for m in modes) + " |",
+    rows = [head, "|" + "---|" * (len(modes) + 1),
+            "| median | " + " | ".join(f"{r.single[m]:.1f}" for m in modes) + " |",
             "| adaptive ÷ this mode, pairwise median | "
             + " | ".join("1.00" if m == "speculative" else f"{r.adaptive_ratio[m]:.2f}" for m in modes) + " |"]
     conc_modes = ["plain", "speculative", mode_name(r.best_k)]
@@ -172,8 +175,10 @@ def table(r: PartResult, ks: list[int]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=96, help="new tokens per request (twice that for the repetitive part)")
-    parser.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8], help="fixed Ks to compare")
+    parser.add_argument("--tokens", type=int, default=96,
+                        help="new tokens per request (twice that for the repetitive part)")
+    parser.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8],
+                        help="fixed Ks to compare")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16])
     parser.add_argument("--concurrency-reps", type=int, default=3,
                         help="groups per mode and concurrency level, in alternating order")
@@ -199,7 +204,8 @@ def main() -> None:
     ]
     for r in results:
         lines += ["", f"## {r.name}", "",
-                  f"Adaptive K, single requests: mean K {r.adaptive_mean_k:.2f} over the rounds that drafted, acceptance {r.adaptive_acceptance:.2f}.", "",
+                  f"Adaptive K, single requests: mean K {r.adaptive_mean_k:.2f} over the rounds that drafted, "
+                  f"acceptance {r.adaptive_acceptance:.2f}.", "",
                   table(r, args.ks), "", *(f"* {v}" for v in verdicts(r))]
     page = "\n".join(lines) + "\n"
     print(page)

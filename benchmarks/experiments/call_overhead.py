@@ -66,7 +66,8 @@ async def measure(
             for name in (("unary", "stream") if i % 2 == 0 else ("stream", "unary")):
                 target, draft = clients[name]
                 # The same round each time: both slots roll back to where they were.
-                proposed = await draft.propose([ProposeItem("s", CONTEXT - 1, [prompt[CONTEXT - 1]], 1, greedy)], TIMEOUT_S)
+                proposed = await draft.propose([ProposeItem("s", CONTEXT - 1, [prompt[CONTEXT - 1]], 1, greedy)],
+                                               TIMEOUT_S)
                 verified = await target.verify([VerifyItem("s", CONTEXT, prompt[CONTEXT:CONTEXT + 2], ArgmaxMode())],
                                                TIMEOUT_S)
                 if i >= WARM_UP:

@@ -47,7 +47,8 @@ def main() -> None:
         n = len(PROMPT)
 
         def propose(k: int = 1) -> float:
-            item = draft_pb2.ProposeItem(slot_id="d", valid_len=n, new_tokens=[7], num_speculative_tokens=k, sampling=GREEDY)
+            item = draft_pb2.ProposeItem(slot_id="d", valid_len=n, new_tokens=[7], num_speculative_tokens=k,
+                                         sampling=GREEDY)
             return draft.Propose(draft_pb2.ProposeRequest(items=[item])).compute_s
 
         def verify() -> float:

@@ -52,14 +52,16 @@ def main() -> None:
             for name in list(clients) if i % 2 == 0 else list(reversed(clients)):
                 first_turn = [{"role": "user", "content": prompt}]
                 first = clients[name].generate(first_turn, max_new_tokens=args.tokens)
-                second_turn = [*first_turn, {"role": "assistant", "content": first.text}, {"role": "user", "content": FOLLOW_UP}]
+                second_turn = [*first_turn, {"role": "assistant", "content": first.text},
+                               {"role": "user", "content": FOLLOW_UP}]
                 second = clients[name].generate(second_turn, max_new_tokens=args.tokens)
                 for turn, result in ((1, first), (2, second)):
                     ttft.setdefault((name, turn), []).append(result.time_to_first_token_s)
                     rate.setdefault((name, turn), []).append(result.tokens_per_s)
         for client in clients.values():
             client.close()
-    print(f"{'turn':<6}{'ttft ms cached':>16}{'computed':>10}{'ratio':>8}{'tok/s cached':>15}{'computed':>10}{'ratio':>8}")
+    print(f"{'turn':<6}{'ttft ms cached':>16}{'computed':>10}{'ratio':>8}"
+          f"{'tok/s cached':>15}{'computed':>10}{'ratio':>8}")
     for turn in (1, 2):
         t = {name: 1e3 * statistics.median(ttft[(name, turn)]) for name in ("cached", "computed")}
         r = {name: statistics.median(rate[(name, turn)]) for name in ("cached", "computed")}

@@ -53,7 +53,8 @@ def main() -> None:
                 items=[target_pb2.VerifyItem(slot_id="b", valid_len=n, tokens=[7] * (k + 1))]))
 
         def propose(temperature: float):  # type: ignore[no-untyped-def]
-            item = draft_pb2.ProposeItem(slot_id=f"d{temperature}", valid_len=0, new_tokens=PROMPT, num_speculative_tokens=4,
+            item = draft_pb2.ProposeItem(slot_id=f"d{temperature}", valid_len=0, new_tokens=PROMPT,
+                                         num_speculative_tokens=4,
                                          sampling=common_pb2.SamplingParams(temperature=temperature, seed=1))
             draft.Propose(draft_pb2.ProposeRequest(items=[item]))
             item.valid_len, item.new_tokens[:] = n, [7]

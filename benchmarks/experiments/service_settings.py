@@ -58,7 +58,8 @@ def run_variant(draft_flags: list[str], env: dict[str, str], args: argparse.Name
     threading.Thread(target=loop.run_forever, daemon=True).start()
     try:
         target.wait_ready(), draft.wait_ready()
-        config = GatewayConfig(target_address=target.address, draft_address=draft.address, port=0, num_speculative_tokens=args.k)
+        config = GatewayConfig(target_address=target.address, draft_address=draft.address, port=0,
+                               num_speculative_tokens=args.k)
         gateway = asyncio.run_coroutine_threadsafe(create_gateway(config), loop).result()
         spec, plain, alpha = [], [], []
         with SpecdecClient(f"127.0.0.1:{gateway.port}") as client:

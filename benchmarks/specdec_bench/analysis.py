@@ -238,8 +238,8 @@ def side_by_side_costs(results: BenchResults, startup: CostSummary, alpha: float
         return None
     c, draft_step, target_step = side_by_side_c(results.step_pairs)
     return CostSummary(
-        source=f"side by side ({len(results.step_pairs)} pairs of draft and target calls in turn during W1)", target_step_s=target_step,
-        draft_step_s=draft_step, c=c, s_by_k=startup.s_by_k, s_batch_b=startup.s_batch_b,
+        source=f"side by side ({len(results.step_pairs)} pairs of draft and target calls in turn during W1)",
+        target_step_s=target_step, draft_step_s=draft_step, c=c, s_by_k=startup.s_by_k, s_batch_b=startup.s_batch_b,
         expected_by_k=_expected_by_k(alpha, c, startup.s_by_k),
     )
 
@@ -340,8 +340,8 @@ def summarize(results: BenchResults) -> Summary:
         anatomy[f"K={k}"] = anatomy_shares([r for r in results.k_sweep if r.k == k])
     return Summary(
         greedy=greedy, sampled=sampled, alpha=alpha, alpha_source=source, alpha_by_position=conditional,
-        accepted_by_position=unconditional, startup=startup, online=online, side_by_side=side_by_side, cost_batch=cost_batch,
-        num_speculative_tokens=cap,
+        accepted_by_position=unconditional, startup=startup, online=online, side_by_side=side_by_side,
+        cost_batch=cost_batch, num_speculative_tokens=cap,
         best_k=best_k, expected=expected, efficiency=_ratio(greedy.speedup, expected),
         hf_plain=hf_plain, hf_assisted=hf_assisted,
         hf_matches_ours=_ratio(sum(checked), len(checked)) if checked else math.nan,

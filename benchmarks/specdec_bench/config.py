@@ -32,23 +32,33 @@ class BenchConfig:
     quick: bool = field(default=False, metadata=_help("the quick preset (well under 5 minutes on 2 cores)"))
     prompts: int = field(default=6, metadata=_help(f"chat prompts of W1 and the peers ({MIN_PROMPTS}..{len(PROMPTS)})"))
     max_new_tokens: int = field(default=128, metadata=_help("new tokens per W1, peer and K-sweep request"))
-    repetitions: int = field(default=3, metadata=_help("W1 repetitions of every prompt (plain and speculative interleaved)"))
-    temperature: float = field(default=0.8, metadata=_help("the sampled W1 variant's temperature (fixed seed per prompt)"))
+    repetitions: int = field(default=3, metadata=_help(
+        "W1 repetitions of every prompt (plain and speculative interleaved)"))
+    temperature: float = field(default=0.8, metadata=_help(
+        "the sampled W1 variant's temperature (fixed seed per prompt)"))
     seed: int = field(default=1234, metadata=_help("seed of the sampled requests (prompt i uses seed + i)"))
-    peer_repetitions: int = field(default=2, metadata=_help("repetitions of transformers' generate, plain and assisted (0 = skip)"))
+    peer_repetitions: int = field(default=2, metadata=_help(
+        "repetitions of transformers' generate, plain and assisted (0 = skip)"))
     max_k: int = field(default=8, metadata=_help("the fixed-K sweep runs K = 0..max_k (0 = skip the sweep)"))
     sweep_prompts: int = field(default=3, metadata=_help("prompts of the fixed-K sweep"))
-    concurrency: tuple[int, ...] = field(default=(1, 2, 4, 8, 16), metadata=_help("concurrency levels, comma-separated (empty = skip)"))
+    concurrency: tuple[int, ...] = field(default=(1, 2, 4, 8, 16), metadata=_help(
+        "concurrency levels, comma-separated (empty = skip)"))
     concurrency_tokens: int = field(default=128, metadata=_help("new tokens per request of the concurrency sweep"))
-    concurrency_repetitions: int = field(default=3, metadata=_help("repetitions of every concurrency level (plain and speculative alternating; medians reported)"))
+    concurrency_repetitions: int = field(default=3, metadata=_help(
+        "repetitions of every concurrency level (plain and speculative alternating; medians reported)"))
     cost_batch: int = field(default=4, metadata=_help("batch size B of the second verify-slope figure s(B)"))
-    target_args: str = field(default="", metadata=_help("extra flags for `python -m specdec.target_server`, e.g. --target-args='--dtype bfloat16'"))
-    draft_args: str = field(default="", metadata=_help("extra flags for `python -m specdec.draft_server`, e.g. --draft-args='--quantization int4'"))
-    gateway_args: str = field(default="", metadata=_help("extra flags for `python -m specdec.gateway`, e.g. --gateway-args='--num-speculative-tokens 6'"))
-    results: str = field(default="benchmarks/results/bench.json", metadata=_help("results JSON (relative paths: from the repo root)"))
+    target_args: str = field(default="", metadata=_help(
+        "extra flags for `python -m specdec.target_server`, e.g. --target-args='--dtype bfloat16'"))
+    draft_args: str = field(default="", metadata=_help(
+        "extra flags for `python -m specdec.draft_server`, e.g. --draft-args='--quantization int4'"))
+    gateway_args: str = field(default="", metadata=_help(
+        "extra flags for `python -m specdec.gateway`, e.g. --gateway-args='--num-speculative-tokens 6'"))
+    results: str = field(default="benchmarks/results/bench.json", metadata=_help(
+        "results JSON (relative paths: from the repo root)"))
     plots_dir: str = field(default="docs/benchmarks", metadata=_help("folder of the PNG plots"))
     docs: str = field(default="docs/benchmarks.md", metadata=_help("Markdown page to write ('' = none)"))
-    render_only: bool = field(default=False, metadata=_help("measure nothing: redraw the plots and the page from --results"))
+    render_only: bool = field(default=False, metadata=_help(
+        "measure nothing: redraw the plots and the page from --results"))
 
     def __post_init__(self) -> None:
         if not MIN_PROMPTS <= self.prompts <= len(PROMPTS):
@@ -64,7 +74,8 @@ class BenchConfig:
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.temperature <= 0:
-            raise InvalidArgumentError(f"temperature must be > 0 (the greedy variant always runs), got {self.temperature}")
+            raise InvalidArgumentError(f"temperature must be > 0 (the greedy variant always runs), "
+                                       f"got {self.temperature}")
         if any(level < 1 for level in self.concurrency):
             raise InvalidArgumentError(f"concurrency levels must be >= 1, got {self.concurrency}")
         if not self.results:
@@ -114,5 +125,6 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The preset `--quick` selects, with every flag that was given applied on top."""
     preset = QUICK if args.quick else FULL
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig) if getattr(args, f.name) is not None}
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)
+             if getattr(args, f.name) is not None}
     return dataclasses.replace(preset, **given)

@@ -53,7 +53,8 @@ class ServiceCosts:
             return [ForwardCost.from_pb(c) for c in model.forward_costs]
 
         return cls(
-            target=costs(info.target), draft=costs(info.draft), default_num_speculative_tokens=info.default_num_speculative_tokens,
+            target=costs(info.target), draft=costs(info.draft),
+            default_num_speculative_tokens=info.default_num_speculative_tokens,
             max_speculative_tokens=info.max_speculative_tokens, adaptive_k=info.adaptive_k,
             target_model=info.target.model_name, target_dtype=info.target.dtype, draft_model=info.draft.model_name,
             draft_dtype=info.draft.dtype, draft_quantization=info.draft.quantization,
@@ -113,7 +114,8 @@ def lscpu() -> dict[str, str]:
 def _git_revision() -> str:
     here = Path(__file__).resolve().parent
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                              check=True)
         dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return ""

@@ -96,16 +96,17 @@ def measure(config: BenchConfig, command: str) -> BenchResults:
                 probe(config.repetitions)
                 laps.lap("w1")
                 peers = run_peers(
-                    stack.target_config, stack.draft_config, prompts=config.prompts, max_new_tokens=config.max_new_tokens,
-                    k=costs.default_num_speculative_tokens, repetitions=config.peer_repetitions, reference=outcome.greedy_tokens,
-                    progress=progress,
+                    stack.target_config, stack.draft_config, prompts=config.prompts,
+                    max_new_tokens=config.max_new_tokens, k=costs.default_num_speculative_tokens,
+                    repetitions=config.peer_repetitions, reference=outcome.greedy_tokens, progress=progress,
                 ) if config.peer_repetitions else []
                 laps.lap("peers")
                 sweep = k_sweep(client, stack, config, progress) if config.max_k else []
                 laps.lap("k_sweep")
                 groups = concurrency_sweep(client, config, progress)
                 laps.lap("concurrency")
-            services = {"target": dataclasses.asdict(stack.target_config), "draft": dataclasses.asdict(stack.draft_config)}
+            services = {"target": dataclasses.asdict(stack.target_config),
+                        "draft": dataclasses.asdict(stack.draft_config)}
         laps.lap("stop_services")
         progress.set_description("done")
     meta = {

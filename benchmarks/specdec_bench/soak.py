@@ -109,11 +109,13 @@ class SoakReport:
             f"requests {self.requests}: completed {self.completed}, cancelled by their client {self.cancelled}, "
             f"unexpected errors {sum(self.errors.values())} {self.errors or ''}",
             f"greedy outputs checked against solo runs: {self.greedy_checked}, mismatches {self.greedy_mismatches}",
-            f"tokens {self.completion_tokens} in {self.wall_s:.1f} s ({self.completion_tokens / max(self.wall_s, 1e-9):.1f} tok/s); "
+            f"tokens {self.completion_tokens} in {self.wall_s:.1f} s "
+            f"({self.completion_tokens / max(self.wall_s, 1e-9):.1f} tok/s); "
             f"request latency p50 {self.latency_p50_s:.2f} s, p95 {self.latency_p95_s:.2f} s",
             "KV free/total before → after: " + ", ".join(
                 f"{name} {self.kv_before[name][0]}/{self.kv_before[name][1]} → {self.kv_after.get(name, (0, 0))[0]}/"
-                f"{self.kv_after.get(name, (0, 0))[1]} ({self.slots_after.get(name, -1)} slots held)" for name in self.kv_before
+                f"{self.kv_after.get(name, (0, 0))[1]} ({self.slots_after.get(name, -1)} slots held)"
+                for name in self.kv_before
             ),
             "RSS MB (start / peak / end): " + ", ".join(
                 f"{name} {v['start']:.0f} / {v['peak']:.0f} / {v['end']:.0f}" for name, v in self.rss_mb.items()

@@ -70,7 +70,8 @@ class StepPair:
         return self.draft_step_s / self.target_step_s
 
 
-def probe_steps(target_address: str, draft_address: str, vocab_size: int, probe: int = 0, pairs: int = PAIRS) -> list[StepPair]:
+def probe_steps(target_address: str, draft_address: str, vocab_size: int, probe: int = 0,
+                pairs: int = PAIRS) -> list[StepPair]:
     """Time `pairs` rounds of draft and target calls in turn on a scratch slot (released after)."""
     slot = f"bench-steps-{uuid.uuid4().hex}"
     prompt = filler_prompt(vocab_size, CONTEXT_LEN + 1)

@@ -126,7 +126,8 @@ def k_sweep(client: SpecdecClient, stack: Stack, config: BenchConfig, progress: 
 
 
 def run_group(
-    client: SpecdecClient, level: int, k: int | None, *, max_new_tokens: int, prompts: tuple[str, ...], phase: str = "concurrency"
+    client: SpecdecClient, level: int, k: int | None, *, max_new_tokens: int, prompts: tuple[str, ...],
+    phase: str = "concurrency"
 ) -> ConcurrencyGroup:
     """`level` greedy requests sent at once in mode `k`, cycling through `prompts`."""
     with ThreadPoolExecutor(level) as pool:
@@ -153,7 +154,8 @@ def concurrency_sweep(client: SpecdecClient, config: BenchConfig, progress: Prog
         progress.set_description(f"concurrency {level}")
         for _ in range(config.concurrency_repetitions):
             for k in (0, None) if turn % 2 == 0 else (None, 0):
-                groups.append(run_group(client, level, k, max_new_tokens=config.concurrency_tokens, prompts=PROMPTS[: config.prompts]))
+                groups.append(run_group(client, level, k, max_new_tokens=config.concurrency_tokens,
+                                        prompts=PROMPTS[: config.prompts]))
                 progress.update()
             turn += 1
     return groups
