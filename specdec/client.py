@@ -129,7 +129,8 @@ class SpecdecClient:
         self.channel.close()
 
     def info(self) -> gateway_pb2.GatewayInfo:
-        return self.stub.Info(common_pb2.InfoRequest(), timeout=self.timeout, wait_for_ready=True, metadata=self.metadata)
+        return self.stub.Info(common_pb2.InfoRequest(), timeout=self.timeout, wait_for_ready=True,
+                              metadata=self.metadata)
 
     def stream(self, prompt: Prompt, **options: object) -> Iterator[gateway_pb2.GenerateResponse]:
         """The raw response stream; raises grpc.RpcError on a non-OK status."""
@@ -159,7 +160,9 @@ def collect(
 
 
 def apply_completion(result: GenerationResult, completion: gateway_pb2.Completion) -> None:
-    result.finish_reason = gateway_pb2.FinishReason.Name(completion.finish_reason).removeprefix("FINISH_REASON_").lower()
+    result.finish_reason = (
+        gateway_pb2.FinishReason.Name(completion.finish_reason).removeprefix("FINISH_REASON_").lower()
+    )
     result.prompt_tokens = completion.usage.prompt_tokens
     result.completion_tokens = completion.usage.completion_tokens
     result.acceptance_rate = completion.speculation.acceptance_rate

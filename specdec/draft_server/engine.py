@@ -86,18 +86,22 @@ class DraftEngine(ModelEngine):
                 self._check_rollback(item.slot_id, item.valid_len, "valid_len")
             elif item.valid_len != 0:
                 raise InvalidArgumentError(
-                    f"valid_len: slot {item.slot_id!r} is new to the draft, so valid_len must be 0 (got {item.valid_len})"
+                    f"valid_len: slot {item.slot_id!r} is new to the draft, so valid_len must be 0 "
+                    f"(got {item.valid_len})"
                 )
             else:
                 new_slots.append(item.slot_id)
             if not item.new_tokens:
-                raise InvalidArgumentError(f"new_tokens: slot {item.slot_id!r} sent none (at least the last accepted token is needed)")
+                raise InvalidArgumentError(f"new_tokens: slot {item.slot_id!r} sent none "
+                                           "(at least the last accepted token is needed)")
             self._check_tokens("new_tokens", item.slot_id, item.new_tokens)
             if not 1 <= item.num_speculative_tokens <= self.config.max_speculative_tokens:
-                raise InvalidArgumentError(f"num_speculative_tokens: {item.num_speculative_tokens} for slot {item.slot_id!r} is outside [1, {self.config.max_speculative_tokens}]")
+                raise InvalidArgumentError(f"num_speculative_tokens: {item.num_speculative_tokens} for slot "
+                                           f"{item.slot_id!r} is outside [1, {self.config.max_speculative_tokens}]")
             self._check_length(item.slot_id, item.valid_len + len(item.new_tokens), "new_tokens")
             # The k-th drafted token is returned but not cached: its position must still fit.
-            self._check_length(item.slot_id, item.valid_len + len(item.new_tokens) + item.num_speculative_tokens, "num_speculative_tokens")
+            self._check_length(item.slot_id, item.valid_len + len(item.new_tokens) + item.num_speculative_tokens,
+                               "num_speculative_tokens")
         self._check_new_slots(len(new_slots))
         return new_slots
 

@@ -79,8 +79,10 @@ def _padded_rows(seqs: list[Sequence], rows: list[list[int]], ks: list[int]) -> 
     width = max(ks) + 1
     for seq, k, row in zip(seqs, ks, rows):
         if len(row) != k + 1:
-            raise ServiceStateError(f"the target sent {len(row)} tokens for slot {seq.slot_id}, the gateway expected {k + 1}")
-    return torch.tensor([row + [PAD_TOKEN_ID] * (width - len(row)) for row in rows], dtype=torch.long).view(len(rows), width)
+            raise ServiceStateError(f"the target sent {len(row)} tokens for slot {seq.slot_id}, "
+                                    f"the gateway expected {k + 1}")
+    return torch.tensor([row + [PAD_TOKEN_ID] * (width - len(row)) for row in rows],
+                        dtype=torch.long).view(len(rows), width)
 
 
 def _stacked(logits: list[torch.Tensor], width: int) -> torch.Tensor:

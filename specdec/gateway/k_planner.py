@@ -299,7 +299,8 @@ class KPlanner:
         return cost * batch_size <= self.probe_budget * remaining_s
 
     def _schedule_probe(
-        self, flexible: list[Sequence], ks: dict[str, int], caps: dict[str, int], worth_probing: Callable[[Sequence], bool]
+        self, flexible: list[Sequence], ks: dict[str, int], caps: dict[str, int],
+        worth_probing: Callable[[Sequence], bool]
     ) -> None:
         """Count rounds off per request; of those past their interval, the one off longest
         that is worth probing drafts `probe_k` tokens. A due request found not worth probing
@@ -315,7 +316,8 @@ class KPlanner:
                 self._idle_rounds[slot] = 0
                 continue
             if slot in self._probing:  # the last probe did not turn it back on: back off
-                self._probe_interval[slot] = min(2 * self._probe_interval.get(slot, self.probe_every), self.max_probe_every)
+                self._probe_interval[slot] = min(2 * self._probe_interval.get(slot, self.probe_every),
+                                                 self.max_probe_every)
             idle = self._idle_rounds.get(slot, 0) + 1
             self._idle_rounds[slot] = idle
             if idle >= self._probe_interval.get(slot, self.probe_every):

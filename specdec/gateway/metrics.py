@@ -44,11 +44,14 @@ def gateway_families(stats: GatewayStats, prefix: str, model_name: str) -> Itera
     yield f.counter("request_success", "Finished requests by reason", ["finished_reason"],
                     {(reason,): n for reason, n in s.finished.items()})
     yield f.histogram("request_prompt_tokens", "Prompt tokens per request", [], {(): s.request_prompt_tokens})
-    yield f.histogram("request_generation_tokens", "Completion tokens per request", [], {(): s.request_generation_tokens})
+    yield f.histogram("request_generation_tokens", "Completion tokens per request", [],
+                      {(): s.request_generation_tokens})
     for name, doc, dist in (
         ("time_to_first_token_seconds", "Arrival to first token", s.time_to_first_token),
-        ("inter_token_latency_seconds", "Time between streamed tokens (a round's tokens share its time)", s.inter_token_latency),
-        ("time_per_output_token_seconds", "Per request: decode time / (completion tokens - 1)", s.time_per_output_token),
+        ("inter_token_latency_seconds", "Time between streamed tokens (a round's tokens share its time)",
+         s.inter_token_latency),
+        ("time_per_output_token_seconds", "Per request: decode time / (completion tokens - 1)",
+         s.time_per_output_token),
         ("e2e_request_latency_seconds", "Arrival to the final message", s.e2e_latency),
         ("request_queue_time_seconds", "Arrival to admission", s.queue_time),
         ("request_prefill_time_seconds", "Admission to first token", s.prefill_time),
@@ -61,18 +64,20 @@ def gateway_families(stats: GatewayStats, prefix: str, model_name: str) -> Itera
     yield f.counter("spec_decode_num_accepted_tokens", "Draft tokens accepted", [], _one(s.accepted_tokens))
     yield f.counter("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft",
                     ["position"], {(str(i),): n for i, n in enumerate(s.accepted_per_position)})
-    yield f.counter("spec_decode_num_emitted_tokens", "Tokens emitted by rounds (accepted + recovered or bonus; every token of a multi-step plain round)", [],
-                    _one(s.emitted_tokens))
-    yield f.gauge("speculation_enabled", "1 while the draft is usable; 0 from a failed or late Propose until its health check passes",
-                  [], _one(s.speculation_enabled))
-    yield f.gauge("spec_decode_num_speculative_tokens", "Mean K of the last round's speculating requests", [], _one(s.current_k))
-    yield f.counter("spec_decode_off_rounds", "Rounds in which a request that could speculate drafted nothing, by reason",
-                    ["reason"], {(reason,): n for reason, n in s.off_rounds.items()})
+    yield f.counter("spec_decode_num_emitted_tokens", "Tokens emitted by rounds (accepted + recovered or bonus; "
+                    "every token of a multi-step plain round)", [], _one(s.emitted_tokens))
+    yield f.gauge("speculation_enabled", "1 while the draft is usable; 0 from a failed or late Propose until its "
+                  "health check passes", [], _one(s.speculation_enabled))
+    yield f.gauge("spec_decode_num_speculative_tokens", "Mean K of the last round's speculating requests", [],
+                  _one(s.current_k))
+    yield f.counter("spec_decode_off_rounds", "Rounds in which a request that could speculate drafted nothing, "
+                    "by reason", ["reason"], {(reason,): n for reason, n in s.off_rounds.items()})
     yield f.counter("num_preemptions", "Requests preempted to make room in a KV pool (they resume later)", [],
                     _one(s.preemptions))
     yield f.counter("spec_decode_draft_failures", "Rounds whose Propose failed and ran as plain decoding", [],
                     _one(s.draft_failures))
-    yield f.gauge("spec_decode_draft_overhead_ratio", "Propose time / Verify time in the last round", [], _one(s.draft_overhead))
+    yield f.gauge("spec_decode_draft_overhead_ratio", "Propose time / Verify time in the last round", [],
+                  _one(s.draft_overhead))
     yield f.counter("round_time_seconds", "Round wall time by phase", ["phase"],
                     {(phase,): v for phase, v in s.round_seconds.items()})
     yield f.histogram("rpc_latency_seconds", "Model-service calls as the gateway sees them", ["method"],

@@ -88,7 +88,8 @@ class ServiceLink:
     keepalive_timeout_s: float = 5.0
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        options = message_size_options(self.max_message_bytes) + client_keepalive_options(self.keepalive_s, self.keepalive_timeout_s)
+        options = (message_size_options(self.max_message_bytes)
+                   + client_keepalive_options(self.keepalive_s, self.keepalive_timeout_s))
         interceptors = bearer_token_interceptors(self.token) if self.token else None
         if self.credentials is not None:
             return grpc.aio.secure_channel(address, self.credentials, options=options, interceptors=interceptors)

@@ -88,7 +88,8 @@ class ServiceMonitor:
             await self.services[name].renew_lease(timeout=self.interval_s)
         except (asyncio.TimeoutError, grpc.aio.AioRpcError) as error:
             if self.available[name]:  # while it is down, its Info failure was logged already
-                reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else "timeout"
+                reason = (f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError)
+                          else "timeout")
                 log.warning("lease renewal with the %s service failed (%s)", name, reason)
 
     def _record_kv(self, name: str, info: ModelInfo) -> None:
@@ -103,7 +104,8 @@ class ServiceMonitor:
             log.info("the %s service answers again", name)
         else:
             if name not in self.refused:
-                reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else "no answer in time"
+                reason = (f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError)
+                          else "no answer in time")
                 log.warning("the %s service does not answer its Info (%s)", name, reason)
         if name == "target" and self.on_target is not None:
             await self.on_target(available)

@@ -68,7 +68,8 @@ def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) ->
     elif which == "chat":
         for i, message in enumerate(request.chat.messages):
             if message.role not in CHAT_ROLES:
-                raise InvalidArgumentError(f"chat.messages[{i}].role: {message.role!r} is not one of {', '.join(CHAT_ROLES)}")
+                raise InvalidArgumentError(f"chat.messages[{i}].role: {message.role!r} is not one of "
+                                           f"{', '.join(CHAT_ROLES)}")
         prompt = encode_chat(policy.tokenizer, [{"role": m.role, "content": m.content} for m in request.chat.messages])
     else:
         raise InvalidArgumentError("input: set either prompt or chat")
@@ -107,7 +108,8 @@ def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) ->
 
 def _reseeded(sampling: SamplingParams, stream: int) -> SamplingParams:
     """The same transforms with the seed of one of the request's independent random streams."""
-    return dataclasses.replace(sampling, seed=None if sampling.seed is None else independent_seed(sampling.seed, stream))
+    return dataclasses.replace(
+        sampling, seed=None if sampling.seed is None else independent_seed(sampling.seed, stream))
 
 
 def check_stop_strings(stop: list[str]) -> None:

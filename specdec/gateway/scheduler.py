@@ -108,7 +108,8 @@ class Scheduler:
         self._release_retry: asyncio.Task[None] | None = None
         for pool in pools:  # one request alone always fits, so preemption always makes progress
             if pool.blocks_for(max_seq_len) > pool.num_blocks:
-                raise ValueError(f"the {pool.name} pool ({pool.total_kv_tokens} tokens) cannot hold max_seq_len {max_seq_len}")
+                raise ValueError(f"the {pool.name} pool ({pool.total_kv_tokens} tokens) cannot hold "
+                                 f"max_seq_len {max_seq_len}")
         self.waiting: collections.deque[Sequence] = collections.deque()
         #: In admission order: the last one is the first to be preempted.
         self.running: list[Sequence] = []
@@ -185,7 +186,8 @@ class Scheduler:
         plan = self._plan(batch)
         before = {s.slot_id: (s.completion_tokens, s.last_token_at) for s in batch}
         try:
-            report = await run_round(self.target, self.draft, batch, plan, self.sampler, self.max_seq_len, self.deadlines)
+            report = await run_round(self.target, self.draft, batch, plan, self.sampler, self.max_seq_len,
+                                     self.deadlines)
         except Exception as error:  # noqa: BLE001 - a failed round fails its requests, not the gateway
             await self._fail(batch, error)
             return
@@ -313,7 +315,8 @@ class Scheduler:
         at admission, one per running request, so that a newcomer is not preempted at once)."""
         return all(
             len(seqs) <= pool.max_slots
-            and sum(pool.blocks_for(kv_tokens_for_round(s, self.max_seq_len, self.decode_steps)) for s in seqs) + headroom <= pool.num_blocks
+            and sum(pool.blocks_for(kv_tokens_for_round(s, self.max_seq_len, self.decode_steps)) for s in seqs)
+            + headroom <= pool.num_blocks
             for pool in self.pools
         )
 

@@ -156,7 +156,8 @@ class Sequence:
         text = update.text
         if update.stopped:
             self.finish_reason = FinishReason.STOP
-        elif len(kept) < len(new_tokens) or self.completion_tokens >= self.max_new_tokens or len(self.tokens) >= max_seq_len:
+        elif (len(kept) < len(new_tokens) or self.completion_tokens >= self.max_new_tokens
+              or len(self.tokens) >= max_seq_len):
             self.finish_reason = FinishReason.LENGTH
             text += self.detokenizer.finish()
         if update.tokens or text:

@@ -211,7 +211,8 @@ def check_services(config: GatewayConfig, services: Services) -> PreTrainedToken
         check_compatible(services.draft_info.tokenizer, target_info.tokenizer)
     limit = services.max_speculative_tokens
     if services.draft is not None and config.num_speculative_tokens > limit:
-        raise InvalidArgumentError(f"num_speculative_tokens {config.num_speculative_tokens} exceeds the services' maximum {limit}")
+        raise InvalidArgumentError(f"num_speculative_tokens {config.num_speculative_tokens} exceeds the services' "
+                                   f"maximum {limit}")
     return tokenizer
 
 
@@ -219,7 +220,8 @@ def new_scheduler(config: GatewayConfig, services: Services, stats: GatewayStats
     target_costs, draft_info = services.target_info.forward_costs, services.draft_info
     draft_costs = draft_info.forward_costs if draft_info is not None else ()
     planner = KPlanner(list(target_costs), list(draft_costs) if config.adaptive_k else [])
-    pools = [PoolLimits(name, info.total_kv_tokens, info.block_size, info.max_slots) for name, info in services.infos().items()]
+    pools = [PoolLimits(name, info.total_kv_tokens, info.block_size, info.max_slots)
+             for name, info in services.infos().items()]
     return Scheduler(
         services.target, services.draft, pools, max_seq_len=services.max_seq_len, max_batch_size=config.max_batch_size,
         max_queue=config.max_queue, planner=planner, stats=stats,
@@ -236,7 +238,8 @@ def new_scheduler(config: GatewayConfig, services: Services, stats: GatewayStats
 def new_policy(config: GatewayConfig, services: Services, tokenizer: PreTrainedTokenizerBase) -> RequestPolicy:
     info, lease = services.target_info, services.lease
     return RequestPolicy(
-        tokenizer=tokenizer, vocab_size=info.tokenizer.vocab_size, eos_token_ids=frozenset(info.tokenizer.eos_token_ids),
+        tokenizer=tokenizer, vocab_size=info.tokenizer.vocab_size,
+        eos_token_ids=frozenset(info.tokenizer.eos_token_ids),
         max_seq_len=services.max_seq_len, max_speculative_tokens=services.max_speculative_tokens,
         has_draft=services.draft is not None, speculative=config.speculative,
         num_speculative_tokens=config.num_speculative_tokens, adaptive_k=config.adaptive_k,

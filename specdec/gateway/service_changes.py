@@ -51,7 +51,8 @@ class ServiceChanges:
         table = CostTable(costs) if costs else None
         deadlines = self.scheduler.deadlines
         self.scheduler.deadlines = (
-            dataclasses.replace(deadlines, target=table) if name == "target" else dataclasses.replace(deadlines, draft=table)
+            dataclasses.replace(deadlines, target=table) if name == "target"
+            else dataclasses.replace(deadlines, draft=table)
         )
         self.scheduler.set_pool(PoolLimits(name, info.total_kv_tokens, info.block_size, info.max_slots))
         log.info(
@@ -67,7 +68,8 @@ class ServiceChanges:
         except TokenizerMismatchError as error:
             return f"{error}; restart the gateway to serve another model"
         if info.max_speculative_tokens < self.max_speculative_tokens:  # the target verifies K + 1 tokens
-            return f"it allows K up to {info.max_speculative_tokens}, the gateway promises {self.max_speculative_tokens}"
+            return (f"it allows K up to {info.max_speculative_tokens}, "
+                    f"the gateway promises {self.max_speculative_tokens}")
         if info.max_seq_len < self.max_seq_len:
             return f"its context holds {info.max_seq_len} tokens, the gateway promises {self.max_seq_len}"
         return None
