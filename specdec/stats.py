@@ -23,7 +23,8 @@ from specdec.errors import InvalidArgumentError
 
 #: 1 ms to 20 minutes: requests on a loaded CPU take minutes, single steps milliseconds.
 LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0,
 )
 #: Tokens per request or per forward pass.
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -85,7 +86,8 @@ class Families:
             family.add_metric([*self.const_values, *key], value)
         return family
 
-    def histogram(self, name: str, doc: str, labels: Sequence[str], values: Mapping[tuple[str, ...], Distribution]) -> Metric:
+    def histogram(self, name: str, doc: str, labels: Sequence[str],
+                  values: Mapping[tuple[str, ...], Distribution]) -> Metric:
         family = HistogramMetricFamily(self.prefix + name, doc, labels=[*self.const_names, *labels])
         for key, dist in values.items():
             family.add_metric([*self.const_values, *key], dist.buckets(), dist.total)

@@ -184,9 +184,11 @@ def rejection_sample(
     ks, valid = _check(target_probs, draft_tokens, num_draft_tokens)  # valid: [batch, k_max]
     device = target_probs.device
     tokens = torch.where(valid, draft_tokens.to(device=device, dtype=torch.int64), 0)  # [batch, k_max]
-    q = torch.cat([draft_probs.to(target_probs.dtype), target_probs.new_zeros(batch, 1, vocab)], dim=1)  # [batch, k_max+1, vocab]
+    q = torch.cat([draft_probs.to(target_probs.dtype), target_probs.new_zeros(batch, 1, vocab)],
+                  dim=1)  # [batch, k_max+1, vocab]
     q[:, :k_max].masked_fill_(~valid[..., None], 0.0)  # each row's bonus position has no q
-    reached = torch.arange(k_plus_1, device=device)[None, :] <= torch.tensor(ks, device=device)[:, None]  # [batch, k_max+1]
+    reached = (torch.arange(k_plus_1, device=device)[None, :]
+               <= torch.tensor(ks, device=device)[:, None])  # [batch, k_max+1]
     if isinstance(generators, torch.Generator) or generators is None:
         row_generators: Generators = generators
     else:

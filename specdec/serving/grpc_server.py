@@ -36,7 +36,8 @@ class HealthServicer(health.aio.HealthServicer):
         self._statuses[service] = status
         await super().set(service, status)
 
-    async def List(self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext) -> health_pb2.HealthListResponse:
+    async def List(self, request: health_pb2.HealthListRequest,
+                   context: grpc.aio.ServicerContext) -> health_pb2.HealthListResponse:
         return health_pb2.HealthListResponse(
             statuses={name: health_pb2.HealthCheckResponse(status=status) for name, status in self._statuses.items()}
         )
@@ -52,7 +53,8 @@ def enable_reflection(server: grpc.aio.Server, service_names: Sequence[str]) -> 
         request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
         response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
     )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),))
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),))
 
 
 #: Called once the server has stopped: release worker threads, channels, schedulers.

@@ -71,7 +71,8 @@ def service_families(stats: ServiceStats, engine: ModelEngine, prefix: str) -> I
     f = Families(prefix, {"model_name": engine.runtime.loaded.name, "service": stats.service})
     forward = engine.forward
     yield f.gauge("service_model_info", "How the model runs (always 1): weights, compute dtype, device, and whether a "
-                  "single request's decode step runs compiled decoder layers", ["quantization", "dtype", "device", "decode_layers"],
+                  "single request's decode step runs compiled decoder layers",
+                  ["quantization", "dtype", "device", "decode_layers"],
                   {(engine.runtime.quantization, str(forward.dtype).removeprefix("torch."), engine.cache.device.type,
                     "compiled" if engine.tuner.compiled_steps(forward) else "eager"): 1})
     yield f.histogram("service_rpc_latency_seconds", "Server-side rpc latency, queueing on the model worker included",
@@ -90,8 +91,8 @@ def service_families(stats: ServiceStats, engine: ModelEngine, prefix: str) -> I
     yield f.gauge("service_active_slots", "Slots (requests) held", [], {(): len(engine.tokens)})
     yield f.counter("service_prefix_cache_queries", "Prompt tokens of new slots, looked up in the prefix cache", [],
                     {(): engine.prefix_cache_queries})
-    yield f.counter("service_prefix_cache_hits", "Prompt tokens of new slots found in the prefix cache (not computed)", [],
-                    {(): engine.prefix_cache_hits})
+    yield f.counter("service_prefix_cache_hits", "Prompt tokens of new slots found in the prefix cache (not computed)",
+                    [], {(): engine.prefix_cache_hits})
     leases = engine.leases
     yield f.gauge("service_lease_holders", "Gateways whose lease is current", [], {(): leases.num_holders})
     yield f.counter("service_lease_freed_slots", "Slots freed without a Release: the holder's lease expired, "

@@ -149,7 +149,8 @@ def _refusal(handler: grpc.RpcMethodHandler[Any, Any] | None, reason: str) -> gr
 
 def _with_token(details: grpc.aio.ClientCallDetails, token: tuple[tuple[str, str], ...]) -> grpc.aio.ClientCallDetails:
     metadata = grpc.aio.Metadata(*(details.metadata or ()), *token)
-    return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials, details.wait_for_ready)
+    return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
+                                      details.wait_for_ready)
 
 
 class _UnaryBearerToken(grpc.aio.UnaryUnaryClientInterceptor):

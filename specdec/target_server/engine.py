@@ -100,7 +100,8 @@ class TargetEngine(ModelEngine):
             case SampledMode(draft_probs=draft_probs):
                 if k == 0:
                     raise InvalidArgumentError(f"mode: slot {item.slot_id!r} is sampled with no draft tokens")
-                draft_probs.check_drafted(list(item.tokens[1:]), self.vocab_size, f"draft_probs of slot {item.slot_id!r}")
+                draft_probs.check_drafted(list(item.tokens[1:]), self.vocab_size,
+                                          f"draft_probs of slot {item.slot_id!r}")
             case DecodeMode(steps=steps):
                 if k > 0:
                     raise InvalidArgumentError(f"mode: slot {item.slot_id!r} decodes on after {k} draft tokens")
@@ -120,7 +121,8 @@ class TargetEngine(ModelEngine):
             return {}
         best = iter(torch.cat([rows.argmax(dim=-1) for _, rows in scored]).tolist())
         return {
-            item.slot_id: VerifiedArgmax(item.slot_id, self._cached(item), list(itertools.islice(best, len(item.tokens))))
+            item.slot_id: VerifiedArgmax(item.slot_id, self._cached(item),
+                                         list(itertools.islice(best, len(item.tokens))))
             for item, _ in scored
         }
 
@@ -144,19 +146,22 @@ class TargetEngine(ModelEngine):
         # The context of row 0 is the slot's cached tokens up to and including g.
         context = [self.tokens[item.slot_id][: item.valid_len + 1] for item, _ in scored]
         with one_thread():  # a top-p sort on two threads stalls when another process holds a core
-            p = chunk_logits_to_probs(logits, params, context, [item.tokens[1:] for item, _ in scored])  # [S, K_max+1, vocab]
+            p = chunk_logits_to_probs(logits, params, context,
+                                      [item.tokens[1:] for item, _ in scored])  # [S, K_max+1, vocab]
             rows = torch.cat([p[b, : len(item.tokens)] for b, (item, _) in enumerate(scored)])  # [sum(K_b+1), vocab]
             generators = [position_generator(params[b], item.valid_len + 1 + i, rows.device)
                           for b, (item, _) in enumerate(scored) for i in range(len(item.tokens))]
             candidates = iter(draw_candidates(rows, q, generators).tolist())  # [sum(K_b+1)]
         p_drafts = token_probs(p, drafts).tolist()  # [S, K_max]
         return {
-            item.slot_id: VerifiedSampled(item.slot_id, self._cached(item), list(itertools.islice(candidates, len(item.tokens))),
+            item.slot_id: VerifiedSampled(item.slot_id, self._cached(item),
+                                          list(itertools.islice(candidates, len(item.tokens))),
                                           p_drafts[b][: len(item.tokens) - 1])
             for b, (item, _) in enumerate(scored)
         }
 
-    def _answer_decode(self, scored: list[tuple[VerifyItem, torch.Tensor]], deadline: float | None) -> dict[str, VerifiedChunk]:
+    def _answer_decode(self, scored: list[tuple[VerifyItem, torch.Tensor]],
+                       deadline: float | None) -> dict[str, VerifiedChunk]:
         """Plain decoding on the target: each item's first token from its verify row, then
         one-token forwards batched across the items that want more, each feeding the token
         chosen last, until every item has its `steps` tokens.
@@ -168,14 +173,16 @@ class TargetEngine(ModelEngine):
         if not scored:
             return {}
         items = [item for item, _ in scored]
-        chosen = {item.slot_id: [token] for item, token in zip(items, self._choose(items, torch.cat([r for _, r in scored])))}
+        chosen = {item.slot_id: [token]
+                  for item, token in zip(items, self._choose(items, torch.cat([r for _, r in scored])))}
         slowest = 0.0
         for step in range(1, max(typing.cast(DecodeMode, item.mode).steps for item in items)):
             if deadline is not None and time.monotonic() + 2 * slowest > deadline:
                 break
             started = time.monotonic()
             active = [item for item in items if typing.cast(DecodeMode, item.mode).steps > step]
-            rows = self._run([(item.slot_id, [chosen[item.slot_id][-1]]) for item in active], logits="last", prompt=False)
+            rows = self._run([(item.slot_id, [chosen[item.slot_id][-1]]) for item in active], logits="last",
+                             prompt=False)
             for item, token in zip(active, self._choose(active, torch.stack(rows))):  # rows: [vocab] each
                 chosen[item.slot_id].append(token)
             slowest = max(slowest, time.monotonic() - started)

@@ -133,7 +133,8 @@ def verify_mode_to_pb(mode: VerifyMode) -> target_pb2.VerifyMode:
         case ArgmaxMode():
             return target_pb2.VerifyMode(argmax=target_pb2.VerifyMode.Argmax())
         case SampledMode(sampling, draft_probs):
-            sampled = target_pb2.VerifyMode.Sampled(sampling=sampling_to_pb(sampling), draft_probs=sparse_to_pb(draft_probs))
+            sampled = target_pb2.VerifyMode.Sampled(sampling=sampling_to_pb(sampling),
+                                                    draft_probs=sparse_to_pb(draft_probs))
             return target_pb2.VerifyMode(sampled=sampled)
         case DecodeMode(steps, sampling):
             decode = target_pb2.VerifyMode.Decode(steps=steps, sampling=sampling_to_pb(sampling) if sampling else None)
@@ -219,7 +220,8 @@ class ScoredChunk:
     cached_len: int
 
     def to_pb(self) -> target_pb2.PrefillResult:
-        return target_pb2.PrefillResult(slot_id=self.slot_id, logits=encode_tensor(self.logits), cached_len=self.cached_len)
+        return target_pb2.PrefillResult(slot_id=self.slot_id, logits=encode_tensor(self.logits),
+                                        cached_len=self.cached_len)
 
     @classmethod
     def from_pb(cls, message: target_pb2.PrefillResult) -> ScoredChunk:
@@ -364,12 +366,14 @@ class ModelInfo:
             device=self.device,
             quantization=self.quantization,
             forward_costs=[
-                common_pb2.ForwardCost(batch_size=c.batch_size, tokens=c.tokens, seconds=c.seconds, context_tokens=c.context)
+                common_pb2.ForwardCost(batch_size=c.batch_size, tokens=c.tokens, seconds=c.seconds,
+                                       context_tokens=c.context)
                 for c in self.forward_costs
             ],
             compiled_steps=list(self.compiled_steps),
             tuning=[
-                common_pb2.TuningChoice(name=c.name, value=c.value, reason=c.reason, detail=c.detail) for c in self.tuning
+                common_pb2.TuningChoice(name=c.name, value=c.value, reason=c.reason, detail=c.detail)
+                for c in self.tuning
             ],
         )
 
@@ -378,7 +382,8 @@ class ModelInfo:
         return cls(
             model_id=message.model_id,
             model_name=message.model_name,
-            tokenizer=TokenizerInfo(message.vocab_size, tuple(sorted(message.eos_token_ids)), message.tokenizer_fingerprint),
+            tokenizer=TokenizerInfo(message.vocab_size, tuple(sorted(message.eos_token_ids)),
+                                    message.tokenizer_fingerprint),
             max_seq_len=message.max_seq_len,
             block_size=message.block_size,
             free_kv_tokens=message.free_kv_tokens,
