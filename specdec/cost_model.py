@@ -107,8 +107,8 @@ class CostTable:
         self._batches = sorted(rows)
         self._rows = {}
         for b in self._batches:
-            tokens = sorted(rows[b])
-            self._rows[b] = (tokens, _smoothed(tokens, [rows[b][t] for t in tokens]))
+            widths = sorted(rows[b])
+            self._rows[b] = (widths, _smoothed(widths, [rows[b][t] for t in widths]))
         slopes = _context_slopes(costs, base, self.base_context)
         self._slope_tokens, self._slopes = [float(t) for t in slopes], list(slopes.values())
         #: Correction factor applied to every figure (measured online ÷ measured at start-up).
