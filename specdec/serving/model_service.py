@@ -107,8 +107,9 @@ async def load_graphs_after_start(engine: ModelEngine, worker: ModelWorker) -> N
         return
     while await worker.run(engine.tuner.load_pending, engine.cache):
         await asyncio.sleep(GRAPH_RETRY_S if engine.cache.blocks.free_tokens < engine.cache.capacity_tokens // 2 else 0)
-    log.info("compiled steps loaded after start-up in %.1f s: %s", time.perf_counter() - started,
-             ", ".join(engine.tuner.compiled_steps(engine.forward)) or "none")
+    log.info("compiled steps loaded after start-up in %.1f s: %s%s", time.perf_counter() - started,
+             ", ".join(engine.tuner.compiled_steps(engine.forward)) or "none",
+             f" (measured: {', '.join(engine.tuner.loaded_detail)})" if engine.tuner.loaded_detail else "")
 
 
 async def expire_leases_forever(engine: ModelEngine, worker: ModelWorker) -> None:

@@ -231,15 +231,19 @@ def choose_layer_path(
     return LayerPath(runner, decisions, measured=bool(times), compile_s=compile_s, times=times)
 
 
-def load_graphs(runner: CompiledLayers, cache: PagedKVCache, shapes: list[Shape]) -> bool:
-    """Build (from inductor's cache, when warm) the graphs of `shapes`, decided earlier, and
-    add each to `runner.shapes`; no timing, no budget. False, with nothing done, while
+def load_graphs(
+    runner: CompiledLayers, cache: PagedKVCache, shapes: list[Shape], *, timed: bool = False
+) -> dict[str, tuple[float, float]] | None:
+    """Build (from inductor's cache, when warm) the graphs of `shapes` and add each to
+    `runner.shapes`, with no budget; with `timed`, also time each built shape's step eager and
+    compiled (`shape_key` -> seconds, as `LayerPath.times`). None, with nothing done, while
     `cache` has no room for the warm-up slots (try again later)."""
     if not _has_room(cache):
-        return False
+        return None
     with _step_slots(runner.forward, cache) as step:
         _build_graphs(runner, shapes, step, math.inf)
-    return True
+        built = [shape for shape in shapes if shape in runner.shapes]
+        return _time_both_paths(runner.forward, runner, built, step) if timed and built else {}
 
 
 def _has_room(cache: PagedKVCache) -> bool:

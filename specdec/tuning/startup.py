@@ -25,6 +25,7 @@ from specdec.model.quantize_int4 import KERNELS as INT4_KERNELS
 from specdec.model.shortlist_head import ShortlistHead
 from specdec.tuning.choices import TuningChoice, tuning_line
 from specdec.tuning.compiled_layers import (
+    MIN_GAIN,
     SHAPES,
     CompiledLayers,
     Shape,
@@ -63,8 +64,11 @@ class StartupTuner:
         #: Whether `layer_path` may leave graphs whose decisions are all cached to
         #: `load_pending` (the service calls it after it started serving).
         self.defer_graphs = True
-        #: Shape classes decided compiled whose graphs are not loaded yet.
+        #: Shape classes whose graphs load after start-up (`load_pending`): those decided
+        #: compiled, and those not decided yet, which are timed once loaded.
         self.pending: list[Shape] = []
+        #: What `load_pending` timed, for the log.
+        self.loaded_detail: list[str] = []
 
     @classmethod
     def for_service(
@@ -178,7 +182,7 @@ class StartupTuner:
             mode = "off"  # "auto" decides by timing: a service told not to measure stays eager
         cached = self._cached.get("compiled_steps") if mode == "auto" else None
         known = cached if isinstance(cached, dict) and all(isinstance(v, bool) for v in cached.values()) else None
-        if known is not None and self.defer_graphs and set(known) == {shape_key(s) for s in SHAPES}:
+        if known and self.defer_graphs:
             self._defer(forward, known)
             return
         chosen = choose_layer_path(forward, cache, mode, budget_s, known=known, runner=self.runner)
@@ -198,25 +202,42 @@ class StartupTuner:
         self.note("compiled_steps", steps, "measured" if chosen.measured else "cached", detail)
 
     def _defer(self, forward: PagedLlama, known: dict[str, bool]) -> None:
-        """Every decision is cached: serve eager at once and leave the graphs to `load_pending`."""
-        self.values["compiled_steps"] = known
-        self.pending = [shape for shape in SHAPES if known[shape_key(shape)]]
+        """Decisions are cached: serve eager at once and leave the graphs to `load_pending`,
+        those decided compiled and those not decided yet (a start-up budget left them out)."""
+        self.values["compiled_steps"] = dict(known)
+        self.pending = [shape for shape in SHAPES if known.get(shape_key(shape), True)]
         if self.pending:
             self.runner = self.runner or CompiledLayers(forward)
             self.runner.shapes = set()
             forward.layer_runner = self.runner
-        names = ", ".join(shape_name(shape) for shape in self.pending) or "none"
-        self.note("compiled_steps", names, "cached", "graphs load after start-up" if self.pending else "")
+        decided = [shape_name(shape) for shape in self.pending if shape_key(shape) in known]
+        untried = len(self.pending) - len(decided)
+        detail = "graphs load after start-up" + (f", {untried} more tried then" if untried else "")
+        detail = detail if self.pending else ""
+        self.note("compiled_steps", ", ".join(decided) or "none", "cached", detail)
 
     def load_pending(self, cache: PagedKVCache) -> bool:
-        """Load the next pending graph (on the thread that runs the model, between calls); True
+        """Load the next pending graph, timing it first where it was not decided yet (then the
+        decision is saved); call it on the thread that runs the model, between calls. True
         while more remain. A graph that fails to build leaves its steps eager."""
         if not self.pending or self.runner is None:
             return False
-        if load_graphs(self.runner, cache, self.pending[:1]):
-            loaded = self.pending.pop(0)
-            if loaded not in self.runner.shapes:
-                self.pending.clear()  # the compiler failed (logged): the rest would too
+        shape, decisions = self.pending[0], self.values["compiled_steps"]
+        key = shape_key(shape)
+        times = load_graphs(self.runner, cache, [shape], timed=key not in decisions)
+        if times is None:
+            return True  # no room in the pool now: try again later
+        self.pending.pop(0)
+        if shape not in self.runner.shapes:  # the compiler failed (logged): the rest would too
+            self.pending.clear()
+        elif key in times:
+            eager, compiled = times[key]
+            decisions[key] = compiled < (1 - MIN_GAIN) * eager
+            if not decisions[key]:
+                self.runner.shapes.discard(shape)
+            self.loaded_detail.append(f"{key} eager / compiled {eager * 1e3:.1f} / {compiled * 1e3:.1f} ms")
+            if self.store is not None and self.key is not None:
+                self.store.save(self.key, self.values)
         return bool(self.pending)
 
     @staticmethod

@@ -330,3 +330,30 @@ def test_cached_decisions_leave_the_graphs_for_after_start_up(runner: CompiledLa
     assert loads == 1 and runner.shapes == {(1, 1), (2, 1)} and tuner.pending == []
     assert tuner.compiled_steps(forward) == ("single-request 1-token steps", "batch 1-token steps")
     assert cache.blocks.free_tokens == cache.capacity_tokens
+
+
+def test_undecided_shapes_are_timed_after_start_up_and_their_decisions_saved(
+    runner: CompiledLayers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart after a start whose budget left shapes out serves at once too: the decided
+    graphs load, the others are built and timed (pinned here) afterwards, and the cache learns."""
+    key = TuningKey(machine="m", torch="t", model="tiny", weights="w", dtype="bfloat16", quantization="int4",
+                    device="cpu", threads=1, code="c", settings="")
+    TuningStore(tmp_path).save(key, {"compiled_steps": {"1x1": True}})
+
+    def pinned(candidates: dict[tuple[str, tuple[int, int]], object], **kwargs: object) -> dict[object, float]:
+        return {(path, shape): 1.0 if path == "compiled" and shape == (2, 1) else 2.0 for path, shape in candidates}
+
+    monkeypatch.setattr(compiled_layers, "median_times", pinned)
+    forward = runner.forward
+    cache = forward.new_cache(token_budget=1024)
+    tuner = StartupTuner(TuningStore(tmp_path), key)
+    tuner.runner = runner
+    tuner.layer_path(forward, cache, "auto", math.inf, measure=True)
+    assert tuner.pending == list(SHAPES) and runner.shapes == set()
+    assert tuner.choices[-1].value == "single-request 1-token steps"
+    assert tuner.choices[-1].detail == "graphs load after start-up, 3 more tried then"
+    while tuner.load_pending(cache):
+        pass
+    assert runner.shapes == {(1, 1), (2, 1)} and len(tuner.loaded_detail) == 3
+    assert TuningStore(tmp_path).load(key)["compiled_steps"] == {"1x1": True, "1x2": False, "2x1": True, "2x2": False}
