@@ -106,9 +106,7 @@ async def verify(
 ) -> Timed[dict[str, VerifiedChunk]]:
     """One batched Verify of [pending tokens, t1..tK] after each sequence's valid prefix, each
     item in the mode its request needs (`verify_mode`)."""
-    items = [VerifyItem(s.slot_id, s.target_valid, s.tokens[s.target_valid :] + (proposals[s.slot_id].tokens
-                        if s.slot_id in proposals else []), verify_mode(s, proposals.get(s.slot_id), plan))
-             for s in seqs]
+    items = [verify_item(s, proposals.get(s.slot_id), plan) for s in seqs]
     timeout = deadlines.verify(len(items), max(len(i.tokens) for i in items), max(plan.steps.values(), default=1))
     verified = await target.verify(items, timeout)
     for item in items:
@@ -124,6 +122,13 @@ async def verify(
                                     f"the gateway asked for {item.mode.steps}")
         _check_cached("target", item.slot_id, result.cached_len, item.valid_len + decoded)
     return verified
+
+
+def verify_item(seq: Sequence, proposal: Proposal | None, plan: RoundPlan) -> VerifyItem:
+    """The tokens the target has not cached yet (the pending token g), then the draft's."""
+    drafted = proposal.tokens if proposal is not None else []
+    return VerifyItem(seq.slot_id, seq.target_valid, seq.tokens[seq.target_valid :] + drafted,
+                      verify_mode(seq, proposal, plan))
 
 
 def verify_mode(seq: Sequence, proposal: Proposal | None, plan: RoundPlan) -> VerifyMode:
