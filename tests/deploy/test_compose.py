@@ -21,11 +21,13 @@ from tests.support.service_commands import parse_service_command
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = shutil.which("docker-compose")
-pytestmark = pytest.mark.skipif(COMPOSE is None, reason="docker-compose is not installed (apt-get install docker-compose)")
+pytestmark = pytest.mark.skipif(COMPOSE is None,
+                                reason="docker-compose is not installed (apt-get install docker-compose)")
 
 MODEL_SERVICES = {"target": "specdec.target_server", "draft": "specdec.draft_server", "gateway": "specdec.gateway"}
 #: Variables the compose files read; cleared so that the defaults are what is tested.
-SETTINGS = {m for f in ("docker-compose.yml", "docker-compose.gpu.yml") for m in re.findall(r"\$\{(\w+)", (ROOT / f).read_text())}
+SETTINGS = {m for f in ("docker-compose.yml", "docker-compose.gpu.yml")
+            for m in re.findall(r"\$\{(\w+)", (ROOT / f).read_text())}
 
 
 ComposeConfig = Callable[..., dict[str, Any]]
@@ -42,7 +44,8 @@ def compose_config(tmp_path_factory: pytest.TempPathFactory) -> ComposeConfig:
         argv = [COMPOSE, "--project-directory", str(ROOT), "--env-file", str(env_file)]
         for name in files:
             argv += ["-f", str(ROOT / name)]
-        out = subprocess.run([*argv, "config"], capture_output=True, text=True, env=environment, timeout=60, check=False)
+        out = subprocess.run([*argv, "config"], capture_output=True, text=True, env=environment, timeout=60,
+                             check=False)
         assert out.returncode == 0, out.stderr
         return yaml.safe_load(out.stdout)
 
@@ -107,7 +110,8 @@ def test_model_cache_volume(default: dict[str, Any]) -> None:
     assert "model-cache" in default["volumes"]
     for name in MODEL_SERVICES:
         service = default["services"][name]
-        assert "model-cache:/cache:rw" in service["volumes"], name  # SPECDEC_CACHE_DIR and HF_HOME live there (Dockerfile)
+        # SPECDEC_CACHE_DIR and HF_HOME live there (Dockerfile)
+        assert "model-cache:/cache:rw" in service["volumes"], name
         assert service["image"] == "specdec:cpu" and service["build"]["args"]["VARIANT"] == "cpu"
         assert "HF_TOKEN" in service["environment"]
 
@@ -118,7 +122,8 @@ def test_ports_and_monitoring_mounts(default: dict[str, Any]) -> None:
     assert published(services["prometheus"]) == {9090: 9090}
     assert published(services["grafana"]) == {3000: 3000}
     assert not published(services["target"]) and not published(services["draft"])
-    mounts = {v.split(":")[1]: Path(v.split(":")[0]) for s in ("prometheus", "grafana") for v in services[s]["volumes"] if v.startswith("/")}
+    mounts = {v.split(":")[1]: Path(v.split(":")[0])
+              for s in ("prometheus", "grafana") for v in services[s]["volumes"] if v.startswith("/")}
     assert mounts["/etc/prometheus"] == ROOT / "deploy" / "prometheus"
     assert mounts["/etc/grafana/provisioning"] == ROOT / "deploy" / "grafana" / "provisioning"
     assert mounts["/var/lib/grafana/dashboards"] == ROOT / "deploy" / "grafana" / "dashboards"
@@ -149,7 +154,8 @@ def test_production_pair_by_environment(compose_config: ComposeConfig) -> None:
     assert all(compose["services"][name]["environment"]["HF_TOKEN"] == "hf_test" for name in MODEL_SERVICES)
 
 
-def test_gpu_override_changes_only_image_device_and_gpus(compose_config: ComposeConfig, default: dict[str, Any]) -> None:
+def test_gpu_override_changes_only_image_device_and_gpus(compose_config: ComposeConfig,
+                                                         default: dict[str, Any]) -> None:
     gpu = compose_config("docker-compose.yml", "docker-compose.gpu.yml")
     base, moved = configs(default), configs(gpu)
     for name in ("target", "draft"):

@@ -46,7 +46,8 @@ def test_runs_unprivileged_with_the_cache_in_one_volume() -> None:
 
 
 def test_build_context_holds_what_the_dockerfile_copies() -> None:
-    ignore = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    ignore = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
     assert ignore[0] == "*"  # an allow-list: no .venv, caches or .git in the context
     allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
     for line in re.findall(r"^COPY (.+)$", DOCKERFILE, re.M):

@@ -35,7 +35,8 @@ Manifests = list[dict[str, Any]]
 
 
 def kubectl_render(directory: Path) -> Manifests:
-    out = subprocess.run([KUBECTL, "kustomize", str(directory)], capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run([KUBECTL, "kustomize", str(directory)], capture_output=True, text=True, timeout=60,
+                         check=False)
     assert out.returncode == 0, out.stderr
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
@@ -88,13 +89,15 @@ def port_named(c: dict[str, Any], name: str) -> int:
 def test_every_manifest_is_valid_kubernetes(rendered: tuple[str, Manifests], version: str) -> None:
     variant, objects = rendered
     kinds = sorted(o["kind"] for o in objects)
-    expected = ["ConfigMap", *["Deployment"] * 3, "HorizontalPodAutoscaler", *["PodDisruptionBudget"] * 3, *["Service"] * 3]
+    expected = ["ConfigMap", *["Deployment"] * 3, "HorizontalPodAutoscaler", *["PodDisruptionBudget"] * 3,
+                *["Service"] * 3]
     assert kinds == sorted(expected + ([] if variant == "base" else ["Namespace"]))
     for obj in objects:
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as error:
-            pytest.fail(f"{variant}: {obj['kind']}/{obj['metadata']['name']} is not valid Kubernetes {version}: {error}")
+            pytest.fail(f"{variant}: {obj['kind']}/{obj['metadata']['name']} "
+                        f"is not valid Kubernetes {version}: {error}")
 
 
 def test_validation_catches_a_misspelt_field() -> None:
@@ -217,7 +220,8 @@ def test_gpus_only_in_the_gpu_overlay(rendered: tuple[str, Manifests]) -> None:
     gateway = container(objects, "gateway")
     assert gateway["image"] == "specdec:cpu" and GPU not in json.dumps(gateway)
     data = config_data(objects)
-    assert (data["TARGET_MODEL"], data["DRAFT_MODEL"]) == ("meta-llama/Llama-3.2-3B-Instruct", "meta-llama/Llama-3.2-1B-Instruct")
+    assert (data["TARGET_MODEL"], data["DRAFT_MODEL"]) == ("meta-llama/Llama-3.2-3B-Instruct",
+                                                           "meta-llama/Llama-3.2-1B-Instruct")
 
 
 def test_overlays_put_everything_in_one_namespace(rendered: tuple[str, Manifests]) -> None:

@@ -142,7 +142,8 @@ def test_dashboard_covers_the_issue() -> None:
     """The panels issue 9 asks for: each needs these metrics somewhere in the dashboard."""
     used = {name for _, expr in panel_queries() for name in metric_names(expr)}
     required = {
-        "acceptance rate": {"specdec_spec_decode_num_accepted_tokens_total", "specdec_spec_decode_num_draft_tokens_total"},
+        "acceptance rate": {"specdec_spec_decode_num_accepted_tokens_total",
+                            "specdec_spec_decode_num_draft_tokens_total"},
         "mean acceptance length": {"specdec_spec_decode_num_drafts_total"},
         "per-position acceptance": {"specdec_spec_decode_num_accepted_tokens_per_pos_total"},
         "tokens/s": {"specdec_generation_tokens_total"},
@@ -225,7 +226,8 @@ def _input_series(loaded: bool) -> list[dict[str, str]]:
                 elif metric.type == "counter":
                     out.append(_series(metric.name, labels, grow(5)))
                 else:
-                    value = {"free": 900, "used": 100}.get(labels.get("state", ""), 1000 if metric.name.endswith("_total") else 0.5)
+                    value = {"free": 900, "used": 100}.get(labels.get("state", ""),
+                                                           1000 if metric.name.endswith("_total") else 0.5)
                     out.append(_series(metric.name, labels, f"{value}x{_SAMPLES - 1}"))
     for job in SCRAPE_JOBS:
         labels = {"job": job, "instance": f"{job}:9090"}

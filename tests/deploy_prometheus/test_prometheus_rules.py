@@ -58,7 +58,8 @@ def test_deployed_config_is_valid_with_its_rule_files(tmp_path: Path) -> None:
 @needs_promtool
 def test_loopback_config_loads_the_same_rule_files(tmp_path: Path) -> None:
     targets = {"gateway": "127.0.0.1:19464", "target": "127.0.0.1:19465", "draft": "127.0.0.1:19466"}
-    config = write_prometheus_config(tmp_path / "prometheus.yml", targets, scrape_interval="1s", evaluation_interval="1s")
+    config = write_prometheus_config(tmp_path / "prometheus.yml", targets, scrape_interval="1s",
+                                     evaluation_interval="1s")
     output = _ok(run_promtool("check", "config", config, cwd=tmp_path))
     for path in rule_files():
         assert str(path) in output, output
@@ -133,7 +134,8 @@ def test_rules_use_documented_metrics() -> None:
     for rule in rules("alert") + rules("record"):
         used = metric_names(rule["expr"])
         assert used, rule
-        assert used <= documented | recorded, f"{rule.get('alert') or rule.get('record')}: {sorted(used - documented - recorded)}"
+        assert used <= documented | recorded, (f"{rule.get('alert') or rule.get('record')}: "
+                                               f"{sorted(used - documented - recorded)}")
     for rule in rules("alert"):  # alerts stand alone: they work without recording.yml
         assert not metric_names(rule["expr"]) & recorded, rule["alert"]
 

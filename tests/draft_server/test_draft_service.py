@@ -36,7 +36,8 @@ def sampled(seed: int | None = 1234, **fields: float) -> common_pb2.SamplingPara
 def item(
     slot_id: str, new_tokens: list[int], k: int, valid_len: int = 0, sampling: common_pb2.SamplingParams = GREEDY
 ) -> draft_pb2.ProposeItem:
-    return draft_pb2.ProposeItem(slot_id=slot_id, valid_len=valid_len, new_tokens=new_tokens, num_speculative_tokens=k, sampling=sampling)
+    return draft_pb2.ProposeItem(slot_id=slot_id, valid_len=valid_len, new_tokens=new_tokens, num_speculative_tokens=k,
+                                 sampling=sampling)
 
 
 def propose(
@@ -168,7 +169,8 @@ def test_a_cached_prompt_drafts_what_a_computed_one_does(draft: Service, prompts
 def test_seeded_sampling_is_independent_of_the_batch(draft: Service, prompts: list[list[int]]) -> None:
     """Batched or alone, a seeded request draws the same tokens (q equal up to float rounding)."""
     ks = [3, 6, 4]
-    batched = propose(draft, *[item(f"b{i}", p, k, sampling=sampled(100 + i)) for i, (p, k) in enumerate(zip(prompts, ks))])
+    batched = propose(draft, *[item(f"b{i}", p, k, sampling=sampled(100 + i))
+                               for i, (p, k) in enumerate(zip(prompts, ks))])
     for i, (prompt, k) in enumerate(zip(prompts, ks)):
         alone = propose(draft, item(f"a{i}", prompt, k, sampling=sampled(100 + i)))[f"a{i}"]
         assert list(batched[f"b{i}"].tokens) == list(alone.tokens)

@@ -27,7 +27,8 @@ def test_huge_requests_do_not_starve_short_ones_and_nothing_leaks(
 ) -> None:
     stack = start_stack(int8_runtime, target=SMALL_POOL, draft=SMALL_POOL, num_speculative_tokens=2)
     with stack.client() as client:
-        references = {prompt: client.generate(prompt, max_new_tokens=8, speculative=False).token_ids for prompt in SHORT}
+        references = {prompt: client.generate(prompt, max_new_tokens=8, speculative=False).token_ids
+                      for prompt in SHORT}
         # Rounds of at least 50 ms: the huge requests' ~40 rounds outlast the short ones' few (and
         # the client's pauses between them) on any machine.
         slow_down(monkeypatch, stack.target, "verify", 0.05)

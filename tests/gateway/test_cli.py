@@ -121,7 +121,8 @@ def _first_ready_line(lines: Iterable[str], timeout: float) -> ReadyLine | None:
     """The first ready line among `lines`, read on a thread: None at the end of the output or
     after `timeout` seconds, so a start-up that hangs fails the test instead of the session."""
     found: queue.Queue[ReadyLine | None] = queue.Queue()
-    threading.Thread(target=lambda: found.put(next(filter(None, map(parse_ready_line, lines)), None)), daemon=True).start()
+    threading.Thread(target=lambda: found.put(next(filter(None, map(parse_ready_line, lines)), None)),
+                     daemon=True).start()
     try:
         return found.get(timeout=timeout)
     except queue.Empty:

@@ -46,8 +46,8 @@ def _status(stack: Stack, request: gateway_pb2.GenerateRequest) -> grpc.RpcError
         (build_request("hi", stop=["x" * 257]), "stop[0]"),
         (build_request("hi", stop=["ok", ""]), "stop[1]"),
     ],
-    ids=["no-input", "empty-prompt", "empty-chat", "temperature", "top_p", "top_k", "max_new_tokens", "spec-0", "spec-99",
-         "unknown-role", "empty-role", "too-many-stops", "long-stop", "empty-stop"],
+    ids=["no-input", "empty-prompt", "empty-chat", "temperature", "top_p", "top_k", "max_new_tokens", "spec-0",
+         "spec-99", "unknown-role", "empty-role", "too-many-stops", "long-stop", "empty-stop"],
 )
 def test_invalid_requests_are_invalid_argument(
     int8_stack: Stack, request_: gateway_pb2.GenerateRequest, field: str
@@ -98,7 +98,8 @@ def test_requests_beyond_kv_capacity_wait_and_then_complete(
     the pools run out and resumes later: both complete, with the same greedy output."""
     stack = start_stack(int8_runtime, target=dict(kv_token_budget=192), draft=dict(kv_token_budget=192))
     with stack.client() as client, ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda _: client.generate(STORY, max_new_tokens=100, num_speculative_tokens=4), range(2)))
+        results = list(pool.map(lambda _: client.generate(STORY, max_new_tokens=100, num_speculative_tokens=4),
+                                range(2)))
     assert [r.completion_tokens for r in results] == [100, 100]
     assert results[0].token_ids == results[1].token_ids
     stack.wait_until_idle()

@@ -49,7 +49,8 @@ def test_losing_the_draft_mid_stream_falls_back_to_plain_decoding(
         slow_down(monkeypatch, stack.target, "verify", 0.1)  # the stream still runs when the draft goes
         tokens: list[int] = []
         completion = None
-        for response in client.stub.Generate(build_request(STORY, max_new_tokens=30, num_speculative_tokens=4), timeout=120):
+        for response in client.stub.Generate(build_request(STORY, max_new_tokens=30, num_speculative_tokens=4),
+                                             timeout=120):
             tokens.extend(response.token_ids)
             if len(tokens) >= 5 and len(stack.servers) == 2:
                 _kill(stack, 1, service_loop)  # the draft goes away mid-stream
@@ -68,7 +69,8 @@ def test_losing_the_target_fails_the_stream_and_frees_the_draft_slot(
     slow_down(monkeypatch, stack.target, "verify", 0.1)  # 200 tokens take seconds: the kill lands mid-stream
     completion = None
     with stack.client() as client, pytest.raises(grpc.RpcError) as error:
-        for response in client.stub.Generate(build_request(STORY, max_new_tokens=200, num_speculative_tokens=4), timeout=120):
+        for response in client.stub.Generate(build_request(STORY, max_new_tokens=200, num_speculative_tokens=4),
+                                             timeout=120):
             if len(stack.servers) == 2 and stack.draft.tokens:
                 _kill(stack, 0, service_loop)  # the target goes away once the draft holds the slot
             if response.HasField("completion"):
@@ -76,7 +78,8 @@ def test_losing_the_target_fails_the_stream_and_frees_the_draft_slot(
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE
     assert completion is not None and completion.finish_reason == gateway_pb2.FINISH_REASON_ERROR
     assert "UNAVAILABLE" in completion.error_message  # the final message comes before the status
-    assert "127.0.0.1" not in completion.error_message and "127.0.0.1" not in error.value.details()  # no internal address
+    # no internal address
+    assert "127.0.0.1" not in completion.error_message and "127.0.0.1" not in error.value.details()
     assert eventually(lambda: not stack.draft.tokens), "the failed request's draft slot was not released"
     # Health tells the truth, and Info answers from what the gateway last saw: asking the lost
     # target would wait out INFO_TIMEOUT_S (it waits for a ready channel), past this deadline.
@@ -123,7 +126,8 @@ def test_a_request_right_after_the_target_restarts_waits_for_it_instead_of_faili
     with stack.client(timeout=3) as client:
         with pytest.raises(grpc.RpcError):  # the target is gone: the gateway's channel goes into backoff
             client.generate(STORY, max_new_tokens=2)
-    restarted = service_loop.run(create_target_server(dataclasses.replace(stack.target.config, port=port), stack.target))
+    restarted = service_loop.run(create_target_server(dataclasses.replace(stack.target.config, port=port),
+                                                      stack.target))
     stack.servers.insert(0, restarted)
     with stack.client() as client:
         assert client.generate(STORY, max_new_tokens=4).completion_tokens == 4
@@ -199,7 +203,8 @@ def test_restarted_services_are_adopted_with_their_new_costs_or_refused(
 
     _restart(stack, 0, service_loop)
     _restart(stack, 1, service_loop)
-    assert eventually(lambda: _gateway_health(stack) == health_pb2.HealthCheckResponse.SERVING and _info(stack).draft_available)
+    assert eventually(lambda: _gateway_health(stack) == health_pb2.HealthCheckResponse.SERVING
+                      and _info(stack).draft_available)
     with stack.client() as client:
         assert client.generate(STORY, max_new_tokens=12, num_speculative_tokens=4).token_ids == reference
     stack.wait_until_idle()

@@ -67,7 +67,8 @@ def _call(call: Callable[[], Any]) -> grpc.StatusCode:
 
 def _check_clean(service: Service) -> None:
     """Release every slot the example left (its own, by design), then nothing may be held."""
-    assert service.health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+    assert (service.health.Check(health_pb2.HealthCheckRequest(), timeout=10).status
+            == health_pb2.HealthCheckResponse.SERVING)
     for slot_id in list(service.engine.tokens):
         service.stub.Release(common_pb2.ReleaseRequest(slot_id=slot_id))
     info = service.info()
@@ -92,7 +93,8 @@ def _fuzz_service(service: Service, calls: st.SearchStrategy[tuple[str, Any]], c
 # -- target -----------------------------------------------------------------------------------
 
 prefill_items = st.lists(st.builds(target_pb2.PrefillItem, slot_id=slot_ids, prompt_tokens=tokens), max_size=3)
-verify_items = st.lists(st.builds(target_pb2.VerifyItem, slot_id=slot_ids, valid_len=lengths, tokens=tokens), max_size=3)
+verify_items = st.lists(st.builds(target_pb2.VerifyItem, slot_id=slot_ids, valid_len=lengths, tokens=tokens),
+                        max_size=3)
 leases = st.builds(common_pb2.Lease, holder=st.text(max_size=8), incarnation=st.text(max_size=8))
 target_calls = st.one_of(
     st.tuples(st.just("Prefill"), st.builds(target_pb2.PrefillRequest, items=prefill_items, lease=leases)),
@@ -128,7 +130,8 @@ draft_calls = st.one_of(
 
 def test_fuzz_draft_requests(start_draft: StartService) -> None:
     draft = start_draft(kv_token_budget=256, max_slots=4, max_speculative_tokens=4)
-    known = draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(slot_id=KNOWN, new_tokens=[1, 2, 3], num_speculative_tokens=1)])
+    known = draft_pb2.ProposeRequest(items=[draft_pb2.ProposeItem(slot_id=KNOWN, new_tokens=[1, 2, 3],
+                                                                  num_speculative_tokens=1)])
     _fuzz_service(draft, draft_calls, lambda: draft.stub.Propose(known))
 
 

@@ -45,7 +45,8 @@ def test_speculation_counters_match_the_requests(start_stack: StartStack, int8_r
     assert m[("specdec_spec_decode_num_draft_tokens_total", ())] == sum(r.num_draft_tokens for r in results)
     accepted = m[("specdec_spec_decode_num_accepted_tokens_total", ())]
     assert accepted == sum(r.num_accepted_tokens for r in results) > 0
-    per_position = [m[("specdec_spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))] for i in range(4)]
+    per_position = [m[("specdec_spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))]
+                    for i in range(4)]
     assert sum(per_position) == accepted
     assert per_position == sorted(per_position, reverse=True)  # position i+1 is accepted only after position i
     total_tokens = sum(r.completion_tokens for r in [*results, plain])
@@ -84,7 +85,8 @@ def test_model_services_export_rpc_batch_and_kv_metrics(start_stack: StartStack,
         return name, tuple(sorted({"service": "target", **labels}.items()))
 
     assert target[t("specdec_service_rpc_latency_seconds_count", method="Prefill")] == 1
-    assert target[t("specdec_service_model_info", quantization="none", dtype="float32", device="cpu", decode_layers="eager")] == 1
+    assert target[t("specdec_service_model_info", quantization="none", dtype="float32", device="cpu",
+                    decode_layers="eager")] == 1
     draft_info = ("specdec_service_model_info", (("decode_layers", "eager"), ("device", "cpu"), ("dtype", "bfloat16"),
                                                  ("quantization", "int8"), ("service", "draft")))
     assert draft[draft_info] == 1  # the test stacks run with --compile off

@@ -99,7 +99,8 @@ def test_prometheus_sees_the_stack_and_agrees_with_the_final_messages(
     start_stack: StartStack, int8_runtime: ModelRuntime, prometheus: Callable[[Mapping[str, int | None]], Prometheus]
 ) -> None:
     stack = start_stack(int8_runtime, metrics_port=0, target={"metrics_port": 0}, draft={"metrics_port": 0})
-    jobs = {"gateway": stack.gateway.metrics_port, "target": stack.servers[0].metrics_port, "draft": stack.servers[1].metrics_port}
+    jobs = {"gateway": stack.gateway.metrics_port, "target": stack.servers[0].metrics_port,
+            "draft": stack.servers[1].metrics_port}
     prom = prometheus(jobs)
     _wait_for(lambda: len(prom.query("up == 1")) == 3)  # a first scrape of every service, counters at zero
 

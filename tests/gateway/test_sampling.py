@@ -90,7 +90,8 @@ def test_second_token_follows_the_target_distribution(
     stack = request.getfixturevalue(stack_name)
     samples = _second_tokens(stack, range(SAMPLES), **options)
     p_value = _fits(samples, exact_second_token)
-    assert p_value > 1e-3, (p_value, Counter(samples).most_common(), sorted(exact_second_token.items(), key=lambda kv: -kv[1]))
+    assert p_value > 1e-3, (p_value, Counter(samples).most_common(),
+                            sorted(exact_second_token.items(), key=lambda kv: -kv[1]))
     stack.wait_until_idle()
 
 

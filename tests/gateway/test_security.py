@@ -90,7 +90,8 @@ def test_a_model_service_with_mutual_tls_and_a_token_refuses_everyone_else(
     without_cert = grpc.secure_channel(address, channel_credentials(pki.ca))
     with without_cert:
         stub = target_pb2_grpc.TargetServiceStub(without_cert)
-        assert _code(lambda: stub.Info(common_pb2.InfoRequest(), timeout=5, metadata=bearer_metadata("t0ken"))) == grpc.StatusCode.UNAVAILABLE
+        assert (_code(lambda: stub.Info(common_pb2.InfoRequest(), timeout=5, metadata=bearer_metadata("t0ken")))
+                == grpc.StatusCode.UNAVAILABLE)
     with grpc.secure_channel(address, channel_credentials(pki.ca, pki.client_cert, pki.client_key)) as channel:
         stub = target_pb2_grpc.TargetServiceStub(channel)
         for metadata in ((), bearer_metadata("nope")):

@@ -67,7 +67,8 @@ def test_stop_string_across_a_token_boundary(int8_stack: Stack, smollm2: LoadedM
         free = client.generate(STORY, max_new_tokens=40)
         # A stop string made of the end of one token and the start of the next.
         pieces = [tokenizer.decode([t]) for t in free.token_ids]
-        index = next(i for i in range(5, len(pieces) - 1) if len(pieces[i].strip()) >= 2 and len(pieces[i + 1].strip()) >= 2)
+        index = next(i for i in range(5, len(pieces) - 1)
+                     if len(pieces[i].strip()) >= 2 and len(pieces[i + 1].strip()) >= 2)
         prefix = "".join(pieces[:index])
         stop = pieces[index][-2:] + pieces[index + 1][:2]
         assert stop not in prefix + pieces[index][:-2]  # its first occurrence straddles the boundary

@@ -2,9 +2,10 @@
 
 A toy language model over a 40-token vocabulary: after token t the target's greedy choice
 is `next_token(t)`. Tokens 0..30 cycle among themselves and never reach EOS; tokens 31..38
-count up to EOS (39), so a prompt ending in 35 generates 36, 37, 38 and stops. The fake target keeps real per-slot caches and checks every valid
-length it is sent, like the real service; the fake draft follows the same rule except at
-the draft positions it is told to get wrong, so tests can steer acceptance exactly.
+count up to EOS (39), so a prompt ending in 35 generates 36, 37, 38 and stops. The fake
+target keeps real per-slot caches and checks every valid length it is sent, like the real
+service; the fake draft follows the same rule except at the draft positions it is told to
+get wrong, so tests can steer acceptance exactly.
 """
 
 from __future__ import annotations
@@ -194,8 +195,10 @@ class FakeTarget:
             case SampledMode(sampling, draft_probs):  # candidates and p_i(t_i), as the target draws them
                 assert len(item.tokens) > 1, item
                 drafts = item.tokens[1:]
-                p = chunk_logits_to_probs(rows[None], [sampling], [cache[: item.valid_len + 1]], [drafts])[0]  # [K+1, vocab]
-                generators = [position_generator(sampling, item.valid_len + 1 + i, "cpu") for i in range(len(item.tokens))]
+                p = chunk_logits_to_probs(rows[None], [sampling], [cache[: item.valid_len + 1]],
+                                          [drafts])[0]  # [K+1, vocab]
+                generators = [position_generator(sampling, item.valid_len + 1 + i, "cpu")
+                              for i in range(len(item.tokens))]
                 candidates = draw_candidates(p, draft_probs.distributions(VOCAB, extra_rows=1), generators)
                 target_probs = token_probs(p[None], torch.tensor([drafts]))[0].tolist()
                 return VerifiedSampled(item.slot_id, len(cache), candidates.tolist(), target_probs)
@@ -272,7 +275,8 @@ class FakeDraft:
             cache.extend(drafted[:-1])  # the last drafted token is not fed back
             # A sampled request's q: the draft is sure of its guesses (q one-hot).
             support = [(t + 1) % VOCAB for t in drafted] if fault == "bad_q" else drafted
-            q = None if item.sampling.is_greedy else SparseRows((1,) * len(drafted), torch.tensor(support), torch.ones(len(drafted)))
+            q = None if item.sampling.is_greedy else SparseRows((1,) * len(drafted), torch.tensor(support),
+                                                                torch.ones(len(drafted)))
             out[item.slot_id] = Proposal(item.slot_id, drafted, q, len(cache) + length_error)
         return Timed(out, 0.0005, 0.001)
 

@@ -34,7 +34,8 @@ def _name(common_name: str) -> x509.Name:
 
 
 def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> str:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
     return str(path)
 
 
@@ -56,7 +57,8 @@ def _ca(name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     return cert, key
 
 
-def _leaf(name: str, ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, *, server: bool) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+def _leaf(name: str, ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, *,
+          server: bool) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
     builder = (
@@ -82,7 +84,9 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     client, client_key = _leaf("specdec gateway", ca, ca_key, server=False)
     return Pki(
         ca=_write_cert(ca, folder / "ca.pem"),
-        server_cert=_write_cert(server, folder / "server.pem"), server_key=_write_key(server_key, folder / "server.key"),
-        client_cert=_write_cert(client, folder / "client.pem"), client_key=_write_key(client_key, folder / "client.key"),
+        server_cert=_write_cert(server, folder / "server.pem"),
+        server_key=_write_key(server_key, folder / "server.key"),
+        client_cert=_write_cert(client, folder / "client.pem"),
+        client_key=_write_key(client_key, folder / "client.key"),
         other_ca=_write_cert(other, folder / "other-ca.pem"),
     )

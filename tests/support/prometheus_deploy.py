@@ -129,7 +129,8 @@ def rule_files() -> list[Path]:
 
 def rules(kind: str) -> list[dict[str, Any]]:
     """Every rule of deploy/prometheus/rules/*.yml with an `alert` or a `record` key (kind)."""
-    return [rule for path in rule_files() for group in load_yaml(path)["groups"] for rule in group["rules"] if kind in rule]
+    return [rule for path in rule_files() for group in load_yaml(path)["groups"] for rule in group["rules"]
+            if kind in rule]
 
 
 def rule_tests() -> list[dict[str, Any]]:

@@ -42,7 +42,8 @@ T = TypeVar("T")
 #: Deadline of every test RPC, so a hung server fails the test instead of the session.
 RPC_TIMEOUT_S = 60.0
 #: Small pools: big enough for every test, cheap to allocate per test (~94 MB of fp32 KV).
-SMALL_POOL: dict[str, Any] = dict(kv_token_budget=2048, block_size=16, max_slots=32, max_speculative_tokens=8, measure_costs=False, compile="off")
+SMALL_POOL: dict[str, Any] = dict(kv_token_budget=2048, block_size=16, max_slots=32, max_speculative_tokens=8,
+                                  measure_costs=False, compile="off")
 #: The texts of the `prompts` fixture: three lengths.
 TEXTS = [
     "The capital of France is",
@@ -175,13 +176,15 @@ def fp32_runtime(smollm2: LoadedModel) -> ModelRuntime:
 @pytest.fixture
 def start_target(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterator[StartService]:
     """`start_target(**config_overrides)` -> a running fp32 target server (stopped at teardown)."""
-    yield from _service_factory(service_loop, functools.partial(target_server, fp32_runtime), target_pb2_grpc.TargetServiceStub)
+    yield from _service_factory(service_loop, functools.partial(target_server, fp32_runtime),
+                                target_pb2_grpc.TargetServiceStub)
 
 
 @pytest.fixture
 def start_draft(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterator[StartService]:
     """`start_draft(**config_overrides)` -> a running fp32 draft server (stopped at teardown)."""
-    yield from _service_factory(service_loop, functools.partial(draft_server, fp32_runtime), draft_pb2_grpc.DraftServiceStub)
+    yield from _service_factory(service_loop, functools.partial(draft_server, fp32_runtime),
+                                draft_pb2_grpc.DraftServiceStub)
 
 
 @pytest.fixture

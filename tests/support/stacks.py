@@ -32,7 +32,8 @@ from specdec.serving.grpc_server import RunningServer
 from specdec.target_server.engine import TargetEngine
 from tests.support.services import LoopThread, draft_server, target_server
 
-POOL: dict[str, Any] = dict(kv_token_budget=8192, block_size=16, max_slots=32, max_speculative_tokens=8, measure_costs=False, compile="off")
+POOL: dict[str, Any] = dict(kv_token_budget=8192, block_size=16, max_slots=32, max_speculative_tokens=8,
+                            measure_costs=False, compile="off")
 
 
 def pinned_costs(step_s: float, token_s: float) -> tuple[ForwardCost, ...]:

@@ -50,7 +50,8 @@ def _chunks(prompt: list[int]) -> list[tuple[int, list[int]]]:
 
 def test_verify_stream_answers_each_request_in_order_as_verify_does(target: Service, prompt: list[int]) -> None:
     _prefill(target, ["streamed", "unary"], prompt)
-    streamed = list(target.stub.VerifyStream(iter([_verify_request("streamed", v, t) for v, t in _chunks(prompt)]), timeout=60))
+    streamed = list(target.stub.VerifyStream(iter([_verify_request("streamed", v, t) for v, t in _chunks(prompt)]),
+                                             timeout=60))
     unary = [target.stub.Verify(_verify_request("unary", v, t)) for v, t in _chunks(prompt)]
     assert len(streamed) == 3
     for got, expected in zip(streamed, unary):
@@ -111,7 +112,8 @@ def test_stopping_the_service_ends_an_idle_stream_at_once(
 
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = target_pb2_grpc.TargetServiceStub(channel)
-        stub.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(slot_id="s", prompt_tokens=prompt)]), timeout=60)
+        stub.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(slot_id="s", prompt_tokens=prompt)]),
+                     timeout=60)
         responses = stub.VerifyStream(requests(), timeout=60)
         pending.put(_verify_request("s", len(prompt), [5]))
         assert next(responses).results[0].cached_len == len(prompt) + 1
@@ -133,7 +135,8 @@ def _clients(
     async def make() -> tuple[TargetClient, DraftClient | None]:  # channels belong to the loop that uses them
         link = ServiceLink(DEFAULT_MAX_MESSAGE_BYTES)
         lease = Lease("streams-test", "1")
-        draft_client = DraftClient(f"127.0.0.1:{draft_port}", link, common_pb2.DTYPE_FLOAT32, lease) if draft_port else None
+        draft_client = (DraftClient(f"127.0.0.1:{draft_port}", link, common_pb2.DTYPE_FLOAT32, lease)
+                        if draft_port else None)
         return TargetClient(f"127.0.0.1:{target_port}", link, lease), draft_client
 
     return service_loop.run(make())
@@ -152,9 +155,11 @@ def test_streamed_verify_keeps_one_stream_and_gets_the_unary_answers(
     client, draft_client = _clients(service_loop, target.port, draft.port)
     assert draft_client is not None
     try:
-        answers = [service_loop.run(client.verify([VerifyItem("a", v, t, ArgmaxMode())], 30.0)) for v, t in _chunks(prompt)]
+        answers = [service_loop.run(client.verify([VerifyItem("a", v, t, ArgmaxMode())], 30.0))
+                   for v, t in _chunks(prompt)]
         expected = [target.stub.Verify(_verify_request("b", v, t)).results[0] for v, t in _chunks(prompt)]
-        assert [typing.cast(VerifiedArgmax, a.value["a"]).tokens for a in answers] == [list(e.argmax.ids) for e in expected]
+        assert ([typing.cast(VerifiedArgmax, a.value["a"]).tokens for a in answers]
+                == [list(e.argmax.ids) for e in expected])
         assert all(a.compute_s > 0 and a.wall_s > a.compute_s for a in answers)
         assert isinstance(client._verify, StreamedRpc)  # kept streams, the default
         stream = client._verify._call

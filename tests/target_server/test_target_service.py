@@ -174,7 +174,8 @@ def test_decode_items_decode_greedily_as_one_step_calls_would(
     assert list(multi.decoded.ids) == expected and multi.cached_len == n + 5
     assert list(short.decoded.ids) == expected[:2] and short.cached_len == n + 2
     assert plain.cached_len == n + 3
-    torch.testing.assert_close(decode_tensor(plain.logits), reference_logits(smollm2, prompt + [g, 20, 21])[n:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(decode_tensor(plain.logits), reference_logits(smollm2, prompt + [g, 20, 21])[n:],
+                               atol=ATOL, rtol=0)
     # The cache holds g and the first four decoded tokens: the next position scores as after them.
     after = verify(target, [("multi", n + 5, [expected[4]])])["multi"]
     torch.testing.assert_close(after, reference_logits(smollm2, prompt + [g, *expected])[n + 5 :], atol=ATOL, rtol=0)
@@ -220,7 +221,8 @@ def test_sampled_decode_items_choose_with_their_transforms_and_a_seed_per_positi
 def sparse_q(rows: list[dict[int, float]]) -> common_pb2.SparseProbs:
     """q rows given as {token: weight} (weights need not sum to 1), as the draft sends them."""
     return sparse_to_pb(SparseRows(
-        tuple(len(r) for r in rows), torch.tensor([t for r in rows for t in r]), torch.tensor([w for r in rows for w in r.values()]),
+        tuple(len(r) for r in rows), torch.tensor([t for r in rows for t in r]),
+        torch.tensor([w for r in rows for w in r.values()]),
     ))
 
 
@@ -248,13 +250,16 @@ def test_sampled_speculative_items_get_candidates_and_p_at_the_draft_tokens(
     a, b = (result.sampled for result in results)
     assert len(a.candidates) == 4 and len(a.target_probs) == 3
     assert list(a.candidates) == list(b.candidates)
-    torch.testing.assert_close(list(a.target_probs), list(b.target_probs), atol=1e-5, rtol=1e-4)  # batched rows: another sum order
+    # batched rows: another sum order
+    torch.testing.assert_close(list(a.target_probs), list(b.target_probs), atol=1e-5, rtol=1e-4)
     assert max(a.target_probs) > 0.1
 
     sampling = sampling_from_pb(params)
     context = prompt + [g]
-    p = chunk_logits_to_probs(reference_logits(smollm2, context + drafts)[None, n:], [sampling], [context], [drafts])[0]  # [4, vocab]
-    torch.testing.assert_close(torch.tensor(list(a.target_probs)), token_probs(p[None], torch.tensor([drafts]))[0], atol=1e-5, rtol=1e-4)
+    p = chunk_logits_to_probs(reference_logits(smollm2, context + drafts)[None, n:], [sampling], [context],
+                              [drafts])[0]  # [4, vocab]
+    torch.testing.assert_close(torch.tensor(list(a.target_probs)), token_probs(p[None], torch.tensor([drafts]))[0],
+                               atol=1e-5, rtol=1e-4)
     q = sparse_from_pb(sparse_q(rows)).distributions(p.shape[-1], extra_rows=1)  # [4, vocab]
     generators = [make_generator(independent_seed(sampling.seed, n + 1 + i), "cpu") for i in range(4)]  # type: ignore[arg-type]
     assert list(a.candidates) == draw_candidates(p, q, generators).tolist()
@@ -356,7 +361,8 @@ def test_rolling_back_into_a_shared_block_copies_it(
     prefill(target, {"b": prompt})
     assert truncate(target, "b", 20) == 20  # inside the second shared block (positions 16-31)
     logits = verify(target, [("b", 20, [900, 901, 902]), ("a", n, [77, 78])])
-    torch.testing.assert_close(logits["b"], reference_logits(smollm2, prompt[:20] + [900, 901, 902])[20:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits["b"], reference_logits(smollm2, prompt[:20] + [900, 901, 902])[20:],
+                               atol=ATOL, rtol=0)
     torch.testing.assert_close(logits["a"], reference_logits(smollm2, prompt + [77, 78])[n:], atol=ATOL, rtol=0)
     target.engine.cache.blocks.check_invariants()
     c = prefill(target, {"c": prompt})["c"]  # a's blocks are still the prompt's
@@ -461,7 +467,8 @@ def test_existing_slot_on_prefill_is_already_exists_and_the_batch_changes_nothin
     assert error.code() == grpc.StatusCode.ALREADY_EXISTS and "'a'" in error.details()
     after = target.info()
     assert (after.free_kv_tokens, after.active_slots) == (before.free_kv_tokens, before.active_slots)
-    assert rpc_error(target.stub.Release, common_pb2.ReleaseRequest(slot_id="fresh")).code() == grpc.StatusCode.NOT_FOUND
+    assert (rpc_error(target.stub.Release, common_pb2.ReleaseRequest(slot_id="fresh")).code()
+            == grpc.StatusCode.NOT_FOUND)
     n = len(prompts[0])
     logits = verify(target, [("a", n, [5])])["a"]  # "a" still holds its prompt
     torch.testing.assert_close(logits, reference_logits(smollm2, prompts[0] + [5])[n:], atol=ATOL, rtol=0)
@@ -475,7 +482,8 @@ def test_kv_pool_full_is_resource_exhausted_and_frees_nothing_of_others(
     prefill(service, {"a": a})
     # Prefill: 2 blocks free, the batch needs 3.
     request = target_pb2.PrefillRequest(
-        items=[target_pb2.PrefillItem(slot_id="x", prompt_tokens=b[:10]), target_pb2.PrefillItem(slot_id="y", prompt_tokens=b)]
+        items=[target_pb2.PrefillItem(slot_id="x", prompt_tokens=b[:10]),
+               target_pb2.PrefillItem(slot_id="y", prompt_tokens=b)]
     )
     error = rpc_error(service.stub.Prefill, request)
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -532,7 +540,8 @@ def test_invalid_arguments_name_the_field(start_target: Callable[..., Service]) 
 
     def q_request(tokens: list[int], rows: list[dict[int, float]]) -> target_pb2.VerifyRequest:
         mode = sampled_mode(common_pb2.SamplingParams(temperature=0.5), sparse_q(rows))
-        return target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(slot_id="a", valid_len=20, tokens=tokens, mode=mode)])
+        return target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(slot_id="a", valid_len=20, tokens=tokens,
+                                                                     mode=mode)])
 
     duplicate = q_request([1, 2], [{2: 1.0}])
     duplicate_q = duplicate.items[0].mode.sampled.draft_probs

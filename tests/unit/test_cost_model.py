@@ -26,7 +26,8 @@ def test_table_hits_measured_points_and_interpolates_between_them() -> None:
 
 def test_a_longer_context_adds_a_cost_per_cached_token_and_request() -> None:
     # Measured at 48 tokens of context; two points again at 304: 20 and 40 µs per token and request.
-    long = [ForwardCost(4, 1, 0.016 + 4 * 256 * 20e-6, context=304), ForwardCost(4, 5, 0.040 + 4 * 256 * 40e-6, context=304)]
+    long = [ForwardCost(4, 1, 0.016 + 4 * 256 * 20e-6, context=304),
+            ForwardCost(4, 5, 0.040 + 4 * 256 * 40e-6, context=304)]
     table = CostTable([ForwardCost(c.batch_size, c.tokens, c.seconds, context=48) for c in GRID] + long)
     assert table.has_context_term and table.base_context == 48
     assert table.seconds(4, 5) == pytest.approx(0.040)  # the grid prices its own context
@@ -87,7 +88,8 @@ def test_expected_speedup_is_theorem_3_8_with_verify_cost() -> None:
 
 
 def test_round_cost_counts_each_draft_step_over_the_requests_still_drafting() -> None:
-    target = CostTable([ForwardCost(1, 1, 0.010), ForwardCost(1, 9, 0.018), ForwardCost(4, 1, 0.010), ForwardCost(4, 9, 0.018)])
+    target = CostTable([ForwardCost(1, 1, 0.010), ForwardCost(1, 9, 0.018), ForwardCost(4, 1, 0.010),
+                        ForwardCost(4, 9, 0.018)])
     draft = CostTable([ForwardCost(1, 1, 0.002), ForwardCost(4, 1, 0.005)])
     model = RoundCostModel(target=target, draft=draft, overhead_s=0.001)
     assert model.round_seconds([0, 0]) == pytest.approx(0.011)  # plain: one 1-token verify
@@ -112,11 +114,13 @@ def test_the_first_draft_step_also_feeds_the_tokens_the_draft_has_not_seen() -> 
     assert model.draft_seconds([2, 1], feeds=[2, 1]) == pytest.approx(draft.seconds(2, 1.5) + draft.step(1))
     # A request decoding plainly feeds the draft nothing this round.
     assert model.draft_seconds([0, 2], feeds=[2, 1]) == pytest.approx(2 * draft.step(1))
-    assert model.round_seconds([3], feeds=[2]) == pytest.approx(model.verify_seconds([3]) + model.draft_seconds([3], [2]))
+    assert model.round_seconds([3], feeds=[2]) == pytest.approx(model.verify_seconds([3])
+                                                                + model.draft_seconds([3], [2]))
 
 
 def test_a_multi_step_plain_round_costs_one_step_per_decoded_token_and_one_overhead() -> None:
-    target = CostTable([ForwardCost(1, 1, 0.010), ForwardCost(1, 9, 0.018), ForwardCost(4, 1, 0.016), ForwardCost(4, 9, 0.040)])
+    target = CostTable([ForwardCost(1, 1, 0.010), ForwardCost(1, 9, 0.018), ForwardCost(4, 1, 0.016),
+                        ForwardCost(4, 9, 0.040)])
     model = RoundCostModel(target=target, draft=None, overhead_s=0.002)
     # Steps [4, 2]: two steps over both requests, two over one.
     assert model.verify_seconds([0, 0], steps=[4, 2]) == pytest.approx(2 * target.step(2) + 2 * target.step(1))
@@ -128,4 +132,5 @@ def test_a_multi_step_plain_round_costs_one_step_per_decoded_token_and_one_overh
     assert model.tokens_per_second([0], [[0.9]], steps=[4]) > model.tokens_per_second([0], [[0.9]])
     # Steps price plain rounds only; a round that drafts verifies once.
     assert model.verify_seconds([2, 0], steps=[4, 4]) == pytest.approx(model.verify_seconds([2, 0]))
-    assert model.tokens_per_second([2, 0], [[0.9], [0.9]], steps=[4, 4]) == model.tokens_per_second([2, 0], [[0.9], [0.9]])
+    assert (model.tokens_per_second([2, 0], [[0.9], [0.9]], steps=[4, 4])
+            == model.tokens_per_second([2, 0], [[0.9], [0.9]]))

@@ -78,7 +78,8 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
     for importer, imported in sorted(graph.items()):
         for target in sorted(imported):
             if layer(target) > layer(importer):
-                found.append(f"{importer} ({LAYER_NAMES[layer(importer)]}) imports {target} ({LAYER_NAMES[layer(target)]})")
+                found.append(f"{importer} ({LAYER_NAMES[layer(importer)]}) "
+                             f"imports {target} ({LAYER_NAMES[layer(target)]})")
             here, there = _within(importer, SERVICES), _within(target, SERVICES)
             if here and there and here != there:
                 found.append(f"service {importer} imports another service: {target}")
@@ -91,7 +92,8 @@ def library_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     for importer, imported in graph.items():
         if layer(importer) == 1:
             edges = units.setdefault(library_unit(importer), set())
-            edges.update(library_unit(t) for t in imported if layer(t) == 1 and library_unit(t) != library_unit(importer))
+            edges.update(library_unit(t) for t in imported
+                         if layer(t) == 1 and library_unit(t) != library_unit(importer))
     cycles, done = [], set()
 
     def visit(unit: str, path: list[str]) -> None:

@@ -16,7 +16,8 @@ from specdec.gateway.sequence import Sequence
 from specdec.sampling.params import SamplingParams
 
 # A memory-bound target: a 9-token verify costs 1.3x a step, and batching is nearly free.
-TARGET = [ForwardCost(b, t, 0.040 * (1 + 0.0375 * (t - 1)) * (1 + 0.05 * (b - 1))) for b in (1, 4, 16) for t in (1, 5, 9)]
+TARGET = [ForwardCost(b, t, 0.040 * (1 + 0.0375 * (t - 1)) * (1 + 0.05 * (b - 1)))
+          for b in (1, 4, 16) for t in (1, 5, 9)]
 
 
 def draft_costs(c: float) -> list[ForwardCost]:
@@ -157,7 +158,8 @@ def test_a_multi_step_round_teaches_the_cost_of_one_step() -> None:
     the step cost by a quarter of it, and multi-step prices K = 0 higher."""
     planner = KPlanner(TARGET, draft_costs(0.1), cost_weight=0.5)
     a = seq("a")
-    report = RoundReport({"a": 0}, {"a": 0}, Timed(None, 0.0, 0.0), Timed(None, 0.320, 0.325), 0.0, 0.330, steps={"a": 4})
+    report = RoundReport({"a": 0}, {"a": 0}, Timed(None, 0.0, 0.0), Timed(None, 0.320, 0.325), 0.0, 0.330,
+                         steps={"a": 4})
     for _ in range(20):
         planner.observe(RoundPlan(report.ks), [a], report)
     assert planner.cost_model().target.step(1) == pytest.approx(0.080, rel=1e-3)
@@ -208,7 +210,8 @@ def test_the_first_probe_ignores_the_budget_so_a_good_draft_is_found() -> None:
     assert history[:3] == [0, 0, 0] and history[3] > 0  # probed once its interval passed
 
     zero = Timed(None, 0.0, 0.0)
-    planner.observe(RoundPlan({"fresh": history[3]}), [fresh], RoundReport({"fresh": history[3]}, {"fresh": 0}, zero, zero, 0.0, 0.0))
+    planner.observe(RoundPlan({"fresh": history[3]}), [fresh],
+                    RoundReport({"fresh": history[3]}, {"fresh": 0}, zero, zero, 0.0, 0.0))
     later = [planner.plan([fresh], {"fresh": 4}, {"fresh": True}).ks["fresh"] for _ in range(12)]
     assert later == [0] * 12  # measured now: the same catch-up is over budget, so no probe
 
@@ -228,7 +231,8 @@ def test_no_probe_where_even_a_perfect_draft_would_not_pay() -> None:
     assert feed(planner, [alone], {"alone": 1.0}, rounds=1).ks["alone"] > 0
 
 
-def test_a_request_not_worth_probing_is_asked_again_after_as_many_rounds_as_the_batch_has(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_request_not_worth_probing_is_asked_again_after_as_many_rounds_as_the_batch_has(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # Same crowd as above: no probe could pay. Asking each due request every round cost ~8 ms
     # of planning per round at 16 requests (a dozen rate predictions per question), about a
     # tenth of a batch-16 round; about one question per round is enough.
@@ -269,7 +273,8 @@ def test_the_overhead_a_draft_token_adds_keeps_a_cheap_weak_draft_off() -> None:
     # A nearly free draft accepted 10 % of the time: by the forward costs alone one draft
     # token pays (1.1 tokens for a 2-token verify that costs about one step). But every
     # draft token adds 15 ms of RPC and acceptance to the round, which the planner learns.
-    planner = KPlanner(TARGET, draft_costs(0.02), prior_alpha=0.1, request_weight=0.0, global_weight=0.0, probe_every=1000)
+    planner = KPlanner(TARGET, draft_costs(0.02), prior_alpha=0.1, request_weight=0.0, global_weight=0.0,
+                       probe_every=1000)
     a = seq("a")
     zero = Timed(None, 0.0, 0.0)
     assert planner.plan([a], {"a": 8}, {"a": True}).ks["a"] > 0
@@ -306,7 +311,8 @@ def test_a_two_token_feed_is_not_mistaken_for_dearer_draft_steps() -> None:
     propose_s = 1.8 * step + (k - 1) * step
     verify_s = planner.cost_model().target.seconds(1, k + 1)
     for _ in range(10):
-        planner.observe(plan, [a], RoundReport(ks, {"a": k}, Timed(None, propose_s, propose_s), Timed(None, verify_s, verify_s), 0.0, 0.0))
+        planner.observe(plan, [a], RoundReport(ks, {"a": k}, Timed(None, propose_s, propose_s),
+                                               Timed(None, verify_s, verify_s), 0.0, 0.0))
     model = planner.cost_model()
     assert model.draft is not None and model.draft.step(1) == pytest.approx(step, rel=1e-3)
 

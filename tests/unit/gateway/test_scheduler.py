@@ -58,7 +58,8 @@ async def drain_text(seq: Sequence, timeout: float = 10.0) -> tuple[list[int], s
             return tokens, text, event
 
 
-def run(test: Callable[[Scheduler], Awaitable[None]], target: FakeTarget, draft: FakeDraft | None, **limits: Any) -> None:
+def run(test: Callable[[Scheduler], Awaitable[None]], target: FakeTarget, draft: FakeDraft | None,
+        **limits: Any) -> None:
     async def main() -> None:
         sched = scheduler(target, draft, **limits)
         sched.start()
@@ -200,7 +201,8 @@ def test_a_full_pool_preempts_the_newest_request_which_resumes_with_the_same_out
         assert second.slot_id == f"{second_id}#{second.preemptions}"  # resumed under a fresh id
         # The resumed Prefill carried the prompt and every token generated before the preemption.
         resumed = target.prefilled[second.slot_id]
-        assert len(resumed) > len(prompt_ids()) and resumed == prompt_ids() + tokens_2[: len(resumed) - len(prompt_ids())]
+        assert (len(resumed) > len(prompt_ids())
+                and resumed == prompt_ids() + tokens_2[: len(resumed) - len(prompt_ids())])
         assert target.slots == {} and draft.slots == {} and sched.running == []
 
     run(test, target, draft, kv_tokens=48)
@@ -553,7 +555,8 @@ def test_each_kind_of_request_asks_for_the_verify_mode_it_needs() -> None:
             sched.submit(seqs[name])
         outputs = {name: (await drain(seq))[0] for name, seq in seqs.items()}
         assert outputs["plain"] == greedy_reference(prompt_ids(), 12)
-        asked = {item.slot_id: type(item.mode) for batch in target.verify_batches for item in batch if len(item.tokens) > 1}
+        asked = {item.slot_id: type(item.mode) for batch in target.verify_batches for item in batch
+                 if len(item.tokens) > 1}
         assert asked == {seqs["plain"].slot_id: ArgmaxMode, seqs["penalised"].slot_id: LogitsMode,
                          seqs["sampled"].slot_id: SampledMode}
 

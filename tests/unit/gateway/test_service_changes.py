@@ -31,5 +31,6 @@ def test_a_service_with_a_shorter_context_or_another_tokenizer_is_refused() -> N
     watcher = changes()
     shorter = dataclasses.replace(model_info(), max_seq_len=model_info().max_seq_len - 1)
     assert "context holds" in (watcher("target", shorter) or "")
-    other = dataclasses.replace(model_info(), tokenizer=dataclasses.replace(model_info().tokenizer, fingerprint="0" * 64))
+    other = dataclasses.replace(model_info(),
+                                tokenizer=dataclasses.replace(model_info().tokenizer, fingerprint="0" * 64))
     assert "tokenizer" in (watcher("target", other) or "")

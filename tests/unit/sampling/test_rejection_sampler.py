@@ -272,7 +272,8 @@ def simulate(
         draft = (p32 if lie_about_q else q32)[prevs[:, :k_max]]  # [rows, k_max, V]
         padding = torch.arange(k_max)[None] >= ks[:, None]  # [rows, k_max]
         tokens = tokens.masked_fill(padding, -1)
-        result = split_round(target, draft, tokens, ks, gen, target_gen) if split else rejection_sample(target, draft, tokens, ks, gen)
+        result = (split_round(target, draft, tokens, ks, gen, target_gen) if split
+                  else rejection_sample(target, draft, tokens, ks, gen))
         for row_emitted, new in zip(emitted, result.output_tokens):
             row_emitted.extend(new)
         state = torch.tensor([new[-1] for new in result.output_tokens])

@@ -49,7 +49,8 @@ def test_rows_round_trip_through_the_wire_and_normalize_alike() -> None:
         ((1,), [1], [0.0], "positive sum"),
     ],
 )
-def test_malformed_rows_are_invalid_arguments(lengths: tuple[int, ...], ids: list[int], values: list[float], words: str) -> None:
+def test_malformed_rows_are_invalid_arguments(lengths: tuple[int, ...], ids: list[int], values: list[float],
+                                              words: str) -> None:
     rows = SparseRows(lengths, torch.tensor(ids), torch.tensor(values))
     with pytest.raises(InvalidArgumentError, match=words) as error:
         rows.validate(4, "draft_probs")

@@ -34,7 +34,8 @@ def test_every_flag_reaches_the_config() -> None:
     )
     assert config == TargetConfig(
         model="m.gguf", dtype="bfloat16", device="cpu", quantization="int8", host="0.0.0.0", port=0, max_slots=3,
-        kv_token_budget=100, block_size=8, max_speculative_tokens=5, max_seq_len=64, max_message_bytes=1000, num_layers=2,
+        kv_token_budget=100, block_size=8, max_speculative_tokens=5, max_seq_len=64, max_message_bytes=1000,
+        num_layers=2,
     )
 
 

@@ -20,14 +20,16 @@ from specdec_bench.step_timing import StepPair
 from specdec_bench.sweeps import ConcurrencyGroup
 from specdec_bench.workloads import RunRecord
 
-FINAL_LINE = re.compile(r"^speedup=\d+\.\d{3} vs_hf_assisted=\d+\.\d{3} efficiency=\d+\.\d{3} alpha=\d+\.\d{3} c=\d+\.\d{3}$")
+FINAL_LINE = re.compile(r"^speedup=\d+\.\d{3} vs_hf_assisted=\d+\.\d{3} efficiency=\d+\.\d{3} "
+                        r"alpha=\d+\.\d{3} c=\d+\.\d{3}$")
 
 
 def _run(k: int | None, rate: float, *, phase: str = "w1", temperature: float = 0.0, **extra: Any) -> RunRecord:
     fields: dict[str, Any] = dict(
         phase=phase, prompt=0, k=k, temperature=temperature, repetition=0, tokens_per_s=rate,
         time_to_first_token_s=0.1, total_s=1.1, completion_tokens=11, num_rounds=0, num_draft_tokens=0,
-        num_accepted_tokens=0, anatomy={"draft_compute": 0.2, "verify_compute": 0.7, "rpc": 0.05, "accept": 0.05, "other": 0.0},
+        num_accepted_tokens=0,
+        anatomy={"draft_compute": 0.2, "verify_compute": 0.7, "rpc": 0.05, "accept": 0.05, "other": 0.0},
     )
     return RunRecord(**{**fields, **extra})
 
@@ -66,8 +68,10 @@ def test_summary_final_line_page_and_json_round_trip(tmp_path: Path) -> None:
     sweep = [_run(0, 10.0, phase="k_sweep"),
              _run(4, 16.0, phase="k_sweep", num_rounds=4, num_draft_tokens=16, num_accepted_tokens=12, num_drafts=4,
                   accepted_per_pos=[4, 3, 3, 2])]
-    peers = [PeerRecord("hf_plain", 0, 0, 11, 1.0, 0.1, 11.0, True), PeerRecord("hf_assisted", 0, 0, 11, 1.0, 0.1, 12.0, True)]
-    groups = [ConcurrencyGroup(2, 0, 1.0, [_run(0, 10.0, concurrency=2)]), ConcurrencyGroup(2, None, 0.5, [_run(None, 20.0)])]
+    peers = [PeerRecord("hf_plain", 0, 0, 11, 1.0, 0.1, 11.0, True),
+             PeerRecord("hf_assisted", 0, 0, 11, 1.0, 0.1, 12.0, True)]
+    groups = [ConcurrencyGroup(2, 0, 1.0, [_run(0, 10.0, concurrency=2)]),
+              ConcurrencyGroup(2, None, 0.5, [_run(None, 20.0)])]
     results = BenchResults({"config": {"temperature": 0.8, "cost_batch": 4}}, costs, w1, peers, sweep, groups)
     path = tmp_path / "bench.json"
     results.save(path)
@@ -96,7 +100,8 @@ def test_side_by_side_steps_set_the_headline_c_and_expected_speedup(tmp_path: Pa
     )
     w1 = [_run(0, 10.0), _run(None, 15.0, num_rounds=4, num_draft_tokens=16, num_accepted_tokens=12)]
     # (one step, 5 steps) per service: step costs (draft, target) 6/20, 9/30 and 4/20 ms: c 0.3, 0.3, 0.2.
-    pairs = [StepPair(0.010, 0.034, 0.030, 0.110), StepPair(0.012, 0.048, 0.035, 0.155), StepPair(0.011, 0.027, 0.025, 0.105, probe=1)]
+    pairs = [StepPair(0.010, 0.034, 0.030, 0.110), StepPair(0.012, 0.048, 0.035, 0.155),
+             StepPair(0.011, 0.027, 0.025, 0.105, probe=1)]
     path = tmp_path / "bench.json"
     BenchResults({"config": {}}, costs, w1, step_pairs=pairs).save(path)
     summary = summarize(BenchResults.load(path))
