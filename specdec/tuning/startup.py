@@ -69,6 +69,7 @@ class StartupTuner:
         self.pending: list[Shape] = []
         #: What `load_pending` timed, for the log.
         self.loaded_detail: list[str] = []
+        self._steps: tuple[str, ...] | None = None
 
     @classmethod
     def for_service(
@@ -184,9 +185,11 @@ class StartupTuner:
         known = cached if isinstance(cached, dict) and all(isinstance(v, bool) for v in cached.values()) else None
         if known and self.defer_graphs:
             self._defer(forward, known)
+            self._publish(forward)
             return
         chosen = choose_layer_path(forward, cache, mode, budget_s, known=known, runner=self.runner)
         self.runner = chosen.runner
+        self._publish(forward)
         steps = ", ".join(self.compiled_steps(forward)) or "none"
         if mode != "auto":
             self.note("compiled_steps", steps, "flag", f"--compile {mode}")
@@ -238,12 +241,19 @@ class StartupTuner:
             self.loaded_detail.append(f"{key} eager / compiled {eager * 1e3:.1f} / {compiled * 1e3:.1f} ms")
             if self.store is not None and self.key is not None:
                 self.store.save(self.key, self.values)
+        self._publish(self.runner.forward)
         return bool(self.pending)
 
-    @staticmethod
-    def compiled_steps(forward: PagedLlama) -> tuple[str, ...]:
+    def compiled_steps(self, forward: PagedLlama) -> tuple[str, ...]:
+        """The steps `forward` serves compiled, by name: as `layer_path` and `load_pending` left
+        them (read by Info while the worker may be timing a graph on the side)."""
+        if self._steps is None:
+            self._publish(forward)
+        return self._steps or ()
+
+    def _publish(self, forward: PagedLlama) -> None:
         runner = forward.layer_runner
-        return tuple(shape_name(s) for s in sorted(runner.shapes)) if isinstance(runner, CompiledLayers) else ()
+        self._steps = tuple(shape_name(s) for s in sorted(runner.shapes)) if isinstance(runner, CompiledLayers) else ()
 
     def forward_costs(
         self, forward: PagedLlama, cache: PagedKVCache, *, max_batch: int, max_tokens: int, enabled: bool
