@@ -247,22 +247,15 @@ def quantize_int4(
     kernel: str = "auto",
     prefer: str = "",
 ) -> nn.Module:
-    """Replace the model's `nn.Linear` layers with `Int4Linear`, in place, and return the model.
+    """Replace the model's `nn.Linear` layers with `Int4Linear` (kernel settings `kernel`,
+    `prefer`), in place, and return the model.
 
-    If ``gguf_path`` is given, each layer whose GGUF tensor is Q4_0 / Q4_1 with this group size
-    takes the GGUF's own blocks. For a model loaded from that GGUF, those are exactly the weights
-    it already has. Every other layer (for example a ``lm_head`` tied to a Q8_0 embedding) is
-    quantized with `Int4Weight.from_float`. Each module's ``source`` records which path it took.
-
-    Tied embeddings and ``lm_head`` are handled as in `quantize_int8`: quantizing a tied head
-    unties it, and ``config.tie_word_embeddings`` is set to False. We also set
-    ``config.specdec_quantization = "int4"``. Kernels are chosen here, for the dtype of the
-    model's input embedding.
-
-    ``kernel`` and ``prefer`` are every module's `Int4Linear` kernel settings.
-
-    For a draft, consider ``include_lm_head=False``: the embedded SmolLM2 GGUF stores its tied
-    head as Q8_0, and a 4-bit head costs acceptance (docs/performance.md#int4-draft-output-head).
+    With ``gguf_path``, each layer whose GGUF tensor is Q4_0 / Q4_1 with this group size takes
+    the GGUF's own blocks (for a model loaded from that GGUF, exactly the weights it has); any
+    other is quantized with `Int4Weight.from_float`; ``source`` records which. A tied head is
+    untied as in `quantize_int8`. Kernels are prepared for the input embedding's dtype. A
+    draft should keep ``include_lm_head=False``: a 4-bit head costs acceptance
+    (docs/performance.md#int4-draft-output-head).
     """
     get_out = getattr(model, "get_output_embeddings", None)
     lm_head = get_out() if callable(get_out) else None

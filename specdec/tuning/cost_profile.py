@@ -61,31 +61,13 @@ def measure_forward_costs(
     Uses (and afterwards frees) temporary slots in `cache`; grid points that do not fit the
     pool are skipped. Token ids are arbitrary: the cost does not depend on them.
     """
-    batches = [b for b in BATCH_SIZES if b <= max_batch]
-    widths = [t for t in CHUNK_WIDTHS if t <= max_tokens]
-    def tokens_needed(batch: int, prefill: bool, context: int = CONTEXT_LEN) -> int:
-        """Every slot's widest chunk (and slot 0's prefill)."""
-        return batch * (context + widths[-1] + cache.block_size) + (PREFILL_WIDTH if prefill else 0)
-
-    room = cache.blocks.free_tokens // 2  # leave at least half the pool free whatever its size
-    while batches and tokens_needed(batches[-1], False) > room:
-        batches.pop()
-    if not batches:
+    grid = _grid(cache, max_batch, max_tokens)
+    if not grid:
         log.warning("forward costs not measured: a KV pool of %d tokens is too small to profile", cache.capacity_tokens)
         return []
-    with_prefill = tokens_needed(batches[-1], True) <= room
-    with cache.temporary_slots(_SLOT_PREFIX, batches[-1]) as slots:
+    with cache.temporary_slots(_SLOT_PREFIX, max(batch for batch, _, _ in grid)) as slots:
         prompt = filler_prompt(forward.vocab_size, max(CONTEXT_LEN, PREFILL_WIDTH))
         forward.run(cache, [(slot, prompt[:CONTEXT_LEN]) for slot in slots])
-        short = [(batch, width) for batch in batches for width in widths if width == 1 or batch * width <= MAX_ROWS]
-        grid = [(batch, width, CONTEXT_LEN) for batch, width in short]
-        if with_prefill:
-            grid.append((1, PREFILL_WIDTH, CONTEXT_LEN))
-        for batch in batches:
-            if tokens_needed(batch, False, LONG_CONTEXT_LEN) <= room:
-                widest = max(width for b, width in short if b == batch)
-                grid += [(batch, width, LONG_CONTEXT_LEN) for width in sorted({1, widest})]
-        grid.sort()  # by batch size, then width, then context
 
         def setup(point: tuple[int, int, int]) -> None:
             batch, _, context = point
@@ -104,10 +86,29 @@ def measure_forward_costs(
         sync = synchronizer(forward.embed_tokens.weight.device)
         times = median_times(candidates, repeats=repeats, setup=setup, sync=sync)
     costs = [ForwardCost(b, t, times[(b, t, n)], context=n) for b, t, n in grid]
-    single = {c.tokens: c.seconds * 1e3 for c in costs if c.batch_size == 1 and c.context == CONTEXT_LEN}
-    log.debug(
-        "forward costs (batch 1): 1 token %.1f ms, %d tokens %.1f ms, %d-token prefill %s",
-        single[1], widths[-1], single[widths[-1]], PREFILL_WIDTH,
-        f"{single[PREFILL_WIDTH]:.1f} ms" if PREFILL_WIDTH in single else "not measured (small pool)",
-    )
     return costs
+
+
+def _grid(cache: PagedKVCache, max_batch: int, max_tokens: int) -> list[tuple[int, int, int]]:
+    """The (batch size, tokens, context) points that fit in half of `cache`'s free tokens, sorted."""
+    batches = [b for b in BATCH_SIZES if b <= max_batch]
+    widths = [t for t in CHUNK_WIDTHS if t <= max_tokens]
+
+    def tokens_needed(batch: int, prefill: bool, context: int = CONTEXT_LEN) -> int:
+        """Every slot's widest chunk (and slot 0's prefill)."""
+        return batch * (context + widths[-1] + cache.block_size) + (PREFILL_WIDTH if prefill else 0)
+
+    room = cache.blocks.free_tokens // 2  # leave at least half the pool free whatever its size
+    while batches and tokens_needed(batches[-1], False) > room:
+        batches.pop()
+    if not batches:
+        return []
+    short = [(batch, width) for batch in batches for width in widths if width == 1 or batch * width <= MAX_ROWS]
+    grid = [(batch, width, CONTEXT_LEN) for batch, width in short]
+    if tokens_needed(batches[-1], True) <= room:
+        grid.append((1, PREFILL_WIDTH, CONTEXT_LEN))
+    for batch in batches:
+        if tokens_needed(batch, False, LONG_CONTEXT_LEN) <= room:
+            widest = max(width for b, width in short if b == batch)
+            grid += [(batch, width, LONG_CONTEXT_LEN) for width in sorted({1, widest})]
+    return sorted(grid)  # by batch size, then width, then context
