@@ -99,7 +99,8 @@ def gguf_int4_weights(gguf_path: Path | str, config: Any, cache_dir: Path | str 
         }
     weights = read_gguf_int4_weights(gguf_path, config)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {f"{name}.{part}": getattr(w, part).contiguous() for name, w in weights.items() for part in ("q", "scales", "zeros")}
+    tensors = {f"{name}.{part}": getattr(w, part).contiguous()
+               for name, w in weights.items() for part in ("q", "scales", "zeros")}
     handle, staging = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     os.close(handle)
     try:  # written aside and renamed: a crash never leaves half a file under the real name

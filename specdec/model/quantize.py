@@ -62,7 +62,9 @@ class Int8Linear(nn.Module):
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         if weight_int8.dtype != torch.int8 or weight_int8.dim() != 2:
-            raise ValueError(f"weight_int8 must be a 2-D int8 tensor, got {weight_int8.dtype} {tuple(weight_int8.shape)}")
+            raise ValueError(
+                f"weight_int8 must be a 2-D int8 tensor, got {weight_int8.dtype} {tuple(weight_int8.shape)}"
+            )
         if scales.shape != weight_int8.shape[:1]:
             raise ValueError(f"scales must have shape [{weight_int8.shape[0]}], got {tuple(scales.shape)}")
         self.out_features, self.in_features = weight_int8.shape

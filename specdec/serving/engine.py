@@ -140,7 +140,9 @@ class ModelEngine:
     def _check_rollback(self, slot_id: str, valid_len: int, field: str) -> None:
         cached = len(self._require_slot(slot_id))
         if not 0 <= valid_len <= cached:
-            raise InvalidArgumentError(f"{field}: {valid_len} is outside [0, {cached}] (cached length of slot {slot_id!r})")
+            raise InvalidArgumentError(
+                f"{field}: {valid_len} is outside [0, {cached}] (cached length of slot {slot_id!r})"
+            )
 
     def _check_length(self, slot_id: str, total: int, field: str = "tokens") -> None:
         if total > self.max_seq_len:

@@ -41,7 +41,8 @@ def test_pack_layout() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize(("out", "in_features", "group_size"), [(64, 128, 32), (192, 576, 32), (128, 1536, 64), (64, 256, 128)])
+@pytest.mark.parametrize(("out", "in_features", "group_size"),
+                         [(64, 128, 32), (192, 576, 32), (128, 1536, 64), (64, 256, 128)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
 def test_matches_the_dequantized_weight_and_int4pack(out: int, in_features: int, group_size: int, rows: int) -> None:
     w = weight(out, in_features, group_size)

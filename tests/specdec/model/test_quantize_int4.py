@@ -282,7 +282,8 @@ def test_quantize_int4_takes_matching_gguf_weights(monkeypatch: pytest.MonkeyPat
     quantize_int4(model, gguf_path="model.gguf")
     layer = model.model.layers[0]
     assert layer.self_attn.q_proj.source == "gguf" and layer.mlp.down_proj.source == "float"
-    torch.testing.assert_close(layer.self_attn.q_proj.int4_weight().dequantize(), found["model.layers.0.self_attn.q_proj.weight"].dequantize())
+    torch.testing.assert_close(layer.self_attn.q_proj.int4_weight().dequantize(),
+                               found["model.layers.0.self_attn.q_proj.weight"].dequantize())
     assert sum(m.source == "gguf" for m in model.modules() if isinstance(m, Int4Linear)) == 1
 
     found["model.layers.0.self_attn.q_proj.weight"] = Int4Weight.from_float(torch.zeros(32, 64), 32)

@@ -44,7 +44,8 @@ def test_shortlisted_logits_are_the_exact_heads_and_the_rest_the_coarse_pass() -
 def test_a_shortlist_of_the_whole_vocabulary_is_the_exact_head() -> None:
     exact = int8_head(out=64)
     x = torch.randn(4, 64).to(torch.bfloat16)  # [rows, in]
-    torch.testing.assert_close(ShortlistHead.from_int8(exact, shortlist=64)(x).float(), exact(x).float(), rtol=1e-2, atol=1e-2)
+    shortlisted = ShortlistHead.from_int8(exact, shortlist=64)(x).float()
+    torch.testing.assert_close(shortlisted, exact(x).float(), rtol=1e-2, atol=1e-2)
 
 
 def test_rejects_bad_heads() -> None:

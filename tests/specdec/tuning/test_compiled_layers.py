@@ -184,14 +184,15 @@ def test_batch_steps_of_any_size_run_one_graph_with_the_same_numbers(runner: Com
     batch size dynamic), with eager's logits and cache writes."""
     lengths = {"a": 20, "b": 33, "c": 7, "d": 61, "e": 45}
     batches = (["a", "b"], ["c", "d", "e"], ["a", "b", "c", "d", "e"], ["e", "a"])
-    runs = _steps_on_both_paths(runner, lengths, [[(slot, [PROMPT[100 + len(slot)]]) for slot in batch] for batch in batches])
+    steps = [[(slot, [PROMPT[100 + len(slot)]]) for slot in batch] for batch in batches]
+    runs = _steps_on_both_paths(runner, lengths, steps)
     _assert_same_logits(runs)
     eager_cache, compiled_cache = runs["eager"][1], runs["compiled"][1]
     for slot in lengths:
         rows = torch.tensor(eager_cache.blocks.positions(slot))
         for eager_kv, compiled_kv in zip(eager_cache.kv, compiled_cache.kv):
-            torch.testing.assert_close(compiled_kv.index_select(0, rows).float(), eager_kv.index_select(0, rows).float(),
-                                       atol=0.02, rtol=0.02)
+            torch.testing.assert_close(compiled_kv.index_select(0, rows).float(),
+                                       eager_kv.index_select(0, rows).float(), atol=0.02, rtol=0.02)
 
 
 def test_batch_round_openings_run_their_own_graph_with_the_same_numbers(runner: CompiledLayers) -> None:
@@ -230,7 +231,8 @@ def test_serving_checks_only_the_guards_that_tell_graphs_apart(
         stances.append(bool(kwargs.get("skip_guard_eval_unsafe")))
         return set_stance(stance, **kwargs)
 
-    steps = [[("a", [7])], [("a", [8])], [("a", [9, 10])], [("a", [11]), ("b", [12])], [("a", [13]), ("b", [14]), ("c", [15])]]
+    steps = [[("a", [7])], [("a", [8])], [("a", [9, 10])], [("a", [11]), ("b", [12])],
+             [("a", [13]), ("b", [14]), ("c", [15])]]
     results: dict[str, list[torch.Tensor]] = {}
     for path in ("eager", "compiled"):
         forward = _use(runner, path)
@@ -286,8 +288,10 @@ def test_auto_reuses_known_decisions_without_timing(runner: CompiledLayers, monk
     chosen = choose_layer_path(forward, forward.new_cache(token_budget=1024), "auto", known=known, runner=runner)
     assert not chosen.measured and runner.shapes == {(1, 1), (2, 2)} and chosen.decisions == known
     everything_eager = dict.fromkeys(known, False)
-    chosen = choose_layer_path(forward, forward.new_cache(token_budget=1024), "auto", known=everything_eager, runner=runner)
-    assert chosen.path == "eager" and forward.layer_runner == forward.eager_layers and chosen.decisions == everything_eager
+    chosen = choose_layer_path(forward, forward.new_cache(token_budget=1024), "auto", known=everything_eager,
+                               runner=runner)
+    assert chosen.path == "eager" and forward.layer_runner == forward.eager_layers
+    assert chosen.decisions == everything_eager
 
 
 def test_a_small_pool_or_a_failing_compiler_leaves_the_model_eager(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,9 +1,16 @@
-"""The start-up cost profile on a tiny random Llama: which points it times, and that it leaves the pool as it found it."""
+"""The start-up cost profile on a tiny random Llama: which points it times, and that it leaves
+the pool as it found it."""
 
 from __future__ import annotations
 
 from specdec.model.llama import PagedLlama
-from specdec.tuning.cost_profile import CHUNK_WIDTHS, CONTEXT_LEN, LONG_CONTEXT_LEN, PREFILL_WIDTH, measure_forward_costs
+from specdec.tuning.cost_profile import (
+    CHUNK_WIDTHS,
+    CONTEXT_LEN,
+    LONG_CONTEXT_LEN,
+    PREFILL_WIDTH,
+    measure_forward_costs,
+)
 from tests.support.tiny_models import tiny_llama
 
 
@@ -35,7 +42,8 @@ def test_profile_skips_batches_that_would_take_more_than_half_the_pool() -> None
 def test_a_small_pool_skips_the_prefill_point_and_a_tiny_one_skips_the_profile() -> None:
     forward = PagedLlama(tiny_llama())
     small = forward.new_cache(token_budget=256, block_size=16)  # 128 tokens to profile with
-    points = {(c.batch_size, c.tokens) for c in measure_forward_costs(forward, small, max_batch=4, max_tokens=5, repeats=1)}
+    costs = measure_forward_costs(forward, small, max_batch=4, max_tokens=5, repeats=1)
+    points = {(c.batch_size, c.tokens) for c in costs}
     assert points == {(1, t) for t in CHUNK_WIDTHS if t <= 5}
     tiny = forward.new_cache(token_budget=64, block_size=16)
     assert measure_forward_costs(forward, tiny, max_batch=4, max_tokens=5, repeats=1) == []

@@ -42,7 +42,8 @@ def test_every_int4_kernel_that_runs_here_is_timed_on_one_thread() -> None:
 def test_the_output_head_follows_the_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
     exact = int8_head()
     assert set(measure_head(exact, ShortlistHead.from_int8(exact, 16))) == {"int8", "shortlist"}
-    for times, want in (({"int8": 2.0, "shortlist": 1.0}, ShortlistHead), ({"int8": 1.0, "shortlist": 2.0}, Int8Linear)):
+    cases = (({"int8": 2.0, "shortlist": 1.0}, ShortlistHead), ({"int8": 1.0, "shortlist": 2.0}, Int8Linear))
+    for times, want in cases:
         monkeypatch.setattr(startup, "measure_head", lambda exact, candidate, times=times: times)
         tuner = StartupTuner()
         assert type(tuner.output_head(exact, 16, "auto", "")) is want

@@ -54,7 +54,9 @@ def test_measured_then_cached_then_measured_again_when_the_file_is_bad(
     assert third.choices[0].reason == "measured" and len(calls) == 2
 
 
-def test_a_cached_value_that_is_no_longer_valid_is_measured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cached_value_that_is_no_longer_valid_is_measured_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     TuningStore(tmp_path).save(KEY, {"int4_kernel": "fastest-ever"})
     calls = _pin_int4(monkeypatch, {"dequant": 1.0})
     tuner = _tuner(tmp_path)
