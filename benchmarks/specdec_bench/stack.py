@@ -9,18 +9,23 @@ sends requests (and, while the stack idles, runs the transformers peers).
 from __future__ import annotations
 
 import shlex
+import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.cli.launcher import ServiceProcess, start_service
 from specdec.draft_server.config import DraftConfig
 from specdec.flags import parse_config
 from specdec.target_server.config import TargetConfig
+from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
+#: How long a service may take to load the compiled graphs its start-up left for later.
+GRAPHS_TIMEOUT_S = 600.0
 #: Quiet services: their INFO logs would interleave with the progress bar.
 _QUIET = ("--log-level", "WARNING")
 
@@ -89,6 +94,8 @@ def running_stack(target_args: str = "", draft_args: str = "", gateway_args: str
         target = children[-1].wait_ready()
         children.append(start_service("specdec.draft_server", [*_QUIET, *draft_flags]))
         draft = children[-1].wait_ready()
+        wait_for_graphs(target.address, "target")
+        wait_for_graphs(draft.address, "draft")
         children.append(start_service("specdec.gateway", [
             "--target-address", target.address, "--draft-address", draft.address, "--metrics-port", "0", *_QUIET,
             *shlex.split(gateway_args),
@@ -101,3 +108,20 @@ def running_stack(target_args: str = "", draft_args: str = "", gateway_args: str
     finally:
         for child in reversed(children):
             child.stop()
+
+
+def wait_for_graphs(address: str, service: str, timeout: float = GRAPHS_TIMEOUT_S) -> None:
+    """Block until the `service` ("target" or "draft") at `address` has loaded the compiled
+    graphs its start-up left for after serving began (`ModelInfo.pending_graphs`): until then
+    its steps run eager and it compiles or times beside the benchmark."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub: target_pb2_grpc.TargetServiceStub | draft_pb2_grpc.DraftServiceStub
+        if service == "target":
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+        else:
+            stub = draft_pb2_grpc.DraftServiceStub(channel)
+        while (pending := stub.Info(common_pb2.InfoRequest(), timeout=30).pending_graphs) > 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {service} still had {pending} compiled graphs to load after {timeout:.0f} s")
+            time.sleep(0.5)

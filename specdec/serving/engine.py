@@ -82,6 +82,7 @@ class ModelEngine:
             forward_costs=self.forward_costs,
             compiled_steps=self.tuner.compiled_steps(self.forward),
             tuning=tuple(self.tuner.choices),
+            pending_graphs=len(self.tuner.pending),
         )
 
     def truncate(self, slot_id: str, new_len: int) -> int:

@@ -347,6 +347,8 @@ class ModelInfo:
     compiled_steps: tuple[str, ...] = ()
     #: Every start-up choice and why (`specdec.tuning.choices`).
     tuning: tuple[TuningChoice, ...] = ()
+    #: Compiled graphs still to load after start-up (those steps run eager until then).
+    pending_graphs: int = 0
 
     def to_pb(self) -> common_pb2.ModelInfo:
         return common_pb2.ModelInfo(
@@ -375,6 +377,7 @@ class ModelInfo:
                 common_pb2.TuningChoice(name=c.name, value=c.value, reason=c.reason, detail=c.detail)
                 for c in self.tuning
             ],
+            pending_graphs=self.pending_graphs,
         )
 
     @classmethod
@@ -397,4 +400,5 @@ class ModelInfo:
             forward_costs=tuple(ForwardCost.from_pb(c) for c in message.forward_costs),
             compiled_steps=tuple(message.compiled_steps),
             tuning=tuple(TuningChoice(c.name, c.value, c.reason, c.detail) for c in message.tuning),
+            pending_graphs=message.pending_graphs,
         )

@@ -12,8 +12,9 @@ def test_model_info_round_trips_through_protobuf() -> None:
         max_seq_len=8192, block_size=16, free_kv_tokens=1000, total_kv_tokens=2048, max_slots=8, active_slots=1,
         max_speculative_tokens=16, dtype="bfloat16", device="cpu", quantization="int4",
         forward_costs=(ForwardCost(1, 1, 0.01, context=48), ForwardCost(4, 9, 0.1, context=304)),
-        compiled_steps=("single-request 1-token steps", "batch 1-token steps"),
+        compiled_steps=("single-request 1-token steps", "batch 1-token steps"), pending_graphs=2,
     )
     wire = common_pb2.ModelInfo.FromString(info.to_pb().SerializeToString())
     assert ModelInfo.from_pb(wire) == info
     assert list(wire.compiled_steps) == ["single-request 1-token steps", "batch 1-token steps"]
+    assert wire.pending_graphs == 2
