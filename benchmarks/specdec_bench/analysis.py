@@ -1,6 +1,6 @@
 """Every derived figure of a run, computed from its results document alone.
 
-Definitions (DESIGN.md, "Speed model"):
+Definitions (docs/architecture.md#speed-model):
 
 - speedup: median speculative ÷ median plain decode tokens/s (W1, greedy unless said);
 - c: the draft's 1-token step ÷ the target's 1-token step; s(K, B): the verify slope, the

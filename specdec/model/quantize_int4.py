@@ -238,6 +238,27 @@ class Int4Linear(nn.Module):
 # ---- whole model ------------------------------------------------------------------------------
 
 
+def _int4_linear(
+    linear: nn.Linear, name: str, weight: Int4Weight | None, gguf_path: Path | str | None, group_size: int,
+    kernel: str, prefer: str, dtype: torch.dtype | None,
+) -> tuple[Int4Linear, str]:
+    """`linear` as an `Int4Linear` from the GGUF's own blocks (`weight`, when they have this
+    group size) or quantized from its floats, prepared for `dtype` activations (default: the
+    weight's); returns it and the kernel it chose."""
+    w = linear.weight.detach()  # [out, in]
+    if weight is not None and tuple(weight.q.shape) != tuple(w.shape):
+        raise InvalidArgumentError(
+            f"{gguf_path}: {name} is {list(weight.q.shape)} in the GGUF, {list(w.shape)} in the model"
+        )
+    source = "gguf"
+    if weight is None or weight.group_size != group_size:
+        weight, source = Int4Weight.from_float(w, group_size), "float"
+    weight = Int4Weight(weight.q.to(w.device), weight.scales.to(w.device), weight.zeros.to(w.device), weight.group_size)
+    bias = None if linear.bias is None else linear.bias.detach().clone()
+    module = Int4Linear(weight, bias, source=source, kernel=kernel, prefer=prefer)
+    return module, module.prepare(w.device, dtype or w.dtype)
+
+
 def quantize_int4(
     model: nn.Module,
     *,
@@ -272,32 +293,18 @@ def quantize_int4(
         name for name, module in model.named_modules()
         if isinstance(module, nn.Linear) and (include_lm_head or module is not lm_head)
     ]
-    from_gguf = 0
+    dtype = embed.weight.dtype if embed is not None else None
+    sources: list[str] = []
     kernels: dict[str, int] = {}
     for name in targets:
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        linear: nn.Linear = getattr(parent, child_name)
-        w = linear.weight.detach()  # [out, in]
-        weight = gguf_weights.get(f"{name}.weight")
-        if weight is not None and tuple(weight.q.shape) != tuple(w.shape):
-            raise InvalidArgumentError(
-                f"{gguf_path}: {name} is {list(weight.q.shape)} in the GGUF, {list(w.shape)} in the model"
-            )
-        if weight is not None and weight.group_size == group_size:
-            source = "gguf"
-            from_gguf += 1
-        else:
-            weight, source = Int4Weight.from_float(w, group_size), "float"
-        weight = Int4Weight(
-            weight.q.to(w.device), weight.scales.to(w.device), weight.zeros.to(w.device), weight.group_size
-        )
-        bias = None if linear.bias is None else linear.bias.detach().clone()
-        module = Int4Linear(weight, bias, source=source, kernel=kernel, prefer=prefer)
-        chosen = module.prepare(w.device, embed.weight.dtype if embed is not None else w.dtype)
+        module, chosen = _int4_linear(getattr(parent, child_name), name, gguf_weights.get(f"{name}.weight"),
+                                      gguf_path, group_size, kernel, prefer, dtype)
         kernels[chosen] = kernels.get(chosen, 0) + 1
+        sources.append(module.source)
         setattr(parent, child_name, module)
 
     mark_quantized(model, "int4", untied=tied and include_lm_head)
-    log.debug("int4: %d linear layers, %d from GGUF blocks, kernels %s", len(targets), from_gguf, kernels)
+    log.debug("int4: %d linear layers, %d from GGUF blocks, kernels %s", len(targets), sources.count("gguf"), kernels)
     return model

@@ -8,7 +8,7 @@ the int8 head's own rows: a gather of a few rows, not a second pass over the mat
 
 The draft's distribution q is then defined by these logits: int8 values on the shortlist,
 int4 values elsewhere. Speculative decoding stays exact for any q, provided the draft samples
-from the q it reports, which it does (DESIGN.md, "Exactness contract").
+from the q it reports, which it does (docs/architecture.md#exactness-contract).
 
 Whether it is faster depends on the device and its kernels (on CUDA the int4 module falls
 back to a dequantized matrix), so the service times both at start-up
