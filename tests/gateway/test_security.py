@@ -1,6 +1,6 @@
 """TLS toward clients, mutual TLS between the gateway and the model services, and bearer tokens.
 
-Certificates are made per session (tests/pki.py). What must hold:
+Certificates are made per session (tests/support/pki.py). What must hold:
 * a full stack with every protection on generates the same tokens as without;
 * a client without the CA (or trusting another CA) cannot reach a TLS gateway;
 * a model service with mutual TLS refuses a client without a certificate;
