@@ -30,10 +30,6 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
         "has them)", choices=QUANTIZATIONS, aliases=["--quantize"],
     )
     group_size: int = option(32, "weights per scale group of int4 quantization", advanced=True)
-    head_shortlist: int = option(
-        32, "a quantized model's output head: a 4-bit pass over the vocabulary, then the int8 head on this many "
-        "best tokens a row, kept where the start-up timing finds it faster (0 = the int8 head only)", advanced=True,
-    )
     int4_kernel: str = option(
         "auto", "int4 matmul kernel: int4dot (ours, needs AVX-512 BF16), int4pack (torch's), dequant (float "
         "weights), or auto (time those that run here at start-up, keep the fastest)",
@@ -111,8 +107,6 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
         for name in (*positive, "max_message_bytes"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.head_shortlist < 0:
-            raise InvalidArgumentError(f"head_shortlist must be >= 0, got {self.head_shortlist}")
         if self.num_layers < 0:
             raise InvalidArgumentError(f"num_layers must be >= 0, got {self.num_layers}")
         if self.threads < 0:

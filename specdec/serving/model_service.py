@@ -126,7 +126,7 @@ async def expire_leases_forever(engine: ModelEngine, worker: ModelWorker) -> Non
 #: The service flags a start-up measurement depends on besides model, dtype, quantization,
 #: device and threads (`specdec.tuning.store.TuningKey.settings`).
 TUNING_SETTINGS = (
-    "num_layers", "group_size", "head_shortlist", "int4_kernel", "compile", "compile_budget_s", "measure_costs",
+    "num_layers", "group_size", "int4_kernel", "compile", "compile_budget_s", "measure_costs",
     "max_slots", "max_speculative_tokens", "kv_token_budget", "block_size", "cpu_cores",
 )
 
@@ -156,7 +156,7 @@ def build_engine(engine_cls: Callable[[ModelRuntime, C], E], config: C) -> E:
     runtime = build_runtime(
         config.model, dtype=config.dtype, device=config.device,
         quantization=config.quantization, num_layers=config.num_layers, group_size=config.group_size,
-        head_shortlist=config.head_shortlist, int4_kernel=config.int4_kernel, tuner=tuner,
+        int4_kernel=config.int4_kernel, tuner=tuner,
     )
     engine = engine_cls(runtime, config)
     tuner.save()
