@@ -41,7 +41,7 @@ import torch
 from specdec.kv_cache.paged_cache import PagedKVCache
 from specdec.model.llama import LayerInputs, PagedLlama
 from specdec.tuning.cost_profile import filler_prompt
-from specdec.tuning.timing import median_times, synchronizer
+from specdec.tuning.timing import interleaved_times, synchronizer
 
 log = logging.getLogger(__name__)
 
@@ -312,6 +312,6 @@ def _time_both_paths(
         for path in ("eager", "compiled") for shape in shapes
     }
     sync = synchronizer(forward.embed_tokens.weight.device)
-    times = median_times(candidates, repeats=TIMING_REPEATS, setup=setup, sync=sync)
+    times = interleaved_times(candidates, repeats=TIMING_REPEATS, setup=setup, sync=sync)
     forward.layer_runner = runner
     return {shape_key(shape): (times[("eager", shape)], times[("compiled", shape)]) for shape in shapes}

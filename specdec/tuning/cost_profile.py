@@ -15,7 +15,7 @@ import logging
 from specdec.cost_model import ForwardCost
 from specdec.kv_cache.paged_cache import PagedKVCache
 from specdec.model.llama import PagedLlama
-from specdec.tuning.timing import median_times, synchronizer
+from specdec.tuning.timing import interleaved_times, synchronizer
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def measure_forward_costs(
     plus one `PREFILL_WIDTH`-token chunk at batch 1, every slot holding `CONTEXT_LEN` cached
     tokens; and the narrowest and widest chunk of each batch size again at `LONG_CONTEXT_LEN`.
 
-    The grid is timed in `repeats` interleaved passes (`median_times`), not point by point:
+    The grid is timed in `repeats` interleaved passes (`interleaved_times`), not point by point:
     on a shared machine the speed drifts over seconds, and the planner compares points (a
     (K+1)-token verify with a 1-token step, a draft step with a target step) and rescales
     their level online, so what must hold is their ratios.
@@ -84,7 +84,7 @@ def measure_forward_costs(
 
         candidates = {(b, t, n): (lambda b=b, t=t: forward_of(b, t)) for b, t, n in grid}
         sync = synchronizer(forward.embed_tokens.weight.device)
-        times = median_times(candidates, repeats=repeats, setup=setup, sync=sync)
+        times = interleaved_times(candidates, repeats=repeats, setup=setup, sync=sync)
     costs = [ForwardCost(b, t, times[(b, t, n)], context=n) for b, t, n in grid]
     return costs
 

@@ -1,9 +1,10 @@
-"""The one timing helper of start-up choices: median seconds of interleaved repeats.
+"""The one timing helper of start-up choices: seconds of interleaved repeats.
 
 Candidates are timed in turns (a, b, c, a, b, c, ...), not one after the other, so a change
-in the machine's speed (another process, a frequency step) lands on all of them alike, and
-the median drops the stalls. On an asynchronous device the clock is read only after the
-device has finished (`synchronizer`).
+in the machine's speed (another process, a frequency step) lands on all of them alike. Each
+candidate reports the median of its samples, which drops the stalls, or for a kernel
+microbenchmark the minimum (its noise only ever adds time, and close kernels rank by it). On
+an asynchronous device the clock is read only after the device has finished (`synchronizer`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def synchronizer(device: torch.device | str) -> Callable[[], None]:
     return lambda: None
 
 
-def median_times(
+def interleaved_times(
     candidates: Mapping[K, Callable[[], object]],
     *,
     repeats: int,
@@ -36,10 +37,11 @@ def median_times(
     setup: Callable[[K], None] | None = None,
     sync: Callable[[], None] = lambda: None,
     clock: Clock = time.perf_counter,
+    statistic: Callable[[list[float]], float] = statistics.median,
 ) -> dict[K, float]:
-    """Median seconds of one call of each candidate over `repeats` interleaved rounds, after
-    `warmup` untimed rounds (first-call allocation, packing, thread start). `setup(key)` runs
-    untimed before each call (e.g. to roll a KV slot back)."""
+    """Seconds of one call of each candidate over `repeats` interleaved rounds (their median, or
+    `statistic`), after `warmup` untimed rounds (first-call allocation, packing, thread start).
+    `setup(key)` runs untimed before each call (e.g. to roll a KV slot back)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     samples: dict[K, list[float]] = {key: [] for key in candidates}
@@ -53,4 +55,4 @@ def median_times(
             sync()
             if timed_round >= warmup:
                 samples[key].append(clock() - started)
-    return {key: statistics.median(values) for key, values in samples.items()}
+    return {key: statistic(values) for key, values in samples.items()}

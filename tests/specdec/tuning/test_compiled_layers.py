@@ -270,7 +270,7 @@ def test_auto_keeps_the_shapes_measured_faster(runner: CompiledLayers, monkeypat
     def pinned(candidates: dict[tuple[str, tuple[int, int]], object], **kwargs: object) -> dict[object, float]:
         return {(path, shape): 1.0 if path == "compiled" and shape[1] == 1 else 2.0 for path, shape in candidates}
 
-    monkeypatch.setattr(compiled_layers, "median_times", pinned)
+    monkeypatch.setattr(compiled_layers, "interleaved_times", pinned)
     forward = runner.forward
     chosen = choose_layer_path(forward, forward.new_cache(token_budget=1024), "auto", budget_s=math.inf, runner=runner)
     assert chosen.measured and chosen.path == "compiled" and runner.shapes == {(1, 1), (2, 1)}
@@ -282,7 +282,7 @@ def test_auto_reuses_known_decisions_without_timing(runner: CompiledLayers, monk
     def no_timing(*args: object, **kwargs: object) -> None:
         raise AssertionError("timed although every decision was known")
 
-    monkeypatch.setattr(compiled_layers, "median_times", no_timing)
+    monkeypatch.setattr(compiled_layers, "interleaved_times", no_timing)
     forward = runner.forward
     known = {"1x1": True, "1x2": False, "2x1": False, "2x2": True}
     chosen = choose_layer_path(forward, forward.new_cache(token_budget=1024), "auto", known=known, runner=runner)
@@ -348,7 +348,7 @@ def test_undecided_shapes_are_timed_after_start_up_and_their_decisions_saved(
     def pinned(candidates: dict[tuple[str, tuple[int, int]], object], **kwargs: object) -> dict[object, float]:
         return {(path, shape): 1.0 if path == "compiled" and shape == (2, 1) else 2.0 for path, shape in candidates}
 
-    monkeypatch.setattr(compiled_layers, "median_times", pinned)
+    monkeypatch.setattr(compiled_layers, "interleaved_times", pinned)
     forward = runner.forward
     cache = forward.new_cache(token_budget=1024)
     tuner = StartupTuner(TuningStore(tmp_path), key)
