@@ -164,6 +164,16 @@ def compiled_step_names(forward: PagedLlama) -> tuple[str, ...]:
     return runner.step_names() if isinstance(runner, CompiledLayers) else ()
 
 
+def compiled_pays(eager_s: float, compiled_s: float) -> bool:
+    """Whether a shape runs compiled: its compiled step is at least `MIN_GAIN` faster."""
+    return compiled_s < (1 - MIN_GAIN) * eager_s
+
+
+def times_detail(key: str, eager_s: float, compiled_s: float) -> str:
+    """One timed shape for the start-up log line."""
+    return f"{key} eager / compiled {eager_s * 1e3:.1f} / {compiled_s * 1e3:.1f} ms"
+
+
 @dataclass
 class LayerPath:
     """What `choose_layer_path` decided."""
@@ -223,7 +233,7 @@ def choose_layer_path(
         new = sorted(shape for shape in runner.shapes if shape_key(shape) not in known)
         decisions = {shape_key(shape): known.get(shape_key(shape), True) for shape in runner.shapes}
         times = _time_both_paths(forward, runner, new, step) if mode == "auto" and new else {}
-        decisions.update({key: compiled < (1 - MIN_GAIN) * eager for key, (eager, compiled) in times.items()})
+        decisions.update({key: compiled_pays(eager, compiled) for key, (eager, compiled) in times.items()})
     runner.shapes = {shape for shape in runner.shapes if decisions[shape_key(shape)]}
     decisions.update({shape_key(s): False for s in SHAPES if shape_key(s) in known and not known[shape_key(s)]})
     if not runner.shapes:

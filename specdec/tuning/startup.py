@@ -25,14 +25,16 @@ from specdec.model.quantize_int4 import KERNELS as INT4_KERNELS
 from specdec.model.shortlist_head import ShortlistHead
 from specdec.tuning.choices import TuningChoice, tuning_line
 from specdec.tuning.compiled_layers import (
-    MIN_GAIN,
     SHAPES,
     CompiledLayers,
     Shape,
     choose_layer_path,
+    compiled_pays,
+    compiled_step_names,
     load_graphs,
     shape_key,
     shape_name,
+    times_detail,
 )
 from specdec.tuning.cost_profile import measure_forward_costs
 from specdec.tuning.kernels import measure_dense, measure_head, measure_int4_kernels
@@ -196,10 +198,7 @@ class StartupTuner:
             return
         self.values["compiled_steps"] = chosen.decisions
         self.measured |= chosen.measured
-        detail = ", ".join(
-            f"{key} eager / compiled {eager * 1e3:.1f} / {compiled * 1e3:.1f} ms"
-            for key, (eager, compiled) in chosen.times.items()
-        )
+        detail = ", ".join(times_detail(key, *times) for key, times in chosen.times.items())
         if chosen.compile_s:
             detail = f"graphs built in {chosen.compile_s:.1f} s" + (f", {detail}" if detail else "")
         self.note("compiled_steps", steps, "measured" if chosen.measured else "cached", detail)
@@ -235,10 +234,10 @@ class StartupTuner:
             self.pending.clear()
         elif key in times:
             eager, compiled = times[key]
-            decisions[key] = compiled < (1 - MIN_GAIN) * eager
+            decisions[key] = compiled_pays(eager, compiled)
             if not decisions[key]:
                 self.runner.shapes.discard(shape)
-            self.loaded_detail.append(f"{key} eager / compiled {eager * 1e3:.1f} / {compiled * 1e3:.1f} ms")
+            self.loaded_detail.append(times_detail(key, eager, compiled))
             if self.store is not None and self.key is not None:
                 self.store.save(self.key, self.values)
         self._publish(self.runner.forward)
@@ -252,8 +251,7 @@ class StartupTuner:
         return self._steps or ()
 
     def _publish(self, forward: PagedLlama) -> None:
-        runner = forward.layer_runner
-        self._steps = tuple(shape_name(s) for s in sorted(runner.shapes)) if isinstance(runner, CompiledLayers) else ()
+        self._steps = compiled_step_names(forward)
 
     def forward_costs(
         self, forward: PagedLlama, cache: PagedKVCache, *, max_batch: int, max_tokens: int, enabled: bool
