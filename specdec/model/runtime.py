@@ -72,7 +72,6 @@ def build_runtime(
     quantization: str = "none",
     num_layers: int = 0,
     group_size: int = 32,
-    head_shortlist: int = DEFAULT_SHORTLIST,
     int4_kernel: str = "auto",
     tuner: RuntimeTuner | None = None,
 ) -> ModelRuntime:
@@ -81,7 +80,7 @@ def build_runtime(
     forward around it. `tuner` makes the machine-dependent choices: the int4 kernel for
     `int4_kernel="auto"` (`specdec.model.quantize_int4.KERNELS`), whether a quantized model's
     int8 output head becomes a `ShortlistHead` (a 4-bit pass, then the int8 head on its
-    `head_shortlist` best tokens; 0 keeps the int8 head), and the dense kernels. Without one,
+    `DEFAULT_SHORTLIST` best tokens), and the dense kernels. Without one,
     each takes its untuned default: the kernel order of `Int4Linear`, the int8 head, `F.linear`.
 
     The int8 and int4 kernels only pay off with bfloat16 activations on CPU (see `quantize`
@@ -110,7 +109,7 @@ def build_runtime(
         loaded.model.config.specdec_quantization = "int4"
     head = loaded.model.lm_head
     if isinstance(head, Int8Linear) and tuner is not None:
-        loaded.model.lm_head = tuner.output_head(head, head_shortlist, int4_kernel, prefer)
+        loaded.model.lm_head = tuner.output_head(head, DEFAULT_SHORTLIST, int4_kernel, prefer)
     forward = PagedLlama(loaded.model)
     if tuner is not None:
         tuner.dense_kernels(forward)
