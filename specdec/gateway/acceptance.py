@@ -18,7 +18,7 @@ import torch
 from specdec.errors import ServiceStateError
 from specdec.gateway.sequence import Sequence
 from specdec.sampling.rejection_sampler import RejectionResult, accept_candidates, greedy_accept, greedy_accept_argmax
-from specdec.sampling.transforms import chunk_apply_repetition_penalty
+from specdec.sampling.transforms import chunk_apply_repetition_penalty, stack_chunks
 from specdec.wire.items import Proposal, VerifiedArgmax, VerifiedChunk, VerifiedLogits, VerifiedSampled
 
 C = TypeVar("C", VerifiedArgmax, VerifiedLogits, VerifiedSampled)
@@ -41,7 +41,7 @@ def accept_all(
     if greedy:
         logits = [_answer(verified, s, VerifiedLogits).logits for s in greedy]
         tokens, ks = _padded_drafts(greedy, proposals)  # [G, K_max]
-        scores = _stacked(logits, tokens.shape[1] + 1).float()  # [G, K_max+1, vocab]
+        scores = stack_chunks(logits, tokens.shape[1] + 1).float()  # [G, K_max+1, vocab]
         penalties = [s.sampling.repetition_penalty for s in greedy]
         if any(p != 1.0 for p in penalties):
             drafted = [proposals[s.slot_id].tokens for s in greedy]
@@ -83,14 +83,6 @@ def _padded_rows(seqs: list[Sequence], rows: list[list[int]], ks: list[int]) -> 
                                     f"the gateway expected {k + 1}")
     return torch.tensor([row + [PAD_TOKEN_ID] * (width - len(row)) for row in rows],
                         dtype=torch.long).view(len(rows), width)
-
-
-def _stacked(logits: list[torch.Tensor], width: int) -> torch.Tensor:
-    """Logits [K_b+1, vocab] each, zero-padded to [B, width, vocab]."""
-    stacked = logits[0].new_zeros(len(logits), width, logits[0].shape[-1])
-    for b, rows in enumerate(logits):
-        stacked[b, : rows.shape[0]] = rows
-    return stacked
 
 
 def _padded_probs(

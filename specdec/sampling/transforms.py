@@ -231,6 +231,15 @@ def logits_to_probs(
     return probs
 
 
+def stack_chunks(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    """Per-row chunks [T_b, vocab] zero-padded into the batch form the chunk functions take,
+    [batch, width, vocab] (width >= every T_b)."""
+    stacked = rows[0].new_zeros(len(rows), width, rows[0].shape[-1])
+    for b, chunk in enumerate(rows):
+        stacked[b, : chunk.shape[0]] = chunk
+    return stacked
+
+
 def chunk_logits_to_probs(
     logits: torch.Tensor,  # [batch, T, vocab]
     params: Sequence[SamplingParams] | SamplingTensors,  # one per batch row

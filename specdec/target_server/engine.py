@@ -10,7 +10,13 @@ import torch
 
 from specdec.errors import InvalidArgumentError, SlotExistsError
 from specdec.sampling.rejection_sampler import draw_candidates, token_probs
-from specdec.sampling.transforms import chunk_logits_to_probs, logits_to_probs, pick_tokens, position_generator
+from specdec.sampling.transforms import (
+    chunk_logits_to_probs,
+    logits_to_probs,
+    pick_tokens,
+    position_generator,
+    stack_chunks,
+)
 from specdec.serving.engine import ModelEngine
 from specdec.tuning.threads import one_thread
 from specdec.wire.items import (
@@ -137,10 +143,9 @@ class TargetEngine(ModelEngine):
         params = [mode.sampling for mode in modes]
         k_max = max(len(item.tokens) for item, _ in scored) - 1
         vocab = scored[0][1].shape[-1]
-        logits = scored[0][1].new_zeros(len(scored), k_max + 1, vocab)  # [S, K_max+1, vocab]
+        logits = stack_chunks([rows for _, rows in scored], k_max + 1)  # [S, K_max+1, vocab]
         drafts = torch.zeros(len(scored), k_max, dtype=torch.int64, device=logits.device)  # [S, K_max], 0 past each K
-        for b, (item, rows) in enumerate(scored):
-            logits[b, : rows.shape[0]] = rows
+        for b, (item, _) in enumerate(scored):
             drafts[b, : len(item.tokens) - 1] = torch.tensor(item.tokens[1:], device=logits.device)
         q = torch.cat([m.draft_probs.distributions(vocab, extra_rows=1, device=logits.device) for m in modes])
         # The context of row 0 is the slot's cached tokens up to and including g.
