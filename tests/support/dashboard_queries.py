@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dashboards" / "specdec.json"
+from tests.support.prometheus_deploy import DASHBOARD
 
 #: Grafana's built-in interval variables, replaced by `rate_interval`.
 INTERVAL_VARIABLES = ("__rate_interval", "__interval", "__range")
