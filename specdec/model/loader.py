@@ -131,6 +131,12 @@ def load_model(
     return LoadedModel(model=model, tokenizer=tokenizer, model_id=name_or_path, name=name_or_path, source=source)
 
 
+def _file_stamp(path: Path) -> str:
+    """A file's path, size and modification time: what tells a changed file from the same one."""
+    stat = path.stat()
+    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+
+
 def weights_fingerprint(name_or_path: str) -> str:
     """What identifies the weights a source holds, cheaply: the path, size and modification
     time of each weight file (a GGUF, or a directory's safetensors, bin and config files), or
@@ -145,15 +151,13 @@ def weights_fingerprint(name_or_path: str) -> str:
     digest = hashlib.sha256()
     for path in files:
         if path.is_file():
-            stat = path.stat()
-            digest.update(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+            digest.update(f"{_file_stamp(path)}\n".encode())
     return digest.hexdigest()[:16]
 
 
 def gguf_cache_dir(gguf: Path, cache_dir: Path | str | None = None) -> Path:
     """This GGUF file's own directory in the cache (keyed by its path, size and mtime)."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(_file_stamp(gguf).encode()).hexdigest()[:16]
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return root / "gguf" / f"{gguf.stem}-{key}"
 
