@@ -85,13 +85,6 @@ class PagedKVCache:
             for kv in self.kv:
                 kv[copy * bs : (copy + 1) * bs] = kv[source * bs : (source + 1) * bs]
 
-    def block_tables(self, slot_ids: list[str]) -> torch.Tensor:
-        """Block tables of `slot_ids`, right-padded with block 0. # [batch, max_blocks]"""
-        tables = [self.blocks.block_table(slot) for slot in slot_ids]
-        width = max(1, max(len(t) for t in tables))
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        return torch.tensor(padded, dtype=torch.long, device=self.device)
-
     @contextmanager
     def temporary_slots(self, prefix: str, count: int) -> Iterator[list[str]]:
         """`count` empty slots named `prefix` + index, freed on exit whatever happened.

@@ -4,6 +4,11 @@ One batched call serves every kind of work at once: a prompt prefill (long chunk
 position 0), a verify chunk [g, t1..tK] after a rollback (short chunk at the slot's cached
 length) and a single-token decode (chunk of one). Chunks are right-padded to the longest;
 padding rows compute garbage that is never written to the cache nor read back.
+
+Everything is computed on the host from Python ints (the block manager's tables and lengths
+are host data) and reaches the device in one copy: no step of a forward waits for the device
+to answer a question about its own indices. A long chunk can be cut into pieces that run one
+forward after another (`chunk_rounds`), so a long prompt's prefill needs bounded memory.
 """
 
 from __future__ import annotations
@@ -15,75 +20,122 @@ import torch
 from specdec.errors import InvalidArgumentError
 from specdec.kv_cache.paged_cache import PagedKVCache
 
+Chunk = tuple[str, list[int]]
+
 
 @dataclass(frozen=True)
 class ForwardBatch:
-    """Inputs of `PagedLlama.forward` for one batch of chunks (B requests, T = longest chunk, L = longest context)."""
+    """Inputs of `PagedLlama.forward` for one batch of chunks (B requests, T = longest chunk,
+    n real tokens, M = blocks of the longest context)."""
 
     input_ids: torch.Tensor  # [B, T] new tokens, right-padded with 0
-    positions: torch.Tensor  # [B, T] absolute position of each new token
-    token_rows: torch.Tensor  # [n_real] index of each real (non-padding) token in the flattened [B*T]
+    positions: torch.Tensor  # [B, T] absolute position of each new token (padding counts on past the chunk)
+    token_rows: torch.Tensor  # [n] index of each real (non-padding) token in the flattened [B*T]
     last_rows: torch.Tensor  # [B] index of each chunk's last token in the flattened [B*T]
-    write_index: torch.Tensor  # [n_real] flat cache row of each real token, row-major over (B, T)
-    context_index: torch.Tensor  # [B, L] flat cache rows of each request's whole context, padded
-    attn_mask: torch.Tensor  # [B, 1, T, L] bool, True where a query may attend a key
+    write_index: torch.Tensor  # [n] flat cache row of each real token, row-major over (B, T)
+    block_tables: torch.Tensor  # [B, M] pool blocks of each request's context, right-padded with block 0
+    context_lens: torch.Tensor  # [B] tokens of each request's context, its chunk included
     chunk_lens: list[int]
-
-    def flat_rows(self, which: str) -> torch.Tensor:
-        """Indices into the flattened [B*T] hidden states: "last" token of each chunk, or "all" real tokens."""
-        if which == "last":
-            return self.last_rows
-        if which == "all":
-            return self.token_rows
-        raise ValueError(f"which must be 'last' or 'all', got {which!r}")
+    block_size: int
+    #: Every chunk starts at position 0 (a new prompt, or its first piece): each request's
+    #: context is its chunk, so attention needs no cached keys.
+    fresh: bool
 
 
-def build_forward_batch(cache: PagedKVCache, chunks: list[tuple[str, list[int]]]) -> ForwardBatch:
-    """The index tensors of one forward over chunks ALREADY appended to their slots.
-
-    Pure: it only reads the block tables (the engine allocated the blocks, e.g. with
-    `cache.blocks.append_many`); each chunk is the last `len(tokens)` tokens of its slot.
-    """
+def check_chunks(chunks: list[Chunk]) -> None:
+    """InvalidArgumentError for an empty batch or a chunk without tokens."""
     if not chunks:
         raise InvalidArgumentError("batch is empty")
     for slot_id, tokens in chunks:
         if not tokens:
             raise InvalidArgumentError(f"slot {slot_id!r}: chunk has no tokens")
-    device = cache.device
-    ends = [cache.blocks.length(slot_id) for slot_id, _ in chunks]
-    starts = [end - len(tokens) for end, (_, tokens) in zip(ends, chunks)]
-    if min(starts) < 0:
-        raise InvalidArgumentError("a chunk is longer than its slot: append the chunks to their slots first")
-    write_rows = [cache.blocks.positions(slot_id, start) for (slot_id, _), start in zip(chunks, starts)]
 
+
+def build_forward_batch(cache: PagedKVCache, chunks: list[Chunk], starts: list[int] | None = None) -> ForwardBatch:
+    """The index tensors of one forward over chunks whose blocks are ALREADY appended to their slots.
+
+    Pure: it only reads the block tables (the engine allocated the blocks, e.g. with
+    `cache.blocks.append_many`). Chunk i holds the slot's tokens from `starts[i]` on; by
+    default each chunk is the last `len(tokens)` tokens of its slot.
+    """
+    starts = _checked_starts(cache, chunks, starts)
     chunk_lens = [len(tokens) for _, tokens in chunks]
-    width = max(chunk_lens)
-    ids = [tokens + [0] * (width - len(tokens)) for _, tokens in chunks]
-    input_ids = torch.tensor(ids, dtype=torch.long, device=device)  # [B, T]
-    offsets = torch.arange(width, device=device)  # [T]
-    start_t = torch.tensor(starts, dtype=torch.long, device=device)  # [B]
-    len_t = torch.tensor(chunk_lens, dtype=torch.long, device=device)  # [B]
-    positions = start_t[:, None] + offsets[None, :]  # [B, T]
-    token_mask = offsets[None, :] < len_t[:, None]  # [B, T]
-    flat = torch.arange(len(chunks) * width, device=device).view(len(chunks), width)  # [B, T]
-    write_index = torch.tensor([row for rows in write_rows for row in rows], dtype=torch.long, device=device)
-
-    context_lens = start_t + len_t  # [B]
-    max_context = int(context_lens.max())
-    tables = cache.block_tables([slot_id for slot_id, _ in chunks])  # [B, max_blocks]
-    key_pos = torch.arange(max_context, device=device)  # [L]
-    block_of = torch.clamp(key_pos // cache.block_size, max=tables.shape[1] - 1)  # [L]
-    context_index = tables[:, block_of] * cache.block_size + key_pos % cache.block_size  # [B, L]
-    attn_mask = (key_pos[None, None, :] <= positions[:, :, None]) & (
-        key_pos[None, None, :] < context_lens[:, None, None]
-    )  # [B, T, L]: causal inside the chunk, everything cached before it, nothing past the context
+    bsz, width, bs = len(chunks), max(chunk_lens), cache.block_size
+    ends = [start + n for start, n in zip(starts, chunk_lens)]
+    slots = [slot_id for slot_id, _ in chunks]
+    tables = [cache.blocks.block_table(slot)[: -(-end // bs)] for slot, end in zip(slots, ends)]
+    max_blocks = max(len(table) for table in tables)
+    host = [  # each field's values, row-major, in ForwardBatch's order
+        [t for _, tokens in chunks for t in tokens + [0] * (width - len(tokens))],
+        [start + t for start in starts for t in range(width)],
+        [b * width + t for b, n in enumerate(chunk_lens) for t in range(n)],
+        [b * width + n - 1 for b, n in enumerate(chunk_lens)],
+        [row for slot, start, end in zip(slots, starts, ends) for row in cache.blocks.positions(slot, start, end)],
+        [block for table in tables for block in table + [0] * (max_blocks - len(table))],
+        ends,
+    ]
+    input_ids, positions, token_rows, last_rows, write_index, tables_t, context_lens = _to_device(host, cache.device)
     return ForwardBatch(
-        input_ids=input_ids,
-        positions=positions,
-        token_rows=flat[token_mask],
-        last_rows=flat[:, 0] + len_t - 1,
+        input_ids=input_ids.view(bsz, width),
+        positions=positions.view(bsz, width),
+        token_rows=token_rows,
+        last_rows=last_rows,
         write_index=write_index,
-        context_index=context_index,
-        attn_mask=attn_mask[:, None],
+        block_tables=tables_t.view(bsz, max_blocks),
+        context_lens=context_lens,
         chunk_lens=chunk_lens,
+        block_size=bs,
+        fresh=all(start == 0 for start in starts),
     )
+
+
+def _checked_starts(cache: PagedKVCache, chunks: list[Chunk], starts: list[int] | None) -> list[int]:
+    """Each chunk's start in its slot (default: the slot's length minus the chunk's), checked."""
+    check_chunks(chunks)
+    lengths = [cache.blocks.length(slot_id) for slot_id, _ in chunks]
+    if starts is None:
+        starts = [length - len(tokens) for length, (_, tokens) in zip(lengths, chunks)]
+    for (slot_id, tokens), start, length in zip(chunks, starts, lengths):
+        if start < 0:
+            raise InvalidArgumentError("a chunk is longer than its slot: append the chunks to their slots first")
+        if start + len(tokens) > length:
+            end = start + len(tokens)
+            raise InvalidArgumentError(f"slot {slot_id!r}: chunk ends at {end}, past its {length} tokens")
+    return starts
+
+
+def _to_device(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """`parts` as int64 tensors on `device`, sent in one host-to-device copy: from pinned memory
+    and without waiting on CUDA, so the host goes on to launch the forward's kernels."""
+    flat = torch.tensor([v for part in parts for v in part], dtype=torch.long, pin_memory=device.type == "cuda")
+    return list(flat.to(device, non_blocking=True).split([len(part) for part in parts]))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of one chunk's tokens that one forward computes."""
+
+    chunk: int  # index of its chunk in the call
+    start: int  # slot position of its first token
+    tokens: list[int]
+    ends_chunk: bool  # its last token is its chunk's last
+
+
+def chunk_rounds(chunks: list[Chunk], starts: list[int], max_tokens: int) -> list[list[Piece]]:
+    """The forwards that compute `chunks` (chunk i from slot position `starts[i]`) with every
+    chunk cut into pieces of at most `max_tokens`: round r holds piece r of each chunk that
+    has one, the pieces that end their chunk first. A round's attention sees the pieces
+    before it in the cache, so the rounds give the one-forward results in bounded memory."""
+    if max_tokens <= 0:
+        raise InvalidArgumentError(f"max_tokens must be > 0, got {max_tokens}")
+    check_chunks(chunks)
+    rounds: list[list[Piece]] = []
+    for r in range(-(-max(len(tokens) for _, tokens in chunks) // max_tokens)):
+        pieces = [
+            Piece(i, start + r * max_tokens, tokens[r * max_tokens : (r + 1) * max_tokens],
+                  len(tokens) <= (r + 1) * max_tokens)
+            for i, ((_, tokens), start) in enumerate(zip(chunks, starts))
+            if len(tokens) > r * max_tokens
+        ]
+        rounds.append(sorted(pieces, key=lambda piece: not piece.ends_chunk))
+    return rounds

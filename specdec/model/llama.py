@@ -20,10 +20,21 @@ from transformers import PreTrainedModel
 
 from specdec.errors import InvalidArgumentError
 from specdec.kv_cache.paged_cache import PagedKVCache
-from specdec.model.forward_batch import ForwardBatch, build_forward_batch
+from specdec.model.attention import (
+    AttentionInputs,
+    PagedAttention,
+    attention_dtype,
+    default_kernel,
+    make_attention,
+)
+from specdec.model.forward_batch import ForwardBatch, build_forward_batch, check_chunks, chunk_rounds
 from specdec.model.linear import DenseLinear, fastest_wide_kernel, fuse
 
 SUPPORTED_MODEL_TYPES = ("llama",)
+#: The most tokens of one chunk a forward computes by default (`PagedLlama.compute`): long
+#: enough that a piece's matmuls run at full speed, short enough that a long prompt's
+#: activations stay small.
+DEFAULT_PREFILL_CHUNK_TOKENS = 512
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -63,14 +74,17 @@ class DecoderLayer:
 
 class LayerInputs(NamedTuple):
     """What every decoder layer of one forward reads besides the hidden state and its own
-    weights and pool (B requests, T = longest chunk, L = longest context, n real tokens)."""
+    weights and pool (B requests, T = longest chunk, n real tokens)."""
 
     cos: torch.Tensor  # [B, T, 1, D] RoPE
     sin: torch.Tensor  # [B, T, 1, D]
-    bias: torch.Tensor  # [B, 1, G*T, L] additive attention mask: 0 where attended, -inf elsewhere
     write_index: torch.Tensor  # [n] pool row of each real token
     token_rows: torch.Tensor  # [n] index of each real token in the flattened [B*T]
-    context_index: torch.Tensor  # [B, L] pool rows of each request's context
+    attention: AttentionInputs  # what the attention kernel reads of the block tables
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor, those of `attention` included."""
+        return self.cos, self.sin, self.write_index, self.token_rows, *self.attention.tensors()
 
 
 class LayerRunner(Protocol):
@@ -110,6 +124,9 @@ class PagedLlama:
         #: What runs the decoder layers: `eager_layers`, or the compiled runner that
         #: `specdec.tuning.compiled_layers` installs for the drafting steps.
         self.layer_runner: LayerRunner = self.eager_layers
+        #: The attention kernel of every layer (`specdec.model.attention`): the device's default
+        #: until start-up chooses (`StartupTuner.attention`).
+        self.attention: PagedAttention = make_attention(default_kernel(decoder.embed_tokens.weight.device))
 
     @property
     def vocab_size(self) -> int:
@@ -127,7 +144,8 @@ class PagedLlama:
         )
 
     def run(
-        self, cache: PagedKVCache, chunks: list[tuple[str, list[int]]], logits: str = "last", *, prompt: bool = True
+        self, cache: PagedKVCache, chunks: list[tuple[str, list[int]]], logits: str = "last", *, prompt: bool = True,
+        chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
     ) -> list[torch.Tensor]:
         """Append each (slot, tokens) chunk to its slot (all or nothing), then `compute` them.
 
@@ -135,43 +153,51 @@ class PagedLlama:
         call `compute`. Slots must exist and already be truncated to the chunk's start.
         """
         cache.blocks.append_many([(slot_id, len(tokens)) for slot_id, tokens in chunks])
-        return self.compute(cache, chunks, logits, prompt=prompt)
+        return self.compute(cache, chunks, logits, prompt=prompt, chunk_tokens=chunk_tokens)
 
     @torch.inference_mode()
     def compute(
-        self, cache: PagedKVCache, chunks: list[tuple[str, list[int]]], logits: str = "last", *, prompt: bool = True
+        self, cache: PagedKVCache, chunks: list[tuple[str, list[int]]], logits: str = "last", *, prompt: bool = True,
+        chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
     ) -> list[torch.Tensor]:
-        """One batched forward over chunks already appended to their slots; writes their K/V.
+        """Batched forwards over chunks already appended to their slots; writes their K/V.
 
         Returns one logits tensor per chunk: `[vocab]` for `logits="last"`, `[len(tokens), vocab]`
-        for `logits="all"`. `prompt=False` (verify and decode steps) lets wide inputs take
-        the matmul kernel measured fastest; a prompt's keep the one whose rounding matches
-        transformers' (`specdec.model.linear`).
+        for `logits="all"`. A chunk longer than `chunk_tokens` runs as pieces, one forward a
+        piece (`chunk_rounds`), with the same results in bounded memory. `prompt=False` (verify and
+        decode steps) lets wide inputs take the matmul kernel measured fastest; a prompt's keep
+        the one whose rounding matches transformers' (`specdec.model.linear`).
         """
-        batch = build_forward_batch(cache, chunks)
-        rows = batch.flat_rows(logits)
-        with fastest_wide_kernel(not prompt):
-            out = self.forward(batch, cache, rows)  # [n_rows, vocab]
-        if logits == "last":
-            return list(out.unbind(0))
-        return list(out.split(batch.chunk_lens, dim=0))
+        if logits not in ("last", "all"):
+            raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
+        check_chunks(chunks)
+        starts = [cache.blocks.length(slot_id) - len(tokens) for slot_id, tokens in chunks]
+        out: list[list[torch.Tensor]] = [[] for _ in chunks]
+        for pieces in chunk_rounds(chunks, starts, chunk_tokens):
+            slot_ids = [chunks[piece.chunk][0] for piece in pieces]
+            batch = build_forward_batch(cache, [(slot_id, p.tokens) for slot_id, p in zip(slot_ids, pieces)],
+                                        [piece.start for piece in pieces])
+            ending = sum(piece.ends_chunk for piece in pieces)  # they come first
+            rows = batch.token_rows if logits == "all" else batch.last_rows[:ending]
+            with fastest_wide_kernel(not prompt):
+                scored = self.forward(batch, cache, rows)  # [n_rows, vocab]
+            parts = scored.split(batch.chunk_lens, dim=0) if logits == "all" else scored.unbind(0)
+            for piece, part in zip(pieces, parts):
+                out[piece.chunk].append(part)
+        return [parts[0] if len(parts) == 1 else torch.cat(parts) for parts in out]
 
     def forward(self, batch: ForwardBatch, cache: PagedKVCache, logit_rows: torch.Tensor) -> torch.Tensor:
         """Logits `[len(logit_rows), vocab]` for the given rows of the flattened `[B*T]` batch.
 
-        Everything shared by the layers — RoPE angles and the attention bias — is built
-        once here; a layer runs four matmuls, attention and a handful of elementwise ops,
+        Everything shared by the layers — RoPE angles and the attention kernel's inputs — is
+        built once here; a layer runs four matmuls, attention and a handful of elementwise ops,
         with no host synchronisation and no Python loop over requests.
         """
         bsz, width = batch.input_ids.shape
         hidden = self.embed_tokens(batch.input_ids)  # [B, T, hidden]
         cos, sin = self._rope(batch.positions, hidden.dtype)  # [B, T, 1, head_dim] each
-        groups = self.num_heads // self.num_kv_heads
-        bias = torch.zeros(  # [B, 1, T, L]
-            batch.attn_mask.shape, dtype=self._attention_dtype(hidden), device=hidden.device
-        )
-        bias = bias.masked_fill(~batch.attn_mask, float("-inf")).repeat(1, 1, groups, 1)  # [B, 1, G*T, L]
-        inputs = LayerInputs(cos, sin, bias, batch.write_index, batch.token_rows, batch.context_index)
+        attention = self.attention.prepare(batch, self.num_heads // self.num_kv_heads, attention_dtype(hidden))
+        inputs = LayerInputs(cos, sin, batch.write_index, batch.token_rows, attention)
         hidden = self.layer_runner(hidden, inputs, cache)
         hidden = rms_norm(hidden, self.final_norm.weight, self.eps)
         selected = hidden.reshape(bsz * width, -1).index_select(0, logit_rows)  # [n_rows, hidden]
@@ -219,15 +245,9 @@ class PagedLlama:
         return hidden + self._mlp(layer, mlp_in)
 
     def _attention(self, layer: DecoderLayer, x: torch.Tensor, inputs: LayerInputs, kv: torch.Tensor) -> torch.Tensor:
-        """Grouped-query attention of `x` [B, T, hidden] over each request's paged context in `kv`.
-
-        Each KV head serves G = H / Hkv query heads, so the G·T queries of a group are
-        stacked into one matrix and meet their keys in a single matmul: no repeat of K/V,
-        and cheap for the short chunks of decoding and verification, where the CPU
-        flash-attention kernel is not. Keys are gathered as [L, D] rows and multiplied
-        transposed: gathered straight into a [D, L] layout, the compiled kernel read the pool
-        element by element (docs/performance.md#attention-on-cpu).
-        """
+        """Grouped-query attention of `x` [B, T, hidden] over each request's paged context in
+        `kv`: projections and RoPE, the chunk's keys and values written to the pool, then the
+        model's attention kernel (`specdec.model.attention`)."""
         bsz, width, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = layer.qkv(x).view(bsz, width, heads + 2 * kv_heads, dim)  # [B, T, H + 2·Hkv, D]
@@ -236,23 +256,8 @@ class PagedLlama:
         q = qk[:, :, :heads].transpose(1, 2)  # [B, H, T, D]
         new = torch.stack((qk[:, :, heads:], qkv[:, :, heads + kv_heads :]), dim=2)  # [B, T, 2, Hkv, D]
         kv.index_put_((inputs.write_index,), new.view(bsz * width, 2, kv_heads, dim).index_select(0, inputs.token_rows))
-        context = kv.index_select(0, inputs.context_index.view(-1)).view(bsz, -1, 2, kv_heads, dim)  # [B, L, 2, Hkv, D]
-        k_ctx = context[:, :, 0].transpose(1, 2)  # [B, Hkv, L, D]
-        v_ctx = context[:, :, 1].transpose(1, 2)  # [B, Hkv, L, D]
-        math = self._attention_dtype(x)
-        q = q.reshape(bsz, kv_heads, -1, dim).to(math)  # [B, Hkv, G*T, D]: head h = g_kv * G + g
-        scores = torch.matmul(q, k_ctx.to(math).transpose(2, 3)) * dim**-0.5 + inputs.bias  # [B, Hkv, G*T, L]
-        out = torch.matmul(torch.softmax(scores, dim=-1), v_ctx.to(math))  # [B, Hkv, G*T, D]
-        out = out.to(x.dtype).view(bsz, heads, width, dim).transpose(1, 2)  # [B, T, H, D]
-        out = out.reshape(bsz, width, heads * dim)  # [B, T, H*D]
-        return layer.o(out)
-
-    @staticmethod
-    def _attention_dtype(x: torch.Tensor) -> torch.dtype:
-        """fp32 for the attention math on CPU, where a CPU without native bf16 units runs a bf16
-        batched matmul several times slower and the tensors are tiny; on accelerators the
-        model's own dtype."""
-        return torch.float32 if x.device.type == "cpu" else x.dtype
+        out = self.attention(q, new, kv, inputs.attention)  # [B, H, T, D]
+        return layer.o(out.transpose(1, 2).reshape(bsz, width, heads * dim))
 
     @staticmethod
     def _mlp(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from specdec.errors import InvalidArgumentError
 from specdec.flags import inherit, option
+from specdec.model.attention import AttentionKernel
+from specdec.model.llama import DEFAULT_PREFILL_CHUNK_TOKENS
 from specdec.model.loader import DEFAULT_MODEL
 from specdec.model.quantize_int4 import KERNELS as INT4_KERNELS
 from specdec.model.runtime import DTYPES, QUANTIZATIONS
@@ -64,6 +66,16 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
         DEFAULT_COMPILE_BUDGET_S, "start-up seconds for compiled graphs: the first is always built, each further "
         "one only while those before took at most this long", advanced=True,
     )
+    attention: str = option(
+        "auto", "attention kernel: sdpa (torch's fused attention, scores never materialised), gather (the reference: "
+        "each context copied out of the KV pool, scores materialised), or auto (the device's default)",
+        choices=("auto", *(kernel.value for kernel in AttentionKernel)), advanced=True,
+    )
+    prefill_chunk_tokens: int = option(
+        DEFAULT_PREFILL_CHUNK_TOKENS, "most tokens of one request a forward computes: a longer prompt is prefilled "
+        "in chunks of this many, one forward after another, in bounded memory and with the same results",
+        advanced=True,
+    )
     tuning_cache: bool = option(
         True, "reuse the start-up measurements (kernels, compiled steps, forward costs) cached for the same machine, "
         "torch, model, weights, dtype, code and flags; off: measure at every start", advanced=True,
@@ -99,11 +111,15 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
             raise InvalidArgumentError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise InvalidArgumentError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.attention != "auto" and self.attention not in {kernel.value for kernel in AttentionKernel}:
+            raise InvalidArgumentError(f"attention must be auto or one of {[k.value for k in AttentionKernel]}, "
+                                       f"got {self.attention!r}")
         if self.compile not in COMPILE_MODES:
             raise InvalidArgumentError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if not 0 <= self.port <= 65535:
             raise InvalidArgumentError(f"port must be in 0..65535, got {self.port}")
-        positive = ("group_size", "max_slots", "kv_token_budget", "block_size", "max_speculative_tokens")
+        positive = ("group_size", "max_slots", "kv_token_budget", "block_size", "max_speculative_tokens",
+                    "prefill_chunk_tokens")
         for name in (*positive, "max_message_bytes"):
             if getattr(self, name) <= 0:
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -48,6 +48,8 @@ class ModelEngine:
         self.leases = LeaseTable(config.lease_ttl_s)
         #: The start-up choices: the runtime's tuner (a fresh one, without a cache, when it has none).
         self.tuner = runtime.tuner if isinstance(runtime.tuner, StartupTuner) else StartupTuner()
+        self.tuner.attention(self.forward, config.attention)
+        self.tuner.note("prefill_chunk_tokens", config.prefill_chunk_tokens, "flag")
         self.tuner.layer_path(self.forward, self.cache, config.compile, config.compile_budget_s, config.measure_costs)
         #: Forward costs measured on this machine at start-up (empty when disabled).
         self.forward_costs: tuple[ForwardCost, ...] = self.tuner.forward_costs(
@@ -196,7 +198,8 @@ class ModelEngine:
         before = {slot_id: len(self.tokens[slot_id]) for slot_id, _ in chunks}
         self.cache.blocks.append_many([(slot_id, len(tokens)) for slot_id, tokens in chunks])  # all or nothing
         try:
-            out = self.forward.compute(self.cache, chunks, logits=logits, prompt=prompt)
+            out = self.forward.compute(self.cache, chunks, logits=logits, prompt=prompt,
+                                       chunk_tokens=self.config.prefill_chunk_tokens)
         except BaseException:
             for slot_id, length in before.items():  # undo a partial append
                 if self.cache.blocks.length(slot_id) > length:

@@ -127,7 +127,8 @@ async def expire_leases_forever(engine: ModelEngine, worker: ModelWorker) -> Non
 #: device and threads (`specdec.tuning.store.TuningKey.settings`).
 TUNING_SETTINGS = (
     "num_layers", "group_size", "int4_kernel", "compile", "compile_budget_s", "measure_costs",
-    "max_slots", "max_speculative_tokens", "kv_token_budget", "block_size", "cpu_cores",
+    "max_slots", "max_speculative_tokens", "kv_token_budget", "block_size", "cpu_cores", "attention",
+    "prefill_chunk_tokens",
 )
 
 

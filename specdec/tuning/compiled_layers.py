@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.kv_cache.paged_cache import PagedKVCache
+from specdec.model.attention import ContextLayout
 from specdec.model.llama import LayerInputs, PagedLlama
 from specdec.tuning.cost_profile import filler_prompt
 from specdec.tuning.timing import interleaved_times, synchronizer
@@ -120,10 +121,10 @@ class CompiledLayers:
 
     def __call__(self, hidden: torch.Tensor, inputs: LayerInputs, cache: PagedKVCache) -> torch.Tensor:
         """The layers of one forward. Warmed up (`compile_on_miss` off), a call runs under
-        `skip_guard_eval_unsafe`; one that fits no graph (a context of one token, which the
-        graphs specialised away) makes dynamo raise before anything ran, and then runs with
-        the full guard check, eager where no graph covers it."""
-        if shape_class(hidden.shape[0], hidden.shape[1]) not in self.shapes:
+        `skip_guard_eval_unsafe`; one that fits no graph makes dynamo raise before anything ran,
+        and then runs with the full guard check, eager where no graph covers it."""
+        if (shape_class(hidden.shape[0], hidden.shape[1]) not in self.shapes
+                or inputs.attention.layout is not ContextLayout.MASKED):  # a 1- or 2-token prompt
             return self.forward.eager_layers(hidden, inputs, cache)
         self._mark_dynamic(hidden, inputs, cache)
         layers, step = self.forward.layers, self.layers_per_call
@@ -147,10 +148,10 @@ class CompiledLayers:
     def _mark_dynamic(self, hidden: torch.Tensor, inputs: LayerInputs, cache: PagedKVCache) -> None:
         """One graph for every context length L, every pool size and, for a batch, every batch
         size. A pool's tensors live on, so they are marked once, not on every call."""
-        torch._dynamo.mark_dynamic(inputs.context_index, 1)
-        torch._dynamo.mark_dynamic(inputs.bias, 3)
+        torch._dynamo.mark_dynamic(inputs.attention.context_index, 1)
+        torch._dynamo.mark_dynamic(inputs.attention.bias, 3)
         if hidden.shape[0] >= MANY:
-            for tensor in (hidden, *inputs):
+            for tensor in (hidden, *inputs.tensors()):
                 torch._dynamo.mark_dynamic(tensor, 0)
         if cache not in self._dynamic_pools:
             for kv in cache.kv:

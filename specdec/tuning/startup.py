@@ -17,6 +17,7 @@ from torch import nn
 
 from specdec.cost_model import ForwardCost
 from specdec.kv_cache.paged_cache import PagedKVCache
+from specdec.model.attention import AttentionKernel, default_kernel, make_attention
 from specdec.model.linear import DenseLinear, onednn_available
 from specdec.model.llama import PagedLlama
 from specdec.model.loader import default_cache_dir, weights_fingerprint
@@ -178,6 +179,16 @@ class StartupTuner:
             m.set_kernels(*chosen[f"{m.out_features}x{m.in_features}"])
         summary = ", ".join(f"{shape} {'/'.join(kernels)}" for shape, kernels in chosen.items())
         self.note("dense_kernels", "narrow/wide per shape", reason, summary)
+
+    def attention(self, forward: PagedLlama, flag: str) -> None:
+        """Set the attention kernel: the one `flag` names, or for "auto" the device's default."""
+        if flag != "auto":
+            kernel, reason, detail = AttentionKernel(flag), "flag", ""
+        else:
+            device = forward.embed_tokens.weight.device
+            kernel, reason, detail = default_kernel(device), "fixed", f"the default on {device.type}"
+        forward.attention = make_attention(kernel)
+        self.note("attention", kernel.value, reason, detail)
 
     def layer_path(self, forward: PagedLlama, cache: PagedKVCache, mode: str, budget_s: float, measure: bool) -> None:
         """Install the compiled layer runner where `mode` and the measurements say so."""

@@ -121,6 +121,16 @@ def test_lazy_prefill_of_new_slots_at_different_lengths_equals_each_alone(
         assert list(batched[f"b{i}"].tokens) == list(alone.tokens) == greedy_continuation(smollm2, prompt, k)
 
 
+def test_a_long_prompt_is_fed_in_chunks_with_the_same_drafts(
+    start_draft: Callable[..., Service], smollm2: LoadedModel, prompts: list[list[int]]
+) -> None:
+    draft = start_draft(prefill_chunk_tokens=8)
+    prompt = prompts[2] * 2  # 38 tokens: five chunks
+    result = propose(draft, item("s", prompt, k=4), item("t", prompts[0], k=2))
+    assert list(result["s"].tokens) == greedy_continuation(smollm2, prompt, 4)
+    assert list(result["t"].tokens) == greedy_continuation(smollm2, prompts[0], 2)
+
+
 def test_truncate_rpc_then_propose(draft: Service, smollm2: LoadedModel, prompts: list[list[int]]) -> None:
     prompt = prompts[2]
     n = len(prompt)

@@ -350,6 +350,49 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(
     target.engine.cache.blocks.check_invariants()
 
 
+def test_long_prompts_are_prefilled_in_chunks_with_the_same_logits(
+    start_target: Callable[..., Service], smollm2: LoadedModel, prompts: list[list[int]]
+) -> None:
+    """Chunks of 8 tokens: prompts of 57 and 19 tokens run as 8 and 3 forwards, after a
+    prefix-cache hit too, and give transformers' logits; the slots cache what one forward would."""
+    target = start_target(prefill_chunk_tokens=8)
+    long, short = prompts[2] * 3, prompts[2]
+    logits = prefill(target, {"a": long, "b": short})
+    again = prefill(target, {"c": long})["c"]  # 48 tokens from the prefix cache, 9 in two chunks
+    for got, tokens in ((logits["a"], long), (logits["b"], short), (again, long)):
+        torch.testing.assert_close(got, reference_logits(smollm2, tokens)[-1], atol=ATOL, rtol=0)
+    n = len(long)
+    after = verify(target, [("a", n, [5, 6, 7])])["a"]
+    torch.testing.assert_close(after, reference_logits(smollm2, long + [5, 6, 7])[n:], atol=ATOL, rtol=0)
+
+
+def test_a_chunked_prefill_that_fails_frees_its_slots(
+    start_target: Callable[..., Service], prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The third of a prompt's chunks fails: the batch's slots and blocks are freed, as after a
+    one-forward failure, and the next prefill is served."""
+    target = start_target(prefill_chunk_tokens=8)
+    start = target.info().free_kv_tokens
+    forward, calls = target.engine.forward.forward, []
+
+    def failing(*args: object) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory in chunk 3")
+        return forward(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(target.engine.forward, "forward", failing)
+    error = rpc_error(target.stub.Prefill, target_pb2.PrefillRequest(items=[
+        target_pb2.PrefillItem(slot_id="a", prompt_tokens=prompts[2] * 3),
+        target_pb2.PrefillItem(slot_id="b", prompt_tokens=prompts[0]),
+    ]))
+    assert error.code() == grpc.StatusCode.INTERNAL and len(calls) == 3
+    info = target.info()
+    assert (info.active_slots, info.free_kv_tokens) == (0, start)
+    target.engine.cache.blocks.check_invariants()
+    prefill(target, {"a": prompts[0]})
+
+
 def test_rolling_back_into_a_shared_block_copies_it(
     target: Service, smollm2: LoadedModel, prompts: list[list[int]]
 ) -> None:

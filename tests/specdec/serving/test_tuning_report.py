@@ -58,7 +58,8 @@ def test_one_line_and_info_report_every_choice_and_a_restart_reuses_them(
     assert len(lines) == 1
     reasons = {c.name: c.reason for c in info.tuning}
     assert set(reasons) >= {"heap", "threads", "openmp_binding", "release_threads", "compile_cache", "dense_kernels",
-                            "compiled_steps", "forward_costs"}
+                            "attention", "prefill_chunk_tokens", "compiled_steps", "forward_costs"}
+    assert reasons["attention"] == "fixed" and reasons["prefill_chunk_tokens"] == "flag"
     assert reasons["forward_costs"] == "measured" and reasons["compiled_steps"] == "flag"  # --compile off
     assert reasons["heap"] == "flag" and reasons["compile_cache"] == "flag"  # TORCHINDUCTOR_CACHE_DIR set
     assert all(str(choice) in lines[0] for choice in info.tuning)

@@ -4,10 +4,12 @@ is measured (with the measurement pinned here) and saved for the next start."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from specdec.model.attention import GatherAttention, SdpaAttention
 from specdec.tuning import startup
 from specdec.tuning.startup import StartupTuner
 from specdec.tuning.store import TuningKey, TuningStore
@@ -99,3 +101,16 @@ def test_the_cost_table_is_reused_only_when_nothing_else_was_measured(
     off = _tuner(tmp_path)
     assert off.forward_costs(object(), object(), max_batch=4, max_tokens=9, enabled=False) == ()  # type: ignore[arg-type]
     assert (off.choices[-1].value, off.choices[-1].reason) == ("not measured", "flag")
+
+
+def test_the_attention_kernel_is_the_devices_default_unless_a_flag_names_one() -> None:
+    forward = SimpleNamespace(embed_tokens=SimpleNamespace(weight=torch.zeros(1)), attention=None)
+    tuner = StartupTuner()
+    tuner.attention(forward, "auto")  # type: ignore[arg-type]
+    assert isinstance(forward.attention, SdpaAttention)
+    tuner.attention(forward, "gather")  # type: ignore[arg-type]
+    assert isinstance(forward.attention, GatherAttention)
+    assert [(c.name, c.value, c.reason) for c in tuner.choices] == [
+        ("attention", "sdpa", "fixed"), ("attention", "gather", "flag"),
+    ]
+    assert tuner.choices[0].detail == "the default on cpu"
