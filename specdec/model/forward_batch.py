@@ -51,28 +51,47 @@ def check_chunks(chunks: list[Chunk]) -> None:
             raise InvalidArgumentError(f"slot {slot_id!r}: chunk has no tokens")
 
 
-def build_forward_batch(cache: PagedKVCache, chunks: list[Chunk], starts: list[int] | None = None) -> ForwardBatch:
+@dataclass(frozen=True)
+class StepShape:
+    """The one shape every forward of a fixed-shape step has: `requests` chunks of `tokens`
+    tokens over `blocks` KV blocks each, real chunks first, then padding requests that see
+    one key and write nothing. Equal shapes run the same kernels, so a token's logits do not
+    depend on its batch, its chunk or its row (batch-invariant verification, CUDA graphs)."""
+
+    requests: int
+    tokens: int
+    blocks: int
+
+
+def build_forward_batch(
+    cache: PagedKVCache, chunks: list[Chunk], starts: list[int] | None = None, shape: StepShape | None = None
+) -> ForwardBatch:
     """The index tensors of one forward over chunks whose blocks are ALREADY appended to their slots.
 
     Pure: it only reads the block tables (the engine allocated the blocks, e.g. with
     `cache.blocks.append_many`). Chunk i holds the slot's tokens from `starts[i]` on; by
-    default each chunk is the last `len(tokens)` tokens of its slot.
+    default each chunk is the last `len(tokens)` tokens of its slot. With a `shape`, the batch
+    is padded to it (`StepShape`).
     """
     starts = _checked_starts(cache, chunks, starts)
     chunk_lens = [len(tokens) for _, tokens in chunks]
-    bsz, width, bs = len(chunks), max(chunk_lens), cache.block_size
+    bs = cache.block_size
     ends = [start + n for start, n in zip(starts, chunk_lens)]
     slots = [slot_id for slot_id, _ in chunks]
     tables = [cache.blocks.block_table(slot)[: -(-end // bs)] for slot, end in zip(slots, ends)]
-    max_blocks = max(len(table) for table in tables)
+    if shape is None:
+        shape = StepShape(len(chunks), max(chunk_lens), max(len(table) for table in tables))
+    _check_fits(shape, chunk_lens, tables)
+    bsz, width, max_blocks = shape.requests, shape.tokens, shape.blocks
+    padding = bsz - len(chunks)
     host = [  # each field's values, row-major, in ForwardBatch's order
-        [t for _, tokens in chunks for t in tokens + [0] * (width - len(tokens))],
-        [start + t for start in starts for t in range(width)],
+        [t for _, tokens in chunks for t in tokens + [0] * (width - len(tokens))] + [0] * (padding * width),
+        [start + t for start in starts + [0] * padding for t in range(width)],
         [b * width + t for b, n in enumerate(chunk_lens) for t in range(n)],
         [b * width + n - 1 for b, n in enumerate(chunk_lens)],
         [row for slot, start, end in zip(slots, starts, ends) for row in cache.blocks.positions(slot, start, end)],
-        [block for table in tables for block in table + [0] * (max_blocks - len(table))],
-        ends,
+        [block for table in tables + [[]] * padding for block in table + [0] * (max_blocks - len(table))],
+        ends + [1] * padding,  # a padding request sees the first key of block 0: finite garbage
     ]
     input_ids, positions, token_rows, last_rows, write_index, tables_t, context_lens = _to_device(host, cache.device)
     return ForwardBatch(
@@ -85,8 +104,19 @@ def build_forward_batch(cache: PagedKVCache, chunks: list[Chunk], starts: list[i
         context_lens=context_lens,
         chunk_lens=chunk_lens,
         block_size=bs,
-        fresh=all(start == 0 for start in starts),
+        fresh=padding == 0 and all(start == 0 for start in starts),
     )
+
+
+def _check_fits(shape: StepShape, chunk_lens: list[int], tables: list[list[int]]) -> None:
+    """InvalidArgumentError unless the chunks fit `shape`."""
+    if len(chunk_lens) > shape.requests or max(chunk_lens) > shape.tokens:
+        raise InvalidArgumentError(
+            f"{len(chunk_lens)} chunks of up to {max(chunk_lens)} tokens do not fit a step of "
+            f"{shape.requests} x {shape.tokens}"
+        )
+    if max(len(table) for table in tables) > shape.blocks:
+        raise InvalidArgumentError(f"a context needs more than the step's {shape.blocks} blocks")
 
 
 def _checked_starts(cache: PagedKVCache, chunks: list[Chunk], starts: list[int] | None) -> list[int]:

@@ -27,7 +27,13 @@ from specdec.model.attention import (
     default_kernel,
     make_attention,
 )
-from specdec.model.forward_batch import ForwardBatch, build_forward_batch, check_chunks, chunk_rounds
+from specdec.model.forward_batch import (
+    ForwardBatch,
+    StepShape,
+    build_forward_batch,
+    check_chunks,
+    chunk_rounds,
+)
 from specdec.model.linear import DenseLinear, fastest_wide_kernel, fuse
 
 SUPPORTED_MODEL_TYPES = ("llama",)
@@ -185,6 +191,24 @@ class PagedLlama:
             for piece, part in zip(pieces, parts):
                 out[piece.chunk].append(part)
         return [parts[0] if len(parts) == 1 else torch.cat(parts) for parts in out]
+
+    @torch.inference_mode()
+    def compute_fixed(
+        self, cache: PagedKVCache, chunks: list[tuple[str, list[int]]], shape: StepShape
+    ) -> list[torch.Tensor]:
+        """`compute(..., logits="all", prompt=False)` with every forward padded to `shape`: the
+        chunks run `shape.requests` at a time and the output head scores every row, padding
+        included, so each matmul has the same shape at every step. Returns `[len(tokens), vocab]`
+        per chunk."""
+        check_chunks(chunks)
+        out: list[torch.Tensor] = []
+        every = torch.arange(shape.requests * shape.tokens, device=cache.device)  # [R*T]
+        for first in range(0, len(chunks), shape.requests):
+            batch = build_forward_batch(cache, chunks[first : first + shape.requests], shape=shape)
+            with fastest_wide_kernel(True):
+                scored = self.forward(batch, cache, every)  # [R*T, vocab]
+            out.extend(scored.index_select(0, batch.token_rows).split(batch.chunk_lens, dim=0))
+        return out
 
     def forward(self, batch: ForwardBatch, cache: PagedKVCache, logit_rows: torch.Tensor) -> torch.Tensor:
         """Logits `[len(logit_rows), vocab]` for the given rows of the flattened `[B*T]` batch.
