@@ -19,7 +19,7 @@ import torch
 
 from specdec.errors import InvalidArgumentError
 from specdec.model.runtime import ModelRuntime, build_runtime
-from specdec.serving.config import ModelServiceConfig
+from specdec.serving.config import AUTO, ModelServiceConfig
 from specdec.serving.engine import ModelEngine
 from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer, start_server
@@ -31,6 +31,7 @@ from specdec.tuning.inductor import use_compile_cache
 from specdec.tuning.openmp import proc_bind
 from specdec.tuning.startup import StartupTuner
 from specdec.tuning.thread_placement import parse_cores
+from specdec.tuning.timing import device_clock
 from specdec.v1 import common_pb2
 from specdec.wire.items import Lease
 
@@ -143,10 +144,15 @@ def build_engine(engine_cls: Callable[[ModelRuntime, C], E], config: C) -> E:
     if threads := config.threads or len(cores):
         torch.set_num_threads(threads)
     settings = {name: getattr(config, name) for name in TUNING_SETTINGS}
+    precision = config.precision()
     tuner = StartupTuner.for_service(
-        model=config.model, dtype=config.dtype, quantization=config.quantization, device=config.device,
+        model=config.model, dtype=precision.dtype, quantization=precision.quantization, device=config.device,
         settings=settings, reuse=config.tuning_cache,
     )
+    for name in ("dtype", "quantization"):
+        chosen = getattr(config, name) != AUTO
+        tuner.note(name, getattr(precision, name), "flag" if chosen else "fixed",
+                   "" if chosen else f"auto on {torch.device(config.device).type}")
     tuner.note("heap", "retained" if heap else "default", "flag" if config.retain_freed_memory == heap else "fixed")
     tuner.note("threads", torch.get_num_threads(), "flag" if config.threads or cores else "fixed",
                f"cores {config.cpu_cores}" if cores else "")
@@ -155,8 +161,8 @@ def build_engine(engine_cls: Callable[[ModelRuntime, C], E], config: C) -> E:
     cache_dir, reason = use_compile_cache()
     tuner.note("compile_cache", cache_dir, reason)
     runtime = build_runtime(
-        config.model, dtype=config.dtype, device=config.device,
-        quantization=config.quantization, num_layers=config.num_layers, group_size=config.group_size,
+        config.model, dtype=precision.dtype, device=config.device,
+        quantization=precision.quantization, num_layers=config.num_layers, group_size=config.group_size,
         int4_kernel=config.int4_kernel, tuner=tuner,
     )
     engine = engine_cls(runtime, config)
@@ -179,8 +185,9 @@ async def start_model_service(
     All torch work of a service happens on its one worker thread, model loading included:
     a second thread that has run OpenMP kernels (e.g. the main thread, had it loaded the
     model) keeps its own thread team, which roughly halves small-kernel speed on 2 cores.
+    Its compute times wait for the configured device.
     """
-    worker = ModelWorker(service_name.rsplit(".", 1)[-1])
+    worker = ModelWorker(service_name.rsplit(".", 1)[-1], clock=device_clock(config.device))
     if engine is None:
         engine = await worker.run(build_engine, engine_cls, config)
     label = service_name.rsplit(".", 1)[-1].removesuffix("Service").lower()  # "target" / "draft"
