@@ -16,6 +16,7 @@ import torch
 
 from specdec.cost_model import ForwardCost
 from specdec.errors import CapacityExhaustedError, InvalidArgumentError, SlotNotFoundError
+from specdec.model.forward_batch import StepShape
 from specdec.model.runtime import ModelRuntime
 from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.serving.config import ModelServiceConfig
@@ -51,6 +52,9 @@ class ModelEngine:
         self.tuner.attention(self.forward, config.attention)
         self.tuner.note("prefill_chunk_tokens", config.prefill_chunk_tokens, "flag")
         self.tuner.layer_path(self.forward, self.cache, config.compile, config.compile_budget_s, config.measure_costs)
+        #: The one shape of every verify and decode forward, or None: each forward its own
+        #: (`specdec.model.forward_batch.StepShape`; the target's --batch-invariant).
+        self.step_shape: StepShape | None = None
         #: Forward costs measured on this machine at start-up (empty when disabled).
         self.forward_costs: tuple[ForwardCost, ...] = self.tuner.forward_costs(
             self.forward, self.cache, max_batch=config.max_slots, max_tokens=config.max_speculative_tokens + 1,
@@ -192,14 +196,21 @@ class ModelEngine:
         if self.config.release_threads:
             release_threads()
 
+    def _forward(self, chunks: list[tuple[str, list[int]]], logits: str, prompt: bool) -> list[torch.Tensor]:
+        """The forwards of `_run`: verify and decode steps in `step_shape` when there is one."""
+        if prompt or self.step_shape is None:
+            return self.forward.compute(self.cache, chunks, logits=logits, prompt=prompt,
+                                        chunk_tokens=self.config.prefill_chunk_tokens)
+        rows = self.forward.compute_fixed(self.cache, chunks, self.step_shape)  # [len(tokens), vocab] each
+        return rows if logits == "all" else [chunk_rows[-1] for chunk_rows in rows]
+
     def _run(self, chunks: list[tuple[str, list[int]]], logits: str, *, prompt: bool = True) -> list[torch.Tensor]:
         """One batched forward that appends each chunk to its slot; all or nothing. `prompt`
         as in `PagedLlama.compute` (False for verify and decode steps)."""
         before = {slot_id: len(self.tokens[slot_id]) for slot_id, _ in chunks}
         self.cache.blocks.append_many([(slot_id, len(tokens)) for slot_id, tokens in chunks])  # all or nothing
         try:
-            out = self.forward.compute(self.cache, chunks, logits=logits, prompt=prompt,
-                                       chunk_tokens=self.config.prefill_chunk_tokens)
+            out = self._forward(chunks, logits, prompt)
         except BaseException:
             for slot_id, length in before.items():  # undo a partial append
                 if self.cache.blocks.length(slot_id) > length:

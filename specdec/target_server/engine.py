@@ -9,6 +9,8 @@ import typing
 import torch
 
 from specdec.errors import InvalidArgumentError, SlotExistsError
+from specdec.model.forward_batch import StepShape
+from specdec.model.runtime import ModelRuntime
 from specdec.sampling.rejection_sampler import draw_candidates, token_probs
 from specdec.sampling.transforms import (
     chunk_logits_to_probs,
@@ -19,6 +21,7 @@ from specdec.sampling.transforms import (
     stack_chunks,
 )
 from specdec.serving.engine import ModelEngine
+from specdec.target_server.config import TargetConfig
 from specdec.tuning.threads import one_thread
 from specdec.wire.items import (
     ArgmaxMode,
@@ -39,6 +42,15 @@ from specdec.wire.items import (
 
 class TargetEngine(ModelEngine):
     """The verifier: scores prompts and draft chunks, K+1 positions per request in one pass."""
+
+    def __init__(self, runtime: ModelRuntime, config: TargetConfig) -> None:
+        super().__init__(runtime, config)
+        if config.batch_invariant:
+            self.step_shape = StepShape(
+                requests=config.invariant_batch, tokens=config.max_speculative_tokens + 1,
+                blocks=-(-self.max_seq_len // self.cache.block_size),
+            )
+        self.tuner.note("batch_invariant", config.batch_invariant, "flag")
 
     def prefill(self, items: list[PrefillItem], lease: Lease | None = None) -> list[ScoredChunk]:
         """Allocate a slot per prompt (held under `lease`) and return the logits at each
