@@ -14,18 +14,17 @@ import functools
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from specdec.draft_server.config import DraftConfig
-from specdec.model.chat import encode_chat
 from specdec.model.runtime import ModelRuntime, build_runtime
 from specdec.target_server.config import TargetConfig
 from specdec_bench.sweeps import Progress
-from specdec_bench.workloads import PROMPTS, chat
+from specdec_bench.workloads import PROMPTS, PromptForm
 
 METHODS = ("hf_plain", "hf_assisted")
 
@@ -90,13 +89,19 @@ def run_peers(
     repetitions: int,
     reference: Mapping[int, list[int]],
     progress: Progress,
+    methods: Sequence[str] = METHODS,
+    form: PromptForm = PromptForm.CHAT,
 ) -> list[PeerRecord]:
-    """Greedy plain and assisted generation of every prompt, interleaved, `repetitions` times."""
+    """Greedy generation of every prompt by each of `methods` (plain and assisted by default),
+    interleaved, `repetitions` times. The draft is loaded only for assisted generation."""
     progress.set_description("transformers peers (loading)")
-    target, draft = _runtime(target_config), _runtime(draft_config)
-    configure_assistant(draft.loaded.model, k)
+    target = _runtime(target_config)
+    draft = _runtime(draft_config) if "hf_assisted" in methods else None
+    if draft is not None:
+        configure_assistant(draft.loaded.model, k)
     tokenizer = target.loaded.tokenizer
     eos = tokenizer.eos_token_id
+    device = target.forward.embed_tokens.weight.device  # the inputs go where the weights are
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or threads)
     records: list[PeerRecord] = []
@@ -104,9 +109,9 @@ def run_peers(
         progress.set_description("transformers peers")
         for rep in range(repetitions):
             for prompt in range(prompts):
-                ids = torch.tensor([encode_chat(tokenizer, chat(PROMPTS[prompt]))])
-                for method in METHODS if (rep + prompt) % 2 == 0 else reversed(METHODS):
-                    assistant = draft.loaded.model if method == "hf_assisted" else None
+                ids = torch.tensor([form.token_ids(tokenizer, PROMPTS[prompt])], device=device)  # [1, prompt]
+                for method in methods if (rep + prompt) % 2 == 0 else list(reversed(methods)):
+                    assistant = draft.loaded.model if method == "hf_assisted" and draft is not None else None
                     run = functools.partial(greedy_generate, target.loaded.model, ids, eos=eos, assistant=assistant)
                     first = min(_timed(functools.partial(run, 1))[1] for _ in range(2))  # cheap: the faster of two
                     tokens, seconds = _timed(functools.partial(run, max_new_tokens))
