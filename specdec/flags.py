@@ -43,13 +43,17 @@ def option(
     return typing.cast(T, dataclasses.field(default=default, metadata=metadata))
 
 
-def inherit(base: type, name: str, default: Any = dataclasses.MISSING, *, advanced: bool | None = None) -> Any:
-    """Redeclare a base config field in a subclass, keeping its help and choices: with a new
-    default, or (`advanced`) listed in another group of `--help`."""
+def inherit(
+    base: type, name: str, default: Any = dataclasses.MISSING, *, advanced: bool | None = None, help: str = "",
+) -> Any:
+    """Redeclare a base config field in a subclass, keeping its choices (and its help, unless
+    `help` replaces it): with a new default, or (`advanced`) listed in another group of `--help`."""
     original = next(f for f in dataclasses.fields(base) if f.name == name)
     metadata = dict(original.metadata)
     if advanced is not None:
         metadata["advanced"] = advanced
+    if help:
+        metadata["help"] = help
     return dataclasses.field(default=original.default if default is dataclasses.MISSING else default, metadata=metadata)
 
 

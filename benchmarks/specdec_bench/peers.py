@@ -46,8 +46,9 @@ class PeerRecord:
 
 
 def _runtime(config: TargetConfig | DraftConfig) -> ModelRuntime:
+    precision = config.precision()
     return build_runtime(
-        config.model, dtype=config.dtype, device=config.device, quantization=config.quantization,
+        config.model, dtype=precision.dtype, device=config.device, quantization=precision.quantization,
         num_layers=config.num_layers,
     )
 

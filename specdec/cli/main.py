@@ -51,7 +51,8 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add_flags(groups[1], TargetConfig, advanced=advanced[1], prefix="target-", skip=_CHILD_SKIP, demote=_CHILD_DEMOTE)
     add_flags(
         groups[2], DraftConfig, advanced=advanced[2], prefix="draft-", skip=_CHILD_SKIP, demote=_CHILD_DEMOTE,
-        defaults={"model": ""}, helps={"model": "draft model; empty: the target model, quantized"},
+        defaults={"model": ""},
+        helps={"model": "draft model; empty: the target model, in the draft's own dtype and quantization"},
     )
 
 

@@ -1,6 +1,8 @@
 """Load a causal LM and its tokenizer through `transformers`.
 
 Sources, tried in this order:
+  * a random model by configuration (`random:llama-3.2-1b[:seed=N]`, `specdec.model.random_models`):
+    a published architecture with seeded random weights, and its embedded tokenizer;
   * an embedded model name (`smollm2-135m`): a GGUF shipped inside a pip package,
     located with `importlib.util.find_spec` (the package is never imported);
   * a path to a `.gguf` file;
@@ -27,6 +29,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.errors import InvalidArgumentError
+from specdec.model.random_models import RandomModelSpec, build_random_model, with_llama3_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,8 @@ def embedded_model_path(name: str) -> Path:
 
 def gguf_path_of(name_or_path: str) -> Path | None:
     """The GGUF file a model source reads from (embedded name or `.gguf` path), else None."""
+    if RandomModelSpec.parse(name_or_path) is not None:
+        return None
     if name_or_path in EMBEDDED_MODELS:
         return embedded_model_path(name_or_path)
     return Path(name_or_path) if name_or_path.endswith(".gguf") else None
@@ -89,8 +94,11 @@ def load_tokenizer(name_or_path: str, *, cache_dir: Path | str | None = None) ->
     """The tokenizer alone, from any source `load_model` takes or an embedded tokenizer name (`llama-3.2`).
 
     For GGUF sources the converted cache directory is used when present; otherwise the
-    tokenizer is read from the GGUF file itself (no weights are dequantized).
+    tokenizer is read from the GGUF file itself (no weights are dequantized). A random model
+    gets its architecture's embedded tokenizer, with the Llama 3 chat format if it has none.
     """
+    if (spec := RandomModelSpec.parse(name_or_path)) is not None:
+        return with_llama3_chat_template(load_tokenizer(spec.definition.tokenizer))
     if name_or_path in EMBEDDED_TOKENIZERS:
         return AutoTokenizer.from_pretrained(_package_file(name_or_path, *EMBEDDED_TOKENIZERS[name_or_path]))
     gguf = embedded_model_path(name_or_path) if name_or_path in EMBEDDED_MODELS else None
@@ -110,8 +118,13 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     cache_dir: Path | str | None = None,
+    num_layers: int = 0,
 ) -> LoadedModel:
-    """Load model and tokenizer from an embedded name, a `.gguf` file, a directory or a hub id."""
+    """Load model and tokenizer from a random model's name, an embedded name, a `.gguf` file, a
+    directory or a hub id; keep only the first `num_layers` decoder layers (0 = all; a random
+    model never allocates the others)."""
+    if (spec := RandomModelSpec.parse(name_or_path)) is not None:
+        return _random_model(spec, name_or_path, dtype=dtype, device=device, num_layers=num_layers)
     if name_or_path in EMBEDDED_MODELS:
         source: Path | str = _safetensors_from_gguf(embedded_model_path(name_or_path), cache_dir)
     elif name_or_path.endswith(".gguf"):
@@ -128,7 +141,33 @@ def load_model(
     # transformers types `to` through a decorator that loses its signature.
     model.to(device).eval()  # type: ignore[arg-type]
     model.requires_grad_(False)
-    return LoadedModel(model=model, tokenizer=tokenizer, model_id=name_or_path, name=name_or_path, source=source)
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, model_id=name_or_path, name=name_or_path, source=source)
+    if num_layers:
+        keep_first_layers(loaded, num_layers)
+    return loaded
+
+
+def _random_model(
+    spec: RandomModelSpec, name: str, *, dtype: torch.dtype, device: torch.device | str, num_layers: int
+) -> LoadedModel:
+    """The random model `spec` names, built on `device` (first `num_layers` layers only, 0 = all)."""
+    model = build_random_model(spec.definition, spec.seed, dtype=dtype, device=device, num_layers=num_layers)
+    label = f"{spec.name} (first {num_layers} layers)" if num_layers else spec.name
+    return LoadedModel(model=model, tokenizer=load_tokenizer(name), model_id=name, name=label, source=spec.name)
+
+
+def keep_first_layers(loaded: LoadedModel, num_layers: int) -> None:
+    """Drop every decoder layer past the first `num_layers` (in place).
+
+    A first-N-layer copy of the target is a cheap, deliberately weak draft: it agrees with
+    the target on only a few percent of tokens, which exercises the reject path.
+    """
+    layers = loaded.model.model.layers
+    if not 1 <= num_layers <= len(layers):
+        raise InvalidArgumentError(f"num_layers must be in [1, {len(layers)}], got {num_layers}")
+    loaded.model.model.layers = layers[:num_layers]
+    loaded.model.config.num_hidden_layers = num_layers
+    loaded.name = f"{loaded.name} (first {num_layers} layers)"
 
 
 def _file_stamp(path: Path) -> str:
@@ -138,9 +177,11 @@ def _file_stamp(path: Path) -> str:
 
 
 def weights_fingerprint(name_or_path: str) -> str:
-    """What identifies the weights a source holds, cheaply: the path, size and modification
-    time of each weight file (a GGUF, or a directory's safetensors, bin and config files), or
-    the hub id itself."""
+    """What identifies the weights a source holds, cheaply: a random model's canonical name
+    (architecture and seed), the path, size and modification time of each weight file (a GGUF,
+    or a directory's safetensors, bin and config files), or the hub id itself."""
+    if (spec := RandomModelSpec.parse(name_or_path)) is not None:
+        return spec.name
     gguf = gguf_path_of(name_or_path) if name_or_path in EMBEDDED_MODELS or name_or_path.endswith(".gguf") else None
     if gguf is not None:
         files = [gguf]

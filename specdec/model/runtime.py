@@ -50,20 +50,6 @@ class ModelRuntime:
         return self.forward.dtype
 
 
-def keep_first_layers(loaded: LoadedModel, num_layers: int) -> None:
-    """Drop every decoder layer past the first `num_layers` (in place).
-
-    A first-N-layer copy of the target is a cheap, deliberately weak draft: it agrees with
-    the target on only a few percent of tokens, which exercises the reject path.
-    """
-    layers = loaded.model.model.layers
-    if not 1 <= num_layers <= len(layers):
-        raise InvalidArgumentError(f"num_layers must be in [1, {len(layers)}], got {num_layers}")
-    loaded.model.model.layers = layers[:num_layers]
-    loaded.model.config.num_hidden_layers = num_layers
-    loaded.name = f"{loaded.name} (first {num_layers} layers)"
-
-
 def build_runtime(
     model: str,
     *,
@@ -90,9 +76,7 @@ def build_runtime(
         raise InvalidArgumentError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if quantization not in QUANTIZATIONS:
         raise InvalidArgumentError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    loaded = load_model(model, dtype=DTYPES[dtype], device=device)
-    if num_layers:
-        keep_first_layers(loaded, num_layers)
+    loaded = load_model(model, dtype=DTYPES[dtype], device=device, num_layers=num_layers)
     if quantization == "int8":
         quantize_int8(loaded.model)
     prefer = ""

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
 
 from specdec.errors import InvalidArgumentError
 from specdec.flags import inherit, option
@@ -15,6 +18,47 @@ from specdec.tuning.compiled_layers import COMPILE_MODES, DEFAULT_COMPILE_BUDGET
 from specdec.tuning.thread_placement import ThreadPlacement, parse_cores
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
 
+#: The `--dtype` / `--quantization` value that leaves the choice to the device (`ModelServiceConfig.precision`).
+AUTO = "auto"
+MODEL_HELP = (
+    "embedded name (smollm2-135m), random weights in a published architecture (random:llama-3.2-1b, "
+    "random:llama-3.2-3b; seed 0, or another with :seed=N), .gguf file, local directory or hub id"
+)
+DTYPE_HELP = "compute dtype of the forward pass"
+QUANTIZATION_HELP = (
+    "weight-only quantization: int8 per channel, or int4 in groups (from a GGUF's own Q4 blocks when it has them)"
+)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a model runs: the dtype of its forward pass (`DTYPES`) and its weights' quantization (`QUANTIZATIONS`)."""
+
+    dtype: str
+    quantization: str
+
+
+@dataclass(frozen=True)
+class AutoPrecision:
+    """What `auto` means for one service: a precision on CPUs and one on every other device (GPUs)."""
+
+    cpu: Precision
+    accelerator: Precision
+
+    def on(self, device: str) -> Precision:
+        return self.cpu if torch.device(device).type == "cpu" else self.accelerator
+
+    def help(self, text: str, field: str) -> str:
+        """`text`, then what `auto` picks for `field` ("dtype" or "quantization")."""
+        cpu, accelerator = getattr(self.cpu, field), getattr(self.accelerator, field)
+        picks = cpu if cpu == accelerator else f"{cpu} on CPU, {accelerator} on GPUs"
+        return f"{text}; auto: {picks}"
+
+
+#: The model services' `auto`: on CPU fp32, whose greedy output is exact; on a GPU bf16,
+#: which halves the bytes every step reads (exactness there needs --dtype float32).
+MODEL_AUTO = AutoPrecision(cpu=Precision("float32", "none"), accelerator=Precision("bfloat16", "none"))
+
 
 @dataclass(frozen=True)
 class ModelServiceConfig(ServerSecurity, ThreadPlacement):
@@ -22,12 +66,15 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
     (and, from `ServerSecurity`, its TLS and token settings; from `ThreadPlacement`, which
     cores its threads run on)."""
 
-    model: str = option(DEFAULT_MODEL, "embedded name (smollm2-135m), .gguf file, local directory or hub id")
-    dtype: str = option("float32", "compute dtype of the forward pass", choices=sorted(DTYPES))
+    #: What `--dtype auto` and `--quantization auto` become, by device.
+    AUTO_PRECISION: ClassVar[AutoPrecision] = MODEL_AUTO
+
+    model: str = option(DEFAULT_MODEL, MODEL_HELP)
+    dtype: str = option(AUTO, MODEL_AUTO.help(DTYPE_HELP, "dtype"), choices=(AUTO, *sorted(DTYPES)))
     device: str = option("cpu", "torch device, e.g. cpu or cuda:0")
     quantization: str = option(
-        "none", "weight-only quantization: int8 per channel, or int4 in groups (from a GGUF's own Q4 blocks when it "
-        "has them)", choices=QUANTIZATIONS, aliases=["--quantize"],
+        AUTO, MODEL_AUTO.help(QUANTIZATION_HELP, "quantization"), choices=(AUTO, *QUANTIZATIONS),
+        aliases=["--quantize"],
     )
     group_size: int = option(32, "weights per scale group of int4 quantization", advanced=True)
     int4_kernel: str = option(
@@ -36,7 +83,8 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
         choices=("auto", *INT4_KERNELS), advanced=True,
     )
     num_layers: int = option(
-        0, "keep only the first N decoder layers (0 = all; a weak draft for tests)", advanced=True,
+        0, "keep only the first N decoder layers (0 = all; a weak draft, or a cheap random model, for tests; a "
+        "random model builds only those)", advanced=True,
     )
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(0, "port to bind (0 = any free port, printed at start)")
@@ -93,12 +141,29 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
     bind_threads: bool = inherit(ThreadPlacement, "bind_threads", advanced=True)
     cpu_cores: str = inherit(ThreadPlacement, "cpu_cores", advanced=True)
 
+    def precision(self) -> Precision:
+        """The dtype and quantization this service runs with: each `auto` resolved by the device
+        (`AUTO_PRECISION`), any other value as set."""
+        auto = self.AUTO_PRECISION.on(self.device)
+        return Precision(
+            dtype=auto.dtype if self.dtype == AUTO else self.dtype,
+            quantization=auto.quantization if self.quantization == AUTO else self.quantization,
+        )
+
     def __post_init__(self) -> None:
         self.check_security()
-        if self.dtype not in DTYPES:
-            raise InvalidArgumentError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise InvalidArgumentError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.dtype not in (AUTO, *DTYPES):
+            raise InvalidArgumentError(f"dtype must be {AUTO!r} or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in (AUTO, *QUANTIZATIONS):
+            raise InvalidArgumentError(
+                f"quantization must be {AUTO!r} or one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        try:
+            torch.device(self.device)
+        except RuntimeError as error:
+            raise InvalidArgumentError(
+                f"device {self.device!r} is not a torch device (cpu, cuda, cuda:0, ...)"
+            ) from error
         if self.compile not in COMPILE_MODES:
             raise InvalidArgumentError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if not 0 <= self.port <= 65535:

@@ -19,7 +19,7 @@ import torch
 
 from specdec.errors import InvalidArgumentError
 from specdec.model.runtime import ModelRuntime, build_runtime
-from specdec.serving.config import ModelServiceConfig
+from specdec.serving.config import AUTO, ModelServiceConfig
 from specdec.serving.engine import ModelEngine
 from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer, start_server
@@ -142,10 +142,15 @@ def build_engine(engine_cls: Callable[[ModelRuntime, C], E], config: C) -> E:
     if threads := config.threads or len(cores):
         torch.set_num_threads(threads)
     settings = {name: getattr(config, name) for name in TUNING_SETTINGS}
+    precision = config.precision()
     tuner = StartupTuner.for_service(
-        model=config.model, dtype=config.dtype, quantization=config.quantization, device=config.device,
+        model=config.model, dtype=precision.dtype, quantization=precision.quantization, device=config.device,
         settings=settings, reuse=config.tuning_cache,
     )
+    for name in ("dtype", "quantization"):
+        chosen = getattr(config, name) != AUTO
+        tuner.note(name, getattr(precision, name), "flag" if chosen else "fixed",
+                   "" if chosen else f"auto on {torch.device(config.device).type}")
     tuner.note("heap", "retained" if heap else "default", "flag" if config.retain_freed_memory == heap else "fixed")
     tuner.note("threads", torch.get_num_threads(), "flag" if config.threads or cores else "fixed",
                f"cores {config.cpu_cores}" if cores else "")
@@ -154,8 +159,8 @@ def build_engine(engine_cls: Callable[[ModelRuntime, C], E], config: C) -> E:
     cache_dir, reason = use_compile_cache()
     tuner.note("compile_cache", cache_dir, reason)
     runtime = build_runtime(
-        config.model, dtype=config.dtype, device=config.device,
-        quantization=config.quantization, num_layers=config.num_layers, group_size=config.group_size,
+        config.model, dtype=precision.dtype, device=config.device,
+        quantization=precision.quantization, num_layers=config.num_layers, group_size=config.group_size,
         int4_kernel=config.int4_kernel, tuner=tuner,
     )
     engine = engine_cls(runtime, config)

@@ -1,4 +1,5 @@
-"""Target service configuration: the big model, fp32 by default so greedy output is exact."""
+"""Target service configuration: the big model. Its `auto` precision is fp32 on CPU, so greedy
+output is exact, and bf16 on GPUs (`specdec.serving.config.MODEL_AUTO`)."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from specdec.serving.config import Precision
 from tests.support.service_commands import parse_service_command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,9 +86,9 @@ def test_commands_parse_with_the_services_own_flags(default: dict[str, Any]) -> 
     assert all(c.host == "0.0.0.0" and c.metrics_port == 9090 for c in parsed.values())
     assert (target.port, draft.port, gateway.port) == (50052, 50051, 50050)
     assert gateway.target_address == f"target:{target.port}" and gateway.draft_address == f"draft:{draft.port}"
-    # The embedded pair by default: the fp32 target and its int4 self-draft.
-    assert (target.model, target.dtype, target.device) == ("smollm2-135m", "float32", "cpu")
-    assert (draft.model, draft.dtype, draft.quantization) == ("smollm2-135m", "bfloat16", "int4")
+    # The embedded pair by default: the fp32 target and its int4 self-draft, as `auto` picks on the CPU.
+    assert (target.model, target.device, target.precision()) == ("smollm2-135m", "cpu", Precision("float32", "none"))
+    assert (draft.model, draft.device, draft.precision()) == ("smollm2-135m", "cpu", Precision("bfloat16", "int4"))
 
 
 def test_health_checks_use_specdec_health_on_the_service_port(default: dict[str, Any]) -> None:
@@ -161,6 +162,7 @@ def test_gpu_override_changes_only_image_device_and_gpus(compose_config: Compose
     for name in ("target", "draft"):
         service = gpu["services"][name]
         assert moved[name] == dataclasses.replace(base[name], device="cuda"), name
+        assert moved[name].precision() == Precision("bfloat16", "none"), name  # `auto` on a GPU
         assert service["image"] == "specdec:cuda" and service["build"]["args"]["VARIANT"] == "cuda"
         devices = service["deploy"]["resources"]["reservations"]["devices"]
         assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]

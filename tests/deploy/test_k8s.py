@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from specdec.serving.config import Precision
 from tests.support.kustomize_lite import build
 from tests.support.service_commands import expand, parse_service_command
 
@@ -137,6 +138,10 @@ def test_commands_parse_with_the_services_own_flags(rendered: tuple[str, Manifes
     assert gateway.draft_address == f"specdec-draft:{draft.port}"
     expected_device = "cuda" if variant == "gpu" else "cpu"
     assert target.device == draft.device == expected_device
+    # What the precision flags (`auto` in the base) become: bf16 on GPUs, the draft unquantized.
+    on_gpu = Precision("bfloat16", "none")
+    assert target.precision() == (on_gpu if variant == "gpu" else Precision("float32", "none"))
+    assert draft.precision() == (on_gpu if variant == "gpu" else Precision("bfloat16", "int4"))
 
 
 def test_probes_are_native_grpc_on_the_serving_port(rendered: tuple[str, Manifests]) -> None:
