@@ -21,10 +21,11 @@ import torch
 from transformers import PreTrainedModel
 
 from specdec.draft_server.config import DraftConfig
+from specdec.model.chat import encode_chat
 from specdec.model.runtime import ModelRuntime, build_runtime
 from specdec.target_server.config import TargetConfig
 from specdec_bench.sweeps import Progress
-from specdec_bench.workloads import PROMPTS, PromptForm
+from specdec_bench.workloads import PROMPTS, chat
 
 METHODS = ("hf_plain", "hf_assisted")
 
@@ -91,7 +92,6 @@ def run_peers(
     reference: Mapping[int, list[int]],
     progress: Progress,
     methods: Sequence[str] = METHODS,
-    form: PromptForm = PromptForm.CHAT,
 ) -> list[PeerRecord]:
     """Greedy generation of every prompt by each of `methods` (plain and assisted by default),
     interleaved, `repetitions` times. The draft is loaded only for assisted generation."""
@@ -110,7 +110,7 @@ def run_peers(
         progress.set_description("transformers peers")
         for rep in range(repetitions):
             for prompt in range(prompts):
-                ids = torch.tensor([form.token_ids(tokenizer, PROMPTS[prompt])], device=device)  # [1, prompt]
+                ids = torch.tensor([encode_chat(tokenizer, chat(PROMPTS[prompt]))], device=device)  # [1, prompt]
                 for method in methods if (rep + prompt) % 2 == 0 else list(reversed(methods)):
                     assistant = draft.loaded.model if method == "hf_assisted" and draft is not None else None
                     run = functools.partial(greedy_generate, target.loaded.model, ids, eos=eos, assistant=assistant)

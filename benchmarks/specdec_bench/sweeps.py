@@ -15,7 +15,7 @@ from typing import Protocol
 from specdec.client import GenerationResult, SpecdecClient
 from specdec_bench.config import BenchConfig
 from specdec_bench.stack import Stack
-from specdec_bench.workloads import PROMPTS, PromptForm, RunRecord, mode_name, run_request
+from specdec_bench.workloads import PROMPTS, RunRecord, mode_name, run_request
 
 
 class Progress(Protocol):
@@ -65,10 +65,10 @@ def check_exact(prompt: int, what: str, tokens: list[int], reference: list[int])
         )
 
 
-def warm_up(client: SpecdecClient, max_k: int, form: PromptForm = PromptForm.CHAT) -> None:
+def warm_up(client: SpecdecClient, max_k: int) -> None:
     """One short request per mode, so first-call costs (allocators, kernels) stay out of the figures."""
     for k in (0, None, max(max_k, 1)):
-        run_request(client, "warm-up", 0, k, max_new_tokens=8, form=form)
+        run_request(client, "warm-up", 0, k, max_new_tokens=8)
 
 
 def w1(
@@ -100,14 +100,13 @@ def w1(
 
 
 def counted_request(
-    client: SpecdecClient, stack: Stack, phase: str, prompt: int, k: int, *, max_new_tokens: int,
-    form: PromptForm = PromptForm.CHAT,
+    client: SpecdecClient, stack: Stack, phase: str, prompt: int, k: int, *, max_new_tokens: int
 ) -> tuple[RunRecord, GenerationResult]:
     """One greedy request at a fixed K (adaptive off; 0 = plain), alone on the stack: the
     gateway's counters are read around it, so its record carries its speculation rounds and
     its accepted tokens per draft position."""
     before = stack.metrics()
-    record, result = run_request(client, phase, prompt, k, max_new_tokens=max_new_tokens, form=form)
+    record, result = run_request(client, phase, prompt, k, max_new_tokens=max_new_tokens)
     if k > 0:
         after = stack.metrics()
         record.num_drafts = round(after.num_drafts - before.num_drafts)
@@ -135,14 +134,14 @@ def k_sweep(client: SpecdecClient, stack: Stack, config: BenchConfig, progress: 
 
 def run_group(
     client: SpecdecClient, level: int, k: int | None, *, max_new_tokens: int, prompts: tuple[str, ...],
-    phase: str = "concurrency", form: PromptForm = PromptForm.CHAT,
+    phase: str = "concurrency"
 ) -> ConcurrencyGroup:
     """`level` greedy requests sent at once in mode `k`, cycling through `prompts`."""
     with ThreadPoolExecutor(level) as pool:
         started = time.perf_counter()
         futures = [
             pool.submit(run_request, client, phase, i % len(prompts), k, max_new_tokens=max_new_tokens,
-                        repetition=i, concurrency=level, prompts=prompts, form=form)
+                        repetition=i, concurrency=level, prompts=prompts)
             for i in range(level)
         ]
         records = [future.result()[0] for future in futures]

@@ -9,12 +9,8 @@ so prefill and queueing stay out of it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
-from transformers import PreTrainedTokenizerBase
-
-from specdec.client import GenerationResult, Prompt, SpecdecClient
-from specdec.model.chat import encode_chat
+from specdec.client import GenerationResult, SpecdecClient
 
 PROMPTS: tuple[str, ...] = (
     "Explain how the gears on a bicycle make it easier to ride up a steep hill.",
@@ -31,25 +27,6 @@ PROMPTS: tuple[str, ...] = (
 def chat(prompt: str) -> list[dict[str, str]]:
     """A one-turn chat with `prompt` as the user's message."""
     return [{"role": "user", "content": prompt}]
-
-
-class PromptForm(Enum):
-    """How a benchmark prompt is sent: as a one-turn chat, rendered with the target's chat
-    template, or as plain text (for a tokenizer without a chat template, such as the random
-    models' Llama-3.2 tokenizer)."""
-
-    CHAT = "chat"
-    RAW = "raw"
-
-    def request_prompt(self, text: str) -> Prompt:
-        """What the client sends for `text`."""
-        return chat(text) if self is PromptForm.CHAT else text
-
-    def token_ids(self, tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-        """`text`'s prompt token ids as the gateway encodes them (for transformers' peers)."""
-        if self is PromptForm.CHAT:
-            return encode_chat(tokenizer, chat(text))
-        return [int(t) for t in tokenizer(text)["input_ids"]]
 
 
 def mode_name(k: int | None) -> str:
@@ -119,11 +96,10 @@ def run_request(
     repetition: int = 0,
     concurrency: int = 1,
     prompts: tuple[str, ...] = PROMPTS,
-    form: PromptForm = PromptForm.CHAT,
 ) -> tuple[RunRecord, GenerationResult]:
-    """Send `prompts[prompt]` (as a chat unless `form` says otherwise) and return its record and the full result."""
+    """Send `prompts[prompt]` as a chat and return its record and the full result."""
     result = client.generate(
-        form.request_prompt(prompts[prompt]), max_new_tokens=max_new_tokens, temperature=temperature,
+        chat(prompts[prompt]), max_new_tokens=max_new_tokens, temperature=temperature,
         seed=seed if temperature > 0 else None, **speculation_options(k),
     )
     if result.finish_reason not in ("length", "stop"):

@@ -143,28 +143,24 @@ def stage_plans(config: GpuCheckConfig, stages: Sequence[Stage], workdir: Path) 
 
 
 def build_tiny_models(directory: Path) -> tuple[str, str]:
-    """Two tiny random Llamas with the Llama-3.2 tokenizer (its vocabulary, `llama3` RoPE scaling,
-    GQA, tied embeddings), saved as model directories: a 2-layer target and a 1-layer draft."""
+    """Two tiny random Llamas shaped like the random Llama-3.2 models (their vocabulary and
+    tokenizer with its chat format, `llama3` RoPE, GQA, tied embeddings; 64 wide), drawn as
+    `specdec.model.random_models` draws them and saved as model directories: a 2-layer
+    target (seed 0) and a 1-layer draft (seed 1)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     from specdec.model.loader import load_tokenizer
+    from specdec.model.random_models import RandomArchitecture, build_random_model
 
     hf_logging.disable_progress_bar()
-    tokenizer = load_tokenizer("llama-3.2")
+    tokenizer = load_tokenizer("random:llama-3.2-1b")
     paths = []
     for name, layers, seed in (("target", 2, 0), ("draft", 1, 1)):
-        torch.manual_seed(seed)
-        config = LlamaConfig(
-            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=131072,
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        )
+        tiny = RandomArchitecture(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
         path = directory / f"tiny-{name}"
-        LlamaForCausalLM(config).save_pretrained(path)
+        build_random_model(tiny, seed, dtype=torch.float32, device="cpu").save_pretrained(path)
         tokenizer.save_pretrained(path)
         paths.append(str(path))
     return paths[0], paths[1]

@@ -24,11 +24,10 @@ from specdec_bench.results import BenchResults, ServiceCosts
 from specdec_bench.stack import Stack, running_stack
 from specdec_bench.step_timing import probe_steps
 from specdec_bench.sweeps import counted_request, run_group, warm_up
-from specdec_bench.workloads import PROMPTS, PromptForm, RunRecord, run_request
+from specdec_bench.workloads import PROMPTS, RunRecord, run_request
 
 #: Deadline of one request: the stage's time box is the real limit.
 REQUEST_TIMEOUT_S = 300.0
-FORM = PromptForm.RAW
 
 
 @contextmanager
@@ -107,15 +106,15 @@ def service_pairs(
     comparison = GreedyComparison(k)
     with check_stack(config, config.target_model, config.draft_model, dtype) as (_, client):
         record.put("services", services_of(client))
-        warm_up(client, k, form=FORM)
+        warm_up(client, k)
         for prompt in range(prompts):
-            _, plain = run_request(client, "parity", prompt, 0, max_new_tokens=max_new_tokens, form=FORM)
-            _, spec = run_request(client, "parity", prompt, k, max_new_tokens=max_new_tokens, form=FORM)
+            _, plain = run_request(client, "parity", prompt, 0, max_new_tokens=max_new_tokens)
+            _, spec = run_request(client, "parity", prompt, k, max_new_tokens=max_new_tokens)
             comparison.add(plain.token_ids, spec.token_ids, spec.num_draft_tokens, spec.num_accepted_tokens)
             record.put("greedy", comparison.as_dict())
         if sampled:
             _, result = run_request(client, "sampled", 0, None, max_new_tokens=max_new_tokens, temperature=0.8,
-                                    seed=1, form=FORM)
+                                    seed=1)
             record.put("sampled", {"finish_reason": result.finish_reason, "tokens": result.completion_tokens,
                                    "acceptance_rate": result.acceptance_rate})
     return comparison
@@ -143,8 +142,7 @@ def _fixed_k_runs(
     for prompt in range(config.speed_prompts):
         outputs: dict[int, list[int]] = {}
         for k in ks if prompt % 2 == 0 else reversed(ks):
-            record, result = counted_request(client, stack, "k_sweep", prompt, k, max_new_tokens=config.speed_tokens,
-                                             form=FORM)
+            record, result = counted_request(client, stack, "fixed_k", prompt, k, max_new_tokens=config.speed_tokens)
             records.append(record)
             outputs[k] = result.token_ids
         plain_tokens[prompt] = outputs[0]
@@ -160,7 +158,7 @@ def stack_speed(config: GpuCheckConfig, record: Record) -> None:
     with check_stack(config, config.target_model, config.target_model, config.dtype) as (stack, client):
         record.put("services", services_of(client))
         costs = ServiceCosts.from_info(client.info())
-        warm_up(client, max(config.speed_ks), form=FORM)
+        warm_up(client, max(config.speed_ks))
         sweep, plain_tokens, comparison = _fixed_k_runs(client, stack, config)
         record.put("greedy_vs_plain", comparison.as_dict())
         record.put("fixed_k_runs", [{"prompt": r.prompt, "k": r.k, "tokens_per_s": r.tokens_per_s} for r in sweep])
@@ -169,7 +167,7 @@ def stack_speed(config: GpuCheckConfig, record: Record) -> None:
         record.put("concurrency", _concurrency(client, config))
         peers = run_peers(
             stack.target_config, stack.draft_config, prompts=config.speed_prompts, max_new_tokens=config.speed_tokens,
-            k=0, repetitions=1, reference=plain_tokens, progress=_Silent(), methods=("hf_plain",), form=FORM,
+            k=0, repetitions=1, reference=plain_tokens, progress=_Silent(), methods=("hf_plain",),
         )
         record.put("transformers_runs", peers)
     # The analysis last: the measurements above are recorded whatever it makes of them.
@@ -207,8 +205,7 @@ def _concurrency(client: SpecdecClient, config: GpuCheckConfig) -> list[dict[str
     for turn, level in enumerate(config.concurrency):
         rates: dict[int, float] = {}
         for mode in (0, k) if turn % 2 == 0 else (k, 0):
-            group = run_group(client, level, mode, max_new_tokens=config.concurrency_tokens, prompts=PROMPTS,
-                              form=FORM)
+            group = run_group(client, level, mode, max_new_tokens=config.concurrency_tokens, prompts=PROMPTS)
             rates[mode] = group.tokens_per_s
         figures = ConcurrencyFigures(level, k, rates[0], rates[k])
         rows.append({**vars(figures), "speedup": figures.speedup})

@@ -118,8 +118,10 @@ def device_tests(config: GpuCheckConfig, record: Record) -> None:
     record.put("exit_code", done.returncode)
     record.put("counts", _pytest_counts(done.stdout))
     if done.returncode != 0:
-        tail = (done.stdout.strip().splitlines() or done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise StageFailure(f"pytest exited with {done.returncode}: {tail}")
+        lines = [line.strip() for line in (done.stdout + "\n" + done.stderr).splitlines() if line.strip()]
+        # argparse's "...: error: unrecognized arguments" before pytest's "ERROR: usage" line, else the summary.
+        reason = next((line for line in lines if ": error:" in line), lines[-1] if lines else "(no output)")
+        raise StageFailure(f"pytest exited with {done.returncode}: {reason}")
 
 
 def greedy_parity(config: GpuCheckConfig, record: Record) -> None:

@@ -11,6 +11,10 @@ if TYPE_CHECKING:
     from specdec_bench.gpu.check import StageResult
 
 
+#: Characters of a failed stage's error in the line (the JSON has all of it).
+ERROR_CHARS = 80
+
+
 def _num(value: Any, spec: str) -> str:
     return "?" if value is None else format(value, spec)
 
@@ -87,7 +91,7 @@ def summary_line(config: GpuCheckConfig, results: Sequence[StageResult]) -> str:
                 parts.append(brief(result.figures, config))
             except (KeyError, TypeError, ValueError) as error:  # a partial record: say so, keep the line
                 parts.append(f"{result.stage.value} unreadable ({type(error).__name__})")
-    failed = [f"{r.stage.value} {r.status.value}" for r in results if not r.ok]
+    failed = [f"{r.stage.value} {r.status.value} ({r.error[:ERROR_CHARS]})" for r in results if not r.ok]
     if failed:
         parts.append("not ok: " + ", ".join(failed))
     return " | ".join(parts)

@@ -66,14 +66,14 @@ def test_the_summary_line_names_the_device_the_headline_figures_and_what_failed(
             {"batch": 1, "step_s": 0.0024, "step_roofline_fraction": 0.79, "verify_over_step": 1.07},
             {"batch": 8, "step_s": 0.0030, "step_roofline_fraction": 0.6, "verify_over_step": 1.9}]}),
         _result(Stage.STACK_SPEED, {"steps": "half-written"}),
-        _result(Stage.GREEDY_EXACT, {}, StageStatus.TIMED_OUT),
+        dataclasses.replace(_result(Stage.GREEDY_EXACT, {}, StageStatus.TIMED_OUT), error="stopped"),
     ]
     line = summary_line(GPU, results)
     assert "\n" not in line
     assert line.startswith("gpu-check NVIDIA H100 80GB HBM3: 5/6 stages ok")
     assert "tests 40 passed 2 skipped" in line and "bfloat16 spec!=plain 2.5% of 256 tokens, sampled ok" in line
     assert "step b1 2.40 ms (79% of roofline), verify/step 1.07/1.90 at b1/8" in line
-    assert "not ok: greedy_exact timed_out" in line
+    assert "not ok: greedy_exact timed_out (stopped)" in line
 
 
 def test_greedy_comparison_counts_differing_positions_and_missing_ones() -> None:
