@@ -66,21 +66,14 @@ soak: setup
 # The GPU check (docs/gpu.md). Here, where pip works: what the GPU machine lacks, into a
 # git-ignored folder under 64 MiB (wheels, the generated stubs, the Llama-3.2 tokenizer).
 GPU_CARRY := .gpu-carry
-GPU_SITE := /tmp/specdec-gpu-site
 gpu-carry: setup
 	$(PY) -m specdec_bench.gpu.carry --out $(GPU_CARRY)
 
-# There, with the machine's own python3 (no venv, no package index, so no setup): install the
-# carried wheels beside the tree, put the stubs in place, run every stage (~8 minutes at most).
-# Writes $$OUT/gpu_check.json (benchmarks/results/gpu/ without $$OUT) and prints one summary line.
+# There, with the machine's own python3 (no venv, no package index, so no setup): the carried
+# wheels beside the tree, the stubs in place, every stage in at most 8 minutes. Writes
+# $$OUT/gpu_check.json (benchmarks/results/gpu/ without $$OUT) and ends with one summary line.
 gpu-check:
-	@test -d $(GPU_CARRY)/wheels || { echo "no $(GPU_CARRY)/: run 'make gpu-carry' first and carry it"; exit 1; }
-	$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-		--target $(GPU_SITE) $(GPU_CARRY)/wheels/*.whl
-	cp -r $(GPU_CARRY)/site/. $(GPU_SITE)/
-	cp $(GPU_CARRY)/stubs/specdec/v1/*_pb2* specdec/v1/
-	PYTHONPATH=$(GPU_SITE):$(CURDIR):$(CURDIR)/benchmarks PYTHONUNBUFFERED=1 \
-		$(PYTHON) -m specdec_bench.gpu.check --carry $(GPU_CARRY) $(GPU_CHECK_ARGS)
+	PYTHON=$(PYTHON) GPU_CARRY=$(GPU_CARRY) sh benchmarks/gpu_check.sh $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) specdec/v1/*_pb2*.py specdec/v1/*_pb2.pyi

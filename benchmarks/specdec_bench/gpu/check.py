@@ -31,7 +31,6 @@ from typing import Any, TextIO
 from specdec_bench.gpu.config import GPU, SMALL, GpuCheckConfig, Stage
 from specdec_bench.gpu.record import Record, plain
 from specdec_bench.gpu.summary import summary_line
-from specdec_bench.results import git_revision
 
 SCHEMA_VERSION = 1
 #: Seconds a stage's process group gets between SIGTERM and SIGKILL (the services stop gracefully).
@@ -169,7 +168,12 @@ def build_tiny_models(directory: Path) -> tuple[str, str]:
 def commit(carry: Path) -> dict[str, str]:
     """The checkout's commit; where it is no git checkout (the GPU machine gets a copy of the
     tree), the one `make gpu-carry` recorded."""
-    revision = git_revision()
+    try:  # results imports torch, and the check writes its JSON even where torch is broken
+        from specdec_bench.results import git_revision
+
+        revision = git_revision()
+    except ImportError:
+        revision = ""
     if revision:
         return {"commit": revision, "commit_source": "git"}
     try:
