@@ -120,8 +120,8 @@ def service_pairs(
     return comparison
 
 
-class _Silent:
-    """A progress bar that shows nothing (the check prints one line at its end)."""
+class _PhaseLog:
+    """A progress bar for the stage's log: it names each phase and counts nothing."""
 
     def update(self, n: float | None = 1) -> bool | None:
         return None
@@ -167,7 +167,7 @@ def stack_speed(config: GpuCheckConfig, record: Record) -> None:
         record.put("concurrency", _concurrency(client, config))
         peers = run_peers(
             stack.target_config, stack.draft_config, prompts=config.speed_prompts, max_new_tokens=config.speed_tokens,
-            k=0, repetitions=1, reference=plain_tokens, progress=_Silent(), methods=("hf_plain",),
+            k=0, repetitions=1, reference=plain_tokens, progress=_PhaseLog(), methods=("hf_plain",),
         )
         record.put("transformers_runs", peers)
     # The analysis last: the measurements above are recorded whatever it makes of them.
