@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ from specdec.draft_server.config import DraftConfig
 from specdec.model.chat import encode_chat
 from specdec.model.runtime import ModelRuntime, build_runtime
 from specdec.target_server.config import TargetConfig
+from specdec.tuning.timing import Clock, device_clock
 from specdec_bench.sweeps import Progress
 from specdec_bench.workloads import PROMPTS, chat
 
@@ -75,10 +75,10 @@ def greedy_generate(
     return [int(t) for t in out[0, ids.shape[1]:]]
 
 
-def _timed(generate: Callable[[], list[int]]) -> tuple[list[int], float]:
-    started = time.perf_counter()
+def _timed(generate: Callable[[], list[int]], clock: Clock) -> tuple[list[int], float]:
+    started = clock()
     tokens = generate()
-    return tokens, time.perf_counter() - started
+    return tokens, clock() - started
 
 
 def run_peers(
@@ -102,7 +102,8 @@ def run_peers(
         configure_assistant(draft.loaded.model, k)
     tokenizer = target.loaded.tokenizer
     eos = tokenizer.eos_token_id
-    device = target.forward.embed_tokens.weight.device  # the inputs go where the weights are
+    device = target.loaded.model.device
+    clock = device_clock(device)
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or threads)
     records: list[PeerRecord] = []
@@ -114,8 +115,8 @@ def run_peers(
                 for method in methods if (rep + prompt) % 2 == 0 else list(reversed(methods)):
                     assistant = draft.loaded.model if method == "hf_assisted" and draft is not None else None
                     run = functools.partial(greedy_generate, target.loaded.model, ids, eos=eos, assistant=assistant)
-                    first = min(_timed(functools.partial(run, 1))[1] for _ in range(2))  # cheap: the faster of two
-                    tokens, seconds = _timed(functools.partial(run, max_new_tokens))
+                    first = min(_timed(functools.partial(run, 1), clock)[1] for _ in range(2))  # the faster of two
+                    tokens, seconds = _timed(functools.partial(run, max_new_tokens), clock)
                     decode_s = seconds - first
                     ours = reference.get(prompt)
                     records.append(PeerRecord(

@@ -15,7 +15,7 @@ import torch
 from specdec.errors import InvalidArgumentError
 from specdec.model.runtime import ModelRuntime
 from specdec.sampling.sparse_probs import SparseRows, cut_tail
-from specdec.sampling.transforms import logits_to_probs, make_generator, pick_tokens
+from specdec.sampling.transforms import drawn_tokens, logits_to_probs, make_generator, pick_tokens
 from specdec.serving.config import ModelServiceConfig
 from specdec.serving.engine import ModelEngine
 from specdec.wire.items import Lease, Proposal, ProposeItem
@@ -123,7 +123,7 @@ class DraftEngine(ModelEngine):
                 probs = cut_tail(logits_to_probs(step_logits, params, context))  # [n, vocab] f32
                 probs = probs.to(probs_dtype).float()  # what the gateway will see; sample from exactly that
                 tokens = pick_tokens(probs, params, [self.generators[items[i].slot_id] for i in rows])  # [n]
-            for n, (i, token) in enumerate(zip(rows, tokens.tolist())):  # one host sync per step
+            for n, (i, token) in enumerate(zip(rows, drawn_tokens(tokens))):  # one host sync per step
                 drafted[i].append(token)
                 if not items[i].sampling.is_greedy:
                     q_rows[i].append(probs[n])

@@ -1,7 +1,9 @@
-"""The draft gRPC servicer: protobuf in, engine call on the model worker, protobuf out."""
+"""The draft gRPC servicer: protobuf in, engine call on the model worker, protobuf out (encoded
+on the worker too: the event loop only sends it)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 
 import grpc
@@ -12,7 +14,7 @@ from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer
 from specdec.serving.model_service import SlotServicer, start_model_service
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from specdec.wire.items import Lease, ProposeItem
+from specdec.wire.items import Lease, Proposal, ProposeItem
 from specdec.wire.tensor_codec import torch_dtype
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -38,10 +40,17 @@ class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
         items = [ProposeItem.from_pb(item) for item in request.items]
         probs_dtype = torch_dtype(request.probs_dtype or common_pb2.DTYPE_FLOAT32)
         lease = Lease.from_pb(request.lease)
-        proposals, compute_s = await self.worker.run_timed(self.engine.propose, items, probs_dtype, lease)
+        response, compute_s = await self.worker.run_timed(
+            functools.partial(self.engine.propose, items, probs_dtype, lease), _propose_response
+        )
         fed_and_drafted = sum(len(i.new_tokens) + i.num_speculative_tokens for i in items)
         self.stats.record_work("Propose", compute_s, len(items), fed_and_drafted)
-        return draft_pb2.ProposeResponse(results=[p.to_pb() for p in proposals], compute_s=compute_s)
+        response.compute_s = compute_s
+        return response
+
+
+def _propose_response(proposals: list[Proposal]) -> draft_pb2.ProposeResponse:
+    return draft_pb2.ProposeResponse(results=[p.to_pb() for p in proposals])
 
 
 async def create_server(config: DraftConfig, engine: DraftEngine | None = None) -> RunningServer:

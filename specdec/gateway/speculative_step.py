@@ -23,7 +23,7 @@ from specdec.gateway.model_clients import DraftAPI, TargetAPI, Timed
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence
 from specdec.sampling.rejection_sampler import RejectionResult
-from specdec.sampling.transforms import logits_to_probs, sample
+from specdec.sampling.transforms import drawn_tokens, logits_to_probs, sample
 from specdec.serving.worker import ModelWorker
 from specdec.wire.items import (
     ArgmaxMode,
@@ -181,7 +181,10 @@ def first_tokens(seqs: list[Sequence], logits: dict[str, torch.Tensor]) -> dict[
     out = {}
     for seq in seqs:
         probs = logits_to_probs(logits[seq.slot_id][None], [seq.sampling], [seq.tokens])  # [1, vocab]
-        out[seq.slot_id] = int(probs.argmax()) if seq.sampling.is_greedy else int(sample(probs, [seq.generator])[0])
+        if seq.sampling.is_greedy:
+            out[seq.slot_id] = int(probs.argmax())
+        else:
+            out[seq.slot_id] = drawn_tokens(sample(probs, [seq.generator]))[0]
     return out
 
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.errors import InvalidArgumentError
-from specdec.sampling.transforms import Generators, sample
+from specdec.sampling.transforms import NO_TOKEN, Generators, check_drawn, sample
 
 
 @dataclass(frozen=True)
@@ -195,11 +195,13 @@ def rejection_sample(
         if len(generators) != batch:
             raise InvalidArgumentError(f"generators: got {len(generators)} for {batch} rows")
         row_generators = [g for g, k in zip(generators, ks) for _ in range(k + 1)]
-    candidates = torch.full((batch, k_plus_1), -1, dtype=torch.int64, device=device)  # [batch, k_max+1]
+    candidates = torch.full((batch, k_plus_1), NO_TOKEN, dtype=torch.int64, device=device)  # [batch, k_max+1]
     candidates[reached] = draw_candidates(target_probs[reached], q[reached], row_generators)
-    return accept_candidates(
+    result = accept_candidates(
         token_probs(target_probs, tokens), token_probs(draft_probs, tokens), tokens, ks, candidates, generators
     )
+    check_drawn([row[-1] for row in result.output_tokens])  # the round's recovered or bonus draws
+    return result
 
 
 def greedy_accept(

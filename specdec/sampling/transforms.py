@@ -278,28 +278,56 @@ def position_generator(params: SamplingParams, position: int, device: torch.devi
     return make_generator(independent_seed(params.seed, position), device)
 
 
+#: The token `sample` returns for a row it cannot draw from: a negative, NaN or infinite
+#: weight, or no positive weight at all (e.g. NaN logits, or logits overflowed by a tiny
+#: temperature). The caller checks its host copy of the tokens (`drawn_tokens`): a check on
+#: the device (`torch._assert_async`) would end the process's CUDA context instead of the call.
+NO_TOKEN = -1
+
+
 def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Row i's token whose cumulative-weight interval holds `uniforms[i]` x the row's total.
 
-    weights [n, vocab] (non-negative, unnormalized), uniforms [n] in [0, 1) → [n] int64.
+    weights [n, vocab] (non-negative, unnormalized), uniforms [n] in [0, 1) → [n] int64,
+    `NO_TOKEN` for a row that is not a distribution.
     Draws token t with probability weights[t] / sum(weights), like `torch.multinomial`, but
     with one uniform per row where multinomial draws one exponential variate per token
     (docs/performance.md#inverse-cdf-sampling). The cumulative sum runs in float64, so a
     token's interval is its weight to ~1e-16 of the total.
     """
     cumulative = weights.double().cumsum(dim=-1)  # [n, vocab]
-    total = cumulative[:, -1:]  # [n, 1]
+    total = cumulative[:, -1]  # [n]
     # amin, not all(weights >= 0): one reduction instead of a full boolean tensor.
-    valid = (weights.amin() >= 0) & torch.all(total > 0) & torch.all(torch.isfinite(total))
-    torch._assert_async(valid, "sample: weights must be non-negative with a positive, finite sum")
+    valid = (weights.amin(dim=-1) >= 0) & (total > 0) & torch.isfinite(total)  # [n]
     # u < 1 keeps u * total below the total (rounding cannot reach it), so the token found
     # is one with weight: its interval [cumulative[t-1], cumulative[t]) holds the target.
-    target = uniforms.to(cumulative)[:, None] * total  # [n, 1]
-    return torch.searchsorted(cumulative, target, right=True).view(-1)  # first token whose interval ends past target
+    target = uniforms.to(cumulative)[:, None] * total[:, None]  # [n, 1]
+    tokens = torch.searchsorted(cumulative, target, right=True).view(-1)  # first token whose interval ends past target
+    return torch.where(valid, tokens, NO_TOKEN)  # [n]
+
+
+def drawn_tokens(tokens: torch.Tensor) -> list[int]:
+    """Tokens [n] from `sample` (or holding its draws) as a host list: the one copy the caller
+    makes, checked there (`check_drawn`)."""
+    return check_drawn(tokens.tolist())
+
+
+def check_drawn(tokens: list[int]) -> list[int]:
+    """`tokens`, on the host; InvalidArgumentError if `sample` could not draw one (`NO_TOKEN`)."""
+    if NO_TOKEN in tokens:
+        raise InvalidArgumentError(
+            f"sampling: row {tokens.index(NO_TOKEN)} of {len(tokens)} has no distribution to draw from "
+            "(negative, NaN or infinite weights, or none positive: NaN logits, or logits overflowed "
+            "by a temperature too small for them)"
+        )
+    return tokens
 
 
 def sample(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
     """One token per row of `probs` [n, vocab] (unnormalized weights allowed) → [n] int64.
+
+    A row that is not a distribution (negative, NaN or infinite weights, or none positive)
+    gets `NO_TOKEN`; copy the tokens to the host with `drawn_tokens`, which refuses it.
 
     Inverse-CDF sampling: one uniform draw per row. With a list of per-row generators each
     row's uniform comes from its own generator, so a seeded request gets the same tokens
@@ -327,7 +355,7 @@ def pick_tokens(
 ) -> torch.Tensor:
     """Each row's next token from its distribution (`logits_to_probs`): the argmax for a greedy
     row, whose distribution is one-hot, and a draw with the row's own generator for the others.
-    Returns [n] int64."""
+    Returns [n] int64 (`NO_TOKEN` where a draw failed: see `drawn_tokens`)."""
     tokens = probs.argmax(dim=-1)  # [n]
     sampled = [i for i, p in enumerate(params) if not p.is_greedy]
     if sampled:

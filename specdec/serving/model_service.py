@@ -31,6 +31,7 @@ from specdec.tuning.inductor import use_compile_cache
 from specdec.tuning.openmp import proc_bind
 from specdec.tuning.startup import StartupTuner
 from specdec.tuning.thread_placement import parse_cores
+from specdec.tuning.timing import device_clock
 from specdec.v1 import common_pb2
 from specdec.wire.items import Lease
 
@@ -183,8 +184,9 @@ async def start_model_service(
     All torch work of a service happens on its one worker thread, model loading included:
     a second thread that has run OpenMP kernels (e.g. the main thread, had it loaded the
     model) keeps its own thread team, which roughly halves small-kernel speed on 2 cores.
+    Its compute times wait for the configured device.
     """
-    worker = ModelWorker(service_name.rsplit(".", 1)[-1])
+    worker = ModelWorker(service_name.rsplit(".", 1)[-1], clock=device_clock(config.device))
     if engine is None:
         engine = await worker.run(build_engine, engine_cls, config)
     label = service_name.rsplit(".", 1)[-1].removesuffix("Service").lower()  # "target" / "draft"

@@ -2,7 +2,9 @@
 
 All engine calls of a service go through one worker thread: the engine and its KV cache
 are touched by a single thread (no locks needed), while the event loop keeps answering
-health checks, Info and cancellations.
+health checks, Info and cancellations. A call's results are also encoded there
+(`run_timed`'s `encode`): the copy from the device to the host waits for the forward, and
+the event loop only sends the finished message.
 """
 
 from __future__ import annotations
@@ -14,27 +16,39 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
 
+from specdec.tuning.timing import Clock
+
 P = ParamSpec("P")
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class ModelWorker:
-    """Runs callables one at a time on a single named thread."""
+    """Runs callables one at a time on a single named thread.
 
-    def __init__(self, name: str) -> None:
+    `clock` times `run_timed`'s work: for a model on an asynchronous device, one that waits
+    for the device first (`specdec.tuning.timing.device_clock`), so that compute times count
+    the forward itself and not only its launch.
+    """
+
+    def __init__(self, name: str, clock: Clock = time.perf_counter) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._clock = clock
 
     async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
-    async def run_timed(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> tuple[T, float]:
-        """`run`, plus the seconds `fn` itself took on the worker (queueing excluded)."""
+    async def run_timed(self, work: Callable[[], T], encode: Callable[[T], R]) -> tuple[R, float]:
+        """Run `work`, then `encode` its result, both on the worker; return what `encode` made
+        and the seconds `work` took there on the worker's clock (queueing and encoding
+        excluded)."""
 
-        def timed() -> tuple[T, float]:
-            started = time.perf_counter()
-            result = fn(*args, **kwargs)
-            return result, time.perf_counter() - started
+        def timed() -> tuple[R, float]:
+            started = self._clock()
+            result = work()
+            seconds = self._clock() - started
+            return encode(result), seconds
 
         return await self.run(timed)
 

@@ -12,6 +12,7 @@ from specdec.errors import InvalidArgumentError, SlotExistsError
 from specdec.sampling.rejection_sampler import draw_candidates, token_probs
 from specdec.sampling.transforms import (
     chunk_logits_to_probs,
+    drawn_tokens,
     logits_to_probs,
     pick_tokens,
     position_generator,
@@ -156,7 +157,7 @@ class TargetEngine(ModelEngine):
             rows = torch.cat([p[b, : len(item.tokens)] for b, (item, _) in enumerate(scored)])  # [sum(K_b+1), vocab]
             generators = [position_generator(params[b], item.valid_len + 1 + i, rows.device)
                           for b, (item, _) in enumerate(scored) for i in range(len(item.tokens))]
-            candidates = iter(draw_candidates(rows, q, generators).tolist())  # [sum(K_b+1)]
+            candidates = iter(drawn_tokens(draw_candidates(rows, q, generators)))  # [sum(K_b+1)]
         p_drafts = token_probs(p, drafts).tolist()  # [S, K_max]
         return {
             item.slot_id: VerifiedSampled(item.slot_id, self._cached(item),
@@ -208,7 +209,7 @@ class TargetEngine(ModelEngine):
             with one_thread():  # as in `_answer_sampled`
                 probs = logits_to_probs(rows.index_select(0, index), params, context)  # [s, vocab]
                 tokens = tokens.index_copy(0, index, pick_tokens(probs, params, generators))
-        return tokens.tolist()  # one host sync a step
+        return drawn_tokens(tokens)  # one host sync a step
 
     def _cached(self, item: VerifyItem) -> int:
         return len(self.tokens[item.slot_id])

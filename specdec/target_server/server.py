@@ -1,7 +1,9 @@
-"""The target gRPC servicer: protobuf in, engine call on the model worker, protobuf out."""
+"""The target gRPC servicer: protobuf in, engine call on the model worker, protobuf out (encoded
+on the worker too: the event loop only sends it)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import AsyncIterator
@@ -15,7 +17,7 @@ from specdec.serving.model_service import SlotServicer, start_model_service
 from specdec.target_server.config import TargetConfig
 from specdec.target_server.engine import TargetEngine
 from specdec.v1 import target_pb2, target_pb2_grpc
-from specdec.wire.items import Lease, PrefillItem, VerifyItem, verified_to_pb
+from specdec.wire.items import Lease, PrefillItem, ScoredChunk, VerifiedChunk, VerifyItem, verified_to_pb
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
@@ -30,9 +32,12 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
         self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.PrefillResponse:
         items = [PrefillItem.from_pb(item) for item in request.items]
-        results, compute_s = await self.worker.run_timed(self.engine.prefill, items, Lease.from_pb(request.lease))
+        response, compute_s = await self.worker.run_timed(
+            functools.partial(self.engine.prefill, items, Lease.from_pb(request.lease)), _prefill_response
+        )
         self.stats.record_work("Prefill", compute_s, len(items), sum(len(i.prompt_tokens) for i in items))
-        return target_pb2.PrefillResponse(results=[r.to_pb() for r in results], compute_s=compute_s)
+        response.compute_s = compute_s
+        return response
 
     @grpc_errors
     async def Verify(
@@ -55,9 +60,20 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
         if remaining is None and request.timeout_s > 0:
             remaining = request.timeout_s
         deadline = time.monotonic() + remaining if remaining is not None else None
-        results, compute_s = await self.worker.run_timed(self.engine.verify, items, deadline)
+        response, compute_s = await self.worker.run_timed(
+            functools.partial(self.engine.verify, items, deadline), _verify_response
+        )
         self.stats.record_work("Verify", compute_s, len(items), sum(len(i.tokens) for i in items))
-        return target_pb2.VerifyResponse(results=[verified_to_pb(r) for r in results], compute_s=compute_s)
+        response.compute_s = compute_s
+        return response
+
+
+def _prefill_response(results: list[ScoredChunk]) -> target_pb2.PrefillResponse:
+    return target_pb2.PrefillResponse(results=[r.to_pb() for r in results])
+
+
+def _verify_response(results: list[VerifiedChunk]) -> target_pb2.VerifyResponse:
+    return target_pb2.VerifyResponse(results=[verified_to_pb(r) for r in results])
 
 
 async def create_server(config: TargetConfig, engine: TargetEngine | None = None) -> RunningServer:

@@ -4,10 +4,10 @@ measures faster.
 A 1-token step of a small model is mostly small ops (RMSNorm, RoPE, the cache write and
 gather, softmax, SiLU), each its own kernel launch between the matmuls. Compiled, the ops
 between two matmuls become one generated kernel, and a group of up to ten layers runs as one
-call with a C++ wrapper. Whether that pays depends on the CPU (or GPU), its compiler and the
-model, so "auto" compiles, times both paths side by side and keeps the faster; compilation
-that fails (no C++ compiler, an op the compiler does not know on this device) leaves the
-model eager with a warning.
+call (on the CPU with a C++ wrapper: `compile_options`). Whether that pays depends on the CPU
+(or GPU), its compiler and the model, so "auto" compiles, times both paths side by side and
+keeps the faster; compilation that fails (no C++ compiler, an op the compiler does not know
+on this device) leaves the model eager with a warning.
 
 One function runs a group of `layers_per_call` consecutive layers with their weights among
 its inputs, so one graph serves every group. Only the drafting loop's shapes are compiled,
@@ -30,18 +30,18 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from specdec.kv_cache.paged_cache import PagedKVCache
 from specdec.model.llama import LayerInputs, PagedLlama
 from specdec.tuning.cost_profile import filler_prompt
-from specdec.tuning.timing import interleaved_times, synchronizer
+from specdec.tuning.timing import device_clock, interleaved_times, synchronizer
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,17 @@ def shape_name(shape: Shape) -> str:
     return f"{'batch' if requests == MANY else 'single-request'} {width}-token steps"
 
 
+def compile_options(device: torch.device) -> dict[str, str | int | bool | Callable[..., Any]]:
+    """`torch.compile` options of the layer groups: no guards on the layers' modules (fixed
+    once the model is built) and, on the CPU only, a C++ wrapper around the generated
+    kernels, which saves a group's per-call Python cost there; on CUDA it would need the
+    CUDA headers at run time, which a slim image lacks."""
+    return {
+        "cpp_wrapper": device.type == "cpu",
+        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+    }
+
+
 def shape_key(shape: Shape) -> str:
     """How the tuning cache names a shape class: "1x1", "2x1", ..."""
     return f"{shape[0]}x{shape[1]}"
@@ -105,9 +116,9 @@ class CompiledLayers:
     def __init__(self, forward: PagedLlama, layers_per_call: int = 0) -> None:
         self.forward = forward
         self.layers_per_call = layers_per_call or layers_per_compiled_call(len(forward.layers))
-        self.group: Callable[..., torch.Tensor] = torch.compile(forward.layer_group, options={
-            "cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-        })
+        self.group: Callable[..., torch.Tensor] = torch.compile(
+            forward.layer_group, options=compile_options(forward.embed_tokens.weight.device)
+        )
         #: Shape classes (`shape_class`) whose layers run compiled.
         self.shapes: set[Shape] = set()
         #: Whether a call that no compiled graph covers compiles one (warm-up) or runs eager (serving).
@@ -285,11 +296,12 @@ def _build_graphs(
     """Build the graph of each of `shapes` by running its warm-up steps while `budget_s` lasts,
     adding it to `runner.shapes`; return the seconds spent. A batch warms up at 2 and then 3
     requests, so that its graph takes any batch size."""
-    started = time.perf_counter()
+    clock = device_clock(runner.forward.embed_tokens.weight.device)
+    started = clock()
     runner.compile_on_miss = True
     try:
         for shape in shapes:
-            spent = time.perf_counter() - started
+            spent = clock() - started
             if runner.shapes and spent > budget_s:
                 log.info("%s stay eager: the graphs before took %.1f s to build, over --compile-budget-s %.0f "
                          "(a restart loads them from the compile cache and builds the next)",
@@ -307,7 +319,7 @@ def _build_graphs(
                 break
     finally:
         runner.compile_on_miss = False
-    return time.perf_counter() - started
+    return clock() - started
 
 
 def _time_both_paths(

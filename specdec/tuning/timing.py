@@ -4,7 +4,8 @@ Candidates are timed in turns (a, b, c, a, b, c, ...), not one after the other, 
 in the machine's speed (another process, a frequency step) lands on all of them alike. Each
 candidate reports the median of its samples, which drops the stalls, or for a kernel
 microbenchmark the minimum (its noise only ever adds time, and close kernels rank by it). On
-an asynchronous device the clock is read only after the device has finished (`synchronizer`).
+an asynchronous device the clock is read only after the device has finished (`synchronizer`):
+every timing of device work in specdec goes through it, here or through `device_clock`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,19 @@ def synchronizer(device: torch.device | str) -> Callable[[], None]:
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None
+
+
+def device_clock(device: torch.device | str, clock: Clock = time.perf_counter) -> Clock:
+    """`clock`, read only once `device` has finished its queued work: on CUDA a kernel
+    launch returns before the kernel ran, so an unsynchronized reading counts the launches,
+    not the work. Free on the CPU."""
+    sync = synchronizer(device)
+
+    def read() -> float:
+        sync()
+        return clock()
+
+    return read
 
 
 def interleaved_times(

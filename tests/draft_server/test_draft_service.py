@@ -20,6 +20,7 @@ from specdec.draft_server.server import SERVICE_NAME
 from specdec.model.loader import LoadedModel
 from specdec.sampling.sparse_probs import MIN_DRAFT_PROB
 from specdec.v1 import common_pb2, draft_pb2
+from specdec.wire import items as wire_items
 from specdec.wire.items import sparse_from_pb
 from tests.support.services import Service, greedy_continuation, rpc_error
 
@@ -379,3 +380,33 @@ def test_pool_full_is_resource_exhausted(start_draft: Callable[..., Service], sm
     # "a" is intact: roll back its drafts and continue.
     cont = propose(service, item("a", [5], 2, valid_len=30))["a"]
     assert list(cont.tokens) == greedy_continuation(smollm2, a + [5], 2)
+
+
+def test_proposals_are_encoded_on_the_model_worker_not_the_event_loop(
+    draft: Service, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The q rows' copy to the host runs where they were computed, on the model worker."""
+    threads: list[str] = []
+    encode = wire_items.sparse_to_pb
+
+    def recording(rows: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return encode(rows)
+
+    monkeypatch.setattr(wire_items, "sparse_to_pb", recording)
+    propose(draft, item("a", prompts[0], 3, sampling=sampled()), item("b", prompts[1], 2, sampling=sampled()))
+    worker = SERVICE_NAME.rsplit(".", 1)[-1]  # the model worker's thread name prefix
+    assert len(threads) == 2 and all(name.startswith(worker) for name in threads), threads
+
+
+def test_a_row_with_nothing_to_draw_fails_its_call_clearly_and_the_next_one_works(
+    draft: Service, prompts: list[list[int]]
+) -> None:
+    """Every logit over a subnormal temperature overflows: q is NaN, the host copy of the drawn
+    tokens refuses it with INVALID_ARGUMENT, the new slot is freed, and the service serves on."""
+    error = rpc_error(draft.stub.Propose, draft_pb2.ProposeRequest(items=[
+        item("a", prompts[0], 2, sampling=sampled(temperature=1e-40)),
+    ]))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "no distribution to draw from" in error.details()
+    assert draft.info().active_slots == 0
+    assert len(propose(draft, item("a", prompts[0], 2, sampling=sampled()))["a"].tokens) == 2

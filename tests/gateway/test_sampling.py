@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specdec.model.chat import encode_chat
 from specdec.model.loader import LoadedModel
 from specdec.model.runtime import ModelRuntime
+from tests.support.chi_square import chi_square_p_value
 from tests.support.stacks import Stack, StartStack
 
 PROMPT = [{"role": "user", "content": "Pick a random animal and name it."}]
@@ -71,7 +71,7 @@ def _fits(samples: list[int], exact: dict[int, float]) -> float:
     expected = [exact[t] * n for t in common] + [n - sum(exact[t] * n for t in common)]
     if expected[-1] < 1e-9:
         observed, expected = observed[:-1], expected[:-1]
-    return float(chisquare(observed, expected).pvalue)
+    return chi_square_p_value(torch.tensor(observed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64))
 
 
 @pytest.mark.parametrize(

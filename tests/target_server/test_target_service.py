@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 import pytest
@@ -21,8 +22,10 @@ from specdec.sampling.params import independent_seed
 from specdec.sampling.rejection_sampler import draw_candidates, token_probs
 from specdec.sampling.sparse_probs import SparseRows
 from specdec.sampling.transforms import chunk_logits_to_probs, logits_to_probs, make_generator, pick_tokens
+from specdec.target_server import server as target_servicer
 from specdec.target_server.server import SERVICE_NAME
 from specdec.v1 import common_pb2, target_pb2
+from specdec.wire import items as wire_items
 from specdec.wire.items import DecodeMode, VerifiedDecode, VerifyItem, sampling_from_pb, sparse_from_pb, sparse_to_pb
 from specdec.wire.tensor_codec import decode_tensor, encode_tensor
 from tests.support.services import Service, greedy_continuation, reference_logits, rpc_error
@@ -625,3 +628,47 @@ def test_a_bug_is_internal_and_the_server_keeps_serving(target: Service, caplog:
     assert "secret" not in error.details()  # the traceback goes to the log, not the client
     assert any("secret detail" in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
     assert target.info().active_slots == 0
+
+
+def test_results_are_encoded_on_the_model_worker_not_the_event_loop(
+    target: Service, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy of the logits to the host waits for the forward: it runs where the forward
+    ran, on the model worker, and the event loop only sends the finished message."""
+    threads: list[str] = []
+
+    def recording(name: str, encode: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            threads.append(f"{name} on {threading.current_thread().name}")
+            return encode(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(wire_items, "encode_tensor", recording("encode_tensor", wire_items.encode_tensor))
+    monkeypatch.setattr(target_servicer, "verified_to_pb", recording("verified_to_pb", target_servicer.verified_to_pb))
+    prompt = prompts[0]
+    prefill(target, {"a": prompt})
+    verify(target, [("a", len(prompt), [5, 6])])
+    worker = SERVICE_NAME.rsplit(".", 1)[-1]  # the model worker's thread name prefix
+    assert len(threads) == 3 and all(record.split(" on ")[1].startswith(worker) for record in threads), threads
+
+
+def test_a_row_with_nothing_to_draw_fails_its_call_clearly_and_the_next_one_works(
+    target: Service, prompts: list[list[int]]
+) -> None:
+    """A temperature so small that every logit overflows leaves a row of NaN probabilities:
+    the host copy of the tokens refuses it with INVALID_ARGUMENT (a device-side assert would
+    end the process's CUDA context), the slot rolls back, and the service serves on."""
+    prompt = prompts[0]
+    n = len(prompt)
+    prefill(target, {"a": prompt})
+    tiny = common_pb2.SamplingParams(temperature=1e-40, seed=3)  # a float32 subnormal: every logit / it is ±inf
+    error = rpc_error(target.stub.Verify, target_pb2.VerifyRequest(items=[
+        target_pb2.VerifyItem(slot_id="a", valid_len=n, tokens=[17], mode=decode_mode(1, tiny)),
+    ]))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "no distribution to draw from" in error.details() and "temperature" in error.details()
+    normal = common_pb2.SamplingParams(temperature=0.8, seed=3)
+    result = target.stub.Verify(target_pb2.VerifyRequest(items=[
+        target_pb2.VerifyItem(slot_id="a", valid_len=n, tokens=[17], mode=decode_mode(2, normal)),
+    ])).results[0]
+    assert result.cached_len == n + 2 and len(result.decoded.ids) == 2

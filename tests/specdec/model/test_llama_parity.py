@@ -5,10 +5,14 @@ Two families of models: random-initialised configs that mirror Llama-3.2-1B and 
 scaling and tied embeddings kept), prompted with the real Llama-3.2 tokenizer; and the
 real SmolLM2-135M weights. Each is checked for a batched prefill of prompts of different
 lengths, a verify chunk after a rollback, and step-by-step decoding.
+
+The random models are device-agnostic: on `--device`, in fp32 to `TOLERANCE` and in bf16
+within `BF16_SLACK` times transformers' own bf16 error (bf16 is not bit-stable across kernels).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -20,6 +24,11 @@ from specdec.model.llama import PagedLlama
 from specdec.model.loader import LoadedModel, load_tokenizer
 
 TOLERANCE = 1e-4
+#: In bf16 our logits may be at most this many times as far from the fp32 logits (max abs
+#: difference) as transformers' own bf16 forward of the same weights is: both round every
+#: op's output to bf16 (8 mantissa bits, so an ulp of 0.25 at a logit of 32), in different
+#: orders and kernels, and a fixed tolerance would fit one device's kernels only.
+BF16_SLACK = 2.0
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog because",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
@@ -42,7 +51,12 @@ MIRRORED_CONFIGS = {
 
 
 @functools.cache  # ~1-1.6 GB each: build once per session
-def _mirrored_llama(name: str) -> PreTrainedModel:
+def _mirrored_llama(name: str, device: torch.device) -> PreTrainedModel:
+    """The mirrored config `name` with its random weights, in fp32 on `device`."""
+    return _random_llama(name).to(device)
+
+
+def _random_llama(name: str) -> PreTrainedModel:
     config = LlamaConfig(
         vocab_size=128_256,
         num_hidden_layers=2,
@@ -78,17 +92,20 @@ def _mirrored_llama(name: str) -> PreTrainedModel:
 
 def _reference_logits(model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        logits = model(torch.tensor([tokens])).logits[0].float()  # [len, vocab]
+        logits = model(torch.tensor([tokens], device=model.device)).logits[0].float()  # [len, vocab]
     assert logits.abs().max() > 5, "logits too small for the tolerance to mean anything"
     return logits
 
 
-def _check_parity(model: PreTrainedModel, prompts: list[list[int]], generated: list[list[int]]) -> None:
-    """prompt prefill (batched), verify chunk after rollback (batched), decode step by step."""
+def _check_parity(model: PreTrainedModel, prompts: list[list[int]], generated: list[list[int]], *,
+                  reference: PreTrainedModel | None = None, atol: float = TOLERANCE) -> None:
+    """prompt prefill (batched), verify chunk after rollback (batched), decode step by step:
+    each within `atol` of `reference`'s logits (transformers' forward of `model` itself, unless
+    given)."""
     runner = PagedLlama(model)
     cache = runner.new_cache(token_budget=1024, block_size=16)
     full = [p + g for p, g in zip(prompts, generated)]
-    refs = [_reference_logits(model, seq) for seq in full]
+    refs = [_reference_logits(reference or model, seq) for seq in full]
     slots = [f"r{i}" for i in range(len(full))]
     for slot in slots:
         cache.blocks.allocate(slot)
@@ -96,7 +113,7 @@ def _check_parity(model: PreTrainedModel, prompts: list[list[int]], generated: l
     # 1. One batched prefill over prompts of different lengths, logits at every position.
     out = runner.run(cache, list(zip(slots, prompts)), logits="all")
     for got, ref, prompt in zip(out, refs, prompts):
-        torch.testing.assert_close(got.float(), ref[: len(prompt)], atol=TOLERANCE, rtol=0)
+        torch.testing.assert_close(got.float(), ref[: len(prompt)], atol=atol, rtol=0)
 
     # 2. Feed 3 wrong tokens, roll back, then verify the real 4-token continuation in one chunk.
     junk = [[7, 8, 9]] * len(full)
@@ -105,37 +122,56 @@ def _check_parity(model: PreTrainedModel, prompts: list[list[int]], generated: l
         cache.blocks.truncate_to(slot, len(prompt))
     out = runner.run(cache, [(s, g[:4]) for s, g in zip(slots, generated)], logits="all")
     for got, ref, prompt in zip(out, refs, prompts):
-        torch.testing.assert_close(got.float(), ref[len(prompt) : len(prompt) + 4], atol=TOLERANCE, rtol=0)
+        torch.testing.assert_close(got.float(), ref[len(prompt) : len(prompt) + 4], atol=atol, rtol=0)
 
     # 3. Decode the rest one token per request per step, all requests batched.
     for step in range(4, len(generated[0])):
         out = runner.run(cache, [(s, [g[step]]) for s, g in zip(slots, generated)], logits="last")
         for got, ref, prompt in zip(out, refs, prompts):
-            torch.testing.assert_close(got.float(), ref[len(prompt) + step], atol=TOLERANCE, rtol=0)
+            torch.testing.assert_close(got.float(), ref[len(prompt) + step], atol=atol, rtol=0)
 
     for slot in slots:
         cache.blocks.free(slot)
     assert cache.blocks.num_free_blocks == cache.blocks.num_blocks
 
 
-@pytest.mark.parametrize("name", sorted(MIRRORED_CONFIGS))
-def test_mirrored_llama32_configs_match_transformers(name: str) -> None:
+def _llama32_case() -> tuple[list[list[int]], list[list[int]]]:
+    """The prompts in the real Llama-3.2 tokenizer, and 8 random continuation tokens each."""
     tokenizer = load_tokenizer("llama-3.2")
-    model = _mirrored_llama(name)
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     assert len({len(p) for p in prompts}) > 1, "prompts must differ in length"
     generator = torch.Generator().manual_seed(1)
     generated = [torch.randint(0, 128_000, (8,), generator=generator).tolist() for _ in prompts]
-    _check_parity(model, prompts, generated)
+    return prompts, generated
 
 
-def test_llama3_rope_scaling_is_active() -> None:
+@pytest.mark.device_agnostic
+@pytest.mark.parametrize("name", sorted(MIRRORED_CONFIGS))
+def test_mirrored_llama32_configs_match_transformers(name: str, device: torch.device) -> None:
+    _check_parity(_mirrored_llama(name, device), *_llama32_case())
+
+
+@pytest.mark.device_agnostic
+@pytest.mark.parametrize("name", sorted(MIRRORED_CONFIGS))
+def test_mirrored_llama32_configs_in_bf16_stay_as_close_to_fp32_as_transformers(name: str,
+                                                                               device: torch.device) -> None:
+    fp32 = _mirrored_llama(name, device)
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    prompts, generated = _llama32_case()
+    full = [p + g for p, g in zip(prompts, generated)]
+    theirs = max(float((_reference_logits(bf16, seq) - _reference_logits(fp32, seq)).abs().max()) for seq in full)
+    assert 0 < theirs < 1, f"transformers' own bf16 error {theirs} is no yardstick"
+    _check_parity(bf16, prompts, generated, reference=fp32, atol=BF16_SLACK * theirs)
+
+
+@pytest.mark.device_agnostic
+def test_llama3_rope_scaling_is_active(device: torch.device) -> None:
     """Guard against silently testing plain RoPE: llama3 scaling changes low frequencies."""
-    model = _mirrored_llama("llama-3.2-1b")
+    model = _mirrored_llama("llama-3.2-1b", device)
     runner = PagedLlama(model)
     base = 1.0 / (500000.0 ** (torch.arange(0, 64, 2).float() / 64))
-    assert not torch.allclose(runner.inv_freq.float(), base)
-    assert torch.allclose(runner.inv_freq.float()[:4], base[:4])  # high frequencies untouched
+    assert not torch.allclose(runner.inv_freq.float().cpu(), base)
+    assert torch.allclose(runner.inv_freq.float().cpu()[:4], base[:4])  # high frequencies untouched
 
 
 def test_smollm2_real_weights_match_transformers(smollm2: LoadedModel) -> None:

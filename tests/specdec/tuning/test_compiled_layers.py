@@ -29,6 +29,7 @@ from specdec.tuning.compiled_layers import (
     TIMING_CONTEXT,
     CompiledLayers,
     choose_layer_path,
+    compile_options,
     compiled_step_names,
     layers_per_compiled_call,
     shape_key,
@@ -361,3 +362,10 @@ def test_undecided_shapes_are_timed_after_start_up_and_their_decisions_saved(
         pass
     assert runner.shapes == {(1, 1), (2, 1)} and len(tuner.loaded_detail) == 3
     assert TuningStore(tmp_path).load(key)["compiled_steps"] == {"1x1": True, "1x2": False, "2x1": True, "2x2": False}
+
+
+def test_the_cpp_wrapper_is_asked_for_on_the_cpu_only() -> None:
+    """On CUDA it would build against the CUDA headers at run time, which a slim image lacks."""
+    cpu, cuda = compile_options(torch.device("cpu")), compile_options(torch.device("cuda", 0))
+    assert cpu["cpp_wrapper"] is True and cuda["cpp_wrapper"] is False
+    assert cpu["guard_filter_fn"] is cuda["guard_filter_fn"] is torch.compiler.skip_guard_on_all_nn_modules_unsafe

@@ -1,5 +1,6 @@
 """Tests for the paged KV block manager: unit tests per method and error, plus a stateful
-hypothesis test against a reference model (slot -> length)."""
+hypothesis test against a reference model (slot -> length). Pure bookkeeping: it runs the same
+whatever `--device` is (marked device_agnostic so that the device run includes it)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from specdec.errors import (
     SlotNotFoundError,
 )
 from specdec.kv_cache.block_manager import BlockManager
+
+pytestmark = pytest.mark.device_agnostic
 
 
 def snapshot(bm: BlockManager) -> tuple:

@@ -10,24 +10,28 @@ from specdec.sampling.sparse_probs import MIN_DRAFT_PROB, SparseRows, cut_tail
 from specdec.wire.items import sparse_from_pb, sparse_to_pb
 
 
-def test_cut_tail_drops_small_probabilities_and_keeps_each_rows_largest() -> None:
+@pytest.mark.device_agnostic
+def test_cut_tail_drops_small_probabilities_and_keeps_each_rows_largest(device: torch.device) -> None:
     probs = torch.tensor([
         [0.5, 0.4999, MIN_DRAFT_PROB / 2, MIN_DRAFT_PROB, 0.0],
         [MIN_DRAFT_PROB / 3] * 4 + [MIN_DRAFT_PROB / 2],  # every entry below the threshold
-    ])
-    cut = cut_tail(probs)
+    ], device=device)
+    cut = cut_tail(probs).cpu()
     assert torch.equal(cut[0], torch.tensor([0.5, 0.4999, 0.0, MIN_DRAFT_PROB, 0.0]))
     assert torch.equal(cut[1], torch.tensor([0.0] * 4 + [MIN_DRAFT_PROB / 2]))
 
 
-def test_rows_round_trip_through_the_wire_and_normalize_alike() -> None:
+@pytest.mark.device_agnostic
+def test_rows_round_trip_through_the_wire_and_normalize_alike(device: torch.device) -> None:
+    """The draft's rows on its device go to the wire; the target reads them onto its own."""
     dense = torch.tensor([[0.0, 2.0, 0.0, 1.0], [0.5, 0.0, 0.0, 0.0], [0.1, 0.2, 0.3, 0.4]]).to(torch.bfloat16)
-    rows = SparseRows.from_dense(dense)
+    rows = SparseRows.from_dense(dense.to(device))
     assert rows.lengths == (2, 1, 4) and rows.token_ids.tolist() == [1, 3, 0, 0, 1, 2, 3]
     wire = sparse_from_pb(sparse_to_pb(rows))
-    assert wire.lengths == rows.lengths and torch.equal(wire.token_ids, rows.token_ids)
-    assert wire.values.dtype == torch.bfloat16 and torch.equal(wire.values, rows.values)
+    assert wire.lengths == rows.lengths and torch.equal(wire.token_ids, rows.token_ids.cpu())
+    assert wire.values.dtype == torch.bfloat16 and torch.equal(wire.values, rows.values.cpu())
     wire.validate(4, "q")
+    assert wire.distributions(4, device=device).device.type == device.type
     q = wire.distributions(4, extra_rows=1)  # [4, 4]
     torch.testing.assert_close(q[:3], dense.float() / dense.float().sum(-1, keepdim=True), atol=0, rtol=1e-6)
     assert torch.equal(q[3], torch.zeros(4))

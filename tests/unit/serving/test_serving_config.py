@@ -43,11 +43,11 @@ def test_every_flag_reaches_the_config() -> None:
     )
 
 
-@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
-def test_auto_precision_on_a_gpu_is_unquantized_bf16(device: str) -> None:
+@pytest.mark.parametrize("gpu", ["cuda", "cuda:1"])
+def test_auto_precision_on_a_gpu_is_unquantized_bf16(gpu: str) -> None:
     # int4 off the CPU is a dequantized copy plus an int8 head dequantized at every call.
-    assert parse(TargetConfig, "--device", device).precision() == Precision("bfloat16", "none")
-    assert parse(DraftConfig, "--device", device).precision() == Precision("bfloat16", "none")
+    assert parse(TargetConfig, "--device", gpu).precision() == Precision("bfloat16", "none")
+    assert parse(DraftConfig, "--device", gpu).precision() == Precision("bfloat16", "none")
 
 
 def test_flags_override_auto_one_at_a_time() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.tuning.timing import interleaved_times, synchronizer
+from specdec.tuning.timing import device_clock, interleaved_times, synchronizer
 
 
 class FakeClock:
@@ -68,3 +68,18 @@ def test_synchronizer_waits_for_cuda_only(monkeypatch: pytest.MonkeyPatch) -> No
     assert waited == []
     synchronizer("cuda:0")()
     assert waited == [torch.device("cuda:0")]
+
+
+def test_a_device_clock_reads_the_time_only_after_the_device_finished(monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(f"sync {device}"))
+
+    def clock() -> float:
+        events.append("read")
+        return 1.5
+
+    assert device_clock("cuda:0", clock)() == 1.5
+    assert events == ["sync cuda:0", "read"]
+    events.clear()
+    device_clock("cpu", clock)()
+    assert events == ["read"]
