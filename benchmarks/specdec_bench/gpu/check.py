@@ -70,15 +70,25 @@ class StageResult:
         return self.status is StageStatus.OK
 
 
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _stop_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the stage's process group (the stage and the services it started), then SIGKILL."""
-    for sig, wait_s in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 0.0)):
+    """SIGTERM the stage's process group (the stage and the services it started), then SIGKILL
+    what is left after a grace period."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
-            return  # the whole group is gone
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and process.poll() is None:
+            break  # the whole group is gone
+        deadline = time.monotonic() + KILL_GRACE_S
+        # poll() reaps the stage itself: a zombie still counts as a member of its group.
+        while time.monotonic() < deadline and (process.poll() is None or _group_alive(process.pid)):
             time.sleep(0.1)
     process.wait()
 

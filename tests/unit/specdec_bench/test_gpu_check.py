@@ -33,7 +33,9 @@ def _fake_stage(tmp_path: Path, stage: Stage, body: str, time_box_s: float) -> S
 def test_stages_run_time_boxed_and_one_failing_or_hanging_stops_none(tmp_path: Path) -> None:
     write = "open(record, 'w').write(json.dumps({figures}))"
     plans = [
-        _fake_stage(tmp_path, Stage.STEP_SPEED, write.format(figures={"steps": []}) + "\ntime.sleep(60)", 1),
+        _fake_stage(tmp_path, Stage.STEP_SPEED, "import subprocess\n"  # a service it started, still running
+                    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                    + write.format(figures="{'child': child.pid}") + "\ntime.sleep(60)", 1),
         _fake_stage(tmp_path, Stage.PREFLIGHT, write.format(figures={"device": {"name": "fake"}}), 4),
         _fake_stage(tmp_path, Stage.DEVICE_TESTS, write.format(figures={"error": "boom"}) + "\nsys.exit(1)", 4),
         _fake_stage(tmp_path, Stage.SERVICE_DEFAULTS, "sys.exit(3)", 20),
@@ -44,12 +46,21 @@ def test_stages_run_time_boxed_and_one_failing_or_hanging_stops_none(tmp_path: P
     assert time.monotonic() - started < 40  # the sleeper was stopped, not waited for
     assert [r.status for r in results] == [StageStatus.TIMED_OUT, StageStatus.OK, StageStatus.FAILED,
                                            StageStatus.FAILED]
-    assert results[0].figures == {"steps": []} and "time box" in results[0].error  # what it wrote before
+    assert "time box" in results[0].error
+    assert not _running(results[0].figures["child"])  # stopped with the stage that started it
     assert results[1].figures == {"device": {"name": "fake"}}
     assert results[2].error == "boom" and results[2].figures == {}
     assert results[3].error == "exited with code 3"
     # The time the two quick stages left unused went to the last one.
     assert results[3].time_box_s > 22
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is no zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _result(stage: Stage, figures: dict[str, object], status: StageStatus = StageStatus.OK) -> StageResult:
