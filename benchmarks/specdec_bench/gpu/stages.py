@@ -97,14 +97,15 @@ def preflight(config: GpuCheckConfig, record: Record) -> None:
 
 
 def _pytest_counts(output: str) -> dict[str, int]:
-    """The counts of pytest's last line: {"passed": 3, "skipped": 1} of "3 passed, 1 skipped in 2.0s",
-    {"collected": 5} of "5 tests collected in 0.5s"."""
+    """The counts of pytest's last line: {"passed": 3, "skipped": 1} of "3 passed, 1 skipped in 2.0s";
+    {"selected": 5, "collected": 9, "deselected": 4} of "5/9 tests collected (4 deselected) in 0.5s"."""
     lines = [line for line in output.strip().splitlines() if line.strip()]
     last = lines[-1] if lines else ""
-    return {
-        "collected" if word.endswith("collected") else word: int(number)
-        for number, word in re.findall(r"(\d+) (tests? collected|[a-z]+)", last)
-    }
+    counts = {word: int(number) for number, word in re.findall(r"(\d+) ([a-z]+)", last) if word != "tests"}
+    if (collected := re.search(r"(?:(\d+)/)?(\d+) tests? collected", last)) is not None:
+        counts["collected"] = int(collected[2])
+        counts["selected"] = int(collected[1] or collected[2])
+    return counts
 
 
 def device_tests(config: GpuCheckConfig, record: Record) -> None:

@@ -123,7 +123,9 @@ def test_config_survives_its_json_and_the_gpu_boxes_fit_eight_minutes() -> None:
 def test_pytest_counts_from_its_last_line() -> None:
     assert _pytest_counts("....\n12 passed, 1 skipped, 3 deselected in 4.20s\n") == {
         "passed": 12, "skipped": 1, "deselected": 3}
-    assert _pytest_counts("x\n5 tests collected in 0.5s") == {"collected": 5}
+    assert _pytest_counts("x\n5 tests collected in 0.5s") == {"collected": 5, "selected": 5}
+    assert _pytest_counts("138/706 tests collected (568 deselected) in 9.1s") == {
+        "collected": 706, "selected": 138, "deselected": 568}
     assert _pytest_counts("no tests collected (7 deselected) in 1.0s") == {"deselected": 7}
 
 
