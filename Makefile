@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-done
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(PROTOS:protos/%.proto=%_pb2.py)
 
-.PHONY: setup system-deps protos test test-fast lint demo bench bench-quick soak clean
+.PHONY: setup system-deps protos test test-fast lint demo bench bench-quick soak gpu-carry gpu-check clean
 
 setup: $(STAMP) protos
 
@@ -62,6 +62,18 @@ bench-quick: setup
 # (not part of the tests, which run a short version); prints its figures, exits 1 on a failed check.
 soak: setup
 	$(PY) -m specdec_bench.soak
+
+# The GPU check (docs/gpu.md). Here, where pip works: what the GPU machine lacks, into a
+# git-ignored folder under 64 MiB (wheels, the generated stubs, the Llama-3.2 tokenizer).
+GPU_CARRY := .gpu-carry
+gpu-carry: setup
+	$(PY) -m specdec_bench.gpu.carry --out $(GPU_CARRY)
+
+# There, with the machine's own python3 (no venv, no package index, so no setup): the carried
+# wheels beside the tree, the stubs in place, every stage in at most 8 minutes. Writes
+# $$OUT/gpu_check.json (benchmarks/results/gpu/ without $$OUT) and ends with one summary line.
+gpu-check:
+	PYTHON=$(PYTHON) GPU_CARRY=$(GPU_CARRY) sh benchmarks/gpu_check.sh $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) specdec/v1/*_pb2*.py specdec/v1/*_pb2.pyi

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,11 +91,15 @@ def run_peers(
     repetitions: int,
     reference: Mapping[int, list[int]],
     progress: Progress,
+    methods: Sequence[str] = METHODS,
 ) -> list[PeerRecord]:
-    """Greedy plain and assisted generation of every prompt, interleaved, `repetitions` times."""
+    """Greedy generation of every prompt by each of `methods` (plain and assisted by default),
+    interleaved, `repetitions` times. The draft is loaded only for assisted generation."""
     progress.set_description("transformers peers (loading)")
-    target, draft = _runtime(target_config), _runtime(draft_config)
-    configure_assistant(draft.loaded.model, k)
+    target = _runtime(target_config)
+    draft = _runtime(draft_config) if "hf_assisted" in methods else None
+    if draft is not None:
+        configure_assistant(draft.loaded.model, k)
     tokenizer = target.loaded.tokenizer
     eos = tokenizer.eos_token_id
     device = target.loaded.model.device
@@ -108,8 +112,8 @@ def run_peers(
         for rep in range(repetitions):
             for prompt in range(prompts):
                 ids = torch.tensor([encode_chat(tokenizer, chat(PROMPTS[prompt]))], device=device)  # [1, prompt]
-                for method in METHODS if (rep + prompt) % 2 == 0 else reversed(METHODS):
-                    assistant = draft.loaded.model if method == "hf_assisted" else None
+                for method in methods if (rep + prompt) % 2 == 0 else list(reversed(methods)):
+                    assistant = draft.loaded.model if method == "hf_assisted" and draft is not None else None
                     run = functools.partial(greedy_generate, target.loaded.model, ids, eos=eos, assistant=assistant)
                     first = min(_timed(functools.partial(run, 1), clock)[1] for _ in range(2))  # the faster of two
                     tokens, seconds = _timed(functools.partial(run, max_new_tokens), clock)

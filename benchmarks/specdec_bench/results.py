@@ -111,7 +111,8 @@ def lscpu() -> dict[str, str]:
     return {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in out.splitlines()) if value}
 
 
-def _git_revision() -> str:
+def git_revision() -> str:
+    """The checkout's short commit, `+dirty` when it has changes; "" outside a git checkout."""
     here = Path(__file__).resolve().parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
@@ -136,5 +137,5 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "transformers": transformers.__version__,
-        "git": _git_revision(),
+        "git": git_revision(),
     }

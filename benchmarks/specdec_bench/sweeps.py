@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from specdec.client import SpecdecClient
+from specdec.client import GenerationResult, SpecdecClient
 from specdec_bench.config import BenchConfig
 from specdec_bench.stack import Stack
 from specdec_bench.workloads import PROMPTS, RunRecord, mode_name, run_request
@@ -99,24 +99,31 @@ def w1(
     return outcome
 
 
-def k_sweep(client: SpecdecClient, stack: Stack, config: BenchConfig, progress: Progress) -> list[RunRecord]:
-    """Greedy single requests with a fixed K = 0..max_k (adaptive off), K order alternating per prompt.
+def counted_request(
+    client: SpecdecClient, stack: Stack, phase: str, prompt: int, k: int, *, max_new_tokens: int
+) -> tuple[RunRecord, GenerationResult]:
+    """One greedy request at a fixed K (adaptive off; 0 = plain), alone on the stack: the
+    gateway's counters are read around it, so its record carries its speculation rounds and
+    its accepted tokens per draft position."""
+    before = stack.metrics()
+    record, result = run_request(client, phase, prompt, k, max_new_tokens=max_new_tokens)
+    if k > 0:
+        after = stack.metrics()
+        record.num_drafts = round(after.num_drafts - before.num_drafts)
+        record.accepted_per_pos = after.accepted_since(before, k)
+    return record, result
 
-    The gateway's counters are read around each request, so every record carries its
-    rounds and its accepted tokens per draft position.
-    """
+
+def k_sweep(client: SpecdecClient, stack: Stack, config: BenchConfig, progress: Progress) -> list[RunRecord]:
+    """Greedy single requests with a fixed K = 0..max_k (adaptive off), K order alternating per prompt
+    (`counted_request`), each K's output checked against plain decoding's."""
     records: list[RunRecord] = []
     progress.set_description("fixed-K sweep")
     for prompt in range(config.sweep_prompts):
         ks = list(range(config.max_k + 1))
         tokens: dict[int, list[int]] = {}
         for k in ks if prompt % 2 == 0 else reversed(ks):
-            before = stack.metrics()
-            record, result = run_request(client, "k_sweep", prompt, k, max_new_tokens=config.max_new_tokens)
-            if k > 0:
-                after = stack.metrics()
-                record.num_drafts = round(after.num_drafts - before.num_drafts)
-                record.accepted_per_pos = after.accepted_since(before, k)
+            record, result = counted_request(client, stack, "k_sweep", prompt, k, max_new_tokens=config.max_new_tokens)
             records.append(record)
             tokens[k] = result.token_ids
             progress.update()
