@@ -31,15 +31,18 @@ REQUEST_TIMEOUT_S = 300.0
 
 
 @contextmanager
-def check_stack(config: GpuCheckConfig, target: str, draft: str, dtype: str) -> Iterator[tuple[Stack, SpecdecClient]]:
-    """Target, draft and gateway on the check's device, both models unquantized in `dtype`; and a client."""
+def check_stack(
+    config: GpuCheckConfig, target: str, draft: str, dtype: str, extra: tuple[str, str] = ("", "")
+) -> Iterator[tuple[Stack, SpecdecClient]]:
+    """Target, draft and gateway on the check's device, both models unquantized in `dtype`, the
+    target and the gateway with the `extra` flags (target's, gateway's); and a client."""
 
     def model_flags(model: str) -> str:
         return (f"--model {shlex.quote(model)} --device {config.device} --dtype {dtype} --quantization none "
                 "--compile off --no-prefix-caching")
 
-    gateway = f"--max-batch-size {max(config.concurrency)}"
-    with running_stack(model_flags(target), model_flags(draft), gateway) as stack:
+    gateway = f"--max-batch-size {max(config.concurrency)} {extra[1]}".strip()
+    with running_stack(f"{model_flags(target)} {extra[0]}".strip(), model_flags(draft), gateway) as stack:
         with SpecdecClient(stack.address, timeout=REQUEST_TIMEOUT_S) as client:
             yield stack, client
 
@@ -70,8 +73,17 @@ class GreedyComparison:
     first_divergence: list[int | None] = field(default_factory=list)
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    #: Seconds the plain and the speculative requests took, all together.
+    plain_s: float = 0.0
+    speculative_s: float = 0.0
 
-    def add(self, plain: list[int], speculative: list[int], draft_tokens: int, accepted_tokens: int) -> None:
+    def add(
+        self, plain: list[int], speculative: list[int], draft_tokens: int, accepted_tokens: int,
+        seconds: tuple[float, float] = (0.0, 0.0),
+    ) -> None:
+        """One prompt's outputs, its speculative request's counters and (plain, speculative) seconds."""
+        self.plain_s += seconds[0]
+        self.speculative_s += seconds[1]
         width = max(len(plain), len(speculative))
         differ = [i for i in range(width) if i >= len(plain) or i >= len(speculative) or plain[i] != speculative[i]]
         self.prompts += 1
@@ -98,19 +110,22 @@ class GreedyComparison:
 
 
 def service_pairs(
-    config: GpuCheckConfig, record: Record, dtype: str, *, prompts: int, max_new_tokens: int, sampled: bool
+    config: GpuCheckConfig, record: Record, dtype: str, *, prompts: int, max_new_tokens: int, sampled: bool,
+    extra: tuple[str, str] = ("", ""),
 ) -> GreedyComparison:
     """Each prompt greedy, plain and then speculative at a fixed K, through the target and draft
-    of the config in `dtype`; with `sampled`, one sampled speculative request must complete too."""
+    of the config in `dtype` (`extra` flags as `check_stack` takes them); with `sampled`, one
+    sampled speculative request must complete too."""
     k = config.parity_k
     comparison = GreedyComparison(k)
-    with check_stack(config, config.target_model, config.draft_model, dtype) as (_, client):
+    with check_stack(config, config.target_model, config.draft_model, dtype, extra) as (_, client):
         record.put("services", services_of(client))
         warm_up(client, k)
         for prompt in range(prompts):
-            _, plain = run_request(client, "parity", prompt, 0, max_new_tokens=max_new_tokens)
-            _, spec = run_request(client, "parity", prompt, k, max_new_tokens=max_new_tokens)
-            comparison.add(plain.token_ids, spec.token_ids, spec.num_draft_tokens, spec.num_accepted_tokens)
+            plain_run, plain = run_request(client, "parity", prompt, 0, max_new_tokens=max_new_tokens)
+            spec_run, spec = run_request(client, "parity", prompt, k, max_new_tokens=max_new_tokens)
+            comparison.add(plain.token_ids, spec.token_ids, spec.num_draft_tokens, spec.num_accepted_tokens,
+                           (plain_run.total_s, spec_run.total_s))
             record.put("greedy", comparison.as_dict())
         if sampled:
             _, result = run_request(client, "sampled", 0, None, max_new_tokens=max_new_tokens, temperature=0.8,

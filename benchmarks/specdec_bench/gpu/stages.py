@@ -147,6 +147,21 @@ def greedy_exact(config: GpuCheckConfig, record: Record) -> None:
                            f"(first at token {comparison.first_mismatch()})")
 
 
+def greedy_invariant(config: GpuCheckConfig, record: Record) -> None:
+    """Speed dtype with the target's --batch-invariant (one fixed step shape: K_max = the parity
+    K, one request a step): speculative output must equal plain output; the requests' seconds,
+    set beside greedy_parity's, are what the mode costs."""
+    k = config.parity_k
+    flags = (f"--batch-invariant --invariant-batch 1 --max-speculative-tokens {k} "
+             f"--max-seq-len {config.invariant_max_seq_len}", f"--num-speculative-tokens {k}")
+    comparison = service_pairs(config, record, config.dtype, prompts=config.parity_prompts,
+                               max_new_tokens=config.parity_tokens, sampled=False, extra=flags)
+    if comparison.mismatched_tokens:
+        raise StageFailure(f"{config.dtype} --batch-invariant: greedy speculative output differs from plain output "
+                           f"in {comparison.diverged_prompts} of {comparison.prompts} prompts "
+                           f"(first at token {comparison.first_mismatch()})")
+
+
 def step_speed(config: GpuCheckConfig, record: Record) -> None:
     """The target's 1-token step and (K+1)-token verify in-process, with the roofline fraction."""
     runtime = build_runtime(config.target_model, dtype=config.dtype, device=config.device)
@@ -219,7 +234,8 @@ def _model_info(address: str) -> dict[str, Any]:
 
 STAGES: dict[Stage, Callable[[GpuCheckConfig, Record], None]] = {
     Stage.PREFLIGHT: preflight, Stage.DEVICE_TESTS: device_tests, Stage.GREEDY_PARITY: greedy_parity,
-    Stage.GREEDY_EXACT: greedy_exact, Stage.STEP_SPEED: step_speed, Stage.STACK_SPEED: stack_speed,
+    Stage.GREEDY_EXACT: greedy_exact, Stage.GREEDY_INVARIANT: greedy_invariant,
+    Stage.STEP_SPEED: step_speed, Stage.STACK_SPEED: stack_speed,
     Stage.SERVICE_DEFAULTS: service_defaults,
 }
 

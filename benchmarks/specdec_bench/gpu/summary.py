@@ -37,6 +37,13 @@ def _exact(figures: dict[str, Any], config: GpuCheckConfig) -> str:
     return f"{config.exact_dtype} {verdict} ({greedy.get('tokens', '?')} tokens)"
 
 
+def _invariant(figures: dict[str, Any], config: GpuCheckConfig) -> str:
+    greedy = figures.get("greedy", {})
+    verdict = "spec==plain" if greedy.get("tokens") and not greedy.get("mismatched_tokens") else "spec!=plain"
+    return (f"invariant {config.dtype} {verdict} ({greedy.get('tokens', '?')} tokens, "
+            f"plain {_num(greedy.get('plain_s'), '.1f')} s, spec {_num(greedy.get('speculative_s'), '.1f')} s)")
+
+
 def _steps(figures: dict[str, Any], config: GpuCheckConfig) -> str:
     rows = figures.get("steps", [])
     if not rows:
@@ -74,6 +81,7 @@ def _defaults(figures: dict[str, Any], config: GpuCheckConfig) -> str:
 
 _BRIEFS: dict[Stage, Callable[[dict[str, Any], GpuCheckConfig], str]] = {
     Stage.DEVICE_TESTS: _device_tests, Stage.GREEDY_PARITY: _parity, Stage.GREEDY_EXACT: _exact,
+    Stage.GREEDY_INVARIANT: _invariant,
     Stage.STEP_SPEED: _steps, Stage.STACK_SPEED: _stack, Stage.SERVICE_DEFAULTS: _defaults,
 }
 
