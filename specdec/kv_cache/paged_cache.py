@@ -1,6 +1,6 @@
 """K/V tensors of every layer, stored in fixed-size blocks, plus their block manager.
 
-Each layer's keys and values are one tensor `[num_blocks * block_size, 2, kv_heads, head_dim]`
+Each layer's keys and values are one tensor `[num_blocks * block_size + 1, 2, kv_heads, head_dim]`
 (index 0 of the second dimension holds the key, 1 the value): the flat positions the block
 manager hands out index its first dimension directly, so writing a token's key and value
 is one `index_put_` and gathering a context is one `index_select`, on any device.
@@ -35,8 +35,11 @@ class PagedKVCache:
         self.blocks = BlockManager(num_blocks, block_size)
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_blocks * block_size, 2, num_kv_heads, head_dim)
-        #: Per layer: [rows, 2 (key, value), kv_heads, head_dim].
+        #: A row past every block: where a fixed-shape step's padding tokens write their keys and
+        #: values (`specdec.model.forward_batch.StepShape`), so every row of it writes somewhere.
+        self.scratch_row = num_blocks * block_size
+        shape = (num_blocks * block_size + 1, 2, num_kv_heads, head_dim)
+        #: Per layer: [rows, 2 (key, value), kv_heads, head_dim], the scratch row last.
         self.kv: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @classmethod

@@ -32,7 +32,10 @@ class ForwardBatch:
     positions: torch.Tensor  # [B, T] absolute position of each new token (padding counts on past the chunk)
     token_rows: torch.Tensor  # [n] index of each real (non-padding) token in the flattened [B*T]
     last_rows: torch.Tensor  # [B] index of each chunk's last token in the flattened [B*T]
-    write_index: torch.Tensor  # [n] flat cache row of each real token, row-major over (B, T)
+    #: Rows of the flattened [B*T] whose keys and values are written: the real tokens; in a fixed
+    #: shape every row, padding to the pool's scratch row, so the step's shapes never change.
+    kv_rows: torch.Tensor  # [w]
+    write_index: torch.Tensor  # [w] pool row each of `kv_rows` writes
     block_tables: torch.Tensor  # [B, M] pool blocks of each request's context, right-padded with block 0
     context_lens: torch.Tensor  # [B] tokens of each request's context, its chunk included
     chunk_lens: list[int]
@@ -54,9 +57,10 @@ def check_chunks(chunks: list[Chunk]) -> None:
 @dataclass(frozen=True)
 class StepShape:
     """The one shape every forward of a fixed-shape step has: `requests` chunks of `tokens`
-    tokens over `blocks` KV blocks each, real chunks first, then padding requests that see
-    one key and write nothing. Equal shapes run the same kernels, so a token's logits do not
-    depend on its batch, its chunk or its row (batch-invariant verification, CUDA graphs)."""
+    tokens over `blocks` KV blocks each, real chunks first, then padding requests that see one
+    key; every padding token writes the pool's scratch row. Equal shapes run the same kernels,
+    so a token's logits do not depend on its batch, its chunk or its row (batch-invariant
+    verification), and a step's tensors keep their shapes and addresses (CUDA graphs)."""
 
     requests: int
     tokens: int
@@ -79,6 +83,7 @@ def build_forward_batch(
     ends = [start + n for start, n in zip(starts, chunk_lens)]
     slots = [slot_id for slot_id, _ in chunks]
     tables = [cache.blocks.block_table(slot)[: -(-end // bs)] for slot, end in zip(slots, ends)]
+    fixed = shape is not None
     if shape is None:
         shape = StepShape(len(chunks), max(chunk_lens), max(len(table) for table in tables))
     _check_fits(shape, chunk_lens, tables)
@@ -93,18 +98,27 @@ def build_forward_batch(
         [block for table in tables + [[]] * padding for block in table + [0] * (max_blocks - len(table))],
         ends + [1] * padding,  # a padding request sees the first key of block 0: finite garbage
     ]
-    input_ids, positions, token_rows, last_rows, write_index, tables_t, context_lens = _to_device(host, cache.device)
+    if fixed:  # every row writes: the real ones their tokens' rows, the padding the scratch row
+        written = {row: pool for row, pool in zip(host[2], host[4])}
+        host.append(list(range(bsz * width)))
+        host[4] = [written.get(row, cache.scratch_row) for row in range(bsz * width)]
+    else:
+        host.append(host[2])
+    input_ids, positions, token_rows, last_rows, write_index, tables_t, context_lens, kv_rows = _to_device(
+        host, cache.device
+    )
     return ForwardBatch(
         input_ids=input_ids.view(bsz, width),
         positions=positions.view(bsz, width),
         token_rows=token_rows,
         last_rows=last_rows,
+        kv_rows=kv_rows,
         write_index=write_index,
         block_tables=tables_t.view(bsz, max_blocks),
         context_lens=context_lens,
         chunk_lens=chunk_lens,
         block_size=bs,
-        fresh=padding == 0 and all(start == 0 for start in starts),
+        fresh=not fixed and all(start == 0 for start in starts),
     )
 
 

@@ -84,13 +84,13 @@ class LayerInputs(NamedTuple):
 
     cos: torch.Tensor  # [B, T, 1, D] RoPE
     sin: torch.Tensor  # [B, T, 1, D]
-    write_index: torch.Tensor  # [n] pool row of each real token
-    token_rows: torch.Tensor  # [n] index of each real token in the flattened [B*T]
+    write_index: torch.Tensor  # [w] pool row each of `kv_rows` writes
+    kv_rows: torch.Tensor  # [w] rows of the flattened [B*T] whose keys and values are written
     attention: AttentionInputs  # what the attention kernel reads of the block tables
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every tensor, those of `attention` included."""
-        return self.cos, self.sin, self.write_index, self.token_rows, *self.attention.tensors()
+        return self.cos, self.sin, self.write_index, self.kv_rows, *self.attention.tensors()
 
 
 class LayerRunner(Protocol):
@@ -221,7 +221,7 @@ class PagedLlama:
         hidden = self.embed_tokens(batch.input_ids)  # [B, T, hidden]
         cos, sin = self._rope(batch.positions, hidden.dtype)  # [B, T, 1, head_dim] each
         attention = self.attention.prepare(batch, self.num_heads // self.num_kv_heads, attention_dtype(hidden))
-        inputs = LayerInputs(cos, sin, batch.write_index, batch.token_rows, attention)
+        inputs = LayerInputs(cos, sin, batch.write_index, batch.kv_rows, attention)
         hidden = self.layer_runner(hidden, inputs, cache)
         hidden = rms_norm(hidden, self.final_norm.weight, self.eps)
         selected = hidden.reshape(bsz * width, -1).index_select(0, logit_rows)  # [n_rows, hidden]
@@ -279,7 +279,7 @@ class PagedLlama:
         qk = qk * inputs.cos + rotate_half(qk) * inputs.sin
         q = qk[:, :, :heads].transpose(1, 2)  # [B, H, T, D]
         new = torch.stack((qk[:, :, heads:], qkv[:, :, heads + kv_heads :]), dim=2)  # [B, T, 2, Hkv, D]
-        kv.index_put_((inputs.write_index,), new.view(bsz * width, 2, kv_heads, dim).index_select(0, inputs.token_rows))
+        kv.index_put_((inputs.write_index,), new.view(bsz * width, 2, kv_heads, dim).index_select(0, inputs.kv_rows))
         out = self.attention(q, new, kv, inputs.attention)  # [B, H, T, D]
         return layer.o(out.transpose(1, 2).reshape(bsz, width, heads * dim))
 

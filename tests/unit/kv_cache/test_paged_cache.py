@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specdec.kv_cache.paged_cache import PagedKVCache
+from specdec.model.forward_batch import build_forward_batch
 
 pytestmark = pytest.mark.device_agnostic
 BLOCK = 4
@@ -20,12 +21,13 @@ def _pool(device: torch.device, dtype: torch.dtype = torch.float32) -> PagedKVCa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_pool_and_its_block_tables_live_on_the_device(device: torch.device, dtype: torch.dtype) -> None:
     cache = _pool(device, dtype)
-    assert all(kv.device == device and kv.dtype == dtype and kv.shape == (6 * BLOCK, 2, 2, 8) for kv in cache.kv)
+    rows = 6 * BLOCK + 1  # the scratch row last
+    assert all(kv.device == device and kv.dtype == dtype and kv.shape == (rows, 2, 2, 8) for kv in cache.kv)
     assert cache.bytes_per_token() == 2 * 2 * 8 * 2 * dtype.itemsize  # (key, value) x heads x dim x layers
     for slot, tokens in (("a", 9), ("b", 3)):
         cache.blocks.allocate(slot)
         cache.blocks.append(slot, tokens)
-    tables = cache.block_tables(["a", "b"])  # [batch, max_blocks], right-padded with block 0
+    tables = build_forward_batch(cache, [("a", [1] * 9), ("b", [1] * 3)]).block_tables  # [2, max_blocks]
     assert tables.device == device and tables.tolist() == [cache.blocks.block_table("a"),
                                                             cache.blocks.block_table("b") + [0, 0]]
 
