@@ -10,6 +10,7 @@ tied embeddings and SmolLM2. Device-agnostic: nothing here names a device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -194,19 +195,21 @@ class PagedLlama:
 
     @torch.inference_mode()
     def compute_fixed(
-        self, cache: PagedKVCache, chunks: list[tuple[str, list[int]]], shape: StepShape
+        self, cache: PagedKVCache, chunks: list[tuple[str, list[int]]], shape: StepShape,
+        run: Callable[[ForwardBatch], torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """`compute(..., logits="all", prompt=False)` with every forward padded to `shape`: the
         chunks run `shape.requests` at a time and the output head scores every row, padding
-        included, so each matmul has the same shape at every step. Returns `[len(tokens), vocab]`
-        per chunk."""
+        included, so each matmul has the same shape at every step. `run` computes a padded
+        batch's `[R*T, vocab]` logits (`specdec.model.cuda_graphs.StepGraphs.run`; default: our
+        forward). Returns `[len(tokens), vocab]` per chunk."""
         check_chunks(chunks)
         out: list[torch.Tensor] = []
         every = torch.arange(shape.requests * shape.tokens, device=cache.device)  # [R*T]
         for first in range(0, len(chunks), shape.requests):
             batch = build_forward_batch(cache, chunks[first : first + shape.requests], shape=shape)
             with fastest_wide_kernel(True):
-                scored = self.forward(batch, cache, every)  # [R*T, vocab]
+                scored = run(batch) if run is not None else self.forward(batch, cache, every)  # [R*T, vocab]
             out.extend(scored.index_select(0, batch.token_rows).split(batch.chunk_lens, dim=0))
         return out
 

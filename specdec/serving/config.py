@@ -119,6 +119,10 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
         "each context copied out of the KV pool, scores materialised), or auto (the device's default)",
         choices=("auto", *(kernel.value for kernel in AttentionKernel)), advanced=True,
     )
+    cuda_graphs: bool = option(
+        True, "on CUDA, replay verify and decode steps from CUDA graphs, captured once per padded shape "
+        "(requests, tokens and key blocks rounded up to powers of two)", advanced=True,
+    )
     prefill_chunk_tokens: int = option(
         DEFAULT_PREFILL_CHUNK_TOKENS, "most tokens of one request a forward computes: a longer prompt is prefilled "
         "in chunks of this many, one forward after another, in bounded memory and with the same results",

@@ -16,6 +16,7 @@ import torch
 
 from specdec.cost_model import ForwardCost
 from specdec.errors import CapacityExhaustedError, InvalidArgumentError, SlotNotFoundError
+from specdec.model.cuda_graphs import StepGraphs
 from specdec.model.forward_batch import StepShape
 from specdec.model.runtime import ModelRuntime
 from specdec.model.tokenizer_info import TokenizerInfo
@@ -55,6 +56,8 @@ class ModelEngine:
         #: The one shape of every verify and decode forward, or None: each forward its own
         #: (`specdec.model.forward_batch.StepShape`; the target's --batch-invariant).
         self.step_shape: StepShape | None = None
+        #: Verify and decode steps replayed from CUDA graphs (on CUDA, eager layers, --cuda-graphs).
+        self.graphs = self._step_graphs(config)
         #: Forward costs measured on this machine at start-up (empty when disabled).
         self.forward_costs: tuple[ForwardCost, ...] = self.tuner.forward_costs(
             self.forward, self.cache, max_batch=config.max_slots, max_tokens=config.max_speculative_tokens + 1,
@@ -196,12 +199,31 @@ class ModelEngine:
         if self.config.release_threads:
             release_threads()
 
+    def _step_graphs(self, config: ModelServiceConfig) -> StepGraphs | None:
+        """CUDA graphs of the steps where they run: on CUDA, over eager layers (a compiled layer
+        runner makes its own), unless --no-cuda-graphs."""
+        device = self.forward.embed_tokens.weight.device
+        eager = self.forward.layer_runner == self.forward.eager_layers
+        wanted = config.cuda_graphs and device.type == "cuda" and eager
+        why = "" if wanted or not config.cuda_graphs else (device.type if device.type != "cuda" else "compiled layers")
+        self.tuner.note("cuda_graphs", wanted, "fixed" if config.cuda_graphs else "flag", why)
+        if not wanted:
+            return None
+        return StepGraphs(
+            self.forward, self.cache, max_requests=config.max_slots, max_tokens=config.max_speculative_tokens + 1,
+            max_blocks=-(-self.max_seq_len // self.cache.block_size), capture=True,
+        )
+
     def _forward(self, chunks: list[tuple[str, list[int]]], logits: str, prompt: bool) -> list[torch.Tensor]:
-        """The forwards of `_run`: verify and decode steps in `step_shape` when there is one."""
-        if prompt or self.step_shape is None:
+        """The forwards of `_run`: verify and decode steps in `step_shape` when there is one, else
+        in a bucket of `graphs` when there are graphs and the step fits one."""
+        graphs = self.graphs
+        shape = None if prompt else self.step_shape or (graphs.shape_for(chunks) if graphs is not None else None)
+        if shape is None:
             return self.forward.compute(self.cache, chunks, logits=logits, prompt=prompt,
                                         chunk_tokens=self.config.prefill_chunk_tokens)
-        rows = self.forward.compute_fixed(self.cache, chunks, self.step_shape)  # [len(tokens), vocab] each
+        run = graphs.run if graphs is not None else None
+        rows = self.forward.compute_fixed(self.cache, chunks, shape, run)  # [len(tokens), vocab] each
         return rows if logits == "all" else [chunk_rows[-1] for chunk_rows in rows]
 
     def _run(self, chunks: list[tuple[str, list[int]]], logits: str, *, prompt: bool = True) -> list[torch.Tensor]:
