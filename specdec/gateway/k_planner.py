@@ -270,7 +270,10 @@ class KPlanner:
         chosen = {slot: lookups[slot].truncated(ks[slot]) for slot in choice.on_lookup if ks[slot] > 0}
         catching_up = any(ks[s.slot_id] > 0 and s.slot_id not in chosen and s.draft_pending > MAX_ROUND_FEED
                           for s in seqs)
-        return RoundPlan(ks, {} if any(ks.values()) else steps, feeds, context, catching_up, off_reason, chosen)
+        offered = {s.slot_id: (len(s.tokens), lookups[s.slot_id]) for s in seqs
+                   if s.slot_id in lookups and s.slot_id not in chosen}
+        return RoundPlan(ks, {} if any(ks.values()) else steps, feeds, context, catching_up, off_reason, chosen,
+                         offered)
 
     def _lookup_alphas(self, seqs: list[Sequence], lookups: dict[str, LookupDraft]) -> list[list[float]]:
         """α of each request's lookup proposal ([0.0] where it has none)."""
@@ -436,6 +439,7 @@ class KPlanner:
             estimate.observe(k, accepted)
             self.global_alpha.observe(k, accepted)
             self._measured_alpha = True
+        self._judge_offered(plan, seqs)
         ks = [report.ks[s.slot_id] for s in seqs]
         drafts = [0 if s.slot_id in plan.lookups else k for s, k in zip(seqs, ks)]  # the model draft's
         if self._target is not None:  # the unscaled tables' prediction: the EMAs track the ratio
@@ -447,6 +451,24 @@ class KPlanner:
                 self._draft_scale.observe(report.propose.compute_s, unscaled.draft_seconds(drafts, feeds),
                                           self.cost_weight)
         self._observe_overhead(sum(drafts), sum(ks) - sum(drafts), report.overhead_s)
+
+    def _judge_offered(self, plan: RoundPlan, seqs: list[Sequence]) -> None:
+        """Learn from the lookups the round did not verify as if it had: each emitted token has
+        the target's distribution given the ones before it, so it equals a lookup's token with
+        probability p(t), which is exactly the chance that verifying the one-hot draft would keep
+        it. A lookup passed over therefore still teaches its kind's α, and a low first estimate
+        cannot keep lookups off for good."""
+        for seq in seqs:
+            offered = plan.offered.get(seq.slot_id)
+            if offered is None:
+                continue
+            start, lookup = offered
+            emitted = seq.tokens[start:]
+            matched = next((i for i, (a, b) in enumerate(zip(lookup.tokens, emitted)) if a != b),
+                           min(len(lookup.tokens), len(emitted)))
+            judged = matched + 1 if matched < min(len(lookup.tokens), len(emitted)) else matched
+            if judged:
+                self.lookup_estimate(lookup).observe(judged, matched)
 
     def _observe_overhead(self, drafted: int, looked_up: int, overhead_s: float) -> None:
         """A round's overhead beyond the services' compute: a plain round's, plus what each

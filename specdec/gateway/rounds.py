@@ -31,6 +31,9 @@ class RoundPlan:
     #: The requests whose K tokens a lookup proposed (exactly K of them): the draft model
     #: drafts for the others with K >= 1.
     lookups: dict[str, LookupDraft] = field(default_factory=dict)
+    #: Lookup proposals the round does not verify, with the request's length when they were
+    #: made: the planner judges them against the tokens the round emits instead.
+    offered: dict[str, tuple[int, LookupDraft]] = field(default_factory=dict)
 
     @property
     def drafts(self) -> bool:
