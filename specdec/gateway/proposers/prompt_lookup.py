@@ -24,9 +24,11 @@ class PromptLookupIndex:
 
     def update(self, tokens: list[int]) -> None:
         """Index the continuations that `tokens` has gained since the last call (tokens only grow)."""
-        for start in range(max(self._indexed, self.min_n), len(tokens)):
-            for n, table in zip(range(self.min_n, min(self.max_n, start) + 1), self._tables):
-                table[tuple(tokens[start - n : start])] = start
+        min_n, tables = self.min_n, self._tables
+        for start in range(max(self._indexed, min_n), len(tokens)):
+            window = tuple(tokens[max(0, start - self.max_n) : start])  # up to max_n tokens before `start`
+            for n in range(min_n, len(window) + 1):
+                tables[n - min_n][window[-n:]] = start
         self._indexed = max(self._indexed, len(tokens))
 
     def propose(self, tokens: list[int], k: int) -> LookupDraft | None:

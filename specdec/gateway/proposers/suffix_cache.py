@@ -25,10 +25,28 @@ class _Continuations:
 
     counts: dict[int, int]
     total: int = 0
+    #: The most frequent token and its count, kept up to date as counts grow; None after the
+    #: leader lost a count (found again when asked: a common context has thousands of tokens).
+    _leader: tuple[int, int] | None = None
+
+    def add(self, token: int, delta: int) -> None:
+        """Count `token` once more (delta +1) or once less (-1)."""
+        self.total += delta
+        count = self.counts.get(token, 0) + delta
+        if count:
+            self.counts[token] = count
+        else:
+            del self.counts[token]
+        if delta > 0 and self._leader is not None and (self._leader[0] == token or count > self._leader[1]):
+            self._leader = (token, count)
+        elif delta < 0 and self._leader is not None and self._leader[0] == token:
+            self._leader = None
 
     def best(self) -> tuple[int, float]:
         """The most frequent next token and its share of the total."""
-        token, count = max(self.counts.items(), key=lambda item: item[1])
+        if self._leader is None:
+            self._leader = max(self.counts.items(), key=lambda item: item[1])
+        token, count = self._leader
         return token, count / self.total
 
 
@@ -66,15 +84,10 @@ class SuffixCache:
             table, context = self._tables[n - self.min_n], longest[-n:]
             seen = table.get(context)
             if seen is None:
-                seen = table[context] = _Continuations({})
-            seen.total += delta
-            count = seen.counts.get(token, 0) + delta
-            if count:
-                seen.counts[token] = count
-            else:
-                del seen.counts[token]
-                if not seen.counts:
-                    del table[context]
+                seen = table[context] = _Continuations({}, 0, (token, 0))
+            seen.add(token, delta)
+            if not seen.counts:
+                del table[context]
 
     def _longest_match(self, tokens: list[int] | tuple[int, ...]) -> tuple[int, _Continuations] | None:
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+from collections import Counter
+
 import pytest
 
 from specdec.errors import InvalidArgumentError
@@ -99,3 +102,19 @@ def test_settings_are_validated() -> None:
         LookupSettings(min_n=3, max_n=2)
     with pytest.raises(InvalidArgumentError, match="suffix_cache_tokens"):
         LookupSettings(suffix_cache_tokens=-1)
+
+
+def test_suffix_cache_counts_match_a_recount_after_evictions() -> None:
+    rng = random.Random(5)
+    cache = SuffixCache(capacity=50, min_n=1, max_n=2)
+    outputs = [[rng.randrange(4) for _ in range(rng.randrange(2, 12))] for _ in range(30)]
+    for output in outputs:
+        cache.add([], output)
+    recorded = list(cache._recorded)
+    for table in cache._tables:
+        for context, seen in table.items():
+            recount = Counter(token for longest, token in recorded if longest[-len(context):] == context
+                              and len(longest) >= len(context))
+            assert seen.counts == dict(recount) and seen.total == sum(recount.values())
+            token, share = seen.best()
+            assert recount[token] == max(recount.values()) and share == recount[token] / seen.total
