@@ -12,7 +12,7 @@ docs/architecture.md#adaptive-k.
 The planner also picks each request's draft source: a lookup proposal (`specdec.gateway.proposers`)
 costs the round only its verified tokens, the model draft its draft steps and Propose too. After
 the uniform K of the model draft, each request with a lookup proposal switches to it where
-that raises the batch's rate, with as many of its tokens as pay (`_lookup_length`); α of a
+that raises the batch's rate, with as many of its tokens as pay (`lookup_length`); α of a
 lookup is kept per source and match length, over all requests.
 """
 
@@ -30,6 +30,7 @@ from specdec.gateway.round_rates import RatePredictor, SourceChoice, fixed_choic
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence
 
+__all__ = ["OFF_REASONS", "AcceptanceEstimate", "DraftOverhead", "KPlanner", "RatePredictor"]
 log = logging.getLogger(__name__)
 
 #: Rounds at most over which a draft catch-up is spread: its payback is an estimate (a
@@ -42,7 +43,6 @@ CATCH_UP_HORIZON = 16.0
 #: token after a fully accepted round. More (a prompt, tokens decoded while speculation
 #: was off) is a catch-up, priced by `KPlanner._catch_up_cost`.
 MAX_ROUND_FEED = 2
-__all__ = ["OFF_REASONS", "AcceptanceEstimate", "DraftOverhead", "KPlanner", "RatePredictor"]
 #: Why a round speculated less than it could, as exported in the metrics.
 OFF_REASONS = ("not_paying", "batch", "draft_unavailable")
 
@@ -336,7 +336,7 @@ class KPlanner:
         lookups: dict[str, LookupDraft], best_rate: float,
     ) -> float:
         """Switch each candidate to its lookup proposal, as many tokens of it as pay
-        (`_lookup_length`), where that raises the batch's rate; returns the rate."""
+        (`lookup_length`), where that raises the batch's rate; returns the rate."""
         extra_token_s = rates.extra_token_seconds()
         for s in candidates:
             slot = s.slot_id
