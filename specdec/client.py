@@ -20,6 +20,11 @@ from specdec.serving.security import bearer_metadata, channel_credentials, read_
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 Prompt = str | Sequence[Mapping[str, str]]
+#: `SpeculationOptions.method` by name.
+METHODS = {
+    "auto": gateway_pb2.SPECULATION_METHOD_AUTO, "model": gateway_pb2.SPECULATION_METHOD_MODEL,
+    "ngram": gateway_pb2.SPECULATION_METHOD_NGRAM, "none": gateway_pb2.SPECULATION_METHOD_NONE,
+}
 
 
 @dataclass
@@ -39,6 +44,10 @@ class GenerationResult:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_plain_rounds: int = 0
+    #: The share of rounds, draft tokens and accepted tokens that lookups drafted (no draft model).
+    num_lookup_rounds: int = 0
+    num_lookup_draft_tokens: int = 0
+    num_lookup_accepted_tokens: int = 0
     time_to_first_token_s: float = 0.0
     tokens_per_s: float = 0.0
     total_s: float = 0.0
@@ -60,6 +69,9 @@ class GenerationResult:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_plain_rounds": self.num_plain_rounds,
+            "num_lookup_rounds": self.num_lookup_rounds,
+            "num_lookup_draft_tokens": self.num_lookup_draft_tokens,
+            "num_lookup_accepted_tokens": self.num_lookup_accepted_tokens,
             "time_to_first_token_s": round(self.time_to_first_token_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 2),
         }
@@ -78,8 +90,10 @@ def build_request(
     speculative: bool | None = None,
     num_speculative_tokens: int | None = None,
     adaptive: bool | None = None,
+    method: str | None = None,
 ) -> gateway_pb2.GenerateRequest:
-    """A GenerateRequest: a string is a raw prompt, a list of {role, content} is a chat."""
+    """A GenerateRequest: a string is a raw prompt, a list of {role, content} is a chat.
+    `method` is what to draft with: "auto", "model", "ngram" or "none" (default: the gateway's)."""
     sampling = common_pb2.SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty
     )
@@ -92,6 +106,10 @@ def build_request(
         speculation.num_speculative_tokens = num_speculative_tokens
     if adaptive is not None:
         speculation.adaptive = adaptive
+    if method is not None:
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        speculation.method = METHODS[method]
     request = gateway_pb2.GenerateRequest(
         max_new_tokens=max_new_tokens, sampling=sampling, stop=list(stop), speculation=speculation
     )
@@ -171,6 +189,9 @@ def apply_completion(result: GenerationResult, completion: gateway_pb2.Completio
     result.num_draft_tokens = completion.speculation.num_draft_tokens
     result.num_accepted_tokens = completion.speculation.num_accepted_tokens
     result.num_plain_rounds = completion.speculation.num_plain_rounds
+    result.num_lookup_rounds = completion.speculation.num_lookup_rounds
+    result.num_lookup_draft_tokens = completion.speculation.num_lookup_draft_tokens
+    result.num_lookup_accepted_tokens = completion.speculation.num_lookup_accepted_tokens
     result.time_to_first_token_s = completion.timings.time_to_first_token_s
     result.tokens_per_s = completion.timings.tokens_per_s
     result.total_s = completion.timings.total_s

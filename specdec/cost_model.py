@@ -197,6 +197,9 @@ class RoundCostModel:
     token (q vectors and logits rows on the wire, the rejection sampler). All three are
     measured online by the gateway; without the draft's share a cheap, mostly rejected draft
     looks free (docs/performance.md#draft-overhead-in-the-round-cost).
+
+    A request whose `lookup` flag is set verifies k tokens that a lookup proposed: they cost
+    the verify its width and `lookup_token_overhead_s` each, and no draft step.
     """
 
     target: CostTable
@@ -204,18 +207,22 @@ class RoundCostModel:
     overhead_s: float = 0.0
     draft_round_overhead_s: float = 0.0
     draft_token_overhead_s: float = 0.0
+    lookup_token_overhead_s: float = 0.0
 
     def round_seconds(
-        self, ks: Sequence[int], feeds: Sequence[int] | None = None, steps: Sequence[int] | None = None
+        self, ks: Sequence[int], feeds: Sequence[int] | None = None, steps: Sequence[int] | None = None,
+        lookup: Sequence[bool] | None = None,
     ) -> float:
         """A round where request i drafts ks[i] tokens (0 = plain decoding for it) after
-        feeding the draft feeds[i] tokens (see `draft_seconds`), or, when every K is 0,
-        decodes steps[i] tokens (see `verify_seconds`)."""
-        drafted = sum(ks)
-        overhead = self.overhead_s
+        feeding the draft feeds[i] tokens (see `draft_seconds`), or verifies ks[i] tokens a
+        lookup proposed where lookup[i], or, when every K is 0, decodes steps[i] tokens (see
+        `verify_seconds`)."""
+        drafts = model_ks(ks, lookup)
+        drafted, looked_up = sum(drafts), sum(ks) - sum(drafts)
+        overhead = self.overhead_s + self.lookup_token_overhead_s * looked_up
         if drafted:
             overhead += self.draft_round_overhead_s + self.draft_token_overhead_s * drafted
-        return overhead + self.verify_seconds(ks, steps) + self.draft_seconds(ks, feeds)
+        return overhead + self.verify_seconds(ks, steps) + self.draft_seconds(drafts, feeds)
 
     def verify_seconds(self, ks: Sequence[int], steps: Sequence[int] | None = None) -> float:
         """The target's one forward over K+1 tokens per request; in a multi-step plain round
@@ -248,15 +255,23 @@ class RoundCostModel:
         start_costs: Sequence[float] | None = None,
         feeds: Sequence[int] | None = None,
         steps: Sequence[int] | None = None,
+        lookup: Sequence[bool] | None = None,
     ) -> float:
         """Expected emitted tokens per second of a round with draft lengths `ks`.
 
-        `start_costs[i]` is a one-off cost request i pays this round if it drafts (the draft
-        catching up on tokens it has not seen), already spread over the rounds it pays for;
-        `feeds` as in `draft_seconds`; `steps` as in `verify_seconds` (a plain round only).
+        `start_costs[i]` is a one-off cost request i pays this round if the draft model drafts
+        for it (the draft catching up on tokens it has not seen), already spread over the rounds
+        it pays for; `feeds` as in `draft_seconds`; `steps` as in `verify_seconds` (a plain round
+        only); `lookup` as in `round_seconds`. `alphas[i]` is the acceptance of request i's source.
         """
         if steps is not None and not sum(ks):
             return sum(steps) / self.round_seconds(ks, steps=steps)
         emitted = sum(expected_tokens(a, k) for a, k in zip(alphas, ks))
-        extra = sum(c for c, k in zip(start_costs, ks) if k > 0) if start_costs is not None else 0.0
-        return emitted / (self.round_seconds(ks, feeds) + extra)
+        drafts = model_ks(ks, lookup)
+        extra = sum(c for c, k in zip(start_costs, drafts) if k > 0) if start_costs is not None else 0.0
+        return emitted / (self.round_seconds(ks, feeds, lookup=lookup) + extra)
+
+
+def model_ks(ks: Sequence[int], lookup: Sequence[bool] | None) -> list[int]:
+    """The draft model's share of `ks`: 0 where a lookup proposed the tokens."""
+    return list(ks) if lookup is None else [0 if looked_up else k for k, looked_up in zip(ks, lookup)]

@@ -68,16 +68,23 @@ class Stack:
         per_pos: dict[int, float] = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
+                # The speculation counters are per draft source: summed here over the sources.
                 if sample.name == "specdec_spec_decode_num_accepted_tokens_per_pos_total":
-                    per_pos[int(sample.labels["position"])] = sample.value
-                elif set(sample.labels) <= {"model_name"}:  # every series carries model_name
-                    values[sample.name] = sample.value
+                    position = int(sample.labels["position"])
+                    per_pos[position] = per_pos.get(position, 0.0) + sample.value
+                elif set(sample.labels) <= {"model_name", "source"}:  # every series carries model_name
+                    values[sample.name] = values.get(sample.name, 0.0) + sample.value
         return MetricsSnapshot(
             num_drafts=values.get("specdec_spec_decode_num_drafts_total", 0.0),
             num_draft_tokens=values.get("specdec_spec_decode_num_draft_tokens_total", 0.0),
             num_accepted_tokens=values.get("specdec_spec_decode_num_accepted_tokens_total", 0.0),
             accepted_per_pos=per_pos,
         )
+
+
+#: The harness measures the draft model (α, c and efficiency against Thm 3.8): requests draft
+#: with it alone unless `gateway_args` names another `--speculation-method` (the later flag wins).
+MODEL_DRAFT = ("--speculation-method", "model")
 
 
 @contextmanager
@@ -98,7 +105,7 @@ def running_stack(target_args: str = "", draft_args: str = "", gateway_args: str
         wait_for_graphs(draft.address, "draft")
         children.append(start_service("specdec.gateway", [
             "--target-address", target.address, "--draft-address", draft.address, "--metrics-port", "0", *_QUIET,
-            *shlex.split(gateway_args),
+            *MODEL_DRAFT, *shlex.split(gateway_args),
         ]))
         gateway = children[-1].wait_ready()
         metrics_port = gateway.ready.metrics_port if gateway.ready is not None else None

@@ -19,6 +19,7 @@ from specdec.draft_server.config import DraftConfig
 from specdec.errors import SpecdecError
 from specdec.flags import add_flags, from_args, to_argv
 from specdec.gateway.config import GatewayConfig
+from specdec.gateway.draft_sources import SpeculationMethod
 from specdec.gateway.entrypoint import start_gateway
 from specdec.serving.config import ModelServiceConfig
 from specdec.serving.entrypoint import LOG_LEVELS, configure_logging
@@ -28,6 +29,8 @@ from specdec_bench.config import add_bench_flags
 from specdec_bench.config import config_from_args as bench_config_from_args
 
 DEFAULT_GATEWAY = "127.0.0.1:50050"
+#: `--draft-model none`: serve target and gateway alone, drafting with lookups.
+NO_DRAFT = "none"
 #: Each model service binds the gateway's host on a free port; the gateway finds them itself.
 _CHILD_SKIP = ("host", "port")
 
@@ -44,7 +47,7 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
         "--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
         help="the gateway's log level; the model services log at INFO (default: WARNING)",
     )
-    draft_title = "draft service (not started with --no-speculative)"
+    draft_title = "draft service (not started with --no-speculative or --draft-model none)"
     groups = [parser.add_argument_group(title) for title in ("gateway", "target service", draft_title)]
     advanced = [parser.add_argument_group(f"advanced: {group.title}") for group in groups]
     add_flags(groups[0], GatewayConfig, advanced=advanced[0], skip=("target_address", "draft_address"))
@@ -52,7 +55,8 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     add_flags(
         groups[2], DraftConfig, advanced=advanced[2], prefix="draft-", skip=_CHILD_SKIP, demote=_CHILD_DEMOTE,
         defaults={"model": ""},
-        helps={"model": "draft model; empty: the target model, in the draft's own dtype and quantization"},
+        helps={"model": "draft model; empty: the target model, in the draft's own dtype and quantization; "
+                        f"'{NO_DRAFT}': no draft service, the gateway drafts with lookups alone"},
     )
 
 
@@ -72,6 +76,11 @@ def _generate_flags(parser: argparse.ArgumentParser) -> None:
         "--num-speculative-tokens", type=int, default=None, help="draft tokens per round for this request",
     )
     parser.add_argument("--no-speculative", action="store_true", help="plain decoding for this request")
+    parser.add_argument(
+        "--method", choices=[m.value for m in SpeculationMethod], default=None,
+        help="what to draft with: auto (chosen per round), model (the draft model), ngram (lookups in the text "
+        "seen), none (plain); default: the gateway's",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     parser.add_argument("--tls-ca", default="", help="PEM CA of the gateway's certificate: connect over TLS")
@@ -91,7 +100,7 @@ def serve_configs(args: argparse.Namespace) -> tuple[TargetConfig, DraftConfig |
     addresses are placeholders ("-") until the services are up."""
     target = from_args(TargetConfig, args, prefix="target-", host=args.host, port=0)
     draft = None
-    if args.speculative:
+    if args.speculative and args.draft_model != NO_DRAFT:
         draft_model = args.draft_model or target.model
         draft = from_args(DraftConfig, args, prefix="draft-", host=args.host, port=0, model=draft_model)
     gateway = from_args(GatewayConfig, args, target_address="-", draft_address="-" if draft else "")
@@ -139,6 +148,7 @@ def generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
         speculative=False if args.no_speculative else None, num_speculative_tokens=args.num_speculative_tokens,
+        method=args.method,
     )
     def echo(text: str) -> None:
         sys.stdout.write(text)

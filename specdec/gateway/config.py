@@ -7,11 +7,15 @@ from pathlib import Path
 
 from specdec.errors import InvalidArgumentError
 from specdec.flags import option
+from specdec.gateway.draft_sources import SpeculationMethod
+from specdec.gateway.proposers import LookupSettings
 from specdec.serving.security import ServerSecurity
 from specdec.stats import DEFAULT_PREFIX, check_metrics_prefix
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_REQUEST_BYTES
 
 PROBS_DTYPES = ("float32", "bfloat16")
+#: `--speculation-method` choices (a request may also ask for "none").
+SPECULATION_METHODS = tuple(m.value for m in SpeculationMethod if m is not SpeculationMethod.NONE)
 DEFAULT_DECODE_STEPS = 4
 
 
@@ -22,7 +26,8 @@ class GatewayConfig(ServerSecurity):
 
     target_address: str = option("", "target service address, host:port (required)", aliases=["--target"])
     draft_address: str = option(
-        "", "draft service address, host:port; empty runs without speculation", aliases=["--draft"],
+        "", "draft service address, host:port; empty runs without a draft model (lookup drafting only)",
+        aliases=["--draft"],
     )
     #: Slot ids carry it, and the services hold this gateway's slots under a lease in its
     #: name: a restart under the same name frees the slots the previous run left behind.
@@ -36,6 +41,19 @@ class GatewayConfig(ServerSecurity):
     speculative: bool = option(True, "speculate by default; --no-speculative decodes plainly unless a request asks")
     #: K unless a request asks for another value; with adaptive_k, the largest K the planner may choose.
     num_speculative_tokens: int = option(8, "draft tokens per round, K (the upper bound with --adaptive-k)")
+    #: Requests may name another (`SpeculationOptions.method`); `model` needs a draft service.
+    speculation_method: str = option(
+        "auto", "what requests draft with unless they say: auto (the model draft or a lookup, chosen per round), "
+        "model (the draft model only), ngram (lookups only)", choices=SPECULATION_METHODS, advanced=True,
+    )
+    #: Lookups match the last n tokens, n from the maximum down to the minimum
+    #: (`specdec.gateway.proposers`); a longer match is likelier to continue alike.
+    ngram_min: int = option(1, "shortest n-gram a lookup matches", advanced=True)
+    ngram_max: int = option(4, "longest n-gram a lookup matches", advanced=True)
+    #: Memory of the cross-request suffix cache: recorded output tokens, the oldest evicted first.
+    suffix_cache_tokens: int = option(
+        65536, "recent output tokens of all requests kept for suffix proposals (0 = off)", advanced=True,
+    )
     #: K = 0 when speculation does not pay, e.g. in crowded rounds on a compute-bound target.
     adaptive_k: bool = option(
         True, "choose K in 0..--num-speculative-tokens each round from measured costs and acceptance",
@@ -110,8 +128,13 @@ class GatewayConfig(ServerSecurity):
                 raise InvalidArgumentError(f"{name}: {getattr(self, name)!r} is not a readable file")
         if not self.target_address:
             raise InvalidArgumentError("target_address is required")
-        if self.speculative and not self.draft_address:
-            raise InvalidArgumentError("speculation requires a draft: set draft_address or disable speculation")
+        if self.speculation_method not in SPECULATION_METHODS:
+            raise InvalidArgumentError(
+                f"speculation_method must be one of {SPECULATION_METHODS}, got {self.speculation_method!r}"
+            )
+        if self.speculation_method == "model" and not self.draft_address:
+            raise InvalidArgumentError("speculation_method model needs a draft: set draft_address, or use auto / ngram")
+        self.lookup_settings()  # validates the n-gram lengths and the cache size
         if self.num_speculative_tokens < 1:
             raise InvalidArgumentError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         positive = (
@@ -134,3 +157,6 @@ class GatewayConfig(ServerSecurity):
         check_metrics_prefix(self.metrics_prefix)
         if not 0 <= self.port <= 65535 or not -1 <= self.metrics_port <= 65535:
             raise InvalidArgumentError("port and metrics_port must be valid port numbers")
+
+    def lookup_settings(self) -> LookupSettings:
+        return LookupSettings(self.ngram_min, self.ngram_max, self.suffix_cache_tokens)

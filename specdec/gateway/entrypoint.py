@@ -58,8 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     try:
-        # Without a draft there is nothing to speculate with: plain decoding, not an error.
-        config = from_args(GatewayConfig, args, speculative=args.speculative and bool(args.draft_address))
+        config = from_args(GatewayConfig, args)  # without a draft it speculates with lookups
     except SpecdecError as error:
         parser.error(str(error))
     return start_gateway(config)

@@ -8,19 +8,29 @@ costs (rescaled online by the compute they report), the round overhead outside t
 per request. A request kept at K = 0 is re-probed with a small K now and then, where a probe
 is affordable and could change the decision. The rules and their reasons:
 docs/architecture.md#adaptive-k.
+
+The planner also picks each request's draft source: a lookup proposal (`specdec.gateway.proposers`)
+costs the round only its verified tokens, the model draft its draft steps and Propose too. After
+the uniform K of the model draft, each request with a lookup proposal switches to it where
+that raises the batch's rate, with as many of its tokens as pay (`lookup_length`); α of a
+lookup is kept per source and match length, over all requests.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from specdec.cost_model import CostTable, ForwardCost, RoundCostModel, expected_tokens
+from specdec.gateway.draft_sources import DraftSource
+from specdec.gateway.proposers import LookupDraft
+from specdec.gateway.round_rates import RatePredictor, SourceChoice, fixed_choice, lookup_length
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence
 
+__all__ = ["OFF_REASONS", "AcceptanceEstimate", "DraftOverhead", "KPlanner", "RatePredictor"]
 log = logging.getLogger(__name__)
 
 #: Rounds at most over which a draft catch-up is spread: its payback is an estimate (a
@@ -147,6 +157,14 @@ class KPlanner:
     probe_budget: float = 0.05
     probe_k: int = 2
     overhead_s: float = 0.0
+    #: Prior acceptance of a lookup of each source and match length, and the EMA weight of
+    #: its estimate (shared by all requests, so it learns fast).
+    lookup_prior_alpha: float = 0.5
+    lookup_weight: float = 0.02
+    #: Whether this gateway has a draft model: without one, adapting needs the target's costs only.
+    uses_draft: bool = True
+    #: Seconds each verified lookup token adds to a round's overhead (wire, acceptance), online.
+    lookup_token_overhead_s: float = 0.0
     global_alpha: AcceptanceEstimate = field(init=False)
     _target: CostTable | None = field(init=False)
     _draft: CostTable | None = field(init=False)
@@ -157,6 +175,7 @@ class KPlanner:
     _idle_rounds: dict[str, int] = field(default_factory=dict, init=False)
     _probe_interval: dict[str, int] = field(default_factory=dict, init=False)
     _probing: set[str] = field(default_factory=set, init=False)
+    _lookup_estimates: dict[tuple[DraftSource, int], AcceptanceEstimate] = field(default_factory=dict, init=False)
     #: Whether any round with draft tokens has been observed (α is more than the prior).
     _measured_alpha: bool = field(default=False, init=False)
 
@@ -177,8 +196,9 @@ class KPlanner:
 
     @property
     def can_adapt(self) -> bool:
-        """Both services advertised their costs (they measure them at start-up by default)."""
-        return self._target is not None and self._draft is not None
+        """The services advertised their costs (they measure them at start-up by default): the
+        target's, and the draft's where there is a draft model."""
+        return self._target is not None and (self._draft is not None or not self.uses_draft)
 
     def cost_model(self, context: float | None = None) -> RoundCostModel:
         """The round cost model with the online scales, pricing requests that hold `context`
@@ -192,6 +212,7 @@ class KPlanner:
             overhead_s=self.overhead_s,
             draft_round_overhead_s=self.draft_overhead.per_round,
             draft_token_overhead_s=self.draft_overhead.per_token,
+            lookup_token_overhead_s=self.lookup_token_overhead_s,
         )
 
     def _at_context(self, context: float | None) -> tuple[CostTable, CostTable | None]:
@@ -205,64 +226,132 @@ class KPlanner:
         estimate = self._estimates.get(seq.slot_id)
         return estimate.alphas if estimate is not None else self.global_alpha.alphas
 
+    def lookup_estimate(self, lookup: LookupDraft) -> AcceptanceEstimate:
+        """α of lookups like this one: same source, same match length (the longer, the likelier)."""
+        key = (lookup.source, lookup.match_len)
+        estimate = self._lookup_estimates.get(key)
+        if estimate is None:
+            estimate = self._lookup_estimates[key] = AcceptanceEstimate(self.lookup_prior_alpha, self.lookup_weight)
+        return estimate
+
     def plan(
-        self, seqs: list[Sequence], caps: dict[str, int], adaptive: dict[str, bool], steps: dict[str, int] | None = None
+        self, seqs: list[Sequence], caps: dict[str, int], adaptive: dict[str, bool],
+        steps: dict[str, int] | None = None, *, lookups: dict[str, LookupDraft] | None = None,
+        model_allowed: Collection[str] | None = None,
     ) -> RoundPlan:
-        """K per request: `caps` bounds each (its requested or remaining room), adaptive
-        requests get the planner's choice in 0..cap, the others their cap. `steps` is what a
-        plain round would decode per request (multi-step), which prices K = 0; the plan keeps
-        them when no request drafts."""
-        steps = steps or {}
+        """K and draft source per request. `caps` bounds each K (its requested or remaining room);
+        `lookups` are this round's lookup proposals (of requests that allow lookups), and
+        `model_allowed` the requests the draft model may draft for (default: all). Adaptive
+        requests get the planner's choice, the others `fixed_choice`. `steps` is what a plain
+        round would decode per request (multi-step), which prices K = 0; the plan keeps them
+        when no request drafts."""
+        steps, lookups = steps or {}, lookups or {}
+        model_ok = {s.slot_id for s in seqs} if model_allowed is None else set(model_allowed)
         feeds = {s.slot_id: self._feed(s) for s in seqs}
         context = sum(len(s.tokens) for s in seqs) / len(seqs) if seqs else None
-        flexible = [s for s in seqs if adaptive[s.slot_id] and caps[s.slot_id] > 0]
-        ks, off_reason = dict(caps), None
+        choice = fixed_choice(seqs, caps, lookups, model_ok)
+        flexible = [s for s in seqs if adaptive[s.slot_id] and caps[s.slot_id] > 0
+                    and (s.slot_id in model_ok or s.slot_id in lookups)]
+        off_reason = None
         if flexible and self.can_adapt:
             model = self.cost_model(context)
             alphas = [self.alphas(s) for s in seqs]
             rates = RatePredictor(model, seqs, alphas, [self._catch_up_cost(s, model, a) for s, a in zip(seqs, alphas)],
-                                   [feeds[s.slot_id] for s in seqs])
-            ks, off_reason = self._choose_ks(rates, flexible, caps, steps)
+                                   [feeds[s.slot_id] for s in seqs], self._lookup_alphas(seqs, lookups))
+            off_reason = self._choose(rates, choice, flexible, caps, steps, lookups, model_ok)
             plain_round = model.round_seconds([0] * len(seqs))
 
             def worth_probing(s: Sequence) -> bool:
-                return self._probe_affordable(s, model, plain_round, len(seqs)) and rates.probe_could_pay(s, ks, caps)
+                return (self._probe_affordable(s, model, plain_round, len(seqs))
+                        and rates.probe_could_pay(s, choice.ks, caps, choice.on_lookup))
 
-            self._schedule_probe(flexible, ks, caps, worth_probing)
-        catching_up = any(ks[s.slot_id] > 0 and s.draft_pending > MAX_ROUND_FEED for s in seqs)
-        return RoundPlan(ks, {} if any(ks.values()) else steps, feeds, context, catching_up, off_reason)
+            self._schedule_probe([s for s in flexible if s.slot_id in model_ok], choice.ks, caps, worth_probing)
+        ks = choice.ks
+        chosen = {slot: lookups[slot].truncated(ks[slot]) for slot in choice.on_lookup if ks[slot] > 0}
+        catching_up = any(ks[s.slot_id] > 0 and s.slot_id not in chosen and s.draft_pending > MAX_ROUND_FEED
+                          for s in seqs)
+        offered = {s.slot_id: (len(s.tokens), lookups[s.slot_id]) for s in seqs
+                   if s.slot_id in lookups and s.slot_id not in chosen}
+        return RoundPlan(ks, {} if any(ks.values()) else steps, feeds, context, catching_up, off_reason, chosen,
+                         offered)
 
-    def _choose_ks(
-        self, rates: RatePredictor, flexible: list[Sequence], caps: dict[str, int], steps: dict[str, int]
-    ) -> tuple[dict[str, int], str | None]:
-        """The best uniform K for the flexible requests (each capped), then K = 0 for any of
-        them whose own drafting costs the batch more than it yields; and why some went off."""
-        seqs, ks = rates.seqs, dict(caps)
-        chosen_by_us = {s.slot_id for s in flexible}
-        plain_steps = [steps.get(s.slot_id, 1) for s in seqs] if steps else None
-        best_rate, best_k = -1.0, 0
-        for k in range(max(caps[s.slot_id] for s in flexible) + 1):
-            uniform = [min(k, caps[s.slot_id]) if s.slot_id in chosen_by_us else ks[s.slot_id] for s in seqs]
-            rate = rates.rate(uniform, plain_steps)
-            if rate > best_rate:
-                best_rate, best_k = rate, k
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("plan: batch %d, best uniform K %d at %.1f tok/s (plain %.1f), α_1 %s, scales t %.2f d %.2f, "
-                      "overhead %.1f ms, drafting + %.1f ms + %.1f ms per token", len(seqs), best_k, best_rate,
-                      rates.rate([0] * len(seqs), plain_steps), [round(a[0], 2) for a in rates.alphas],
-                      self._target_scale.value, self._draft_scale.value, 1e3 * self.overhead_s,
-                      1e3 * self.draft_overhead.per_round, 1e3 * self.draft_overhead.per_token)
+    def _lookup_alphas(self, seqs: list[Sequence], lookups: dict[str, LookupDraft]) -> list[list[float]]:
+        """α of each request's lookup proposal ([0.0] where it has none)."""
+        return [self.lookup_estimate(lookups[s.slot_id]).alphas if s.slot_id in lookups else [0.0] for s in seqs]
+
+    def _choose(
+        self, rates: RatePredictor, choice: SourceChoice, flexible: list[Sequence], caps: dict[str, int],
+        steps: dict[str, int], lookups: dict[str, LookupDraft], model_ok: set[str],
+    ) -> str | None:
+        """For the flexible requests: the best uniform K of the model draft (each capped), then
+        a lookup instead wherever that raises the batch's rate, then K = 0 for any request whose
+        own drafting costs the batch more than it yields. Returns why some went off, if any did."""
         for s in flexible:
-            ks[s.slot_id] = min(best_k, caps[s.slot_id])
-        if best_k == 0:
-            return ks, "not_paying" if len(seqs) == 1 else "batch"
+            choice.set(s.slot_id, 0, lookup=False)
+        plain_steps = [steps.get(s.slot_id, 1) for s in rates.seqs] if steps else None
+        best_rate = self._best_model_k(rates, choice, [s for s in flexible if s.slot_id in model_ok], caps, plain_steps)
+        best_rate = self._take_lookups(rates, choice, [s for s in flexible if s.slot_id in lookups], caps, lookups,
+                                       best_rate)
+        if all(choice.ks[s.slot_id] == 0 for s in flexible):
+            return "not_paying" if len(rates.seqs) == 1 else "batch"
         off_reason = None
         for s in flexible:
-            trial = dict(ks, **{s.slot_id: 0})
-            rate = rates.rate([trial[x.slot_id] for x in seqs])
+            k, on_lookup = choice.ks[s.slot_id], s.slot_id in choice.on_lookup
+            if k == 0:
+                continue
+            choice.set(s.slot_id, 0, lookup=False)
+            rate = rates.rate(choice.ks, choice.on_lookup, plain_steps)
             if rate > best_rate:
-                ks, best_rate, off_reason = trial, rate, "not_paying"
-        return ks, off_reason
+                best_rate, off_reason = rate, "not_paying"
+            else:
+                choice.set(s.slot_id, k, lookup=on_lookup)
+        return off_reason
+
+    def _best_model_k(
+        self, rates: RatePredictor, choice: SourceChoice, drafting: list[Sequence], caps: dict[str, int],
+        plain_steps: list[int] | None,
+    ) -> float:
+        """Set the uniform K (each capped) of the model draft that maximises the batch's rate
+        for the `drafting` requests; returns that rate."""
+        best_rate, best_k = -1.0, 0
+        for k in range(max((caps[s.slot_id] for s in drafting), default=0) + 1):
+            for s in drafting:
+                choice.ks[s.slot_id] = min(k, caps[s.slot_id])
+            rate = rates.rate(choice.ks, choice.on_lookup, plain_steps)
+            if rate > best_rate:
+                best_rate, best_k = rate, k
+        for s in drafting:
+            choice.ks[s.slot_id] = min(best_k, caps[s.slot_id])
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("plan: batch %d, best uniform K %d at %.1f tok/s (plain %.1f), α_1 %s, scales t %.2f d %.2f, "
+                      "overhead %.1f ms, drafting + %.1f ms + %.1f ms per token", len(rates.seqs), best_k, best_rate,
+                      rates.rate(dict.fromkeys(choice.ks, 0), frozenset(), plain_steps),
+                      [round(a[0], 2) for a in rates.alphas], self._target_scale.value, self._draft_scale.value,
+                      1e3 * self.overhead_s, 1e3 * self.draft_overhead.per_round, 1e3 * self.draft_overhead.per_token)
+        return best_rate
+
+    @staticmethod
+    def _take_lookups(
+        rates: RatePredictor, choice: SourceChoice, candidates: list[Sequence], caps: dict[str, int],
+        lookups: dict[str, LookupDraft], best_rate: float,
+    ) -> float:
+        """Switch each candidate to its lookup proposal, as many tokens of it as pay
+        (`lookup_length`), where that raises the batch's rate; returns the rate."""
+        extra_token_s = rates.extra_token_seconds()
+        for s in candidates:
+            slot = s.slot_id
+            limit = min(caps[slot], len(lookups[slot].tokens))
+            k = lookup_length(rates.lookup_alphas[rates.seqs.index(s)][0], limit, extra_token_s * best_rate)
+            if k == 0:
+                continue
+            before, was_lookup = choice.ks[slot], slot in choice.on_lookup
+            choice.set(slot, k, lookup=True)
+            rate = rates.rate(choice.ks, choice.on_lookup)
+            if rate > best_rate:
+                best_rate = rate
+            else:
+                choice.set(slot, before, lookup=was_lookup)
+        return best_rate
 
     @staticmethod
     def _feed(seq: Sequence) -> int:
@@ -333,10 +422,15 @@ class KPlanner:
             self._idle_rounds[s.slot_id] = max(0, interval - len(flexible))
 
     def observe(self, plan: RoundPlan, seqs: list[Sequence], report: RoundReport) -> None:
-        """Learn from a finished round of `plan`: acceptance per request, cost scales, overhead."""
+        """Learn from a finished round of `plan`: acceptance per request and lookup kind, cost
+        scales, overhead."""
         for seq in seqs:
             k, accepted = report.ks[seq.slot_id], report.num_accepted[seq.slot_id]
+            lookup = plan.lookups.get(seq.slot_id)
             if k == 0:
+                continue
+            if lookup is not None:
+                self.lookup_estimate(lookup).observe(k, accepted)
                 continue
             estimate = self._estimates.get(seq.slot_id)
             if estimate is None:
@@ -345,19 +439,48 @@ class KPlanner:
             estimate.observe(k, accepted)
             self.global_alpha.observe(k, accepted)
             self._measured_alpha = True
+        self._judge_offered(plan, seqs)
         ks = [report.ks[s.slot_id] for s in seqs]
+        drafts = [0 if s.slot_id in plan.lookups else k for s, k in zip(seqs, ks)]  # the model draft's
         if self._target is not None:  # the unscaled tables' prediction: the EMAs track the ratio
             unscaled = RoundCostModel(*self._at_context(plan.context))
             steps = [report.steps.get(s.slot_id, 1) for s in seqs]
             self._target_scale.observe(report.verify.compute_s, unscaled.verify_seconds(ks, steps), self.cost_weight)
-            if not plan.catching_up:
+            if not plan.catching_up and any(drafts):
                 feeds = [plan.feeds.get(s.slot_id, 1) for s in seqs]
-                self._draft_scale.observe(report.propose.compute_s, unscaled.draft_seconds(ks, feeds), self.cost_weight)
-        drafted = sum(ks)
-        if drafted == 0:
-            self.overhead_s += self.cost_weight * (report.overhead_s - self.overhead_s)
+                self._draft_scale.observe(report.propose.compute_s, unscaled.draft_seconds(drafts, feeds),
+                                          self.cost_weight)
+        self._observe_overhead(sum(drafts), sum(ks) - sum(drafts), report.overhead_s)
+
+    def _judge_offered(self, plan: RoundPlan, seqs: list[Sequence]) -> None:
+        """Learn from the lookups the round did not verify as if it had: each emitted token has
+        the target's distribution given the ones before it, so it equals a lookup's token with
+        probability p(t), which is exactly the chance that verifying the one-hot draft would keep
+        it. A lookup passed over therefore still teaches its kind's α, and a low first estimate
+        cannot keep lookups off for good."""
+        for seq in seqs:
+            offered = plan.offered.get(seq.slot_id)
+            if offered is None:
+                continue
+            start, lookup = offered
+            emitted = seq.tokens[start:]
+            matched = next((i for i, (a, b) in enumerate(zip(lookup.tokens, emitted)) if a != b),
+                           min(len(lookup.tokens), len(emitted)))
+            judged = matched + 1 if matched < min(len(lookup.tokens), len(emitted)) else matched
+            if judged:
+                self.lookup_estimate(lookup).observe(judged, matched)
+
+    def _observe_overhead(self, drafted: int, looked_up: int, overhead_s: float) -> None:
+        """A round's overhead beyond the services' compute: a plain round's, plus what each
+        verified lookup token adds, plus what the model draft adds (`DraftOverhead`)."""
+        excess = overhead_s - self.overhead_s
+        if drafted == 0 and looked_up == 0:
+            self.overhead_s += self.cost_weight * excess
+        elif drafted == 0:
+            per_token = max(0.0, excess) / looked_up
+            self.lookup_token_overhead_s += self.cost_weight * (per_token - self.lookup_token_overhead_s)
         else:
-            self.draft_overhead.observe(drafted, report.overhead_s - self.overhead_s)
+            self.draft_overhead.observe(drafted, excess - self.lookup_token_overhead_s * looked_up)
 
     def forget(self, seq: Sequence) -> None:
         """Drop a finished request's state."""
@@ -365,32 +488,3 @@ class KPlanner:
         self._idle_rounds.pop(seq.slot_id, None)
         self._probe_interval.pop(seq.slot_id, None)
         self._probing.discard(seq.slot_id)
-
-
-@dataclass(frozen=True)
-class RatePredictor:
-    """Tokens per second of one batch for any Ks, from the cost model and each request's α,
-    catch-up cost and round feed."""
-
-    model: RoundCostModel
-    seqs: list[Sequence]
-    alphas: list[list[float]]
-    start: list[float]
-    feeds: list[int]
-
-    def rate(self, ks: list[int], plain_steps: list[int] | None = None) -> float:
-        return self.model.tokens_per_second(ks, self.alphas, self.start, self.feeds, plain_steps)
-
-    def probe_could_pay(self, seq: Sequence, ks: dict[str, int], caps: dict[str, int]) -> bool:
-        """Whether drafting for `seq` would raise the batch's rate if its draft were always
-        accepted. If not, the batch's size or the draft's cost keeps it off, not its
-        acceptance, and a probe could not change the decision."""
-        i = self.seqs.index(seq)
-        hopeful = replace(self, alphas=[*self.alphas[:i], [1.0], *self.alphas[i + 1:]])
-        trial = [ks[s.slot_id] for s in self.seqs]
-        current = hopeful.rate(trial)
-        for k in range(1, caps[seq.slot_id] + 1):
-            trial[i] = k
-            if hopeful.rate(trial) > current:
-                return True
-        return False

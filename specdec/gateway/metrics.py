@@ -1,14 +1,18 @@
 """The gateway's Prometheus exporter: renders `GatewayStats` at scrape time.
 
 Names follow vLLM's with the prefix `specdec_` for `vllm:` (`--metrics-prefix vllm:` makes
-them identical), and every series carries `model_name`. With the default prefix:
+them identical), and every series carries `model_name`. The speculation counters carry the
+draft `source` too (model, prompt_lookup, suffix): sum it away for vLLM's totals, or keep it
+(`sum by (source)`) for each source's figures. With the default prefix:
 
-    acceptance rate          = rate(specdec_spec_decode_num_accepted_tokens_total[5m])
-                               / rate(specdec_spec_decode_num_draft_tokens_total[5m])
-    mean acceptance length   = 1 + rate(specdec_spec_decode_num_accepted_tokens_total[5m])
-                                   / rate(specdec_spec_decode_num_drafts_total[5m])
-    per-position acceptance  = rate(specdec_spec_decode_num_accepted_tokens_per_pos_total[5m])
-                               / ignoring(position) group_left rate(specdec_spec_decode_num_drafts_total[5m])
+    acceptance rate          = sum(rate(specdec_spec_decode_num_accepted_tokens_total[5m]))
+                               / sum(rate(specdec_spec_decode_num_draft_tokens_total[5m]))
+    mean acceptance length   = 1 + sum(rate(specdec_spec_decode_num_accepted_tokens_total[5m]))
+                                   / sum(rate(specdec_spec_decode_num_drafts_total[5m]))
+    per-position acceptance  = sum by (position) (rate(specdec_spec_decode_num_accepted_tokens_per_pos_total[5m]))
+                               / ignoring(position) group_left sum(rate(specdec_spec_decode_num_drafts_total[5m]))
+    acceptance by source     = sum by (source) (rate(specdec_spec_decode_num_accepted_tokens_total[5m]))
+                               / sum by (source) (rate(specdec_spec_decode_num_draft_tokens_total[5m]))
     tokens/s                 = rate(specdec_generation_tokens_total[1m])
     TTFT p95                 = histogram_quantile(0.95,
                                    sum by (le) (rate(specdec_time_to_first_token_seconds_bucket[5m])))
@@ -24,12 +28,17 @@ from collections.abc import Iterator
 
 from prometheus_client.core import Metric
 
+from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.stats import GatewayStats
 from specdec.stats import DEFAULT_PREFIX, Families, MetricsEndpoint
 
 
 def _one(value: float) -> dict[tuple[str, ...], float]:
     return {(): value}
+
+
+def _by_source(counts: dict[DraftSource, int]) -> dict[tuple[str, ...], float]:
+    return {(source.value,): n for source, n in counts.items()}
 
 
 def gateway_families(stats: GatewayStats, prefix: str, model_name: str) -> Iterator[Metric]:
@@ -59,11 +68,16 @@ def gateway_families(stats: GatewayStats, prefix: str, model_name: str) -> Itera
         ("request_inference_time_seconds", "Admission to the final message", s.inference_time),
     ):
         yield f.histogram(name, doc, [], {(): dist})
-    yield f.counter("spec_decode_num_drafts", "Speculation rounds with K >= 1, per request", [], _one(s.drafts))
-    yield f.counter("spec_decode_num_draft_tokens", "Draft tokens proposed", [], _one(s.draft_tokens))
-    yield f.counter("spec_decode_num_accepted_tokens", "Draft tokens accepted", [], _one(s.accepted_tokens))
-    yield f.counter("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft",
-                    ["position"], {(str(i),): n for i, n in enumerate(s.accepted_per_position)})
+    yield f.counter("spec_decode_num_drafts", "Speculation rounds with K >= 1, per request, by draft source",
+                    ["source"], _by_source(s.drafts))
+    yield f.counter("spec_decode_num_draft_tokens", "Draft tokens proposed, by draft source", ["source"],
+                    _by_source(s.draft_tokens))
+    yield f.counter("spec_decode_num_accepted_tokens", "Draft tokens accepted, by draft source", ["source"],
+                    _by_source(s.accepted_tokens))
+    yield f.counter("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft and "
+                    "draft source", ["position", "source"],
+                    {(str(i), source.value): n for source, counts in s.accepted_per_position.items()
+                     for i, n in enumerate(counts)})
     yield f.counter("spec_decode_num_emitted_tokens", "Tokens emitted by rounds (accepted + recovered or bonus; "
                     "every token of a multi-step plain round)", [], _one(s.emitted_tokens))
     yield f.gauge("speculation_enabled", "1 while the draft is usable; 0 from a failed or late Propose until its "

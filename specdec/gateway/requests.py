@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specdec.errors import InvalidArgumentError
 from specdec.gateway.detokenizer import StopStringDetokenizer
+from specdec.gateway.draft_sources import SpeculationMethod
 from specdec.gateway.sequence import FinishReason, Sequence
 from specdec.model.chat import encode_chat
 from specdec.sampling.params import SamplingParams, independent_seed
@@ -32,6 +33,14 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 #: Stop strings are matched against the text of every round: bound their number and size.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+#: The request's method by its protobuf value; None: the gateway's default.
+METHOD_FROM_PB: dict[gateway_pb2.SpeculationMethod, SpeculationMethod | None] = {
+    gateway_pb2.SPECULATION_METHOD_UNSPECIFIED: None,
+    gateway_pb2.SPECULATION_METHOD_AUTO: SpeculationMethod.AUTO,
+    gateway_pb2.SPECULATION_METHOD_MODEL: SpeculationMethod.MODEL,
+    gateway_pb2.SPECULATION_METHOD_NGRAM: SpeculationMethod.NGRAM,
+    gateway_pb2.SPECULATION_METHOD_NONE: SpeculationMethod.NONE,
+}
 _FINISH_TO_PB = {
     FinishReason.STOP: gateway_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: gateway_pb2.FINISH_REASON_LENGTH,
@@ -58,6 +67,8 @@ class RequestPolicy:
     #: Every slot id starts with it: this gateway's instance name and incarnation, so gateways
     #: sharing a service never clash and an operator can tell whose slots a service holds.
     slot_prefix: str = ""
+    #: The method of a speculating request that names none.
+    default_method: SpeculationMethod = SpeculationMethod.AUTO
 
 
 def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) -> Sequence:
@@ -79,9 +90,8 @@ def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) ->
         raise InvalidArgumentError(f"max_new_tokens: must be >= 0, got {request.max_new_tokens}")
     sampling = sampling_from_pb(request.sampling)
     spec = request.speculation
-    speculate = spec.enabled if spec.HasField("enabled") else policy.speculative
-    if speculate and not policy.has_draft:
-        raise InvalidArgumentError("speculation.enabled: this gateway runs without a draft model")
+    method = speculation_method(spec, policy)
+    speculate = method is not SpeculationMethod.NONE
     k_given = spec.HasField("num_speculative_tokens")
     k = spec.num_speculative_tokens if k_given else policy.num_speculative_tokens
     # A request that names its K alone gets exactly that K; `adaptive` overrides either way.
@@ -99,11 +109,35 @@ def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) ->
         max_new_tokens=min(request.max_new_tokens or policy.max_new_tokens_default, policy.max_seq_len - len(prompt)),
         num_speculative_tokens=k if speculate else 0,
         adaptive=adaptive,
+        method=method,
         detokenizer=StopStringDetokenizer(policy.tokenizer, list(request.stop), set(policy.eos_token_ids)),
         generator=make_generator(sampling.seed, "cpu"),
         draft_sampling=_reseeded(sampling, DRAFT_STREAM),
         target_sampling=_reseeded(sampling, TARGET_STREAM),
     )
+
+
+def speculation_method(spec: gateway_pb2.SpeculationOptions, policy: RequestPolicy) -> SpeculationMethod:
+    """What the request may draft with: its `method`, else the gateway's default, NONE when
+    speculation is off for it (`enabled`, or the gateway's default)."""
+    if spec.method not in METHOD_FROM_PB:
+        raise InvalidArgumentError(f"speculation.method: unknown value {spec.method}")
+    asked = METHOD_FROM_PB[spec.method]
+    # Naming a method opts in on a gateway that does not speculate by default.
+    enabled = spec.enabled if spec.HasField("enabled") else policy.speculative or asked is not None
+    if not enabled:
+        if asked not in (None, SpeculationMethod.NONE):
+            raise InvalidArgumentError(f"speculation.method: {asked.value} contradicts enabled = false")
+        return SpeculationMethod.NONE
+    method = asked if asked is not None else policy.default_method
+    if method is SpeculationMethod.MODEL and not policy.has_draft:
+        raise InvalidArgumentError("speculation.method: this gateway runs without a draft model; "
+                                   "use ngram (lookups) or auto")
+    return method
+
+
+def method_to_pb(method: SpeculationMethod) -> gateway_pb2.SpeculationMethod:
+    return next(pb for pb, m in METHOD_FROM_PB.items() if m is method)
 
 
 def _reseeded(sampling: SamplingParams, stream: int) -> SamplingParams:
@@ -150,6 +184,9 @@ def completion_to_pb(seq: Sequence, error: str) -> gateway_pb2.Completion:
             num_draft_tokens=seq.counts.draft_tokens,
             num_accepted_tokens=seq.counts.accepted_tokens,
             num_plain_rounds=seq.counts.plain_rounds,
+            num_lookup_rounds=seq.counts.lookup_rounds,
+            num_lookup_draft_tokens=seq.counts.lookup_draft_tokens,
+            num_lookup_accepted_tokens=seq.counts.lookup_accepted_tokens,
         ),
         timings=gateway_pb2.Timings(time_to_first_token_s=ttft, total_s=total, tokens_per_s=rate),
         error_message=error,

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.model_clients import Timed
+from specdec.gateway.proposers import LookupDraft
 
 
 @dataclass(frozen=True)
@@ -26,10 +28,28 @@ class RoundPlan:
     catching_up: bool = False
     #: Why a request that could have drafted did not (one of `OFF_REASONS`), if one did not.
     off_reason: str | None = None
+    #: The requests whose K tokens a lookup proposed (exactly K of them): the draft model
+    #: drafts for the others with K >= 1.
+    lookups: dict[str, LookupDraft] = field(default_factory=dict)
+    #: Lookup proposals the round does not verify, with the request's length when they were
+    #: made: the planner judges them against the tokens the round emits instead.
+    offered: dict[str, tuple[int, LookupDraft]] = field(default_factory=dict)
 
     @property
     def drafts(self) -> bool:
         return any(self.ks.values())
+
+    @property
+    def model_ks(self) -> dict[str, int]:
+        """K per request that the draft model drafts (0 for plain and lookup requests)."""
+        return {slot: 0 if slot in self.lookups else k for slot, k in self.ks.items()}
+
+    def source_of(self, slot_id: str) -> DraftSource | None:
+        """Where the request's draft tokens come from this round; None when it decodes plainly."""
+        if not self.ks.get(slot_id):
+            return None
+        lookup = self.lookups.get(slot_id)
+        return lookup.source if lookup is not None else DraftSource.MODEL
 
     def steps_of(self, slot_id: str) -> int:
         return self.steps.get(slot_id, 1)
@@ -53,6 +73,8 @@ class RoundReport:
     draft_failed: bool = False
     #: Tokens the target decoded per slot in a plain round (1 in any other round).
     steps: dict[str, int] = field(default_factory=dict)
+    #: Where each drafting slot's tokens came from (slots with K = 0 are absent).
+    sources: dict[str, DraftSource] = field(default_factory=dict)
 
     def phases(self) -> dict[str, float]:
         """The round's wall time split by `ROUND_PHASES`."""

@@ -25,8 +25,10 @@ import grpc
 
 from specdec.errors import CapacityExhaustedError, SpecdecError
 from specdec.gateway.deadlines import Deadlines
+from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.k_planner import KPlanner
 from specdec.gateway.model_clients import DraftAPI, TargetAPI
+from specdec.gateway.proposers import LookupDraft, LookupProposer
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import FinishReason, Sequence
 from specdec.gateway.speculative_step import first_tokens, plan_k, plan_steps, run_round
@@ -83,9 +85,12 @@ class Scheduler:
         stats: GatewayStats,
         deadlines: Deadlines,
         decode_steps: int = 1,
+        lookup: LookupProposer | None = None,
     ) -> None:
         self.target = target
         self.draft = draft
+        #: Proposes lookup drafts for the requests that allow them (None: no lookups).
+        self.lookup = lookup
         self.pools = pools
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
@@ -202,20 +207,35 @@ class Scheduler:
                 await self._retire(seq, seq.finish_reason)  # type: ignore[arg-type]
 
     def _plan(self, batch: list[Sequence]) -> RoundPlan:
-        """K per request (0 without a usable draft) and, for a plain round, the tokens the
-        target decodes per request: one while a waiting request could join the batch at the
-        next round, more when the batch (or a pool) is full and throughput counts."""
+        """K and draft source per request (the model draft only while it is usable, a lookup
+        where one matches) and, for a plain round, the tokens the target decodes per request:
+        one while a waiting request could join the batch at the next round, more when the batch
+        (or a pool) is full and throughput counts."""
         draft_off = self.draft_degraded or self.draft_refused
-        speculate = self.draft is not None and not draft_off
-        caps = {s.slot_id: plan_k(s, self.max_seq_len) if speculate else 0 for s in batch}
+        model_usable = self.draft is not None and not draft_off
+        caps = {s.slot_id: plan_k(s, self.max_seq_len) for s in batch}
+        model_allowed = {s.slot_id for s in batch if model_usable and s.method.allows_model}
         limit = 1 if self._queue_head_fits() else self.decode_steps
         steps = {s.slot_id: plan_steps(s, self.max_seq_len, limit) for s in batch}
-        plan = self.planner.plan(batch, caps, {s.slot_id: s.adaptive for s in batch}, steps)
-        if self.draft is not None and draft_off and any(plan_k(s, self.max_seq_len) for s in batch):
+        plan = self.planner.plan(batch, caps, {s.slot_id: s.adaptive for s in batch}, steps,
+                                 lookups=self._lookups(batch, caps), model_allowed=model_allowed)
+        if self.draft is not None and draft_off and any(caps[s.slot_id] and s.method.allows_model for s in batch):
             self.stats.off_rounds["draft_unavailable"] += 1
         elif plan.off_reason is not None:
             self.stats.off_rounds[plan.off_reason] += 1
         return plan
+
+    def _lookups(self, batch: list[Sequence], caps: dict[str, int]) -> dict[str, LookupDraft]:
+        """This round's lookup proposal of each request that allows lookups and has one."""
+        if self.lookup is None:
+            return {}
+        out = {}
+        for seq in batch:
+            if caps[seq.slot_id] > 0 and seq.method.allows_lookup:
+                draft = self.lookup.propose(seq.slot_id, seq.tokens, caps[seq.slot_id])
+                if draft is not None:
+                    out[seq.slot_id] = draft
+        return out
 
     def _record_round(
         self, batch: list[Sequence], report: RoundReport, before: dict[str, tuple[int, float | None]]
@@ -224,9 +244,10 @@ class Scheduler:
         self.stats.record_phases(phases, report)
         for seq in batch:
             k, accepted = report.ks[seq.slot_id], report.num_accepted[seq.slot_id]
-            seq.counts.record(k, accepted)
+            source = report.sources.get(seq.slot_id, DraftSource.MODEL)
+            seq.counts.record(k, accepted, source)
             seq.anatomy.add(phases)
-            self.stats.record_round(k, accepted, report.steps.get(seq.slot_id, 1))
+            self.stats.record_round(k, accepted, report.steps.get(seq.slot_id, 1), source)
             count, last_at = before[seq.slot_id]
             if seq.completion_tokens > count and seq.last_token_at is not None and last_at is not None:
                 self.stats.record_tokens(seq.completion_tokens - count, seq.last_token_at - last_at)
@@ -329,6 +350,8 @@ class Scheduler:
         """Free the request's slots in both services and queue it first, to resume from its tokens."""
         self.running.remove(seq)
         self.planner.forget(seq)
+        if self.lookup is not None:
+            self.lookup.forget(seq.slot_id)  # the slot id changes: the index is rebuilt under the new one
         await self._release(seq)
         log.info("preempted %s at %d tokens to make room in the KV pools", seq.slot_id, len(seq.tokens))
         seq.preempt()
@@ -346,6 +369,11 @@ class Scheduler:
             self.running.remove(seq)
         seq.finish(reason, error)
         self.planner.forget(seq)
+        if self.lookup is not None:
+            if reason in (FinishReason.STOP, FinishReason.LENGTH):  # a whole answer: later ones may reuse it
+                self.lookup.finish(seq.slot_id, seq.prompt, seq.tokens[len(seq.prompt):])
+            else:
+                self.lookup.forget(seq.slot_id)
         # Count the request before the first await: its client cannot read the final
         # message (and scrape) before these counters include it.
         self._record_finished(seq)

@@ -11,6 +11,7 @@ import grpc
 import torch
 
 from specdec.gateway.detokenizer import StopStringDetokenizer
+from specdec.gateway.draft_sources import DraftSource, SpeculationMethod
 from specdec.sampling.params import SamplingParams
 
 
@@ -43,14 +44,22 @@ class SpeculationCounts:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     plain_rounds: int = 0  # rounds with K = 0
+    #: The share of the above whose draft tokens came from a lookup (no draft model).
+    lookup_rounds: int = 0
+    lookup_draft_tokens: int = 0
+    lookup_accepted_tokens: int = 0
 
-    def record(self, k: int, num_accepted: int) -> None:
-        if k > 0:
-            self.rounds += 1
-            self.draft_tokens += k
-            self.accepted_tokens += num_accepted
-        else:
+    def record(self, k: int, num_accepted: int, source: DraftSource | None = None) -> None:
+        if k == 0:
             self.plain_rounds += 1
+            return
+        self.rounds += 1
+        self.draft_tokens += k
+        self.accepted_tokens += num_accepted
+        if source is not None and source.is_lookup:
+            self.lookup_rounds += 1
+            self.lookup_draft_tokens += k
+            self.lookup_accepted_tokens += num_accepted
 
     @property
     def acceptance_rate(self) -> float:
@@ -111,6 +120,8 @@ class Sequence:
     completion_tokens: int = 0
     #: The gateway picks K in 0..num_speculative_tokens each round from measured costs and acceptance.
     adaptive: bool = False
+    #: What the request lets the gateway draft with (the model draft, lookups or either).
+    method: SpeculationMethod = SpeculationMethod.AUTO
     counts: SpeculationCounts = field(default_factory=SpeculationCounts)
     anatomy: RoundAnatomy = field(default_factory=RoundAnatomy)
     outbox: asyncio.Queue[Delta | Finished] = field(default_factory=asyncio.Queue)

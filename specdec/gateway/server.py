@@ -1,8 +1,9 @@
 """The gateway gRPC servicer and its factory.
 
-Start-up connects to both model services, reads their Info, and refuses to start when the
-draft's tokenizer differs from the target's (or from the tokenizer the gateway loaded),
-or when the configured K exceeds what the services accept.
+Start-up connects to the model services (the target, and the draft when there is one), reads
+their Info, and refuses to start when the draft's tokenizer differs from the target's (or from
+the tokenizer the gateway loaded), or when the configured K exceeds what the services accept.
+Without a draft the gateway speculates with lookups alone.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from specdec.cost_model import CostTable
 from specdec.errors import InvalidArgumentError, ServiceRefusedError, SpecdecError
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.deadlines import Deadlines
+from specdec.gateway.draft_sources import SpeculationMethod
 from specdec.gateway.k_planner import KPlanner
 from specdec.gateway.metrics import gateway_endpoint
 from specdec.gateway.model_clients import INFO_TIMEOUT_S, DraftAPI, DraftClient, ServiceLink, TargetAPI, TargetClient
 from specdec.gateway.monitor import ServiceMonitor
-from specdec.gateway.requests import RequestPolicy, completion_to_pb, new_sequence
+from specdec.gateway.proposers import LookupProposer
+from specdec.gateway.requests import RequestPolicy, completion_to_pb, method_to_pb, new_sequence
 from specdec.gateway.scheduler import PoolLimits, Scheduler
 from specdec.gateway.sequence import Delta, FinishReason
 from specdec.gateway.service_changes import ServiceChanges
@@ -77,6 +80,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             max_speculative_tokens=s.policy.max_speculative_tokens,
             max_new_tokens_default=s.config.max_new_tokens_default,
             adaptive_k=s.config.adaptive_k and s.scheduler.planner.can_adapt,
+            default_speculation_method=method_to_pb(s.policy.default_method),
         )
         if "draft" in s.monitor.latest:
             info.draft.CopyFrom(s.monitor.latest["draft"].to_pb())
@@ -210,7 +214,7 @@ def check_services(config: GatewayConfig, services: Services) -> PreTrainedToken
     if services.draft_info is not None:
         check_compatible(services.draft_info.tokenizer, target_info.tokenizer)
     limit = services.max_speculative_tokens
-    if services.draft is not None and config.num_speculative_tokens > limit:
+    if config.speculative and config.num_speculative_tokens > limit:
         raise InvalidArgumentError(f"num_speculative_tokens {config.num_speculative_tokens} exceeds the services' "
                                    f"maximum {limit}")
     return tokenizer
@@ -219,7 +223,8 @@ def check_services(config: GatewayConfig, services: Services) -> PreTrainedToken
 def new_scheduler(config: GatewayConfig, services: Services, stats: GatewayStats) -> Scheduler:
     target_costs, draft_info = services.target_info.forward_costs, services.draft_info
     draft_costs = draft_info.forward_costs if draft_info is not None else ()
-    planner = KPlanner(list(target_costs), list(draft_costs) if config.adaptive_k else [])
+    planner = KPlanner(list(target_costs), list(draft_costs) if config.adaptive_k else [],
+                       uses_draft=services.draft is not None)
     pools = [PoolLimits(name, info.total_kv_tokens, info.block_size, info.max_slots)
              for name, info in services.infos().items()]
     return Scheduler(
@@ -228,6 +233,7 @@ def new_scheduler(config: GatewayConfig, services: Services, stats: GatewayStats
         # A target that comes back allowing less than the promised K is refused (`service_changes`),
         # so steps within it stay valid whatever target answers.
         decode_steps=min(config.decode_steps, services.max_speculative_tokens + 1),
+        lookup=LookupProposer(config.lookup_settings()),
         deadlines=Deadlines(
             config.rpc_timeout_floor_s, config.rpc_timeout_factor,
             CostTable(target_costs) if target_costs else None, CostTable(draft_costs) if draft_costs else None,
@@ -244,6 +250,7 @@ def new_policy(config: GatewayConfig, services: Services, tokenizer: PreTrainedT
         has_draft=services.draft is not None, speculative=config.speculative,
         num_speculative_tokens=config.num_speculative_tokens, adaptive_k=config.adaptive_k,
         max_new_tokens_default=config.max_new_tokens_default, slot_prefix=f"{lease.holder}/{lease.incarnation}/",
+        default_method=SpeculationMethod(config.speculation_method),
     )
 
 
@@ -259,7 +266,8 @@ def watch_services(
             await running.health.set(name, status)
 
     monitor.on_target = report_target
-    max_k = services.max_speculative_tokens if services.draft is not None else 0
+    # Lookups speculate without a draft, so the target's K is promised either way.
+    max_k = services.max_speculative_tokens
     monitor.on_change = ServiceChanges(
         scheduler, services.target_info.tokenizer, max_k, services.max_seq_len, config.adaptive_k
     )

@@ -1,7 +1,8 @@
 """One speculation round, phase by phase: plan, propose, verify, accept, advance.
 
 `run_round` reads top to bottom as the algorithm: the draft proposes K tokens per request
-(one batched Propose), the target scores [g, t1..tK] per request (one batched Verify),
+(one batched Propose; a request whose plan has a lookup takes its tokens from there instead),
+the target scores [g, t1..tK] per request (one batched Verify),
 the rejection sampler accepts a prefix and adds a recovered or bonus token, and each
 sequence's valid cache lengths move forward — which is the implicit rollback of both
 caches on the next round.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import typing
+from collections.abc import Collection
 
 import grpc
 import torch
@@ -23,6 +25,7 @@ from specdec.gateway.model_clients import DraftAPI, TargetAPI, Timed
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence
 from specdec.sampling.rejection_sampler import RejectionResult
+from specdec.sampling.sparse_probs import SparseRows
 from specdec.sampling.transforms import drawn_tokens, logits_to_probs, sample
 from specdec.serving.worker import ModelWorker
 from specdec.wire.items import (
@@ -197,31 +200,46 @@ async def run_round(
     nothing comes back to judge, and the plan's `steps` tokens share one call."""
     started = time.perf_counter()
     proposed, draft_failed = await propose_or_plain(draft, seqs, plan, deadlines)
-    verified = await verify(target, seqs, proposed.value, plan, deadlines)
+    proposals = proposed.value | lookup_proposals(seqs, plan)
+    verified = await verify(target, seqs, proposals, plan, deadlines)
     accept_started = time.perf_counter()
-    drafting = [s for s in seqs if s.slot_id in proposed.value]
-    accepted = await sampler.run(accept_all, drafting, verified.value, proposed.value) if drafting else {}
+    drafting = [s for s in seqs if s.slot_id in proposals]
+    accepted = await sampler.run(accept_all, drafting, verified.value, proposals) if drafting else {}
     accept_s = time.perf_counter() - accept_started
-    ks, num_accepted, steps = advance_all(seqs, proposed.value, verified.value, accepted, max_seq_len)
+    ks, num_accepted, steps = advance_all(seqs, proposals, verified.value, accepted, max_seq_len, plan.lookups)
+    sources = {slot: source for slot in ks if ks[slot] and (source := plan.source_of(slot)) is not None}
     return RoundReport(
         ks, num_accepted, propose=Timed(None, proposed.compute_s, proposed.wall_s),
         verify=Timed(None, verified.compute_s, verified.wall_s), accept_s=accept_s,
-        total_s=time.perf_counter() - started, draft_failed=draft_failed, steps=steps,
+        total_s=time.perf_counter() - started, draft_failed=draft_failed, steps=steps, sources=sources,
     )
+
+
+def lookup_proposals(seqs: list[Sequence], plan: RoundPlan) -> dict[str, Proposal]:
+    """The plan's lookup drafts as proposals: a sampled request's q is one-hot on each token (a
+    deterministic draft), a greedy one needs none. The draft model's cache is not involved."""
+    out = {}
+    for seq in seqs:
+        lookup = plan.lookups.get(seq.slot_id)
+        if lookup is not None:
+            probs = None if seq.sampling.is_greedy else SparseRows.one_hot(lookup.tokens)
+            out[seq.slot_id] = Proposal(seq.slot_id, list(lookup.tokens), probs, seq.draft_valid)
+    return out
 
 
 def advance_all(
     seqs: list[Sequence], proposals: dict[str, Proposal], verified: dict[str, VerifiedChunk],
-    accepted: dict[str, RejectionResult], max_seq_len: int,
+    accepted: dict[str, RejectionResult], max_seq_len: int, lookups: Collection[str] = (),
 ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """Advance every sequence past its new tokens and emit them; returns per slot the K
-    drafted, the tokens accepted and the tokens decoded plainly (1 for a drafting request)."""
+    drafted, the tokens accepted and the tokens decoded plainly (1 for a drafting request).
+    The draft model's cache moves only for the requests it drafted for (not in `lookups`)."""
     ks, num_accepted, steps = {}, {}, {}
     for seq in seqs:
         slot = seq.slot_id
         if slot in accepted:
             ks[slot], num_accepted[slot], steps[slot] = len(proposals[slot].tokens), accepted[slot].num_accepted[0], 1
-            advance(seq, ks[slot], num_accepted[slot])
+            advance(seq, 0 if slot in lookups else ks[slot], num_accepted[slot])
             seq.emit(accepted[slot].output_tokens[0], max_seq_len)
         else:
             tokens = typing.cast(VerifiedDecode, verified[slot]).tokens  # `verify` checked the kind
@@ -240,7 +258,7 @@ async def propose_or_plain(
     draft's cache whatever it kept."""
     started = time.perf_counter()
     try:
-        return await propose(draft, seqs, plan.ks, deadlines), False
+        return await propose(draft, seqs, plan.model_ks, deadlines), False
     except (grpc.aio.AioRpcError, ServiceStateError) as error:
         reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else str(error)
         log.warning("Propose failed (%s); this round decodes without speculation", reason)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdec.gateway.draft_sources import DRAFT_SOURCES, DraftSource
 from specdec.gateway.k_planner import OFF_REASONS
 from specdec.gateway.rounds import RoundReport
 from specdec.gateway.sequence import ROUND_PHASES, FinishReason, Sequence
@@ -48,12 +49,12 @@ class GatewayStats:
     prefill_time: Distribution = field(default_factory=_latency)
     decode_time: Distribution = field(default_factory=_latency)
     inference_time: Distribution = field(default_factory=_latency)
-    #: Speculation, per request and round (vLLM's spec_decode_* counters).
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
+    #: Speculation, per request and round (vLLM's spec_decode_* counters), by draft source.
+    drafts: dict[DraftSource, int] = field(default_factory=lambda: dict.fromkeys(DRAFT_SOURCES, 0))
+    draft_tokens: dict[DraftSource, int] = field(default_factory=lambda: dict.fromkeys(DRAFT_SOURCES, 0))
+    accepted_tokens: dict[DraftSource, int] = field(default_factory=lambda: dict.fromkeys(DRAFT_SOURCES, 0))
     emitted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: dict[DraftSource, list[int]] = field(default_factory=dict)
     #: 0 while the draft is degraded (a failed or late Propose, until its health check passes).
     speculation_enabled: int = 1
     current_k: float = 0.0
@@ -68,26 +69,26 @@ class GatewayStats:
 
     def __post_init__(self) -> None:
         if not self.accepted_per_position:
-            self.accepted_per_position = [0] * self.max_speculative_tokens
+            self.accepted_per_position = {source: [0] * self.max_speculative_tokens for source in DRAFT_SOURCES}
 
-    def record_round(self, k: int, num_accepted: int, steps: int = 1) -> None:
-        """One request's part in a round: K drafted, `num_accepted` of them kept (or, plain,
-        `steps` tokens decoded in one call)."""
+    def record_round(self, k: int, num_accepted: int, steps: int = 1, source: DraftSource = DraftSource.MODEL) -> None:
+        """One request's part in a round: K drafted by `source`, `num_accepted` of them kept (or,
+        plain, `steps` tokens decoded in one call)."""
         self.emitted_tokens += num_accepted + steps
         if k == 0:
             return
-        self.drafts += 1
-        self.draft_tokens += k
-        self.accepted_tokens += num_accepted
+        self.drafts[source] += 1
+        self.draft_tokens[source] += k
+        self.accepted_tokens[source] += num_accepted
         for position in range(num_accepted):
-            self.accepted_per_position[position] += 1
+            self.accepted_per_position[source][position] += 1
 
     def record_phases(self, phases: dict[str, float], report: RoundReport) -> None:
         """One round's timings: RPC latencies, the phase split, mean K and draft overhead."""
         self.batch_size.observe(len(report.ks))
         self.rpc_latency["Verify"].observe(report.verify.wall_s)
         speculating = [k for k in report.ks.values() if k > 0]
-        if speculating:
+        if any(source is DraftSource.MODEL for source in report.sources.values()):
             self.rpc_latency["Propose"].observe(report.propose.wall_s)
         for name, seconds in phases.items():
             self.round_seconds[name] += seconds

@@ -47,6 +47,14 @@ class SparseRows:
         lengths = torch.bincount(row_index, minlength=rows.shape[0])  # [n]
         return cls(tuple(lengths.tolist()), token_ids, rows[row_index, token_ids])
 
+    @classmethod
+    def one_hot(cls, tokens: list[int] | tuple[int, ...]) -> SparseRows:
+        """Row r certain of tokens[r]: the q of a deterministic draft (a lookup). Verified
+        against it, t_r is kept with probability p_r(t_r), and a rejection draws from p_r
+        without t_r, which leaves the target's distribution exact
+        (docs/architecture.md#exactness-contract)."""
+        return cls((1,) * len(tokens), torch.tensor(tokens, dtype=torch.int64), torch.ones(len(tokens)))
+
     @property
     def num_rows(self) -> int:
         return len(self.lengths)

@@ -155,6 +155,9 @@ def test_dashboard_covers_the_issue() -> None:
         "draft failures": {"specdec_spec_decode_draft_failures_total"},
         "speculation off": {"specdec_spec_decode_off_rounds_total"},
     }
+    by_source = [expr for _, expr in panel_queries() if "by (model_name, source)" in expr]
+    assert {"specdec_spec_decode_num_draft_tokens_total", "specdec_spec_decode_num_accepted_tokens_total"} <= {
+        name for expr in by_source for name in metric_names(expr)}, "no panel per draft source"
     for topic, names in required.items():
         assert names <= used, f"{topic}: {sorted(names - used)} not on the dashboard"
     for histogram in ("specdec_time_to_first_token_seconds", "specdec_inter_token_latency_seconds"):

@@ -57,12 +57,13 @@ def test_invalid_requests_are_invalid_argument(
     assert field in (error.details() or "")
 
 
-def test_speculation_without_a_draft_is_refused(start_stack: StartStack) -> None:
+def test_the_model_draft_without_a_draft_service_is_refused(start_stack: StartStack) -> None:
     stack = start_stack(None)
-    error = _status(stack, build_request("hi", speculative=True))
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    error = _status(stack, build_request("hi", method="model"))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "speculation.method" in (error.details() or "")
     with stack.client() as client:
         assert client.generate("hi", max_new_tokens=3).completion_tokens == 3  # plain decoding works
+        assert client.generate("hi", max_new_tokens=3, speculative=True).completion_tokens == 3  # lookups do
 
 
 def test_full_queue_is_resource_exhausted(
@@ -106,8 +107,10 @@ def test_requests_beyond_kv_capacity_wait_and_then_complete(
 
 
 def test_config_validation() -> None:
-    with pytest.raises(InvalidArgumentError, match="requires a draft"):
-        GatewayConfig(target_address="127.0.0.1:1", speculative=True)
+    with pytest.raises(InvalidArgumentError, match="speculation_method model needs a draft"):
+        GatewayConfig(target_address="127.0.0.1:1", speculative=True, speculation_method="model")
+    with pytest.raises(InvalidArgumentError, match="n-gram lengths"):
+        GatewayConfig(target_address="127.0.0.1:1", ngram_min=3, ngram_max=2)
     with pytest.raises(InvalidArgumentError, match="num_speculative_tokens"):
         GatewayConfig(target_address="127.0.0.1:1", draft_address="127.0.0.1:2", num_speculative_tokens=0)
     with pytest.raises(InvalidArgumentError, match="draft_probs_dtype"):

@@ -28,24 +28,38 @@ def _scrape(port: int, drop: tuple[str, ...] = ("model_name",)) -> Samples:
     }
 
 
+def _total(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of `name` over the series whose labels include `labels` (e.g. over every source)."""
+    return sum(value for (n, pairs), value in samples.items()
+               if n == name and set(labels.items()) <= set(pairs))
+
+
 def test_speculation_counters_match_the_requests(start_stack: StartStack, int8_runtime: ModelRuntime) -> None:
     stack = start_stack(int8_runtime, metrics_port=0)
     before = _scrape(stack.gateway.metrics_port)
     # Every labelled series exists before anything happened, at zero.
     assert before[("specdec_request_success_total", (("finished_reason", "error"),))] == 0
-    assert before[("specdec_spec_decode_num_accepted_tokens_per_pos_total", (("position", "7"),))] == 0
+    assert before[("specdec_spec_decode_num_accepted_tokens_per_pos_total",
+                   (("position", "7"), ("source", "suffix")))] == 0
     assert before[("specdec_spec_decode_off_rounds_total", (("reason", "draft_unavailable"),))] == 0
     with stack.client() as client:
-        results = [client.generate(STORY, max_new_tokens=n, num_speculative_tokens=4) for n in (20, 33)]
+        # auto: the model draft and lookups, each counted under its own source.
+        results = [client.generate(STORY, max_new_tokens=n, num_speculative_tokens=4, method="auto")
+                   for n in (20, 33)]
         plain = client.generate(STORY, max_new_tokens=5, speculative=False)
     stack.wait_until_idle()
     m = _scrape(stack.gateway.metrics_port)
 
-    assert m[("specdec_spec_decode_num_drafts_total", ())] == sum(r.num_rounds for r in results)
-    assert m[("specdec_spec_decode_num_draft_tokens_total", ())] == sum(r.num_draft_tokens for r in results)
-    accepted = m[("specdec_spec_decode_num_accepted_tokens_total", ())]
+    assert _total(m, "specdec_spec_decode_num_drafts_total") == sum(r.num_rounds for r in results)
+    assert _total(m, "specdec_spec_decode_num_draft_tokens_total") == sum(r.num_draft_tokens for r in results)
+    accepted = _total(m, "specdec_spec_decode_num_accepted_tokens_total")
     assert accepted == sum(r.num_accepted_tokens for r in results) > 0
-    per_position = [m[("specdec_spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))]
+    lookups = [_total(m, "specdec_spec_decode_num_draft_tokens_total", source=s) for s in ("prompt_lookup", "suffix")]
+    assert sum(lookups) == sum(r.num_lookup_draft_tokens for r in results)
+    lookup_kept = [_total(m, "specdec_spec_decode_num_accepted_tokens_total", source=s)
+                   for s in ("prompt_lookup", "suffix")]
+    assert sum(lookup_kept) == sum(r.num_lookup_accepted_tokens for r in results)
+    per_position = [_total(m, "specdec_spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
                     for i in range(4)]
     assert sum(per_position) == accepted
     assert per_position == sorted(per_position, reverse=True)  # position i+1 is accepted only after position i

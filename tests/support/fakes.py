@@ -19,8 +19,10 @@ import torch
 
 from specdec.cost_model import ForwardCost
 from specdec.gateway.deadlines import Deadlines
+from specdec.gateway.draft_sources import SpeculationMethod
 from specdec.gateway.k_planner import KPlanner
 from specdec.gateway.model_clients import Timed
+from specdec.gateway.proposers import LookupProposer
 from specdec.gateway.requests import RequestPolicy
 from specdec.gateway.scheduler import PoolLimits, Scheduler
 from specdec.gateway.stats import GatewayStats
@@ -298,20 +300,26 @@ class ToyTokenizer:
         return "".join(chr(ord("a") + t) for t in tokens if not (skip_special_tokens and t == EOS))
 
 
-def policy(*, speculative: bool = True, k: int = 4, max_new_tokens: int = 16, slot_prefix: str = "") -> RequestPolicy:
+def policy(
+    *, speculative: bool = True, k: int = 4, max_new_tokens: int = 16, slot_prefix: str = "",
+    method: SpeculationMethod = SpeculationMethod.MODEL, has_draft: bool | None = None,
+) -> RequestPolicy:
+    """Requests draft with the model by default (`method`); `has_draft` defaults to `speculative`."""
     return RequestPolicy(
         tokenizer=ToyTokenizer(),  # type: ignore[arg-type]
         vocab_size=VOCAB, eos_token_ids=frozenset({EOS}), max_seq_len=256, max_speculative_tokens=8,
-        has_draft=speculative, speculative=speculative, num_speculative_tokens=k, adaptive_k=False,
-        max_new_tokens_default=max_new_tokens, slot_prefix=slot_prefix,
+        has_draft=speculative if has_draft is None else has_draft, speculative=speculative,
+        num_speculative_tokens=k, adaptive_k=False, max_new_tokens_default=max_new_tokens, slot_prefix=slot_prefix,
+        default_method=method,
     )
 
 
 def scheduler(target: FakeTarget, draft: FakeDraft | None, *, kv_tokens: int = 4096, max_batch_size: int = 8,
-              max_queue: int = 8, deadline_s: float = 5.0, decode_steps: int = 1) -> Scheduler:
+              max_queue: int = 8, deadline_s: float = 5.0, decode_steps: int = 1,
+              lookup: LookupProposer | None = None) -> Scheduler:
     pools = [PoolLimits("target", kv_tokens, 16, 64)] + ([PoolLimits("draft", kv_tokens, 16, 64)] if draft else [])
     return Scheduler(
         target, draft, pools, max_seq_len=min(256, kv_tokens), max_batch_size=max_batch_size, max_queue=max_queue,
         planner=KPlanner([], []), stats=GatewayStats(8), deadlines=Deadlines(floor_s=deadline_s, factor=1.0),
-        decode_steps=decode_steps,
+        decode_steps=decode_steps, lookup=lookup,
     )

@@ -134,8 +134,10 @@ def start_stack(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterato
             draft_address=f"127.0.0.1:{servers[1].port}" if draft_engine else "",
             port=0,
             # A fixed K by default, so tests exercise batched rounds at every batch size and the
-            # reject path of the weak draft; the adaptive planner has tests of its own.
-            **{"speculative": draft_engine is not None, "adaptive_k": False, **gateway},
+            # reject path of the weak draft; the adaptive planner has tests of its own. With a
+            # draft, requests draft with it unless they ask for lookups (tests of their own).
+            **{"speculative": draft_engine is not None, "adaptive_k": False,
+               "speculation_method": "model" if draft_engine is not None else "auto", **gateway},
         )
         gateway_server = service_loop.run(create_gateway(config))
         stack = Stack(target_engine, draft_engine, gateway_server, servers)

@@ -80,6 +80,14 @@ def test_serve_without_speculation_starts_no_draft() -> None:
     assert draft is None and not gateway.speculative and gateway.draft_address == ""
 
 
+def test_serve_with_draft_model_none_starts_no_draft_and_speculates_with_lookups() -> None:
+    _, draft, gateway = serve_configs(serve_args("--draft-model", "none"))
+    assert draft is None and gateway.speculative and gateway.draft_address == ""
+    assert gateway.speculation_method == "auto"
+    with pytest.raises(InvalidArgumentError, match="speculation_method model needs a draft"):
+        serve_configs(serve_args("--draft-model", "none", "--speculation-method", "model"))
+
+
 def test_a_field_without_help_is_refused() -> None:
     @dataclasses.dataclass(frozen=True)
     class Bare:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -242,9 +243,9 @@ def test_a_request_not_worth_probing_is_asked_again_after_as_many_rounds_as_the_
     asked: list[str] = []
     could_pay = RatePredictor.probe_could_pay
 
-    def counting(self: RatePredictor, s: Sequence, ks: dict[str, int], caps: dict[str, int]) -> bool:
+    def counting(self: RatePredictor, s: Sequence, ks: dict[str, int], caps: dict[str, int], *args: Any) -> bool:
         asked.append(s.slot_id)
-        return could_pay(self, s, ks, caps)
+        return could_pay(self, s, ks, caps, *args)
 
     monkeypatch.setattr(RatePredictor, "probe_could_pay", counting)
     planner = KPlanner(compute_bound, drafts, probe_every=32)

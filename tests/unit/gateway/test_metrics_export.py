@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
+from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.metrics import gateway_endpoint
 from specdec.gateway.stats import GatewayStats
 
@@ -15,10 +16,14 @@ def render(stats: GatewayStats, prefix: str) -> str:
 def test_vllm_prefix_gives_vllm_names_with_model_name() -> None:
     stats = GatewayStats(max_speculative_tokens=3)
     stats.record_round(k=3, num_accepted=2)
+    stats.record_round(k=2, num_accepted=2, source=DraftSource.PROMPT_LOOKUP)
     text = render(stats, "vllm:")
-    assert 'vllm:spec_decode_num_drafts_total{model_name="toy-model"} 1.0' in text
-    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="toy-model",position="1"} 1.0' in text
-    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="toy-model",position="2"} 0.0' in text
+    assert 'vllm:spec_decode_num_drafts_total{model_name="toy-model",source="model"} 1.0' in text
+    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="toy-model",source="prompt_lookup"} 2.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="toy-model",source="suffix"} 0.0' in text
+    per_pos = 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="toy-model",position="%d",source="%s"}'
+    assert f"{per_pos % (1, 'model')} 1.0" in text and f"{per_pos % (1, 'prompt_lookup')} 1.0" in text
+    assert f"{per_pos % (2, 'model')} 0.0" in text and f"{per_pos % (2, 'suffix')} 0.0" in text
     assert "specdec_" not in text
 
 

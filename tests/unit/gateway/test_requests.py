@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
+from specdec.errors import InvalidArgumentError
+from specdec.gateway.draft_sources import SpeculationMethod
 from specdec.gateway.requests import new_sequence
 from specdec.v1 import gateway_pb2
 from tests.support.fakes import policy
@@ -18,3 +22,35 @@ def test_slot_ids_carry_the_gateway_instance() -> None:
     seq = new_sequence(gateway_pb2.GenerateRequest(prompt="hello"), policy(slot_prefix="gw-1/0001/"))
     other = new_sequence(gateway_pb2.GenerateRequest(prompt="hello"), policy(slot_prefix="gw-1/0001/"))
     assert seq.slot_id.startswith("gw-1/0001/") and seq.slot_id != other.slot_id
+
+
+def method_of(speculation: gateway_pb2.SpeculationOptions, **policy_options: object) -> SpeculationMethod:
+    request = gateway_pb2.GenerateRequest(prompt="hello", speculation=speculation)
+    return new_sequence(request, policy(**policy_options)).method  # type: ignore[arg-type]
+
+
+def test_the_speculation_method_comes_from_the_request_or_the_gateway() -> None:
+    options = gateway_pb2.SpeculationOptions
+    assert method_of(options()) is SpeculationMethod.MODEL  # the toy policy's default
+    assert method_of(options(method=gateway_pb2.SPECULATION_METHOD_NGRAM)) is SpeculationMethod.NGRAM
+    assert method_of(options(enabled=False)) is SpeculationMethod.NONE
+    assert method_of(options(method=gateway_pb2.SPECULATION_METHOD_NONE)) is SpeculationMethod.NONE
+    # A gateway that does not speculate by default: naming a method opts in.
+    assert method_of(options(), speculative=False) is SpeculationMethod.NONE
+    assert method_of(options(method=gateway_pb2.SPECULATION_METHOD_AUTO), speculative=False) is SpeculationMethod.AUTO
+    # Without a draft model, lookups still speculate.
+    assert method_of(options(enabled=True), has_draft=False, method=SpeculationMethod.AUTO) is SpeculationMethod.AUTO
+    seq = new_sequence(gateway_pb2.GenerateRequest(prompt="hello", speculation=options(enabled=False)), policy())
+    assert seq.num_speculative_tokens == 0
+
+
+@pytest.mark.parametrize(("speculation", "policy_options", "message"), [
+    ({"method": gateway_pb2.SPECULATION_METHOD_MODEL}, {"has_draft": False}, "without a draft model"),
+    ({"enabled": False, "method": gateway_pb2.SPECULATION_METHOD_NGRAM}, {}, "contradicts enabled = false"),
+    ({"method": 99}, {}, "unknown value 99"),
+])
+def test_a_method_the_gateway_cannot_serve_is_an_invalid_argument(
+    speculation: dict[str, object], policy_options: dict[str, object], message: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        method_of(gateway_pb2.SpeculationOptions(**speculation), **policy_options)  # type: ignore[arg-type]

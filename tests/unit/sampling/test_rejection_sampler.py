@@ -22,6 +22,7 @@ from specdec.sampling.rejection_sampler import (
     rejection_sample,
     token_probs,
 )
+from specdec.sampling.sparse_probs import SparseRows
 from specdec.sampling.transforms import logits_to_probs, make_generator
 from tests.support.chi_square import chi_square_p_value
 
@@ -381,3 +382,41 @@ def test_a_bad_target_row_fails_the_round_with_a_clear_error(device: torch.devic
         rejection_sample(broken.to(device), q.to(device), tokens.to(device), [2, 2], [make_generator(0, device)] * 2)
     result = rejection_sample(p.to(device), q.to(device), tokens.to(device), [2, 2], [make_generator(0, device)] * 2)
     assert all(0 <= t < 5 for row in result.output_tokens for t in row)
+
+
+# ---------------------------------------------------------------- deterministic drafts (lookups)
+#
+# A lookup proposes one token for sure: q is one-hot. Kept with probability p(t), on rejection
+# drawn from p without t: the target's distribution again (docs/architecture.md#exactness-contract).
+
+
+def lookup_chain(p_chain: torch.Tensor) -> torch.Tensor:
+    """A deterministic draft [vocab, vocab]: after token a it proposes (a + 1) % vocab for sure,
+    which after token 0 is a token the target never emits (p_chain[0, 1] == 0)."""
+    vocab = p_chain.shape[0]
+    return torch.nn.functional.one_hot((torch.arange(vocab) + 1) % vocab, vocab).double()
+
+
+@pytest.mark.parametrize(("vocab", "k", "n"), [(5, 1, 2), (4, 2, 3), (4, 3, 2)])
+def test_exact_output_distribution_with_a_one_hot_draft(vocab: int, k: int, n: int) -> None:
+    p_chain, _ = chain(vocab, seed=vocab + k)
+    exact = exact_first_tokens(p_chain, lookup_chain(p_chain), k, n)
+    assert abs(sum(exact.values()) - 1.0) < 1e-6
+    for seq in itertools.product(range(vocab), repeat=n):
+        assert abs(exact.get(seq, 0.0) - chain_prob(p_chain, seq)) < 1e-6, seq
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-process", "split-round"])
+def test_chi_square_one_hot_draft_follows_target(split: bool) -> None:
+    p_chain, _ = chain(4, seed=23)
+    samples = simulate(p_chain, lookup_chain(p_chain), rows=20_000, k_max=3, n=3, seed=99, split=split)
+    assert joint_p_value(samples, p_chain) > P_VALUE_FLOOR
+
+
+def test_one_hot_sparse_rows_are_the_q_of_a_sure_draft() -> None:
+    rows = SparseRows.one_hot([3, 0, 3])
+    rows.check_drafted([3, 0, 3], vocab=5, field="q")
+    dense = rows.distributions(5, extra_rows=1)  # [4, 5]: the bonus row has no q
+    assert torch.equal(dense[:3], torch.nn.functional.one_hot(torch.tensor([3, 0, 3]), 5).float())
+    assert dense[3].sum() == 0 and rows.probs_of([3, 0, 3]).tolist() == [1.0, 1.0, 1.0]
+    assert rows.probs_of([3, 1, 3]).tolist() == [1.0, 0.0, 1.0]

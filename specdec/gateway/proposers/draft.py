@@ -1,0 +1,33 @@
+"""A lookup's proposal: tokens copied from text already seen, and how much to trust them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from specdec.gateway.draft_sources import DraftSource
+
+
+@dataclass(frozen=True)
+class LookupDraft:
+    """Up to K tokens that followed the request's last `match_len` tokens somewhere else.
+
+    A lookup is a deterministic draft: its q is one-hot on each token, so verifying it keeps
+    the target's distribution exactly (docs/architecture.md#exactness-contract).
+    """
+
+    tokens: tuple[int, ...]
+    source: DraftSource
+    #: How many of the request's last tokens matched: a longer match is likelier to continue alike.
+    match_len: int
+    #: The share of the matched context's continuations that start with `tokens[0]` (1.0 for
+    #: prompt lookup, which proposes the most recent continuation).
+    frequency: float = 1.0
+
+    @property
+    def score(self) -> tuple[int, float]:
+        """Match length first, then frequency: the better of two proposals has the greater score."""
+        return self.match_len, self.frequency
+
+    def truncated(self, k: int) -> LookupDraft:
+        """The first `k` tokens of this proposal."""
+        return self if k >= len(self.tokens) else replace(self, tokens=self.tokens[:k])

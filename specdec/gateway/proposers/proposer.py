@@ -1,0 +1,69 @@
+"""The gateway's lookup proposer: prompt lookup per request, one suffix cache for all of them.
+
+The gateway holds every request's tokens, so a lookup needs no call to another service. Each
+round the scheduler asks for a proposal per request that allows lookups; the K planner decides
+whether to verify it (`specdec.gateway.k_planner`). Of a request's two candidate proposals the
+one with the better score (longer match, then higher frequency) wins, the request's own text on a tie.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.errors import InvalidArgumentError
+from specdec.gateway.proposers.draft import LookupDraft
+from specdec.gateway.proposers.prompt_lookup import PromptLookupIndex
+from specdec.gateway.proposers.suffix_cache import SuffixCache
+
+
+@dataclass(frozen=True)
+class LookupSettings:
+    """n-gram lengths matched, and the suffix cache's size (0 turns it off)."""
+
+    min_n: int = 1
+    max_n: int = 4
+    suffix_cache_tokens: int = 65536
+    #: A suffix proposal goes on while its next token holds this share of its context's counts.
+    suffix_min_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_n <= self.max_n:
+            raise InvalidArgumentError(f"n-gram lengths must satisfy 1 <= min <= max, got {self.min_n}..{self.max_n}")
+        if self.suffix_cache_tokens < 0:
+            raise InvalidArgumentError(f"suffix_cache_tokens must be >= 0, got {self.suffix_cache_tokens}")
+        if not 0.0 < self.suffix_min_share <= 1.0:
+            raise InvalidArgumentError(f"suffix_min_share must lie in (0, 1], got {self.suffix_min_share}")
+
+
+class LookupProposer:
+    """Proposals from the requests' own text and from recent outputs; state per slot id."""
+
+    def __init__(self, settings: LookupSettings) -> None:
+        self.settings = settings
+        self.suffixes = SuffixCache(settings.suffix_cache_tokens, settings.min_n, settings.max_n,
+                                    settings.suffix_min_share)
+        self._indexes: dict[str, PromptLookupIndex] = {}
+
+    def propose(self, slot_id: str, tokens: list[int], k: int) -> LookupDraft | None:
+        """The better of the prompt-lookup and the suffix proposal of up to `k` tokens for the
+        request holding `tokens` (its prompt and output so far), or None."""
+        if k <= 0:
+            return None
+        index = self._indexes.get(slot_id)
+        if index is None:
+            index = self._indexes[slot_id] = PromptLookupIndex(self.settings.min_n, self.settings.max_n)
+        index.update(tokens)
+        own = index.propose(tokens, k)
+        shared = self.suffixes.propose(tokens, k) if len(self.suffixes) else None
+        if own is None or (shared is not None and shared.score > own.score):
+            return shared
+        return own
+
+    def finish(self, slot_id: str, prompt: list[int], output: list[int]) -> None:
+        """A request ended: its output joins the suffix cache, its index goes."""
+        self.suffixes.add(prompt, output)
+        self.forget(slot_id)
+
+    def forget(self, slot_id: str) -> None:
+        """Drop a request's index (it ended without an output worth keeping, or was preempted)."""
+        self._indexes.pop(slot_id, None)

@@ -1,0 +1,101 @@
+"""What the K planner weighs: a round's choice of K and source per request, and the batch's
+predicted tokens per second for any such choice (`specdec.gateway.k_planner` decides)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field, replace
+
+from specdec.cost_model import RoundCostModel
+from specdec.gateway.proposers import LookupDraft
+from specdec.gateway.sequence import Sequence
+
+
+@dataclass
+class SourceChoice:
+    """A round's choice so far: K per request, and which requests take theirs from a lookup."""
+
+    ks: dict[str, int]
+    on_lookup: set[str] = field(default_factory=set)
+
+    def set(self, slot_id: str, k: int, *, lookup: bool) -> None:
+        self.ks[slot_id] = k
+        if lookup:
+            self.on_lookup.add(slot_id)
+        else:
+            self.on_lookup.discard(slot_id)
+
+
+def fixed_choice(
+    seqs: list[Sequence], caps: dict[str, int], lookups: dict[str, LookupDraft], model_ok: set[str]
+) -> SourceChoice:
+    """What a request whose K is not the planner's to choose gets: its lookup proposal when the
+    draft model may not draft for it or the proposal fills its K (then the model has nothing
+    to add), else the model draft at its K, else nothing."""
+    choice = SourceChoice({})
+    for s in seqs:
+        slot, cap, lookup = s.slot_id, caps[s.slot_id], lookups.get(s.slot_id)
+        if lookup is not None and cap > 0 and (slot not in model_ok or len(lookup.tokens) >= cap):
+            choice.set(slot, min(cap, len(lookup.tokens)), lookup=True)
+        else:
+            choice.set(slot, cap if slot in model_ok else 0, lookup=False)
+    return choice
+
+
+def lookup_length(alpha: float, limit: int, threshold: float) -> int:
+    """How many tokens of a lookup proposal pay, at most `limit`: token j adds α^j expected
+    tokens to the round and costs one more verified token, so it pays while α^j exceeds that
+    token's seconds times the batch's tokens per second (`threshold`)."""
+    k, survive = 0, 1.0
+    while k < limit:
+        survive *= alpha
+        if survive <= threshold:
+            break
+        k += 1
+    return k
+
+
+@dataclass(frozen=True)
+class RatePredictor:
+    """Tokens per second of one batch for any Ks and sources, from the cost model, each
+    request's α of the model draft and of its lookup proposal, its catch-up cost and round feed."""
+
+    model: RoundCostModel
+    seqs: list[Sequence]
+    alphas: list[list[float]]
+    start: list[float]
+    feeds: list[int]
+    #: α of each request's lookup proposal ([0.0] where it has none).
+    lookup_alphas: list[list[float]] = field(default_factory=list)
+
+    def rate(self, ks: dict[str, int], on_lookup: Collection[str] = frozenset(),
+             plain_steps: list[int] | None = None) -> float:
+        """The batch's expected tokens per second with K `ks` per slot, the slots in
+        `on_lookup` verifying a lookup's tokens."""
+        k_list = [ks[s.slot_id] for s in self.seqs]
+        lookup = [s.slot_id in on_lookup for s in self.seqs]
+        alphas = [own if looked_up else a for a, own, looked_up in zip(self.alphas, self.lookup_alphas, lookup)]
+        return self.model.tokens_per_second(k_list, alphas, self.start, self.feeds, plain_steps,
+                                            lookup if any(lookup) else None)
+
+    def extra_token_seconds(self) -> float:
+        """What one more verified token of one request adds to the round: the verify's cost per
+        token of width at this batch size, shared by its requests, and the per-token overhead."""
+        batch = len(self.seqs)
+        target = self.model.target
+        return (target.seconds(batch, 2) - target.seconds(batch, 1)) / batch + self.model.lookup_token_overhead_s
+
+    def probe_could_pay(self, seq: Sequence, ks: dict[str, int], caps: dict[str, int],
+                        on_lookup: Collection[str] = frozenset()) -> bool:
+        """Whether the model drafting for `seq` would raise the batch's rate if its draft were
+        always accepted. If not, the batch's size or the draft's cost keeps it off, not its
+        acceptance, and a probe could not change the decision."""
+        i = self.seqs.index(seq)
+        hopeful = replace(self, alphas=[*self.alphas[:i], [1.0], *self.alphas[i + 1:]])
+        trial = dict(ks)
+        current = hopeful.rate(trial, on_lookup)
+        for k in range(1, caps[seq.slot_id] + 1):
+            trial[seq.slot_id] = k
+            if hopeful.rate(trial, on_lookup) > current:
+                return True
+        return False

@@ -1,0 +1,120 @@
+"""Lookup drafting through real gRPC: a target and a gateway alone (no draft service), and
+lookups beside the model draft. Greedy output equals transformers' token for token in every
+method; sampled output keeps the target's distribution (the second token's exact marginal, as
+in test_sampling, on a prompt whose answers copy it, so lookups draft most of those rounds)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdec.client import GenerationResult
+from specdec.model.chat import encode_chat
+from specdec.model.loader import LoadedModel
+from tests.support.stacks import Stack, StartStack, chat
+
+#: Answers that copy their prompt (lookups match) and one that does not.
+PROMPTS = [
+    "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog by the river.",
+    "Rename the variable x to total in this function:\ndef add(x, y):\n    x = x + y\n    return x",
+    "What is the capital of France?",
+]
+MAX_NEW_TOKENS = 32
+COPY_PROMPT = [{"role": "user", "content": "Repeat after me: red green blue, red green blue."}]
+TOP_K = 4
+SAMPLES = 160
+
+
+@pytest.fixture(scope="module")
+def lookup_stack(start_stack: StartStack) -> Stack:
+    """The target and a gateway, no draft service: requests speculate with lookups."""
+    return start_stack(None, speculative=True)
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2: LoadedModel, hf_greedy: Callable[[list[int], int], list[int]]) -> list[list[int]]:
+    return [hf_greedy(encode_chat(smollm2.tokenizer, chat(p)), MAX_NEW_TOKENS) for p in PROMPTS]
+
+
+def _run_all(stack: Stack, **options: Any) -> list[GenerationResult]:
+    with stack.client() as client, ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = [pool.submit(client.generate, chat(p), max_new_tokens=MAX_NEW_TOKENS, **options) for p in PROMPTS]
+        return [f.result() for f in futures]
+
+
+def test_lookups_without_a_draft_service_keep_the_greedy_output(lookup_stack: Stack, expected: list[list[int]]) -> None:
+    with lookup_stack.client() as client:
+        info = client.info()
+    assert not info.HasField("draft") and info.speculative_enabled
+    results = _run_all(lookup_stack, num_speculative_tokens=6)
+    for prompt, want, result in zip(PROMPTS, expected, results):
+        assert result.token_ids == want, f"lookup drafting diverged from transformers on {prompt!r}"
+    assert all(r.num_lookup_draft_tokens == r.num_draft_tokens for r in results)
+    # The copying answers were drafted by lookups in good part ("quick brown fox ... river").
+    assert results[0].num_lookup_accepted_tokens >= 5, [r.as_dict() for r in results]
+    lookup_stack.wait_until_idle()
+
+
+def test_auto_mixes_lookups_and_the_model_draft_and_keeps_the_greedy_output(
+    int8_stack: Stack, expected: list[list[int]]
+) -> None:
+    results = _run_all(int8_stack, num_speculative_tokens=4, method="auto")
+    for prompt, want, result in zip(PROMPTS, expected, results):
+        assert result.token_ids == want, f"auto drafting diverged from transformers on {prompt!r}"
+    lookup_rounds = sum(r.num_lookup_rounds for r in results)
+    assert 0 < lookup_rounds < sum(r.num_rounds for r in results)  # both sources drafted
+    int8_stack.wait_until_idle()
+
+
+@pytest.fixture(scope="module")
+def exact_copy_second_token(smollm2: LoadedModel) -> dict[int, float]:
+    """P(t2) = Σ_t1 p(t1) p(t2 | t1) of the target with temperature 1 and top-k 4."""
+    prompt = encode_chat(smollm2.tokenizer, COPY_PROMPT)
+
+    def top_k_probs(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = smollm2.model(torch.tensor([ids])).logits[0, -1].float()
+        kth = logits.topk(TOP_K).values[-1]
+        return torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+
+    first = top_k_probs(prompt)
+    marginal: Counter[int] = Counter()
+    for t1 in torch.nonzero(first).flatten().tolist():
+        second = top_k_probs(prompt + [t1])
+        for t2 in torch.nonzero(second).flatten().tolist():
+            marginal[t2] += float(first[t1] * second[t2])
+    return dict(marginal)
+
+
+def test_sampled_lookup_rounds_follow_the_target_distribution(
+    lookup_stack: Stack, exact_copy_second_token: dict[int, float]
+) -> None:
+    with lookup_stack.client() as client, ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(
+            # Three tokens: with two, the round after the first token could emit one and draft none.
+            lambda seed: client.generate(COPY_PROMPT, max_new_tokens=3, temperature=1.0, top_k=TOP_K, seed=seed,
+                                         method="ngram", num_speculative_tokens=3),
+            range(SAMPLES),
+        ))
+    lookup_rounds = sum(r.num_lookup_rounds for r in results)
+    assert lookup_rounds >= SAMPLES // 2, lookup_rounds  # most second tokens were decided by a lookup round
+    kept = sum(r.num_lookup_accepted_tokens for r in results)
+    assert 0 < kept < sum(r.num_lookup_draft_tokens for r in results)  # both kept and rejected lookup tokens
+    samples = [r.token_ids[1] for r in results]
+    counts, n = Counter(samples), len(samples)
+    exact = exact_copy_second_token
+    assert set(counts) <= set(exact), f"tokens outside the target's support: {set(counts) - set(exact)}"
+    common = sorted(t for t, p in exact.items() if p * n >= 5)
+    observed = [counts[t] for t in common] + [n - sum(counts[t] for t in common)]
+    expected = [exact[t] * n for t in common] + [n - sum(exact[t] * n for t in common)]
+    if expected[-1] < 1e-9:
+        observed, expected = observed[:-1], expected[:-1]
+    p_value = float(chisquare(observed, expected).pvalue)
+    assert p_value > 1e-3, (p_value, counts.most_common(), sorted(exact.items(), key=lambda kv: -kv[1]))
+    lookup_stack.wait_until_idle()

@@ -1,0 +1,106 @@
+"""Rounds that verify lookup proposals, against fake model services: the output stays the
+target's, the draft model's cache is left alone, sampled lookups carry one-hot q, and the
+suffix cache reuses earlier answers. No draft service is needed for lookups."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from specdec.gateway.draft_sources import SpeculationMethod
+from specdec.gateway.proposers import LookupProposer, LookupSettings
+from specdec.gateway.requests import new_sequence
+from specdec.gateway.scheduler import Scheduler
+from specdec.gateway.sequence import FinishReason, Sequence
+from specdec.v1 import common_pb2
+from specdec.wire.items import SampledMode
+from tests.support.fakes import FakeDraft, FakeTarget, greedy_reference, policy, scheduler
+from tests.unit.gateway.test_scheduler import drain, prompt_ids, request
+
+
+def run_with_lookups(test: Callable[[Scheduler], Awaitable[None]], target: FakeTarget, draft: FakeDraft | None) -> None:
+    async def main() -> None:
+        sched = scheduler(target, draft, lookup=LookupProposer(LookupSettings(min_n=1, max_n=3)))
+        sched.start()
+        try:
+            await test(sched)
+        finally:
+            await sched.stop()
+
+    asyncio.run(main())
+
+
+async def generate(sched: Scheduler, method: SpeculationMethod, max_new_tokens: int,
+                   sampling: common_pb2.SamplingParams | None = None) -> Sequence:
+    req = request(max_new_tokens=max_new_tokens)
+    if sampling is not None:
+        req.sampling.CopyFrom(sampling)
+    seq = new_sequence(req, policy(has_draft=sched.draft is not None, method=method))
+    sched.submit(seq)
+    tokens, finished = await drain(seq)
+    assert finished.reason == FinishReason.LENGTH and tokens == seq.tokens[len(seq.prompt):]
+    return seq
+
+
+def test_lookups_without_a_draft_service_keep_the_greedy_output() -> None:
+    # The toy target's text repeats every 30 tokens: after one period, lookups copy it.
+    target = FakeTarget()
+
+    async def test(sched: Scheduler) -> None:
+        seq = await generate(sched, SpeculationMethod.NGRAM, 70)
+        assert seq.tokens[len(seq.prompt):] == greedy_reference(prompt_ids(), 70)
+        counts = seq.counts
+        assert counts.lookup_rounds == counts.rounds > 0 and counts.lookup_accepted_tokens >= 30
+        assert counts.rounds + counts.plain_rounds == len(target.verify_batches)
+
+    run_with_lookups(test, target, None)
+    assert target.slots == {}
+
+
+def test_auto_mixes_lookups_and_the_model_draft_and_leaves_the_drafts_cache_alone() -> None:
+    # The fake draft is wrong at position 2, so whatever source drafts, rounds reject too.
+    target, draft = FakeTarget(), FakeDraft(wrong_at={2})
+
+    async def test(sched: Scheduler) -> None:
+        seq = await generate(sched, SpeculationMethod.AUTO, 80)
+        assert seq.tokens[len(seq.prompt):] == greedy_reference(prompt_ids(), 80)
+        counts = seq.counts
+        assert 0 < counts.lookup_rounds < counts.rounds  # both sources drafted
+        # The draft only ever saw tokens in order: every Propose resumed where its cache was valid.
+        fed = sum(len(item.new_tokens) for call in draft.calls for item in call)
+        assert fed <= len(seq.tokens)
+
+    run_with_lookups(test, target, draft)
+    assert target.slots == {} and draft.slots == {}
+
+
+def test_a_sampled_lookup_round_sends_one_hot_q_rows() -> None:
+    target = FakeTarget()
+
+    async def test(sched: Scheduler) -> None:
+        sampling = common_pb2.SamplingParams(temperature=0.7, seed=3)
+        seq = await generate(sched, SpeculationMethod.NGRAM, 70, sampling=sampling)
+        assert seq.counts.lookup_rounds > 0
+
+    run_with_lookups(test, target, None)
+    sampled = [item for batch in target.verify_batches for item in batch if isinstance(item.mode, SampledMode)]
+    assert sampled
+    for item in sampled:
+        assert isinstance(item.mode, SampledMode)
+        q = item.mode.draft_probs
+        assert q.lengths == (1,) * (len(item.tokens) - 1) and q.token_ids.tolist() == item.tokens[1:]
+        assert q.values.tolist() == [1.0] * (len(item.tokens) - 1)
+
+
+def test_the_suffix_cache_drafts_from_an_earlier_answer() -> None:
+    target = FakeTarget()
+
+    async def test(sched: Scheduler) -> None:
+        first = await generate(sched, SpeculationMethod.NGRAM, 20)
+        second = await generate(sched, SpeculationMethod.NGRAM, 20)
+        assert second.tokens == first.tokens
+        # The first answer had only its own short matches; the second copies the first.
+        assert second.counts.lookup_accepted_tokens > first.counts.lookup_accepted_tokens
+        assert second.counts.lookup_accepted_tokens >= 15
+
+    run_with_lookups(test, target, None)

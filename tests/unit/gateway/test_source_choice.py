@@ -1,0 +1,135 @@
+"""The planner's choice of draft source per request (lookup, model draft, plain), with
+synthetic costs and acceptance: no services, no models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.gateway.draft_sources import DraftSource
+from specdec.gateway.k_planner import KPlanner
+from specdec.gateway.model_clients import Timed
+from specdec.gateway.proposers import LookupDraft
+from specdec.gateway.round_rates import lookup_length
+from specdec.gateway.rounds import RoundPlan, RoundReport
+from specdec.gateway.sequence import Sequence
+from tests.unit.gateway.test_k_planner import TARGET, draft_costs, seq
+
+ZERO = Timed(None, 0.0, 0.0)
+
+
+def copy(n: int = 8, match_len: int = 4, source: DraftSource = DraftSource.PROMPT_LOOKUP) -> LookupDraft:
+    return LookupDraft(tuple(range(100, 100 + n)), source, match_len)
+
+
+def run_rounds(planner: KPlanner, seqs: list[Sequence], lookups: dict[str, LookupDraft], alpha: dict[str, float],
+               rounds: int, lookup_alpha: dict[str, float] | None = None, **plan_options: object) -> RoundPlan:
+    """Plan and observe `rounds` rounds in which request r's model draft agrees with the target
+    on each token with probability alpha[r], and its lookup with lookup_alpha[r] (default the
+    same): the target's text goes on as the lookup proposes for a geometric number of tokens,
+    and each request emits what its round accepted plus one token. Returns the last plan."""
+    rng = torch.Generator().manual_seed(0)
+    lookup_alpha = lookup_alpha or alpha
+    plan = RoundPlan({})
+
+    def agreeing(p: float) -> int:
+        return int((torch.rand(8, generator=rng) < p).long().cumprod(0).sum())
+
+    for _ in range(rounds):
+        plan = planner.plan(seqs, {s.slot_id: 8 for s in seqs}, {s.slot_id: True for s in seqs},
+                            lookups=lookups, **plan_options)  # type: ignore[arg-type]
+        accepted = {}
+        for s in seqs:
+            slot = s.slot_id
+            proposed = list(lookups[slot].tokens) if slot in lookups else []
+            truth = proposed[: agreeing(lookup_alpha[slot])] + [999] * 9
+            agrees = agreeing(alpha[slot]) if plan.source_of(slot) is DraftSource.MODEL else len(truth) - 9
+            accepted[slot] = min(agrees, plan.ks[slot])
+            s.tokens.extend(truth[: accepted[slot] + 1])
+        planner.observe(plan, seqs, RoundReport(plan.ks, accepted, ZERO, ZERO, 0.0, 0.0))
+    return plan
+
+
+def test_a_lookup_that_copies_beats_the_model_draft() -> None:
+    # Copy-heavy text: both sources are always right, but the lookup costs no draft steps.
+    planner = KPlanner(TARGET, draft_costs(0.2))
+    a = seq("a")
+    plan = run_rounds(planner, [a], {"a": copy()}, {"a": 1.0}, rounds=10)
+    assert plan.ks["a"] == 8 and plan.source_of("a") is DraftSource.PROMPT_LOOKUP
+    assert plan.model_ks == {"a": 0} and plan.lookups["a"].tokens == copy().tokens
+
+
+def test_a_lookup_that_misses_leaves_the_model_draft_in_place() -> None:
+    planner = KPlanner(TARGET, draft_costs(0.1))
+    a = seq("a")
+    # Lookups of this kind are rarely right; the model draft is. Both α are learned on the way,
+    # the lookup's from the rounds that did not verify it too.
+    plan = run_rounds(planner, [a], {"a": copy(match_len=1)}, {"a": 0.95}, rounds=40, lookup_alpha={"a": 0.05})
+    assert plan.source_of("a") is DraftSource.MODEL and plan.ks["a"] >= 5
+
+
+def test_acceptance_is_learned_per_lookup_kind_not_per_request_model_draft() -> None:
+    planner = KPlanner(TARGET, draft_costs(0.1))
+    a = seq("a")
+    suffix = copy(n=4, match_len=2, source=DraftSource.SUFFIX)
+    plan = RoundPlan({"a": 4}, lookups={"a": suffix})
+    planner.observe(plan, [a], RoundReport({"a": 4}, {"a": 0}, ZERO, ZERO, 0.0, 0.01))
+    assert planner.lookup_estimate(suffix).alpha < planner.lookup_prior_alpha
+    assert planner.lookup_estimate(copy(match_len=2)).alpha == planner.lookup_prior_alpha  # another source
+    assert planner.alphas(a) == [planner.prior_alpha]  # the model draft's estimate is untouched
+    assert planner.lookup_token_overhead_s == pytest.approx(planner.cost_weight * 0.01 / 4)
+
+
+def test_a_lookup_passed_over_is_judged_against_the_emitted_tokens() -> None:
+    planner = KPlanner(TARGET, draft_costs(0.1))
+    a = seq("a")
+    proposal = copy(n=4, match_len=3)
+    plan = RoundPlan({"a": 0}, offered={"a": (len(a.tokens), proposal)})
+    a.tokens += [100, 101, 7]  # the round emitted two of the proposal's tokens, then another
+    planner.observe(plan, [a], RoundReport({"a": 0}, {"a": 0}, ZERO, ZERO, 0.0, 0.0))
+    estimate = planner.lookup_estimate(proposal)
+    assert estimate.seen == 3 and estimate.alpha == pytest.approx((0.5 + 2) / 4)
+    b = seq("b")
+    plan = RoundPlan({"b": 0}, offered={"b": (len(b.tokens), proposal)})
+    b.tokens += [100]  # one token emitted, and it agreed: one outcome, accepted
+    planner.observe(plan, [b], RoundReport({"b": 0}, {"b": 0}, ZERO, ZERO, 0.0, 0.0))
+    assert estimate.seen == 4
+
+
+def test_without_a_draft_model_lookups_are_priced_against_plain_decoding() -> None:
+    planner = KPlanner(TARGET, [], uses_draft=False)
+    assert planner.can_adapt
+    a, b = seq("a"), seq("b")
+    plan = run_rounds(planner, [a, b], {"a": copy(), "b": copy(match_len=1)}, {"a": 1.0, "b": 0.0}, rounds=30,
+                      model_allowed=set())
+    assert plan.source_of("a") is DraftSource.PROMPT_LOOKUP and plan.ks["a"] == 8
+    # Its 1-token matches were never right: at most a token of them is worth a verify slot.
+    assert plan.ks["b"] <= 1 and plan.model_ks == {"a": 0, "b": 0}
+
+
+def test_a_lookup_is_cut_to_the_tokens_that_pay() -> None:
+    assert lookup_length(1.0, 8, 0.05) == 8
+    assert lookup_length(0.5, 8, 0.1) == 3  # 0.5, 0.25, 0.125 > 0.1; 0.0625 is not
+    assert lookup_length(0.0, 8, 0.01) == 0
+    planner = KPlanner(TARGET, [], uses_draft=False)
+    planner.lookup_estimate(copy()).alpha = 0.5
+    plan = planner.plan([seq("a")], {"a": 8}, {"a": True}, lookups={"a": copy()}, model_allowed=set())
+    assert 1 <= plan.ks["a"] < 8 and len(plan.lookups["a"].tokens) == plan.ks["a"]
+
+
+def test_fixed_requests_take_a_lookup_that_fills_their_k_or_when_the_model_may_not_draft() -> None:
+    planner = KPlanner(TARGET, draft_costs(0.1))
+    seqs = [seq("full"), seq("short"), seq("ngram")]
+    caps = {s.slot_id: 4 for s in seqs}
+    lookups = {"full": copy(n=6), "short": copy(n=2), "ngram": copy(n=2)}
+    plan = planner.plan(seqs, caps, dict.fromkeys(caps, False), lookups=lookups, model_allowed={"full", "short"})
+    assert plan.ks == {"full": 4, "short": 4, "ngram": 2}
+    assert {slot: plan.source_of(slot) for slot in caps} == {
+        "full": DraftSource.PROMPT_LOOKUP, "short": DraftSource.MODEL, "ngram": DraftSource.PROMPT_LOOKUP}
+    assert plan.lookups["full"].tokens == copy(n=4).tokens
+
+
+def test_a_request_may_not_use_the_model_draft_when_it_is_not_allowed() -> None:
+    planner = KPlanner(TARGET, draft_costs(0.1))
+    plan = run_rounds(planner, [seq("a")], {}, {"a": 0.95}, rounds=3, model_allowed=set())
+    assert plan.ks == {"a": 0} and not plan.drafts
