@@ -407,9 +407,9 @@ def test_exact_output_distribution_with_a_one_hot_draft(vocab: int, k: int, n: i
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["one-process", "split-round"])
-def test_chi_square_one_hot_draft_follows_target(split: bool) -> None:
+def test_chi_square_one_hot_draft_follows_target(device: torch.device, split: bool) -> None:
     p_chain, _ = chain(4, seed=23)
-    samples = simulate(p_chain, lookup_chain(p_chain), rows=20_000, k_max=3, n=3, seed=99, split=split)
+    samples = simulate(p_chain, lookup_chain(p_chain), rows=20_000, k_max=3, n=3, seed=99, device=device, split=split)
     assert joint_p_value(samples, p_chain) > P_VALUE_FLOOR
 
 
