@@ -25,8 +25,9 @@ and verify steps are small ([B, H, K + 1, L]). Which kernel pays there is for a 
 
 For CUDA graphs: the key axis of `prepare`'s tensors is the block tables' width M times the
 block size, never the longest context, so a decode or verify step whose block tables are
-padded to a fixed width (max_seq_len / block_size) has the same shapes at every step and
-`prepare` can run inside the captured graph; fresh batches are prompts and run eager.
+padded to a fixed width (`build_forward_batch(..., table_width=max_seq_len // block_size)`)
+has the same shapes at every step and `prepare` can run inside the captured graph; fresh
+batches are prompts and run eager.
 """
 
 from __future__ import annotations

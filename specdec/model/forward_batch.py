@@ -51,12 +51,17 @@ def check_chunks(chunks: list[Chunk]) -> None:
             raise InvalidArgumentError(f"slot {slot_id!r}: chunk has no tokens")
 
 
-def build_forward_batch(cache: PagedKVCache, chunks: list[Chunk], starts: list[int] | None = None) -> ForwardBatch:
+def build_forward_batch(
+    cache: PagedKVCache, chunks: list[Chunk], starts: list[int] | None = None, *, table_width: int = 0
+) -> ForwardBatch:
     """The index tensors of one forward over chunks whose blocks are ALREADY appended to their slots.
 
     Pure: it only reads the block tables (the engine allocated the blocks, e.g. with
     `cache.blocks.append_many`). Chunk i holds the slot's tokens from `starts[i]` on; by
-    default each chunk is the last `len(tokens)` tokens of its slot.
+    default each chunk is the last `len(tokens)` tokens of its slot. The block tables are
+    padded to at least `table_width` blocks: at a fixed width (max_seq_len / block_size),
+    a decode or verify step's tensors have the same shapes at every context length, which
+    a CUDA graph capture needs; the padding is masked and changes no result.
     """
     starts = _checked_starts(cache, chunks, starts)
     chunk_lens = [len(tokens) for _, tokens in chunks]
@@ -64,7 +69,7 @@ def build_forward_batch(cache: PagedKVCache, chunks: list[Chunk], starts: list[i
     ends = [start + n for start, n in zip(starts, chunk_lens)]
     slots = [slot_id for slot_id, _ in chunks]
     tables = [cache.blocks.block_table(slot)[: -(-end // bs)] for slot, end in zip(slots, ends)]
-    max_blocks = max(len(table) for table in tables)
+    max_blocks = max(table_width, *(len(table) for table in tables))
     host = [  # each field's values, row-major, in ForwardBatch's order
         [t for _, tokens in chunks for t in tokens + [0] * (width - len(tokens))],
         [start + t for start in starts for t in range(width)],

@@ -68,6 +68,18 @@ def test_sdpa_gives_the_reference_numbers_in_every_layout(layout: ContextLayout)
     torch.testing.assert_close(_attend(AttentionKernel.SDPA, cache, batch), reference, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("kernel", list(AttentionKernel), ids=lambda kernel: kernel.value)
+def test_block_tables_padded_to_a_fixed_width_change_nothing(kernel: AttentionKernel) -> None:
+    """The shapes a CUDA graph would capture: every step's tables as wide as the longest sequence's."""
+    shape = BATCHES[ContextLayout.MASKED]
+    cache = _pool({slot: cached + n for slot, (cached, n) in shape.items()})
+    chunks = [(slot, [1] * n) for slot, (_, n) in shape.items()]
+    wide = build_forward_batch(cache, chunks, table_width=32)
+    assert wide.block_tables.shape == (len(chunks), 32)
+    torch.testing.assert_close(_attend(kernel, cache, wide), _attend(kernel, cache, build_forward_batch(cache, chunks)),
+                               atol=ATOL, rtol=0)
+
+
 def test_the_reference_reads_every_cached_key_and_none_past_the_context() -> None:
     """GATHER against attention written out per request and query from the pool rows."""
     shape = BATCHES[ContextLayout.MASKED]
