@@ -19,10 +19,15 @@ needs from the batch's block tables (key rows, masks) is built once per forward 
   causal over the gathered context; any other (decode, verify, a late piece of a chunked
   prompt) gathers the context and passes the mask.
 
+On CUDA, torch's memory-efficient kernel (the fused one that takes a mask) may refuse
+grouped-query heads; the MASKED layout then runs torch's math path, whose scores for decode
+and verify steps are small ([B, H, K + 1, L]). Which kernel pays there is for a GPU to measure.
+
 For CUDA graphs: the key axis of `prepare`'s tensors is the block tables' width M times the
 block size, never the longest context, so a decode or verify step whose block tables are
-padded to a fixed width (max_seq_len / block_size) has the same shapes at every step and
-`prepare` can run inside the captured graph; fresh batches are prompts and run eager.
+padded to a fixed width (a `StepShape` bucket, `specdec.model.cuda_graphs`) has the same
+shapes at every step and `prepare` runs inside the captured graph; fresh batches are prompts
+and run eager.
 """
 
 from __future__ import annotations

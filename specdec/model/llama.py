@@ -38,10 +38,12 @@ from specdec.model.forward_batch import (
 from specdec.model.linear import DenseLinear, fastest_wide_kernel, fuse
 
 SUPPORTED_MODEL_TYPES = ("llama",)
-#: The most tokens of one chunk a forward computes by default (`PagedLlama.compute`): long
-#: enough that a piece's matmuls run at full speed, short enough that a long prompt's
-#: activations stay small.
-DEFAULT_PREFILL_CHUNK_TOKENS = 512
+#: The most tokens of one chunk a forward computes by default (`PagedLlama.compute`). Pieces
+#: cost time: a later piece's attention is masked over its whole context, where one causal
+#: pass skips the blocks above the diagonal; so a chat prompt of a couple of thousand tokens
+#: runs whole, and a longer one in pieces whose activations stay small
+#: (docs/performance.md#attention-kernels).
+DEFAULT_PREFILL_CHUNK_TOKENS = 2048
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

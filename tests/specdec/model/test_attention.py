@@ -16,7 +16,7 @@ from specdec.model.attention import (
     default_kernel,
     make_attention,
 )
-from specdec.model.forward_batch import ForwardBatch, build_forward_batch
+from specdec.model.forward_batch import ForwardBatch, StepShape, build_forward_batch
 from specdec.model.llama import PagedLlama
 from specdec.model.loader import LoadedModel
 
@@ -44,7 +44,7 @@ def _attend(kernel: AttentionKernel, cache: PagedKVCache, batch: ForwardBatch, s
     q = torch.randn(bsz, HEADS, width, DIM, generator=gen)  # [B, H, T, D]
     new = torch.randn(bsz, width, 2, KV_HEADS, DIM, generator=gen)  # [B, T, 2, Hkv, D]
     kv = cache.kv[0].clone()
-    kv.index_put_((batch.write_index,), new.view(bsz * width, 2, KV_HEADS, DIM).index_select(0, batch.token_rows))
+    kv.index_put_((batch.write_index,), new.view(bsz * width, 2, KV_HEADS, DIM).index_select(0, batch.kv_rows))
     attention = make_attention(kernel)
     out = attention(q, new, kv, attention.prepare(batch, HEADS // KV_HEADS, torch.float32))  # [B, H, T, D]
     return out.transpose(1, 2).reshape(bsz * width, HEADS, DIM).index_select(0, batch.token_rows)
@@ -66,6 +66,19 @@ def test_sdpa_gives_the_reference_numbers_in_every_layout(layout: ContextLayout)
     assert SdpaAttention().prepare(batch, 3, torch.float32).layout is layout
     reference = _attend(AttentionKernel.GATHER, cache, batch)
     torch.testing.assert_close(_attend(AttentionKernel.SDPA, cache, batch), reference, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kernel", list(AttentionKernel), ids=lambda kernel: kernel.value)
+def test_block_tables_padded_to_a_fixed_width_change_nothing(kernel: AttentionKernel) -> None:
+    """The shapes a CUDA graph would capture: every step's tables as wide as the longest sequence's."""
+    shape = BATCHES[ContextLayout.MASKED]
+    cache = _pool({slot: cached + n for slot, (cached, n) in shape.items()})
+    chunks = [(slot, [1] * n) for slot, (_, n) in shape.items()]
+    widest = max(n for _, (_, n) in shape.items())
+    wide = build_forward_batch(cache, chunks, shape=StepShape(len(chunks), widest, 32))
+    assert wide.block_tables.shape == (len(chunks), 32)
+    torch.testing.assert_close(_attend(kernel, cache, wide), _attend(kernel, cache, build_forward_batch(cache, chunks)),
+                               atol=ATOL, rtol=0)
 
 
 def test_the_reference_reads_every_cached_key_and_none_past_the_context() -> None:

@@ -74,6 +74,13 @@ def test_compile_budget_reaches_the_config() -> None:
     assert parse(DraftConfig, "--compile-budget-s", "300").compile_budget_s == 300.0
 
 
+def test_attention_and_prefill_chunks_reach_the_config() -> None:
+    config = parse(TargetConfig)
+    assert (config.attention, config.prefill_chunk_tokens) == ("auto", 2048)
+    config = parse(DraftConfig, "--attention", "gather", "--prefill-chunk-tokens", "64")
+    assert (config.attention, config.prefill_chunk_tokens) == ("gather", 64)
+
+
 def test_quantize_is_an_alias_of_quantization() -> None:
     assert parse(DraftConfig, "--quantize", "none").quantization == "none"
     assert parse(TargetConfig, "--quantize", "int8").quantization == "int8"
@@ -86,6 +93,8 @@ def test_quantize_is_an_alias_of_quantization() -> None:
         dict(kv_token_budget=0), dict(block_size=0), dict(max_speculative_tokens=0), dict(max_message_bytes=0),
         dict(max_seq_len=-1), dict(group_size=0), dict(threads=-1), dict(cpu_cores="0-x"), dict(cpu_cores="3-1"),
         dict(compile_budget_s=-1.0), dict(compile_budget_s=float("nan")), dict(device="gpu0"),
+        dict(attention="flash"),
+        dict(prefill_chunk_tokens=0),
     ],
 )
 def test_bad_config_raises_a_typed_error(fields: dict[str, object]) -> None:
