@@ -29,7 +29,8 @@ def _help(text: str) -> dict[str, str]:
 class BenchConfig:
     """One benchmark run. The defaults are the full run; `QUICK` is `--quick`."""
 
-    quick: bool = field(default=False, metadata=_help("the quick preset (well under 5 minutes on 2 cores)"))
+    quick: bool = field(default=False, metadata=_help(
+        "the quick preset: fewer prompts, repetitions and tokens (minutes on 2 cores)"))
     prompts: int = field(default=6, metadata=_help(f"chat prompts of W1 and the peers ({MIN_PROMPTS}..{len(PROMPTS)})"))
     max_new_tokens: int = field(default=128, metadata=_help("new tokens per W1, peer and K-sweep request"))
     repetitions: int = field(default=3, metadata=_help(
