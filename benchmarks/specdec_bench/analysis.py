@@ -33,7 +33,7 @@ from specdec_bench.peers import PeerRecord
 from specdec_bench.results import BenchResults
 from specdec_bench.step_timing import side_by_side_c
 from specdec_bench.sweeps import ConcurrencyGroup
-from specdec_bench.workloads import RunRecord
+from specdec_bench.workloads import DraftMethod, RunRecord, Workload
 
 PHASES = ("draft_compute", "verify_compute", "rpc", "accept", "other")
 
@@ -123,6 +123,53 @@ class ConcurrencyRow:
 
 
 @dataclass
+class MethodRow:
+    """One drafting method on one workload of the method comparison (greedy single requests)."""
+
+    workload: str
+    method: str
+    tokens_per_s: Spread
+    #: Median over the (prompt, repetition) pairs of this method's tok/s ÷ plain's / the model draft's.
+    vs_plain: float
+    vs_model: float
+    acceptance_rate: float
+    mean_acceptance_length: float
+    #: Share of the draft tokens that lookups proposed.
+    lookup_share: float
+    mean_prompt_tokens: float
+
+
+@dataclass(frozen=True)
+class MethodTarget:
+    """A goal of the method comparison: `method` ÷ `baseline` on `workload` at least `minimum`."""
+
+    workload: Workload
+    method: DraftMethod
+    baseline: DraftMethod
+    minimum: float
+
+
+#: Issue 37's targets for drafting without a draft model (pairwise median ratios).
+METHOD_TARGETS = (
+    MethodTarget(Workload.COPY_HEAVY, DraftMethod.AUTO, DraftMethod.PLAIN, 3.0),
+    MethodTarget(Workload.COPY_HEAVY, DraftMethod.AUTO, DraftMethod.MODEL, 1.3),
+    MethodTarget(Workload.COPY_HEAVY, DraftMethod.NGRAM, DraftMethod.PLAIN, 2.0),
+    MethodTarget(Workload.LONG_CONTEXT, DraftMethod.AUTO, DraftMethod.PLAIN, 1.5),
+    MethodTarget(Workload.CHAT, DraftMethod.AUTO, DraftMethod.MODEL, 0.98),
+)
+
+
+@dataclass
+class TargetCheck:
+    workload: str
+    method: str
+    baseline: str
+    minimum: float
+    measured: float
+    met: bool
+
+
+@dataclass
 class Summary:
     """The figures the report prints, plots and writes to the page."""
 
@@ -152,6 +199,8 @@ class Summary:
     concurrency: list[ConcurrencyRow] = field(default_factory=list)
     #: Share of round time per phase: "plain" and "speculative" (W1), "K=<k>" (sweep).
     anatomy: dict[str, dict[str, float]] = field(default_factory=dict)
+    methods: list[MethodRow] = field(default_factory=list)
+    method_targets: list[TargetCheck] = field(default_factory=list)
 
     @property
     def headline_costs(self) -> CostSummary:
@@ -310,6 +359,47 @@ def anatomy_shares(records: Sequence[RunRecord]) -> dict[str, float]:
     return {p: _ratio(v, whole) for p, v in totals.items()}
 
 
+def pairwise_ratio(records: Sequence[RunRecord], workload: str, method: str, baseline: str) -> float:
+    """Median over the (prompt, repetition) pairs of `workload` run with both `method` and
+    `baseline` of their tok/s ratio: pairs measured back to back share the machine's mood."""
+    rates = {(r.method, r.prompt, r.repetition): r.tokens_per_s for r in records if r.workload == workload}
+    ratios = [rate / rates[(baseline, prompt, rep)] for (m, prompt, rep), rate in rates.items()
+              if m == method and rates.get((baseline, prompt, rep), 0.0) > 0]
+    return statistics.median(ratios) if ratios else math.nan
+
+
+def method_rows(records: Sequence[RunRecord]) -> list[MethodRow]:
+    """One row per workload and method present, in `Workload` and `DraftMethod` order."""
+    rows = []
+    for workload in Workload:
+        for method in DraftMethod:
+            runs = [r for r in records if r.workload == workload.value and r.method == method.value]
+            if not runs:
+                continue
+            drafted, accepted = sum(r.num_draft_tokens for r in runs), sum(r.num_accepted_tokens for r in runs)
+            rows.append(MethodRow(
+                workload.value, method.value, Spread.of([r.tokens_per_s for r in runs]),
+                pairwise_ratio(records, workload.value, method.value, DraftMethod.PLAIN.value),
+                pairwise_ratio(records, workload.value, method.value, DraftMethod.MODEL.value),
+                _ratio(accepted, drafted), 1 + _ratio(accepted, sum(r.num_rounds for r in runs)),
+                _ratio(sum(r.num_lookup_draft_tokens for r in runs), drafted),
+                statistics.mean(r.prompt_tokens for r in runs),
+            ))
+    return rows
+
+
+def method_targets(records: Sequence[RunRecord]) -> list[TargetCheck]:
+    """`METHOD_TARGETS` with the measured pairwise ratios (none without a method comparison)."""
+    if not records:
+        return []
+    checks = []
+    for t in METHOD_TARGETS:
+        measured = pairwise_ratio(records, t.workload.value, t.method.value, t.baseline.value)
+        checks.append(TargetCheck(t.workload.value, t.method.value, t.baseline.value, t.minimum, measured,
+                                  met=measured >= t.minimum))
+    return checks
+
+
 def _peer_spread(peers: Sequence[PeerRecord], method: str) -> Spread:
     return Spread.of([p.tokens_per_s for p in peers if p.method == method and not math.isnan(p.tokens_per_s)])
 
@@ -349,4 +439,5 @@ def summarize(results: BenchResults) -> Summary:
         vs_hf_plain=_ratio(greedy.plain.median, hf_plain.median),
         k_rows=_k_rows(results.k_sweep, headline.expected_by_k),
         concurrency=_concurrency_rows(results.concurrency), anatomy=anatomy,
+        methods=method_rows(results.methods), method_targets=method_targets(results.methods),
     )

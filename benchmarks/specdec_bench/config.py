@@ -29,7 +29,8 @@ def _help(text: str) -> dict[str, str]:
 class BenchConfig:
     """One benchmark run. The defaults are the full run; `QUICK` is `--quick`."""
 
-    quick: bool = field(default=False, metadata=_help("the quick preset (well under 5 minutes on 2 cores)"))
+    quick: bool = field(default=False, metadata=_help(
+        "the quick preset: fewer prompts, repetitions and tokens (minutes on 2 cores)"))
     prompts: int = field(default=6, metadata=_help(f"chat prompts of W1 and the peers ({MIN_PROMPTS}..{len(PROMPTS)})"))
     max_new_tokens: int = field(default=128, metadata=_help("new tokens per W1, peer and K-sweep request"))
     repetitions: int = field(default=3, metadata=_help(
@@ -46,6 +47,12 @@ class BenchConfig:
     concurrency_tokens: int = field(default=128, metadata=_help("new tokens per request of the concurrency sweep"))
     concurrency_repetitions: int = field(default=3, metadata=_help(
         "repetitions of every concurrency level (plain and speculative alternating; medians reported)"))
+    workload_repetitions: int = field(default=2, metadata=_help(
+        "repetitions of the drafting-method comparison on the copy-heavy, long-context and chat workloads "
+        "(methods interleaved per prompt; 0 = skip)"))
+    workload_tokens: int = field(default=128, metadata=_help("new tokens per request of the method comparison"))
+    workload_chat_prompts: int = field(default=6, metadata=_help(
+        f"chat prompts of the method comparison (1..{len(PROMPTS)})"))
     cost_batch: int = field(default=4, metadata=_help("batch size B of the second verify-slope figure s(B)"))
     target_args: str = field(default="", metadata=_help(
         "extra flags for `python -m specdec.target_server`, e.g. --target-args='--dtype bfloat16'"))
@@ -63,14 +70,17 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if not MIN_PROMPTS <= self.prompts <= len(PROMPTS):
             raise InvalidArgumentError(f"prompts must be in [{MIN_PROMPTS}, {len(PROMPTS)}], got {self.prompts}")
+        if not 1 <= self.workload_chat_prompts <= len(PROMPTS):
+            raise InvalidArgumentError(
+                f"workload_chat_prompts must be in [1, {len(PROMPTS)}], got {self.workload_chat_prompts}")
         if not 1 <= self.sweep_prompts <= len(PROMPTS):
             raise InvalidArgumentError(f"sweep_prompts must be in [1, {len(PROMPTS)}], got {self.sweep_prompts}")
         for name in ("max_new_tokens", "repetitions", "concurrency_tokens", "concurrency_repetitions", "cost_batch"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_new_tokens < 2 or self.concurrency_tokens < 2:
+        if self.max_new_tokens < 2 or self.concurrency_tokens < 2 or self.workload_tokens < 2:
             raise InvalidArgumentError("decode speed needs at least 2 new tokens per request")
-        for name in ("peer_repetitions", "max_k"):
+        for name in ("peer_repetitions", "max_k", "workload_repetitions"):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.temperature <= 0:
@@ -90,6 +100,7 @@ FULL = BenchConfig()
 QUICK = BenchConfig(
     quick=True, prompts=5, max_new_tokens=48, repetitions=2, peer_repetitions=1, sweep_prompts=1,
     concurrency=(1, 4, 16), concurrency_tokens=32, concurrency_repetitions=1,
+    workload_repetitions=1, workload_tokens=64, workload_chat_prompts=3,
     results="benchmarks/results/quick/bench.json", plots_dir="benchmarks/results/quick",
     docs="benchmarks/results/quick/benchmarks.md",
 )

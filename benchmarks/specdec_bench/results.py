@@ -74,6 +74,8 @@ class BenchResults:
     concurrency: list[ConcurrencyGroup] = field(default_factory=list)
     #: 1-token draft and target steps timed in turn during W1 (`specdec_bench.step_timing`).
     step_pairs: list[StepPair] = field(default_factory=list)
+    #: The drafting-method comparison on the copy-heavy, long-context and chat workloads.
+    methods: list[RunRecord] = field(default_factory=list)
 
     def save(self, path: Path, summary: dict[str, Any] | None = None) -> None:
         """Write the document; `summary` (derived figures, for readers) is ignored by `load`."""
@@ -100,6 +102,7 @@ class BenchResults:
                 for g in raw["concurrency"]
             ],
             step_pairs=[StepPair(**p) for p in raw.get("step_pairs", [])],  # absent from runs before it existed
+            methods=[RunRecord(**r) for r in raw.get("methods", [])],  # likewise
         )
 
 

@@ -24,9 +24,19 @@ from specdec_bench import analysis, plots, report
 from specdec_bench.config import BENCH_COMPILE_BUDGET_S, BenchConfig
 from specdec_bench.peers import METHODS, run_peers
 from specdec_bench.results import BenchResults, ServiceCosts, machine
-from specdec_bench.stack import running_stack
+from specdec_bench.stack import Stack, running_stack
 from specdec_bench.step_timing import StepPair, probe_steps
-from specdec_bench.sweeps import ExactnessError, concurrency_sweep, k_sweep, w1, warm_up
+from specdec_bench.sweeps import (
+    ExactnessError,
+    Progress,
+    concurrency_sweep,
+    k_sweep,
+    method_comparison,
+    w1,
+    warm_up,
+    warm_up_methods,
+)
+from specdec_bench.workloads import DraftMethod, RunRecord, Workload
 
 #: Deadline of one request; generous, a crowded 2-core machine is slow.
 REQUEST_TIMEOUT_S = 900.0
@@ -48,7 +58,10 @@ def _planned_runs(config: BenchConfig) -> int:
     w1_runs = config.repetitions * config.prompts * 4  # greedy and sampled, plain and speculative
     peer_runs = config.peer_repetitions * config.prompts * len(METHODS)
     sweep_runs = config.sweep_prompts * (config.max_k + 1) if config.max_k else 0
-    return w1_runs + peer_runs + sweep_runs + 2 * config.concurrency_repetitions * len(config.concurrency)
+    workload_prompts = sum(len(w.prompts(config.workload_chat_prompts)) for w in Workload)
+    method_runs = config.workload_repetitions * workload_prompts * len(DraftMethod)
+    return (w1_runs + peer_runs + sweep_runs + method_runs
+            + 2 * config.concurrency_repetitions * len(config.concurrency))
 
 
 @dataclass
@@ -77,6 +90,7 @@ def measure(config: BenchConfig, command: str) -> BenchResults:
         all_graphs = f"--compile-budget-s {BENCH_COMPILE_BUDGET_S:.0f}"
         with running_stack(
             f"{cold} {config.target_args}", f"{cold} {all_graphs} {config.draft_args}", config.gateway_args,
+            lookup_gateway=config.workload_repetitions > 0,
         ) as stack:
             laps.lap("start_services")
             with SpecdecClient(stack.address, timeout=REQUEST_TIMEOUT_S) as client:
@@ -103,6 +117,8 @@ def measure(config: BenchConfig, command: str) -> BenchResults:
                 laps.lap("peers")
                 sweep = k_sweep(client, stack, config, progress) if config.max_k else []
                 laps.lap("k_sweep")
+                methods = measure_methods(client, stack, config, progress)
+                laps.lap("methods")
                 groups = concurrency_sweep(client, config, progress)
                 laps.lap("concurrency")
             services = {"target": dataclasses.asdict(stack.target_config),
@@ -118,7 +134,16 @@ def measure(config: BenchConfig, command: str) -> BenchResults:
         "config": dataclasses.asdict(config),
         "services": services,
     }
-    return BenchResults(meta, costs, outcome.records, peers, sweep, groups, step_pairs)
+    return BenchResults(meta, costs, outcome.records, peers, sweep, groups, step_pairs, methods)
+
+
+def measure_methods(client: SpecdecClient, stack: Stack, config: BenchConfig, progress: Progress) -> list[RunRecord]:
+    """The drafting-method comparison (none when `workload_repetitions` is 0)."""
+    if not config.workload_repetitions:
+        return []
+    with SpecdecClient(stack.lookup_address, timeout=REQUEST_TIMEOUT_S) as lookup_client:
+        warm_up_methods(client, lookup_client)
+        return method_comparison(client, lookup_client, config, progress)
 
 
 def render(results: BenchResults, config: BenchConfig) -> analysis.Summary:

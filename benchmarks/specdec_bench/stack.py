@@ -55,10 +55,18 @@ class Stack:
     metrics_port: int
     target_config: TargetConfig
     draft_config: DraftConfig
+    #: A second gateway on the same target without the draft (lookup drafting only), if started.
+    lookup_gateway: ServiceProcess | None = None
 
     @property
     def address(self) -> str:
         return self.gateway.address
+
+    @property
+    def lookup_address(self) -> str:
+        if self.lookup_gateway is None:
+            raise RuntimeError("the stack was started without a lookup-only gateway")
+        return self.lookup_gateway.address
 
     def metrics(self) -> MetricsSnapshot:
         """Scrape the gateway's /metrics endpoint."""
@@ -85,11 +93,17 @@ class Stack:
 #: The harness measures the draft model (α, c and efficiency against Thm 3.8): requests draft
 #: with it alone unless `gateway_args` names another `--speculation-method` (the later flag wins).
 MODEL_DRAFT = ("--speculation-method", "model")
+#: Every prompt is sent more than once (per method and repetition): the cross-request suffix
+#: cache would copy an earlier identical answer, which says nothing about distinct requests.
+NO_SUFFIX_CACHE = ("--suffix-cache-tokens", "0")
 
 
 @contextmanager
-def running_stack(target_args: str = "", draft_args: str = "", gateway_args: str = "") -> Iterator[Stack]:
-    """Start target, draft and gateway, one after the other; stop all three on exit."""
+def running_stack(
+    target_args: str = "", draft_args: str = "", gateway_args: str = "", *, lookup_gateway: bool = False
+) -> Iterator[Stack]:
+    """Start target, draft and gateway, one after the other (and, with `lookup_gateway`, a second
+    gateway on the same target without the draft, `--speculation-method ngram`); stop all on exit."""
     target_flags, draft_flags = shlex.split(target_args), shlex.split(draft_args)
     configs = parse_config(TargetConfig, target_flags), parse_config(DraftConfig, draft_flags)
     children: list[ServiceProcess] = []
@@ -105,13 +119,21 @@ def running_stack(target_args: str = "", draft_args: str = "", gateway_args: str
         wait_for_graphs(draft.address, "draft")
         children.append(start_service("specdec.gateway", [
             "--target-address", target.address, "--draft-address", draft.address, "--metrics-port", "0", *_QUIET,
-            *MODEL_DRAFT, *shlex.split(gateway_args),
+            *MODEL_DRAFT, *NO_SUFFIX_CACHE, *shlex.split(gateway_args),
         ]))
         gateway = children[-1].wait_ready()
         metrics_port = gateway.ready.metrics_port if gateway.ready is not None else None
         if metrics_port is None:
             raise RuntimeError(f"the gateway's ready line names no metrics port: {gateway.ready}")
-        yield Stack(target, draft, gateway, metrics_port, *configs)
+        lookup_only = None
+        if lookup_gateway:
+            # Its own instance name (port 0 picks a random one), so the two gateways' slots differ.
+            children.append(start_service("specdec.gateway", [
+                "--target-address", target.address, *_QUIET, *NO_SUFFIX_CACHE, *shlex.split(gateway_args),
+                "--speculation-method", "ngram",
+            ]))
+            lookup_only = children[-1].wait_ready()
+        yield Stack(target, draft, gateway, metrics_port, *configs, lookup_gateway=lookup_only)
     finally:
         for child in reversed(children):
             child.stop()

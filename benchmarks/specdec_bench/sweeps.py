@@ -15,7 +15,7 @@ from typing import Protocol
 from specdec.client import GenerationResult, SpecdecClient
 from specdec_bench.config import BenchConfig
 from specdec_bench.stack import Stack
-from specdec_bench.workloads import PROMPTS, RunRecord, mode_name, run_request
+from specdec_bench.workloads import PROMPTS, DraftMethod, RunRecord, Workload, mode_name, run_request
 
 
 class Progress(Protocol):
@@ -166,3 +166,48 @@ def concurrency_sweep(client: SpecdecClient, config: BenchConfig, progress: Prog
                 progress.update()
             turn += 1
     return groups
+
+
+def warm_up_methods(client: SpecdecClient, lookup_client: SpecdecClient) -> None:
+    """One short request per drafting method, on the gateway each is sent to."""
+    prompts = Workload.COPY_HEAVY.prompts(0)
+    for method in DraftMethod:
+        run_request(lookup_client if method is DraftMethod.NGRAM else client, "warm-up", 0, method.k,
+                    max_new_tokens=8, prompts=prompts, method=method)
+
+
+def method_order(methods: tuple[DraftMethod, ...], turn: int) -> tuple[DraftMethod, ...]:
+    """`methods` rotated by `turn`: over consecutive prompts each method takes each place in
+    turn, so a slow stretch of a shared machine does not land on one method."""
+    shift = turn % len(methods)
+    return methods[shift:] + methods[:shift]
+
+
+def method_comparison(
+    client: SpecdecClient, lookup_client: SpecdecClient, config: BenchConfig, progress: Progress
+) -> list[RunRecord]:
+    """Every workload's prompts alone and greedy, once per `DraftMethod` in rotating order
+    (`method_order`), `workload_repetitions` times; lookups alone go to `lookup_client`, a gateway
+    without a draft service. Every method's output is checked against plain decoding's."""
+    records: list[RunRecord] = []
+    methods = tuple(DraftMethod)
+    turn = 0
+    for rep in range(config.workload_repetitions):
+        for workload in Workload:
+            progress.set_description(f"methods: {workload.value}")
+            prompts = workload.prompts(config.workload_chat_prompts)
+            for prompt in range(len(prompts)):
+                tokens: dict[DraftMethod, list[int]] = {}
+                for method in method_order(methods, turn):
+                    record, result = run_request(
+                        lookup_client if method is DraftMethod.NGRAM else client, "methods", prompt, method.k,
+                        max_new_tokens=config.workload_tokens, repetition=rep, prompts=prompts, method=method,
+                    )
+                    record.workload = workload.value
+                    records.append(record)
+                    tokens[method] = result.token_ids
+                    progress.update()
+                for method in methods[1:]:
+                    check_exact(prompt, f"{workload.value} {method.value}", tokens[method], tokens[DraftMethod.PLAIN])
+                turn += 1
+    return records

@@ -9,8 +9,10 @@ so prefill and queueing stay out of it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from specdec.client import GenerationResult, SpecdecClient
+from specdec_bench.texts import COPY_HEAVY_PROMPTS, LONG_CONTEXT_PROMPTS
 
 PROMPTS: tuple[str, ...] = (
     "Explain how the gears on a bicycle make it easier to ride up a steep hill.",
@@ -22,6 +24,41 @@ PROMPTS: tuple[str, ...] = (
     "Write a polite email asking a colleague to review a project proposal by Friday.",
     "Describe how a volcano forms and what happens during an eruption.",
 )
+
+
+class Workload(Enum):
+    """A set of prompts the drafting methods are compared on (`sweeps.method_comparison`)."""
+
+    #: Edits, rewrites, quoting and structured transforms of a short given text.
+    COPY_HEAVY = "copy-heavy"
+    #: Questions answered by quoting or extracting a document of 1,500+ tokens.
+    LONG_CONTEXT = "long-context"
+    #: The chat prompts of W1, which copy little: the lookups must not cost there.
+    CHAT = "chat"
+
+    def prompts(self, chat_prompts: int) -> tuple[str, ...]:
+        """The workload's prompts; chat uses the first `chat_prompts` of `PROMPTS`."""
+        if self is Workload.COPY_HEAVY:
+            return COPY_HEAVY_PROMPTS
+        if self is Workload.LONG_CONTEXT:
+            return LONG_CONTEXT_PROMPTS
+        return PROMPTS[:chat_prompts]
+
+
+class DraftMethod(Enum):
+    """What a request drafts with; the values are `SpeculationOptions.method` names."""
+
+    PLAIN = "none"
+    MODEL = "model"
+    #: Lookups only, sent to a gateway that has no draft service.
+    NGRAM = "ngram"
+    #: The model draft or a lookup, chosen per round by the gateway's planner.
+    AUTO = "auto"
+
+    @property
+    def k(self) -> int | None:
+        """The `run_request` K: 0 (plain) or None (the gateway's adaptive K)."""
+        return 0 if self is DraftMethod.PLAIN else None
 
 
 def chat(prompt: str) -> list[dict[str, str]]:
@@ -71,6 +108,14 @@ class RunRecord:
     #: rounds, and accepted draft tokens per position 0..K-1.
     num_drafts: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    #: `DraftMethod` value the request named ("" = the gateway's default, the model draft here).
+    method: str = ""
+    #: `Workload` value of the method comparison ("" elsewhere).
+    workload: str = ""
+    prompt_tokens: int = 0
+    #: Draft and accepted tokens that lookups proposed (part of num_draft / num_accepted_tokens).
+    num_lookup_draft_tokens: int = 0
+    num_lookup_accepted_tokens: int = 0
 
     @property
     def mode(self) -> str:
@@ -96,11 +141,16 @@ def run_request(
     repetition: int = 0,
     concurrency: int = 1,
     prompts: tuple[str, ...] = PROMPTS,
+    method: DraftMethod | None = None,
 ) -> tuple[RunRecord, GenerationResult]:
-    """Send `prompts[prompt]` as a chat and return its record and the full result."""
+    """Send `prompts[prompt]` as a chat and return its record and the full result; `method`
+    None drafts with the gateway's default (`DraftMethod.PLAIN` goes with k = `method.k`)."""
+    options = speculation_options(k)
+    if method is not None and method is not DraftMethod.PLAIN:
+        options["method"] = method.value
     result = client.generate(
         chat(prompts[prompt]), max_new_tokens=max_new_tokens, temperature=temperature,
-        seed=seed if temperature > 0 else None, **speculation_options(k),
+        seed=seed if temperature > 0 else None, **options,
     )
     if result.finish_reason not in ("length", "stop"):
         raise RuntimeError(f"{mode_name(k)} request on prompt {prompt} finished with {result.finish_reason!r}")
@@ -110,5 +160,8 @@ def run_request(
         total_s=result.total_s, completion_tokens=result.completion_tokens, num_rounds=result.num_rounds,
         num_draft_tokens=result.num_draft_tokens, num_accepted_tokens=result.num_accepted_tokens,
         anatomy=dict(result.anatomy), concurrency=concurrency, num_plain_rounds=result.num_plain_rounds,
+        method=method.value if method is not None else "", prompt_tokens=result.prompt_tokens,
+        num_lookup_draft_tokens=result.num_lookup_draft_tokens,
+        num_lookup_accepted_tokens=result.num_lookup_accepted_tokens,
     )
     return record, result

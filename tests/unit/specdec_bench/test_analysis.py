@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -11,14 +12,22 @@ from typing import Any
 import pytest
 
 from specdec.cost_model import ForwardCost, expected_speedup
-from specdec_bench.analysis import acceptance_by_position, all_rounds, percentile, summarize
+from specdec_bench.analysis import (
+    acceptance_by_position,
+    all_rounds,
+    method_rows,
+    method_targets,
+    pairwise_ratio,
+    percentile,
+    summarize,
+)
 from specdec_bench.config import QUICK, add_bench_flags, config_from_args
 from specdec_bench.peers import PeerRecord
 from specdec_bench.report import render_page
 from specdec_bench.results import BenchResults, ServiceCosts
 from specdec_bench.step_timing import StepPair
-from specdec_bench.sweeps import ConcurrencyGroup
-from specdec_bench.workloads import RunRecord
+from specdec_bench.sweeps import ConcurrencyGroup, method_order
+from specdec_bench.workloads import DraftMethod, RunRecord
 
 FINAL_LINE = re.compile(r"^speedup=\d+\.\d{3} vs_hf_assisted=\d+\.\d{3} efficiency=\d+\.\d{3} "
                         r"alpha=\d+\.\d{3} c=\d+\.\d{3}$")
@@ -144,3 +153,45 @@ def test_concurrency_sweep_repeats_every_level_with_the_modes_alternating(monkey
     groups = sweeps.concurrency_sweep(None, config, Progress())  # type: ignore[arg-type]
     assert calls == [(1, 0), (1, None), (1, None), (1, 0), (4, 0), (4, None), (4, None), (4, 0)]
     assert [(g.concurrency, g.k) for g in groups] == calls
+
+
+def _method_run(workload: str, method: str, prompt: int, rep: int, rate: float, **extra: Any) -> RunRecord:
+    return _run(0 if method == "none" else None, rate, phase="methods", prompt=prompt, repetition=rep,
+                method=method, workload=workload, **extra)
+
+
+def test_method_ratios_are_pairwise_medians_and_targets_are_checked(tmp_path: Path) -> None:
+    # Copy-heavy, two prompts: auto runs 4× and 2× plain (median 3×) and 1.25× / 1× the model draft.
+    runs = [_method_run("copy-heavy", "none", 0, 0, 10.0), _method_run("copy-heavy", "model", 0, 0, 32.0),
+            _method_run("copy-heavy", "auto", 0, 0, 40.0, num_draft_tokens=40, num_lookup_draft_tokens=30),
+            _method_run("copy-heavy", "none", 1, 0, 20.0), _method_run("copy-heavy", "model", 1, 0, 40.0),
+            _method_run("copy-heavy", "auto", 1, 0, 40.0, num_draft_tokens=20, num_lookup_draft_tokens=0),
+            _method_run("chat", "none", 0, 0, 10.0)]  # a pair whose partner is missing counts for nothing
+    assert pairwise_ratio(runs, "copy-heavy", "auto", "none") == pytest.approx(3.0)
+    assert pairwise_ratio(runs, "copy-heavy", "auto", "model") == pytest.approx(1.125)
+    assert math.isnan(pairwise_ratio(runs, "chat", "auto", "model"))
+    auto = next(r for r in method_rows(runs) if (r.workload, r.method) == ("copy-heavy", "auto"))
+    assert auto.lookup_share == pytest.approx(0.5) and auto.tokens_per_s.median == pytest.approx(40.0)
+    checks = {(t.workload, t.method, t.baseline): t.met for t in method_targets(runs)}
+    assert checks[("copy-heavy", "auto", "none")] and not checks[("copy-heavy", "auto", "model")]
+    assert not checks[("chat", "auto", "model")]  # not measured: NaN is not met
+    assert method_targets([]) == []
+    costs = ServiceCosts(target=[ForwardCost(1, 1, 0.05)], draft=[ForwardCost(1, 1, 0.01)],
+                         default_num_speculative_tokens=4, max_speculative_tokens=8, adaptive_k=True)
+    path = tmp_path / "bench.json"
+    BenchResults({"config": {}}, costs, [_run(0, 10.0), _run(None, 15.0)], methods=runs).save(path)
+    loaded = BenchResults.load(path)
+    assert loaded.methods == runs
+    summary = summarize(loaded)
+    plots = {name: tmp_path / f"{name}.png" for name in
+             ("speedup_vs_k", "throughput_vs_concurrency", "acceptance_by_position", "round_anatomy")}
+    page = render_page(loaded, summary, plots, tmp_path / "benchmarks.md", path)
+    assert "## Drafting methods by workload" in page and "| copy-heavy: auto ÷ plain | ≥ 3× | 3.00× | met |" in page
+
+
+def test_method_order_gives_each_method_each_place_in_turn() -> None:
+    methods = tuple(DraftMethod)
+    orders = [method_order(methods, turn) for turn in range(len(methods))]
+    assert orders[0] == methods and orders[1][0] is methods[1]
+    for place in range(len(methods)):
+        assert {order[place] for order in orders} == set(methods)
