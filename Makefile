@@ -54,7 +54,7 @@ demo: setup
 bench: setup
 	$(VENV)/bin/specdec bench
 
-# The same in under 5 minutes; writes to benchmarks/results/quick/ (git-ignored).
+# The same in fewer prompts and tokens (about 10 minutes on 2 cores); writes to benchmarks/results/quick/ (git-ignored).
 bench-quick: setup
 	$(VENV)/bin/specdec bench --quick
 

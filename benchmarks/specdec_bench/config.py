@@ -100,7 +100,7 @@ FULL = BenchConfig()
 QUICK = BenchConfig(
     quick=True, prompts=5, max_new_tokens=48, repetitions=2, peer_repetitions=1, sweep_prompts=1,
     concurrency=(1, 4, 16), concurrency_tokens=32, concurrency_repetitions=1,
-    workload_repetitions=1, workload_tokens=64, workload_chat_prompts=3,
+    workload_repetitions=1, workload_tokens=48, workload_chat_prompts=2,
     results="benchmarks/results/quick/bench.json", plots_dir="benchmarks/results/quick",
     docs="benchmarks/results/quick/benchmarks.md",
 )
