@@ -8,7 +8,6 @@ concurrently, so the batched rounds are under test too.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -16,7 +15,7 @@ import pytest
 from specdec.client import GenerationResult
 from specdec.model.chat import encode_chat
 from specdec.model.loader import LoadedModel
-from tests.support.stacks import Stack, chat
+from tests.support.stacks import Stack, chat, generate_all
 
 PROMPTS = [
     "What is the capital of France?",
@@ -34,9 +33,7 @@ def expected(smollm2: LoadedModel, hf_greedy: Callable[[list[int], int], list[in
 
 
 def _run_all(stack: Stack, **options: Any) -> list[GenerationResult]:
-    with stack.client() as client, ThreadPoolExecutor(len(PROMPTS)) as pool:
-        futures = [pool.submit(client.generate, chat(p), max_new_tokens=MAX_NEW_TOKENS, **options) for p in PROMPTS]
-        return [f.result() for f in futures]
+    return generate_all(stack, PROMPTS, MAX_NEW_TOKENS, **options)
 
 
 @pytest.mark.parametrize("stack_name", ["int8_stack", "weak_stack"])

@@ -11,13 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-import torch
-from scipy.stats import chisquare
 
 from specdec.client import GenerationResult
 from specdec.model.chat import encode_chat
 from specdec.model.loader import LoadedModel
-from tests.support.stacks import Stack, StartStack, chat
+from tests.support.marginals import marginal_p_value, second_token_marginal
+from tests.support.stacks import Stack, StartStack, chat, generate_all
 
 #: Answers that copy their prompt (lookups match) and one that does not.
 PROMPTS = [
@@ -43,9 +42,7 @@ def expected(smollm2: LoadedModel, hf_greedy: Callable[[list[int], int], list[in
 
 
 def _run_all(stack: Stack, **options: Any) -> list[GenerationResult]:
-    with stack.client() as client, ThreadPoolExecutor(len(PROMPTS)) as pool:
-        futures = [pool.submit(client.generate, chat(p), max_new_tokens=MAX_NEW_TOKENS, **options) for p in PROMPTS]
-        return [f.result() for f in futures]
+    return generate_all(stack, PROMPTS, MAX_NEW_TOKENS, **options)
 
 
 def test_lookups_without_a_draft_service_keep_the_greedy_output(lookup_stack: Stack, expected: list[list[int]]) -> None:
@@ -75,21 +72,7 @@ def test_auto_mixes_lookups_and_the_model_draft_and_keeps_the_greedy_output(
 @pytest.fixture(scope="module")
 def exact_copy_second_token(smollm2: LoadedModel) -> dict[int, float]:
     """P(t2) = Σ_t1 p(t1) p(t2 | t1) of the target with temperature 1 and top-k 4."""
-    prompt = encode_chat(smollm2.tokenizer, COPY_PROMPT)
-
-    def top_k_probs(ids: list[int]) -> torch.Tensor:
-        with torch.inference_mode():
-            logits = smollm2.model(torch.tensor([ids])).logits[0, -1].float()
-        kth = logits.topk(TOP_K).values[-1]
-        return torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
-
-    first = top_k_probs(prompt)
-    marginal: Counter[int] = Counter()
-    for t1 in torch.nonzero(first).flatten().tolist():
-        second = top_k_probs(prompt + [t1])
-        for t2 in torch.nonzero(second).flatten().tolist():
-            marginal[t2] += float(first[t1] * second[t2])
-    return dict(marginal)
+    return second_token_marginal(smollm2.model, encode_chat(smollm2.tokenizer, COPY_PROMPT), TOP_K)
 
 
 def test_sampled_lookup_rounds_follow_the_target_distribution(
@@ -107,14 +90,7 @@ def test_sampled_lookup_rounds_follow_the_target_distribution(
     kept = sum(r.num_lookup_accepted_tokens for r in results)
     assert 0 < kept < sum(r.num_lookup_draft_tokens for r in results)  # both kept and rejected lookup tokens
     samples = [r.token_ids[1] for r in results]
-    counts, n = Counter(samples), len(samples)
-    exact = exact_copy_second_token
-    assert set(counts) <= set(exact), f"tokens outside the target's support: {set(counts) - set(exact)}"
-    common = sorted(t for t, p in exact.items() if p * n >= 5)
-    observed = [counts[t] for t in common] + [n - sum(counts[t] for t in common)]
-    expected = [exact[t] * n for t in common] + [n - sum(exact[t] * n for t in common)]
-    if expected[-1] < 1e-9:
-        observed, expected = observed[:-1], expected[:-1]
-    p_value = float(chisquare(observed, expected).pvalue)
-    assert p_value > 1e-3, (p_value, counts.most_common(), sorted(exact.items(), key=lambda kv: -kv[1]))
+    p_value = marginal_p_value(samples, exact_copy_second_token)
+    assert p_value > 1e-3, (p_value, Counter(samples).most_common(),
+                            sorted(exact_copy_second_token.items(), key=lambda kv: -kv[1]))
     lookup_stack.wait_until_idle()

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import pytest
 import torch
 
-from specdec.client import SpecdecClient
+from specdec.client import GenerationResult, SpecdecClient
 from specdec.cost_model import ForwardCost
 from specdec.draft_server.engine import DraftEngine
 from specdec.gateway.config import GatewayConfig
@@ -100,6 +101,13 @@ HfGreedy = Callable[[list[int], int], list[int]]
 def chat(text: str) -> list[dict[str, str]]:
     """A one-message conversation: the user says `text`."""
     return [{"role": "user", "content": text}]
+
+
+def generate_all(stack: Stack, prompts: list[str], max_new_tokens: int, **options: Any) -> list[GenerationResult]:
+    """Every prompt as a chat through `stack`'s gateway, all at once; results in prompt order."""
+    with stack.client() as client, ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(client.generate, chat(p), max_new_tokens=max_new_tokens, **options) for p in prompts]
+        return [f.result() for f in futures]
 
 
 @pytest.fixture(scope="session")
