@@ -217,7 +217,8 @@ class ModelEngine:
     def _forward(self, chunks: list[tuple[str, list[int]]], logits: str, prompt: bool) -> list[torch.Tensor]:
         """The forwards of `_run`: verify and decode steps in `step_shape` when there is one, else
         in a bucket of `graphs` when there are graphs and the step fits one."""
-        graphs = self.graphs
+        # Compiled layers installed after start-up (`model_service`) replace the graphs.
+        graphs = self.graphs if self.forward.layer_runner == self.forward.eager_layers else None
         shape = None if prompt else self.step_shape or (graphs.shape_for(chunks) if graphs is not None else None)
         if shape is None:
             return self.forward.compute(self.cache, chunks, logits=logits, prompt=prompt,
