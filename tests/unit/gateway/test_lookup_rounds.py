@@ -4,7 +4,6 @@ suffix cache reuses earlier answers. No draft service is needed for lookups."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 
 from specdec.gateway.draft_sources import SpeculationMethod
@@ -14,20 +13,12 @@ from specdec.gateway.scheduler import Scheduler
 from specdec.gateway.sequence import FinishReason, Sequence
 from specdec.v1 import common_pb2
 from specdec.wire.items import SampledMode
-from tests.support.fakes import FakeDraft, FakeTarget, greedy_reference, policy, scheduler
-from tests.unit.gateway.test_scheduler import drain, prompt_ids, request
+from tests.support.fakes import FakeDraft, FakeTarget, greedy_reference, policy
+from tests.unit.gateway.test_scheduler import drain, prompt_ids, request, run
 
 
 def run_with_lookups(test: Callable[[Scheduler], Awaitable[None]], target: FakeTarget, draft: FakeDraft | None) -> None:
-    async def main() -> None:
-        sched = scheduler(target, draft, lookup=LookupProposer(LookupSettings(min_n=1, max_n=3)))
-        sched.start()
-        try:
-            await test(sched)
-        finally:
-            await sched.stop()
-
-    asyncio.run(main())
+    run(test, target, draft, lookup=LookupProposer(LookupSettings(min_n=1, max_n=3)))
 
 
 async def generate(sched: Scheduler, method: SpeculationMethod, max_new_tokens: int,
