@@ -13,15 +13,17 @@ within `BF16_SLACK` times transformers' own bf16 error (bf16 is not bit-stable a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import LlamaForCausalLM, PreTrainedModel
 from transformers.initialization import no_init_weights
 
 from specdec.model.llama import PagedLlama
 from specdec.model.loader import LoadedModel, load_tokenizer
+from specdec.model.random_models import ARCHITECTURES
 
 TOLERANCE = 1e-4
 #: In bf16 our logits may be at most this many times as far from the fp32 logits (max abs
@@ -35,19 +37,9 @@ PROMPTS = [
     "Translate to French: I would like a cup of coffee, please.",
     "1, 2, 3, 5, 8, 13,",
 ]
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 32.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-    "rope_theta": 500000.0,
-}
-# Llama-3.2-1B and -3B as published, except num_hidden_layers and intermediate_size.
-MIRRORED_CONFIGS = {
-    "llama-3.2-1b": dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, head_dim=64),
-    "llama-3.2-3b": dict(hidden_size=3072, num_attention_heads=24, num_key_value_heads=8, head_dim=128),
-}
+# Llama-3.2-1B and -3B as published (`specdec.model.random_models`), except two layers and a
+# 512-wide MLP.
+MIRRORED_CONFIGS = ("llama-3.2-1b", "llama-3.2-3b")
 
 
 @functools.cache  # ~1-1.6 GB each: build once per session
@@ -57,18 +49,7 @@ def _mirrored_llama(name: str, device: torch.device) -> PreTrainedModel:
 
 
 def _random_llama(name: str) -> PreTrainedModel:
-    config = LlamaConfig(
-        vocab_size=128_256,
-        num_hidden_layers=2,
-        intermediate_size=512,
-        max_position_embeddings=131_072,
-        rms_norm_eps=1e-5,
-        rope_parameters=dict(LLAMA3_ROPE),
-        tie_word_embeddings=True,
-        bos_token_id=128_000,
-        eos_token_id=[128_001, 128_008, 128_009],
-        **MIRRORED_CONFIGS[name],
-    )
+    config = dataclasses.replace(ARCHITECTURES[name], intermediate_size=512).config(num_layers=2)
     with no_init_weights():  # transformers' init draws ~700M random numbers: 15 s of a 2-core test
         model = LlamaForCausalLM(config).eval()
     model.tie_weights()  # init_weights, skipped above, is where transformers ties the head
@@ -146,13 +127,13 @@ def _llama32_case() -> tuple[list[list[int]], list[list[int]]]:
 
 
 @pytest.mark.device_agnostic
-@pytest.mark.parametrize("name", sorted(MIRRORED_CONFIGS))
+@pytest.mark.parametrize("name", MIRRORED_CONFIGS)
 def test_mirrored_llama32_configs_match_transformers(name: str, device: torch.device) -> None:
     _check_parity(_mirrored_llama(name, device), *_llama32_case())
 
 
 @pytest.mark.device_agnostic
-@pytest.mark.parametrize("name", sorted(MIRRORED_CONFIGS))
+@pytest.mark.parametrize("name", MIRRORED_CONFIGS)
 def test_mirrored_llama32_configs_in_bf16_stay_as_close_to_fp32_as_transformers(name: str,
                                                                                device: torch.device) -> None:
     fp32 = _mirrored_llama(name, device)
