@@ -7,6 +7,8 @@
             print(chunk.text, end="", flush=True)
         result = client.generate([{"role": "user", "content": "Hi!"}], temperature=0.7, seed=1)
         print(result.text, result.acceptance_rate)
+        scored = client.generate("The sky is", max_new_tokens=8, logprobs=5)
+        print([(t.token_id, t.logprob, t.top) for t in scored.logprobs])
 """
 
 from __future__ import annotations
@@ -25,6 +27,20 @@ METHODS = {
     "auto": gateway_pb2.SPECULATION_METHOD_AUTO, "model": gateway_pb2.SPECULATION_METHOD_MODEL,
     "ngram": gateway_pb2.SPECULATION_METHOD_NGRAM, "none": gateway_pb2.SPECULATION_METHOD_NONE,
 }
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one generated token at its position, and the most
+    likely alternatives there (token id, logprob), the most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+    @classmethod
+    def from_pb(cls, message: gateway_pb2.TokenLogprob) -> TokenLogprob:
+        return cls(message.token_id, message.logprob, [(t.token_id, t.logprob) for t in message.top])
 
 
 @dataclass
@@ -55,6 +71,8 @@ class GenerationResult:
     anatomy: dict[str, float] = field(default_factory=dict)
     #: Token ids of each streamed message, to see how many tokens each round delivered.
     chunks: list[list[int]] = field(default_factory=list)
+    #: One per token of `token_ids` when the request asked for logprobs, else empty.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -74,6 +92,9 @@ class GenerationResult:
             "num_lookup_accepted_tokens": self.num_lookup_accepted_tokens,
             "time_to_first_token_s": round(self.time_to_first_token_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 2),
+            **({"logprobs": [{"token_id": t.token_id, "logprob": t.logprob,
+                              "top": [{"token_id": i, "logprob": v} for i, v in t.top]} for t in self.logprobs]}
+               if self.logprobs else {}),
         }
 
 
@@ -91,9 +112,14 @@ def build_request(
     num_speculative_tokens: int | None = None,
     adaptive: bool | None = None,
     method: str | None = None,
+    logprobs: int | None = None,
+    processed_logprobs: bool = False,
 ) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest: a string is a raw prompt, a list of {role, content} is a chat.
-    `method` is what to draft with: "auto", "model", "ngram" or "none" (default: the gateway's)."""
+    `method` is what to draft with: "auto", "model", "ngram" or "none" (default: the gateway's).
+    `logprobs` asks for each token's logprob with that many alternatives (0..20; None: no
+    logprobs), from the model's raw distribution or, with `processed_logprobs`, from the
+    distribution after the request's transforms."""
     sampling = common_pb2.SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty
     )
@@ -113,6 +139,8 @@ def build_request(
     request = gateway_pb2.GenerateRequest(
         max_new_tokens=max_new_tokens, sampling=sampling, stop=list(stop), speculation=speculation
     )
+    if logprobs is not None:
+        request.logprobs.CopyFrom(gateway_pb2.LogprobsOptions(top_logprobs=logprobs, processed=processed_logprobs))
     if isinstance(prompt, str):
         request.prompt = prompt
     else:
@@ -171,6 +199,7 @@ def collect(
         if response.token_ids:
             result.chunks.append(list(response.token_ids))
         result.token_ids.extend(response.token_ids)
+        result.logprobs.extend(TokenLogprob.from_pb(t) for t in response.logprobs)
         result.text += response.text
         if response.HasField("completion"):
             apply_completion(result, response.completion)

@@ -81,6 +81,14 @@ def _generate_flags(parser: argparse.ArgumentParser) -> None:
         help="what to draft with: auto (chosen per round), model (the draft model), ngram (lookups in the text "
         "seen), none (plain); default: the gateway's",
     )
+    parser.add_argument(
+        "--logprobs", type=int, default=None, metavar="N",
+        help="report each token's logprob and its N most likely alternatives (0-20; with --json)",
+    )
+    parser.add_argument(
+        "--processed-logprobs", action="store_true",
+        help="logprobs of the distribution after the request's transforms instead of the model's raw one",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     parser.add_argument("--tls-ca", default="", help="PEM CA of the gateway's certificate: connect over TLS")
@@ -148,7 +156,7 @@ def generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
         speculative=False if args.no_speculative else None, num_speculative_tokens=args.num_speculative_tokens,
-        method=args.method,
+        method=args.method, logprobs=args.logprobs, processed_logprobs=args.processed_logprobs,
     )
     def echo(text: str) -> None:
         sys.stdout.write(text)

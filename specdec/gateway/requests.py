@@ -18,6 +18,7 @@ from specdec.gateway.detokenizer import StopStringDetokenizer
 from specdec.gateway.draft_sources import SpeculationMethod
 from specdec.gateway.sequence import FinishReason, Sequence
 from specdec.model.chat import encode_chat
+from specdec.sampling.logprobs import LogprobsOptions, TokenLogprob
 from specdec.sampling.params import SamplingParams, independent_seed
 from specdec.sampling.transforms import make_generator
 from specdec.v1 import gateway_pb2
@@ -114,7 +115,13 @@ def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) ->
         generator=make_generator(sampling.seed, "cpu"),
         draft_sampling=_reseeded(sampling, DRAFT_STREAM),
         target_sampling=_reseeded(sampling, TARGET_STREAM),
+        logprobs=logprobs_options(request).request_for(sampling) if request.HasField("logprobs") else None,
     )
+
+
+def logprobs_options(request: gateway_pb2.GenerateRequest) -> LogprobsOptions:
+    """What the request asks for its logprobs; validation names the field."""
+    return LogprobsOptions(request.logprobs.top_logprobs, request.logprobs.processed)
 
 
 def speculation_method(spec: gateway_pb2.SpeculationOptions, policy: RequestPolicy) -> SpeculationMethod:
@@ -191,4 +198,11 @@ def completion_to_pb(seq: Sequence, error: str) -> gateway_pb2.Completion:
         timings=gateway_pb2.Timings(time_to_first_token_s=ttft, total_s=total, tokens_per_s=rate),
         error_message=error,
         anatomy=gateway_pb2.RoundAnatomy(**{f"{name}_s": value for name, value in seq.anatomy.seconds.items()}),
+    )
+
+
+def token_logprob_to_pb(token: TokenLogprob) -> gateway_pb2.TokenLogprob:
+    return gateway_pb2.TokenLogprob(
+        token_id=token.token_id, logprob=token.logprob,
+        top=[gateway_pb2.TopLogprob(token_id=i, logprob=v) for i, v in token.top],
     )

@@ -33,6 +33,7 @@ from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import FinishReason, Sequence
 from specdec.gateway.speculative_step import first_tokens, plan_k, plan_steps, run_round
 from specdec.gateway.stats import GatewayStats
+from specdec.gateway.token_logprobs import first_logprobs
 from specdec.serving.errors import status_of
 from specdec.serving.worker import ModelWorker, cancel_and_wait
 from specdec.wire.items import PrefillItem
@@ -282,12 +283,14 @@ class Scheduler:
             return 0
         self.running.extend(admitted)  # they hold target slots now: a failure below releases them
         firsts = await self.sampler.run(first_tokens, admitted, logits)
+        logprobs = (await self.sampler.run(first_logprobs, admitted, logits, firsts)
+                    if any(s.logprobs is not None for s in admitted) else {})
         for seq in admitted:
             count, last_at = seq.completion_tokens, seq.last_token_at
             if seq.preemptions == 0:
                 self.stats.prompt_tokens += len(seq.prompt)
             seq.target_valid = len(seq.tokens)
-            seq.emit([firsts[seq.slot_id]], self.max_seq_len)
+            seq.emit([firsts[seq.slot_id]], self.max_seq_len, logprobs.get(seq.slot_id))
             gap = None if last_at is None or seq.last_token_at is None else seq.last_token_at - last_at
             self.stats.record_tokens(seq.completion_tokens - count, gap)
             if seq.done:

@@ -12,6 +12,7 @@ import torch
 
 from specdec.gateway.detokenizer import StopStringDetokenizer
 from specdec.gateway.draft_sources import DraftSource, SpeculationMethod
+from specdec.sampling.logprobs import LogprobsRequest, TokenLogprob
 from specdec.sampling.params import SamplingParams
 
 
@@ -28,6 +29,8 @@ class Delta:
 
     tokens: list[int]
     text: str
+    #: One per token when the request asked for logprobs, else empty.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -122,6 +125,8 @@ class Sequence:
     adaptive: bool = False
     #: What the request lets the gateway draft with (the model draft, lookups or either).
     method: SpeculationMethod = SpeculationMethod.AUTO
+    #: The logprobs of each emitted token to compute (None: the request asked for none).
+    logprobs: LogprobsRequest | None = None
     counts: SpeculationCounts = field(default_factory=SpeculationCounts)
     anatomy: RoundAnatomy = field(default_factory=RoundAnatomy)
     outbox: asyncio.Queue[Delta | Finished] = field(default_factory=asyncio.Queue)
@@ -152,8 +157,9 @@ class Sequence:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def emit(self, new_tokens: list[int], max_seq_len: int) -> None:
-        """Append accepted tokens, applying EOS, stop strings, max_new_tokens and max length."""
+    def emit(self, new_tokens: list[int], max_seq_len: int, logprobs: list[TokenLogprob] | None = None) -> None:
+        """Append accepted tokens, applying EOS, stop strings, max_new_tokens and max length;
+        `logprobs` (one per new token) go out with the tokens that are emitted."""
         room = min(self.max_new_tokens - self.completion_tokens, max_seq_len - len(self.tokens))
         kept = new_tokens[: max(room, 0)]
         self.tokens.extend(kept)
@@ -172,7 +178,7 @@ class Sequence:
             self.finish_reason = FinishReason.LENGTH
             text += self.detokenizer.finish()
         if update.tokens or text:
-            self.outbox.put_nowait(Delta(update.tokens, text))
+            self.outbox.put_nowait(Delta(update.tokens, text, (logprobs or [])[: len(update.tokens)]))
 
     def preempt(self) -> None:
         """Forget both services' caches (their slots were freed): the next admission

@@ -30,7 +30,13 @@ from specdec.gateway.metrics import gateway_endpoint
 from specdec.gateway.model_clients import INFO_TIMEOUT_S, DraftAPI, DraftClient, ServiceLink, TargetAPI, TargetClient
 from specdec.gateway.monitor import ServiceMonitor
 from specdec.gateway.proposers import LookupProposer
-from specdec.gateway.requests import RequestPolicy, completion_to_pb, method_to_pb, new_sequence
+from specdec.gateway.requests import (
+    RequestPolicy,
+    completion_to_pb,
+    method_to_pb,
+    new_sequence,
+    token_logprob_to_pb,
+)
 from specdec.gateway.scheduler import PoolLimits, Scheduler
 from specdec.gateway.sequence import Delta, FinishReason
 from specdec.gateway.service_changes import ServiceChanges
@@ -99,7 +105,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             while True:
                 event = await seq.outbox.get()
                 if isinstance(event, Delta):
-                    yield gateway_pb2.GenerateResponse(token_ids=event.tokens, text=event.text)
+                    yield gateway_pb2.GenerateResponse(token_ids=event.tokens, text=event.text,
+                                                       logprobs=[token_logprob_to_pb(t) for t in event.logprobs])
                     continue
                 yield gateway_pb2.GenerateResponse(completion=completion_to_pb(seq, event.error))
                 if event.reason == FinishReason.ERROR:

@@ -24,6 +24,8 @@ from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.model_clients import DraftAPI, TargetAPI, Timed
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence
+from specdec.gateway.token_logprobs import round_logprobs
+from specdec.sampling.logprobs import TokenLogprob
 from specdec.sampling.rejection_sampler import RejectionResult
 from specdec.sampling.sparse_probs import SparseRows
 from specdec.sampling.transforms import drawn_tokens, logits_to_probs, sample
@@ -140,14 +142,14 @@ def verify_mode(seq: Sequence, proposal: Proposal | None, plan: RoundPlan) -> Ve
     (greedy with a repetition penalty) or the target's candidates (sampled)."""
     raw_argmax = seq.sampling.greedy_by_raw_argmax
     if proposal is None:
-        return DecodeMode(plan.steps_of(seq.slot_id), None if raw_argmax else seq.target_sampling)
+        return DecodeMode(plan.steps_of(seq.slot_id), None if raw_argmax else seq.target_sampling, seq.logprobs)
     if raw_argmax:
-        return ArgmaxMode()
+        return ArgmaxMode(seq.logprobs)
     if seq.sampling.is_greedy:
-        return LogitsMode()
+        return LogitsMode()  # logprobs, if asked, come from these logits (`token_logprobs`)
     if proposal.probs is None:
         raise ServiceStateError(f"the draft sent no q for the sampled slot {seq.slot_id}")
-    return SampledMode(seq.target_sampling, proposal.probs)
+    return SampledMode(seq.target_sampling, proposal.probs, seq.logprobs)
 
 
 def _check_cached(service: str, slot_id: str, cached_len: int, expected: int) -> None:
@@ -206,7 +208,10 @@ async def run_round(
     drafting = [s for s in seqs if s.slot_id in proposals]
     accepted = await sampler.run(accept_all, drafting, verified.value, proposals) if drafting else {}
     accept_s = time.perf_counter() - accept_started
-    ks, num_accepted, steps = advance_all(seqs, proposals, verified.value, accepted, max_seq_len, plan.lookups)
+    logprobs = (await sampler.run(round_logprobs, seqs, proposals, verified.value, accepted)
+                if any(s.logprobs is not None for s in seqs) else {})
+    ks, num_accepted, steps = advance_all(seqs, proposals, verified.value, accepted, max_seq_len, plan.lookups,
+                                          logprobs)
     sources = {slot: source for slot in ks if ks[slot] and (source := plan.source_of(slot)) is not None}
     return RoundReport(
         ks, num_accepted, propose=Timed(None, proposed.compute_s, proposed.wall_s),
@@ -230,22 +235,25 @@ def lookup_proposals(seqs: list[Sequence], plan: RoundPlan) -> dict[str, Proposa
 def advance_all(
     seqs: list[Sequence], proposals: dict[str, Proposal], verified: dict[str, VerifiedChunk],
     accepted: dict[str, RejectionResult], max_seq_len: int, lookups: Collection[str] = (),
+    logprobs: dict[str, list[TokenLogprob]] | None = None,
 ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
-    """Advance every sequence past its new tokens and emit them; returns per slot the K
-    drafted, the tokens accepted and the tokens decoded plainly (1 for a drafting request).
-    The draft model's cache moves only for the requests it drafted for (not in `lookups`)."""
+    """Advance every sequence past its new tokens and emit them (with their `logprobs`, for the
+    requests that asked); returns per slot the K drafted, the tokens accepted and the tokens
+    decoded plainly (1 for a drafting request). The draft model's cache moves only for the
+    requests it drafted for (not in `lookups`)."""
+    logprobs = logprobs or {}
     ks, num_accepted, steps = {}, {}, {}
     for seq in seqs:
         slot = seq.slot_id
         if slot in accepted:
             ks[slot], num_accepted[slot], steps[slot] = len(proposals[slot].tokens), accepted[slot].num_accepted[0], 1
             advance(seq, 0 if slot in lookups else ks[slot], num_accepted[slot])
-            seq.emit(accepted[slot].output_tokens[0], max_seq_len)
+            seq.emit(accepted[slot].output_tokens[0], max_seq_len, logprobs.get(slot))
         else:
             tokens = typing.cast(VerifiedDecode, verified[slot]).tokens  # `verify` checked the kind
             ks[slot], num_accepted[slot], steps[slot] = 0, 0, len(tokens)
             advance_steps(seq, len(tokens))
-            seq.emit(tokens, max_seq_len)
+            seq.emit(tokens, max_seq_len, logprobs.get(slot))
     return ks, num_accepted, steps
 
 

@@ -11,6 +11,7 @@ import torch
 from specdec.errors import InvalidArgumentError, SlotExistsError
 from specdec.model.forward_batch import StepShape
 from specdec.model.runtime import ModelRuntime
+from specdec.sampling.logprobs import RowLogprobs, answer_rows
 from specdec.sampling.rejection_sampler import draw_candidates, token_probs
 from specdec.sampling.transforms import (
     chunk_logits_to_probs,
@@ -37,6 +38,7 @@ from specdec.wire.items import (
     VerifiedLogits,
     VerifiedSampled,
     VerifyItem,
+    requested_logprobs,
 )
 
 
@@ -139,10 +141,11 @@ class TargetEngine(ModelEngine):
         if not scored:
             return {}
         best = iter(torch.cat([rows.argmax(dim=-1) for _, rows in scored]).tolist())
+        tokens = [list(itertools.islice(best, len(item.tokens))) for item, _ in scored]
+        logprobs = self._logprobs(scored, tokens)
         return {
-            item.slot_id: VerifiedArgmax(item.slot_id, self._cached(item),
-                                         list(itertools.islice(best, len(item.tokens))))
-            for item, _ in scored
+            item.slot_id: VerifiedArgmax(item.slot_id, self._cached(item), answer, logprobs[item.slot_id])
+            for (item, _), answer in zip(scored, tokens)
         }
 
     def _answer_sampled(self, scored: list[tuple[VerifyItem, torch.Tensor]]) -> dict[str, VerifiedChunk]:
@@ -171,10 +174,11 @@ class TargetEngine(ModelEngine):
                           for b, (item, _) in enumerate(scored) for i in range(len(item.tokens))]
             candidates = iter(drawn_tokens(draw_candidates(rows, q, generators)))  # [sum(K_b+1)]
         p_drafts = token_probs(p, drafts).tolist()  # [S, K_max]
+        answers = [list(itertools.islice(candidates, len(item.tokens))) for item, _ in scored]
+        logprobs = self._logprobs(scored, answers)
         return {
-            item.slot_id: VerifiedSampled(item.slot_id, self._cached(item),
-                                          list(itertools.islice(candidates, len(item.tokens))),
-                                          p_drafts[b][: len(item.tokens) - 1])
+            item.slot_id: VerifiedSampled(item.slot_id, self._cached(item), answers[b],
+                                          p_drafts[b][: len(item.tokens) - 1], logprobs[item.slot_id])
             for b, (item, _) in enumerate(scored)
         }
 
@@ -193,6 +197,7 @@ class TargetEngine(ModelEngine):
         items = [item for item, _ in scored]
         chosen = {item.slot_id: [token]
                   for item, token in zip(items, self._choose(items, torch.cat([r for _, r in scored])))}
+        logprobs = {slot: [rows] for slot, rows in self._logprobs(scored, [chosen[i.slot_id] for i in items]).items()}
         slowest = 0.0
         for step in range(1, max(typing.cast(DecodeMode, item.mode).steps for item in items)):
             if deadline is not None and time.monotonic() + 2 * slowest > deadline:
@@ -203,8 +208,39 @@ class TargetEngine(ModelEngine):
                              prompt=False)
             for item, token in zip(active, self._choose(active, torch.stack(rows))):  # rows: [vocab] each
                 chosen[item.slot_id].append(token)
+            step_logprobs = self._logprobs([(item, row[None]) for item, row in zip(active, rows)],
+                                           [chosen[item.slot_id][-1:] for item in active])
+            for slot, step_rows in step_logprobs.items():
+                logprobs[slot].append(step_rows)
             slowest = max(slowest, time.monotonic() - started)
-        return {item.slot_id: VerifiedDecode(item.slot_id, self._cached(item), chosen[item.slot_id]) for item in items}
+        return {
+            item.slot_id: VerifiedDecode(item.slot_id, self._cached(item), chosen[item.slot_id],
+                                         self._joined(logprobs[item.slot_id]))
+            for item in items
+        }
+
+    @staticmethod
+    def _joined(steps: list[RowLogprobs | None]) -> RowLogprobs | None:
+        return None if steps[0] is None else RowLogprobs.concat([s for s in steps if s is not None])
+
+    def _logprobs(self, scored: list[tuple[VerifyItem, torch.Tensor]],
+                  answers: list[list[int]]) -> dict[str, RowLogprobs | None]:
+        """Per item, its rows' logprobs when its mode asks (`LogprobsRequest`), else None: the
+        draft tokens' and the `answers`' (one per row) and each row's top alternatives, one batch
+        for the items that ask. A row's penalty context is the slot's tokens up to the row's own
+        first token, growing through the draft tokens, as the row's p."""
+        out: dict[str, RowLogprobs | None] = {item.slot_id: None for item, _ in scored}
+        asking = [(item, rows, answer, request) for (item, rows), answer in zip(scored, answers)
+                  if (request := requested_logprobs(item.mode)) is not None]
+        if not asking:
+            return out
+        context = [self.tokens[item.slot_id][: len(self.tokens[item.slot_id]) - rows.shape[0] + 1]
+                   for item, rows, _, _ in asking]
+        with one_thread():  # as in `_answer_sampled`
+            answered = answer_rows([rows for _, rows, _, _ in asking], [r for *_, r in asking], context,
+                                   [item.tokens[1:] for item, *_ in asking], [a for _, _, a, _ in asking])
+        out.update({item.slot_id: rows for (item, *_), rows in zip(asking, answered)})
+        return out
 
     def _choose(self, items: list[VerifyItem], rows: torch.Tensor) -> list[int]:
         """The next token of each Decode item from its last logits row (`rows` [n, vocab]): the

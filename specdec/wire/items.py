@@ -17,6 +17,7 @@ import torch
 from specdec.cost_model import ForwardCost
 from specdec.errors import InvalidArgumentError, ServiceStateError
 from specdec.model.tokenizer_info import TokenizerInfo
+from specdec.sampling.logprobs import MAX_TOP_LOGPROBS, LogprobsRequest, RowLogprobs
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.sparse_probs import SparseRows
 from specdec.tuning.choices import TuningChoice
@@ -94,6 +95,39 @@ class PrefillItem:
         return cls(message.slot_id, list(message.prompt_tokens))
 
 
+def logprobs_request_to_pb(request: LogprobsRequest | None) -> target_pb2.LogprobsRequest | None:
+    if request is None:
+        return None
+    transforms = sampling_to_pb(request.transforms) if request.transforms is not None else None
+    return target_pb2.LogprobsRequest(top=request.top, transforms=transforms)
+
+
+def logprobs_request_from_pb(message: target_pb2.LogprobsRequest, present: bool) -> LogprobsRequest | None:
+    """None when the mode's field is unset (`present` false); validation names the field."""
+    if not present:
+        return None
+    if not 0 <= message.top <= MAX_TOP_LOGPROBS:
+        raise InvalidArgumentError(f"logprobs.top: {message.top} is outside [0, {MAX_TOP_LOGPROBS}]")
+    transforms = sampling_from_pb(message.transforms) if message.HasField("transforms") else None
+    return LogprobsRequest(message.top, transforms)
+
+
+def row_logprobs_to_pb(rows: RowLogprobs) -> target_pb2.RowLogprobs:
+    return target_pb2.RowLogprobs(
+        drafted=rows.drafted, answered=rows.answered,
+        top_ids=[i for row in rows.top for i, _ in row], top_logprobs=[v for row in rows.top for _, v in row],
+    )
+
+
+def row_logprobs_from_pb(message: target_pb2.RowLogprobs) -> RowLogprobs:
+    """The rows as sent, each row's alternatives split evenly (`check_row_logprobs` checks the counts)."""
+    n_rows = len(message.answered)
+    n_top = len(message.top_ids) // n_rows if n_rows else 0
+    pairs = list(zip(message.top_ids, message.top_logprobs))
+    return RowLogprobs(list(message.drafted), list(message.answered),
+                       [pairs[i * n_top : (i + 1) * n_top] for i in range(n_rows)])
+
+
 @dataclass(frozen=True)
 class LogitsMode:
     """Return the raw logits [K + 1, vocab]: the gateway transforms them itself."""
@@ -103,6 +137,8 @@ class LogitsMode:
 class ArgmaxMode:
     """Return each row's argmax [K + 1]: a greedy request whose logits need no transform."""
 
+    logprobs: LogprobsRequest | None = None  # None: no logprobs
+
 
 @dataclass(frozen=True)
 class SampledMode:
@@ -111,6 +147,7 @@ class SampledMode:
 
     sampling: SamplingParams
     draft_probs: SparseRows  # q_1..q_K as the draft sent them
+    logprobs: LogprobsRequest | None = None
 
 
 @dataclass(frozen=True)
@@ -120,24 +157,32 @@ class DecodeMode:
 
     steps: int = 1
     sampling: SamplingParams | None = None
+    logprobs: LogprobsRequest | None = None
 
 
 #: How the target answers a Verify item; each mode is one code path on the target.
 VerifyMode = LogitsMode | ArgmaxMode | SampledMode | DecodeMode
 
 
+def requested_logprobs(mode: VerifyMode) -> LogprobsRequest | None:
+    """The logprobs an item's mode asks the target for (a Logits answer has them already)."""
+    return None if isinstance(mode, LogitsMode) else mode.logprobs
+
+
 def verify_mode_to_pb(mode: VerifyMode) -> target_pb2.VerifyMode:
     match mode:
         case LogitsMode():
             return target_pb2.VerifyMode(logits=target_pb2.VerifyMode.Logits())
-        case ArgmaxMode():
-            return target_pb2.VerifyMode(argmax=target_pb2.VerifyMode.Argmax())
-        case SampledMode(sampling, draft_probs):
+        case ArgmaxMode(logprobs):
+            return target_pb2.VerifyMode(argmax=target_pb2.VerifyMode.Argmax(logprobs=logprobs_request_to_pb(logprobs)))
+        case SampledMode(sampling, draft_probs, logprobs):
             sampled = target_pb2.VerifyMode.Sampled(sampling=sampling_to_pb(sampling),
-                                                    draft_probs=sparse_to_pb(draft_probs))
+                                                    draft_probs=sparse_to_pb(draft_probs),
+                                                    logprobs=logprobs_request_to_pb(logprobs))
             return target_pb2.VerifyMode(sampled=sampled)
-        case DecodeMode(steps, sampling):
-            decode = target_pb2.VerifyMode.Decode(steps=steps, sampling=sampling_to_pb(sampling) if sampling else None)
+        case DecodeMode(steps, sampling, logprobs):
+            decode = target_pb2.VerifyMode.Decode(steps=steps, sampling=sampling_to_pb(sampling) if sampling else None,
+                                                  logprobs=logprobs_request_to_pb(logprobs))
             return target_pb2.VerifyMode(decode=decode)
 
 
@@ -146,14 +191,17 @@ def verify_mode_from_pb(message: target_pb2.VerifyMode) -> VerifyMode:
         case "logits" | None:
             return LogitsMode()
         case "argmax":
-            return ArgmaxMode()
+            argmax = message.argmax
+            return ArgmaxMode(logprobs_request_from_pb(argmax.logprobs, argmax.HasField("logprobs")))
         case "sampled":
             sampled = message.sampled
-            return SampledMode(sampling_from_pb(sampled.sampling), sparse_from_pb(sampled.draft_probs))
+            return SampledMode(sampling_from_pb(sampled.sampling), sparse_from_pb(sampled.draft_probs),
+                               logprobs_request_from_pb(sampled.logprobs, sampled.HasField("logprobs")))
         case "decode":
             decode = message.decode
             sampling = sampling_from_pb(decode.sampling) if decode.HasField("sampling") else None
-            return DecodeMode(decode.steps, sampling)
+            return DecodeMode(decode.steps, sampling,
+                              logprobs_request_from_pb(decode.logprobs, decode.HasField("logprobs")))
     raise InvalidArgumentError(f"mode: unknown Verify mode {message.WhichOneof('mode')!r}")
 
 
@@ -244,6 +292,7 @@ class VerifiedArgmax:
     slot_id: str
     cached_len: int
     tokens: list[int]  # [K + 1]
+    logprobs: RowLogprobs | None = None  # [K + 1 rows] when the mode asked
 
 
 @dataclass(frozen=True)
@@ -254,6 +303,7 @@ class VerifiedSampled:
     cached_len: int
     candidates: list[int]  # [K + 1]: the token the round emits if it stops at each position
     target_probs: list[float]  # [K]: p_i(t_i)
+    logprobs: RowLogprobs | None = None  # [K + 1 rows] when the mode asked
 
 
 @dataclass(frozen=True)
@@ -263,6 +313,7 @@ class VerifiedDecode:
     slot_id: str
     cached_len: int
     tokens: list[int]  # [1..steps]
+    logprobs: RowLogprobs | None = None  # a row per decoded token when the mode asked
 
 
 #: What the target returns per Verify item: the answer of the item's mode.
@@ -281,21 +332,24 @@ def verified_to_pb(chunk: VerifiedChunk) -> target_pb2.VerifyResult:
             result.sampled.target_probs.extend(target_probs)
         case VerifiedDecode(tokens=tokens):
             result.decoded.ids.extend(tokens)
+    if not isinstance(chunk, VerifiedLogits) and chunk.logprobs is not None:
+        result.logprobs.CopyFrom(row_logprobs_to_pb(chunk.logprobs))
     return result
 
 
 def verified_from_pb(message: target_pb2.VerifyResult) -> VerifiedChunk:
     slot_id, cached_len = message.slot_id, message.cached_len
+    logprobs = row_logprobs_from_pb(message.logprobs) if message.HasField("logprobs") else None
     match message.WhichOneof("answer"):
         case "logits":
             return VerifiedLogits(slot_id, cached_len, decode_tensor(message.logits))
         case "argmax":
-            return VerifiedArgmax(slot_id, cached_len, list(message.argmax.ids))
+            return VerifiedArgmax(slot_id, cached_len, list(message.argmax.ids), logprobs)
         case "sampled":
             return VerifiedSampled(slot_id, cached_len, list(message.sampled.candidates),
-                                   list(message.sampled.target_probs))
+                                   list(message.sampled.target_probs), logprobs)
         case "decoded":
-            return VerifiedDecode(slot_id, cached_len, list(message.decoded.ids))
+            return VerifiedDecode(slot_id, cached_len, list(message.decoded.ids), logprobs)
     raise ServiceStateError(f"the target sent no answer for slot {slot_id!r}")
 
 
