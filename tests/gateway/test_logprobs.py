@@ -88,6 +88,7 @@ def test_logprobs_equal_plain_decoding_with_and_without_speculation(
     speculative = generate_all(int8_stack, PROMPTS, MAX_NEW_TOKENS, num_speculative_tokens=4, **options)
     plain = generate_all(int8_stack, PROMPTS, MAX_NEW_TOKENS, speculative=False, **options)
     assert sum(r.num_draft_tokens for r in speculative) > 0 and sum(r.num_draft_tokens for r in plain) == 0
+    assert any(len(chunk) > 1 for r in plain for chunk in r.chunks)  # multi-step Decode rounds
     for text, spec, base in zip(PROMPTS, speculative, plain):
         prompt = encode_chat(smollm2.tokenizer, chat(text))
         for result in (spec, base):
