@@ -14,12 +14,13 @@ from specdec.sampling.transforms import logits_to_probs
 VOCAB = 32
 
 
-def _rows(seed: int, n: int) -> torch.Tensor:
-    return torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3  # [n, vocab]
+def _rows(seed: int, n: int, device: torch.device) -> torch.Tensor:
+    return (torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3).to(device)  # [n, vocab]
 
 
-def test_raw_rows_are_the_log_softmax_with_sorted_alternatives() -> None:
-    rows = [_rows(0, 3), _rows(1, 1)]  # an item with K = 2 and a Decode step
+@pytest.mark.device_agnostic
+def test_raw_rows_are_the_log_softmax_with_sorted_alternatives(device: torch.device) -> None:
+    rows = [_rows(0, 3, device), _rows(1, 1, device)]  # an item with K = 2 and a Decode step
     requests = [LogprobsRequest(top=4), LogprobsRequest(top=0)]
     drafted, answers = [[5, 7], []], [[1, 2, 3], [9]]
     out = answer_rows(rows, requests, [[1, 2], [3]], drafted, answers)
@@ -34,9 +35,10 @@ def test_raw_rows_are_the_log_softmax_with_sorted_alternatives() -> None:
     assert out[1].answered == pytest.approx([torch.log_softmax(rows[1][0], dim=-1)[9].item()], abs=1e-6)
 
 
-def test_processed_rows_see_the_penalty_context_grow_through_the_draft() -> None:
+@pytest.mark.device_agnostic
+def test_processed_rows_see_the_penalty_context_grow_through_the_draft(device: torch.device) -> None:
     params = SamplingParams(temperature=0.7, top_k=10, repetition_penalty=1.5)
-    rows, prior, drafted = _rows(2, 3), [4, 6], [11, 12]
+    rows, prior, drafted = _rows(2, 3, device), [4, 6], [11, 12]
     out = answer_rows([rows], [LogprobsRequest(top=3, transforms=params)], [prior], [drafted], [[11, 12, 13]])[0]
     for i in range(3):
         want = logits_to_probs(rows[i : i + 1], [params], [prior + drafted[:i]])[0].log()  # [vocab]
