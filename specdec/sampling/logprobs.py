@@ -94,19 +94,20 @@ def chunk_logprobs(
     """Log-probabilities [B, T, vocab] float32: the raw log-softmax, or for rows whose request
     has transforms the log of `chunk_logits_to_probs` (each position's penalty context
     growing through `chunk_tokens`, as the target's p)."""
-    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # [B, T, vocab]
     raw = [b for b, r in enumerate(requests) if r.transforms is None]
     processed = {b: r.transforms for b, r in enumerate(requests) if r.transforms is not None}
-    if raw:
-        index = torch.tensor(raw, device=logits.device)  # [r]
-        out.index_copy_(0, index, torch.log_softmax(logits.index_select(0, index).float(), dim=-1))
-    if processed:
-        index = torch.tensor(list(processed), device=logits.device)  # [s]
-        probs = chunk_logits_to_probs(logits.index_select(0, index), list(processed.values()),
-                                      [prior_context[b] for b in processed],
-                                      [chunk_tokens[b] for b in processed])  # [s, T, vocab]
-        out.index_copy_(0, index, probs.log())
-    return out
+    if not processed:  # the usual batch: no row copied
+        return torch.log_softmax(logits.float(), dim=-1)
+    if not raw:
+        return chunk_logits_to_probs(logits, list(processed.values()), prior_context, chunk_tokens).log()
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # [B, T, vocab]
+    index = torch.tensor(raw, device=logits.device)  # [r]
+    out.index_copy_(0, index, torch.log_softmax(logits.index_select(0, index).float(), dim=-1))
+    index = torch.tensor(list(processed), device=logits.device)  # [s]
+    probs = chunk_logits_to_probs(logits.index_select(0, index), list(processed.values()),
+                                  [prior_context[b] for b in processed],
+                                  [chunk_tokens[b] for b in processed])  # [s, T, vocab]
+    return out.index_copy_(0, index, probs.log())
 
 
 def answer_rows(
@@ -119,7 +120,8 @@ def answer_rows(
     """Each item's `RowLogprobs` over its logits rows, for the whole batch at once with one
     host copy per kind of value."""
     width = max(r.shape[0] for r in rows)
-    logprobs = chunk_logprobs(stack_chunks(rows, width), requests, prior_context, drafted)  # [B, T, vocab]
+    logits = rows[0][None] if len(rows) == 1 else stack_chunks(rows, width)  # [B, T, vocab]
+    logprobs = chunk_logprobs(logits, requests, prior_context, drafted)  # [B, T, vocab]
     device = logprobs.device
     draft_ids = _padded([list(d) for d in drafted], width, device)  # [B, T]
     answer_ids = _padded([list(a) for a in answers], width, device)  # [B, T]

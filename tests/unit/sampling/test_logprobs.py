@@ -68,3 +68,17 @@ def test_emitted_tokens_take_drafted_entries_then_the_answer() -> None:
     assert rows.emitted([7, 8, 9], 2) == [TokenLogprob(7, -0.1, ((0, -0.5),)), TokenLogprob(8, -0.2, ((1, -0.5),)),
                                           TokenLogprob(9, -3.0, ((2, -0.5),))]
     assert [t.logprob for t in rows.emitted([5], 0)] == [-1.0]
+
+
+@pytest.mark.device_agnostic
+def test_a_batch_mixing_raw_and_processed_rows_answers_each_as_alone(device: torch.device) -> None:
+    params = SamplingParams(temperature=0.5, top_p=0.8, repetition_penalty=1.3)
+    rows = [_rows(3, 2, device), _rows(4, 1, device), _rows(5, 2, device)]
+    requests = [LogprobsRequest(2, params), LogprobsRequest(2), LogprobsRequest(1, params)]
+    args = ([[1, 2], [3], [4, 5]], [[7], [], [8]], [[7, 0], [1], [8, 9]])
+    mixed = answer_rows(rows, requests, *args)
+    alone = [answer_rows([r], [q], *([a[b]] for a in args))[0] for b, (r, q) in enumerate(zip(rows, requests))]
+    for got, want in zip(mixed, alone):
+        assert got.drafted == pytest.approx(want.drafted, abs=1e-6)
+        assert got.answered == pytest.approx(want.answered, abs=1e-6)
+        assert [[t for t, _ in row] for row in got.top] == [[t for t, _ in row] for row in want.top]
