@@ -4,8 +4,9 @@ Each request runs with speculation (Argmax, Logits or Sampled rounds) and withou
 target's multi-step Decode rounds), and every returned logprob and top list is checked
 against a direct forward of the model (`transformers`) over the prompt and the tokens the
 request emitted. Greedy requests emit the same tokens either way, so their logprobs are also
-compared with each other; a sampled request's tokens differ between the two runs (the
-acceptance draws are not plain decoding's), so each run is checked on its own tokens.
+compared with each other; a seeded sampled request's tokens part after the first few (the
+acceptance draws are not plain decoding's), so the two runs are compared up to there and each
+is checked on its own tokens.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def test_logprobs_equal_plain_decoding_with_and_without_speculation(
             _check_against(_reference(smollm2, prompt, result, options), result)
         if options["temperature"] == 0:
             assert spec.token_ids == base.token_ids
-            _same(spec.logprobs, base.logprobs)
+        shared = next((i for i, (x, y) in enumerate(zip(spec.token_ids, base.token_ids)) if x != y), MAX_NEW_TOKENS)
+        _same(spec.logprobs[:shared], base.logprobs[:shared])  # at least the first token (the same draw)
     int8_stack.wait_until_idle()
 
 
