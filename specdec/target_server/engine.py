@@ -227,8 +227,8 @@ class TargetEngine(ModelEngine):
                   answers: list[list[int]]) -> dict[str, RowLogprobs | None]:
         """Per item, its rows' logprobs when its mode asks (`LogprobsRequest`), else None: the
         draft tokens' and the `answers`' (one per row) and each row's top alternatives, one batch
-        for the items that ask. A row's penalty context is the slot's tokens up to the row's own
-        first token, growing through the draft tokens, as the row's p."""
+        for the items that ask. Row 0's penalty context is the slot's tokens through the item's
+        first token g, and it grows through the draft tokens row by row, as p's does."""
         out: dict[str, RowLogprobs | None] = {item.slot_id: None for item, _ in scored}
         asking = [(item, rows, answer, request) for (item, rows), answer in zip(scored, answers)
                   if (request := requested_logprobs(item.mode)) is not None]
