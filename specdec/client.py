@@ -27,6 +27,7 @@ METHODS = {
     "auto": gateway_pb2.SPECULATION_METHOD_AUTO, "model": gateway_pb2.SPECULATION_METHOD_MODEL,
     "ngram": gateway_pb2.SPECULATION_METHOD_NGRAM, "none": gateway_pb2.SPECULATION_METHOD_NONE,
 }
+VERIFICATIONS = {"rejection": gateway_pb2.VERIFICATION_REJECTION, "drawn": gateway_pb2.VERIFICATION_DRAWN}
 
 
 @dataclass(frozen=True)
@@ -112,11 +113,14 @@ def build_request(
     num_speculative_tokens: int | None = None,
     adaptive: bool | None = None,
     method: str | None = None,
+    verification: str | None = None,
     logprobs: int | None = None,
     processed_logprobs: bool = False,
 ) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest: a string is a raw prompt, a list of {role, content} is a chat.
     `method` is what to draft with: "auto", "model", "ngram" or "none" (default: the gateway's).
+    `verification` is how a sampled request's draft tokens are judged: "rejection" or "drawn"
+    (default: drawn when seeded, so the tokens depend on the seed alone; see gateway.proto).
     `logprobs` asks for each token's logprob with that many alternatives (0..20; None: no
     logprobs), from the model's raw distribution or, with `processed_logprobs`, from the
     distribution after the request's transforms."""
@@ -136,6 +140,10 @@ def build_request(
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         speculation.method = METHODS[method]
+    if verification is not None:
+        if verification not in VERIFICATIONS:
+            raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
+        speculation.verification = VERIFICATIONS[verification]
     request = gateway_pb2.GenerateRequest(
         max_new_tokens=max_new_tokens, sampling=sampling, stop=list(stop), speculation=speculation
     )

@@ -82,6 +82,11 @@ def _generate_flags(parser: argparse.ArgumentParser) -> None:
         "seen), none (plain); default: the gateway's",
     )
     parser.add_argument(
+        "--verification", choices=["rejection", "drawn"], default=None,
+        help="how sampled draft tokens are judged: rejection (keeps the most) or drawn (the tokens plain decoding "
+        "draws, so a seeded request's output depends on its seed alone); default: drawn when --seed is given",
+    )
+    parser.add_argument(
         "--logprobs", type=int, default=None, metavar="N",
         help="report each token's logprob and its N most likely alternatives (0-20; with --json)",
     )
@@ -156,7 +161,8 @@ def generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
         speculative=False if args.no_speculative else None, num_speculative_tokens=args.num_speculative_tokens,
-        method=args.method, logprobs=args.logprobs, processed_logprobs=args.processed_logprobs,
+        method=args.method, verification=args.verification, logprobs=args.logprobs,
+        processed_logprobs=args.processed_logprobs,
     )
     def echo(text: str) -> None:
         sys.stdout.write(text)

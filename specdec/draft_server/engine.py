@@ -15,7 +15,7 @@ import torch
 from specdec.errors import InvalidArgumentError
 from specdec.model.runtime import ModelRuntime
 from specdec.sampling.sparse_probs import SparseRows, cut_tail
-from specdec.sampling.transforms import drawn_tokens, logits_to_probs, make_generator, pick_tokens
+from specdec.sampling.transforms import drawn_tokens, logits_to_probs, make_generator, pick_tokens, position_generator
 from specdec.serving.config import ModelServiceConfig
 from specdec.serving.engine import ModelEngine
 from specdec.wire.items import Lease, Proposal, ProposeItem
@@ -26,7 +26,8 @@ class DraftEngine(ModelEngine):
 
     def __init__(self, runtime: ModelRuntime, config: ModelServiceConfig) -> None:
         super().__init__(runtime, config)
-        #: Each slot's random stream, seeded on first sight and advanced across rounds.
+        #: Each unseeded slot's random stream, advanced across rounds (a seeded request draws each
+        #: position with its own generator, `position_generator`).
         self.generators: dict[str, torch.Generator] = {}
 
     def release(self, slot_id: str) -> None:
@@ -122,7 +123,11 @@ class DraftEngine(ModelEngine):
                 context = [self.tokens[items[i].slot_id] for i in rows]
                 probs = cut_tail(logits_to_probs(step_logits, params, context))  # [n, vocab] f32
                 probs = probs.to(probs_dtype).float()  # what the gateway will see; sample from exactly that
-                tokens = pick_tokens(probs, params, [self.generators[items[i].slot_id] for i in rows])  # [n]
+                # A seeded request's proposal for position j shares the uniform of the target's draw
+                # there (`position_generator`): equal distributions then propose the target's token.
+                generators = [position_generator(p, len(c), probs.device) or self.generators[items[i].slot_id]
+                              for i, p, c in zip(rows, params, context)]
+                tokens = pick_tokens(probs, params, generators)  # [n]
             for n, (i, token) in enumerate(zip(rows, drawn_tokens(tokens))):  # one host sync per step
                 drafted[i].append(token)
                 if not items[i].sampling.is_greedy:

@@ -3,9 +3,11 @@
 The target answered each drafting request in the mode the gateway asked for
 (`specdec.wire.items.VerifyMode`): argmax tokens for a greedy request with untransformed
 logits, raw logits for a greedy request with a repetition penalty (applied here, its
-context growing through the draft tokens), and for a sampled request the K + 1 candidates
-and p_i(t_i) that it drew and computed with the request's transforms. Each kind is judged
-in one batched call of `specdec.sampling.rejection_sampler`. Pure tensor work: it runs on
+context growing through the draft tokens), for a seeded sampled request its own draw at
+each position (kept while they equal the draft tokens, as argmax tokens are), and for an
+unseeded sampled request the K + 1 candidates and p_i(t_i) that it drew and computed with
+the request's transforms. Each kind is judged in one batched call of
+`specdec.sampling.rejection_sampler`. Pure tensor work: it runs on
 the gateway's sampler thread.
 """
 
@@ -16,12 +18,19 @@ from typing import TypeVar
 import torch
 
 from specdec.errors import ServiceStateError
-from specdec.gateway.sequence import Sequence
+from specdec.gateway.sequence import Sequence, Verification
 from specdec.sampling.rejection_sampler import RejectionResult, accept_candidates, greedy_accept, greedy_accept_argmax
 from specdec.sampling.transforms import chunk_apply_repetition_penalty, stack_chunks
-from specdec.wire.items import Proposal, VerifiedArgmax, VerifiedChunk, VerifiedLogits, VerifiedSampled
+from specdec.wire.items import (
+    Proposal,
+    VerifiedArgmax,
+    VerifiedChunk,
+    VerifiedDrawn,
+    VerifiedLogits,
+    VerifiedSampled,
+)
 
-C = TypeVar("C", VerifiedArgmax, VerifiedLogits, VerifiedSampled)
+C = TypeVar("C", VerifiedArgmax, VerifiedDrawn, VerifiedLogits, VerifiedSampled)
 #: Marks positions past a request's K in the padded [batch, K_max] tensors.
 PAD_TOKEN_ID = -1
 
@@ -32,12 +41,16 @@ def accept_all(
     """Judge every drafting request of the round (each has a proposal); one call per kind."""
     by_argmax = [s for s in seqs if s.sampling.is_greedy and s.sampling.greedy_by_raw_argmax]
     greedy = [s for s in seqs if s.sampling.is_greedy and not s.sampling.greedy_by_raw_argmax]
-    sampled = [s for s in seqs if not s.sampling.is_greedy]
+    drawn = [s for s in seqs if not s.sampling.is_greedy and s.verification is Verification.DRAWN]
+    sampled = [s for s in seqs if not s.sampling.is_greedy and s.verification is Verification.REJECTION]
     results: dict[str, RejectionResult] = {}
-    if by_argmax:
+    # The target's argmax or its draw at each position: keep draft tokens while they equal it.
+    matched = by_argmax + drawn
+    if matched:
         best = [_answer(verified, s, VerifiedArgmax).tokens for s in by_argmax]
-        tokens, ks = _padded_drafts(by_argmax, proposals)  # [A, K_max]
-        results |= _split(by_argmax, greedy_accept_argmax(_padded_rows(by_argmax, best, ks), tokens, ks))
+        best += [_answer(verified, s, VerifiedDrawn).tokens for s in drawn]
+        tokens, ks = _padded_drafts(matched, proposals)  # [A, K_max]
+        results |= _split(matched, greedy_accept_argmax(_padded_rows(matched, best, ks), tokens, ks))
     if greedy:
         logits = [_answer(verified, s, VerifiedLogits).logits for s in greedy]
         tokens, ks = _padded_drafts(greedy, proposals)  # [G, K_max]

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from specdec.errors import InvalidArgumentError
 from specdec.gateway.detokenizer import StopStringDetokenizer
 from specdec.gateway.draft_sources import SpeculationMethod
-from specdec.gateway.sequence import FinishReason, Sequence
+from specdec.gateway.sequence import FinishReason, Sequence, Verification
 from specdec.model.chat import encode_chat
 from specdec.sampling.logprobs import LogprobsOptions, TokenLogprob
 from specdec.sampling.params import SamplingParams, independent_seed
@@ -24,11 +24,13 @@ from specdec.sampling.transforms import make_generator
 from specdec.v1 import gateway_pb2
 from specdec.wire.items import sampling_from_pb
 
-#: Random streams of the draft's proposals and of the target's draws (plain rounds' tokens,
-#: sampled rounds' candidates; see `independent_seed`); the gateway's own stream (its
-#: acceptance uniforms, first tokens) is the request's seed itself.
+#: The random stream of a request's position draws (`independent_seed`; each sequence position
+#: then gets its own generator, `position_generator`): the token plain decoding draws at a
+#: position, made by the target, and a first token; under DRAWN verification also the draft's
+#: proposal for it. Under REJECTION the draft draws from its own stream, and the gateway's
+#: acceptance uniforms come from the request's seed itself.
 DRAFT_STREAM = 1
-TARGET_STREAM = 2
+POSITION_STREAM = 2
 #: Roles the chat templates of the supported models render.
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 #: Stop strings are matched against the text of every round: bound their number and size.
@@ -41,6 +43,11 @@ METHOD_FROM_PB: dict[gateway_pb2.SpeculationMethod, SpeculationMethod | None] = 
     gateway_pb2.SPECULATION_METHOD_MODEL: SpeculationMethod.MODEL,
     gateway_pb2.SPECULATION_METHOD_NGRAM: SpeculationMethod.NGRAM,
     gateway_pb2.SPECULATION_METHOD_NONE: SpeculationMethod.NONE,
+}
+VERIFICATION_FROM_PB: dict[gateway_pb2.Verification, Verification | None] = {
+    gateway_pb2.VERIFICATION_UNSPECIFIED: None,
+    gateway_pb2.VERIFICATION_REJECTION: Verification.REJECTION,
+    gateway_pb2.VERIFICATION_DRAWN: Verification.DRAWN,
 }
 _FINISH_TO_PB = {
     FinishReason.STOP: gateway_pb2.FINISH_REASON_STOP,
@@ -92,6 +99,7 @@ def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) ->
     sampling = sampling_from_pb(request.sampling)
     spec = request.speculation
     method = speculation_method(spec, policy)
+    verification = verification_of(spec, sampling)
     speculate = method is not SpeculationMethod.NONE
     k_given = spec.HasField("num_speculative_tokens")
     k = spec.num_speculative_tokens if k_given else policy.num_speculative_tokens
@@ -113,8 +121,11 @@ def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) ->
         method=method,
         detokenizer=StopStringDetokenizer(policy.tokenizer, list(request.stop), set(policy.eos_token_ids)),
         generator=make_generator(sampling.seed, "cpu"),
-        draft_sampling=_reseeded(sampling, DRAFT_STREAM),
-        target_sampling=_reseeded(sampling, TARGET_STREAM),
+        # Under DRAWN the draft proposes position j with the uniform the target draws j with: a
+        # draft token is kept when it equals that draw, which the shared uniform makes likely.
+        draft_sampling=_reseeded(sampling, POSITION_STREAM if verification is Verification.DRAWN else DRAFT_STREAM),
+        target_sampling=_reseeded(sampling, POSITION_STREAM),
+        verification=verification,
         logprobs=logprobs_options(request).request_for(sampling) if request.HasField("logprobs") else None,
     )
 
@@ -141,6 +152,17 @@ def speculation_method(spec: gateway_pb2.SpeculationOptions, policy: RequestPoli
         raise InvalidArgumentError("speculation.method: this gateway runs without a draft model; "
                                    "use ngram (lookups) or auto")
     return method
+
+
+def verification_of(spec: gateway_pb2.SpeculationOptions, sampling: SamplingParams) -> Verification:
+    """How the request's draft tokens are judged: as it asks, else DRAWN when it is seeded (its
+    tokens then depend on its seed alone) and REJECTION otherwise."""
+    if spec.verification not in VERIFICATION_FROM_PB:
+        raise InvalidArgumentError(f"speculation.verification: unknown value {spec.verification}")
+    asked = VERIFICATION_FROM_PB[spec.verification]
+    if asked is not None:
+        return asked
+    return Verification.REJECTION if sampling.seed is None else Verification.DRAWN
 
 
 def method_to_pb(method: SpeculationMethod) -> gateway_pb2.SpeculationMethod:

@@ -23,6 +23,19 @@ class FinishReason(enum.Enum):
     ERROR = "error"
 
 
+class Verification(enum.Enum):
+    """How a sampled request's draft tokens are judged (a greedy one keeps those equal to the
+    target's argmax either way)."""
+
+    #: Speculative sampling: keep t with probability min(1, p(t) / q(t)), else draw from the
+    #: residual. Keeps the most draft tokens; the output has plain decoding's distribution.
+    REJECTION = "rejection"
+    #: Keep t while it equals the target's own draw at its position (`DrawnMode`): the output is
+    #: the tokens plain decoding draws, so a seeded request's tokens depend on its seed alone,
+    #: not on K, the method or what was drafted. Keeps fewer of a model draft's tokens.
+    DRAWN = "drawn"
+
+
 @dataclass
 class Delta:
     """What one round adds to the stream."""
@@ -107,11 +120,14 @@ class Sequence:
     max_new_tokens: int
     num_speculative_tokens: int  # K for this sequence (its upper bound when adaptive); 0 = plain decoding
     detokenizer: StopStringDetokenizer
-    #: The gateway's own random stream (acceptance, recovered/bonus and first tokens).
+    #: The gateway's own random stream (the acceptance uniforms of an unseeded request).
     generator: torch.Generator
-    #: Sampling params sent to the draft: the same transforms, an independent seed.
+    #: Sampling params sent to the draft: the same transforms; seeded with the request's position
+    #: draws under DRAWN verification (each proposal shares the uniform of the target's draw there),
+    #: with an independent stream under REJECTION (whose exactness needs independent draws).
     draft_sampling: SamplingParams
-    #: Sampling params of plain rounds, whose tokens the target chooses itself (another seed).
+    #: Sampling params of the target's draws (plain rounds, sampled and drawn verifies): the
+    #: same transforms with the seed of the request's position draws.
     target_sampling: SamplingParams
     #: Prompt + accepted tokens (tokens past max_new_tokens / max length are dropped).
     tokens: list[int] = field(default_factory=list)
@@ -125,6 +141,8 @@ class Sequence:
     adaptive: bool = False
     #: What the request lets the gateway draft with (the model draft, lookups or either).
     method: SpeculationMethod = SpeculationMethod.AUTO
+    #: How its draft tokens are judged when it samples.
+    verification: Verification = Verification.REJECTION
     #: The logprobs of each emitted token to compute (None: the request asked for none).
     logprobs: LogprobsRequest | None = None
     counts: SpeculationCounts = field(default_factory=SpeculationCounts)

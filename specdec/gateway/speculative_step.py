@@ -23,16 +23,17 @@ from specdec.gateway.acceptance import accept_all
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.model_clients import DraftAPI, TargetAPI, Timed
 from specdec.gateway.rounds import RoundPlan, RoundReport
-from specdec.gateway.sequence import Sequence
+from specdec.gateway.sequence import Sequence, Verification
 from specdec.gateway.token_logprobs import round_logprobs
 from specdec.sampling.logprobs import TokenLogprob
 from specdec.sampling.rejection_sampler import RejectionResult
 from specdec.sampling.sparse_probs import SparseRows
-from specdec.sampling.transforms import drawn_tokens, logits_to_probs, sample
+from specdec.sampling.transforms import drawn_tokens, logits_to_probs, position_generator, sample
 from specdec.serving.worker import ModelWorker
 from specdec.wire.items import (
     ArgmaxMode,
     DecodeMode,
+    DrawnMode,
     LogitsMode,
     Proposal,
     ProposeItem,
@@ -139,7 +140,9 @@ def verify_item(seq: Sequence, proposal: Proposal | None, plan: RoundPlan) -> Ve
 def verify_mode(seq: Sequence, proposal: Proposal | None, plan: RoundPlan) -> VerifyMode:
     """How the target answers `seq`: a request without a proposal decodes plainly on the
     target; a drafting one is judged here from the argmax (greedy, untransformed), the logits
-    (greedy with a repetition penalty) or the target's candidates (sampled)."""
+    (greedy with transforms), the target's own draws (sampled and seeded: the tokens plain
+    decoding draws, so the output does not depend on what was drafted) or its candidates
+    (sampled, unseeded: rejection sampling, which keeps more draft tokens)."""
     raw_argmax = seq.sampling.greedy_by_raw_argmax
     if proposal is None:
         return DecodeMode(plan.steps_of(seq.slot_id), None if raw_argmax else seq.target_sampling, seq.logprobs)
@@ -147,6 +150,8 @@ def verify_mode(seq: Sequence, proposal: Proposal | None, plan: RoundPlan) -> Ve
         return ArgmaxMode(seq.logprobs)
     if seq.sampling.is_greedy:
         return LogitsMode()  # logprobs, if asked, come from these logits (`token_logprobs`)
+    if seq.verification is Verification.DRAWN:
+        return DrawnMode(seq.target_sampling, seq.logprobs)
     if proposal.probs is None:
         raise ServiceStateError(f"the draft sent no q for the sampled slot {seq.slot_id}")
     return SampledMode(seq.target_sampling, proposal.probs, seq.logprobs)
@@ -188,8 +193,10 @@ def first_tokens(seqs: list[Sequence], logits: dict[str, torch.Tensor]) -> dict[
         probs = logits_to_probs(logits[seq.slot_id][None], [seq.sampling], [seq.tokens])  # [1, vocab]
         if seq.sampling.is_greedy:
             out[seq.slot_id] = int(probs.argmax())
-        else:
-            out[seq.slot_id] = drawn_tokens(sample(probs, [seq.generator]))[0]
+            continue
+        # A seeded request's token at this position is the draw plain decoding makes there.
+        position = position_generator(seq.target_sampling, len(seq.tokens), "cpu")
+        out[seq.slot_id] = drawn_tokens(sample(probs, [position or seq.generator]))[0]
     return out
 
 

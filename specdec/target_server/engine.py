@@ -12,6 +12,7 @@ from specdec.errors import InvalidArgumentError, SlotExistsError
 from specdec.model.forward_batch import StepShape
 from specdec.model.runtime import ModelRuntime
 from specdec.sampling.logprobs import RowLogprobs, answer_rows
+from specdec.sampling.params import SamplingParams
 from specdec.sampling.rejection_sampler import draw_candidates, token_probs
 from specdec.sampling.transforms import (
     chunk_logits_to_probs,
@@ -19,6 +20,7 @@ from specdec.sampling.transforms import (
     logits_to_probs,
     pick_tokens,
     position_generator,
+    sample,
     stack_chunks,
 )
 from specdec.serving.engine import ModelEngine
@@ -27,6 +29,7 @@ from specdec.tuning.threads import one_thread
 from specdec.wire.items import (
     ArgmaxMode,
     DecodeMode,
+    DrawnMode,
     Lease,
     LogitsMode,
     PrefillItem,
@@ -35,6 +38,7 @@ from specdec.wire.items import (
     VerifiedArgmax,
     VerifiedChunk,
     VerifiedDecode,
+    VerifiedDrawn,
     VerifiedLogits,
     VerifiedSampled,
     VerifyItem,
@@ -97,6 +101,7 @@ class TargetEngine(ModelEngine):
                 **self._answer_argmax([(i, r) for i, r in scored if isinstance(i.mode, ArgmaxMode)]),
                 **self._answer_sampled([(i, r) for i, r in scored if isinstance(i.mode, SampledMode)]),
                 **self._answer_decode([(i, r) for i, r in scored if isinstance(i.mode, DecodeMode)], deadline),
+                **self._answer_drawn([(i, r) for i, r in scored if isinstance(i.mode, DrawnMode)]),
             }
         except BaseException:
             for item in items:
@@ -123,6 +128,9 @@ class TargetEngine(ModelEngine):
                     raise InvalidArgumentError(f"mode: slot {item.slot_id!r} is sampled with no draft tokens")
                 draft_probs.check_drafted(list(item.tokens[1:]), self.vocab_size,
                                           f"draft_probs of slot {item.slot_id!r}")
+            case DrawnMode():
+                if k == 0:
+                    raise InvalidArgumentError(f"mode: slot {item.slot_id!r} is drawn with no draft tokens")
             case DecodeMode(steps=steps):
                 if k > 0:
                     raise InvalidArgumentError(f"mode: slot {item.slot_id!r} decodes on after {k} draft tokens")
@@ -156,22 +164,15 @@ class TargetEngine(ModelEngine):
         if not scored:
             return {}
         modes = [typing.cast(SampledMode, item.mode) for item, _ in scored]
-        params = [mode.sampling for mode in modes]
         k_max = max(len(item.tokens) for item, _ in scored) - 1
         vocab = scored[0][1].shape[-1]
-        logits = stack_chunks([rows for _, rows in scored], k_max + 1)  # [S, K_max+1, vocab]
-        drafts = torch.zeros(len(scored), k_max, dtype=torch.int64, device=logits.device)  # [S, K_max], 0 past each K
+        device = scored[0][1].device
+        drafts = torch.zeros(len(scored), k_max, dtype=torch.int64, device=device)  # [S, K_max]: 0 past each K
         for b, (item, _) in enumerate(scored):
-            drafts[b, : len(item.tokens) - 1] = torch.tensor(item.tokens[1:], device=logits.device)
-        q = torch.cat([m.draft_probs.distributions(vocab, extra_rows=1, device=logits.device) for m in modes])
-        # The context of row 0 is the slot's cached tokens up to and including g.
-        context = [self.tokens[item.slot_id][: item.valid_len + 1] for item, _ in scored]
+            drafts[b, : len(item.tokens) - 1] = torch.tensor(item.tokens[1:], device=drafts.device)
+        q = torch.cat([m.draft_probs.distributions(vocab, extra_rows=1, device=drafts.device) for m in modes])
         with one_thread():  # a top-p sort on two threads stalls when another process holds a core
-            p = chunk_logits_to_probs(logits, params, context,
-                                      [item.tokens[1:] for item, _ in scored])  # [S, K_max+1, vocab]
-            rows = torch.cat([p[b, : len(item.tokens)] for b, (item, _) in enumerate(scored)])  # [sum(K_b+1), vocab]
-            generators = [position_generator(params[b], item.valid_len + 1 + i, rows.device)
-                          for b, (item, _) in enumerate(scored) for i in range(len(item.tokens))]
+            p, rows, generators = self._position_probs(scored, [mode.sampling for mode in modes])
             candidates = iter(drawn_tokens(draw_candidates(rows, q, generators)))  # [sum(K_b+1)]
         p_drafts = token_probs(p, drafts).tolist()  # [S, K_max]
         answers = [list(itertools.islice(candidates, len(item.tokens))) for item, _ in scored]
@@ -181,6 +182,37 @@ class TargetEngine(ModelEngine):
                                           p_drafts[b][: len(item.tokens) - 1], logprobs[item.slot_id])
             for b, (item, _) in enumerate(scored)
         }
+
+    def _answer_drawn(self, scored: list[tuple[VerifyItem, torch.Tensor]]) -> dict[str, VerifiedChunk]:
+        """For each item and its logits [K + 1, vocab]: each row's draw from p with the generator
+        of its sequence position, the token plain decoding draws there (`_choose`). One batch."""
+        if not scored:
+            return {}
+        with one_thread():  # as in `_answer_sampled`
+            _, rows, generators = self._position_probs(
+                scored, [typing.cast(DrawnMode, item.mode).sampling for item, _ in scored])
+            draws = iter(drawn_tokens(sample(rows, generators)))  # [sum(K_b+1)]
+        answers = [list(itertools.islice(draws, len(item.tokens))) for item, _ in scored]
+        logprobs = self._logprobs(scored, answers)
+        return {
+            item.slot_id: VerifiedDrawn(item.slot_id, self._cached(item), answer, logprobs[item.slot_id])
+            for (item, _), answer in zip(scored, answers)
+        }
+
+    def _position_probs(
+        self, scored: list[tuple[VerifyItem, torch.Tensor]], params: list[SamplingParams]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Generator | None]]:
+        """p of every item's rows under its transforms, the penalty context growing through the
+        draft tokens (row 0's is the slot's cached tokens through g): padded [S, K_max+1, vocab]
+        and flat [sum(K_b+1), vocab], with each flat row's `position_generator`."""
+        k_max = max(len(item.tokens) for item, _ in scored) - 1
+        logits = stack_chunks([rows for _, rows in scored], k_max + 1)  # [S, K_max+1, vocab]
+        context = [self.tokens[item.slot_id][: item.valid_len + 1] for item, _ in scored]
+        p = chunk_logits_to_probs(logits, params, context, [item.tokens[1:] for item, _ in scored])
+        rows = torch.cat([p[b, : len(item.tokens)] for b, (item, _) in enumerate(scored)])  # [sum(K_b+1), vocab]
+        generators = [position_generator(params[b], item.valid_len + 1 + i, rows.device)
+                      for b, (item, _) in enumerate(scored) for i in range(len(item.tokens))]
+        return p, rows, generators
 
     def _answer_decode(self, scored: list[tuple[VerifyItem, torch.Tensor]],
                        deadline: float | None) -> dict[str, VerifiedChunk]:

@@ -160,8 +160,18 @@ class DecodeMode:
     logprobs: LogprobsRequest | None = None
 
 
+@dataclass(frozen=True)
+class DrawnMode:
+    """A seeded sampled speculative item (K >= 1): the target returns each row's draw from p
+    [K + 1], made with the generator of the row's sequence position (`position_generator`),
+    the token plain decoding draws there."""
+
+    sampling: SamplingParams
+    logprobs: LogprobsRequest | None = None
+
+
 #: How the target answers a Verify item; each mode is one code path on the target.
-VerifyMode = LogitsMode | ArgmaxMode | SampledMode | DecodeMode
+VerifyMode = LogitsMode | ArgmaxMode | SampledMode | DecodeMode | DrawnMode
 
 
 def requested_logprobs(mode: VerifyMode) -> LogprobsRequest | None:
@@ -184,6 +194,10 @@ def verify_mode_to_pb(mode: VerifyMode) -> target_pb2.VerifyMode:
             decode = target_pb2.VerifyMode.Decode(steps=steps, sampling=sampling_to_pb(sampling) if sampling else None,
                                                   logprobs=logprobs_request_to_pb(logprobs))
             return target_pb2.VerifyMode(decode=decode)
+        case DrawnMode(sampling, logprobs):
+            drawn = target_pb2.VerifyMode.Drawn(sampling=sampling_to_pb(sampling),
+                                                logprobs=logprobs_request_to_pb(logprobs))
+            return target_pb2.VerifyMode(drawn=drawn)
 
 
 def verify_mode_from_pb(message: target_pb2.VerifyMode) -> VerifyMode:
@@ -202,6 +216,10 @@ def verify_mode_from_pb(message: target_pb2.VerifyMode) -> VerifyMode:
             sampling = sampling_from_pb(decode.sampling) if decode.HasField("sampling") else None
             return DecodeMode(decode.steps, sampling,
                               logprobs_request_from_pb(decode.logprobs, decode.HasField("logprobs")))
+        case "drawn":
+            drawn = message.drawn
+            return DrawnMode(sampling_from_pb(drawn.sampling),
+                             logprobs_request_from_pb(drawn.logprobs, drawn.HasField("logprobs")))
     raise InvalidArgumentError(f"mode: unknown Verify mode {message.WhichOneof('mode')!r}")
 
 
@@ -316,8 +334,18 @@ class VerifiedDecode:
     logprobs: RowLogprobs | None = None  # a row per decoded token when the mode asked
 
 
+@dataclass(frozen=True)
+class VerifiedDrawn:
+    """A `DrawnMode` item's answer."""
+
+    slot_id: str
+    cached_len: int
+    tokens: list[int]  # [K + 1]: each row's draw from p
+    logprobs: RowLogprobs | None = None  # [K + 1 rows] when the mode asked
+
+
 #: What the target returns per Verify item: the answer of the item's mode.
-VerifiedChunk = VerifiedLogits | VerifiedArgmax | VerifiedSampled | VerifiedDecode
+VerifiedChunk = VerifiedLogits | VerifiedArgmax | VerifiedSampled | VerifiedDecode | VerifiedDrawn
 
 
 def verified_to_pb(chunk: VerifiedChunk) -> target_pb2.VerifyResult:
@@ -332,6 +360,8 @@ def verified_to_pb(chunk: VerifiedChunk) -> target_pb2.VerifyResult:
             result.sampled.target_probs.extend(target_probs)
         case VerifiedDecode(tokens=tokens):
             result.decoded.ids.extend(tokens)
+        case VerifiedDrawn(tokens=tokens):
+            result.drawn.ids.extend(tokens)
     if not isinstance(chunk, VerifiedLogits) and chunk.logprobs is not None:
         result.logprobs.CopyFrom(row_logprobs_to_pb(chunk.logprobs))
     return result
@@ -350,6 +380,8 @@ def verified_from_pb(message: target_pb2.VerifyResult) -> VerifiedChunk:
                                    list(message.sampled.target_probs), logprobs)
         case "decoded":
             return VerifiedDecode(slot_id, cached_len, list(message.decoded.ids), logprobs)
+        case "drawn":
+            return VerifiedDrawn(slot_id, cached_len, list(message.drawn.ids), logprobs)
     raise ServiceStateError(f"the target sent no answer for slot {slot_id!r}")
 
 

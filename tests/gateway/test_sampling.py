@@ -3,8 +3,10 @@
 The distribution test compares the second generated token — the first one decided by a
 speculation round (the first comes from the prefill logits) — against its exact marginal
 under the target, P(t2) = sum over t1 of p(t1) p(t2 | t1), computed with `transformers`.
-Speculative runs with the int8 draft (mostly accepted) and the 2-layer draft (mostly
-rejected: recovered tokens) and plain runs must all fit it.
+Speculative runs under rejection sampling with the int8 draft (mostly accepted) and the
+2-layer draft (mostly rejected: recovered tokens), under drawn verification, and plain runs
+must all fit it. A seeded request under drawn verification (the default for seeded ones)
+emits plain decoding's tokens exactly, whatever it drafts with.
 """
 
 from __future__ import annotations
@@ -52,12 +54,13 @@ def _second_tokens(stack: Stack, seeds: range, **options: Any) -> tuple[list[int
 @pytest.mark.parametrize(
     "stack_name, options",
     [
+        ("int8_stack", {"num_speculative_tokens": 3, "verification": "rejection"}),
+        ("weak_stack", {"num_speculative_tokens": 3, "verification": "rejection"}),
+        ("bf16_q_stack", {"num_speculative_tokens": 3, "verification": "rejection"}),
         ("int8_stack", {"num_speculative_tokens": 3}),
-        ("weak_stack", {"num_speculative_tokens": 3}),
-        ("bf16_q_stack", {"num_speculative_tokens": 3}),
         ("int8_stack", {"speculative": False}),
     ],
-    ids=["int8-draft", "2-layer-draft", "2-layer-draft-bf16-q", "plain"],
+    ids=["int8-draft", "2-layer-draft", "2-layer-draft-bf16-q", "int8-draft-drawn", "plain"],
 )
 def test_second_token_follows_the_target_distribution(
     stack_name: str, options: dict, exact_second_token: dict[int, float], request: pytest.FixtureRequest
@@ -81,6 +84,28 @@ def test_seeded_requests_reproduce_exactly(int8_stack: Stack, mode: dict) -> Non
         others = [client.generate(PROMPT, seed=s, **options) for s in (1, 2, 3)]
     assert first.token_ids == second.token_ids and first.text == second.text
     assert any(o.token_ids != first.token_ids for o in others)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"num_speculative_tokens": 4}, {"num_speculative_tokens": 2, "verification": "drawn"}, {"method": "ngram"},
+     {"method": "auto"}],
+    ids=["model-k4", "model-k2", "ngram", "auto"],
+)
+def test_seeded_requests_emit_plain_decodings_tokens(int8_stack: Stack, options: dict) -> None:
+    """Drawn verification: the draft tokens kept are the target's own draws, so the tokens are
+    plain decoding's for the seed (penalty context growing inside the verify included)."""
+    sampling = dict(max_new_tokens=24, temperature=0.9, top_p=0.95, repetition_penalty=1.1)
+    echo = "Repeat after me: the cat sat on the mat, the cat sat on the mat."
+    prompts = [PROMPT, [{"role": "user", "content": echo}]]
+    drafted = 0
+    with int8_stack.client() as client:
+        for prompt in prompts:
+            plain = client.generate(prompt, seed=99, speculative=False, **sampling)
+            speculative = client.generate(prompt, seed=99, **sampling, **options)
+            assert speculative.token_ids == plain.token_ids, (speculative.text, plain.text)
+            drafted += speculative.num_draft_tokens
+    assert drafted > 0
 
 
 def test_sampled_text_is_coherent(int8_stack: Stack) -> None:

@@ -30,10 +30,17 @@ from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.rejection_sampler import draw_candidates, token_probs
 from specdec.sampling.sparse_probs import SparseRows
-from specdec.sampling.transforms import chunk_logits_to_probs, logits_to_probs, pick_tokens, position_generator
+from specdec.sampling.transforms import (
+    chunk_logits_to_probs,
+    logits_to_probs,
+    pick_tokens,
+    position_generator,
+    sample,
+)
 from specdec.wire.items import (
     ArgmaxMode,
     DecodeMode,
+    DrawnMode,
     LogitsMode,
     ModelInfo,
     PrefillItem,
@@ -44,6 +51,7 @@ from specdec.wire.items import (
     VerifiedArgmax,
     VerifiedChunk,
     VerifiedDecode,
+    VerifiedDrawn,
     VerifiedLogits,
     VerifiedSampled,
     VerifyItem,
@@ -211,6 +219,12 @@ class FakeTarget:
                 return VerifiedDecode(item.slot_id, len(cache), decoded)
             case ArgmaxMode():
                 return VerifiedArgmax(item.slot_id, len(cache), rows.argmax(dim=-1).tolist())
+            case DrawnMode(sampling):  # each row's draw from p, seeded by its position
+                p = chunk_logits_to_probs(rows[None], [sampling], [cache[: item.valid_len + 1]],
+                                          [item.tokens[1:]])[0]  # [K+1, vocab]
+                generators = [position_generator(sampling, item.valid_len + 1 + i, "cpu")
+                              for i in range(len(item.tokens))]
+                return VerifiedDrawn(item.slot_id, len(cache), sample(p, generators).tolist())
             case LogitsMode():
                 return VerifiedLogits(item.slot_id, len(cache), rows)
 

@@ -11,7 +11,7 @@ from specdec.gateway.proposers import LookupProposer, LookupSettings
 from specdec.gateway.requests import new_sequence
 from specdec.gateway.scheduler import Scheduler
 from specdec.gateway.sequence import FinishReason, Sequence
-from specdec.v1 import common_pb2
+from specdec.v1 import common_pb2, gateway_pb2
 from specdec.wire.items import SampledMode
 from tests.support.fakes import FakeDraft, FakeTarget, greedy_reference, policy
 from tests.unit.gateway.test_scheduler import drain, prompt_ids, request, run
@@ -22,8 +22,10 @@ def run_with_lookups(test: Callable[[Scheduler], Awaitable[None]], target: FakeT
 
 
 async def generate(sched: Scheduler, method: SpeculationMethod, max_new_tokens: int,
-                   sampling: common_pb2.SamplingParams | None = None) -> Sequence:
+                   sampling: common_pb2.SamplingParams | None = None,
+                   verification: gateway_pb2.Verification = gateway_pb2.VERIFICATION_UNSPECIFIED) -> Sequence:
     req = request(max_new_tokens=max_new_tokens)
+    req.speculation.verification = verification
     if sampling is not None:
         req.sampling.CopyFrom(sampling)
     seq = new_sequence(req, policy(has_draft=sched.draft is not None, method=method))
@@ -70,7 +72,7 @@ def test_a_sampled_lookup_round_sends_one_hot_q_rows() -> None:
 
     async def test(sched: Scheduler) -> None:
         sampling = common_pb2.SamplingParams(temperature=0.7, seed=3)
-        seq = await generate(sched, SpeculationMethod.NGRAM, 70, sampling=sampling)
+        seq = await generate(sched, SpeculationMethod.NGRAM, 70, sampling, gateway_pb2.VERIFICATION_REJECTION)
         assert seq.counts.lookup_rounds > 0
 
     run_with_lookups(test, target, None)

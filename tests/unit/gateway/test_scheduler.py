@@ -18,7 +18,7 @@ from specdec.gateway.scheduler import Scheduler
 from specdec.gateway.sequence import Delta, Finished, FinishReason, Sequence
 from specdec.gateway.speculative_step import advance
 from specdec.v1 import common_pb2, gateway_pb2
-from specdec.wire.items import ArgmaxMode, DecodeMode, LogitsMode, SampledMode, VerifyItem
+from specdec.wire.items import ArgmaxMode, DecodeMode, DrawnMode, LogitsMode, SampledMode, VerifyItem
 from tests.support.fakes import (
     FakeDraft,
     FakeTarget,
@@ -429,7 +429,7 @@ def test_plain_sampled_and_penalised_requests_have_the_target_choose_their_token
             items = [item for batch in target.verify_batches for item in batch if item.slot_id == seq.slot_id]
             assert {typing.cast(DecodeMode, item.mode).sampling for item in items} == {seq.target_sampling}, name
             assert sum(steps(item) for item in items) == 9 - 1 and max(steps_of(target, seq)) == 3, name
-        assert seqs["sampled"].target_sampling.seed not in (None, 5, seqs["sampled"].draft_sampling.seed)
+        assert seqs["sampled"].target_sampling.seed not in (None, 5)
         assert seqs["unseeded"].target_sampling.seed is None
         for name in ("sampled", "penalised"):  # seeded or greedy: what the target decoded, token for token
             first, *rest = outputs[name]  # the first token comes from the Prefill's logits, at the gateway
@@ -537,13 +537,15 @@ def test_a_failed_release_is_retried_until_the_slot_is_freed(monkeypatch: pytest
 
 def test_each_kind_of_request_asks_for_the_verify_mode_it_needs() -> None:
     """A drafting greedy request asks the target for argmax tokens only (K + 1 ints instead of
-    K + 1 vocabulary rows); a greedy one with a repetition penalty needs the logits, and a
-    sampled one the target's candidates. In one batch all three decode as they would alone."""
+    K + 1 vocabulary rows); a greedy one with a repetition penalty needs the logits, a seeded
+    sampled one the target's own draws and one judged by rejection sampling its candidates. In
+    one batch all four decode as they would alone; the drawn one emits plain decoding's tokens."""
     target, draft = FakeTarget(), FakeDraft()
     modes = {
         "plain": common_pb2.SamplingParams(),
         "penalised": common_pb2.SamplingParams(repetition_penalty=1.3),
-        "sampled": common_pb2.SamplingParams(temperature=0.7, seed=5),
+        "drawn": common_pb2.SamplingParams(temperature=0.7, seed=5),
+        "sampled": common_pb2.SamplingParams(temperature=0.7, seed=6),
     }
 
     async def test(sched: Scheduler) -> None:
@@ -551,6 +553,8 @@ def test_each_kind_of_request_asks_for_the_verify_mode_it_needs() -> None:
         for name, sampling in modes.items():
             req = request()
             req.sampling.CopyFrom(sampling)
+            if name == "sampled":
+                req.speculation.verification = gateway_pb2.VERIFICATION_REJECTION
             seqs[name] = new_sequence(req, policy())
             sched.submit(seqs[name])
         outputs = {name: (await drain(seq))[0] for name, seq in seqs.items()}
@@ -558,7 +562,9 @@ def test_each_kind_of_request_asks_for_the_verify_mode_it_needs() -> None:
         asked = {item.slot_id: type(item.mode) for batch in target.verify_batches for item in batch
                  if len(item.tokens) > 1}
         assert asked == {seqs["plain"].slot_id: ArgmaxMode, seqs["penalised"].slot_id: LogitsMode,
-                         seqs["sampled"].slot_id: SampledMode}
+                         seqs["drawn"].slot_id: DrawnMode, seqs["sampled"].slot_id: SampledMode}
+        first, *rest = outputs["drawn"]  # the first token comes from the Prefill's logits
+        assert rest == decode_reference(prompt_ids() + [first], len(rest), seqs["drawn"].target_sampling)
 
     run(test, target, draft)
 
