@@ -94,8 +94,8 @@ class SamplingParams:
 
     @property
     def greedy_by_raw_argmax(self) -> bool:
-        """Greedy, and nothing moves the argmax of the raw logits (no repetition penalty;
-        top-k and top-p always keep the largest logit): the argmax is all it needs."""
+        """Greedy, and nothing moves the argmax of the raw logits (no logit bias, no
+        penalty; top-k, top-p and min-p always keep the largest logit): the argmax is all it needs."""
         return self.is_greedy and self.repetition_penalty == 1.0 and not self.uses_bias and not self.counts_output
 
     @property
