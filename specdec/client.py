@@ -85,6 +85,10 @@ def build_request(
     top_k: int = 0,
     top_p: float = 1.0,
     repetition_penalty: float = 1.0,
+    min_p: float = 0.0,
+    logit_bias: Mapping[int, float] | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
     seed: int | None = None,
     stop: Sequence[str] = (),
     speculative: bool | None = None,
@@ -93,9 +97,12 @@ def build_request(
     method: str | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest: a string is a raw prompt, a list of {role, content} is a chat.
+    `logit_bias` maps token ids to a bias in [-100, 100]; presence and frequency penalties
+    count the generated tokens only (OpenAI's semantics).
     `method` is what to draft with: "auto", "model", "ngram" or "none" (default: the gateway's)."""
     sampling = common_pb2.SamplingParams(
-        temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty
+        temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, min_p=min_p,
+        logit_bias=dict(logit_bias or {}), presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
     )
     if seed is not None:
         sampling.seed = seed
