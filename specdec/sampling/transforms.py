@@ -242,37 +242,62 @@ def _output_counts(
     return counts, (padded != PAD_ID).sum(dim=1)
 
 
-def _subtract_output_penalties(x: torch.Tensor, st: SamplingTensors, counts: torch.Tensor) -> torch.Tensor:
-    """logit -= presence * (count > 0) + frequency * count on the rows in `st.count_rows` of
-    float32 logits x [n, ..., vocab], whose counts are `counts` [m, ..., vocab+1]."""
-    rows = st.count_rows
+def _output_penalty(counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+    """presence * (count > 0) + frequency * count, elementwise (float32; broadcasts)."""
+    return presence * (counts > 0) + frequency * counts
+
+
+def _subtract_output_penalties(
+    x: torch.Tensor, st: SamplingTensors, counts: torch.Tensor, chunk: torch.Tensor | None = None
+) -> torch.Tensor:
+    """logit -= `_output_penalty` on the rows in `st.count_rows` of float32 logits x [n, vocab],
+    or x [n, T, vocab] with `chunk` [m, L]: the rows' counted chunk tokens (the spare id
+    `vocab` where not counted), which position t adds to `counts` [m, vocab+1] for j < t.
+
+    The chunk's tokens are the only columns whose count changes along the chunk: every
+    position takes the prior's penalty, then those columns are rewritten with their count
+    at each position, so the work beyond one pass over x is [m, T, L], not [m, T, vocab]."""
+    rows, vocab = st.count_rows, x.shape[-1]
     device = x.device
-    shape = (len(rows),) + (1,) * (x.dim() - 1)
-    presence = torch.tensor([st.params[r].presence_penalty for r in rows], device=device).view(shape)  # [m, 1..]
-    frequency = torch.tensor([st.params[r].frequency_penalty for r in rows], device=device).view(shape)  # [m, 1..]
-    seen = counts[..., : x.shape[-1]]  # [m, ..., vocab]
+    presence = torch.tensor([st.params[r].presence_penalty for r in rows], device=device)[:, None]  # [m, 1]
+    frequency = torch.tensor([st.params[r].frequency_penalty for r in rows], device=device)[:, None]  # [m, 1]
+    prior = _output_penalty(counts[:, :vocab], presence, frequency)  # [m, vocab]
+    every_row = len(rows) == x.shape[0]  # rows are sorted and distinct: then they are all of x's, in order
     idx = torch.tensor(rows, dtype=torch.int64, device=device)  # [m]
-    penalized = x.index_select(0, idx) - (presence * (seen > 0) + frequency * seen)
-    return x.index_copy(0, idx, penalized)
+    sub = x if every_row else x.index_select(0, idx)  # [m, vocab] or [m, T, vocab]
+    if chunk is None:
+        adjusted = sub - prior  # [m, vocab]
+        return adjusted if every_row else x.index_copy(0, idx, adjusted)
+    t_len, width = x.shape[1], chunk.shape[1]
+    adjusted = sub - prior[:, None, :]  # [m, T, vocab]
+    # Column j holds chunk token j (token 0 in place of the spare id: its own count then,
+    # so a write to column 0 agrees with every other one).
+    column = torch.where(chunk < vocab, chunk, 0)  # [m, L]
+    earlier = torch.arange(width, device=device)[None, :] < torch.arange(t_len, device=device)[:, None]  # [T, L]
+    matches = chunk[:, None, :] == column[:, :, None]  # [m, L (column j), L (chunk token i)]
+    grown = (matches[:, None] & earlier[None, :, None, :]).sum(dim=-1)  # [m, T, L]: token j in chunk[:t]
+    column_counts = counts.gather(1, column)[:, None, :] + grown  # [m, T, L]
+    index = column[:, None, :].expand(-1, t_len, -1)  # [m, T, L]
+    penalty = _output_penalty(column_counts, presence[..., None], frequency[..., None])  # [m, T, L]
+    adjusted.scatter_(2, index, sub.gather(2, index) - penalty)
+    return adjusted if every_row else x.index_copy(0, idx, adjusted)
 
 
 def _add_bias(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Each row's logit bias added to float32 logits x [n, vocab] or [n, T, vocab]."""
+    """Each row's logit bias added to float32 logits x [n, vocab], or to every position of
+    x [n, T, vocab]: one copy of x and a write per biased token."""
     vocab = x.shape[-1]
-    rows, ids, values = [], [], []
-    for m, r in enumerate(st.bias_rows):
-        for token, bias in st.params[r].logit_bias:
-            rows.append(m)
-            ids.append(token)
-            values.append(bias)
+    rows, ids, values = zip(*[(r, token, bias) for r in st.bias_rows for token, bias in st.params[r].logit_bias])
     if max(ids) >= vocab:
         raise InvalidArgumentError(f"logit_bias: token id {max(ids)} is outside the vocabulary [0, {vocab})")
     device = x.device
-    dense = torch.zeros(len(st.bias_rows), vocab, dtype=torch.float32, device=device)  # [m, vocab]
-    dense[torch.tensor(rows, device=device), torch.tensor(ids, device=device)] = torch.tensor(values, device=device)
-    idx = torch.tensor(st.bias_rows, dtype=torch.int64, device=device)  # [m]
-    sub = x.index_select(0, idx)  # [m, vocab] or [m, T, vocab]
-    return x.index_copy(0, idx, sub + (dense if x.dim() == 2 else dense[:, None, :]))
+    row_index, id_index = torch.tensor(rows, device=device), torch.tensor(ids, device=device)  # [b] each
+    bias = torch.tensor(values, dtype=torch.float32, device=device)  # [b]
+    if x.dim() == 2:
+        return x.index_put((row_index, id_index), bias, accumulate=True)
+    positions = torch.arange(x.shape[1], device=device)[None, :]  # [1, T]
+    return x.index_put((row_index[:, None], positions, id_index[:, None]), bias[:, None].expand(-1, x.shape[1]),
+                       accumulate=True)
 
 
 def _starts(st: SamplingTensors, device: torch.device) -> torch.Tensor:
@@ -297,7 +322,7 @@ def adjust_logits(
         x = apply_repetition_penalty(x, context, st.repetition_penalty)
     if context is not None and st.count_rows:
         counts, _ = _output_counts(_rows_of(context, st.count_rows, n), _starts(st, x.device), vocab, x.device)
-        x = _subtract_output_penalties(x, st, counts)  # counts: [m, vocab+1]
+        x = _subtract_output_penalties(x, st, counts)
     return x
 
 
@@ -329,7 +354,7 @@ def chunk_adjust_logits(
         # Chunk token j sits at index prior_len + j of the sequence: counted from the start on.
         index = prior_len[:, None] + torch.arange(chunk.shape[1], device=device)[None, :]  # [m, L]
         chunk = chunk.masked_fill(index < starts[:, None], vocab)  # [m, L]
-        x = _subtract_output_penalties(x, st, _grow(counts, chunk, t_len))  # counts: [m, T, vocab+1]
+        x = _subtract_output_penalties(x, st, counts, chunk)
     return x
 
 
@@ -360,12 +385,13 @@ def _top_p(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 def _min_p(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """`MinPLogitsWarper` (min_tokens_to_keep=1) on the rows in `st.min_p_rows`: a token whose
     probability is below min_p x the row's top probability is dropped (never the top one)."""
+    every_row = len(st.min_p_rows) == logits.shape[0]
     idx = torch.tensor(st.min_p_rows, dtype=torch.int64, device=logits.device)  # [m]
-    sub = logits.index_select(0, idx)  # [m, vocab]
+    sub = logits if every_row else logits.index_select(0, idx)  # [m, vocab]
     probs = sub.softmax(dim=-1)  # [m, vocab]
     min_p = torch.tensor([st.params[r].min_p for r in st.min_p_rows], device=logits.device)[:, None]  # [m, 1]
-    remove = probs < min_p * probs.amax(dim=-1, keepdim=True)  # [m, vocab]
-    return logits.index_copy(0, idx, sub.masked_fill(remove, float("-inf")))
+    kept = sub.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))  # [m, vocab]
+    return kept if every_row else logits.index_copy(0, idx, kept)
 
 
 def _warp(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
