@@ -91,11 +91,6 @@ class SamplingTensors:
             min_p_rows=tuple(i for i in sampled if params[i].min_p > 0),
         )
 
-    @property
-    def adjusts(self) -> bool:
-        """True when some row has a transform that moves logits before temperature."""
-        return bool(self.penalty_rows or self.bias_rows or self.count_rows)
-
     def __len__(self) -> int:
         return len(self.params)
 

@@ -578,14 +578,15 @@ def test_invalid_arguments_name_the_field(start_target: Callable[..., Service]) 
     def verify_request(valid_len: int, tokens: list[int]) -> target_pb2.VerifyRequest:
         return target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(slot_id="a", valid_len=valid_len, tokens=tokens)])
 
-    def decode_request(tokens: list[int], steps: int, temperature: float = 0.0) -> target_pb2.VerifyRequest:
-        sampling = common_pb2.SamplingParams(temperature=temperature)
+    def decode_request(tokens: list[int], steps: int, temperature: float = 0.0,
+                       **options: object) -> target_pb2.VerifyRequest:
+        sampling = common_pb2.SamplingParams(temperature=temperature, **options)
         return target_pb2.VerifyRequest(items=[
             target_pb2.VerifyItem(slot_id="a", valid_len=20, tokens=tokens, mode=decode_mode(steps, sampling))
         ])
 
-    def q_request(tokens: list[int], rows: list[dict[int, float]]) -> target_pb2.VerifyRequest:
-        mode = sampled_mode(common_pb2.SamplingParams(temperature=0.5), sparse_q(rows))
+    def q_request(tokens: list[int], rows: list[dict[int, float]], **options: object) -> target_pb2.VerifyRequest:
+        mode = sampled_mode(common_pb2.SamplingParams(temperature=0.5, **options), sparse_q(rows))
         return target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(slot_id="a", valid_len=20, tokens=tokens,
                                                                      mode=mode)])
 
@@ -618,6 +619,9 @@ def test_invalid_arguments_name_the_field(start_target: Callable[..., Service]) 
         (service.stub.Verify, q_request([1, 2], [{2: 1.0, vocab: 1.0}]), "draft_probs"),
         (service.stub.Verify, q_request([1, 2], [{2: -1.0, 3: 2.0}]), "draft_probs"),
         (service.stub.Verify, q_request([1], []), "mode"),  # sampled without draft tokens
+        (service.stub.Verify, q_request([1, 2], [{2: 1.0}], logit_bias={vocab: 1.0}), "sampling.logit_bias"),
+        (service.stub.Verify, decode_request([1], steps=1, logit_bias={vocab: 1.0}), "sampling.logit_bias"),
+        (service.stub.Verify, decode_request([1], steps=1, min_p=2.0), "min_p"),
         (service.stub.Truncate, common_pb2.TruncateRequest(slot_id="a", new_len=21), "new_len"),
         (service.stub.Truncate, common_pb2.TruncateRequest(slot_id="a", new_len=-1), "new_len"),
     ]

@@ -139,7 +139,7 @@ def test_logit_bias_moves_the_greedy_argmax_and_out_of_vocab_ids_are_refused(dev
 def test_unused_transforms_have_no_rows() -> None:
     """The hot path skips a transform by its host-side row list: plain rows list none."""
     st = SamplingTensors.from_params([SamplingParams(), SamplingParams(temperature=0, top_k=3)], "cpu")
-    assert st.bias_rows == st.count_rows == st.min_p_rows == () and not st.adjusts
+    assert st.bias_rows == st.count_rows == st.min_p_rows == ()
     st = SamplingTensors.from_params(
         [SamplingParams(temperature=0, min_p=0.5), SamplingParams(logit_bias=((1, 0.0),)),
          SamplingParams(temperature=0, frequency_penalty=1.0), SamplingParams(min_p=0.5, logit_bias=((1, 2.0),))],
