@@ -235,14 +235,17 @@ def test_sampled_speculative_items_get_candidates_and_p_at_the_draft_tokens(
     """A Sampled item (sampling params and q) gets, instead of logits, p_i(t_i) for
     its K draft tokens and K + 1 candidates: draws from norm(max(0, p_i - q_i)) and from
     p_{K+1}, each seeded from (seed, position), p carrying the transforms with the
-    repetition-penalty context growing through the draft. Checked against the reference
-    model; a second slot with the same request draws the same candidates."""
+    penalties' context growing through the draft (presence and frequency counting from g,
+    the first output token). Checked against the reference model; a second slot with the
+    same request draws the same candidates."""
     prompt = prompts[1]
     n = len(prompt)
     g, *drafts = greedy_continuation(smollm2, prompt, 4)  # likely tokens: p_i(t_i) mostly well above 0
     # The draft tokens themselves, each with a few other tokens: rows weighted unevenly.
     rows = [{t: 3.0, t + 1: 1.0, 500 + i: 0.5} for i, t in enumerate(drafts)]
-    params = common_pb2.SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.2, seed=11)
+    params = common_pb2.SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.2, seed=11, min_p=0.01,
+                                       presence_penalty=0.5, frequency_penalty=0.4, penalty_start=n,
+                                       logit_bias={drafts[1]: 1.5, 13: -2.0})
     prefill(target, {"a": prompt, "b": prompt})
     request = target_pb2.VerifyRequest(items=[
         target_pb2.VerifyItem(slot_id=slot, valid_len=n, tokens=[g, *drafts], mode=sampled_mode(params, sparse_q(rows)))
