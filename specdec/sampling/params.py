@@ -113,7 +113,7 @@ def _checked_bias(given: LogitBias | Mapping[int, float]) -> LogitBias:
     """`given` as (id, bias) pairs sorted by id; InvalidArgumentError names a bad entry."""
     pairs = list(given.items()) if isinstance(given, Mapping) else list(given)
     for pair in pairs:
-        if not (isinstance(pair, tuple) and len(pair) == 2):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
             raise InvalidArgumentError(f"logit_bias must hold (token id, bias) pairs, got {pair!r}")
         token, bias = pair
         if not (_is_int(token) and token >= 0):

@@ -146,19 +146,15 @@ def _chunk_ids(chunk_tokens: Context | None, batch: int, vocab: int, device: tor
     return _in_vocab(chunk, vocab)
 
 
-def _grow(table: torch.Tensor, chunk: torch.Tensor, t_len: int) -> torch.Tensor:
-    """Position t's copy of a per-row token table [m, vocab+1] with chunk[:, :t] [m, L] added:
-    marked (a bool table) or counted (a float one). Returns [m, T, vocab+1]; one scatter,
-    and the spare last column takes the tokens a position does not see yet."""
-    m, width = chunk.shape
-    spare = table.shape[-1] - 1
+def _grow_mask(mask: torch.Tensor, chunk: torch.Tensor, t_len: int) -> torch.Tensor:
+    """Position t's copy of a per-row token mask [m, vocab+1] with chunk[:, :t] [m, L] marked:
+    [m, T, vocab+1] in one scatter, the spare last column taking the tokens a position does
+    not see yet."""
+    width = chunk.shape[1]
     positions = torch.arange(t_len, device=chunk.device)  # [T]
     seen = torch.arange(width, device=chunk.device)[None, :] < positions[:, None]  # [T, L]: j < t
-    index = torch.where(seen[None], chunk[:, None, :], spare)  # [m, T, L]
-    grown = table[:, None, :].repeat(1, t_len, 1)  # [m, T, vocab+1]
-    if table.dtype == torch.bool:
-        return grown.scatter_(2, index, True)
-    return grown.scatter_add_(2, index, torch.ones(index.shape, dtype=table.dtype, device=table.device))
+    index = torch.where(seen[None], chunk[:, None, :], mask.shape[-1] - 1)  # [m, T, L]
+    return mask[:, None, :].repeat(1, t_len, 1).scatter_(2, index, True)
 
 
 def _per_row(value: torch.Tensor | Sequence[float] | float, n: int, device: torch.device) -> torch.Tensor:
@@ -208,7 +204,7 @@ def chunk_apply_repetition_penalty(
     batch, t_len, vocab = logits.shape
     device = logits.device
     prior = _context_mask(prior_context if prior_context is not None else [[]] * batch, batch, vocab, device)
-    mask = _grow(prior, _chunk_ids(chunk_tokens, batch, vocab, device), t_len)[..., :vocab]  # [batch, T, vocab]
+    mask = _grow_mask(prior, _chunk_ids(chunk_tokens, batch, vocab, device), t_len)[..., :vocab]  # [batch, T, vocab]
     pen = _per_row(penalty, batch, device)[:, None, None]  # [batch, 1, 1]
     return _penalize(logits, mask, pen)
 
