@@ -98,7 +98,10 @@ def test_logits_to_probs_matches_the_references(seed: int, device: torch.device)
     ours = logits_to_probs(logits, params, context)  # [n, vocab]
     for row in range(len(params)):
         # Same ops in the same order: bit-identical, including which tokens are cut.
-        assert torch.equal(ours[row], _reference_probs(logits[row], params[row], context[row])), params[row]
+        reference = _reference_probs(logits[row], params[row], context[row])
+        assert torch.equal(ours[row], reference), params[row]
+        # A row alone takes the path of a batch whose every row uses a transform.
+        assert torch.equal(logits_to_probs(logits[row : row + 1], [params[row]], [context[row]])[0], reference)
 
 
 def test_min_p_matches_transformers_after_temperature(device: torch.device) -> None:
