@@ -107,6 +107,10 @@ def build_request(
     top_k: int = 0,
     top_p: float = 1.0,
     repetition_penalty: float = 1.0,
+    min_p: float = 0.0,
+    logit_bias: Mapping[int, float] | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
     seed: int | None = None,
     stop: Sequence[str] = (),
     speculative: bool | None = None,
@@ -118,6 +122,8 @@ def build_request(
     processed_logprobs: bool = False,
 ) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest: a string is a raw prompt, a list of {role, content} is a chat.
+    `logit_bias` maps token ids to a bias in [-100, 100]; presence and frequency penalties
+    count the generated tokens only (OpenAI's semantics).
     `method` is what to draft with: "auto", "model", "ngram" or "none" (default: the gateway's).
     `verification` is how a sampled request's draft tokens are judged: "rejection" or "drawn"
     (default: drawn when seeded, so the tokens depend on the seed alone; see gateway.proto).
@@ -125,7 +131,8 @@ def build_request(
     logprobs), from the model's raw distribution or, with `processed_logprobs`, from the
     distribution after the request's transforms."""
     sampling = common_pb2.SamplingParams(
-        temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty
+        temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, min_p=min_p,
+        logit_bias=dict(logit_bias or {}), presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
     )
     if seed is not None:
         sampling.seed = seed

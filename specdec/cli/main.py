@@ -70,6 +70,14 @@ def _generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens below this share of the most likely one's probability; 0 = off")
+    parser.add_argument("--presence-penalty", type=float, default=0.0,
+                        help="subtracted from the logit of every token already generated, in [-2, 2]")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0,
+                        help="subtracted from a token's logit once per time it was generated, in [-2, 2]")
+    parser.add_argument("--logit-bias", type=_logit_bias, action="append", default=[], metavar="TOKEN_ID=BIAS",
+                        help="add BIAS (in [-100, 100]) to a token's logit (repeatable)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument(
@@ -102,6 +110,17 @@ def _generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token-file", default="", help="file holding the gateway's bearer token (default: $SPECDEC_AUTH_TOKEN)",
     )
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    """A `--logit-bias` value, TOKEN_ID=BIAS."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS, e.g. 42=-100, got {text!r}") from None
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -159,7 +178,8 @@ def generate(args: argparse.Namespace) -> int:
         ]
     options = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+        repetition_penalty=args.repetition_penalty, min_p=args.min_p, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, logit_bias=dict(args.logit_bias), seed=args.seed, stop=args.stop,
         speculative=False if args.no_speculative else None, num_speculative_tokens=args.num_speculative_tokens,
         method=args.method, verification=args.verification, logprobs=args.logprobs,
         processed_logprobs=args.processed_logprobs,

@@ -96,6 +96,7 @@ class DraftEngine(ModelEngine):
                 raise InvalidArgumentError(f"new_tokens: slot {item.slot_id!r} sent none "
                                            "(at least the last accepted token is needed)")
             self._check_tokens("new_tokens", item.slot_id, item.new_tokens)
+            self._check_sampling(item.slot_id, item.sampling)
             if not 1 <= item.num_speculative_tokens <= self.config.max_speculative_tokens:
                 raise InvalidArgumentError(f"num_speculative_tokens: {item.num_speculative_tokens} for slot "
                                            f"{item.slot_id!r} is outside [1, {self.config.max_speculative_tokens}]")

@@ -2,12 +2,12 @@
 
 The target answered each drafting request in the mode the gateway asked for
 (`specdec.wire.items.VerifyMode`): argmax tokens for a greedy request with untransformed
-logits, raw logits for a greedy request with a repetition penalty (applied here, its
-context growing through the draft tokens), for a seeded sampled request its own draw at
-each position (kept while they equal the draft tokens, as argmax tokens are), and for an
-unseeded sampled request the K + 1 candidates and p_i(t_i) that it drew and computed with
-the request's transforms. Each kind is judged in one batched call of
-`specdec.sampling.rejection_sampler`. Pure tensor work: it runs on
+logits, raw logits for a greedy request whose argmax a logit bias or a penalty may move
+(`transforms.chunk_adjust_logits` applied here, the penalties' context growing through the
+draft tokens), for a seeded sampled request its own draw at each position (kept while they
+equal the draft tokens, as argmax tokens are), and for an unseeded sampled request the K + 1
+candidates and p_i(t_i) that it drew and computed with the request's transforms. Each kind is
+judged in one batched call of `specdec.sampling.rejection_sampler`. Pure tensor work: it runs on
 the gateway's sampler thread.
 """
 
@@ -20,7 +20,7 @@ import torch
 from specdec.errors import ServiceStateError
 from specdec.gateway.sequence import Sequence, Verification
 from specdec.sampling.rejection_sampler import RejectionResult, accept_candidates, greedy_accept, greedy_accept_argmax
-from specdec.sampling.transforms import chunk_apply_repetition_penalty, stack_chunks
+from specdec.sampling.transforms import chunk_adjust_logits, stack_chunks
 from specdec.wire.items import (
     Proposal,
     VerifiedArgmax,
@@ -54,11 +54,9 @@ def accept_all(
     if greedy:
         logits = [_answer(verified, s, VerifiedLogits).logits for s in greedy]
         tokens, ks = _padded_drafts(greedy, proposals)  # [G, K_max]
-        scores = stack_chunks(logits, tokens.shape[1] + 1).float()  # [G, K_max+1, vocab]
-        penalties = [s.sampling.repetition_penalty for s in greedy]
-        if any(p != 1.0 for p in penalties):
-            drafted = [proposals[s.slot_id].tokens for s in greedy]
-            scores = chunk_apply_repetition_penalty(scores, [s.tokens for s in greedy], drafted, penalties)
+        scores = stack_chunks(logits, tokens.shape[1] + 1)  # [G, K_max+1, vocab]
+        drafted = [proposals[s.slot_id].tokens for s in greedy]
+        scores = chunk_adjust_logits(scores, [s.sampling for s in greedy], [s.tokens for s in greedy], drafted)
         results |= _split(greedy, greedy_accept(scores, tokens, ks))
     if sampled:
         answers = [_answer(verified, s, VerifiedSampled) for s in sampled]

@@ -96,7 +96,9 @@ def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) ->
     check_stop_strings(list(request.stop))
     if request.max_new_tokens < 0:
         raise InvalidArgumentError(f"max_new_tokens: must be >= 0, got {request.max_new_tokens}")
-    sampling = sampling_from_pb(request.sampling)
+    # The services count presence and frequency from the output's start: the prompt's end.
+    sampling = dataclasses.replace(sampling_from_pb(request.sampling), penalty_start=len(prompt))
+    check_logit_bias(sampling, policy.vocab_size)
     spec = request.speculation
     method = speculation_method(spec, policy)
     verification = verification_of(spec, sampling)
@@ -195,6 +197,14 @@ def check_prompt(prompt: list[int], max_seq_len: int, vocab_size: int) -> None:
         )
     if max(prompt) >= vocab_size:
         raise InvalidArgumentError(f"prompt: token id {max(prompt)} is outside the target's vocabulary of {vocab_size}")
+
+
+def check_logit_bias(sampling: SamplingParams, vocab_size: int) -> None:
+    """The bias's token ids must lie in the target's vocabulary."""
+    bad = [token for token, _ in sampling.logit_bias if token >= vocab_size]
+    if bad:
+        raise InvalidArgumentError(
+            f"sampling.logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
 def completion_to_pb(seq: Sequence, error: str) -> gateway_pb2.Completion:

@@ -140,7 +140,7 @@ def verify_item(seq: Sequence, proposal: Proposal | None, plan: RoundPlan) -> Ve
 def verify_mode(seq: Sequence, proposal: Proposal | None, plan: RoundPlan) -> VerifyMode:
     """How the target answers `seq`: a request without a proposal decodes plainly on the
     target; a drafting one is judged here from the argmax (greedy, untransformed), the logits
-    (greedy with transforms), the target's own draws (sampled and seeded: the tokens plain
+    (greedy with a logit bias or a penalty), the target's own draws (sampled and seeded: the tokens plain
     decoding draws, so the output does not depend on what was drafted) or its candidates
     (sampled, unseeded: rejection sampling, which keeps more draft tokens)."""
     raw_argmax = seq.sampling.greedy_by_raw_argmax
@@ -187,7 +187,7 @@ def advance(seq: Sequence, k: int, num_accepted: int) -> None:
 def first_tokens(seqs: list[Sequence], logits: dict[str, torch.Tensor]) -> dict[str, int]:
     """The next token of each newly prefilled sequence, from its last-position logits: the first
     completion token, or, for a request resuming after a preemption, the one after its tokens
-    (whose repetition-penalty context is all of them)."""
+    (whose penalty context is all of them)."""
     out = {}
     for seq in seqs:
         probs = logits_to_probs(logits[seq.slot_id][None], [seq.sampling], [seq.tokens])  # [1, vocab]

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from specdec.errors import InvalidArgumentError
 
 _MAX_SEED = 2**64  # the wire carries the seed as uint64
+#: OpenAI's ranges: a bias of +-100 bans or forces a token; penalties beyond +-2 wreck the text.
+MAX_LOGIT_BIAS = 100.0
+MAX_OUTPUT_PENALTY = 2.0
+#: A token id and the bias added to its logit.
+LogitBias = tuple[tuple[int, float], ...]
 
 
 def _is_int(value: object) -> bool:
@@ -22,8 +28,9 @@ def _is_real(value: object) -> bool:
 class SamplingParams:
     """How one request turns logits into a next-token distribution.
 
-    The transforms run in `transformers`' order: repetition penalty, temperature,
-    top-k, top-p, softmax (see `specdec.sampling.transforms`).
+    The transforms run in this order: logit bias, repetition penalty, presence and
+    frequency penalties, temperature, top-k, top-p, min-p, softmax (see
+    `specdec.sampling.transforms`).
     """
 
     #: 0 means greedy (argmax); otherwise logits are divided by it.
@@ -36,6 +43,21 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     #: Seed of the request's own generator; None means nondeterministic.
     seed: int | None = None
+    #: Keep the tokens whose probability (after temperature) is at least min_p times the
+    #: most likely token's; 0 disables. In [0, 1].
+    min_p: float = 0.0
+    #: (token id, bias) pairs, each bias in [-100, 100] added to the raw logit; stored sorted
+    #: by id so equal biases compare and hash equal. Ids are checked against the vocabulary
+    #: where it is known (the gateway, the services).
+    logit_bias: LogitBias = ()
+    #: Subtracted once from the logit of every token the output holds; in [-2, 2].
+    presence_penalty: float = 0.0
+    #: Subtracted from a token's logit once per occurrence in the output; in [-2, 2].
+    frequency_penalty: float = 0.0
+    #: Where the output starts in a slot's tokens: presence and frequency count only the
+    #: tokens from this index on (OpenAI's semantics: generated tokens, not the prompt).
+    #: The gateway sets it to the prompt length; the repetition penalty counts everything.
+    penalty_start: int = 0
 
     def __post_init__(self) -> None:
         if not (_is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
@@ -54,6 +76,16 @@ class SamplingParams:
             )
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < _MAX_SEED):
             raise InvalidArgumentError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
+        if not (_is_real(self.min_p) and 0 <= self.min_p <= 1):
+            raise InvalidArgumentError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (_is_real(value) and -MAX_OUTPUT_PENALTY <= value <= MAX_OUTPUT_PENALTY):
+                raise InvalidArgumentError(f"{name} must be in [-2, 2], got {value!r}")
+        if not (_is_int(self.penalty_start) and self.penalty_start >= 0):
+            raise InvalidArgumentError(f"penalty_start must be an integer >= 0, got {self.penalty_start!r}")
+        # Frozen: the normalized form replaces the given one, as __init__ would have stored it.
+        object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
 
     @property
     def is_greedy(self) -> bool:
@@ -62,9 +94,37 @@ class SamplingParams:
 
     @property
     def greedy_by_raw_argmax(self) -> bool:
-        """Greedy, and nothing moves the argmax of the raw logits (no repetition penalty;
-        top-k and top-p always keep the largest logit): the argmax is all it needs."""
-        return self.is_greedy and self.repetition_penalty == 1.0
+        """Greedy, and nothing moves the argmax of the raw logits (no logit bias, no
+        penalty; top-k, top-p and min-p always keep the largest logit): the argmax is all it needs."""
+        return self.is_greedy and self.repetition_penalty == 1.0 and not self.uses_bias and not self.counts_output
+
+    @property
+    def uses_bias(self) -> bool:
+        """True when some logit bias is not zero."""
+        return any(bias != 0 for _, bias in self.logit_bias)
+
+    @property
+    def counts_output(self) -> bool:
+        """True when a presence or frequency penalty needs the output's token counts."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def _checked_bias(given: LogitBias | Mapping[int, float]) -> LogitBias:
+    """`given` as (id, bias) pairs sorted by id; InvalidArgumentError names a bad entry."""
+    pairs = list(given.items()) if isinstance(given, Mapping) else list(given)
+    for pair in pairs:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise InvalidArgumentError(f"logit_bias must hold (token id, bias) pairs, got {pair!r}")
+        token, bias = pair
+        if not (_is_int(token) and token >= 0):
+            raise InvalidArgumentError(f"logit_bias: token id {token!r} must be an integer >= 0")
+        if not (_is_real(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+            raise InvalidArgumentError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias!r}")
+    pairs.sort()
+    for (a, _), (b, _) in zip(pairs, pairs[1:]):
+        if a == b:
+            raise InvalidArgumentError(f"logit_bias: token id {a} appears more than once")
+    return tuple((int(token), float(bias)) for token, bias in pairs)
 
 
 def independent_seed(seed: int, stream: int) -> int:

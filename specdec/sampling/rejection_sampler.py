@@ -212,8 +212,8 @@ def greedy_accept(
     """Greedy round: accept t_i while argmax(target_i) == t_i, then emit the target's
     argmax at the first mismatch (or at position k, the bonus). Draws no randomness.
 
-    Apply the repetition penalty first (`transforms.chunk_apply_repetition_penalty`) for
-    requests that use one: greedy decoding takes the argmax of the penalized logits.
+    Apply the logit bias and penalties first (`transforms.chunk_adjust_logits`) for
+    requests that use them: greedy decoding takes the argmax of the adjusted logits.
     """
     return greedy_accept_argmax(target_logits.argmax(dim=-1), draft_tokens, num_draft_tokens)
 

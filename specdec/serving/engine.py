@@ -20,6 +20,7 @@ from specdec.model.cuda_graphs import StepGraphs
 from specdec.model.forward_batch import StepShape
 from specdec.model.runtime import ModelRuntime
 from specdec.model.tokenizer_info import TokenizerInfo
+from specdec.sampling.params import SamplingParams
 from specdec.serving.config import ModelServiceConfig
 from specdec.serving.leases import LeaseTable
 from specdec.tuning.openmp import release_threads
@@ -41,7 +42,7 @@ class ModelEngine:
         model_limit = int(getattr(runtime.loaded.model.config, "max_position_embeddings", 0) or 0)
         limits = [self.cache.capacity_tokens] + [n for n in (config.max_seq_len, model_limit) if n > 0]
         self.max_seq_len = min(limits)
-        #: Token ids held in each slot's cache, in order (the draft's repetition-penalty context).
+        #: Token ids held in each slot's cache, in order (the draft's penalty context).
         self.tokens: dict[str, list[int]] = {}
         #: Prompt tokens new slots asked for, and those found in the prefix cache (`_allocate`).
         self.prefix_cache_queries = 0
@@ -146,6 +147,10 @@ class ModelEngine:
             raise InvalidArgumentError(
                 f"{field}: token id {bad[0]} of slot {slot_id!r} is outside the vocabulary [0, {self.vocab_size})"
             )
+
+    def _check_sampling(self, slot_id: str, params: SamplingParams) -> None:
+        """The sampling params' token ids (the logit bias's) must lie in the vocabulary."""
+        self._check_tokens("sampling.logit_bias", slot_id, [token for token, _ in params.logit_bias])
 
     def _check_rollback(self, slot_id: str, valid_len: int, field: str) -> None:
         cached = len(self._require_slot(slot_id))

@@ -123,15 +123,19 @@ class TargetEngine(ModelEngine):
             )
         self._check_tokens("tokens", item.slot_id, item.tokens)
         match item.mode:
-            case SampledMode(draft_probs=draft_probs):
+            case SampledMode(sampling=sampling, draft_probs=draft_probs):
+                self._check_sampling(item.slot_id, sampling)
                 if k == 0:
                     raise InvalidArgumentError(f"mode: slot {item.slot_id!r} is sampled with no draft tokens")
                 draft_probs.check_drafted(list(item.tokens[1:]), self.vocab_size,
                                           f"draft_probs of slot {item.slot_id!r}")
-            case DrawnMode():
+            case DrawnMode(sampling=sampling):
+                self._check_sampling(item.slot_id, sampling)
                 if k == 0:
                     raise InvalidArgumentError(f"mode: slot {item.slot_id!r} is drawn with no draft tokens")
-            case DecodeMode(steps=steps):
+            case DecodeMode(steps=steps, sampling=sampling):
+                if sampling is not None:
+                    self._check_sampling(item.slot_id, sampling)
                 if k > 0:
                     raise InvalidArgumentError(f"mode: slot {item.slot_id!r} decodes on after {k} draft tokens")
                 if not 1 <= steps <= limit + 1:
@@ -158,7 +162,7 @@ class TargetEngine(ModelEngine):
 
     def _answer_sampled(self, scored: list[tuple[VerifyItem, torch.Tensor]]) -> dict[str, VerifiedChunk]:
         """For each item and its logits [K + 1, vocab]: p, the logits with the item's transforms
-        (the repetition-penalty context growing through the draft tokens), the K + 1 candidates
+        (the penalties' context growing through the draft tokens), the K + 1 candidates
         (`rejection_sampler.draw_candidates`, each with the generator of its sequence position)
         and p_i(t_i) [K]. One batch."""
         if not scored:

@@ -33,13 +33,20 @@ def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
         top_p=message.top_p or 1.0,
         repetition_penalty=message.repetition_penalty or 1.0,
         seed=message.seed if message.HasField("seed") else None,
+        min_p=message.min_p,
+        logit_bias=tuple(message.logit_bias.items()),
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        penalty_start=message.penalty_start,
     )
 
 
 def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     message = common_pb2.SamplingParams(
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-        repetition_penalty=params.repetition_penalty,
+        repetition_penalty=params.repetition_penalty, min_p=params.min_p, logit_bias=dict(params.logit_bias),
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        penalty_start=params.penalty_start,
     )
     if params.seed is not None:
         message.seed = params.seed

@@ -341,6 +341,9 @@ def test_invalid_arguments_name_the_field(start_draft: Callable[..., Service]) -
         (request(item("new", [1], 2, sampling=common_pb2.SamplingParams(temperature=-1))), "temperature"),
         (request(item("new", [1], 2, sampling=common_pb2.SamplingParams(temperature=1, top_p=1.5))), "top_p"),
         (request(item("new", [1], 2), probs_dtype=99), "dtype"),
+        (request(item("new", [1], 2, sampling=common_pb2.SamplingParams(logit_bias={vocab: 1.0}))),
+         "sampling.logit_bias"),
+        (request(item("new", [1], 2, sampling=common_pb2.SamplingParams(presence_penalty=3))), "presence_penalty"),
     ]
     for req, fields in cases:
         error = rpc_error(service.stub.Propose, req)

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 import pytest
 
+from specdec.cli.main import build_parser
 from specdec.client import SpecdecClient
 from specdec.serving.ready import ReadyLine, parse_ready_line
 
@@ -37,10 +38,20 @@ def test_generate_json_prints_one_object(int8_stack) -> None:  # type: ignore[no
 
 
 def test_generate_streams_text_and_prints_statistics(int8_stack) -> None:  # type: ignore[no-untyped-def]
-    done = _generate(int8_stack.address, "Say hi.", "--max-new-tokens", "8", "--temperature", "0.8", "--seed", "3")
+    done = _generate(int8_stack.address, "Say hi.", "--max-new-tokens", "8", "--temperature", "0.8", "--seed", "3",
+                     "--min-p", "0.05", "--presence-penalty", "0.5", "--frequency-penalty", "0.3",
+                     "--logit-bias", "28=2", "--logit-bias", "30=-100")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()
     assert "acceptance rate" in done.stderr and "tok/s" in done.stderr
+
+
+def test_generate_logit_bias_flags_parse_to_pairs(capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(["generate", "hi", "--logit-bias", "42=-100", "--logit-bias", "7=0.5"])
+    assert dict(args.logit_bias) == {42: -100.0, 7: 0.5}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "hi", "--logit-bias", "42"])
+    assert "TOKEN_ID=BIAS" in capsys.readouterr().err
 
 
 def test_generate_error_exits_non_zero_with_status(int8_stack) -> None:  # type: ignore[no-untyped-def]

@@ -45,9 +45,16 @@ def _status(stack: Stack, request: gateway_pb2.GenerateRequest) -> grpc.RpcError
         (build_request("hi", stop=["."] * 17), "stop"),
         (build_request("hi", stop=["x" * 257]), "stop[0]"),
         (build_request("hi", stop=["ok", ""]), "stop[1]"),
+        (build_request("hi", min_p=1.5), "min_p"),
+        (build_request("hi", presence_penalty=2.5), "presence_penalty"),
+        (build_request("hi", frequency_penalty=-3.0), "frequency_penalty"),
+        (build_request("hi", logit_bias={5: 150.0}), "logit_bias"),
+        (build_request("hi", logit_bias={10: 1.0, 49_152: 1.0}), "logit_bias: token id 49152"),
+        (build_request("hi", logit_bias={-1: 1.0}), "logit_bias: token id -1"),
     ],
     ids=["no-input", "empty-prompt", "empty-chat", "temperature", "top_p", "top_k", "max_new_tokens", "spec-0",
-         "spec-99", "unknown-role", "empty-role", "too-many-stops", "long-stop", "empty-stop"],
+         "spec-99", "unknown-role", "empty-role", "too-many-stops", "long-stop", "empty-stop", "min_p",
+         "presence", "frequency", "bias-range", "bias-vocab", "bias-negative-id"],
 )
 def test_invalid_requests_are_invalid_argument(
     int8_stack: Stack, request_: gateway_pb2.GenerateRequest, field: str

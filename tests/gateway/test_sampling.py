@@ -76,8 +76,10 @@ def test_second_token_follows_the_target_distribution(
 
 @pytest.mark.parametrize("mode", [{"num_speculative_tokens": 4}, {"speculative": False}], ids=["speculative", "plain"])
 def test_seeded_requests_reproduce_exactly(int8_stack: Stack, mode: dict) -> None:
-    """Plain rounds draw on the target (a seed per position), speculative ones at the gateway."""
-    options = dict(max_new_tokens=24, temperature=0.9, top_p=0.95, repetition_penalty=1.1, **mode)
+    """Plain rounds draw on the target (a seed per position), speculative ones at the gateway;
+    every transform is on, the output penalties' counts growing inside each verify."""
+    options = dict(max_new_tokens=24, temperature=0.9, top_p=0.95, repetition_penalty=1.1, min_p=0.02,
+                   presence_penalty=0.5, frequency_penalty=0.3, logit_bias={28: 2.0, 30: -5.0}, **mode)
     with int8_stack.client() as client:
         first = client.generate(PROMPT, seed=1234, **options)
         second = client.generate(PROMPT, seed=1234, **options)

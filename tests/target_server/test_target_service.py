@@ -235,14 +235,17 @@ def test_sampled_speculative_items_get_candidates_and_p_at_the_draft_tokens(
     """A Sampled item (sampling params and q) gets, instead of logits, p_i(t_i) for
     its K draft tokens and K + 1 candidates: draws from norm(max(0, p_i - q_i)) and from
     p_{K+1}, each seeded from (seed, position), p carrying the transforms with the
-    repetition-penalty context growing through the draft. Checked against the reference
-    model; a second slot with the same request draws the same candidates."""
+    penalties' context growing through the draft (presence and frequency counting from g,
+    the first output token). Checked against the reference model; a second slot with the
+    same request draws the same candidates."""
     prompt = prompts[1]
     n = len(prompt)
     g, *drafts = greedy_continuation(smollm2, prompt, 4)  # likely tokens: p_i(t_i) mostly well above 0
     # The draft tokens themselves, each with a few other tokens: rows weighted unevenly.
     rows = [{t: 3.0, t + 1: 1.0, 500 + i: 0.5} for i, t in enumerate(drafts)]
-    params = common_pb2.SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.2, seed=11)
+    params = common_pb2.SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.2, seed=11, min_p=0.01,
+                                       presence_penalty=0.5, frequency_penalty=0.4, penalty_start=n,
+                                       logit_bias={drafts[1]: 1.5, 13: -2.0})
     prefill(target, {"a": prompt, "b": prompt})
     request = target_pb2.VerifyRequest(items=[
         target_pb2.VerifyItem(slot_id=slot, valid_len=n, tokens=[g, *drafts], mode=sampled_mode(params, sparse_q(rows)))
@@ -578,14 +581,15 @@ def test_invalid_arguments_name_the_field(start_target: Callable[..., Service]) 
     def verify_request(valid_len: int, tokens: list[int]) -> target_pb2.VerifyRequest:
         return target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(slot_id="a", valid_len=valid_len, tokens=tokens)])
 
-    def decode_request(tokens: list[int], steps: int, temperature: float = 0.0) -> target_pb2.VerifyRequest:
-        sampling = common_pb2.SamplingParams(temperature=temperature)
+    def decode_request(tokens: list[int], steps: int, temperature: float = 0.0,
+                       **options: object) -> target_pb2.VerifyRequest:
+        sampling = common_pb2.SamplingParams(temperature=temperature, **options)
         return target_pb2.VerifyRequest(items=[
             target_pb2.VerifyItem(slot_id="a", valid_len=20, tokens=tokens, mode=decode_mode(steps, sampling))
         ])
 
-    def q_request(tokens: list[int], rows: list[dict[int, float]]) -> target_pb2.VerifyRequest:
-        mode = sampled_mode(common_pb2.SamplingParams(temperature=0.5), sparse_q(rows))
+    def q_request(tokens: list[int], rows: list[dict[int, float]], **options: object) -> target_pb2.VerifyRequest:
+        mode = sampled_mode(common_pb2.SamplingParams(temperature=0.5, **options), sparse_q(rows))
         return target_pb2.VerifyRequest(items=[target_pb2.VerifyItem(slot_id="a", valid_len=20, tokens=tokens,
                                                                      mode=mode)])
 
@@ -618,6 +622,9 @@ def test_invalid_arguments_name_the_field(start_target: Callable[..., Service]) 
         (service.stub.Verify, q_request([1, 2], [{2: 1.0, vocab: 1.0}]), "draft_probs"),
         (service.stub.Verify, q_request([1, 2], [{2: -1.0, 3: 2.0}]), "draft_probs"),
         (service.stub.Verify, q_request([1], []), "mode"),  # sampled without draft tokens
+        (service.stub.Verify, q_request([1, 2], [{2: 1.0}], logit_bias={vocab: 1.0}), "sampling.logit_bias"),
+        (service.stub.Verify, decode_request([1], steps=1, logit_bias={vocab: 1.0}), "sampling.logit_bias"),
+        (service.stub.Verify, decode_request([1], steps=1, min_p=2.0), "min_p"),
         (service.stub.Truncate, common_pb2.TruncateRequest(slot_id="a", new_len=21), "new_len"),
         (service.stub.Truncate, common_pb2.TruncateRequest(slot_id="a", new_len=-1), "new_len"),
     ]

@@ -7,8 +7,8 @@ import pytest
 from specdec.errors import InvalidArgumentError
 from specdec.gateway.draft_sources import SpeculationMethod
 from specdec.gateway.requests import new_sequence
-from specdec.v1 import gateway_pb2
-from tests.support.fakes import policy
+from specdec.v1 import common_pb2, gateway_pb2
+from tests.support.fakes import VOCAB, policy
 
 
 def test_max_new_tokens_is_capped_at_what_the_sequence_limit_leaves() -> None:
@@ -54,3 +54,17 @@ def test_a_method_the_gateway_cannot_serve_is_an_invalid_argument(
 ) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         method_of(gateway_pb2.SpeculationOptions(**speculation), **policy_options)  # type: ignore[arg-type]
+
+
+def test_the_output_penalties_count_from_the_prompt_end_whatever_the_client_sent() -> None:
+    sampling = common_pb2.SamplingParams(presence_penalty=0.5, penalty_start=99, logit_bias={3: 1.0})
+    seq = new_sequence(gateway_pb2.GenerateRequest(prompt="hello", sampling=sampling), policy())
+    assert seq.sampling.penalty_start == len(seq.prompt) == 5
+    assert seq.draft_sampling.penalty_start == seq.target_sampling.penalty_start == 5
+    assert seq.sampling.logit_bias == ((3, 1.0),)
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_an_invalid_argument() -> None:
+    sampling = common_pb2.SamplingParams(logit_bias={3: 1.0, VOCAB: 1.0})
+    with pytest.raises(InvalidArgumentError, match=f"sampling.logit_bias: token id {VOCAB} is outside the vocabulary"):
+        new_sequence(gateway_pb2.GenerateRequest(prompt="hello", sampling=sampling), policy())

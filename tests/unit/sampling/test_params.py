@@ -51,6 +51,20 @@ def test_frozen() -> None:
         ("seed", -1),
         ("seed", 2**64),
         ("seed", 1.5),
+        ("min_p", -0.01),
+        ("min_p", 1.01),
+        ("min_p", math.nan),
+        ("presence_penalty", 2.01),
+        ("presence_penalty", math.nan),
+        ("frequency_penalty", -2.5),
+        ("frequency_penalty", math.inf),
+        ("penalty_start", -1),
+        ("logit_bias", ((3, 100.5),)),
+        ("logit_bias", ((3, math.nan),)),
+        ("logit_bias", ((-1, 1.0),)),
+        ("logit_bias", ((2, 1.0), (2, -1.0))),
+        ("logit_bias", ((2.0, 1.0),)),
+        ("logit_bias", (5,)),
     ],
 )
 def test_invalid_values_name_the_field(field: str, value: object) -> None:
@@ -79,3 +93,28 @@ def test_independent_seeds_differ_per_stream_and_are_stable() -> None:
     assert independent_seed(1234, 1) == 10936887474700444964
     assert independent_seed(0, 0) == 16294208416658607535
     assert independent_seed(2**64 - 1, 5) < 2**64
+
+
+def test_logit_bias_is_stored_sorted_and_hashable() -> None:
+    given = SamplingParams(logit_bias=((9, -2.0), (1, 0.5)))
+    assert given.logit_bias == ((1, 0.5), (9, -2.0))
+    assert given == SamplingParams(logit_bias=((1, 0.5), (9, -2)))
+    assert hash(given) == hash(SamplingParams(logit_bias=((1, 0.5), (9, -2.0))))
+    SamplingParams(logit_bias=((0, -100.0), (128_255, 100.0)), min_p=1.0, presence_penalty=-2.0, frequency_penalty=2.0)
+
+
+@pytest.mark.parametrize(
+    ("params", "raw_argmax"),
+    [
+        (SamplingParams(temperature=0), True),
+        (SamplingParams(temperature=0, top_k=3, top_p=0.5, min_p=0.9), True),  # never drop the top token
+        (SamplingParams(temperature=0, logit_bias=((4, 0.0),)), True),  # a zero bias moves nothing
+        (SamplingParams(temperature=0, logit_bias=((4, 0.5),)), False),
+        (SamplingParams(temperature=0, presence_penalty=0.1), False),
+        (SamplingParams(temperature=0, frequency_penalty=-0.1), False),
+        (SamplingParams(temperature=0, repetition_penalty=1.1), False),
+        (SamplingParams(temperature=1.0), False),
+    ],
+)
+def test_greedy_by_raw_argmax_only_when_nothing_moves_the_argmax(params: SamplingParams, raw_argmax: bool) -> None:
+    assert params.greedy_by_raw_argmax is raw_argmax
