@@ -23,25 +23,19 @@ from collections.abc import Callable, Collection
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from specdec.cost_model import CostTable, ForwardCost, RoundCostModel, expected_tokens
+from specdec.cost_model import CostTable, ForwardCost, RoundCostModel
 from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.proposers import LookupDraft
-from specdec.gateway.round_rates import RatePredictor, SourceChoice, fixed_choice, lookup_length
+from specdec.gateway.round_rates import CatchUp, RatePredictor, SourceChoice, fixed_choice, lookup_length
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence
 
 __all__ = ["OFF_REASONS", "AcceptanceEstimate", "DraftOverhead", "KPlanner", "RatePredictor"]
 log = logging.getLogger(__name__)
 
-#: Rounds at most over which a draft catch-up is spread: its payback is an estimate (a
-#: request may stop early), and a crowd of fresh requests all catching up at once stalls
-#: every stream. Shorter horizons kept short requests from ever drafting; 16 rounds at
-#: K = 2..4 are 40-60 tokens, which most chat completions outlive
-#: (docs/performance.md#adaptive-k-planner-rules).
-CATCH_UP_HORIZON = 16.0
 #: The most tokens a round leaves for the draft to feed: the last draft token and the bonus
 #: token after a fully accepted round. More (a prompt, tokens decoded while speculation
-#: was off) is a catch-up, priced by `KPlanner._catch_up_cost`.
+#: was off) is a catch-up, priced by `KPlanner._catch_up`.
 MAX_ROUND_FEED = 2
 #: Why a round speculated less than it could, as exported in the metrics.
 OFF_REASONS = ("not_paying", "batch", "draft_unavailable")
@@ -256,7 +250,7 @@ class KPlanner:
         if flexible and self.can_adapt:
             model = self.cost_model(context)
             alphas = [self.alphas(s) for s in seqs]
-            rates = RatePredictor(model, seqs, alphas, [self._catch_up_cost(s, model, a) for s, a in zip(seqs, alphas)],
+            rates = RatePredictor(model, seqs, alphas, [self._catch_up(s, model) for s in seqs],
                                    [feeds[s.slot_id] for s in seqs], self._lookup_alphas(seqs, lookups))
             off_reason = self._choose(rates, choice, flexible, caps, steps, lookups, model_ok)
             plain_round = model.round_seconds([0] * len(seqs))
@@ -356,23 +350,23 @@ class KPlanner:
     @staticmethod
     def _feed(seq: Sequence) -> int:
         """Tokens the draft's first step takes for `seq`: the 1-2 it has not seen after a
-        round, or 1 when it must catch up on more (`_catch_up_cost` prices the rest)."""
+        round, or 1 when it must catch up on more (`_catch_up` prices the rest)."""
         pending = seq.draft_pending
         return pending if 1 <= pending <= MAX_ROUND_FEED else 1
 
     @staticmethod
-    def _catch_up_cost(seq: Sequence, model: RoundCostModel, alphas: list[float]) -> float:
-        """What feeding the draft the tokens it has not seen costs beyond a normal step, spread
-        over the rounds the request has left (at most CATCH_UP_HORIZON): a prompt the draft
-        never saw (or everything since speculation went off) is a one-off prefill that only
-        a long enough future of speculating repays. Without this a batch of new requests would all start drafting
-        at once and pay seconds of draft prefill for a few rounds of gain."""
+    def _catch_up(seq: Sequence, model: RoundCostModel) -> CatchUp:
+        """What feeding the draft the tokens it has not seen costs beyond a normal step: a
+        prompt the draft never saw (or everything since speculation went off) is a one-off
+        prefill that only a long enough future of speculating repays, so the rate prediction
+        spreads it over the rounds left at the K it prices (`CatchUp.per_round`). Without this
+        a batch of new requests would all start drafting at once and pay seconds of draft
+        prefill for a few rounds of gain."""
         pending = seq.draft_pending
         if model.draft is None or pending <= MAX_ROUND_FEED:
-            return 0.0
+            return CatchUp()
         extra = model.draft.seconds(1, pending) - model.draft.step(1)
-        rounds_left = (seq.max_new_tokens - seq.completion_tokens) / expected_tokens(alphas, 2)
-        return max(0.0, extra) / min(max(1.0, rounds_left), CATCH_UP_HORIZON)
+        return CatchUp(max(0.0, extra), seq.max_new_tokens - seq.completion_tokens)
 
     def _probe_affordable(self, seq: Sequence, model: RoundCostModel, plain_round: float, batch_size: int) -> bool:
         """A probe's catch-up may cost at most `probe_budget` of the request's remaining plain
