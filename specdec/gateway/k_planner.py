@@ -13,7 +13,10 @@ The planner also picks each request's draft source: a lookup proposal (`specdec.
 costs the round only its verified tokens, the model draft its draft steps and Propose too. After
 the uniform K of the model draft, each request with a lookup proposal switches to it where
 that raises the batch's rate, with as many of its tokens as pay (`lookup_length`); α of a
-lookup is kept per source and match length, over all requests.
+lookup is kept per source and match length (`match_class`), over all requests. Token j of a
+lookup is judged only if the j before it were accepted, and then its match is j tokens
+longer: so its α is the estimate of that longer match, and a proposal grows more certain
+as it goes.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 
 from specdec.cost_model import CostTable, ForwardCost, RoundCostModel
 from specdec.gateway.draft_sources import DraftSource
-from specdec.gateway.proposers import LookupDraft
+from specdec.gateway.proposers import LookupDraft, match_class
 from specdec.gateway.round_rates import CatchUp, RatePredictor, SourceChoice, fixed_choice, lookup_length
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence
@@ -220,13 +223,28 @@ class KPlanner:
         estimate = self._estimates.get(seq.slot_id)
         return estimate.alphas if estimate is not None else self.global_alpha.alphas
 
-    def lookup_estimate(self, lookup: LookupDraft) -> AcceptanceEstimate:
-        """α of lookups like this one: same source, same match length (the longer, the likelier)."""
-        key = (lookup.source, lookup.match_len)
+    def lookup_estimate(self, lookup: LookupDraft, offset: int = 0) -> AcceptanceEstimate:
+        """α of the token `offset` places into lookups like this one: same source, and a match
+        `offset` tokens longer than theirs (the tokens before it accepted, it is), by `match_class`."""
+        key = (lookup.source, match_class(lookup.match_len + offset))
         estimate = self._lookup_estimates.get(key)
         if estimate is None:
             estimate = self._lookup_estimates[key] = AcceptanceEstimate(self.lookup_prior_alpha, self.lookup_weight)
         return estimate
+
+    def lookup_alphas(self, lookup: LookupDraft) -> list[float]:
+        """α of each of the lookup's tokens given the ones before it were accepted."""
+        return [self.lookup_estimate(lookup, j).alpha for j in range(max(1, len(lookup.tokens)))]
+
+    def lookup_estimates(self) -> list[tuple[tuple[DraftSource, int], AcceptanceEstimate]]:
+        """Every lookup acceptance estimate by (source, `match_class`), shortest matches first."""
+        return sorted(self._lookup_estimates.items(), key=lambda item: (item[0][0].value, item[0][1]))
+
+    def observe_lookup(self, lookup: LookupDraft, k: int, num_accepted: int) -> None:
+        """`k` of the lookup's tokens were verified and the first `num_accepted` kept: each judged
+        token teaches the estimate of its own match length."""
+        for j in range(min(num_accepted + 1, k)):
+            self.lookup_estimate(lookup, j).observe(1, 1 if j < num_accepted else 0)
 
     def plan(
         self, seqs: list[Sequence], caps: dict[str, int], adaptive: dict[str, bool],
@@ -271,7 +289,7 @@ class KPlanner:
 
     def _lookup_alphas(self, seqs: list[Sequence], lookups: dict[str, LookupDraft]) -> list[list[float]]:
         """α of each request's lookup proposal ([0.0] where it has none)."""
-        return [self.lookup_estimate(lookups[s.slot_id]).alphas if s.slot_id in lookups else [0.0] for s in seqs]
+        return [self.lookup_alphas(lookups[s.slot_id]) if s.slot_id in lookups else [0.0] for s in seqs]
 
     def _choose(
         self, rates: RatePredictor, choice: SourceChoice, flexible: list[Sequence], caps: dict[str, int],
@@ -335,7 +353,7 @@ class KPlanner:
         for s in candidates:
             slot = s.slot_id
             limit = min(caps[slot], len(lookups[slot].tokens))
-            k = lookup_length(rates.lookup_alphas[rates.seqs.index(s)][0], limit, extra_token_s * best_rate)
+            k = lookup_length(rates.lookup_alphas[rates.seqs.index(s)], limit, extra_token_s * best_rate)
             if k == 0:
                 continue
             before, was_lookup = choice.ks[slot], slot in choice.on_lookup
@@ -424,7 +442,7 @@ class KPlanner:
             if k == 0:
                 continue
             if lookup is not None:
-                self.lookup_estimate(lookup).observe(k, accepted)
+                self.observe_lookup(lookup, k, accepted)
                 continue
             estimate = self._estimates.get(seq.slot_id)
             if estimate is None:
@@ -461,8 +479,7 @@ class KPlanner:
             matched = next((i for i, (a, b) in enumerate(zip(lookup.tokens, emitted)) if a != b),
                            min(len(lookup.tokens), len(emitted)))
             judged = matched + 1 if matched < min(len(lookup.tokens), len(emitted)) else matched
-            if judged:
-                self.lookup_estimate(lookup).observe(judged, matched)
+            self.observe_lookup(lookup, judged, matched)
 
     def _observe_overhead(self, drafted: int, looked_up: int, overhead_s: float) -> None:
         """A round's overhead beyond the services' compute: a plain round's, plus what each

@@ -65,13 +65,14 @@ def fixed_choice(
     return choice
 
 
-def lookup_length(alpha: float, limit: int, threshold: float) -> int:
-    """How many tokens of a lookup proposal pay, at most `limit`: token j adds α^j expected
-    tokens to the round and costs one more verified token, so it pays while α^j exceeds that
-    token's seconds times the batch's tokens per second (`threshold`)."""
+def lookup_length(alphas: list[float], limit: int, threshold: float) -> int:
+    """How many tokens of a lookup proposal pay, at most `limit`: token j, accepted with
+    probability `alphas[j]` given the ones before it were (the last entry repeats), adds
+    Π α expected tokens to the round and costs one more verified token, so it pays while
+    that product exceeds the token's seconds times the batch's tokens per second (`threshold`)."""
     k, survive = 0, 1.0
     while k < limit:
-        survive *= alpha
+        survive *= alphas[min(k, len(alphas) - 1)]
         if survive <= threshold:
             break
         k += 1
