@@ -233,8 +233,12 @@ class KPlanner:
         return estimate
 
     def lookup_alphas(self, lookup: LookupDraft) -> list[float]:
-        """α of each of the lookup's tokens given the ones before it were accepted."""
-        return [self.lookup_estimate(lookup, j).alpha for j in range(max(1, len(lookup.tokens)))]
+        """α of each of the lookup's tokens given the ones before it were accepted; the last
+        entry stands for the rest (as `expected_tokens` reads it), so equal trailing ones go."""
+        alphas = [self.lookup_estimate(lookup, j).alpha for j in range(max(1, len(lookup.tokens)))]
+        while len(alphas) > 1 and alphas[-1] == alphas[-2]:
+            alphas.pop()
+        return alphas
 
     def lookup_estimates(self) -> list[tuple[tuple[DraftSource, int], AcceptanceEstimate]]:
         """Every lookup acceptance estimate by (source, `match_class`), shortest matches first."""

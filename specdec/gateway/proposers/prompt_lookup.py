@@ -23,22 +23,27 @@ class PromptLookupIndex:
     def __init__(self, min_n: int, max_n: int, *, candidates: int = 8, max_match_len: int = 64) -> None:
         self.min_n, self.max_n = min_n, max_n
         self.candidates, self.max_match_len = candidates, max(max_match_len, max_n)
-        #: tables[n - min_n]: n-gram → indexes of the tokens that followed it, oldest first
-        #: (trimmed to the most recent `candidates` now and then).
-        self._tables: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(min_n, max_n + 1)]
+        #: tables[n - min_n]: n-gram → index of the token that followed its latest occurrence.
+        self._tables: list[dict[tuple[int, ...], int]] = [{} for _ in range(min_n, max_n + 1)]
+        #: earlier[n - min_n][i]: where the n-gram before index i was followed before that (-1:
+        #: nowhere), so a table entry heads a chain of its occurrences, newest first. Flat lists
+        #: of ints rather than a list per n-gram: thousands of small lists slow the garbage collector.
+        self._earlier: list[list[int]] = [[] for _ in range(min_n, max_n + 1)]
         #: Continuations starting before this index are in the tables.
         self._indexed = 0
 
     def update(self, tokens: list[int]) -> None:
         """Index the continuations that `tokens` has gained since the last call (tokens only grow)."""
-        min_n, tables, keep = self.min_n, self._tables, self.candidates
-        for start in range(max(self._indexed, min_n), len(tokens)):
+        min_n, tables, earlier = self.min_n, self._tables, self._earlier
+        for start in range(self._indexed, len(tokens)):
             window = tuple(tokens[max(0, start - self.max_n) : start])  # up to max_n tokens before `start`
-            for n in range(min_n, len(window) + 1):
-                starts = tables[n - min_n].setdefault(window[-n:], [])
-                starts.append(start)
-                if len(starts) >= 2 * keep:  # amortised: at most 2 × candidates kept
-                    del starts[:keep]
+            for n in range(min_n, self.max_n + 1):
+                if n > len(window):
+                    earlier[n - min_n].append(-1)
+                    continue
+                table, key = tables[n - min_n], window[-n:]
+                earlier[n - min_n].append(table.get(key, -1))
+                table[key] = start
         self._indexed = max(self._indexed, len(tokens))
 
     def propose(self, tokens: list[int], k: int) -> LookupDraft | None:
@@ -46,14 +51,17 @@ class PromptLookupIndex:
         whose real match is longest (indexed up to their end by `update`); None when no
         n-gram of at least `min_n` tokens matches."""
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
-            starts = self._tables[n - self.min_n].get(tuple(tokens[-n:]))
-            if not starts:
+            start = self._tables[n - self.min_n].get(tuple(tokens[-n:]), -1)
+            if start < 0:
                 continue
-            best_start, best_len = starts[-1], 0
-            for start in reversed(starts[-self.candidates :]):  # most recent first: it wins ties
+            earlier, best_start, best_len = self._earlier[n - self.min_n], start, 0
+            for _ in range(self.candidates):  # newest first: it wins ties
                 length = match_length(tokens, start, n, self.max_match_len)
                 if length > best_len:
                     best_start, best_len = start, length
+                start = earlier[start]
+                if start < 0 or best_len == self.max_match_len:
+                    break
             return LookupDraft(copy_forward(tokens, best_start, k), DraftSource.PROMPT_LOOKUP, best_len)
         return None
 

@@ -130,6 +130,7 @@ def test_a_lookup_grows_more_certain_as_its_match_grows() -> None:
                         RoundReport({"a": 8}, {"a": accepted}, ZERO, ZERO, 0.0, 0.0))
     alphas = planner.lookup_alphas(weak)
     assert len(alphas) == 8 and alphas[0] < planner.lookup_prior_alpha < alphas[1] and alphas[3] == alphas[6]
+    assert planner.lookup_alphas(copy(n=8, match_len=8)) == [planner.lookup_estimate(weak, 7).alpha]  # one class
     assert planner.lookup_estimate(weak, 7) is planner.lookup_estimate(copy(match_len=8))  # lengths 4-7, 8-15, ...
 
 
