@@ -6,7 +6,9 @@ greedy answers: figures that do not depend on the machine's speed.
 
 `record` starts the default stack and stores each bench workload prompt's (copy-heavy,
 long-context, the first chat prompts) token ids and its greedy plain answer in `--traces`.
-`replay` then runs the lookup proposer over each answer as greedy lookup-only decoding
+`served` sends the same prompts through the stack again with lookup drafting alone and
+with auto, and counts rounds per request (greedy, so the answers must equal the recorded ones).
+`replay` runs the lookup proposer over each answer as greedy lookup-only decoding
 would: each round proposes up to `--k` tokens from the prompt and the answer so far (or
 nothing), the target keeps the proposal's prefix that equals the answer and adds one token
 of its own. Greedy verification keeps exactly that prefix, so rounds, acceptance and tokens
@@ -61,6 +63,37 @@ def record(traces: Path, max_new_tokens: int, chat_prompts: int) -> None:
                             "answer": list(result.token_ids)})
                 print(workload.value, i, len(prompt_ids), len(result.token_ids), flush=True)
     traces.write_text(json.dumps(out))
+
+
+def served(traces: Path, max_new_tokens: int, chat_prompts: int) -> None:
+    """The recorded prompts through a running stack, greedy, drafting with lookups only (a
+    gateway without the draft) and with auto: rounds, tokens a round, the lookups' acceptance
+    and share of the draft tokens per workload, and whether every answer equals the recorded one."""
+    from specdec.client import GenerationResult, SpecdecClient
+    from specdec_bench.stack import running_stack
+    from specdec_bench.workloads import Workload, chat
+
+    records = json.loads(traces.read_text())
+    results: dict[tuple[str, str], list[GenerationResult]] = collections.defaultdict(list)
+    identical = True
+    with running_stack(lookup_gateway=True) as stack:
+        assert stack.lookup_gateway is not None
+        with SpecdecClient(stack.address) as auto, SpecdecClient(stack.lookup_gateway.address) as ngram:
+            for r in records:
+                for method, client in (("ngram", ngram), ("auto", auto)):
+                    prompt = Workload(r["workload"]).prompts(chat_prompts)[r["prompt"]]
+                    result = client.generate(chat(prompt), max_new_tokens=max_new_tokens, method=method)
+                    identical &= result.token_ids == r["answer"]
+                    results[(r["workload"], method)].append(result)
+    for (workload, method), runs in results.items():
+        tokens, rounds = sum(r.completion_tokens for r in runs), sum(r.num_rounds for r in runs)
+        lookup_drafted = sum(r.num_lookup_draft_tokens for r in runs)
+        drafted = sum(r.num_draft_tokens for r in runs)
+        print(f"{workload:13} {method:6} rounds {rounds:4}  tokens/round {tokens / max(1, rounds):5.2f}  "
+              f"lookup acceptance {sum(r.num_lookup_accepted_tokens for r in runs) / max(1, lookup_drafted):5.1%}  "
+              f"lookup share of draft tokens {lookup_drafted / max(1, drafted):4.0%}  "
+              f"acceptance {sum(r.num_accepted_tokens for r in runs) / max(1, drafted):5.1%}")
+    print(f"every answer equals the recorded plain one: {identical}")
 
 
 @dataclass
@@ -176,7 +209,7 @@ def replay(traces: Path, k: int, short: int, policy: str, threshold: float, veri
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", choices=("record", "replay"))
+    parser.add_argument("action", choices=("record", "replay", "served"))
     parser.add_argument("--traces", type=Path, default=Path("/tmp/lookup_traces.json"))
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--chat-prompts", type=int, default=3)
@@ -192,6 +225,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.action == "record":
         record(args.traces, args.max_new_tokens, args.chat_prompts)
+    elif args.action == "served":
+        served(args.traces, args.max_new_tokens, args.chat_prompts)
     else:
         settings = LookupSettings(min_n=args.min_n, max_n=args.max_n, suffix_cache_tokens=0)
         replay(args.traces, args.k, args.short, args.policy, args.threshold, args.verify_slope, settings)
