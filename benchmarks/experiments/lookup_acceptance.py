@@ -67,8 +67,9 @@ def record(traces: Path, max_new_tokens: int, chat_prompts: int) -> None:
 
 def served(traces: Path, max_new_tokens: int, chat_prompts: int) -> None:
     """The recorded prompts through a running stack, greedy, drafting with lookups only (a
-    gateway without the draft) and with auto: rounds, tokens a round, the lookups' acceptance
-    and share of the draft tokens per workload, and whether every answer equals the recorded one."""
+    gateway without the draft) and with auto: rounds (speculative and plain), tokens a round,
+    what a lookup round proposed and kept, the lookups' acceptance and share of the draft
+    tokens per workload, and whether every answer equals the recorded one."""
     from specdec.client import GenerationResult, SpecdecClient
     from specdec_bench.stack import running_stack
     from specdec_bench.workloads import Workload, chat
@@ -86,11 +87,16 @@ def served(traces: Path, max_new_tokens: int, chat_prompts: int) -> None:
                     identical &= result.token_ids == r["answer"]
                     results[(r["workload"], method)].append(result)
     for (workload, method), runs in results.items():
-        tokens, rounds = sum(r.completion_tokens for r in runs), sum(r.num_rounds for r in runs)
+        tokens = sum(r.completion_tokens for r in runs)
+        rounds = sum(r.num_rounds + r.num_plain_rounds for r in runs)
+        lookup_rounds = sum(r.num_lookup_rounds for r in runs)
         lookup_drafted = sum(r.num_lookup_draft_tokens for r in runs)
+        lookup_accepted = sum(r.num_lookup_accepted_tokens for r in runs)
         drafted = sum(r.num_draft_tokens for r in runs)
         print(f"{workload:13} {method:6} rounds {rounds:4}  tokens/round {tokens / max(1, rounds):5.2f}  "
-              f"lookup acceptance {sum(r.num_lookup_accepted_tokens for r in runs) / max(1, lookup_drafted):5.1%}  "
+              f"lookup rounds {lookup_rounds:4}  proposed/lookup round {lookup_drafted / max(1, lookup_rounds):4.1f}  "
+              f"accepted/lookup round {lookup_accepted / max(1, lookup_rounds):4.2f}  "
+              f"lookup acceptance {lookup_accepted / max(1, lookup_drafted):5.1%}  "
               f"lookup share of draft tokens {lookup_drafted / max(1, drafted):4.0%}  "
               f"acceptance {sum(r.num_accepted_tokens for r in runs) / max(1, drafted):5.1%}")
     print(f"every answer equals the recorded plain one: {identical}")
