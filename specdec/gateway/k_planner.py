@@ -13,7 +13,10 @@ The planner also picks each request's draft source: a lookup proposal (`specdec.
 costs the round only its verified tokens, the model draft its draft steps and Propose too. After
 the uniform K of the model draft, each request with a lookup proposal switches to it where
 that raises the batch's rate, with as many of its tokens as pay (`lookup_length`); α of a
-lookup is kept per source and match length, over all requests.
+lookup is kept per source and match length (`match_class`), over all requests. Token j of a
+lookup is judged only if the j before it were accepted, and then its match is j tokens
+longer: so its α is the estimate of that longer match, and a proposal grows more certain
+as it goes.
 """
 
 from __future__ import annotations
@@ -23,25 +26,19 @@ from collections.abc import Callable, Collection
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from specdec.cost_model import CostTable, ForwardCost, RoundCostModel, expected_tokens
+from specdec.cost_model import CostTable, ForwardCost, RoundCostModel
 from specdec.gateway.draft_sources import DraftSource
-from specdec.gateway.proposers import LookupDraft
-from specdec.gateway.round_rates import RatePredictor, SourceChoice, fixed_choice, lookup_length
+from specdec.gateway.proposers import LookupDraft, match_class
+from specdec.gateway.round_rates import CatchUp, RatePredictor, SourceChoice, fixed_choice, lookup_length
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence
 
 __all__ = ["OFF_REASONS", "AcceptanceEstimate", "DraftOverhead", "KPlanner", "RatePredictor"]
 log = logging.getLogger(__name__)
 
-#: Rounds at most over which a draft catch-up is spread: its payback is an estimate (a
-#: request may stop early), and a crowd of fresh requests all catching up at once stalls
-#: every stream. Shorter horizons kept short requests from ever drafting; 16 rounds at
-#: K = 2..4 are 40-60 tokens, which most chat completions outlive
-#: (docs/performance.md#adaptive-k-planner-rules).
-CATCH_UP_HORIZON = 16.0
 #: The most tokens a round leaves for the draft to feed: the last draft token and the bonus
 #: token after a fully accepted round. More (a prompt, tokens decoded while speculation
-#: was off) is a catch-up, priced by `KPlanner._catch_up_cost`.
+#: was off) is a catch-up, priced by `KPlanner._catch_up`.
 MAX_ROUND_FEED = 2
 #: Why a round speculated less than it could, as exported in the metrics.
 OFF_REASONS = ("not_paying", "batch", "draft_unavailable")
@@ -226,13 +223,32 @@ class KPlanner:
         estimate = self._estimates.get(seq.slot_id)
         return estimate.alphas if estimate is not None else self.global_alpha.alphas
 
-    def lookup_estimate(self, lookup: LookupDraft) -> AcceptanceEstimate:
-        """α of lookups like this one: same source, same match length (the longer, the likelier)."""
-        key = (lookup.source, lookup.match_len)
+    def lookup_estimate(self, lookup: LookupDraft, offset: int = 0) -> AcceptanceEstimate:
+        """α of the token `offset` places into lookups like this one: same source, and a match
+        `offset` tokens longer than theirs (the tokens before it accepted, it is), by `match_class`."""
+        key = (lookup.source, match_class(lookup.match_len + offset))
         estimate = self._lookup_estimates.get(key)
         if estimate is None:
             estimate = self._lookup_estimates[key] = AcceptanceEstimate(self.lookup_prior_alpha, self.lookup_weight)
         return estimate
+
+    def lookup_alphas(self, lookup: LookupDraft) -> list[float]:
+        """α of each of the lookup's tokens given the ones before it were accepted; the last
+        entry stands for the rest (as `expected_tokens` reads it), so equal trailing ones go."""
+        alphas = [self.lookup_estimate(lookup, j).alpha for j in range(max(1, len(lookup.tokens)))]
+        while len(alphas) > 1 and alphas[-1] == alphas[-2]:
+            alphas.pop()
+        return alphas
+
+    def lookup_estimates(self) -> list[tuple[tuple[DraftSource, int], AcceptanceEstimate]]:
+        """Every lookup acceptance estimate by (source, `match_class`), shortest matches first."""
+        return sorted(self._lookup_estimates.items(), key=lambda item: (item[0][0].value, item[0][1]))
+
+    def observe_lookup(self, lookup: LookupDraft, k: int, num_accepted: int) -> None:
+        """`k` of the lookup's tokens were verified and the first `num_accepted` kept: each judged
+        token teaches the estimate of its own match length."""
+        for j in range(min(num_accepted + 1, k)):
+            self.lookup_estimate(lookup, j).observe(1, 1 if j < num_accepted else 0)
 
     def plan(
         self, seqs: list[Sequence], caps: dict[str, int], adaptive: dict[str, bool],
@@ -256,7 +272,7 @@ class KPlanner:
         if flexible and self.can_adapt:
             model = self.cost_model(context)
             alphas = [self.alphas(s) for s in seqs]
-            rates = RatePredictor(model, seqs, alphas, [self._catch_up_cost(s, model, a) for s, a in zip(seqs, alphas)],
+            rates = RatePredictor(model, seqs, alphas, [self._catch_up(s, model) for s in seqs],
                                    [feeds[s.slot_id] for s in seqs], self._lookup_alphas(seqs, lookups))
             off_reason = self._choose(rates, choice, flexible, caps, steps, lookups, model_ok)
             plain_round = model.round_seconds([0] * len(seqs))
@@ -277,7 +293,7 @@ class KPlanner:
 
     def _lookup_alphas(self, seqs: list[Sequence], lookups: dict[str, LookupDraft]) -> list[list[float]]:
         """α of each request's lookup proposal ([0.0] where it has none)."""
-        return [self.lookup_estimate(lookups[s.slot_id]).alphas if s.slot_id in lookups else [0.0] for s in seqs]
+        return [self.lookup_alphas(lookups[s.slot_id]) if s.slot_id in lookups else [0.0] for s in seqs]
 
     def _choose(
         self, rates: RatePredictor, choice: SourceChoice, flexible: list[Sequence], caps: dict[str, int],
@@ -341,7 +357,7 @@ class KPlanner:
         for s in candidates:
             slot = s.slot_id
             limit = min(caps[slot], len(lookups[slot].tokens))
-            k = lookup_length(rates.lookup_alphas[rates.seqs.index(s)][0], limit, extra_token_s * best_rate)
+            k = lookup_length(rates.lookup_alphas[rates.seqs.index(s)], limit, extra_token_s * best_rate)
             if k == 0:
                 continue
             before, was_lookup = choice.ks[slot], slot in choice.on_lookup
@@ -356,23 +372,23 @@ class KPlanner:
     @staticmethod
     def _feed(seq: Sequence) -> int:
         """Tokens the draft's first step takes for `seq`: the 1-2 it has not seen after a
-        round, or 1 when it must catch up on more (`_catch_up_cost` prices the rest)."""
+        round, or 1 when it must catch up on more (`_catch_up` prices the rest)."""
         pending = seq.draft_pending
         return pending if 1 <= pending <= MAX_ROUND_FEED else 1
 
     @staticmethod
-    def _catch_up_cost(seq: Sequence, model: RoundCostModel, alphas: list[float]) -> float:
-        """What feeding the draft the tokens it has not seen costs beyond a normal step, spread
-        over the rounds the request has left (at most CATCH_UP_HORIZON): a prompt the draft
-        never saw (or everything since speculation went off) is a one-off prefill that only
-        a long enough future of speculating repays. Without this a batch of new requests would all start drafting
-        at once and pay seconds of draft prefill for a few rounds of gain."""
+    def _catch_up(seq: Sequence, model: RoundCostModel) -> CatchUp:
+        """What feeding the draft the tokens it has not seen costs beyond a normal step: a
+        prompt the draft never saw (or everything since speculation went off) is a one-off
+        prefill that only a long enough future of speculating repays, so the rate prediction
+        spreads it over the rounds left at the K it prices (`CatchUp.per_round`). Without this
+        a batch of new requests would all start drafting at once and pay seconds of draft
+        prefill for a few rounds of gain."""
         pending = seq.draft_pending
         if model.draft is None or pending <= MAX_ROUND_FEED:
-            return 0.0
+            return CatchUp()
         extra = model.draft.seconds(1, pending) - model.draft.step(1)
-        rounds_left = (seq.max_new_tokens - seq.completion_tokens) / expected_tokens(alphas, 2)
-        return max(0.0, extra) / min(max(1.0, rounds_left), CATCH_UP_HORIZON)
+        return CatchUp(max(0.0, extra), seq.max_new_tokens - seq.completion_tokens)
 
     def _probe_affordable(self, seq: Sequence, model: RoundCostModel, plain_round: float, batch_size: int) -> bool:
         """A probe's catch-up may cost at most `probe_budget` of the request's remaining plain
@@ -430,7 +446,7 @@ class KPlanner:
             if k == 0:
                 continue
             if lookup is not None:
-                self.lookup_estimate(lookup).observe(k, accepted)
+                self.observe_lookup(lookup, k, accepted)
                 continue
             estimate = self._estimates.get(seq.slot_id)
             if estimate is None:
@@ -467,8 +483,7 @@ class KPlanner:
             matched = next((i for i, (a, b) in enumerate(zip(lookup.tokens, emitted)) if a != b),
                            min(len(lookup.tokens), len(emitted)))
             judged = matched + 1 if matched < min(len(lookup.tokens), len(emitted)) else matched
-            if judged:
-                self.lookup_estimate(lookup).observe(judged, matched)
+            self.observe_lookup(lookup, judged, matched)
 
     def _observe_overhead(self, drafted: int, looked_up: int, overhead_s: float) -> None:
         """A round's overhead beyond the services' compute: a plain round's, plus what each

@@ -6,9 +6,32 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
-from specdec.cost_model import RoundCostModel
+from specdec.cost_model import RoundCostModel, expected_tokens
 from specdec.gateway.proposers import LookupDraft
 from specdec.gateway.sequence import Sequence
+
+#: Rounds at most over which a draft catch-up is spread: its payback is an estimate (a
+#: request may stop early), and a crowd of fresh requests all catching up at once stalls
+#: every stream. Shorter horizons kept short requests from ever drafting
+#: (docs/performance.md#adaptive-k-planner-rules).
+CATCH_UP_HORIZON = 16.0
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """What feeding the draft the tokens it has not seen costs beyond a normal step
+    (`extra_s`), repaid over the `tokens_left` the request may still emit."""
+
+    extra_s: float = 0.0
+    tokens_left: int = 0
+
+    def per_round(self, alphas: list[float], k: int) -> float:
+        """The catch-up spread over the rounds left at draft length `k` (at most
+        CATCH_UP_HORIZON): a long K emits more a round, so fewer rounds share the cost."""
+        if self.extra_s <= 0.0 or k <= 0:
+            return 0.0
+        rounds_left = self.tokens_left / expected_tokens(alphas, k)
+        return self.extra_s / min(max(1.0, rounds_left), CATCH_UP_HORIZON)
 
 
 @dataclass
@@ -42,13 +65,14 @@ def fixed_choice(
     return choice
 
 
-def lookup_length(alpha: float, limit: int, threshold: float) -> int:
-    """How many tokens of a lookup proposal pay, at most `limit`: token j adds α^j expected
-    tokens to the round and costs one more verified token, so it pays while α^j exceeds that
-    token's seconds times the batch's tokens per second (`threshold`)."""
+def lookup_length(alphas: list[float], limit: int, threshold: float) -> int:
+    """How many tokens of a lookup proposal pay, at most `limit`: token j, accepted with
+    probability `alphas[j]` given the ones before it were (the last entry repeats), adds
+    Π α expected tokens to the round and costs one more verified token, so it pays while
+    that product exceeds the token's seconds times the batch's tokens per second (`threshold`)."""
     k, survive = 0, 1.0
     while k < limit:
-        survive *= alpha
+        survive *= alphas[min(k, len(alphas) - 1)]
         if survive <= threshold:
             break
         k += 1
@@ -58,12 +82,12 @@ def lookup_length(alpha: float, limit: int, threshold: float) -> int:
 @dataclass(frozen=True)
 class RatePredictor:
     """Tokens per second of one batch for any Ks and sources, from the cost model, each
-    request's α of the model draft and of its lookup proposal, its catch-up cost and round feed."""
+    request's α of the model draft and of its lookup proposal, its catch-up and round feed."""
 
     model: RoundCostModel
     seqs: list[Sequence]
     alphas: list[list[float]]
-    start: list[float]
+    catch_ups: list[CatchUp]
     feeds: list[int]
     #: α of each request's lookup proposal ([0.0] where it has none).
     lookup_alphas: list[list[float]] = field(default_factory=list)
@@ -75,7 +99,8 @@ class RatePredictor:
         k_list = [ks[s.slot_id] for s in self.seqs]
         lookup = [s.slot_id in on_lookup for s in self.seqs]
         alphas = [own if looked_up else a for a, own, looked_up in zip(self.alphas, self.lookup_alphas, lookup)]
-        return self.model.tokens_per_second(k_list, alphas, self.start, self.feeds, plain_steps,
+        start = [c.per_round(a, k) for c, a, k in zip(self.catch_ups, self.alphas, k_list)]
+        return self.model.tokens_per_second(k_list, alphas, start, self.feeds, plain_steps,
                                             lookup if any(lookup) else None)
 
     def extra_token_seconds(self) -> float:

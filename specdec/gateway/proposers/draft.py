@@ -31,3 +31,10 @@ class LookupDraft:
     def truncated(self, k: int) -> LookupDraft:
         """The first `k` tokens of this proposal."""
         return self if k >= len(self.tokens) else replace(self, tokens=self.tokens[:k])
+
+
+def match_class(match_len: int) -> int:
+    """The match lengths whose lookups share an acceptance estimate: 1, 2 and 3 alone, then
+    powers of two (4-7, 8-15, 16-31, 32 and more). Long matches are rarer and change little
+    with a few more tokens, so pooling them keeps each estimate fed."""
+    return match_len if match_len < 4 else min(1 << (match_len.bit_length() - 1), 32)

@@ -1,9 +1,14 @@
-"""Prompt lookup: propose what followed the request's last n tokens earlier in its own text.
+"""Prompt lookup: propose what followed the request's last tokens earlier in its own text.
 
 The index maps every n-gram of the request's prompt and output, for n from `min_n` to
-`max_n`, to where its most recent continuation starts, and grows with the tokens each round
-adds, so a lookup is `max_n - min_n + 1` dictionary probes whatever the length of the text.
-The longest n that matches wins: a longer match is likelier to go on alike.
+`max_n`, to where its continuations start, and grows with the tokens each round adds. A
+lookup takes the longest n that matches, then measures each of that n-gram's
+`candidates` most recent occurrences backward: how many tokens before it equal the
+request's last tokens, up to `max_match_len`. The occurrence with the longest real match
+wins, the most recent on a tie: a text repeats its openings (code lines, table rows, JSON
+objects share their first tokens), so a short n-gram alone points at the latest of many
+look-alikes, while the real match length tells a copy in progress from a coincidence. That
+length is the proposal's `match_len`, which the K planner's acceptance estimates are kept by.
 """
 
 from __future__ import annotations
@@ -13,32 +18,74 @@ from specdec.gateway.proposers.draft import LookupDraft
 
 
 class PromptLookupIndex:
-    """The n-grams of one request's tokens, each pointing at its latest continuation."""
+    """The n-grams of one request's tokens, each pointing at its recent continuations."""
 
-    def __init__(self, min_n: int, max_n: int) -> None:
+    def __init__(self, min_n: int, max_n: int, *, candidates: int = 8, max_match_len: int = 64) -> None:
         self.min_n, self.max_n = min_n, max_n
+        self.candidates, self.max_match_len = candidates, max(max_match_len, max_n)
         #: tables[n - min_n]: n-gram → index of the token that followed its latest occurrence.
         self._tables: list[dict[tuple[int, ...], int]] = [{} for _ in range(min_n, max_n + 1)]
+        #: earlier[n - min_n][i]: where the n-gram before index i was followed before that (-1:
+        #: nowhere), so a table entry heads a chain of its occurrences, newest first. Flat lists
+        #: of ints rather than a list per n-gram: thousands of small lists slow the garbage collector.
+        self._earlier: list[list[int]] = [[] for _ in range(min_n, max_n + 1)]
         #: Continuations starting before this index are in the tables.
         self._indexed = 0
 
     def update(self, tokens: list[int]) -> None:
         """Index the continuations that `tokens` has gained since the last call (tokens only grow)."""
-        min_n, tables = self.min_n, self._tables
-        for start in range(max(self._indexed, min_n), len(tokens)):
+        min_n, tables, earlier = self.min_n, self._tables, self._earlier
+        for start in range(self._indexed, len(tokens)):
             window = tuple(tokens[max(0, start - self.max_n) : start])  # up to max_n tokens before `start`
-            for n in range(min_n, len(window) + 1):
-                tables[n - min_n][window[-n:]] = start
+            for n in range(min_n, self.max_n + 1):
+                if n > len(window):
+                    earlier[n - min_n].append(-1)
+                    continue
+                table, key = tables[n - min_n], window[-n:]
+                earlier[n - min_n].append(table.get(key, -1))
+                table[key] = start
         self._indexed = max(self._indexed, len(tokens))
 
     def propose(self, tokens: list[int], k: int) -> LookupDraft | None:
-        """Up to `k` tokens after the latest earlier occurrence of the longest matching suffix of
-        `tokens` (indexed up to their end by `update`); None when no n-gram of at least `min_n` matches."""
+        """Up to `k` tokens after the earlier occurrence of `tokens`' longest matching n-gram
+        whose real match is longest (indexed up to their end by `update`); None when no
+        n-gram of at least `min_n` tokens matches."""
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
-            start = self._tables[n - self.min_n].get(tuple(tokens[-n:]))
-            if start is not None:
-                return LookupDraft(copy_forward(tokens, start, k), DraftSource.PROMPT_LOOKUP, n)
+            start = self._tables[n - self.min_n].get(tuple(tokens[-n:]), -1)
+            if start < 0:
+                continue
+            earlier, best_start, best_len = self._earlier[n - self.min_n], start, 0
+            for _ in range(self.candidates):  # newest first: it wins ties
+                length = match_length(tokens, start, n, self.max_match_len)
+                if length > best_len:
+                    best_start, best_len = start, length
+                start = earlier[start]
+                if start < 0 or best_len == self.max_match_len:
+                    break
+            return LookupDraft(copy_forward(tokens, best_start, k), DraftSource.PROMPT_LOOKUP, best_len)
         return None
+
+
+def match_length(tokens: list[int], end: int, known: int, limit: int) -> int:
+    """How many tokens before index `end` equal the last tokens of `tokens`: at least `known`
+    (the caller matched those), at most `limit` and `end`. Equal slices of length m imply equal
+    slices of every shorter length, so a doubling then a binary search over slice comparisons
+    finds it in O(log limit) comparisons."""
+    length = len(tokens)
+    low, high = known, min(limit, end)
+    while low < high:
+        probe = min(high, 2 * max(low, 1))
+        if tokens[end - probe : end] != tokens[length - probe :]:
+            high = probe - 1
+            break
+        low = probe
+    while low < high:
+        middle = (low + high + 1) // 2
+        if tokens[end - middle : end] == tokens[length - middle :]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def copy_forward(tokens: list[int], start: int, k: int) -> tuple[int, ...]:

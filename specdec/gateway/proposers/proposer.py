@@ -25,12 +25,19 @@ class LookupSettings:
     suffix_cache_tokens: int = 65536
     #: A suffix proposal goes on while its next token holds this share of its context's counts.
     suffix_min_share: float = 0.5
+    #: Prompt lookup measures this many recent occurrences of the matched n-gram backward ...
+    candidates: int = 8
+    #: ... up to this many tokens, and copies from the one with the longest real match.
+    max_match_len: int = 64
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
             raise InvalidArgumentError(f"n-gram lengths must satisfy 1 <= min <= max, got {self.min_n}..{self.max_n}")
         if self.suffix_cache_tokens < 0:
             raise InvalidArgumentError(f"suffix_cache_tokens must be >= 0, got {self.suffix_cache_tokens}")
+        if self.candidates < 1 or self.max_match_len < self.max_n:
+            raise InvalidArgumentError(f"lookup candidates must be >= 1 and max_match_len >= max_n, got "
+                                       f"{self.candidates} and {self.max_match_len}")
         if not 0.0 < self.suffix_min_share <= 1.0:
             raise InvalidArgumentError(f"suffix_min_share must lie in (0, 1], got {self.suffix_min_share}")
 
@@ -51,7 +58,9 @@ class LookupProposer:
             return None
         index = self._indexes.get(slot_id)
         if index is None:
-            index = self._indexes[slot_id] = PromptLookupIndex(self.settings.min_n, self.settings.max_n)
+            settings = self.settings
+            index = self._indexes[slot_id] = PromptLookupIndex(
+                settings.min_n, settings.max_n, candidates=settings.candidates, max_match_len=settings.max_match_len)
         index.update(tokens)
         own = index.propose(tokens, k)
         shared = self.suffixes.propose(tokens, k) if len(self.suffixes) else None

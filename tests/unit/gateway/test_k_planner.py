@@ -199,6 +199,19 @@ def test_a_draft_prefill_is_worth_it_only_for_a_long_enough_future() -> None:
     assert planner.plan([short_future], {"short": 4}, {"short": True}).ks["short"] == 0
 
 
+def test_a_catch_up_is_spread_over_the_rounds_left_at_the_k_planned() -> None:
+    # A near-perfect draft at K = 8 emits ~8 tokens a round, so 64 tokens left are ~8 rounds:
+    # a 60-step catch-up costs 7.5 steps a round there, which no gain of drafting repays. Spread
+    # over the ~22 rounds that K = 2 would take (capped at 16), it looked affordable.
+    long_prompt = [*draft_costs(0.23), ForwardCost(1, 1000, 0.040 * 60)]
+    late = seq("late")
+    late.tokens, late.max_new_tokens = list(range(1000)), 64
+    planner = KPlanner(TARGET, long_prompt, prior_alpha=0.975)
+    assert planner.plan([late], {"late": 8}, {"late": True}).ks["late"] == 0
+    late.max_new_tokens = 1000  # a long future repays the same catch-up
+    assert planner.plan([late], {"late": 8}, {"late": True}).ks["late"] == 8
+
+
 def test_the_first_probe_ignores_the_budget_so_a_good_draft_is_found() -> None:
     # A 60-token catch-up costing ~50 steps is over the probe budget of a 100-token request,
     # and the pessimistic prior keeps K at 0. Until some round has measured α, a probe

@@ -10,12 +10,12 @@ import pytest
 from specdec.errors import InvalidArgumentError
 from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.proposers import LookupDraft, LookupProposer, LookupSettings
-from specdec.gateway.proposers.prompt_lookup import PromptLookupIndex, copy_forward
+from specdec.gateway.proposers.prompt_lookup import PromptLookupIndex, copy_forward, match_length
 from specdec.gateway.proposers.suffix_cache import SuffixCache
 
 
-def lookup(tokens: list[int], k: int, min_n: int = 1, max_n: int = 3) -> LookupDraft | None:
-    index = PromptLookupIndex(min_n, max_n)
+def lookup(tokens: list[int], k: int, min_n: int = 1, max_n: int = 3, **options: int) -> LookupDraft | None:
+    index = PromptLookupIndex(min_n, max_n, **options)
     index.update(tokens)
     return index.propose(tokens, k)
 
@@ -25,7 +25,44 @@ def test_prompt_lookup_takes_the_longest_match() -> None:
     tokens = [9, 2, 3, 4, 5, 2, 8, 6, 9, 2]
     draft = lookup(tokens, k=3)
     assert draft == LookupDraft((3, 4, 5), DraftSource.PROMPT_LOOKUP, match_len=2)
-    assert lookup(tokens, k=3, max_n=1) == LookupDraft((8, 6, 9), DraftSource.PROMPT_LOOKUP, match_len=1)
+
+
+def test_prompt_lookup_copies_from_the_occurrence_with_the_longest_real_match() -> None:
+    # With 1-grams only, "2" occurs twice: the later one (followed by 8) matches 1 token,
+    # the earlier one ("9 2", followed by 3) 2 tokens when measured backward.
+    tokens = [9, 2, 3, 4, 5, 2, 8, 6, 9, 2]
+    assert lookup(tokens, k=3, max_n=1) == LookupDraft((3, 4, 5), DraftSource.PROMPT_LOOKUP, match_len=2)
+    # Table rows: every row opens with "| 0", the latest row is not the one being copied.
+    row_a, row_b = [7, 0, 11, 12, 13], [7, 0, 21, 22, 23]
+    tokens = [5, 6, *row_a, 8, *row_b, 8, 5, 6, 7, 0]
+    assert lookup(tokens, k=3, max_n=2) == LookupDraft((11, 12, 13), DraftSource.PROMPT_LOOKUP, match_len=4)
+
+
+def test_the_real_match_length_goes_past_the_longest_n_gram_up_to_its_cap() -> None:
+    tokens = [*range(10, 20), 99, *range(10, 20)]
+    assert lookup(tokens, k=1, max_n=3) == LookupDraft((99,), DraftSource.PROMPT_LOOKUP, match_len=10)
+    assert lookup(tokens, k=1, max_n=3, max_match_len=6) == LookupDraft((99,), DraftSource.PROMPT_LOOKUP, 6)
+
+
+def test_equal_real_matches_go_to_the_most_recent_and_only_recent_candidates_are_measured() -> None:
+    tokens = [1, 2, 30, 1, 2, 40, 1, 2]
+    assert lookup(tokens, k=1, max_n=2) == LookupDraft((40,), DraftSource.PROMPT_LOOKUP, match_len=2)
+    # The best occurrence ("8 1 2") is the oldest of three: measured with 3 candidates, not with 2.
+    tokens = [8, 1, 2, 30, 1, 2, 40, 1, 2, 50, 8, 1, 2]
+    assert lookup(tokens, k=1, max_n=2, candidates=3).tokens == (30,)
+    assert lookup(tokens, k=1, max_n=2, candidates=2).tokens == (50,)
+
+
+def test_match_length_agrees_with_counting_token_by_token() -> None:
+    rng = random.Random(3)
+    for _ in range(300):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(2, 40))]
+        end, limit = rng.randrange(1, len(tokens)), rng.randrange(1, 50)
+        counted = 0
+        while counted < min(limit, end) and tokens[end - 1 - counted] == tokens[-1 - counted]:
+            counted += 1
+        known = rng.randrange(0, counted + 1)
+        assert match_length(tokens, end, known, limit) == counted
 
 
 def test_prompt_lookup_prefers_the_most_recent_occurrence() -> None:
@@ -102,6 +139,8 @@ def test_settings_are_validated() -> None:
         LookupSettings(min_n=3, max_n=2)
     with pytest.raises(InvalidArgumentError, match="suffix_cache_tokens"):
         LookupSettings(suffix_cache_tokens=-1)
+    with pytest.raises(InvalidArgumentError, match="max_match_len"):
+        LookupSettings(max_n=4, max_match_len=3)
 
 
 def test_suffix_cache_counts_match_a_recount_after_evictions() -> None:

@@ -87,13 +87,15 @@ def test_a_lookup_passed_over_is_judged_against_the_emitted_tokens() -> None:
     plan = RoundPlan({"a": 0}, offered={"a": (len(a.tokens), proposal)})
     a.tokens += [100, 101, 7]  # the round emitted two of the proposal's tokens, then another
     planner.observe(plan, [a], RoundReport({"a": 0}, {"a": 0}, ZERO, ZERO, 0.0, 0.0))
-    estimate = planner.lookup_estimate(proposal)
-    assert estimate.seen == 3 and estimate.alpha == pytest.approx((0.5 + 2) / 4)
+    # Token 1 matched 3 tokens (accepted); tokens 2 and 3 matched 4 and 5, one class (accepted, rejected).
+    first, later = planner.lookup_estimate(proposal), planner.lookup_estimate(proposal, 1)
+    assert first.seen == 1 and first.alpha == pytest.approx((0.5 + 1) / 2)
+    assert later.seen == 2 and later.alpha == pytest.approx((0.5 + 1 + 0) / 3)
     b = seq("b")
     plan = RoundPlan({"b": 0}, offered={"b": (len(b.tokens), proposal)})
     b.tokens += [100]  # one token emitted, and it agreed: one outcome, accepted
     planner.observe(plan, [b], RoundReport({"b": 0}, {"b": 0}, ZERO, ZERO, 0.0, 0.0))
-    assert estimate.seen == 4
+    assert first.seen == 2 and later.seen == 2
 
 
 def test_without_a_draft_model_lookups_are_priced_against_plain_decoding() -> None:
@@ -108,13 +110,28 @@ def test_without_a_draft_model_lookups_are_priced_against_plain_decoding() -> No
 
 
 def test_a_lookup_is_cut_to_the_tokens_that_pay() -> None:
-    assert lookup_length(1.0, 8, 0.05) == 8
-    assert lookup_length(0.5, 8, 0.1) == 3  # 0.5, 0.25, 0.125 > 0.1; 0.0625 is not
-    assert lookup_length(0.0, 8, 0.01) == 0
+    assert lookup_length([1.0], 8, 0.05) == 8
+    assert lookup_length([0.5], 8, 0.1) == 3  # 0.5, 0.25, 0.125 > 0.1; 0.0625 is not
+    assert lookup_length([0.0], 8, 0.01) == 0
+    assert lookup_length([0.5, 0.9, 1.0], 8, 0.3) == 8  # 0.5, 0.45, then every token is kept
     planner = KPlanner(TARGET, [], uses_draft=False)
     planner.lookup_estimate(copy()).alpha = 0.5
     plan = planner.plan([seq("a")], {"a": 8}, {"a": True}, lookups={"a": copy()}, model_allowed=set())
     assert 1 <= plan.ks["a"] < 8 and len(plan.lookups["a"].tokens) == plan.ks["a"]
+
+
+def test_a_lookup_grows_more_certain_as_its_match_grows() -> None:
+    # Lookups matching 1 token are wrong at their first token, and right from the second on
+    # (a copy that got going): the first token's estimate falls, the later ones' rise.
+    planner = KPlanner(TARGET, [], uses_draft=False)
+    weak = copy(n=8, match_len=1)
+    for accepted in (0, 0, 0, 8, 8):
+        planner.observe(RoundPlan({"a": 8}, lookups={"a": weak}), [seq("a")],
+                        RoundReport({"a": 8}, {"a": accepted}, ZERO, ZERO, 0.0, 0.0))
+    alphas = planner.lookup_alphas(weak)
+    assert len(alphas) == 8 and alphas[0] < planner.lookup_prior_alpha < alphas[1] and alphas[3] == alphas[6]
+    assert planner.lookup_alphas(copy(n=8, match_len=8)) == [planner.lookup_estimate(weak, 7).alpha]  # one class
+    assert planner.lookup_estimate(weak, 7) is planner.lookup_estimate(copy(match_len=8))  # lengths 4-7, 8-15, ...
 
 
 def test_fixed_requests_take_a_lookup_that_fills_their_k_or_when_the_model_may_not_draft() -> None:
