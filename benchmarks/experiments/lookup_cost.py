@@ -13,10 +13,8 @@ of `KPlanner.plan` with and without their proposals, and the CPU model.
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -27,6 +25,7 @@ from specdec.gateway.proposers import LookupDraft, LookupProposer, LookupSetting
 from specdec.gateway.sequence import Sequence
 from specdec.model.loader import DEFAULT_MODEL, load_tokenizer
 from specdec.sampling.params import SamplingParams
+from specdec_bench.results import cpu_model
 
 PROMPT_TOKENS = 2000
 K = 8
@@ -34,14 +33,6 @@ K = 8
 TARGET = [ForwardCost(b, t, 0.040 * (1 + 0.0375 * (t - 1)) * (1 + 0.05 * (b - 1)))
           for b in (1, 4, 16) for t in (1, 5, 9)]
 DRAFT = [ForwardCost(b, 1, 0.008 * (1 + 0.05 * (b - 1))) for b in (1, 4, 16)]
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def corpus_tokens() -> list[int]:
@@ -103,7 +94,7 @@ def main() -> None:
         started = time.perf_counter()
         planner.plan(seqs, caps, adaptive)
         plain_plan_us.append(1e6 * (time.perf_counter() - started))
-    print(f"{cpu_name()}; {args.requests} requests, prompts of {PROMPT_TOKENS} tokens, K = {K}, "
+    print(f"{cpu_model()}; {args.requests} requests, prompts of {PROMPT_TOKENS} tokens, K = {K}, "
           f"suffix cache {len(proposer.suffixes)} tokens, {args.rounds} rounds")
     print(f"lookup proposals, all requests:  {percentiles(propose_us)}")
     print(f"plan with lookups:               {percentiles(plan_us)}")

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 
 from specdec.client import GenerationResult, SpecdecClient
+from specdec_bench.results import cpu_model
 from specdec_bench.stack import running_stack
 
 PARAGRAPH = (
@@ -58,11 +58,6 @@ CHAT = {
 METHODS = ("none", "model", "ngram", "auto")
 
 
-def cpu_name() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
@@ -79,7 +74,7 @@ def main() -> None:
                     result = client.generate([{"role": "user", "content": prompt}],
                                              max_new_tokens=args.max_new_tokens, method=method)
                     results.setdefault((name, method), []).append(result)
-    print(f"{cpu_name()}; {args.repeats} repeats, {args.max_new_tokens} new tokens, greedy, adaptive K, "
+    print(f"{cpu_model()}; {args.repeats} repeats, {args.max_new_tokens} new tokens, greedy, adaptive K, "
           f"suffix cache {'on' if args.suffix_cache else 'off'}")
     print("prompt  " + "".join(f"{m:>18}" for m in METHODS))
     for name in PROMPTS | CHAT:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import torch
 
 from specdec.sampling import transforms
 from specdec.sampling.params import SamplingParams
+from specdec_bench.results import cpu_model
 
 WORKLOADS = {
     "plain": SamplingParams(temperature=0.8),
@@ -41,14 +41,6 @@ WORKLOADS = {
                           logit_bias=((11, 2.0), (220, -100.0), (1000, 0.5)), presence_penalty=0.5,
                           frequency_penalty=0.3),
 }
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def module_at(revision: str) -> types.ModuleType:
@@ -104,7 +96,7 @@ def main() -> None:
     context = torch.randint(0, args.vocab, (n, args.context), generator=g).tolist()
     drafts = torch.randint(0, args.vocab, (n, args.k), generator=g).tolist()
     modules = {"current": transforms} | ({args.baseline: module_at(args.baseline)} if args.baseline else {})
-    print(f"CPU: {cpu_name()}; {n} requests x K={args.k}, vocab {args.vocab}, context {args.context}, 1 thread")
+    print(f"CPU: {cpu_model()}; {n} requests x K={args.k}, vocab {args.vocab}, context {args.context}, 1 thread")
     for name, base in WORKLOADS.items():
         params = [dataclasses.replace(base, penalty_start=args.context // 2)] * n
         usable = {label: m for label, m in modules.items() if label == "current" or name != "all"}

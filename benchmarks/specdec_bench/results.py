@@ -114,6 +114,12 @@ def lscpu() -> dict[str, str]:
     return {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in out.splitlines()) if value}
 
 
+def cpu_model() -> str:
+    """The CPU as `lscpu` names it, with its logical CPU count: what every figure is quoted with."""
+    fields = lscpu()
+    return f"{fields.get('Model name', platform.processor() or 'unknown')}, {fields.get('CPU(s)', '?')} CPUs"
+
+
 def git_revision() -> str:
     """The checkout's short commit, `+dirty` when it has changes; "" outside a git checkout."""
     here = Path(__file__).resolve().parent

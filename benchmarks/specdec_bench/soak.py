@@ -40,7 +40,7 @@ from tqdm import tqdm
 from specdec.cli.launcher import ServiceProcess, start_service
 from specdec.client import SpecdecClient, build_request
 from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
-from specdec_bench.results import lscpu
+from specdec_bench.results import cpu_model
 from specdec_bench.stack import Stack, running_stack
 from specdec_bench.workloads import PROMPTS, chat
 
@@ -124,11 +124,6 @@ class SoakReport:
             "PASS" if self.ok else "FAIL: " + "; ".join(self.failures),
         ]
         return "\n".join(lines)
-
-
-def cpu_model() -> str:
-    fields = lscpu()
-    return f"{fields.get('Model name', 'unknown')}, {fields.get('CPU(s)', '?')} CPUs"
 
 
 def make_plans(config: SoakConfig) -> list[Plan]:
