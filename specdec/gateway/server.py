@@ -122,17 +122,19 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
             [SERVICE_NAME], host=config.host, port=config.port, max_message_bytes=config.max_request_bytes,
             on_stop=close, credentials=config.server_credentials(), token=config.token(),
         )
-        if config.http_port >= 0:
+    except BaseException:  # e.g. the port is taken: stop what was started
+        await close()
+        raise
+    if config.http_port >= 0:
+        try:
             http.append(await start_http(
                 OpenAIFront(state, generations, served_model(services)), host=config.host, port=config.http_port,
                 ssl_context=config.ssl_context(), token=config.token(),
             ))
-            running.http_port = http[0].port
-    except BaseException:  # e.g. a port is taken: stop what was started
-        if "running" in locals():
-            await running.server.stop(None)
-        await close()
-        raise
+        except BaseException:
+            await running.stop(grace=0)  # which closes the rest
+            raise
+        running.http_port = http[0].port
     watch_services(config, services, monitor, scheduler, running)
     if config.metrics_port >= 0:
         running.metrics_port = endpoint.serve(config.metrics_port, config.host)

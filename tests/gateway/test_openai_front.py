@@ -91,9 +91,10 @@ def test_streamed_chat_equals_the_whole_answer(client: openai.OpenAI) -> None:
 
 
 def test_completions_whole_and_streamed(client: openai.OpenAI, stack: Stack, pki: Pki) -> None:
-    prompt = "The capital of France is"
+    prompt = "Once upon a time, in a small village,"
     with grpc_client(stack, pki) as grpc:
         expected = grpc.generate(prompt, max_new_tokens=10)
+    assert expected.completion_tokens == 10  # a prompt the model continues, not ends
     whole = client.completions.create(model=stack.target.runtime.loaded.model_id, prompt=[prompt], max_tokens=10,
                                       temperature=0)
     assert whole.object == "text_completion" and whole.choices[0].text == expected.text
