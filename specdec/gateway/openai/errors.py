@@ -47,7 +47,7 @@ def invalid_field(param: str, message: str) -> OpenAIError:
     return OpenAIError(400, f"{param}: {message}", param=param)
 
 
-def not_supported(param: str, reason: str = "is not supported by this server") -> OpenAIError:
+def not_supported(param: str, reason: str = "not supported by this server") -> OpenAIError:
     """400 for a field this server does not implement (never ignored: the client would get
     something other than what it asked for)."""
     return OpenAIError(400, f"{param}: {reason}", param=param, code="unsupported_parameter")

@@ -120,7 +120,7 @@ def check_model(body: dict[str, Any], model: ServedModel) -> None:
 def refuse_unsupported(body: dict[str, Any]) -> None:
     for name, no_ops in PENDING_FIELDS.items():
         if name in body and not _is_one_of(body[name], no_ops):
-            raise not_supported(name, "is not supported yet by this server")
+            raise not_supported(name, "not supported yet by this server")
     for name, no_ops in UNSUPPORTED_FIELDS.items():
         if name in body and not _is_one_of(body[name], no_ops):
             raise not_supported(name)
