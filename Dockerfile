@@ -66,8 +66,9 @@ RUN useradd --create-home --uid 10001 --user-group specdec \
 USER 10001:10001
 WORKDIR /home/specdec
 
-# gateway, draft, target gRPC; Prometheus /metrics.
-EXPOSE 50050 50051 50052 9090
+# gateway, draft, target gRPC; Prometheus /metrics; the gateway's OpenAI-compatible HTTP API
+# (`specdec serve` serves it on 8000 unless --http-port -1).
+EXPOSE 50050 50051 50052 9090 8000
 
 # Default: the whole trio in one container (`specdec serve`). docker-compose.yml and the
 # Kubernetes manifests run one service per container with `python -m specdec.<service>`.

@@ -29,6 +29,9 @@ from specdec_bench.config import add_bench_flags
 from specdec_bench.config import config_from_args as bench_config_from_args
 
 DEFAULT_GATEWAY = "127.0.0.1:50050"
+#: `specdec serve` is the one-command way to try the server, so it answers OpenAI clients at
+#: once, on the port vLLM and SGLang use; `--http-port -1` turns it off.
+SERVE_HTTP_PORT = 8000
 #: `--draft-model none`: serve target and gateway alone, drafting with lookups.
 NO_DRAFT = "none"
 #: Each model service binds the gateway's host on a free port; the gateway finds them itself.
@@ -50,7 +53,8 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     draft_title = "draft service (not started with --no-speculative or --draft-model none)"
     groups = [parser.add_argument_group(title) for title in ("gateway", "target service", draft_title)]
     advanced = [parser.add_argument_group(f"advanced: {group.title}") for group in groups]
-    add_flags(groups[0], GatewayConfig, advanced=advanced[0], skip=("target_address", "draft_address"))
+    add_flags(groups[0], GatewayConfig, advanced=advanced[0], skip=("target_address", "draft_address"),
+              defaults={"http_port": SERVE_HTTP_PORT})
     add_flags(groups[1], TargetConfig, advanced=advanced[1], prefix="target-", skip=_CHILD_SKIP, demote=_CHILD_DEMOTE)
     add_flags(
         groups[2], DraftConfig, advanced=advanced[2], prefix="draft-", skip=_CHILD_SKIP, demote=_CHILD_DEMOTE,

@@ -66,7 +66,10 @@ class GatewayConfig(ServerSecurity):
     )
     max_new_tokens_default: int = option(256, "completion length of requests that set none", flag="max-new-tokens")
     max_batch_size: int = option(16, "requests decoded together; more wait in the queue")
-    max_queue: int = option(64, "requests waiting for admission; beyond this Generate answers RESOURCE_EXHAUSTED")
+    max_queue: int = option(
+        64, "requests waiting for admission; beyond this Generate answers RESOURCE_EXHAUSTED (HTTP: 429)",
+        advanced=True,
+    )
     draft_probs_dtype: str = option(
         "float32", "wire precision of the draft's q vectors (exact either way; bf16 halves them)",
         choices=PROBS_DTYPES, advanced=True,
@@ -76,12 +79,16 @@ class GatewayConfig(ServerSecurity):
     #: forward (docs/performance.md, "The gateway computes on one OpenMP thread").
     threads: int = option(1, "intra-op threads of the gateway's own tensor work (0 = one per core)", advanced=True)
     metrics_port: int = option(-1, "Prometheus /metrics port (-1 = off, 0 = any free port)")
+    #: Same host, TLS settings, bearer token and request limits as the gRPC port (docs/openai.md).
+    #: Off for the bare gateway, which deployments configure port by port; `specdec serve` turns it on.
+    http_port: int = option(-1, "OpenAI-compatible HTTP port (-1 = off, 0 = any free port)")
     metrics_prefix: str = option(
         DEFAULT_PREFIX, "prefix of every metric name; 'vllm:' gives vLLM's names", advanced=True,
     )
     #: Client requests are small (a prompt, options); replies from the services are large (logits).
     max_request_bytes: int = option(
-        DEFAULT_MAX_REQUEST_BYTES, "largest Generate / Info request accepted; larger ones get RESOURCE_EXHAUSTED",
+        DEFAULT_MAX_REQUEST_BYTES,
+        "largest Generate / Info request accepted; larger ones get RESOURCE_EXHAUSTED (HTTP: 413)",
         advanced=True,
     )
     max_message_bytes: int = option(
@@ -155,8 +162,8 @@ class GatewayConfig(ServerSecurity):
                 f"draft_probs_dtype must be one of {PROBS_DTYPES}, got {self.draft_probs_dtype!r}"
             )
         check_metrics_prefix(self.metrics_prefix)
-        if not 0 <= self.port <= 65535 or not -1 <= self.metrics_port <= 65535:
-            raise InvalidArgumentError("port and metrics_port must be valid port numbers")
+        if not 0 <= self.port <= 65535 or not -1 <= self.metrics_port <= 65535 or not -1 <= self.http_port <= 65535:
+            raise InvalidArgumentError("port, metrics_port and http_port must be valid port numbers")
 
     def lookup_settings(self) -> LookupSettings:
         return LookupSettings(self.ngram_min, self.ngram_max, self.suffix_cache_tokens)

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 async def run_gateway(config: GatewayConfig) -> None:
     """Start the gateway, print its ready line and serve until SIGINT / SIGTERM."""
     running = await create_gateway(config)
-    print(ReadyLine("gateway", f"{config.host}:{running.port}", running.metrics_port), flush=True)
+    print(ReadyLine("gateway", f"{config.host}:{running.port}", running.metrics_port, running.http_port), flush=True)
     await serve_until_signal(running, grace=5.0)
 
 

@@ -21,24 +21,20 @@ from grpc_health.v1 import health_pb2
 from transformers import PreTrainedTokenizerBase
 
 from specdec.cost_model import CostTable
-from specdec.errors import InvalidArgumentError, ServiceRefusedError, SpecdecError
+from specdec.errors import InvalidArgumentError, SpecdecError
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.draft_sources import SpeculationMethod
+from specdec.gateway.generation import GatewayState, Generations
 from specdec.gateway.k_planner import KPlanner
 from specdec.gateway.metrics import gateway_endpoint
 from specdec.gateway.model_clients import INFO_TIMEOUT_S, DraftAPI, DraftClient, ServiceLink, TargetAPI, TargetClient
 from specdec.gateway.monitor import ServiceMonitor
+from specdec.gateway.openai.app import HttpServer, OpenAIFront, start_http
+from specdec.gateway.openai.protocol import ServedModel
 from specdec.gateway.proposers import LookupProposer
-from specdec.gateway.requests import (
-    RequestPolicy,
-    completion_to_pb,
-    method_to_pb,
-    new_sequence,
-    token_logprob_to_pb,
-)
+from specdec.gateway.requests import RequestPolicy, method_to_pb
 from specdec.gateway.scheduler import PoolLimits, Scheduler
-from specdec.gateway.sequence import Delta, FinishReason
 from specdec.gateway.service_changes import ServiceChanges
 from specdec.gateway.stats import GatewayStats
 from specdec.model.loader import load_tokenizer
@@ -46,7 +42,6 @@ from specdec.model.tokenizer_info import check_compatible, tokenizer_fingerprint
 from specdec.serving.errors import grpc_errors, grpc_stream_errors
 from specdec.serving.grpc_server import RunningServer, start_server
 from specdec.serving.security import channel_credentials, read_token
-from specdec.serving.worker import ModelWorker
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specdec.wire.items import Lease, ModelInfo
 
@@ -54,26 +49,10 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 
 
-@dataclass
-class GatewayState:
-    """Everything the servicer needs, built once at start-up."""
-
-    config: GatewayConfig
-    target: TargetAPI
-    draft: DraftAPI | None
-    policy: RequestPolicy
-    scheduler: Scheduler
-    stats: GatewayStats
-    monitor: ServiceMonitor
-
-
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, state: GatewayState) -> None:
+    def __init__(self, state: GatewayState, generations: Generations) -> None:
         self.state = state
-        #: Tokenization and chat rendering run here, off the event loop: a long prompt must not
-        #: stall health checks and other streams. One thread, as the tokenizer is not made
-        #: for concurrent use.
-        self.tokenizer_thread = ModelWorker("gateway-tokenizer")
+        self.generations = generations
 
     @grpc_errors
     async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.GatewayInfo:
@@ -97,24 +76,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        if (refused := self.state.monitor.refused.get("target")) is not None:
-            raise ServiceRefusedError(f"the target service is refused: {refused}")
-        seq = await self.tokenizer_thread.run(new_sequence, request, self.state.policy)
-        self.state.scheduler.submit(seq)
-        try:
-            while True:
-                event = await seq.outbox.get()
-                if isinstance(event, Delta):
-                    yield gateway_pb2.GenerateResponse(token_ids=event.tokens, text=event.text,
-                                                       logprobs=[token_logprob_to_pb(t) for t in event.logprobs])
-                    continue
-                yield gateway_pb2.GenerateResponse(completion=completion_to_pb(seq, event.error))
-                if event.reason == FinishReason.ERROR:
-                    await context.abort(seq.error_status, event.error)
-                return
-        finally:
-            if not seq.done:  # the client went away (cancelled or deadline): free its slots
-                self.state.scheduler.cancel(seq)
+        async with self.generations.start(request) as generation:
+            async for response in generation.responses():
+                yield response
+            if generation.failed:
+                await context.abort(generation.error_status, response.completion.error_message)
 
 
 def new_lease(config: GatewayConfig) -> Lease:
@@ -126,21 +92,27 @@ def new_lease(config: GatewayConfig) -> Lease:
 
 
 async def create_gateway(config: GatewayConfig) -> RunningServer:
-    """Connect to the model services, check them, start the scheduler and the server."""
+    """Connect to the model services, check them, start the scheduler and the servers (gRPC, and
+    the OpenAI-compatible HTTP front when `http_port` is set)."""
     services = await connect_services(config)
     tokenizer = check_services(config, services)
     stats = GatewayStats(services.max_speculative_tokens)
     scheduler = new_scheduler(config, services, stats)
     monitor = ServiceMonitor(services.clients(), services.infos(), stats)
     policy = new_policy(config, services, tokenizer)
-    servicer = GatewayServicer(GatewayState(config, services.target, services.draft, policy, scheduler, stats, monitor))
+    state = GatewayState(config, services.target, services.draft, policy, scheduler, stats, monitor)
+    generations = Generations(state)
+    servicer = GatewayServicer(state, generations)
     scheduler.start()
     endpoint = gateway_endpoint(stats, services.target_info.model_name, config.metrics_prefix)
+    http: list[HttpServer] = []
 
     async def close() -> None:
+        for server in http:  # first: its streams end before the scheduler stops
+            await server.stop()
         await monitor.stop()
         await scheduler.stop()
-        await asyncio.to_thread(servicer.tokenizer_thread.shutdown)
+        await asyncio.to_thread(generations.shutdown)
         await services.close()
         endpoint.close()
 
@@ -153,10 +125,26 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
     except BaseException:  # e.g. the port is taken: stop what was started
         await close()
         raise
+    if config.http_port >= 0:
+        try:
+            http.append(await start_http(
+                OpenAIFront(state, generations, served_model(services)), host=config.host, port=config.http_port,
+                ssl_context=config.ssl_context(), token=config.token(),
+            ))
+        except BaseException:
+            await running.stop(grace=0)  # which closes the rest
+            raise
+        running.http_port = http[0].port
     watch_services(config, services, monitor, scheduler, running)
     if config.metrics_port >= 0:
         running.metrics_port = endpoint.serve(config.metrics_port, config.host)
     return running
+
+
+def served_model(services: Services) -> ServedModel:
+    """The target as the HTTP front names it: by its model name, or the id it was loaded from."""
+    info = services.target_info
+    return ServedModel(info.model_name, frozenset({info.model_name, info.model_id}), services.max_seq_len)
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,8 @@ class RunningServer:
         self.service_names = list(service_names)
         #: Port of the Prometheus /metrics endpoint, for servers that export one.
         self.metrics_port: int | None = None
+        #: Port of the OpenAI-compatible HTTP front, for a gateway that serves one.
+        self.http_port: int | None = None
         self._on_stop = on_stop
         self._on_drain = on_drain
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import os
+import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,17 @@ class ServerSecurity:
             [(_read(self.tls_key), _read(self.tls_cert))], root_certificates=client_ca,
             require_client_auth=client_ca is not None,
         )
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The same TLS settings for an HTTP server (the gateway's OpenAI front); None for plaintext."""
+        if not self.tls_cert:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.tls_cert, self.tls_key)
+        if self.tls_client_ca:
+            context.load_verify_locations(self.tls_client_ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
 
     def token(self) -> str:
         return read_token(self.auth_token_file)

@@ -84,7 +84,7 @@ def test_commands_parse_with_the_services_own_flags(default: dict[str, Any]) -> 
     parsed = configs(default)
     target, draft, gateway = parsed["target"], parsed["draft"], parsed["gateway"]
     assert all(c.host == "0.0.0.0" and c.metrics_port == 9090 for c in parsed.values())
-    assert (target.port, draft.port, gateway.port) == (50052, 50051, 50050)
+    assert (target.port, draft.port, gateway.port, gateway.http_port) == (50052, 50051, 50050, 8000)
     assert gateway.target_address == f"target:{target.port}" and gateway.draft_address == f"draft:{draft.port}"
     # The embedded pair by default: the fp32 target and its int4 self-draft, as `auto` picks on the CPU.
     assert (target.model, target.device, target.precision()) == ("smollm2-135m", "cpu", Precision("float32", "none"))
@@ -119,7 +119,7 @@ def test_model_cache_volume(default: dict[str, Any]) -> None:
 
 def test_ports_and_monitoring_mounts(default: dict[str, Any]) -> None:
     services = default["services"]
-    assert published(services["gateway"]) == {50050: 50050}
+    assert published(services["gateway"]) == {50050: 50050, 8000: 8000}
     assert published(services["prometheus"]) == {9090: 9090}
     assert published(services["grafana"]) == {3000: 3000}
     assert not published(services["target"]) and not published(services["draft"])
@@ -169,4 +169,7 @@ def test_gpu_override_changes_only_image_device_and_gpus(compose_config: Compose
         assert {k: v for k, v in service.items() if k not in ("image", "build", "deploy", "command")} == {
             k: v for k, v in default["services"][name].items() if k not in ("image", "build", "command")
         }
-    assert gpu["services"]["gateway"] == default["services"]["gateway"]
+    # Merging files reorders a service's port list: compare the ports as a set.
+    gateway, gpu_gateway = default["services"]["gateway"], gpu["services"]["gateway"]
+    assert {**gpu_gateway, "ports": None} == {**gateway, "ports": None}
+    assert published(gpu_gateway) == published(gateway)

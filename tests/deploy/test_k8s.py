@@ -134,6 +134,7 @@ def test_commands_parse_with_the_services_own_flags(rendered: tuple[str, Manifes
         # --threads matches the whole cores the pod may use (0 would start one per node core).
         assert config.threads == int(c["resources"]["limits"]["cpu"]) > 0
     assert gateway.host == "0.0.0.0" and gateway.port == port_named(container(objects, "gateway"), "grpc")
+    assert gateway.http_port == port_named(container(objects, "gateway"), "http")
     assert gateway.target_address == f"specdec-target:{target.port}"
     assert gateway.draft_address == f"specdec-draft:{draft.port}"
     expected_device = "cuda" if variant == "gpu" else "cpu"
@@ -186,7 +187,8 @@ def test_services_pdbs_and_autoscaler_select_the_pods(rendered: tuple[str, Manif
         service = one(objects, "Service", f"specdec-{component}")
         assert service["spec"]["selector"].items() <= labels.items()
         names = {p["name"] for p in container(objects, component)["ports"]}
-        assert {p["targetPort"] for p in service["spec"]["ports"]} == names == {"grpc", "metrics"}
+        http = {"http"} if component == "gateway" else set()  # the OpenAI-compatible API
+        assert {p["targetPort"] for p in service["spec"]["ports"]} == names == {"grpc", "metrics"} | http
         pdb = one(objects, "PodDisruptionBudget", f"specdec-{component}")
         assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
     hpa = one(objects, "HorizontalPodAutoscaler", "specdec-gateway")["spec"]

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from specdec.cli.main import build_parser, serve_configs
+from specdec.cli.main import SERVE_HTTP_PORT, build_parser, serve_configs
 from specdec.draft_server.config import DraftConfig
 from specdec.errors import InvalidArgumentError
 from specdec.flags import add_flags, inherit, is_advanced, option, parse_config, to_argv
@@ -52,7 +52,8 @@ def test_serve_defaults_are_the_services_own_defaults() -> None:
     target, draft, gateway = serve_configs(serve_args())
     assert target == TargetConfig(port=0)
     assert draft == DraftConfig(port=0, model=DEFAULT_MODEL)
-    assert gateway == GatewayConfig(target_address="-", draft_address="-")
+    # ... but for the HTTP front, which `specdec serve` turns on (docs/openai.md).
+    assert gateway == GatewayConfig(target_address="-", draft_address="-", http_port=SERVE_HTTP_PORT)
 
 
 def test_serve_reaches_every_field_of_every_config() -> None:

@@ -1,0 +1,312 @@
+"""An OpenAI request body as the gateway's `GenerateRequest` (docs/openai.md lists the fields).
+
+This module checks only what JSON can get wrong that protobuf cannot (types, and values the
+wire reads as "unset", such as `top_p: 0`); everything else (roles, lengths, stop strings, the
+speculation options, sampling ranges) is validated once, by `requests.new_sequence`, for both
+fronts, and `in_openai_terms` names the OpenAI field its errors point at.
+
+Unknown fields are ignored, as OpenAI-compatible servers do; known fields this server does not
+implement are refused unless they carry their no-op value, so nothing asked for is dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from specdec.gateway.openai.errors import OpenAIError, invalid_field, not_supported
+from specdec.v1 import common_pb2, gateway_pb2
+
+INT32_MAX = 2**31 - 1
+UINT64_MAX = 2**64 - 1
+#: OpenAI's default temperature (the gRPC API's unset temperature is greedy instead).
+DEFAULT_TEMPERATURE = 1.0
+#: OpenAI's newer role for system instructions; the chat templates know it as `system`.
+ROLE_ALIASES = {"developer": "system"}
+SPECULATION_METHODS = {
+    "auto": gateway_pb2.SPECULATION_METHOD_AUTO,
+    "model": gateway_pb2.SPECULATION_METHOD_MODEL,
+    "ngram": gateway_pb2.SPECULATION_METHOD_NGRAM,
+    "none": gateway_pb2.SPECULATION_METHOD_NONE,
+}
+SPECULATION_FIELDS = ("enabled", "num_speculative_tokens", "adaptive", "method")
+
+#: Fields that are coming (exact logprobs, more sampling transforms): refused for now unless
+#: they carry a value that asks nothing (clients often send the defaults). Each entry lists
+#: those values, type included (`logprobs: 0` asks for the chosen tokens' logprobs, `false` not).
+PENDING_FIELDS: dict[str, tuple[object, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "min_p": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+}
+#: Fields of OpenAI's API this server does not implement, with their no-op values.
+UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+}
+
+
+class Endpoint(enum.Enum):
+    CHAT = "chat.completion"
+    COMPLETIONS = "text_completion"
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model this server answers for: `name` is its id in /v1/models and in responses; a
+    request may name it by any of `aliases` (the name and the id it was loaded from)."""
+
+    name: str
+    aliases: frozenset[str]
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    endpoint: Endpoint
+    generate: gateway_pb2.GenerateRequest
+    stream: bool
+    #: `stream_options.include_usage`: a last chunk with the usage and no choices.
+    include_usage: bool
+
+
+def parse_request(body: object, endpoint: Endpoint, model: ServedModel) -> OpenAIRequest:
+    """The body as a `GenerateRequest`; OpenAIError (400 naming the field, 404 for another model)."""
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    check_model(body, model)
+    refuse_unsupported(body)
+    request = gateway_pb2.GenerateRequest(
+        max_new_tokens=max_new_tokens_from_body(body, endpoint),
+        sampling=sampling_from_body(body),
+        stop=stop_from_body(body),
+        speculation=speculation_from_body(body.get("speculation")),
+    )
+    if endpoint is Endpoint.CHAT:
+        request.chat.CopyFrom(chat_from_body(body))
+    else:
+        request.prompt = prompt_from_body(body)
+    stream = _boolean(body, "stream") or False
+    return OpenAIRequest(endpoint, request, stream, include_usage_from_body(body, stream))
+
+
+def check_model(body: dict[str, Any], model: ServedModel) -> None:
+    """An absent or empty `model` means the served one (there is only one)."""
+    name = body.get("model")
+    if name is None or name == "":
+        return
+    if not isinstance(name, str):
+        raise invalid_field("model", "must be a string")
+    if name not in model.aliases:
+        raise OpenAIError(404, f"the model {name!r} does not exist; this server serves {model.name!r}",
+                          param="model", code="model_not_found")
+
+
+def refuse_unsupported(body: dict[str, Any]) -> None:
+    for name, no_ops in PENDING_FIELDS.items():
+        if name in body and not _is_one_of(body[name], no_ops):
+            raise not_supported(name, "not supported yet by this server")
+    for name, no_ops in UNSUPPORTED_FIELDS.items():
+        if name in body and not _is_one_of(body[name], no_ops):
+            raise not_supported(name)
+    n = _integer(body, "n")
+    if n is not None and n != 1:
+        raise not_supported("n", f"only n = 1 is supported (one choice a request), got {n}")
+
+
+def _is_one_of(value: object, no_ops: tuple[object, ...]) -> bool:
+    return any(type(value) is type(no_op) and value == no_op for no_op in no_ops)
+
+
+def max_new_tokens_from_body(body: dict[str, Any], endpoint: Endpoint) -> int:
+    """`max_completion_tokens` (chat) or `max_tokens`; 0 (unset) is the gateway's default. Above
+    what the sequence limit leaves, the gateway generates as many as fit."""
+    names = ("max_completion_tokens", "max_tokens") if endpoint is Endpoint.CHAT else ("max_tokens",)
+    for name in names:
+        value = _integer(body, name, low=1)
+        if value is not None:
+            return min(value, INT32_MAX)
+    return 0
+
+
+def sampling_from_body(body: dict[str, Any]) -> common_pb2.SamplingParams:
+    """The sampling transforms; their ranges are checked by `SamplingParams`, but the wire reads
+    0 as "off" for top_p and repetition_penalty, so those are checked here."""
+    sampling = common_pb2.SamplingParams(temperature=DEFAULT_TEMPERATURE)
+    if (temperature := _number(body, "temperature")) is not None:
+        sampling.temperature = temperature
+    if (top_p := _number(body, "top_p")) is not None:
+        if not 0 < top_p <= 1:
+            raise invalid_field("top_p", f"must be in (0, 1], got {top_p}")
+        sampling.top_p = top_p
+    if (top_k := _integer(body, "top_k", low=-1)) is not None:
+        sampling.top_k = max(min(top_k, INT32_MAX), 0)  # -1 or 0: off (vLLM's and the gRPC API's "off")
+    if (penalty := _number(body, "repetition_penalty")) is not None:
+        if not penalty > 0:
+            raise invalid_field("repetition_penalty", f"must be > 0, got {penalty}")
+        sampling.repetition_penalty = penalty
+    if (seed := _integer(body, "seed", low=0, high=UINT64_MAX)) is not None:
+        sampling.seed = seed
+    return sampling
+
+
+def stop_from_body(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise invalid_field("stop", "must be a string or a list of strings")
+
+
+def speculation_from_body(options: object) -> gateway_pb2.SpeculationOptions:
+    """The `speculation` extension object (docs/openai.md); absent: the gateway's defaults."""
+    speculation = gateway_pb2.SpeculationOptions()
+    if options is None:
+        return speculation
+    if not isinstance(options, dict):
+        raise invalid_field("speculation", "must be an object")
+    for name in options:
+        if name not in SPECULATION_FIELDS:
+            raise invalid_field(f"speculation.{name}", f"unknown field; known: {', '.join(SPECULATION_FIELDS)}")
+    if (enabled := _boolean(options, "enabled", "speculation.")) is not None:
+        speculation.enabled = enabled
+    k = _integer(options, "num_speculative_tokens", "speculation.", low=0, high=INT32_MAX)
+    if k is not None:
+        speculation.num_speculative_tokens = k
+    if (adaptive := _boolean(options, "adaptive", "speculation.")) is not None:
+        speculation.adaptive = adaptive
+    method = options.get("method")
+    if method is not None:
+        if method not in SPECULATION_METHODS:
+            raise invalid_field("speculation.method", f"must be one of {', '.join(SPECULATION_METHODS)}, "
+                                                      f"got {method!r}")
+        speculation.method = SPECULATION_METHODS[method]
+    return speculation
+
+
+def chat_from_body(body: dict[str, Any]) -> gateway_pb2.ChatMessages:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid_field("messages", "must be a non-empty list of messages")
+    chat = gateway_pb2.ChatMessages()
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise invalid_field(f"messages[{i}]", "must be an object with a role and a content")
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise invalid_field(f"messages[{i}].role", "must be a string")
+        content = message_text(message.get("content"), f"messages[{i}].content")
+        chat.messages.add(role=ROLE_ALIASES.get(role, role), content=content)
+    return chat
+
+
+def message_text(content: object, param: str) -> str:
+    """A message's text: a string, or a list of text parts (joined)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
+        if len(texts) == len(content) and all(isinstance(text, str) for text in texts):
+            return "".join(str(text) for text in texts)
+        raise not_supported(param, "only text content parts are supported")
+    raise invalid_field(param, "must be a string or a list of text parts")
+
+
+def prompt_from_body(body: dict[str, Any]) -> str:
+    """One text prompt: a string, or a list holding one string."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        raise not_supported("prompt", f"one prompt a request, got a list of {len(prompt)}")
+    if isinstance(prompt, list) and prompt and not any(isinstance(p, str) for p in prompt):
+        raise not_supported("prompt", "token-id prompts are not supported: send text")
+    raise invalid_field("prompt", "must be a string (or a list of one string)")
+
+
+def include_usage_from_body(body: dict[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise invalid_field("stream_options", "is only allowed when stream is true")
+    if not isinstance(options, dict):
+        raise invalid_field("stream_options", "must be an object")
+    return _boolean(options, "include_usage", "stream_options.") or False
+
+
+#: A field path at the start of a validation message of `requests` / `SamplingParams`:
+#: `stop[3]: ...`, `chat.messages[0].role: ...`, `temperature must be ...`.
+_FIELD_AT_START = re.compile(r"^([a-z_]+(?:\[\d+\])?(?:\.[a-z_]+(?:\[\d+\])?)*)(?::| must )")
+
+
+def in_openai_terms(message: str, endpoint: Endpoint) -> tuple[str | None, str]:
+    """The OpenAI field a gRPC-side validation message names (None when it names none), and the
+    message naming it so (`chat.messages[0].role: ...` -> `messages[0].role: ...`)."""
+    match = _FIELD_AT_START.match(message)
+    if match is None:
+        return None, message
+    field = match.group(1)
+    if field in ("prompt", "input"):
+        param = "messages" if endpoint is Endpoint.CHAT else "prompt"
+    else:
+        param = {"max_new_tokens": "max_tokens"}.get(field, field.removeprefix("chat."))
+    return param, param + message[len(field):]
+
+
+def _json_type(value: object) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+             dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _boolean(container: dict[str, Any], name: str, prefix: str = "") -> bool | None:
+    value = container.get(name)
+    if value is None or isinstance(value, bool):
+        return value
+    raise invalid_field(prefix + name, f"must be a boolean, got {_json_type(value)}")
+
+
+def _number(container: dict[str, Any], name: str, prefix: str = "") -> float | None:
+    value = container.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise invalid_field(prefix + name, f"must be a finite number, got {_json_type(value)}")
+    return float(value)
+
+
+def _integer(container: dict[str, Any], name: str, prefix: str = "", *, low: int = -INT32_MAX - 1,
+             high: int | None = None) -> int | None:
+    """An integer field in [low, high] (no upper bound when `high` is None: callers cap it)."""
+    value = container.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 16.0 is 16 to JSON
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid_field(prefix + name, f"must be an integer, got {_json_type(value)}")
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise invalid_field(prefix + name, f"must be {bounds}, got {value}")
+    return value

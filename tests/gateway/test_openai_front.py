@@ -1,0 +1,217 @@
+"""The OpenAI-compatible HTTP front against a live stack on loopback, with the official `openai`
+client (and aiohttp's, for the raw server-sent events and a client that walks away).
+
+One module stack serves every test, over TLS and with a bearer token on both ports, so each
+test also exercises the security the front shares with gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from specdec.client import SpecdecClient
+from specdec.model.runtime import ModelRuntime
+from tests.support.pki import Pki
+from tests.support.services import slow_down
+from tests.support.stacks import Stack, StartStack, chat
+
+TOKEN = "0pen-ai"
+QUESTION = "Name three colours."
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": QUESTION}]
+#: Small, so a too-large body costs little to send.
+MAX_REQUEST_BYTES = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def stack(start_stack: StartStack, int8_runtime: ModelRuntime, pki: Pki,
+          tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    token_file = tmp_path_factory.mktemp("openai") / "token"
+    token_file.write_text(TOKEN)
+    return start_stack(int8_runtime, http_port=0, tls_cert=pki.server_cert, tls_key=pki.server_key,
+                       auth_token_file=str(token_file), max_request_bytes=MAX_REQUEST_BYTES)
+
+
+@pytest.fixture(scope="module")
+def base_url(stack: Stack) -> str:
+    return f"https://127.0.0.1:{stack.gateway.http_port}"
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str, pki: Pki) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key=TOKEN, max_retries=0, timeout=60,
+                       http_client=openai.DefaultHttpxClient(verify=_ssl(pki))) as client:
+        yield client
+
+
+def grpc_client(stack: Stack, pki: Pki) -> SpecdecClient:
+    return SpecdecClient(stack.address, timeout=60, tls_ca=pki.ca, token=TOKEN)
+
+
+def test_greedy_chat_equals_grpc_generate(client: openai.OpenAI, stack: Stack, pki: Pki) -> None:
+    with grpc_client(stack, pki) as grpc:
+        expected = grpc.generate(chat(QUESTION), max_new_tokens=16)
+    reply = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=16,
+                                           temperature=0)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected.text
+    assert choice.finish_reason == expected.finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == 16
+    assert reply.usage.prompt_tokens == expected.prompt_tokens
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 16
+    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-")
+    stats = reply.model_extra["speculation"] if reply.model_extra else {}
+    assert stats["num_drafts"] > 0 and 0 <= stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
+    assert stats["acceptance_rate"] == pytest.approx(stats["num_accepted_tokens"] / stats["num_draft_tokens"])
+
+
+def test_streamed_chat_equals_the_whole_answer(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=12,
+                                           temperature=0)
+    chunks = list(client.chat.completions.create(
+        model="", messages=MESSAGES, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in finals] == ["length"]
+    assert finals[0].model_extra and finals[0].model_extra["speculation"]["num_drafts"] > 0
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_completions_whole_and_streamed(client: openai.OpenAI, stack: Stack, pki: Pki) -> None:
+    prompt = "Once upon a time, in a small village,"
+    with grpc_client(stack, pki) as grpc:
+        expected = grpc.generate(prompt, max_new_tokens=10)
+    assert expected.completion_tokens == 10  # a prompt the model continues, not ends
+    whole = client.completions.create(model=stack.target.runtime.loaded.model_id, prompt=[prompt], max_tokens=10,
+                                      temperature=0)
+    assert whole.object == "text_completion" and whole.choices[0].text == expected.text
+    streamed = list(client.completions.create(model="", prompt=prompt, max_tokens=10, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == expected.text
+    assert streamed[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(c.usage is None for c in streamed)  # no include_usage: no usage chunk
+
+
+def test_the_speculation_extension_reaches_the_request(client: openai.OpenAI) -> None:
+    def stats(**speculation: Any) -> tuple[str | None, dict[str, Any]]:
+        reply = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=12,
+                                               temperature=0, extra_body={"speculation": speculation})
+        return reply.choices[0].message.content, (reply.model_extra or {})["speculation"]
+
+    plain_text, plain = stats(enabled=False)
+    assert plain["num_drafts"] == 0 and plain["num_plain_rounds"] > 0
+    fixed_text, fixed = stats(num_speculative_tokens=2)
+    # At most K = 2 a round (fewer near max_tokens), where the gateway's own K is 8.
+    assert fixed["num_drafts"] > 0 and fixed["num_drafts"] <= fixed["num_draft_tokens"] <= 2 * fixed["num_drafts"]
+    assert fixed_text == plain_text  # greedy output does not depend on speculation
+
+
+def test_models_and_health(client: openai.OpenAI, stack: Stack, base_url: str, pki: Pki) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [stack.target.runtime.loaded.name]
+
+    async def health() -> tuple[int, Any]:  # open without the token, like gRPC health checks
+        async with aiohttp.ClientSession() as session, session.get(f"{base_url}/health", ssl=_ssl(pki)) as reply:
+            return reply.status, await reply.json()
+
+    assert asyncio.run(health()) == (200, {"status": "ok"})
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 2}, "n"),
+    ({"min_p": 0.1}, "min_p"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ({"speculation": {"num_speculative_tokens": 99}}, "speculation.num_speculative_tokens"),
+    ({"stop": ["x"] * 17}, "stop"),
+])
+def test_a_bad_field_is_a_400_naming_it(client: openai.OpenAI, body: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as error:  # extra_body: sent as is, replacing the fields named
+        client.chat.completions.create(model="", messages=MESSAGES, max_tokens=4,
+                                       extra_body=body)
+    assert error.value.status_code == 400 and error.value.param == param, error.value.message
+    assert isinstance(error.value.body, dict) and error.value.body["message"].startswith(param)
+
+
+def test_errors_of_the_whole_request(client: openai.OpenAI, base_url: str, pki: Pki) -> None:
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=4)
+    assert missing.value.param == "model" and missing.value.code == "model_not_found"
+    with pytest.raises(openai.APIStatusError) as large:
+        client.completions.create(model="", prompt="x" * MAX_REQUEST_BYTES, max_tokens=4)
+    assert large.value.status_code == 413
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0,
+                       http_client=openai.DefaultHttpxClient(verify=_ssl(pki))) as intruder:
+        with pytest.raises(openai.AuthenticationError) as refused:
+            intruder.models.list()
+    assert refused.value.code == "invalid_api_key"
+
+
+def _ssl(pki: Pki) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=pki.ca)
+
+
+async def _post_stream(base_url: str, pki: Pki, body: dict[str, Any]) -> tuple[str, str]:
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with aiohttp.ClientSession() as session, session.post(
+        f"{base_url}/v1/completions", json=body, headers=headers, ssl=_ssl(pki),
+    ) as reply:
+        assert reply.status == 200
+        return reply.headers["Content-Type"], (await reply.read()).decode()
+
+
+def test_raw_server_sent_events(base_url: str, pki: Pki) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    content_type, raw = asyncio.run(_post_stream(base_url, pki, body))
+    assert content_type.startswith("text/event-stream")
+    assert raw.endswith("data: [DONE]\n\n")
+    events = raw.removesuffix("\n\n").split("\n\n")
+    assert all(event.startswith("data: ") and "\n" not in event for event in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length" and "speculation" in chunks[-2]
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_a_client_that_walks_away_frees_its_slots(
+    base_url: str, pki: Pki, stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each round takes 0.2 s more: the request is still running when its client leaves, on any machine.
+    slow_down(monkeypatch, stack.target, "verify", 0.2)
+
+    async def read_one_chunk_and_leave() -> str:
+        body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "stream": True}
+        async with aiohttp.ClientSession() as session, session.post(
+            f"{base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {TOKEN}"}, ssl=_ssl(pki),
+        ) as reply:
+            return (await reply.content.readuntil(b"\n\n")).decode()
+
+    first = asyncio.run(read_one_chunk_and_leave())
+    assert first.startswith("data: ")
+    stack.wait_until_idle(timeout=20)  # both services freed the request's slots
+
+
+def test_tls_is_required_when_configured(base_url: str) -> None:
+    async def plaintext() -> None:
+        async with aiohttp.ClientSession() as session:
+            await session.get(base_url.replace("https:", "http:") + "/health")
+
+    with pytest.raises(aiohttp.ClientError):
+        asyncio.run(plaintext())

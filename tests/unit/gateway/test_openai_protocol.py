@@ -1,0 +1,139 @@
+"""The OpenAI front's translation of request bodies and responses, without a server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+
+from specdec.gateway.openai.errors import OpenAIError, from_status
+from specdec.gateway.openai.protocol import Endpoint, ServedModel, in_openai_terms, parse_request
+from specdec.gateway.openai.responses import Reply
+from specdec.v1 import gateway_pb2
+
+MODEL = ServedModel("smollm2-135m", frozenset({"smollm2-135m", "/models/smollm2.gguf"}), 2048)
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def chat_request(**fields: Any) -> gateway_pb2.GenerateRequest:
+    return parse_request({**CHAT, **fields}, Endpoint.CHAT, MODEL).generate
+
+
+def refusal(body: dict[str, Any], endpoint: Endpoint = Endpoint.CHAT) -> OpenAIError:
+    with pytest.raises(OpenAIError) as error:
+        parse_request(body, endpoint, MODEL)
+    return error.value
+
+
+def test_a_chat_body_becomes_a_generate_request() -> None:
+    request = chat_request(
+        model="/models/smollm2.gguf", max_completion_tokens=7, max_tokens=99, temperature=0.5, top_p=0.9, top_k=-1,
+        repetition_penalty=1.1, seed=3, stop="END", user="u1", n=1, unknown_field={"x": 1},
+        messages=[{"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "it"}]},
+                  {"role": "user", "content": "hi"}],
+        speculation={"enabled": True, "num_speculative_tokens": 3, "adaptive": False, "method": "ngram"},
+    )
+    assert request.max_new_tokens == 7  # max_completion_tokens wins, as in OpenAI's API
+    assert [(m.role, m.content) for m in request.chat.messages] == [("system", "be it"), ("user", "hi")]
+    sampling = request.sampling
+    assert (sampling.top_k, sampling.seed, list(request.stop)) == (0, 3, ["END"])
+    assert sampling.temperature == pytest.approx(0.5) and sampling.top_p == pytest.approx(0.9)
+    spec = request.speculation
+    assert (spec.enabled, spec.num_speculative_tokens, spec.adaptive) == (True, 3, False)
+    assert spec.method == gateway_pb2.SPECULATION_METHOD_NGRAM
+
+
+def test_defaults_follow_openai() -> None:
+    parsed = parse_request(CHAT, Endpoint.CHAT, MODEL)
+    assert parsed.generate.sampling.temperature == 1.0  # OpenAI's default, where gRPC's unset is greedy
+    assert parsed.generate.max_new_tokens == 0  # the gateway's --max-new-tokens
+    assert not parsed.generate.speculation.HasField("enabled")
+    assert (parsed.stream, parsed.include_usage) == (False, False)
+
+
+def test_a_completion_prompt_may_be_a_list_of_one_string() -> None:
+    parsed = parse_request({"prompt": ["Once"], "stream": True, "stream_options": {"include_usage": True}},
+                           Endpoint.COMPLETIONS, MODEL)
+    assert parsed.generate.prompt == "Once" and parsed.stream and parsed.include_usage
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [1, 2, 3]}, "prompt"),
+    ({"prompt": None}, "prompt"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "a", "logprobs": 0}, "logprobs"),  # 0 asks for the chosen tokens' logprobs
+    ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "seed": -1}, "seed"),
+])
+def test_bad_completion_fields_name_themselves(body: dict[str, Any], param: str) -> None:
+    error = refusal(body, Endpoint.COMPLETIONS)
+    assert (error.status, error.param) == (400, param)
+    assert error.message.startswith(param)
+
+
+@pytest.mark.parametrize("field", ["logprobs", "top_logprobs", "min_p", "logit_bias", "presence_penalty",
+                                   "frequency_penalty"])
+def test_fields_still_to_come_are_refused_unless_they_ask_nothing(field: str) -> None:
+    asking = {"logprobs": True, "top_logprobs": 2, "min_p": 0.1, "logit_bias": {"42": 5},
+              "presence_penalty": 0.5, "frequency_penalty": -0.5}
+    error = refusal({**CHAT, field: asking[field]})
+    assert (error.status, error.param, error.code) == (400, field, "unsupported_parameter")
+    assert "not supported yet" in error.message
+    no_op = {"logprobs": False, "top_logprobs": 0, "min_p": 0.0, "logit_bias": {}, "presence_penalty": 0,
+             "frequency_penalty": 0.0}
+    chat_request(**{field: no_op[field]})
+    chat_request(**{field: None})
+
+
+def test_chat_refusals() -> None:
+    assert refusal({**CHAT, "model": "gpt-4o"}).status == 404
+    assert refusal({**CHAT, "n": 3}).param == "n"
+    assert refusal({**CHAT, "response_format": {"type": "json_object"}}).param == "response_format"
+    assert refusal({**CHAT, "speculation": {"k": 2}}).param == "speculation.k"
+    assert refusal({**CHAT, "speculation": {"method": "medusa"}}).param == "speculation.method"
+    assert refusal({**CHAT, "temperature": True}).param == "temperature"
+    assert refusal({"messages": []}).param == "messages"
+    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    assert refusal({"messages": [{"role": "user", "content": image}]}).param == "messages[0].content"
+    assert refusal(["not", "an", "object"]).status == 400
+    chat_request(response_format={"type": "text"}, tools=[], model="")
+
+
+def test_grpc_side_messages_in_openai_terms() -> None:
+    assert in_openai_terms("chat.messages[2].role: 'x' is not one of system", Endpoint.CHAT) == (
+        "messages[2].role", "messages[2].role: 'x' is not one of system")
+    assert in_openai_terms("prompt: 9000 tokens leave no room", Endpoint.CHAT)[0] == "messages"
+    assert in_openai_terms("prompt: 9000 tokens leave no room", Endpoint.COMPLETIONS)[0] == "prompt"
+    assert in_openai_terms("temperature must be a finite number >= 0", Endpoint.CHAT)[0] == "temperature"
+    assert in_openai_terms("admission queue is full (64 waiting)", Endpoint.CHAT) == (
+        None, "admission queue is full (64 waiting)")
+
+
+@pytest.mark.parametrize(("status", "http_status"), [
+    (grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+    (grpc.StatusCode.UNAVAILABLE, 503), (grpc.StatusCode.INTERNAL, 500),
+])
+def test_grpc_statuses_map_to_http(status: grpc.StatusCode, http_status: int) -> None:
+    error = from_status(status, "why")
+    assert error.status == http_status
+    assert error.body() == {"error": {"message": "why", "type": error.type.value, "param": None, "code": error.code}}
+
+
+def test_a_stream_ends_with_the_finish_reason_then_the_usage() -> None:
+    reply = Reply(parse_request({**CHAT, "stream": True, "stream_options": {"include_usage": True}},
+                                Endpoint.CHAT, MODEL), MODEL.name)
+    first = reply.chunks(gateway_pb2.GenerateResponse(token_ids=[1], text="Hel"))
+    final = gateway_pb2.Completion(finish_reason=gateway_pb2.FINISH_REASON_STOP,
+                                   usage=gateway_pb2.Usage(prompt_tokens=5, completion_tokens=2),
+                                   speculation=gateway_pb2.SpeculationStats(num_rounds=1, num_draft_tokens=4,
+                                                                            num_accepted_tokens=3))
+    rest = reply.chunks(gateway_pb2.GenerateResponse(token_ids=[2], text="lo", completion=final))
+    assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Hel"}
+    assert [c["choices"][0]["delta"] for c in rest[:2]] == [{"content": "lo"}, {}]
+    assert rest[1]["choices"][0]["finish_reason"] == "stop" and rest[1]["speculation"]["num_drafts"] == 1
+    assert rest[2]["choices"] == [] and rest[2]["usage"] == {"prompt_tokens": 5, "completion_tokens": 2,
+                                                             "total_tokens": 7}
+    assert {c["id"] for c in first + rest} == {reply.id}
