@@ -118,6 +118,57 @@ def test_the_speculation_extension_reaches_the_request(client: openai.OpenAI) ->
     assert fixed_text == plain_text  # greedy output does not depend on speculation
 
 
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.9, "seed": 3}],
+                         ids=["greedy", "seeded"])
+def test_logprobs_equal_with_and_without_speculation(client: openai.OpenAI, sampling: dict[str, Any]) -> None:
+    """The target's own logprobs at each token's position, whatever drafted them: greedy and seeded
+    requests emit the same tokens with speculation on and off, and so the same logprobs."""
+    def answer(speculation: dict[str, Any]) -> openai.types.chat.ChatCompletion:
+        return client.chat.completions.create(model="", messages=MESSAGES, max_tokens=12, logprobs=True,
+                                              top_logprobs=3, extra_body={"speculation": speculation}, **sampling)
+
+    speculative, plain = answer({"num_speculative_tokens": 4}), answer({"enabled": False})
+    assert (speculative.model_extra or {})["speculation"]["num_drafts"] > 0
+    spec_lp, plain_lp = speculative.choices[0].logprobs, plain.choices[0].logprobs
+    assert spec_lp is not None and spec_lp.content is not None and plain_lp is not None and plain_lp.content
+    assert speculative.choices[0].message.content == plain.choices[0].message.content
+    assert len(spec_lp.content) == len(plain_lp.content) == 12
+    for ours, theirs in zip(spec_lp.content, plain_lp.content, strict=True):
+        assert ours.token == theirs.token and ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert ours.bytes == list(ours.token.encode()) and len(ours.top_logprobs) == 3
+        assert [t.logprob for t in ours.top_logprobs] == sorted((t.logprob for t in ours.top_logprobs), reverse=True)
+        assert ours.logprob <= ours.top_logprobs[0].logprob + 1e-6 <= 1e-6
+
+
+def test_completions_logprobs_and_their_offsets(client: openai.OpenAI) -> None:
+    reply = client.completions.create(model="", prompt="The capital of France is", max_tokens=6, temperature=0,
+                                      logprobs=2)
+    logprobs, text = reply.choices[0].logprobs, reply.choices[0].text
+    assert logprobs is not None and logprobs.tokens and logprobs.token_logprobs and logprobs.top_logprobs
+    assert "".join(logprobs.tokens) == text
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert len(top) == 2 and top[token] == pytest.approx(value)  # greedy: the token is the most likely
+
+
+def test_sampling_fields_reach_the_request(client: openai.OpenAI, stack: Stack, pki: Pki) -> None:
+    """min_p, logit_bias and the presence and frequency penalties, sent the OpenAI way, decode as the
+    gRPC API's own fields do; a seeded request then emits the same text with speculation on and off."""
+    with grpc_client(stack, pki) as grpc:
+        banned = grpc.generate(chat(QUESTION), max_new_tokens=4).token_ids[0]  # the first greedy token
+        fields = dict(temperature=0.8, seed=5, min_p=0.05, presence_penalty=0.6, frequency_penalty=0.4)
+        expected = grpc.generate(chat(QUESTION), max_new_tokens=16, logit_bias={banned: -100.0}, **fields)
+    assert banned not in expected.token_ids
+
+    def answer(speculation: dict[str, Any]) -> str | None:
+        reply = client.chat.completions.create(
+            model="", messages=MESSAGES, max_tokens=16, temperature=0.8, seed=5, logit_bias={str(banned): -100},
+            presence_penalty=0.6, frequency_penalty=0.4, extra_body={"min_p": 0.05, "speculation": speculation})
+        return reply.choices[0].message.content
+
+    assert answer({"num_speculative_tokens": 4}) == answer({"enabled": False}) == expected.text
+
+
 def test_models_and_health(client: openai.OpenAI, stack: Stack, base_url: str, pki: Pki) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [stack.target.runtime.loaded.name]
@@ -133,7 +184,11 @@ def test_models_and_health(client: openai.OpenAI, stack: Stack, base_url: str, p
     ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"n": 2}, "n"),
-    ({"min_p": 0.1}, "min_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"logit_bias": {"not-a-token": 1}}, "logit_bias"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"speculation": {"verification": "maybe"}}, "speculation.verification"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     ({"speculation": {"num_speculative_tokens": 99}}, "speculation.num_speculative_tokens"),

@@ -10,11 +10,13 @@ Requests go through the same `Generations` as gRPC `Generate`, so a client that 
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import logging
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +93,10 @@ class OpenAIFront:
         self.created = int(time.time())
         #: The gRPC port's limit on a request: larger bodies get 413.
         self.max_request_bytes = state.config.max_request_bytes
+        tokenizer = state.policy.tokenizer
+        #: Each token's text for logprobs, decoded once: the vocabulary's common tokens recur.
+        self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(
+            lambda token_id: str(tokenizer.decode([token_id])))
 
     def application(self, token: str) -> web.Application:
         middlewares: list[Middleware] = [openai_errors, *([bearer_token_check(token)] if token else [])]
@@ -118,7 +124,7 @@ class OpenAIFront:
 
     async def complete(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         parsed = parse_request(await read_json(request, self.max_request_bytes), endpoint, self.model)
-        reply = Reply(parsed, self.model.name)
+        reply = Reply(parsed, self.model.name, self.token_text)
         try:
             async with self.generations.start(parsed.generate) as generation:
                 if parsed.stream:

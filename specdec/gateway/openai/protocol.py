@@ -32,19 +32,13 @@ SPECULATION_METHODS = {
     "ngram": gateway_pb2.SPECULATION_METHOD_NGRAM,
     "none": gateway_pb2.SPECULATION_METHOD_NONE,
 }
-SPECULATION_FIELDS = ("enabled", "num_speculative_tokens", "adaptive", "method")
-
-#: Fields that are coming (exact logprobs, more sampling transforms): refused for now unless
-#: they carry a value that asks nothing (clients often send the defaults). Each entry lists
-#: those values, type included (`logprobs: 0` asks for the chosen tokens' logprobs, `false` not).
-PENDING_FIELDS: dict[str, tuple[object, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "min_p": (None, 0, 0.0),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-}
+VERIFICATIONS = {"rejection": gateway_pb2.VERIFICATION_REJECTION, "drawn": gateway_pb2.VERIFICATION_DRAWN}
+SPECULATION_FIELDS = ("enabled", "num_speculative_tokens", "adaptive", "method", "verification")
+#: Alternatives a token's logprobs may list (chat's `top_logprobs`, completions' `logprobs`).
+MAX_TOP_LOGPROBS = 20
+#: `logprobs_mode` (vLLM's names): the model's raw distribution, or the one after the
+#: request's transforms (`LogprobsOptions.processed`).
+LOGPROBS_MODES = {"raw_logprobs": False, "processed_logprobs": True}
 #: Fields of OpenAI's API this server does not implement, with their no-op values.
 UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
     "tools": (None, []),
@@ -97,6 +91,8 @@ def parse_request(body: object, endpoint: Endpoint, model: ServedModel) -> OpenA
         stop=stop_from_body(body),
         speculation=speculation_from_body(body.get("speculation")),
     )
+    if (logprobs := logprobs_from_body(body, endpoint)) is not None:
+        request.logprobs.CopyFrom(logprobs)
     if endpoint is Endpoint.CHAT:
         request.chat.CopyFrom(chat_from_body(body))
     else:
@@ -118,9 +114,6 @@ def check_model(body: dict[str, Any], model: ServedModel) -> None:
 
 
 def refuse_unsupported(body: dict[str, Any]) -> None:
-    for name, no_ops in PENDING_FIELDS.items():
-        if name in body and not _is_one_of(body[name], no_ops):
-            raise not_supported(name, "not supported yet by this server")
     for name, no_ops in UNSUPPORTED_FIELDS.items():
         if name in body and not _is_one_of(body[name], no_ops):
             raise not_supported(name)
@@ -162,7 +155,47 @@ def sampling_from_body(body: dict[str, Any]) -> common_pb2.SamplingParams:
         sampling.repetition_penalty = penalty
     if (seed := _integer(body, "seed", low=0, high=UINT64_MAX)) is not None:
         sampling.seed = seed
+    for name in ("min_p", "presence_penalty", "frequency_penalty"):
+        if (value := _number(body, name)) is not None:
+            setattr(sampling, name, value)
+    sampling.logit_bias.update(logit_bias_from_body(body.get("logit_bias")))
     return sampling
+
+
+def logit_bias_from_body(bias: object) -> dict[int, float]:
+    """OpenAI's `logit_bias`: token ids (JSON object keys, so strings) to a bias; the ranges and
+    the vocabulary are checked with the other sampling fields (`SamplingParams`, `requests`)."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise invalid_field("logit_bias", "must be an object mapping token ids to biases")
+    out = {}
+    for key in bias:
+        if not (isinstance(key, str) and key.isdigit() and int(key) <= INT32_MAX):
+            raise invalid_field("logit_bias", f"keys must be token ids, got {key!r}")
+        if (value := _number(bias, key, "logit_bias.")) is not None:
+            out[int(key)] = value
+    return out
+
+
+def logprobs_from_body(body: dict[str, Any], endpoint: Endpoint) -> gateway_pb2.LogprobsOptions | None:
+    """What the request asks of its tokens' logprobs: chat's `logprobs` (a boolean) with
+    `top_logprobs`, completions' `logprobs` (the number of alternatives), and `logprobs_mode`.
+    None when it asks for none."""
+    if endpoint is Endpoint.CHAT:
+        top = _integer(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
+        if not _boolean(body, "logprobs"):
+            if top:
+                raise invalid_field("top_logprobs", "needs logprobs: true")
+            return None
+    else:
+        top = _integer(body, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
+        if top is None:
+            return None
+    mode = body.get("logprobs_mode", "raw_logprobs")
+    if mode not in LOGPROBS_MODES:
+        raise invalid_field("logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)}, got {mode!r}")
+    return gateway_pb2.LogprobsOptions(top_logprobs=top or 0, processed=LOGPROBS_MODES[mode])
 
 
 def stop_from_body(body: dict[str, Any]) -> list[str]:
@@ -199,6 +232,12 @@ def speculation_from_body(options: object) -> gateway_pb2.SpeculationOptions:
             raise invalid_field("speculation.method", f"must be one of {', '.join(SPECULATION_METHODS)}, "
                                                       f"got {method!r}")
         speculation.method = SPECULATION_METHODS[method]
+    verification = options.get("verification")
+    if verification is not None:
+        if verification not in VERIFICATIONS:
+            raise invalid_field("speculation.verification", f"must be one of {', '.join(VERIFICATIONS)}, "
+                                                            f"got {verification!r}")
+        speculation.verification = VERIFICATIONS[verification]
     return speculation
 
 

@@ -2,13 +2,17 @@
 
 One `Reply` per request: `chunks` maps each streamed message to its server-sent chunks,
 `add` + `body` collect a whole response. The final chunk (the one with `finish_reason`) and
-the whole response carry the vendor field `speculation` (`speculation_stats`).
+the whole response carry the vendor field `speculation` (`speculation_stats`). A request that
+asks for logprobs gets them in OpenAI's form for its endpoint (`Logprobs`): chat's `content`
+list, completions' parallel lists.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from specdec.gateway.openai.protocol import Endpoint, OpenAIRequest
@@ -49,13 +53,61 @@ def speculation_stats(completion: gateway_pb2.Completion) -> dict[str, float | i
     }
 
 
+#: JSON has no -inf: a token a transform ruled out (processed logprobs) gets this, as in vLLM.
+LOGPROB_FLOOR = -9999.0
+#: A token's text (its decoding alone), by id.
+TokenText = Callable[[int], str]
+
+
+def _logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR) if not math.isnan(value) else LOGPROB_FLOOR
+
+
+class Logprobs:
+    """The logprobs of a response's tokens in OpenAI's form for its endpoint."""
+
+    def __init__(self, endpoint: Endpoint, token_text: TokenText) -> None:
+        self.endpoint = endpoint
+        self.token_text = token_text
+        self.offset = 0  # completions' text_offset: characters before the next token
+
+    def of(self, tokens: list[gateway_pb2.TokenLogprob]) -> dict[str, Any]:
+        """Chat: {"content": [{token, logprob, bytes, top_logprobs}], "refusal"}; completions:
+        {"tokens", "token_logprobs", "top_logprobs" (text -> logprob), "text_offset"}."""
+        if self.endpoint is Endpoint.CHAT:
+            return {"content": [self._entry(t.token_id, t.logprob) | {"top_logprobs": [
+                self._entry(top.token_id, top.logprob) for top in t.top]} for t in tokens], "refusal": None}
+        texts = [self.token_text(t.token_id) for t in tokens]
+        offsets = []
+        for text in texts:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": texts, "token_logprobs": [_logprob(t.logprob) for t in tokens],
+                "top_logprobs": [{self.token_text(top.token_id): _logprob(top.logprob) for top in t.top}
+                                 for t in tokens], "text_offset": offsets}
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode())}
+
+    @staticmethod
+    def joined(parts: list[dict[str, Any]]) -> dict[str, Any]:
+        """One response's logprobs from those of its messages (`of`), in order."""
+        if not parts:
+            return {}
+        return {key: None if key == "refusal" else [x for part in parts for x in part[key]] for key in parts[0]}
+
+
 class Reply:
     """The response to one request, as chunks (streaming) or one body."""
 
-    def __init__(self, request: OpenAIRequest, model: str) -> None:
+    def __init__(self, request: OpenAIRequest, model: str, token_text: TokenText) -> None:
         self.endpoint = request.endpoint
         self.include_usage = request.include_usage
         self.model = model
+        #: None when the request asked for no logprobs.
+        self.logprobs = Logprobs(request.endpoint, token_text) if request.generate.HasField("logprobs") else None
+        self.logprob_parts: list[dict[str, Any]] = []
         chat = self.endpoint is Endpoint.CHAT
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -69,7 +121,7 @@ class Reply:
         and, with `include_usage`, a last chunk with the usage and no choices."""
         chunks = []
         if response.text or response.token_ids:
-            chunks.append(self._chunk(self._delta(response.text), None))
+            chunks.append(self._chunk(self._delta(response.text), None, self._logprobs_of(response)))
         if response.HasField("completion"):
             completion = response.completion
             final = self._chunk(self._delta(None), FINISH_REASONS[completion.finish_reason])
@@ -82,6 +134,8 @@ class Reply:
     def add(self, response: gateway_pb2.GenerateResponse) -> None:
         """Collect a message of a response that is answered whole (`body`)."""
         self.text.append(response.text)
+        if (logprobs := self._logprobs_of(response)) is not None:
+            self.logprob_parts.append(logprobs)
         if response.HasField("completion"):
             self.completion = response.completion
 
@@ -90,7 +144,8 @@ class Reply:
         if self.completion is None:
             raise RuntimeError("the response has not finished")
         text = "".join(self.text)
-        choice: dict[str, Any] = {"index": 0, "logprobs": None,
+        logprobs = None if self.logprobs is None else Logprobs.joined(self.logprob_parts) or self.logprobs.of([])
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
                                   "finish_reason": FINISH_REASONS[self.completion.finish_reason]}
         if self.endpoint is Endpoint.CHAT:
             choice["message"] = {"role": "assistant", "content": text}
@@ -114,8 +169,14 @@ class Reply:
             self._role_sent = True
         return {"delta": delta}
 
-    def _chunk(self, choice: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        chunk = {**self._envelope(), "choices": [{"index": 0, **choice, "logprobs": None,
+    def _logprobs_of(self, response: gateway_pb2.GenerateResponse) -> dict[str, Any] | None:
+        if self.logprobs is None or not response.token_ids:
+            return None
+        return self.logprobs.of(list(response.logprobs))
+
+    def _chunk(self, choice: dict[str, Any], finish_reason: str | None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        chunk = {**self._envelope(), "choices": [{"index": 0, **choice, "logprobs": logprobs,
                                                   "finish_reason": finish_reason}]}
         if self.include_usage:
             chunk["usage"] = None  # OpenAI's chunks say so until the last one

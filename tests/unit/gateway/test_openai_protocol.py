@@ -64,7 +64,7 @@ def test_a_completion_prompt_may_be_a_list_of_one_string() -> None:
     ({"prompt": None}, "prompt"),
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "a", "logprobs": 0}, "logprobs"),  # 0 asks for the chosen tokens' logprobs
+    ({"prompt": "a", "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "echo": True}, "echo"),
     ({"prompt": "a", "seed": -1}, "seed"),
 ])
@@ -74,18 +74,34 @@ def test_bad_completion_fields_name_themselves(body: dict[str, Any], param: str)
     assert error.message.startswith(param)
 
 
-@pytest.mark.parametrize("field", ["logprobs", "top_logprobs", "min_p", "logit_bias", "presence_penalty",
-                                   "frequency_penalty"])
-def test_fields_still_to_come_are_refused_unless_they_ask_nothing(field: str) -> None:
-    asking = {"logprobs": True, "top_logprobs": 2, "min_p": 0.1, "logit_bias": {"42": 5},
-              "presence_penalty": 0.5, "frequency_penalty": -0.5}
-    error = refusal({**CHAT, field: asking[field]})
-    assert (error.status, error.param, error.code) == (400, field, "unsupported_parameter")
-    assert "not supported yet" in error.message
-    no_op = {"logprobs": False, "top_logprobs": 0, "min_p": 0.0, "logit_bias": {}, "presence_penalty": 0,
-             "frequency_penalty": 0.0}
-    chat_request(**{field: no_op[field]})
-    chat_request(**{field: None})
+def test_sampling_and_logprobs_fields_map_to_the_request() -> None:
+    request = chat_request(min_p=0.1, logit_bias={"42": 5, "7": -100}, presence_penalty=0.5, frequency_penalty=-0.5,
+                           logprobs=True, top_logprobs=4, logprobs_mode="processed_logprobs",
+                           speculation={"verification": "drawn"})
+    sampling = request.sampling
+    assert sampling.min_p == pytest.approx(0.1) and dict(sampling.logit_bias) == {42: 5.0, 7: -100.0}
+    assert sampling.presence_penalty == pytest.approx(0.5) and sampling.frequency_penalty == pytest.approx(-0.5)
+    assert (request.logprobs.top_logprobs, request.logprobs.processed) == (4, True)
+    assert request.speculation.verification == gateway_pb2.VERIFICATION_DRAWN
+    assert not chat_request(logprobs=False, top_logprobs=0).HasField("logprobs")
+    assert not chat_request().HasField("logprobs")
+    completion = parse_request({"prompt": "a", "logprobs": 0}, Endpoint.COMPLETIONS, MODEL).generate
+    assert completion.HasField("logprobs") and completion.logprobs.top_logprobs == 0  # the chosen tokens' only
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"logit_bias": {"-3": 1}}, "logit_bias"),
+    ({"logit_bias": {"3": "big"}}, "logit_bias.3"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": "yes"}, "logprobs"),
+    ({"top_logprobs": 1}, "top_logprobs"),
+    ({"logprobs": True, "logprobs_mode": "final"}, "logprobs_mode"),
+    ({"min_p": "a lot"}, "min_p"),
+])
+def test_bad_sampling_and_logprobs_fields_name_themselves(body: dict[str, Any], param: str) -> None:
+    error = refusal({**CHAT, **body})
+    assert (error.status, error.param) == (400, param), error.message
 
 
 def test_chat_refusals() -> None:
@@ -124,7 +140,7 @@ def test_grpc_statuses_map_to_http(status: grpc.StatusCode, http_status: int) ->
 
 def test_a_stream_ends_with_the_finish_reason_then_the_usage() -> None:
     reply = Reply(parse_request({**CHAT, "stream": True, "stream_options": {"include_usage": True}},
-                                Endpoint.CHAT, MODEL), MODEL.name)
+                                Endpoint.CHAT, MODEL), MODEL.name, token_text)
     first = reply.chunks(gateway_pb2.GenerateResponse(token_ids=[1], text="Hel"))
     final = gateway_pb2.Completion(finish_reason=gateway_pb2.FINISH_REASON_STOP,
                                    usage=gateway_pb2.Usage(prompt_tokens=5, completion_tokens=2),
@@ -137,3 +153,32 @@ def test_a_stream_ends_with_the_finish_reason_then_the_usage() -> None:
     assert rest[2]["choices"] == [] and rest[2]["usage"] == {"prompt_tokens": 5, "completion_tokens": 2,
                                                              "total_tokens": 7}
     assert {c["id"] for c in first + rest} == {reply.id}
+
+
+def token_text(token_id: int) -> str:
+    return f"<{token_id}>"
+
+
+def test_logprobs_take_each_endpoints_form() -> None:
+    top = [gateway_pb2.TopLogprob(token_id=2, logprob=-0.1), gateway_pb2.TopLogprob(token_id=9, logprob=float("-inf"))]
+    message = gateway_pb2.GenerateResponse(token_ids=[2, 5], text="<2><5>", logprobs=[
+        gateway_pb2.TokenLogprob(token_id=2, logprob=-0.1, top=top),
+        gateway_pb2.TokenLogprob(token_id=5, logprob=float("-inf"), top=top)])
+    final = gateway_pb2.GenerateResponse(
+        completion=gateway_pb2.Completion(finish_reason=gateway_pb2.FINISH_REASON_STOP))
+    chat = Reply(parse_request({**CHAT, "logprobs": True, "top_logprobs": 2}, Endpoint.CHAT, MODEL), "m", token_text)
+    for response in (message, final):
+        chat.add(response)
+    content = chat.body()["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["logprob"], c["bytes"]) for c in content] == [("<2>", pytest.approx(-0.1), list(b"<2>")),
+                                                                         ("<5>", -9999.0, list(b"<5>"))]
+    assert [t["token"] for t in content[0]["top_logprobs"]] == ["<2>", "<9>"]
+    completion = Reply(parse_request({"prompt": "a", "logprobs": 2, "stream": True}, Endpoint.COMPLETIONS, MODEL),
+                       "m", token_text)
+    streamed = completion.chunks(message)[0]["choices"][0]["logprobs"]
+    assert streamed["tokens"] == ["<2>", "<5>"] and streamed["text_offset"] == [0, 3]
+    assert streamed["top_logprobs"][1] == {"<2>": pytest.approx(-0.1), "<9>": -9999.0}
+    without = Reply(parse_request(CHAT, Endpoint.CHAT, MODEL), "m", token_text)
+    without.add(message)
+    without.add(final)
+    assert without.body()["choices"][0]["logprobs"] is None
