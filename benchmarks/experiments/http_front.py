@@ -20,9 +20,7 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Awaitable, Callable
 
@@ -31,18 +29,13 @@ import grpc
 
 from specdec.cli.launcher import ServiceProcess, start_service
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from specdec_bench.results import cpu_model
 
 PROMPT = "Tell me a long story about a dragon and a knight who become friends."
 MAX_TOKENS = 128
 CONCURRENCY = 16
 #: One request: its completion tokens.
 Request = Callable[[], Awaitable[int]]
-
-
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    names = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")]
-    return names[0] if names else platform.processor()
 
 
 def grpc_request(stub: gateway_pb2_grpc.GatewayStub) -> Request:
