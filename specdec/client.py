@@ -136,21 +136,7 @@ def build_request(
     )
     if seed is not None:
         sampling.seed = seed
-    speculation = gateway_pb2.SpeculationOptions()
-    if speculative is not None:
-        speculation.enabled = speculative
-    if num_speculative_tokens is not None:
-        speculation.num_speculative_tokens = num_speculative_tokens
-    if adaptive is not None:
-        speculation.adaptive = adaptive
-    if method is not None:
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-        speculation.method = METHODS[method]
-    if verification is not None:
-        if verification not in VERIFICATIONS:
-            raise ValueError(f"verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
-        speculation.verification = VERIFICATIONS[verification]
+    speculation = speculation_options(speculative, num_speculative_tokens, adaptive, method, verification)
     request = gateway_pb2.GenerateRequest(
         max_new_tokens=max_new_tokens, sampling=sampling, stop=list(stop), speculation=speculation
     )
@@ -161,6 +147,27 @@ def build_request(
     else:
         request.chat.messages.extend(gateway_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
     return request
+
+
+def speculation_options(
+    speculative: bool | None, num_speculative_tokens: int | None, adaptive: bool | None, method: str | None,
+    verification: str | None,
+) -> gateway_pb2.SpeculationOptions:
+    """`SpeculationOptions` with the fields that are not None (the gateway's defaults for the rest)."""
+    speculation = gateway_pb2.SpeculationOptions()
+    if speculative is not None:
+        speculation.enabled = speculative
+    if num_speculative_tokens is not None:
+        speculation.num_speculative_tokens = num_speculative_tokens
+    if adaptive is not None:
+        speculation.adaptive = adaptive
+    for name, value, choices in (("method", method, METHODS), ("verification", verification, VERIFICATIONS)):
+        if value is None:
+            continue
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+        setattr(speculation, name, choices[value])
+    return speculation
 
 
 class SpecdecClient:

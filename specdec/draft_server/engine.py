@@ -14,8 +14,9 @@ import torch
 
 from specdec.errors import InvalidArgumentError
 from specdec.model.runtime import ModelRuntime
+from specdec.sampling.draws import drawn_tokens, make_generator, pick_tokens, position_generator
 from specdec.sampling.sparse_probs import SparseRows, cut_tail
-from specdec.sampling.transforms import drawn_tokens, logits_to_probs, make_generator, pick_tokens, position_generator
+from specdec.sampling.transforms import logits_to_probs
 from specdec.serving.config import ModelServiceConfig
 from specdec.serving.engine import ModelEngine
 from specdec.wire.items import Lease, Proposal, ProposeItem

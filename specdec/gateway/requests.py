@@ -18,9 +18,9 @@ from specdec.gateway.detokenizer import StopStringDetokenizer
 from specdec.gateway.draft_sources import SpeculationMethod
 from specdec.gateway.sequence import FinishReason, Sequence, Verification
 from specdec.model.chat import encode_chat
+from specdec.sampling.draws import make_generator
 from specdec.sampling.logprobs import LogprobsOptions, TokenLogprob
 from specdec.sampling.params import SamplingParams, independent_seed
-from specdec.sampling.transforms import make_generator
 from specdec.v1 import gateway_pb2
 from specdec.wire.items import sampling_from_pb
 

@@ -25,10 +25,11 @@ from specdec.gateway.model_clients import DraftAPI, TargetAPI, Timed
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence, Verification
 from specdec.gateway.token_logprobs import round_logprobs
+from specdec.sampling.draws import drawn_tokens, position_generator, sample
 from specdec.sampling.logprobs import TokenLogprob
 from specdec.sampling.rejection_sampler import RejectionResult
 from specdec.sampling.sparse_probs import SparseRows
-from specdec.sampling.transforms import drawn_tokens, logits_to_probs, position_generator, sample
+from specdec.sampling.transforms import logits_to_probs
 from specdec.serving.worker import ModelWorker
 from specdec.wire.items import (
     ArgmaxMode,

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.errors import InvalidArgumentError
-from specdec.sampling.transforms import NO_TOKEN, Generators, check_drawn, sample
+from specdec.sampling.draws import NO_TOKEN, Generators, check_drawn, sample
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def residual_weights(
     draft_probs: torch.Tensor,  # [batch, vocab] q_i at the rejected position
 ) -> torch.Tensor:
     """max(0, p − q), unnormalized → [batch, vocab] float32; p itself where that is all zero
-    (p == q). What a draw needs: `transforms.sample` normalizes its weights."""
+    (p == q). What a draw needs: `draws.sample` normalizes its weights."""
     p = target_probs.float()  # [batch, vocab]
     residual = (p - draft_probs.float()).clamp_(min=0.0)  # [batch, vocab]
     empty = residual.sum(dim=-1) <= 0  # [batch]

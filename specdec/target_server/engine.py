@@ -11,18 +11,11 @@ import torch
 from specdec.errors import InvalidArgumentError, SlotExistsError
 from specdec.model.forward_batch import StepShape
 from specdec.model.runtime import ModelRuntime
+from specdec.sampling.draws import drawn_tokens, pick_tokens, position_generator, sample
 from specdec.sampling.logprobs import RowLogprobs, answer_rows
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.rejection_sampler import draw_candidates, token_probs
-from specdec.sampling.transforms import (
-    chunk_logits_to_probs,
-    drawn_tokens,
-    logits_to_probs,
-    pick_tokens,
-    position_generator,
-    sample,
-    stack_chunks,
-)
+from specdec.sampling.transforms import chunk_logits_to_probs, logits_to_probs, stack_chunks
 from specdec.serving.engine import ModelEngine
 from specdec.target_server.config import TargetConfig
 from specdec.tuning.threads import one_thread

@@ -27,16 +27,11 @@ from specdec.gateway.requests import RequestPolicy
 from specdec.gateway.scheduler import PoolLimits, Scheduler
 from specdec.gateway.stats import GatewayStats
 from specdec.model.tokenizer_info import TokenizerInfo
+from specdec.sampling.draws import pick_tokens, position_generator, sample
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.rejection_sampler import draw_candidates, token_probs
 from specdec.sampling.sparse_probs import SparseRows
-from specdec.sampling.transforms import (
-    chunk_logits_to_probs,
-    logits_to_probs,
-    pick_tokens,
-    position_generator,
-    sample,
-)
+from specdec.sampling.transforms import chunk_logits_to_probs, logits_to_probs
 from specdec.wire.items import (
     ArgmaxMode,
     DecodeMode,

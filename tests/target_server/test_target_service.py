@@ -18,10 +18,11 @@ from grpc_health.v1 import health_pb2
 
 from specdec.model.loader import LoadedModel
 from specdec.model.tokenizer_info import TokenizerInfo
+from specdec.sampling.draws import make_generator, pick_tokens
 from specdec.sampling.params import independent_seed
 from specdec.sampling.rejection_sampler import draw_candidates, token_probs
 from specdec.sampling.sparse_probs import SparseRows
-from specdec.sampling.transforms import chunk_logits_to_probs, logits_to_probs, make_generator, pick_tokens
+from specdec.sampling.transforms import chunk_logits_to_probs, logits_to_probs
 from specdec.target_server import server as target_servicer
 from specdec.target_server.server import SERVICE_NAME
 from specdec.v1 import common_pb2, target_pb2

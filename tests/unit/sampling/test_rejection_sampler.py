@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specdec.errors import InvalidArgumentError
+from specdec.sampling.draws import make_generator
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.rejection_sampler import (
     RejectionResult,
@@ -23,7 +24,7 @@ from specdec.sampling.rejection_sampler import (
     token_probs,
 )
 from specdec.sampling.sparse_probs import SparseRows
-from specdec.sampling.transforms import logits_to_probs, make_generator
+from specdec.sampling.transforms import logits_to_probs
 from tests.support.chi_square import chi_square_p_value
 
 pytestmark = pytest.mark.device_agnostic

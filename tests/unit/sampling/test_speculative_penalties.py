@@ -17,6 +17,7 @@ from functools import cache
 import pytest
 import torch
 
+from specdec.sampling.draws import sample
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.rejection_sampler import (
     accept_candidates,
@@ -25,7 +26,7 @@ from specdec.sampling.rejection_sampler import (
     recovery_probs,
     token_probs,
 )
-from specdec.sampling.transforms import SamplingTensors, chunk_logits_to_probs, logits_to_probs, sample
+from specdec.sampling.transforms import SamplingTensors, chunk_logits_to_probs, logits_to_probs
 from tests.support.marginals import marginal_p_value
 
 pytestmark = pytest.mark.device_agnostic

@@ -13,18 +13,14 @@ from transformers.generation.logits_process import (
 )
 
 from specdec.errors import InvalidArgumentError
+from specdec.sampling.draws import NO_TOKEN, check_drawn, drawn_tokens, make_generator, sample
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.transforms import (
-    NO_TOKEN,
     SamplingTensors,
     apply_repetition_penalty,
-    check_drawn,
     chunk_apply_repetition_penalty,
     chunk_logits_to_probs,
-    drawn_tokens,
     logits_to_probs,
-    make_generator,
-    sample,
 )
 from tests.support.chi_square import chi_square_p_value
 
@@ -219,7 +215,7 @@ def test_sample_draws_each_token_with_its_share_of_the_weight(device: torch.devi
 
 
 def test_sample_at_the_top_of_the_unit_interval_stays_on_a_weighted_token(device: torch.device) -> None:
-    from specdec.sampling.transforms import _inverse_cdf
+    from specdec.sampling.draws import _inverse_cdf
 
     weights = torch.tensor([[0.25, 0.75, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0, 0.1, 0.2, 0.0]], device=device)
     top = torch.full((3,), 1 - 2**-53, dtype=torch.float64, device=device)  # the largest uniform torch.rand gives
