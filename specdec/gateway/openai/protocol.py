@@ -226,18 +226,13 @@ def speculation_from_body(options: object) -> gateway_pb2.SpeculationOptions:
         speculation.num_speculative_tokens = k
     if (adaptive := _boolean(options, "adaptive", "speculation.")) is not None:
         speculation.adaptive = adaptive
-    method = options.get("method")
-    if method is not None:
-        if method not in SPECULATION_METHODS:
-            raise invalid_field("speculation.method", f"must be one of {', '.join(SPECULATION_METHODS)}, "
-                                                      f"got {method!r}")
-        speculation.method = SPECULATION_METHODS[method]
-    verification = options.get("verification")
-    if verification is not None:
-        if verification not in VERIFICATIONS:
-            raise invalid_field("speculation.verification", f"must be one of {', '.join(VERIFICATIONS)}, "
-                                                            f"got {verification!r}")
-        speculation.verification = VERIFICATIONS[verification]
+    for name, choices in (("method", SPECULATION_METHODS), ("verification", VERIFICATIONS)):
+        value = options.get(name)
+        if value is None:
+            continue
+        if value not in choices:
+            raise invalid_field(f"speculation.{name}", f"must be one of {', '.join(choices)}, got {value!r}")
+        setattr(speculation, name, choices[value])
     return speculation
 
 
