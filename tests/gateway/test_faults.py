@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 import grpc
@@ -65,7 +68,8 @@ def test_losing_the_draft_mid_stream_falls_back_to_plain_decoding(
 def test_losing_the_target_fails_the_stream_and_frees_the_draft_slot(
     start_stack: StartStack, int8_runtime: ModelRuntime, service_loop: LoopThread, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    stack = start_stack(int8_runtime)
+    stack = start_stack(int8_runtime, http_port=0)
+    assert _http_health(stack) == (200, {"status": "ok"})
     slow_down(monkeypatch, stack.target, "verify", 0.1)  # 200 tokens take seconds: the kill lands mid-stream
     completion = None
     with stack.client() as client, pytest.raises(grpc.RpcError) as error:
@@ -85,6 +89,16 @@ def test_losing_the_target_fails_the_stream_and_frees_the_draft_slot(
     # target would wait out INFO_TIMEOUT_S (it waits for a ready channel), past this deadline.
     assert eventually(lambda: _gateway_health(stack) == health_pb2.HealthCheckResponse.NOT_SERVING)
     assert not _info(stack, timeout=INFO_TIMEOUT_S / 2).target_available
+    assert _http_health(stack) == (503, {"status": "unavailable"})  # the HTTP front's probe agrees
+
+
+def _http_health(stack: Stack) -> tuple[int, Any]:
+    """The HTTP front's /health: its status and body (urllib raises on a 503: its body is read there)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{stack.gateway.http_port}/health", timeout=5) as reply:
+            return reply.status, json.load(reply)
+    except urllib.error.HTTPError as error:
+        return error.code, json.load(error)
 
 
 def test_a_hung_draft_costs_one_deadline_and_the_output_stays_exact(
