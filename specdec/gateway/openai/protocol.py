@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.gateway.openai.errors import OpenAIError, invalid_field, not_supported
+from specdec.sampling.logprobs import MAX_TOP_LOGPROBS
 from specdec.v1 import common_pb2, gateway_pb2
 
 INT32_MAX = 2**31 - 1
@@ -34,8 +35,6 @@ SPECULATION_METHODS = {
 }
 VERIFICATIONS = {"rejection": gateway_pb2.VERIFICATION_REJECTION, "drawn": gateway_pb2.VERIFICATION_DRAWN}
 SPECULATION_FIELDS = ("enabled", "num_speculative_tokens", "adaptive", "method", "verification")
-#: Alternatives a token's logprobs may list (chat's `top_logprobs`, completions' `logprobs`).
-MAX_TOP_LOGPROBS = 20
 #: `logprobs_mode` (vLLM's names): the model's raw distribution, or the one after the
 #: request's transforms (`LogprobsOptions.processed`).
 LOGPROBS_MODES = {"raw_logprobs": False, "processed_logprobs": True}
