@@ -148,9 +148,13 @@ def run_request(
     options = speculation_options(k)
     if method is not None and method is not DraftMethod.PLAIN:
         options["method"] = method.value
+    if temperature > 0:
+        # Seeded so that runs repeat, but judged as unseeded traffic is (rejection sampling): a seed
+        # alone would switch the request to drawn verification (docs/performance.md, "Drawn
+        # verification's acceptance"), which keeps fewer draft tokens.
+        options |= {"seed": seed, "verification": "rejection"}
     result = client.generate(
-        chat(prompts[prompt]), max_new_tokens=max_new_tokens, temperature=temperature,
-        seed=seed if temperature > 0 else None, **options,
+        chat(prompts[prompt]), max_new_tokens=max_new_tokens, temperature=temperature, **options,
     )
     if result.finish_reason not in ("length", "stop"):
         raise RuntimeError(f"{mode_name(k)} request on prompt {prompt} finished with {result.finish_reason!r}")
