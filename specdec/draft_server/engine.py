@@ -46,8 +46,8 @@ class DraftEngine(ModelEngine):
         feeds = {item.slot_id: list(item.new_tokens) for item in items}
         feeds.update(self._allocate({slot_id: feeds[slot_id] for slot_id in new_slots}, lease))
         for item in items:
-            if item.slot_id in new_slots:
-                self.generators[item.slot_id] = make_generator(item.sampling.seed, self.cache.device)
+            if item.slot_id in new_slots and item.sampling.seed is None:
+                self.generators[item.slot_id] = make_generator(None, self.cache.device)
         try:
             for item in items:
                 if item.slot_id not in new_slots:
@@ -127,7 +127,7 @@ class DraftEngine(ModelEngine):
                 probs = probs.to(probs_dtype).float()  # what the gateway will see; sample from exactly that
                 # A seeded request's proposal for position j shares the uniform of the target's draw
                 # there (`position_generator`): equal distributions then propose the target's token.
-                generators = [position_generator(p, len(c), probs.device) or self.generators[items[i].slot_id]
+                generators = [position_generator(p, len(c), probs.device) or self.generators.get(items[i].slot_id)
                               for i, p, c in zip(rows, params, context)]
                 tokens = pick_tokens(probs, params, generators)  # [n]
             for n, (i, token) in enumerate(zip(rows, drawn_tokens(tokens))):  # one host sync per step

@@ -199,13 +199,9 @@ class FakeTarget:
         match item.mode:
             case SampledMode(sampling, draft_probs):  # candidates and p_i(t_i), as the target draws them
                 assert len(item.tokens) > 1, item
-                drafts = item.tokens[1:]
-                p = chunk_logits_to_probs(rows[None], [sampling], [cache[: item.valid_len + 1]],
-                                          [drafts])[0]  # [K+1, vocab]
-                generators = [position_generator(sampling, item.valid_len + 1 + i, "cpu")
-                              for i in range(len(item.tokens))]
+                p, generators = _position_probs(item, cache, rows, sampling)
                 candidates = draw_candidates(p, draft_probs.distributions(VOCAB, extra_rows=1), generators)
-                target_probs = token_probs(p[None], torch.tensor([drafts]))[0].tolist()
+                target_probs = token_probs(p[None], torch.tensor([item.tokens[1:]]))[0].tolist()
                 return VerifiedSampled(item.slot_id, len(cache), candidates.tolist(), target_probs)
             case DecodeMode(steps, sampling):  # decode on, caching all but the last token
                 assert len(item.tokens) == 1, item
@@ -215,10 +211,7 @@ class FakeTarget:
             case ArgmaxMode():
                 return VerifiedArgmax(item.slot_id, len(cache), rows.argmax(dim=-1).tolist())
             case DrawnMode(sampling):  # each row's draw from p, seeded by its position
-                p = chunk_logits_to_probs(rows[None], [sampling], [cache[: item.valid_len + 1]],
-                                          [item.tokens[1:]])[0]  # [K+1, vocab]
-                generators = [position_generator(sampling, item.valid_len + 1 + i, "cpu")
-                              for i in range(len(item.tokens))]
+                p, generators = _position_probs(item, cache, rows, sampling)
                 return VerifiedDrawn(item.slot_id, len(cache), sample(p, generators).tolist())
             case LogitsMode():
                 return VerifiedLogits(item.slot_id, len(cache), rows)
@@ -234,6 +227,14 @@ class FakeTarget:
 
     async def close(self) -> None:
         pass
+
+
+def _position_probs(item: VerifyItem, cache: list[int], rows: torch.Tensor,
+                    sampling: SamplingParams) -> tuple[torch.Tensor, list[torch.Generator | None]]:
+    """p [K+1, vocab] of an item's rows (the penalty context growing through its draft tokens) and
+    each row's position generator, as the real target computes them."""
+    p = chunk_logits_to_probs(rows[None], [sampling], [cache[: item.valid_len + 1]], [item.tokens[1:]])[0]
+    return p, [position_generator(sampling, item.valid_len + 1 + i, "cpu") for i in range(len(item.tokens))]
 
 
 @dataclass

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.gateway.openai.errors import OpenAIError, invalid_field, not_supported
+from specdec.gateway.requests import METHOD_FROM_PB, VERIFICATION_FROM_PB
 from specdec.sampling.logprobs import MAX_TOP_LOGPROBS
 from specdec.v1 import common_pb2, gateway_pb2
 
@@ -27,13 +28,10 @@ UINT64_MAX = 2**64 - 1
 DEFAULT_TEMPERATURE = 1.0
 #: OpenAI's newer role for system instructions; the chat templates know it as `system`.
 ROLE_ALIASES = {"developer": "system"}
-SPECULATION_METHODS = {
-    "auto": gateway_pb2.SPECULATION_METHOD_AUTO,
-    "model": gateway_pb2.SPECULATION_METHOD_MODEL,
-    "ngram": gateway_pb2.SPECULATION_METHOD_NGRAM,
-    "none": gateway_pb2.SPECULATION_METHOD_NONE,
-}
-VERIFICATIONS = {"rejection": gateway_pb2.VERIFICATION_REJECTION, "drawn": gateway_pb2.VERIFICATION_DRAWN}
+#: The extension's names ("auto", "drawn", ...) for the gRPC API's values, as `requests` reads them.
+SPECULATION_METHODS = {method.value: pb for pb, method in METHOD_FROM_PB.items() if method is not None}
+VERIFICATIONS = {verification.value: pb for pb, verification in VERIFICATION_FROM_PB.items()
+                 if verification is not None}
 SPECULATION_FIELDS = ("enabled", "num_speculative_tokens", "adaptive", "method", "verification")
 #: `logprobs_mode` (vLLM's names): the model's raw distribution, or the one after the
 #: request's transforms (`LogprobsOptions.processed`).
