@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -117,7 +118,7 @@ class CostTable:
         self.context = float(self.base_context)
         #: Unscaled seconds per (batch size, tokens) asked so far, shared by the scaled copies:
         #: a plan asks for the same few points many times over.
-        self._memo: dict[tuple[int, float], float] = {}
+        self._memo: dict[tuple[float, float], float] = {}
 
     @property
     def has_context_term(self) -> bool:
@@ -137,14 +138,14 @@ class CostTable:
         table.context = context
         return table
 
-    def context_seconds(self, batch_size: int, tokens: float) -> float:
+    def context_seconds(self, batch_size: float, tokens: float) -> float:
         """Unscaled seconds the context beyond the base one adds to a forward (negative below it)."""
         if not self._slopes or self.context == self.base_context:
             return 0.0
         slope = self._slopes[0] if len(self._slopes) == 1 else _interpolate(self._slope_tokens, self._slopes, tokens)
         return batch_size * (self.context - self.base_context) * slope
 
-    def seconds(self, batch_size: int, tokens: float) -> float:
+    def seconds(self, batch_size: float, tokens: float) -> float:
         key = (batch_size, tokens)
         unscaled = self._memo.get(key)
         if unscaled is None:
@@ -152,7 +153,7 @@ class CostTable:
             unscaled = self._memo[key] = _interpolate(self._batches, per_batch, batch_size)
         return self.scale * max(0.0, unscaled + self.context_seconds(batch_size, tokens))
 
-    def step(self, batch_size: int = 1) -> float:
+    def step(self, batch_size: float = 1) -> float:
         """One 1-token decode step over `batch_size` requests."""
         return self.seconds(batch_size, 1)
 
@@ -181,10 +182,15 @@ def expected_speedup(alpha: float, k: int, c: float, s: float) -> float:
     return expected_tokens([alpha], k) / (k * c + 1 + k * s)
 
 
-def _one_token_steps(table: CostTable, lengths: Sequence[int], first: int) -> float:
+def _one_token_steps(table: CostTable, lengths: Sequence[float], first: int) -> float:
     """Seconds of one-token steps `first`, `first` + 1, ... up to the longest of `lengths`,
-    step j batching the requests whose length is at least j."""
-    return sum(table.step(sum(1 for n in lengths if n >= j)) for j in range(first, max(lengths, default=0) + 1))
+    step j batching the requests whose length is at least j. A fractional length (an expected
+    one) takes part in its last step by its fraction."""
+    total = 0.0
+    for j in range(first, math.ceil(max(lengths, default=0)) + 1):
+        rows = sum(min(1.0, max(0.0, n - j + 1)) for n in lengths)
+        total += table.step(rows) if rows >= 1 else rows * table.step(1)
+    return total
 
 
 @dataclass(frozen=True)
@@ -199,7 +205,9 @@ class RoundCostModel:
     looks free (docs/performance.md#draft-overhead-in-the-round-cost).
 
     A request whose `lookup` flag is set verifies k tokens that a lookup proposed: they cost
-    the verify its width and `lookup_token_overhead_s` each, and no draft step.
+    the verify its width and `lookup_token_overhead_s` each, and no draft step. One the draft
+    model drafts for with a lookup's guess feeds the guess in its first forward and skips a
+    step for each guessed token it draws too (`draft_seconds`).
     """
 
     target: CostTable
@@ -211,18 +219,18 @@ class RoundCostModel:
 
     def round_seconds(
         self, ks: Sequence[int], feeds: Sequence[int] | None = None, steps: Sequence[int] | None = None,
-        lookup: Sequence[bool] | None = None,
+        lookup: Sequence[bool] | None = None, saved: Sequence[float] | None = None,
     ) -> float:
         """A round where request i drafts ks[i] tokens (0 = plain decoding for it) after
-        feeding the draft feeds[i] tokens (see `draft_seconds`), or verifies ks[i] tokens a
-        lookup proposed where lookup[i], or, when every K is 0, decodes steps[i] tokens (see
-        `verify_seconds`)."""
+        feeding the draft feeds[i] tokens (see `draft_seconds`, also for `saved`), or verifies
+        ks[i] tokens a lookup proposed where lookup[i], or, when every K is 0, decodes steps[i]
+        tokens (see `verify_seconds`)."""
         drafts = model_ks(ks, lookup)
         drafted, looked_up = sum(drafts), sum(ks) - sum(drafts)
         overhead = self.overhead_s + self.lookup_token_overhead_s * looked_up
         if drafted:
             overhead += self.draft_round_overhead_s + self.draft_token_overhead_s * drafted
-        return overhead + self.verify_seconds(ks, steps) + self.draft_seconds(drafts, feeds)
+        return overhead + self.verify_seconds(ks, steps) + self.draft_seconds(drafts, feeds, saved)
 
     def verify_seconds(self, ks: Sequence[int], steps: Sequence[int] | None = None) -> float:
         """The target's one forward over K+1 tokens per request; in a multi-step plain round
@@ -233,20 +241,32 @@ class RoundCostModel:
             return self.target.seconds(len(ks), 1 + drafted / len(ks))
         return _one_token_steps(self.target, steps, first=1)
 
-    def draft_seconds(self, ks: Sequence[int], feeds: Sequence[int] | None = None) -> float:
+    def draft_seconds(
+        self, ks: Sequence[int], feeds: Sequence[int] | None = None, saved: Sequence[float] | None = None
+    ) -> float:
         """The draft's steps: step j runs over the requests with k >= j.
 
         The first step also feeds what the draft has not seen: feeds[i] tokens for request
         i (default 1). That is 2 after a fully accepted round (the last draft token and the
         bonus token), priced as a 2-token forward: counted as a 1-token step, the online rescale
         spreads its cost over every step (docs/performance.md#two-token-draft-feed).
+
+        With `saved`, feeds include guessed tokens and request i skips saved[i] steps (expected:
+        the guessed tokens it draws too). Its first forward is then as wide as the widest feed,
+        since a batch's chunks are padded to the longest.
         """
         spec = [i for i, k in enumerate(ks) if k > 0]
         if not spec or self.draft is None:
             return 0.0
-        width = sum(max(1, feeds[i]) for i in spec) / len(spec) if feeds is not None else 1.0
+        if feeds is None:
+            width = 1.0
+        elif saved is not None and any(saved[i] for i in spec):
+            width = max(feeds[i] for i in spec)
+        else:
+            width = sum(max(1, feeds[i]) for i in spec) / len(spec)
         first = self.draft.seconds(len(spec), width)
-        return first + _one_token_steps(self.draft, [ks[i] for i in spec], first=2)
+        lengths = [ks[i] - (saved[i] if saved is not None else 0.0) for i in spec]
+        return first + _one_token_steps(self.draft, lengths, first=2)
 
     def tokens_per_second(
         self,
@@ -256,20 +276,22 @@ class RoundCostModel:
         feeds: Sequence[int] | None = None,
         steps: Sequence[int] | None = None,
         lookup: Sequence[bool] | None = None,
+        saved: Sequence[float] | None = None,
     ) -> float:
         """Expected emitted tokens per second of a round with draft lengths `ks`.
 
         `start_costs[i]` is a one-off cost request i pays this round if the draft model drafts
         for it (the draft catching up on tokens it has not seen), already spread over the rounds
-        it pays for; `feeds` as in `draft_seconds`; `steps` as in `verify_seconds` (a plain round
-        only); `lookup` as in `round_seconds`. `alphas[i]` is the acceptance of request i's source.
+        it pays for; `feeds` and `saved` as in `draft_seconds`; `steps` as in `verify_seconds`
+        (a plain round only); `lookup` as in `round_seconds`. `alphas[i]` is the acceptance of
+        request i's source.
         """
         if steps is not None and not sum(ks):
             return sum(steps) / self.round_seconds(ks, steps=steps)
         emitted = sum(expected_tokens(a, k) for a, k in zip(alphas, ks))
         drafts = model_ks(ks, lookup)
         extra = sum(c for c, k in zip(start_costs, drafts) if k > 0) if start_costs is not None else 0.0
-        return emitted / (self.round_seconds(ks, feeds, lookup=lookup) + extra)
+        return emitted / (self.round_seconds(ks, feeds, lookup=lookup, saved=saved) + extra)
 
 
 def model_ks(ks: Sequence[int], lookup: Sequence[bool] | None) -> list[int]:

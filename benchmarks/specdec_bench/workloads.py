@@ -116,6 +116,9 @@ class RunRecord:
     #: Draft and accepted tokens that lookups proposed (part of num_draft / num_accepted_tokens).
     num_lookup_draft_tokens: int = 0
     num_lookup_accepted_tokens: int = 0
+    #: Model-drafted rounds that checked a lookup's guess, and the draft tokens the guesses gave.
+    num_guided_rounds: int = 0
+    num_guessed_tokens: int = 0
 
     @property
     def mode(self) -> str:
@@ -167,5 +170,6 @@ def run_request(
         method=method.value if method is not None else "", prompt_tokens=result.prompt_tokens,
         num_lookup_draft_tokens=result.num_lookup_draft_tokens,
         num_lookup_accepted_tokens=result.num_lookup_accepted_tokens,
+        num_guided_rounds=result.num_guided_rounds, num_guessed_tokens=result.num_guessed_tokens,
     )
     return record, result

@@ -1,6 +1,8 @@
 """The draft engine: lazy prefill, implicit rollback and K autoregressive drafting steps.
 
-Each drafting step is one batched forward across every request still drafting. Tokens
+Each drafting step is one batched forward across every request still drafting. A request
+may bring a guess at its next tokens (a lookup's): fed with its new tokens in the first
+forward, each guessed token the draft draws anyway saves it a step. Tokens
 are sampled from q, the request's transformed distribution, with a per-slot generator
 (seeded once per slot), so a seeded request drafts the same tokens whatever it is batched
 with. q is cut to the tokens that carry its mass (`sparse_probs.cut_tail`) and rounded to
@@ -38,8 +40,8 @@ class DraftEngine(ModelEngine):
     def propose(
         self, items: list[ProposeItem], probs_dtype: torch.dtype = torch.float32, lease: Lease | None = None
     ) -> list[Proposal]:
-        """Roll back, feed new tokens (whole prompt for unseen slots, held under `lease`),
-        then draft k tokens each."""
+        """Roll back, feed new tokens (whole prompt for unseen slots, held under `lease`) and the
+        guesses that fit, then draft k tokens each."""
         new_slots = self._validate(items)
         self.leases.check(lease)
         # A new slot's new_tokens are its whole prompt (valid_len 0): it feeds what the prefix cache lacks.
@@ -48,35 +50,47 @@ class DraftEngine(ModelEngine):
         for item in items:
             if item.slot_id in new_slots and item.sampling.seed is None:
                 self.generators[item.slot_id] = make_generator(None, self.cache.device)
+        guesses = [self._fed_guess(item, feeds[item.slot_id]) for item in items]
         try:
             for item in items:
                 if item.slot_id not in new_slots:
                     self._rollback(item.slot_id, item.valid_len)
-            logits = self._feed([(item.slot_id, feeds[item.slot_id]) for item in items])
-            proposals = self._draft(items, logits, probs_dtype)
+            logits = self._feed([(item.slot_id, feeds[item.slot_id] + guess) for item, guess in zip(items, guesses)],
+                                [1 + len(guess) for guess in guesses])
+            proposals = self._draft(items, logits, guesses, probs_dtype)
         except BaseException:
             self._free_quietly(new_slots)
             raise
         self._hand_over()  # the target verifies next
         return proposals
 
-    def _feed(self, chunks: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
-        """Last-position logits after feeding each chunk, in chunk order.
+    def _fed_guess(self, item: ProposeItem, feed: list[int]) -> list[int]:
+        """The guessed tokens fed with `feed`: all but the K-th (the last drafted token is never
+        fed), and none after a prompt-sized feed (`_is_short`), whose forward would have to
+        score every position."""
+        return item.guess_tokens[: item.num_speculative_tokens - 1] if self._is_short(len(feed)) else []
 
-        Lazy prefills (whole prompts) and the usual 1-2 accepted tokens run as separate
-        forwards: padded into one [B, T] batch, every short feed would pay for the longest
-        prompt's width.
+    def _is_short(self, feed_len: int) -> bool:
+        """At most what a round can add (K + 1 tokens): not a prompt."""
+        return feed_len <= self.config.max_speculative_tokens + 1
+
+    def _feed(self, chunks: list[tuple[str, list[int]]], tails: list[int]) -> list[torch.Tensor]:
+        """The logits of each chunk's last `tails[i]` positions after feeding it ([tails[i], vocab]),
+        in chunk order.
+
+        Lazy prefills (whole prompts) and the usual few accepted tokens (with a guess) run as
+        separate forwards: padded into one [B, T] batch, every short feed would pay for the
+        longest prompt's width.
         """
-        short_limit = self.config.max_speculative_tokens + 1  # the most a round can add
-        groups = [
-            [i for i, (_, tokens) in enumerate(chunks) if len(tokens) <= short_limit],
-            [i for i, (_, tokens) in enumerate(chunks) if len(tokens) > short_limit],
-        ]
+        short = [self._is_short(len(tokens) - tail + 1) for (_, tokens), tail in zip(chunks, tails)]
+        groups = [[i for i in range(len(chunks)) if short[i]], [i for i in range(len(chunks)) if not short[i]]]
         out: list[torch.Tensor | None] = [None] * len(chunks)
         for group in groups:
             if group:
-                for i, row in zip(group, self._run([chunks[i] for i in group], logits="last")):
-                    out[i] = row
+                every = any(tails[i] > 1 for i in group)
+                rows = self._run([chunks[i] for i in group], logits="all" if every else "last")
+                for i, row in zip(group, rows):
+                    out[i] = row[-tails[i]:] if every else row[None]
         return [row for row in out if row is not None]
 
     def _validate(self, items: list[ProposeItem]) -> list[str]:
@@ -97,6 +111,10 @@ class DraftEngine(ModelEngine):
                 raise InvalidArgumentError(f"new_tokens: slot {item.slot_id!r} sent none "
                                            "(at least the last accepted token is needed)")
             self._check_tokens("new_tokens", item.slot_id, item.new_tokens)
+            self._check_tokens("guess_tokens", item.slot_id, item.guess_tokens)
+            if len(item.guess_tokens) > item.num_speculative_tokens:
+                raise InvalidArgumentError(f"guess_tokens: {len(item.guess_tokens)} for slot {item.slot_id!r}, more "
+                                           f"than its num_speculative_tokens ({item.num_speculative_tokens})")
             self._check_sampling(item.slot_id, item.sampling)
             if not 1 <= item.num_speculative_tokens <= self.config.max_speculative_tokens:
                 raise InvalidArgumentError(f"num_speculative_tokens: {item.num_speculative_tokens} for slot "
@@ -108,36 +126,36 @@ class DraftEngine(ModelEngine):
         self._check_new_slots(len(new_slots))
         return new_slots
 
-    def _draft(self, items: list[ProposeItem], logits: list[torch.Tensor], probs_dtype: torch.dtype) -> list[Proposal]:
+    def _draft(
+        self, items: list[ProposeItem], logits: list[torch.Tensor], guesses: list[list[int]], probs_dtype: torch.dtype
+    ) -> list[Proposal]:
+        """K draws per item, one batched step at a time. `logits[i]` holds item i's next-token
+        logits after its feed and after each of its fed guessed tokens ([1 + len(guesses[i]), vocab]):
+        while the drawn tokens equal the guess the next row is already there, and the first draw
+        that differs drops the rest of the guess from the cache and is fed as usual."""
         drafted: list[list[int]] = [[] for _ in items]
         q_rows: list[list[torch.Tensor]] = [[] for _ in items]
-        current = dict(enumerate(logits))  # row -> next-token logits [vocab]
+        pending = {i: list(rows.unbind(0)) for i, rows in enumerate(logits)}  # item -> its next rows, [vocab] each
         for step in range(max(item.num_speculative_tokens for item in items)):
             rows = [i for i, item in enumerate(items) if item.num_speculative_tokens > step]
-            params = [items[i].sampling for i in rows]
-            step_logits = torch.stack([current[i] for i in rows])  # [n, vocab]
-            if all(p.greedy_by_raw_argmax for p in params):
-                # Only argmax rows: no distribution to build (greedy rows send no q). In fp32: the
-                # cast is exact and torch's CPU argmax is faster on fp32 than on bf16
-                # (docs/performance.md#draft-argmax-in-fp32).
-                tokens = step_logits.float().argmax(dim=-1)  # [n]
-            else:
-                context = [self.tokens[items[i].slot_id] for i in rows]
-                probs = cut_tail(logits_to_probs(step_logits, params, context))  # [n, vocab] f32
-                probs = probs.to(probs_dtype).float()  # what the gateway will see; sample from exactly that
-                # A seeded request's proposal for position j shares the uniform of the target's draw
-                # there (`position_generator`): equal distributions then propose the target's token.
-                generators = [position_generator(p, len(c), probs.device) or self.generators.get(items[i].slot_id)
-                              for i, p, c in zip(rows, params, context)]
-                tokens = pick_tokens(probs, params, generators)  # [n]
-            for n, (i, token) in enumerate(zip(rows, drawn_tokens(tokens))):  # one host sync per step
+            positions = [len(self.tokens[items[i].slot_id]) - len(pending[i]) + 1 for i in rows]
+            tokens, probs = self._draw(items, rows, positions, torch.stack([pending[i].pop(0) for i in rows]),
+                                       probs_dtype)
+            feed = []
+            for n, (i, token) in enumerate(zip(rows, tokens)):
                 drafted[i].append(token)
-                if not items[i].sampling.is_greedy:
+                if probs is not None and not items[i].sampling.is_greedy:
                     q_rows[i].append(probs[n])
-            feed = [i for i in rows if items[i].num_speculative_tokens > step + 1]  # the last drafted token is not fed
+                if pending[i] and token == guesses[i][step]:
+                    continue  # the guess holds: its next row is this token's successor
+                if pending[i]:  # the guess parted here: its tokens from this position on go
+                    self._rollback(items[i].slot_id, positions[n])
+                    pending[i] = []
+                if items[i].num_speculative_tokens > step + 1:  # the last drafted token is not fed
+                    feed.append(i)
             if feed:
                 out = self._run([(items[i].slot_id, [drafted[i][-1]]) for i in feed], logits="last", prompt=False)
-                current = dict(zip(feed, out))
+                pending.update((i, [row]) for i, row in zip(feed, out))
         return [
             Proposal(
                 slot_id=item.slot_id,
@@ -147,3 +165,24 @@ class DraftEngine(ModelEngine):
             )
             for i, item in enumerate(items)
         ]
+
+    def _draw(
+        self, items: list[ProposeItem], rows: list[int], positions: list[int], step_logits: torch.Tensor,
+        probs_dtype: torch.dtype,
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """One token per row of `step_logits` ([n, vocab]) for items[rows[j]] at sequence position
+        positions[j], and q ([n, vocab], None when every row is greedy by argmax)."""
+        params = [items[i].sampling for i in rows]
+        if all(p.greedy_by_raw_argmax for p in params):
+            # Only argmax rows: no distribution to build (greedy rows send no q). In fp32: the
+            # cast is exact and torch's CPU argmax is faster on fp32 than on bf16
+            # (docs/performance.md#draft-argmax-in-fp32).
+            return drawn_tokens(step_logits.float().argmax(dim=-1)), None  # one host sync per step
+        context = [self.tokens[items[i].slot_id][:position] for i, position in zip(rows, positions)]
+        probs = cut_tail(logits_to_probs(step_logits, params, context))  # [n, vocab] f32
+        probs = probs.to(probs_dtype).float()  # what the gateway will see; sample from exactly that
+        # A seeded request's proposal for position j shares the uniform of the target's draw
+        # there (`position_generator`): equal distributions then propose the target's token.
+        generators = [position_generator(p, position, probs.device) or self.generators.get(items[i].slot_id)
+                      for i, p, position in zip(rows, params, positions)]
+        return drawn_tokens(pick_tokens(probs, params, generators)), probs

@@ -2,7 +2,8 @@
 
 A request's `SpeculationMethod` says which sources it may use; each round the K planner picks
 one `DraftSource` per request (or none: plain decoding). The model draft costs a Propose and
-K draft steps; a lookup costs nothing but the verified tokens (docs/architecture.md#drafting-without-a-draft-model).
+K draft steps; a lookup costs nothing but the verified tokens; a lookup first and the model
+continuing costs the draft steps the lookup did not save (docs/architecture.md#drafting-without-a-draft-model).
 """
 
 from __future__ import annotations
@@ -39,10 +40,14 @@ class DraftSource(enum.Enum):
     PROMPT_LOOKUP = "prompt_lookup"
     #: Recent outputs of all requests (`proposers.suffix_cache`).
     SUFFIX = "suffix"
+    #: The draft model, given a lookup's tokens as a guess: it checks them in one forward and
+    #: drafts on by itself from the first it would not draw (`ProposeItem.guess_tokens`).
+    LOOKUP_THEN_MODEL = "lookup_then_model"
 
     @property
     def is_lookup(self) -> bool:
-        return self is not DraftSource.MODEL
+        """A lookup alone proposed the tokens (the draft model did not run)."""
+        return self in (DraftSource.PROMPT_LOOKUP, DraftSource.SUFFIX)
 
 
 #: Every source, in the order metrics list them.

@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 from specdec.cost_model import CostTable, ForwardCost, RoundCostModel
 from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.proposers import LookupDraft, match_class
-from specdec.gateway.round_rates import CatchUp, RatePredictor, SourceChoice, fixed_choice, lookup_length
+from specdec.gateway.round_rates import (
+    CatchUp,
+    RatePredictor,
+    SourceChoice,
+    fixed_choice,
+    fixed_guesses,
+    lookup_length,
+)
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence
 
@@ -268,13 +275,15 @@ class KPlanner:
         choice = fixed_choice(seqs, caps, lookups, model_ok)
         flexible = [s for s in seqs if adaptive[s.slot_id] and caps[s.slot_id] > 0
                     and (s.slot_id in model_ok or s.slot_id in lookups)]
-        off_reason = None
+        off_reason, guesses = None, fixed_guesses(seqs, choice, caps, lookups)
         if flexible and self.can_adapt:
             model = self.cost_model(context)
-            alphas = [self.alphas(s) for s in seqs]
+            alphas, lookup_alphas = [self.alphas(s) for s in seqs], self._lookup_alphas(seqs, lookups)
             rates = RatePredictor(model, seqs, alphas, [self._catch_up(s, model) for s in seqs],
-                                   [feeds[s.slot_id] for s in seqs], self._lookup_alphas(seqs, lookups))
+                                  [feeds[s.slot_id] for s in seqs], lookup_alphas,
+                                  self._guess_cuts(model, seqs, caps, lookups, lookup_alphas, model_ok))
             off_reason = self._choose(rates, choice, flexible, caps, steps, lookups, model_ok)
+            guesses = self._guesses(rates, choice, lookups)
             plain_round = model.round_seconds([0] * len(seqs))
 
             def worth_probing(s: Sequence) -> bool:
@@ -288,12 +297,52 @@ class KPlanner:
                           for s in seqs)
         offered = {s.slot_id: (len(s.tokens), lookups[s.slot_id]) for s in seqs
                    if s.slot_id in lookups and s.slot_id not in chosen}
+        guesses = {slot: guess for slot, guess in guesses.items() if ks[slot] > 0 and slot not in chosen}
         return RoundPlan(ks, {} if any(ks.values()) else steps, feeds, context, catching_up, off_reason, chosen,
-                         offered)
+                         offered, guesses)
 
     def _lookup_alphas(self, seqs: list[Sequence], lookups: dict[str, LookupDraft]) -> list[list[float]]:
         """α of each request's lookup proposal ([0.0] where it has none)."""
         return [self.lookup_alphas(lookups[s.slot_id]) if s.slot_id in lookups else [0.0] for s in seqs]
+
+    @staticmethod
+    def _guess_cuts(
+        model: RoundCostModel, seqs: list[Sequence], caps: dict[str, int], lookups: dict[str, LookupDraft],
+        lookup_alphas: list[list[float]], model_ok: set[str],
+    ) -> list[int]:
+        """How many tokens of its lookup each request could give the draft model as a guess: as
+        many as pay at batch 1 (`lookup_length`: the j-th saves a draft step with the chance
+        that the draft draws the first j too, and widens its first forward by a token). None
+        where the draft has more to feed than a round adds (K + 1): that is a prompt to the
+        draft, which feeds no guess after one."""
+        if model.draft is None:
+            return []
+        draft = model.draft
+        threshold = (draft.seconds(1, 9) - draft.seconds(1, 2)) / 7 / draft.step(1)  # a fed token ÷ a step
+        cuts = []
+        for s, alphas in zip(seqs, lookup_alphas):
+            lookup = lookups.get(s.slot_id)
+            usable = lookup is not None and s.slot_id in model_ok and s.draft_pending <= caps[s.slot_id] + 1
+            cuts.append(lookup_length(alphas, len(lookup.tokens), threshold) if usable and lookup else 0)
+        return cuts
+
+    @staticmethod
+    def _guesses(rates: RatePredictor, choice: SourceChoice, lookups: dict[str, LookupDraft]) -> dict[str, LookupDraft]:
+        """The guesses the model-drafted requests of `choice` give the draft: each request's cut,
+        at the one cap over the batch that maximises its rate (a batch's first forward is as
+        wide as its longest feed, so one long guess widens every request's)."""
+        if not any(rates.guess_cuts):
+            return {}
+        best_cap, best_rate = None, rates.rate(choice.ks, choice.on_lookup)
+        for cap in range(max(rates.guess_cuts)):
+            rate = rates.rate(choice.ks, choice.on_lookup, guess_cap=cap)
+            if rate > best_rate:
+                best_cap, best_rate = cap, rate
+        out = {}
+        for i, s in enumerate(rates.seqs):
+            if s.slot_id not in choice.on_lookup and (n := rates.guess_length(i, choice.ks[s.slot_id], best_cap)):
+                out[s.slot_id] = lookups[s.slot_id].truncated(n)
+        return out
 
     def _choose(
         self, rates: RatePredictor, choice: SourceChoice, flexible: list[Sequence], caps: dict[str, int],
@@ -463,8 +512,10 @@ class KPlanner:
             steps = [report.steps.get(s.slot_id, 1) for s in seqs]
             self._target_scale.observe(report.verify.compute_s, unscaled.verify_seconds(ks, steps), self.cost_weight)
             if not plan.catching_up and any(drafts):
-                feeds = [plan.feeds.get(s.slot_id, 1) for s in seqs]
-                self._draft_scale.observe(report.propose.compute_s, unscaled.draft_seconds(drafts, feeds),
+                guesses = [len(g.tokens) if (g := plan.guesses.get(s.slot_id)) else 0 for s in seqs]
+                feeds = [plan.feeds.get(s.slot_id, 1) + guess for s, guess in zip(seqs, guesses)]
+                saved = [float(report.guessed.get(s.slot_id, 0)) for s in seqs] if any(guesses) else None
+                self._draft_scale.observe(report.propose.compute_s, unscaled.draft_seconds(drafts, feeds, saved),
                                           self.cost_weight)
         self._observe_overhead(sum(drafts), sum(ks) - sum(drafts), report.overhead_s)
 

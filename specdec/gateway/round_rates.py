@@ -65,6 +65,20 @@ def fixed_choice(
     return choice
 
 
+def fixed_guesses(
+    seqs: list[Sequence], choice: SourceChoice, caps: dict[str, int], lookups: dict[str, LookupDraft]
+) -> dict[str, LookupDraft]:
+    """Without costs to price a guess by: every request the model drafts for gives the draft its
+    whole lookup as a guess (at most K - 1 tokens: the K-th is never fed), unless the draft has
+    more to feed than a round adds (K + 1 tokens), which it would take for a prompt."""
+    out = {}
+    for s in seqs:
+        slot, k, lookup = s.slot_id, choice.ks[s.slot_id], lookups.get(s.slot_id)
+        if lookup is not None and k > 1 and slot not in choice.on_lookup and s.draft_pending <= caps[slot] + 1:
+            out[slot] = lookup.truncated(k - 1)
+    return out
+
+
 def lookup_length(alphas: list[float], limit: int, threshold: float) -> int:
     """How many tokens of a lookup proposal pay, at most `limit`: token j, accepted with
     probability `alphas[j]` given the ones before it were (the last entry repeats), adds
@@ -91,17 +105,34 @@ class RatePredictor:
     feeds: list[int]
     #: α of each request's lookup proposal ([0.0] where it has none).
     lookup_alphas: list[list[float]] = field(default_factory=list)
+    #: The most tokens of its lookup each request may give the draft model as a guess (0: none).
+    guess_cuts: list[int] = field(default_factory=list)
 
     def rate(self, ks: dict[str, int], on_lookup: Collection[str] = frozenset(),
-             plain_steps: list[int] | None = None) -> float:
+             plain_steps: list[int] | None = None, guess_cap: int | None = None) -> float:
         """The batch's expected tokens per second with K `ks` per slot, the slots in
-        `on_lookup` verifying a lookup's tokens."""
+        `on_lookup` verifying a lookup's tokens, the others guessing as `guess_length` says."""
         k_list = [ks[s.slot_id] for s in self.seqs]
         lookup = [s.slot_id in on_lookup for s in self.seqs]
         alphas = [own if looked_up else a for a, own, looked_up in zip(self.alphas, self.lookup_alphas, lookup)]
         start = [c.per_round(a, k) for c, a, k in zip(self.catch_ups, self.alphas, k_list)]
-        return self.model.tokens_per_second(k_list, alphas, start, self.feeds, plain_steps,
-                                            lookup if any(lookup) else None)
+        feeds, saved = list(self.feeds), [0.0] * len(self.seqs)
+        for i, k in enumerate(k_list):
+            guess = 0 if lookup[i] else self.guess_length(i, k, guess_cap)
+            if guess:
+                # Each guessed token widens the draft's first forward; the j-th saves a step
+                # if the draft draws the first j too, which the lookup's α prices.
+                feeds[i] += guess
+                saved[i] = expected_tokens(self.lookup_alphas[i], guess) - 1.0
+        return self.model.tokens_per_second(k_list, alphas, start, feeds, plain_steps,
+                                            lookup if any(lookup) else None, saved if any(saved) else None)
+
+    def guess_length(self, i: int, k: int, cap: int | None = None) -> int:
+        """Guessed tokens request i feeds the draft model at draft length `k`: its cut, at most
+        `cap`, and never the K-th (the draft does not feed its last token)."""
+        if not self.guess_cuts:
+            return 0
+        return max(0, min(self.guess_cuts[i], k - 1, self.guess_cuts[i] if cap is None else cap))
 
     def extra_token_seconds(self) -> float:
         """What one more verified token of one request adds to the round: the verify's cost per

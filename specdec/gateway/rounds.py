@@ -34,6 +34,9 @@ class RoundPlan:
     #: Lookup proposals the round does not verify, with the request's length when they were
     #: made: the planner judges them against the tokens the round emits instead.
     offered: dict[str, tuple[int, LookupDraft]] = field(default_factory=dict)
+    #: Requests the draft model drafts for with a lookup's tokens as its guess, cut to the
+    #: tokens worth feeding (`ProposeItem.guess_tokens`).
+    guesses: dict[str, LookupDraft] = field(default_factory=dict)
 
     @property
     def drafts(self) -> bool:
@@ -49,7 +52,9 @@ class RoundPlan:
         if not self.ks.get(slot_id):
             return None
         lookup = self.lookups.get(slot_id)
-        return lookup.source if lookup is not None else DraftSource.MODEL
+        if lookup is not None:
+            return lookup.source
+        return DraftSource.LOOKUP_THEN_MODEL if slot_id in self.guesses else DraftSource.MODEL
 
     def steps_of(self, slot_id: str) -> int:
         return self.steps.get(slot_id, 1)
@@ -75,6 +80,8 @@ class RoundReport:
     steps: dict[str, int] = field(default_factory=dict)
     #: Where each drafting slot's tokens came from (slots with K = 0 are absent).
     sources: dict[str, DraftSource] = field(default_factory=dict)
+    #: Draft steps each guessed slot's guess saved: its leading fed tokens that the draft drew too.
+    guessed: dict[str, int] = field(default_factory=dict)
 
     def phases(self) -> dict[str, float]:
         """The round's wall time split by `ROUND_PHASES`."""

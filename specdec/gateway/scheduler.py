@@ -246,7 +246,7 @@ class Scheduler:
         for seq in batch:
             k, accepted = report.ks[seq.slot_id], report.num_accepted[seq.slot_id]
             source = report.sources.get(seq.slot_id, DraftSource.MODEL)
-            seq.counts.record(k, accepted, source)
+            seq.counts.record(k, accepted, source, report.guessed.get(seq.slot_id, 0))
             seq.anatomy.add(phases)
             self.stats.record_round(k, accepted, report.steps.get(seq.slot_id, 1), source)
             count, last_at = before[seq.slot_id]

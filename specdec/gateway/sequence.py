@@ -64,8 +64,11 @@ class SpeculationCounts:
     lookup_rounds: int = 0
     lookup_draft_tokens: int = 0
     lookup_accepted_tokens: int = 0
+    #: Model-drafted rounds with a lookup's guess, and the draft tokens their guesses gave.
+    guided_rounds: int = 0
+    guessed_tokens: int = 0
 
-    def record(self, k: int, num_accepted: int, source: DraftSource | None = None) -> None:
+    def record(self, k: int, num_accepted: int, source: DraftSource | None = None, guessed: int = 0) -> None:
         if k == 0:
             self.plain_rounds += 1
             return
@@ -76,6 +79,9 @@ class SpeculationCounts:
             self.lookup_rounds += 1
             self.lookup_draft_tokens += k
             self.lookup_accepted_tokens += num_accepted
+        if source is DraftSource.LOOKUP_THEN_MODEL:
+            self.guided_rounds += 1
+            self.guessed_tokens += guessed
 
     @property
     def acceptance_rate(self) -> float:

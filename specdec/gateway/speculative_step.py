@@ -1,7 +1,8 @@
 """One speculation round, phase by phase: plan, propose, verify, accept, advance.
 
 `run_round` reads top to bottom as the algorithm: the draft proposes K tokens per request
-(one batched Propose; a request whose plan has a lookup takes its tokens from there instead),
+(one batched Propose, checking a lookup's guess where the plan gives one; a request whose plan
+has a lookup alone takes its tokens from there instead),
 the target scores [g, t1..tK] per request (one batched Verify),
 the rejection sampler accepts a prefix and adds a recovered or bonus token, and each
 sequence's valid cache lengths move forward — which is the implicit rollback of both
@@ -22,6 +23,7 @@ from specdec.errors import InvalidArgumentError, ServiceStateError
 from specdec.gateway.acceptance import accept_all
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.model_clients import DraftAPI, TargetAPI, Timed
+from specdec.gateway.proposers import LookupDraft
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence, Verification
 from specdec.gateway.token_logprobs import round_logprobs
@@ -66,20 +68,24 @@ def plan_steps(seq: Sequence, max_seq_len: int, limit: int) -> int:
 
 
 async def propose(
-    draft: DraftAPI | None, seqs: list[Sequence], ks: dict[str, int], deadlines: Deadlines
+    draft: DraftAPI | None, seqs: list[Sequence], ks: dict[str, int], deadlines: Deadlines,
+    guesses: dict[str, LookupDraft] | None = None,
 ) -> Timed[dict[str, Proposal]]:
-    """One batched Propose for every sequence with K >= 1."""
+    """One batched Propose for every sequence with K >= 1, with its lookup guess if it has one."""
     speculating = [s for s in seqs if ks[s.slot_id] > 0]
     if not speculating:
         return Timed({}, 0.0, 0.0)
     if draft is None:
         raise RuntimeError("K > 0 was planned without a draft service")
+    guesses = guesses or {}
     for seq in speculating:
         seq.has_draft_slot = True  # from now on the draft may hold a slot: release it at the end
-    items = [ProposeItem(s.slot_id, s.draft_valid, s.tokens[s.draft_valid :], ks[s.slot_id], s.draft_sampling)
+    items = [ProposeItem(s.slot_id, s.draft_valid, s.tokens[s.draft_valid :], ks[s.slot_id], s.draft_sampling,
+                         list(guess.tokens) if (guess := guesses.get(s.slot_id)) is not None else [])
              for s in speculating]
     timeout = deadlines.propose(
-        len(items), max(len(i.new_tokens) for i in items), max(i.num_speculative_tokens for i in items)
+        len(items), max(len(i.new_tokens) + len(i.guess_tokens) for i in items),
+        max(i.num_speculative_tokens for i in items),
     )
     proposed = await draft.propose(items, timeout)
     for item in items:
@@ -225,7 +231,20 @@ async def run_round(
         ks, num_accepted, propose=Timed(None, proposed.compute_s, proposed.wall_s),
         verify=Timed(None, verified.compute_s, verified.wall_s), accept_s=accept_s,
         total_s=time.perf_counter() - started, draft_failed=draft_failed, steps=steps, sources=sources,
+        guessed=guessed_steps(plan.guesses, proposed.value),
     )
+
+
+def guessed_steps(guesses: dict[str, LookupDraft], proposals: dict[str, Proposal]) -> dict[str, int]:
+    """Draft steps each guess saved: its leading tokens that the draft drew too, of the K - 1
+    it fed (the K-th drafted token is never fed)."""
+    out = {}
+    for slot, guess in guesses.items():
+        proposal = proposals.get(slot)
+        if proposal is not None:
+            fed = guess.tokens[: len(proposal.tokens) - 1]
+            out[slot] = next((j for j, (a, b) in enumerate(zip(fed, proposal.tokens)) if a != b), len(fed))
+    return out
 
 
 def lookup_proposals(seqs: list[Sequence], plan: RoundPlan) -> dict[str, Proposal]:
@@ -274,7 +293,7 @@ async def propose_or_plain(
     draft's cache whatever it kept."""
     started = time.perf_counter()
     try:
-        return await propose(draft, seqs, plan.model_ks, deadlines), False
+        return await propose(draft, seqs, plan.model_ks, deadlines, plan.guesses), False
     except (grpc.aio.AioRpcError, ServiceStateError) as error:
         reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else str(error)
         log.warning("Propose failed (%s); this round decodes without speculation", reason)

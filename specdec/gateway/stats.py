@@ -88,7 +88,7 @@ class GatewayStats:
         self.batch_size.observe(len(report.ks))
         self.rpc_latency["Verify"].observe(report.verify.wall_s)
         speculating = [k for k in report.ks.values() if k > 0]
-        if any(source is DraftSource.MODEL for source in report.sources.values()):
+        if any(not source.is_lookup for source in report.sources.values()):
             self.rpc_latency["Propose"].observe(report.propose.wall_s)
         for name, seconds in phases.items():
             self.round_seconds[name] += seconds

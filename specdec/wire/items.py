@@ -10,7 +10,7 @@ conversion in, one engine call, a conversion out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -259,25 +259,28 @@ class VerifyItem:
 
 @dataclass(frozen=True)
 class ProposeItem:
-    """Draft Propose: roll back to `valid_len`, feed `new_tokens`, draft K tokens."""
+    """Draft Propose: roll back to `valid_len`, feed `new_tokens`, draft K tokens (checking
+    `guess_tokens`, a lookup's guess at them, in the same forward)."""
 
     slot_id: str
     valid_len: int
     new_tokens: list[int]
     num_speculative_tokens: int  # K
     sampling: SamplingParams
+    guess_tokens: list[int] = field(default_factory=list)
 
     def to_pb(self) -> draft_pb2.ProposeItem:
         return draft_pb2.ProposeItem(
             slot_id=self.slot_id, valid_len=self.valid_len, new_tokens=self.new_tokens,
             num_speculative_tokens=self.num_speculative_tokens, sampling=sampling_to_pb(self.sampling),
+            guess_tokens=self.guess_tokens,
         )
 
     @classmethod
     def from_pb(cls, message: draft_pb2.ProposeItem) -> ProposeItem:
         return cls(
             message.slot_id, message.valid_len, list(message.new_tokens), message.num_speculative_tokens,
-            sampling_from_pb(message.sampling),
+            sampling_from_pb(message.sampling), list(message.guess_tokens),
         )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from specdec.gateway.draft_sources import SpeculationMethod
-from specdec.gateway.proposers import LookupProposer, LookupSettings
+from specdec.gateway.proposers import LookupDraft, LookupProposer, LookupSettings
 from specdec.gateway.requests import new_sequence
 from specdec.gateway.scheduler import Scheduler
 from specdec.gateway.sequence import FinishReason, Sequence
@@ -65,6 +65,33 @@ def test_auto_mixes_lookups_and_the_model_draft_and_leaves_the_drafts_cache_alon
 
     run_with_lookups(test, target, draft)
     assert target.slots == {} and draft.slots == {}
+
+
+class ShortLookups(LookupProposer):
+    """Lookups cut to two tokens: shorter than K, so the draft model drafts with them as a guess."""
+
+    def propose(self, slot_id: str, tokens: list[int], k: int) -> LookupDraft | None:
+        draft = super().propose(slot_id, tokens, k)
+        return None if draft is None else draft.truncated(2)
+
+
+def test_the_model_draft_gets_a_lookup_too_short_to_verify_alone_as_its_guess() -> None:
+    # At a fixed K without costs, a lookup shorter than K goes to the draft model as a guess;
+    # what the target judges is the draft's proposal, as in any model round.
+    target, draft = FakeTarget(), FakeDraft(wrong_at={3})
+
+    async def test(sched: Scheduler) -> None:
+        seq = await generate(sched, SpeculationMethod.AUTO, 80)
+        assert seq.tokens[len(seq.prompt):] == greedy_reference(prompt_ids(), 80)
+        guessed = [item for call in draft.calls for item in call if item.guess_tokens]
+        assert guessed and all(len(item.guess_tokens) == 2 for item in guessed)
+        counts = seq.counts
+        assert counts.guided_rounds == len(guessed) and counts.lookup_rounds == 0
+        # The toy text repeats, so the guesses (lookups once a period has passed) are the target's
+        # text, which the fake draft proposes too up to its wrong third token: both tokens count.
+        assert counts.guessed_tokens == 2 * len(guessed)
+
+    run(test, target, draft, lookup=ShortLookups(LookupSettings(min_n=1, max_n=3)))
 
 
 def test_a_sampled_lookup_round_sends_one_hot_q_rows() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec.cost_model import CostTable, ForwardCost, RoundCostModel
 from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.k_planner import KPlanner
 from specdec.gateway.model_clients import Timed
@@ -43,9 +44,11 @@ def run_rounds(planner: KPlanner, seqs: list[Sequence], lookups: dict[str, Looku
             slot = s.slot_id
             proposed = list(lookups[slot].tokens) if slot in lookups else []
             truth = proposed[: agreeing(lookup_alpha[slot])] + [999] * 9
-            agrees = agreeing(alpha[slot]) if plan.source_of(slot) is DraftSource.MODEL else len(truth) - 9
+            agrees = agreeing(alpha[slot]) if slot not in plan.lookups else len(truth) - 9
             accepted[slot] = min(agrees, plan.ks[slot])
             s.tokens.extend(truth[: accepted[slot] + 1])
+            if plan.model_ks[slot]:  # the draft saw all but the round's last token
+                s.draft_valid = len(s.tokens) - 1
         planner.observe(plan, seqs, RoundReport(plan.ks, accepted, ZERO, ZERO, 0.0, 0.0))
     return plan
 
@@ -134,7 +137,7 @@ def test_a_lookup_grows_more_certain_as_its_match_grows() -> None:
     assert planner.lookup_estimate(weak, 7) is planner.lookup_estimate(copy(match_len=8))  # lengths 4-7, 8-15, ...
 
 
-def test_fixed_requests_take_a_lookup_that_fills_their_k_or_when_the_model_may_not_draft() -> None:
+def test_fixed_requests_take_a_lookup_that_fills_their_k_or_when_the_model_may_not_draft_else_guess_it() -> None:
     planner = KPlanner(TARGET, draft_costs(0.1))
     seqs = [seq("full"), seq("short"), seq("ngram")]
     caps = {s.slot_id: 4 for s in seqs}
@@ -142,11 +145,59 @@ def test_fixed_requests_take_a_lookup_that_fills_their_k_or_when_the_model_may_n
     plan = planner.plan(seqs, caps, dict.fromkeys(caps, False), lookups=lookups, model_allowed={"full", "short"})
     assert plan.ks == {"full": 4, "short": 4, "ngram": 2}
     assert {slot: plan.source_of(slot) for slot in caps} == {
-        "full": DraftSource.PROMPT_LOOKUP, "short": DraftSource.MODEL, "ngram": DraftSource.PROMPT_LOOKUP}
+        "full": DraftSource.PROMPT_LOOKUP, "short": DraftSource.LOOKUP_THEN_MODEL, "ngram": DraftSource.PROMPT_LOOKUP}
     assert plan.lookups["full"].tokens == copy(n=4).tokens
+    # Without its costs weighed, the model draft gets the whole short lookup as its guess.
+    assert plan.guesses == {"short": copy(n=2)} and plan.model_ks == {"full": 0, "short": 4, "ngram": 0}
 
 
 def test_a_request_may_not_use_the_model_draft_when_it_is_not_allowed() -> None:
     planner = KPlanner(TARGET, draft_costs(0.1))
     plan = run_rounds(planner, [seq("a")], {}, {"a": 0.95}, rounds=3, model_allowed=set())
     assert plan.ks == {"a": 0} and not plan.drafts
+
+
+def wide_draft_costs(c: float, token_share: float = 0.15) -> list[ForwardCost]:
+    """A draft at `c` target steps a step, each further token of a forward adding
+    `token_share` of a step (a CPU draft: wider forwards cost little more than a step)."""
+    return [ForwardCost(b, t, 0.040 * c * (1 + 0.05 * (b - 1)) * (1 + token_share * (t - 1)))
+            for b in (1, 4, 16) for t in (1, 5, 9)]
+
+
+def test_a_lookup_right_half_the_time_becomes_the_model_drafts_guess() -> None:
+    # The model draft is almost always right, a lookup half the time: verifying the lookup alone
+    # yields little, but as a guess each right token saves a draft step for a token of width.
+    planner = KPlanner(TARGET, wide_draft_costs(0.25))
+    a = seq("a")
+    plan = run_rounds(planner, [a], {"a": copy(match_len=2)}, {"a": 0.97}, rounds=20, lookup_alpha={"a": 0.5})
+    assert plan.source_of("a") is DraftSource.LOOKUP_THEN_MODEL and plan.ks["a"] >= 5
+    guess = plan.guesses["a"]
+    assert 1 <= len(guess.tokens) < plan.ks["a"] and guess.tokens == copy().tokens[: len(guess.tokens)]
+    assert plan.model_ks == {"a": plan.ks["a"]} and not plan.lookups
+
+
+def test_no_guess_where_a_fed_token_costs_a_whole_step_or_the_draft_catches_up() -> None:
+    a = seq("a")
+    plan = run_rounds(KPlanner(TARGET, draft_costs(0.25)), [a], {"a": copy(match_len=2)}, {"a": 0.97}, rounds=20,
+                      lookup_alpha={"a": 0.5})
+    assert not plan.guesses  # its table prices every token of width as a whole step
+    planner = KPlanner(TARGET, wide_draft_costs(0.25))
+    b = seq("b")
+    b.tokens += list(range(20))  # 23 tokens the draft has not seen: a catch-up, not a round's feed
+    plan = planner.plan([b], {"b": 8}, {"b": True}, lookups={"b": copy(match_len=2)})
+    assert not plan.guesses
+
+
+def test_guessed_tokens_widen_the_drafts_first_forward_and_save_steps() -> None:
+    model = RoundCostModel(CostTable(TARGET), CostTable(wide_draft_costs(0.25)))
+    draft = model.draft
+    assert draft is not None
+    plain = model.draft_seconds([8], [1])
+    assert plain == pytest.approx(draft.seconds(1, 1) + 7 * draft.step(1))
+    # Seven guessed tokens, every one drawn too: one forward of 8 tokens and no step.
+    assert model.draft_seconds([8], [8], [7.0]) == pytest.approx(draft.seconds(1, 8))
+    # Half a step saved on average: the last step runs for the half of the rounds that need it.
+    assert model.draft_seconds([8], [2], [0.5]) == pytest.approx(draft.seconds(1, 2) + 6.5 * draft.step(1))
+    # A batch pads its first forward to the widest feed.
+    two = model.draft_seconds([8, 8], [8, 1], [7.0, 0.0])
+    assert two == pytest.approx(draft.seconds(2, 8) + 7 * draft.step(1))

@@ -1,0 +1,126 @@
+"""A lookup's guess fed to the draft: the proposal is the draft's own whatever the guess, and
+every guessed token it keeps saves a forward. In process on the fp32 model, so proposals
+compare bit for bit (greedy) or to rounding (q rows)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from specdec.draft_server.config import DraftConfig
+from specdec.draft_server.engine import DraftEngine
+from specdec.errors import InvalidArgumentError
+from specdec.model.runtime import ModelRuntime
+from specdec.sampling.params import SamplingParams
+from specdec.wire.items import Proposal, ProposeItem
+
+K = 6
+PROMPT = [504, 3575, 282, 4649, 314, 260, 1345, 28]
+GREEDY = SamplingParams(temperature=0.0)
+SEEDED = SamplingParams(temperature=0.8, top_k=40, seed=11)
+
+
+def engine(runtime: ModelRuntime) -> DraftEngine:
+    config = DraftConfig(port=0, dtype="float32", quantization="none", measure_costs=False, kv_token_budget=512)
+    return DraftEngine(runtime, config)
+
+
+def counting_forwards(draft: DraftEngine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The chunk widths of every forward `draft` runs from now on, one list entry per forward."""
+    widths: list[int] = []
+    real_run = draft._run
+
+    def spy(chunks: list[tuple[str, list[int]]], logits: str, **kwargs: Any) -> list[torch.Tensor]:
+        widths.append(max(len(tokens) for _, tokens in chunks))
+        return real_run(chunks, logits, **kwargs)
+
+    monkeypatch.setattr(draft, "_run", spy)
+    return widths
+
+
+def two_rounds(draft: DraftEngine, sampling: SamplingParams, guess: list[int]) -> tuple[Proposal, Proposal]:
+    """A first Propose that sets up the slot, then one round with `guess` after accepting two
+    of the first round's tokens (rollback and feed of the accepted prefix and a bonus token)."""
+    first = draft.propose([ProposeItem("s", 0, PROMPT, K, sampling)])[0]
+    accepted = first.tokens[:2] + [first.tokens[2] ^ 1]
+    second = draft.propose([ProposeItem("s", len(PROMPT) + 2, accepted[2:], K, sampling, guess)])[0]
+    return first, second
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_the_proposal_is_the_drafts_own_whatever_the_guess(
+    fp32_runtime: ModelRuntime, sampling: SamplingParams
+) -> None:
+    _, plain = two_rounds(engine(fp32_runtime), sampling, [])
+    own = plain.tokens
+    for guess in (own, own[:3] + [own[3] ^ 1] + own[4:], [t ^ 1 for t in own], own[:2], own[:1] + [7] * (K - 1)):
+        _, guessed = two_rounds(engine(fp32_runtime), sampling, guess)
+        assert guessed.tokens == own
+        assert guessed.cached_len == plain.cached_len
+        if sampling.is_greedy:
+            assert guessed.probs is None
+        else:
+            assert plain.probs is not None and guessed.probs is not None
+            vocab = fp32_runtime.forward.vocab_size
+            torch.testing.assert_close(guessed.probs.distributions(vocab), plain.probs.distributions(vocab),
+                                       atol=1e-5, rtol=1e-4)
+
+
+def test_the_cache_after_a_parted_guess_holds_the_drafted_tokens(fp32_runtime: ModelRuntime) -> None:
+    """The guessed tokens past the first wrong one leave the cache: the next round, fed the
+    drafted tokens as accepted, drafts what an unguessed draft does."""
+    proposals = []
+    for guess in ([], [5, 6, 7, 8, 9]):
+        draft = engine(fp32_runtime)
+        _, second = two_rounds(draft, GREEDY, guess)
+        valid = len(PROMPT) + 2 + 1
+        third = draft.propose([ProposeItem("s", valid + K - 1, [second.tokens[-1], 42], K, GREEDY)])[0]
+        proposals.append((second.tokens, third.tokens, list(draft.tokens["s"])))
+    assert proposals[0] == proposals[1]
+
+
+def test_each_kept_guessed_token_saves_a_forward(fp32_runtime: ModelRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, plain = two_rounds(engine(fp32_runtime), GREEDY, [])
+    own = plain.tokens
+    for guess, forwards in ((own, 1), (own[:3], K - 3), (own[:2] + [own[2] ^ 1], K - 2), ([own[0] ^ 1], K)):
+        draft = engine(fp32_runtime)
+        draft.propose([ProposeItem("s", 0, PROMPT, K, GREEDY)])
+        first = draft.tokens["s"][len(PROMPT):]
+        widths = counting_forwards(draft, monkeypatch)
+        draft.propose([ProposeItem("s", len(PROMPT) + 2, [first[2] ^ 1], K, GREEDY, guess)])
+        fed_guess = min(len(guess), K - 1)
+        assert widths == [1 + fed_guess] + [1] * (forwards - 1), guess
+
+
+def test_a_new_slots_prompt_feeds_no_guess(fp32_runtime: ModelRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lazy prefill scores only its last position: a guess would make it score them all."""
+    plain = engine(fp32_runtime).propose([ProposeItem("s", 0, PROMPT * 3, K, GREEDY)])[0]
+    draft = engine(fp32_runtime)
+    widths = counting_forwards(draft, monkeypatch)
+    guessed = draft.propose([ProposeItem("s", 0, PROMPT * 3, K, GREEDY, plain.tokens)])[0]
+    assert guessed.tokens == plain.tokens
+    assert widths == [len(PROMPT) * 3] + [1] * (K - 1)
+
+
+def test_a_batch_mixes_guessed_and_unguessed_requests(fp32_runtime: ModelRuntime) -> None:
+    alone = {}
+    for slot, prompt in (("a", PROMPT), ("b", PROMPT[::-1])):
+        alone[slot] = engine(fp32_runtime).propose([ProposeItem(slot, 0, prompt, K, SEEDED)])[0]
+    draft = engine(fp32_runtime)
+    draft.propose([ProposeItem("a", 0, PROMPT[:-1], 1, SEEDED), ProposeItem("b", 0, PROMPT[:0:-1], 1, SEEDED)])
+    both = draft.propose([
+        ProposeItem("a", len(PROMPT) - 1, PROMPT[-1:], K, SEEDED, alone["a"].tokens[:4]),
+        ProposeItem("b", len(PROMPT) - 1, PROMPT[:1], K, SEEDED),
+    ])
+    assert [p.tokens for p in both] == [alone["a"].tokens, alone["b"].tokens]
+
+
+def test_an_invalid_guess_names_the_field(fp32_runtime: ModelRuntime) -> None:
+    draft = engine(fp32_runtime)
+    with pytest.raises(InvalidArgumentError, match="guess_tokens: 7 .* more than its num_speculative_tokens"):
+        draft.propose([ProposeItem("s", 0, PROMPT, K, GREEDY, [1] * (K + 1))])
+    with pytest.raises(InvalidArgumentError, match="guess_tokens: token id -1"):
+        draft.propose([ProposeItem("s", 0, PROMPT, K, GREEDY, [-1])])
+    assert "s" not in draft.tokens
