@@ -134,9 +134,11 @@ class MethodRow:
     vs_model: float
     acceptance_rate: float
     mean_acceptance_length: float
-    #: Share of the draft tokens that lookups proposed.
+    #: Share of the draft tokens that lookups proposed alone, and that lookups gave the draft
+    #: model as its guess (draft steps saved).
     lookup_share: float
     mean_prompt_tokens: float
+    guessed_share: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -384,6 +386,7 @@ def method_rows(records: Sequence[RunRecord]) -> list[MethodRow]:
                 _ratio(accepted, drafted), 1 + _ratio(accepted, sum(r.num_rounds for r in runs)),
                 _ratio(sum(r.num_lookup_draft_tokens for r in runs), drafted),
                 statistics.mean(r.prompt_tokens for r in runs),
+                _ratio(sum(r.num_guessed_tokens for r in runs), drafted),
             ))
     return rows
 

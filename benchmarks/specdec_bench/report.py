@@ -93,11 +93,13 @@ def _method_section(results: BenchResults, summary: Summary) -> list[str]:
         "token against plain output.",
         "",
         *_table(["workload", "method", "median tok/s", "min–max", "n", "÷ plain", "÷ model draft",
-                 "acceptance rate", "mean acceptance length", "lookup share of draft tokens", "prompt tokens"],
+                 "acceptance rate", "mean acceptance length", "lookup share of draft tokens",
+                 "guessed share of draft tokens", "prompt tokens"],
                 [[r.workload, METHOD_NAMES.get(r.method, r.method), _f(r.tokens_per_s.median, 1),
                   f"{_f(r.tokens_per_s.min, 1)}–{_f(r.tokens_per_s.max, 1)}", str(r.tokens_per_s.n),
                   _f(r.vs_plain, 2, "×"), _f(r.vs_model, 2, "×"), _f(r.acceptance_rate, 3),
-                  _f(r.mean_acceptance_length, 2), _f(r.lookup_share * 100, 0, " %"), _f(r.mean_prompt_tokens, 0)]
+                  _f(r.mean_acceptance_length, 2), _f(r.lookup_share * 100, 0, " %"),
+                  _f(r.guessed_share * 100, 0, " %"), _f(r.mean_prompt_tokens, 0)]
                  for r in summary.methods]),
         "",
         "Targets (issue 37):",

@@ -50,6 +50,11 @@ class GatewayConfig(ServerSecurity):
     #: (`specdec.gateway.proposers`); a longer match is likelier to continue alike.
     ngram_min: int = option(1, "shortest n-gram a lookup matches", advanced=True)
     ngram_max: int = option(4, "longest n-gram a lookup matches", advanced=True)
+    #: A lookup first, the model continuing (docs/architecture.md#drafting-without-a-draft-model).
+    lookup_guesses: bool = option(
+        True, "give the draft model a request's lookup as a guess to check in its first forward, where that pays",
+        advanced=True,
+    )
     #: Memory of the cross-request suffix cache: recorded output tokens, the oldest evicted first.
     suffix_cache_tokens: int = option(
         65536, "recent output tokens of all requests kept for suffix proposals (0 = off)", advanced=True,

@@ -167,6 +167,8 @@ class KPlanner:
     lookup_weight: float = 0.02
     #: Whether this gateway has a draft model: without one, adapting needs the target's costs only.
     uses_draft: bool = True
+    #: Whether the draft model may get a request's lookup as a guess (`RoundPlan.guesses`).
+    guesses: bool = True
     #: Seconds each verified lookup token adds to a round's overhead (wire, acceptance), online.
     lookup_token_overhead_s: float = 0.0
     global_alpha: AcceptanceEstimate = field(init=False)
@@ -275,13 +277,14 @@ class KPlanner:
         choice = fixed_choice(seqs, caps, lookups, model_ok)
         flexible = [s for s in seqs if adaptive[s.slot_id] and caps[s.slot_id] > 0
                     and (s.slot_id in model_ok or s.slot_id in lookups)]
-        off_reason, guesses = None, fixed_guesses(seqs, choice, caps, lookups)
+        guessable = lookups if self.guesses else {}
+        off_reason, guesses = None, fixed_guesses(seqs, choice, caps, guessable)
         if flexible and self.can_adapt:
             model = self.cost_model(context)
             alphas, lookup_alphas = [self.alphas(s) for s in seqs], self._lookup_alphas(seqs, lookups)
             rates = RatePredictor(model, seqs, alphas, [self._catch_up(s, model) for s in seqs],
                                   [feeds[s.slot_id] for s in seqs], lookup_alphas,
-                                  self._guess_cuts(model, seqs, caps, lookups, lookup_alphas, model_ok))
+                                  self._guess_cuts(model, seqs, caps, guessable, lookup_alphas, model_ok))
             off_reason = self._choose(rates, choice, flexible, caps, steps, lookups, model_ok)
             guesses = self._guesses(rates, choice, lookups)
             plain_round = model.round_seconds([0] * len(seqs))

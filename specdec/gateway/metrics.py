@@ -2,7 +2,7 @@
 
 Names follow vLLM's with the prefix `specdec_` for `vllm:` (`--metrics-prefix vllm:` makes
 them identical), and every series carries `model_name`. The speculation counters carry the
-draft `source` too (model, prompt_lookup, suffix): sum it away for vLLM's totals, or keep it
+draft `source` too (model, prompt_lookup, suffix, lookup_then_model): sum it away for vLLM's totals, or keep it
 (`sum by (source)`) for each source's figures. With the default prefix:
 
     acceptance rate          = sum(rate(specdec_spec_decode_num_accepted_tokens_total[5m]))

@@ -219,7 +219,7 @@ def new_scheduler(config: GatewayConfig, services: Services, stats: GatewayStats
     target_costs, draft_info = services.target_info.forward_costs, services.draft_info
     draft_costs = draft_info.forward_costs if draft_info is not None else ()
     planner = KPlanner(list(target_costs), list(draft_costs) if config.adaptive_k else [],
-                       uses_draft=services.draft is not None)
+                       uses_draft=services.draft is not None, guesses=config.lookup_guesses)
     pools = [PoolLimits(name, info.total_kv_tokens, info.block_size, info.max_slots)
              for name, info in services.infos().items()]
     return Scheduler(

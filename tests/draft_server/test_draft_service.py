@@ -41,6 +41,12 @@ def item(
                                  sampling=sampling)
 
 
+def guessing(request: draft_pb2.ProposeItem, guess: list[int]) -> draft_pb2.ProposeItem:
+    """`request` with a lookup's guess at its drafted tokens."""
+    request.guess_tokens.extend(guess)
+    return request
+
+
 def propose(
     service: Service, *items: draft_pb2.ProposeItem, probs_dtype: int = common_pb2.DTYPE_UNSPECIFIED
 ) -> dict[str, draft_pb2.ProposeResult]:
@@ -91,6 +97,17 @@ def test_greedy_propose_equals_the_models_greedy_continuation(
     result = propose(draft, item("s", prompt, k=6))["s"]
     assert list(result.tokens) == greedy_continuation(smollm2, prompt, 6)
     assert not result.HasField("probs")  # greedy requests omit q
+
+
+def test_a_guess_over_the_wire_leaves_the_proposal_as_it_is(draft: Service, prompts: list[list[int]]) -> None:
+    """The draft checks the guess against its own draws (tests/draft_server/test_guesses.py):
+    right or wrong, the tokens and the cache are those of a round without it."""
+    prompt = prompts[2]
+    own = list(propose(draft, item("plain", prompt, k=6))["plain"].tokens)
+    for slot, guess in (("right", own[:5]), ("wrong", [t ^ 1 for t in own])):
+        propose(draft, item(slot, prompt[:-1], k=1))  # the slot holds the prompt but its last token
+        result = propose(draft, guessing(item(slot, prompt[-1:], k=6, valid_len=len(prompt) - 1), guess))[slot]
+        assert list(result.tokens) == own, slot
 
 
 def test_next_round_rolls_back_and_feeds_the_accepted_tokens(
@@ -344,6 +361,8 @@ def test_invalid_arguments_name_the_field(start_draft: Callable[..., Service]) -
         (request(item("new", [1], 2, sampling=common_pb2.SamplingParams(logit_bias={vocab: 1.0}))),
          "sampling.logit_bias"),
         (request(item("new", [1], 2, sampling=common_pb2.SamplingParams(presence_penalty=3))), "presence_penalty"),
+        (request(guessing(item("new", [1], 2), [5, 6, 7])), "guess_tokens"),  # more than K
+        (request(guessing(item("new", [1], 2), [vocab])), "guess_tokens"),
     ]
     for req, fields in cases:
         error = rpc_error(service.stub.Propose, req)
