@@ -176,6 +176,14 @@ def test_a_lookup_right_half_the_time_becomes_the_model_drafts_guess() -> None:
     assert plan.model_ks == {"a": plan.ks["a"]} and not plan.lookups
 
 
+def test_a_planner_told_not_to_guess_gives_the_draft_no_lookup() -> None:
+    planner = KPlanner(TARGET, wide_draft_costs(0.25), guesses=False)
+    plan = run_rounds(planner, [seq("a")], {"a": copy(match_len=2)}, {"a": 0.97}, rounds=20, lookup_alpha={"a": 0.5})
+    assert not plan.guesses and plan.source_of("a") in (DraftSource.MODEL, DraftSource.PROMPT_LOOKUP)
+    fixed = planner.plan([seq("b")], {"b": 4}, {"b": False}, lookups={"b": copy(n=2)})
+    assert not fixed.guesses and fixed.source_of("b") is DraftSource.MODEL
+
+
 def test_no_guess_where_a_fed_token_costs_a_whole_step_or_the_draft_catches_up() -> None:
     a = seq("a")
     plan = run_rounds(KPlanner(TARGET, draft_costs(0.25)), [a], {"a": copy(match_len=2)}, {"a": 0.97}, rounds=20,
