@@ -19,6 +19,11 @@ SPECULATION_METHODS = tuple(m.value for m in SpeculationMethod if m is not Specu
 DEFAULT_DECODE_STEPS = 4
 
 
+#: K when it is fixed (--no-adaptive-k) and not given: long enough for an accurate draft,
+#: short enough that a rejection early in the round wastes little.
+FIXED_K_DEFAULT = 8
+
+
 @dataclass(frozen=True)
 class GatewayConfig(ServerSecurity):
     """Where the model services are, how the gateway speculates and how much it admits; its own
@@ -39,8 +44,12 @@ class GatewayConfig(ServerSecurity):
     port: int = option(50050, "gateway port (0 = any free port)")
     #: Requests may opt out (or in, when this is off).
     speculative: bool = option(True, "speculate by default; --no-speculative decodes plainly unless a request asks")
-    #: K unless a request asks for another value; with adaptive_k, the largest K the planner may choose.
-    num_speculative_tokens: int = option(8, "draft tokens per round, K (the upper bound with --adaptive-k)")
+    #: K unless a request asks for another value; with adaptive_k, the largest K the planner may
+    #: choose (`k_for`).
+    num_speculative_tokens: int = option(
+        0, "draft tokens per round, K (the upper bound with --adaptive-k); 0: the services' largest K with "
+        f"--adaptive-k, else {FIXED_K_DEFAULT}",
+    )
     #: Requests may name another (`SpeculationOptions.method`); `model` needs a draft service.
     speculation_method: str = option(
         "auto", "what requests draft with unless they say: auto (the model draft or a lookup, chosen per round), "
@@ -147,8 +156,8 @@ class GatewayConfig(ServerSecurity):
         if self.speculation_method == "model" and not self.draft_address:
             raise InvalidArgumentError("speculation_method model needs a draft: set draft_address, or use auto / ngram")
         self.lookup_settings()  # validates the n-gram lengths and the cache size
-        if self.num_speculative_tokens < 1:
-            raise InvalidArgumentError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.num_speculative_tokens < 0:
+            raise InvalidArgumentError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         positive = (
             "decode_steps", "max_new_tokens_default", "max_batch_size", "max_queue", "max_request_bytes",
             "max_message_bytes",
@@ -169,6 +178,14 @@ class GatewayConfig(ServerSecurity):
         check_metrics_prefix(self.metrics_prefix)
         if not 0 <= self.port <= 65535 or not -1 <= self.metrics_port <= 65535 or not -1 <= self.http_port <= 65535:
             raise InvalidArgumentError("port, metrics_port and http_port must be valid port numbers")
+
+    def k_for(self, services_max: int) -> int:
+        """K for requests that name none, where the services accept at most `services_max`: the
+        flag's, or by default their largest under adaptive K (the planner drafts only as long
+        as pays, and a lookup's long copies pay at the longest K) and FIXED_K_DEFAULT otherwise."""
+        if self.num_speculative_tokens:
+            return self.num_speculative_tokens
+        return services_max if self.adaptive_k else min(FIXED_K_DEFAULT, services_max)
 
     def lookup_settings(self) -> LookupSettings:
         return LookupSettings(self.ngram_min, self.ngram_max, self.suffix_cache_tokens)

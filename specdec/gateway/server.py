@@ -61,7 +61,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             target=s.monitor.latest["target"].to_pb(),
             target_available=s.monitor.available["target"],
             speculative_enabled=s.config.speculative,
-            default_num_speculative_tokens=s.config.num_speculative_tokens,
+            default_num_speculative_tokens=s.policy.num_speculative_tokens,
             max_speculative_tokens=s.policy.max_speculative_tokens,
             max_new_tokens_default=s.config.max_new_tokens_default,
             adaptive_k=s.config.adaptive_k and s.scheduler.planner.can_adapt,
@@ -209,7 +209,7 @@ def check_services(config: GatewayConfig, services: Services) -> PreTrainedToken
     if services.draft_info is not None:
         check_compatible(services.draft_info.tokenizer, target_info.tokenizer)
     limit = services.max_speculative_tokens
-    if config.speculative and config.num_speculative_tokens > limit:
+    if config.speculative and config.k_for(limit) > limit:
         raise InvalidArgumentError(f"num_speculative_tokens {config.num_speculative_tokens} exceeds the services' "
                                    f"maximum {limit}")
     return tokenizer
@@ -243,7 +243,7 @@ def new_policy(config: GatewayConfig, services: Services, tokenizer: PreTrainedT
         eos_token_ids=frozenset(info.tokenizer.eos_token_ids),
         max_seq_len=services.max_seq_len, max_speculative_tokens=services.max_speculative_tokens,
         has_draft=services.draft is not None, speculative=config.speculative,
-        num_speculative_tokens=config.num_speculative_tokens, adaptive_k=config.adaptive_k,
+        num_speculative_tokens=config.k_for(services.max_speculative_tokens), adaptive_k=config.adaptive_k,
         max_new_tokens_default=config.max_new_tokens_default, slot_prefix=f"{lease.holder}/{lease.incarnation}/",
         default_method=SpeculationMethod(config.speculation_method),
     )

@@ -119,7 +119,7 @@ def test_config_validation() -> None:
     with pytest.raises(InvalidArgumentError, match="n-gram lengths"):
         GatewayConfig(target_address="127.0.0.1:1", ngram_min=3, ngram_max=2)
     with pytest.raises(InvalidArgumentError, match="num_speculative_tokens"):
-        GatewayConfig(target_address="127.0.0.1:1", draft_address="127.0.0.1:2", num_speculative_tokens=0)
+        GatewayConfig(target_address="127.0.0.1:1", draft_address="127.0.0.1:2", num_speculative_tokens=-1)
     with pytest.raises(InvalidArgumentError, match="draft_probs_dtype"):
         GatewayConfig(target_address="127.0.0.1:1", speculative=False, draft_probs_dtype="int4")
 
