@@ -178,7 +178,10 @@ class DraftEngine(ModelEngine):
             # cast is exact and torch's CPU argmax is faster on fp32 than on bf16
             # (docs/performance.md#draft-argmax-in-fp32).
             return drawn_tokens(step_logits.float().argmax(dim=-1)), None  # one host sync per step
-        context = [self.tokens[items[i].slot_id][:position] for i, position in zip(rows, positions)]
+        # The tokens before each position: all of the slot's, except while a guess is cached past it.
+        histories = [self.tokens[items[i].slot_id] for i in rows]
+        context = [tokens if len(tokens) == position else tokens[:position]
+                   for tokens, position in zip(histories, positions)]
         probs = cut_tail(logits_to_probs(step_logits, params, context))  # [n, vocab] f32
         probs = probs.to(probs_dtype).float()  # what the gateway will see; sample from exactly that
         # A seeded request's proposal for position j shares the uniform of the target's draw
