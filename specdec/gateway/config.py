@@ -48,7 +48,7 @@ class GatewayConfig(ServerSecurity):
     #: choose (`k_for`).
     num_speculative_tokens: int = option(
         0, "draft tokens per round, K (the upper bound with --adaptive-k); 0: the services' largest K with "
-        f"--adaptive-k, else {FIXED_K_DEFAULT}",
+        f"--adaptive-k and their measured costs, else {FIXED_K_DEFAULT}",
     )
     #: Requests may name another (`SpeculationOptions.method`); `model` needs a draft service.
     speculation_method: str = option(
@@ -179,13 +179,14 @@ class GatewayConfig(ServerSecurity):
         if not 0 <= self.port <= 65535 or not -1 <= self.metrics_port <= 65535 or not -1 <= self.http_port <= 65535:
             raise InvalidArgumentError("port, metrics_port and http_port must be valid port numbers")
 
-    def k_for(self, services_max: int) -> int:
+    def k_for(self, services_max: int, costs_known: bool = True) -> int:
         """K for requests that name none, where the services accept at most `services_max`: the
-        flag's, or by default their largest under adaptive K (the planner drafts only as long
-        as pays, and a lookup's long copies pay at the longest K) and FIXED_K_DEFAULT otherwise."""
+        flag's, or by default their largest under adaptive K with the services' costs known
+        (the planner drafts only as long as pays, and long copies pay at the longest K), and
+        FIXED_K_DEFAULT where K stays fixed (no adaptive K, or no costs to adapt by)."""
         if self.num_speculative_tokens:
             return self.num_speculative_tokens
-        return services_max if self.adaptive_k else min(FIXED_K_DEFAULT, services_max)
+        return services_max if self.adaptive_k and costs_known else min(FIXED_K_DEFAULT, services_max)
 
     def lookup_settings(self) -> LookupSettings:
         return LookupSettings(self.ngram_min, self.ngram_max, self.suffix_cache_tokens)

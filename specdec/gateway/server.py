@@ -171,6 +171,11 @@ class Services:
     def max_seq_len(self) -> int:
         return min(info.max_seq_len for info in self.infos().values())
 
+    @property
+    def costs_known(self) -> bool:
+        """Every service advertised its forward costs: the K planner can adapt."""
+        return all(info.forward_costs for info in self.infos().values())
+
     async def close(self) -> None:
         await self.target.close()
         if self.draft is not None:
@@ -209,7 +214,7 @@ def check_services(config: GatewayConfig, services: Services) -> PreTrainedToken
     if services.draft_info is not None:
         check_compatible(services.draft_info.tokenizer, target_info.tokenizer)
     limit = services.max_speculative_tokens
-    if config.speculative and config.k_for(limit) > limit:
+    if config.speculative and config.num_speculative_tokens > limit:
         raise InvalidArgumentError(f"num_speculative_tokens {config.num_speculative_tokens} exceeds the services' "
                                    f"maximum {limit}")
     return tokenizer
@@ -243,7 +248,8 @@ def new_policy(config: GatewayConfig, services: Services, tokenizer: PreTrainedT
         eos_token_ids=frozenset(info.tokenizer.eos_token_ids),
         max_seq_len=services.max_seq_len, max_speculative_tokens=services.max_speculative_tokens,
         has_draft=services.draft is not None, speculative=config.speculative,
-        num_speculative_tokens=config.k_for(services.max_speculative_tokens), adaptive_k=config.adaptive_k,
+        num_speculative_tokens=config.k_for(services.max_speculative_tokens, services.costs_known),
+        adaptive_k=config.adaptive_k,
         max_new_tokens_default=config.max_new_tokens_default, slot_prefix=f"{lease.holder}/{lease.incarnation}/",
         default_method=SpeculationMethod(config.speculation_method),
     )
