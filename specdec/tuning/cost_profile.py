@@ -19,9 +19,10 @@ from specdec.tuning.timing import interleaved_times, synchronizer
 
 log = logging.getLogger(__name__)
 
-#: Requests per forward and new tokens per request that the profile times.
+#: Requests per forward and new tokens per request that the profile times (up to the widest
+#: verify a service accepts, K = 16: the planner prices long rounds from a measured point).
 BATCH_SIZES = (1, 4, 16)
-CHUNK_WIDTHS = (1, 2, 3, 5, 9)
+CHUNK_WIDTHS = (1, 2, 3, 5, 9, 17)
 #: A prompt-sized chunk, timed at batch 1 only: what a prefill or a draft catching up on a
 #: prompt costs (extrapolated from the verify-sized points, it came out about twice too high:
 #: docs/performance.md#start-up-cost-profile).

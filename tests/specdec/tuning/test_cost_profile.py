@@ -20,8 +20,8 @@ def test_profile_times_verify_chunks_and_a_prompt_sized_prefill() -> None:
     costs = measure_forward_costs(forward, cache, max_batch=4, max_tokens=9, repeats=1)
 
     points = {(c.batch_size, c.tokens) for c in costs if c.context == CONTEXT_LEN}
-    assert {(1, t) for t in CHUNK_WIDTHS} <= points
-    assert {(4, t) for t in CHUNK_WIDTHS} <= points
+    assert {(1, t) for t in CHUNK_WIDTHS if t <= 9} <= points
+    assert {(4, t) for t in CHUNK_WIDTHS if t <= 9} <= points
     # A catch-up or prefill is interpolated from a measured prompt-sized chunk, not extrapolated.
     assert (1, PREFILL_WIDTH) in points and PREFILL_WIDTH > max(CHUNK_WIDTHS)
     # The narrowest and widest chunk of each batch size again at a long context.
@@ -29,6 +29,15 @@ def test_profile_times_verify_chunks_and_a_prompt_sized_prefill() -> None:
     assert long == {(1, 1), (1, 9), (4, 1), (4, 9)}
     assert all(c.seconds > 0 for c in costs)
     assert cache.blocks.free_tokens == cache.capacity_tokens  # the profile's slots are gone
+
+
+def test_the_widest_verify_is_timed_where_the_batch_stays_within_the_row_limit() -> None:
+    forward = PagedLlama(tiny_llama())
+    cache = forward.new_cache(token_budget=4096, block_size=16)
+    costs = measure_forward_costs(forward, cache, max_batch=4, max_tokens=17, repeats=1)
+    points = {(c.batch_size, c.tokens, c.context) for c in costs}
+    assert (1, 17, CONTEXT_LEN) in points and (1, 17, LONG_CONTEXT_LEN) in points
+    assert (4, 17, CONTEXT_LEN) not in points and (4, 9, LONG_CONTEXT_LEN) in points  # 4 × 17 rows > MAX_ROWS
 
 
 def test_profile_skips_batches_that_would_take_more_than_half_the_pool() -> None:
