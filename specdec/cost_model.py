@@ -260,7 +260,7 @@ class RoundCostModel:
             return 0.0
         if feeds is None:
             width = 1.0
-        elif saved is not None and any(saved[i] for i in spec):
+        elif saved is not None:
             width = max(feeds[i] for i in spec)
         else:
             width = sum(max(1, feeds[i]) for i in spec) / len(spec)

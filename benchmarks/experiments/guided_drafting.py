@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import shlex
 import statistics
-from collections.abc import Callable
 
 from specdec.client import GenerationResult, SpecdecClient
 from specdec_bench.results import cpu_model
@@ -60,7 +59,10 @@ def pairwise(results: dict[str, list[GenerationResult]], name: str, baseline: st
 def report(workload: Workload, results: dict[str, list[GenerationResult]]) -> None:
     print(f"\n{workload.value}: variant, median tok/s, ÷ plain, ÷ model, rounds / lookup / guided, "
           "draft tokens, of them guessed, acceptance")
-    total: Callable[[str, str], int] = lambda name, field: sum(getattr(r, field) for r in results[name])  # noqa: E731
+
+    def total(name: str, field: str) -> int:
+        return sum(getattr(r, field) for r in results[name])
+
     for name in VARIANTS:
         drafted = total(name, "num_draft_tokens")
         print(f"  {name:18} {statistics.median(r.tokens_per_s for r in results[name]):6.1f}"

@@ -278,7 +278,7 @@ class KPlanner:
         flexible = [s for s in seqs if adaptive[s.slot_id] and caps[s.slot_id] > 0
                     and (s.slot_id in model_ok or s.slot_id in lookups)]
         guessable = lookups if self.guesses else {}
-        off_reason, guesses = None, fixed_guesses(seqs, choice, caps, guessable)
+        off_reason = None
         if flexible and self.can_adapt:
             model = self.cost_model(context)
             alphas, lookup_alphas = [self.alphas(s) for s in seqs], self._lookup_alphas(seqs, lookups)
@@ -294,6 +294,8 @@ class KPlanner:
                         and rates.probe_could_pay(s, choice.ks, caps, choice.on_lookup))
 
             self._schedule_probe([s for s in flexible if s.slot_id in model_ok], choice.ks, caps, worth_probing)
+        else:
+            guesses = fixed_guesses(seqs, choice, caps, guessable)
         ks = choice.ks
         chosen = {slot: lookups[slot].truncated(ks[slot]) for slot in choice.on_lookup if ks[slot] > 0}
         catching_up = any(ks[s.slot_id] > 0 and s.slot_id not in chosen and s.draft_pending > MAX_ROUND_FEED
@@ -534,8 +536,7 @@ class KPlanner:
                 continue
             start, lookup = offered
             emitted = seq.tokens[start:]
-            matched = next((i for i, (a, b) in enumerate(zip(lookup.tokens, emitted)) if a != b),
-                           min(len(lookup.tokens), len(emitted)))
+            matched = lookup.agreeing(emitted)
             judged = matched + 1 if matched < min(len(lookup.tokens), len(emitted)) else matched
             self.observe_lookup(lookup, judged, matched)
 

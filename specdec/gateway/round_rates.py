@@ -116,23 +116,22 @@ class RatePredictor:
         lookup = [s.slot_id in on_lookup for s in self.seqs]
         alphas = [own if looked_up else a for a, own, looked_up in zip(self.alphas, self.lookup_alphas, lookup)]
         start = [c.per_round(a, k) for c, a, k in zip(self.catch_ups, self.alphas, k_list)]
-        feeds, saved = list(self.feeds), [0.0] * len(self.seqs)
-        for i, k in enumerate(k_list):
-            guess = 0 if lookup[i] else self.guess_length(i, k, guess_cap)
-            if guess:
-                # Each guessed token widens the draft's first forward; the j-th saves a step
-                # if the draft draws the first j too, which the lookup's α prices.
-                feeds[i] += guess
-                saved[i] = expected_tokens(self.lookup_alphas[i], guess) - 1.0
+        guesses = [0 if looked_up else self.guess_length(i, k, guess_cap)
+                   for i, (k, looked_up) in enumerate(zip(k_list, lookup))]
+        # Each guessed token widens the draft's first forward; the j-th saves a step if the
+        # draft draws the first j too, which the lookup's α prices.
+        feeds = [feed + guess for feed, guess in zip(self.feeds, guesses)]
+        saved = [expected_tokens(a, guess) - 1.0 if guess else 0.0 for a, guess in zip(self.lookup_alphas, guesses)]
         return self.model.tokens_per_second(k_list, alphas, start, feeds, plain_steps,
-                                            lookup if any(lookup) else None, saved if any(saved) else None)
+                                            lookup if any(lookup) else None, saved if any(guesses) else None)
 
     def guess_length(self, i: int, k: int, cap: int | None = None) -> int:
         """Guessed tokens request i feeds the draft model at draft length `k`: its cut, at most
         `cap`, and never the K-th (the draft does not feed its last token)."""
         if not self.guess_cuts:
             return 0
-        return max(0, min(self.guess_cuts[i], k - 1, self.guess_cuts[i] if cap is None else cap))
+        cut = self.guess_cuts[i] if cap is None else min(self.guess_cuts[i], cap)
+        return max(0, min(cut, k - 1))
 
     def extra_token_seconds(self) -> float:
         """What one more verified token of one request adds to the round: the verify's cost per

@@ -242,8 +242,7 @@ def guessed_steps(guesses: dict[str, LookupDraft], proposals: dict[str, Proposal
     for slot, guess in guesses.items():
         proposal = proposals.get(slot)
         if proposal is not None:
-            fed = guess.tokens[: len(proposal.tokens) - 1]
-            out[slot] = next((j for j, (a, b) in enumerate(zip(fed, proposal.tokens)) if a != b), len(fed))
+            out[slot] = min(guess.agreeing(proposal.tokens), len(proposal.tokens) - 1)
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from specdec.gateway.draft_sources import DraftSource
@@ -31,6 +32,11 @@ class LookupDraft:
     def truncated(self, k: int) -> LookupDraft:
         """The first `k` tokens of this proposal."""
         return self if k >= len(self.tokens) else replace(self, tokens=self.tokens[:k])
+
+    def agreeing(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of this proposal equal `tokens`, position by position."""
+        return next((i for i, (a, b) in enumerate(zip(self.tokens, tokens)) if a != b),
+                    min(len(self.tokens), len(tokens)))
 
 
 def match_class(match_len: int) -> int:
