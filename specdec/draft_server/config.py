@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from specdec.flags import inherit
+from specdec.errors import InvalidArgumentError
+from specdec.flags import inherit, option
 from specdec.serving.config import DTYPE_HELP, QUANTIZATION_HELP, AutoPrecision, ModelServiceConfig, Precision
 
 DRAFT_AUTO = AutoPrecision(cpu=Precision("bfloat16", "int4"), accelerator=Precision("bfloat16", "none"))
@@ -28,3 +29,18 @@ class DraftConfig(ModelServiceConfig):
     )
     compile: str = inherit(ModelServiceConfig, "compile", "auto")
     port: int = inherit(ModelServiceConfig, "port", 50051)
+    lookup_guess_tokens: int = option(
+        8, "most tokens one drafting step feeds as guesses from the draft's own lookup, shared by the step's "
+        "requests (a guess widens every row of the batched forward); 0 turns the draft's own lookups off",
+        advanced=True,
+    )
+    lookup_guess_min_match: int = option(
+        2, "shortest real match (tokens before the guess that equal the text's last ones) the draft guesses from",
+        advanced=True,
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.lookup_guess_tokens < 0 or self.lookup_guess_min_match < 1:
+            raise InvalidArgumentError(f"lookup_guess_tokens must be >= 0 and lookup_guess_min_match >= 1, got "
+                                       f"{self.lookup_guess_tokens} and {self.lookup_guess_min_match}")

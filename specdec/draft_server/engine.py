@@ -2,7 +2,10 @@
 
 Each drafting step is one batched forward across every request still drafting. A request
 may bring a guess at its next tokens (a lookup's): fed with its new tokens in the first
-forward, each guessed token the draft draws anyway saves it a step. Tokens
+forward, each guessed token the draft draws anyway saves it a step. With `lookup_guesses`
+the draft also guesses on its own: wherever no guess is left to check, it looks its text up
+in the slot's earlier tokens (`specdec.prompt_lookup`) and feeds what followed there with the
+token it has just drawn, so a copy resumes after every token the answer changes. Tokens
 are sampled from q, the request's transformed distribution, with a per-slot generator
 (seeded once per slot), so a seeded request drafts the same tokens whatever it is batched
 with. q is cut to the tokens that carry its mass (`sparse_probs.cut_tail`) and rounded to
@@ -14,12 +17,13 @@ from __future__ import annotations
 
 import torch
 
+from specdec.draft_server.config import DraftConfig
 from specdec.errors import InvalidArgumentError
 from specdec.model.runtime import ModelRuntime
+from specdec.prompt_lookup import PromptLookupIndex
 from specdec.sampling.draws import drawn_tokens, make_generator, pick_tokens, position_generator
 from specdec.sampling.sparse_probs import SparseRows, cut_tail
 from specdec.sampling.transforms import logits_to_probs
-from specdec.serving.config import ModelServiceConfig
 from specdec.serving.engine import ModelEngine
 from specdec.wire.items import Lease, Proposal, ProposeItem
 
@@ -27,15 +31,19 @@ from specdec.wire.items import Lease, Proposal, ProposeItem
 class DraftEngine(ModelEngine):
     """The proposer: keeps its own cache per slot and drafts k tokens per request."""
 
-    def __init__(self, runtime: ModelRuntime, config: ModelServiceConfig) -> None:
+    def __init__(self, runtime: ModelRuntime, config: DraftConfig) -> None:
         super().__init__(runtime, config)
         #: Each unseeded slot's random stream, advanced across rounds (a seeded request draws each
         #: position with its own generator, `position_generator`).
         self.generators: dict[str, torch.Generator] = {}
+        #: The n-grams of each slot's accepted tokens, for its own guesses (`lookup_guesses`).
+        self.lookups: dict[str, PromptLookupIndex] = {}
+        self.guess_tokens, self.guess_min_match = config.lookup_guess_tokens, config.lookup_guess_min_match
 
     def release(self, slot_id: str) -> None:
         super().release(slot_id)
         self.generators.pop(slot_id, None)
+        self.lookups.pop(slot_id, None)
 
     def propose(
         self, items: list[ProposeItem], probs_dtype: torch.dtype = torch.float32, lease: Lease | None = None
@@ -50,11 +58,11 @@ class DraftEngine(ModelEngine):
         for item in items:
             if item.slot_id in new_slots and item.sampling.seed is None:
                 self.generators[item.slot_id] = make_generator(None, self.cache.device)
-        guesses = [self._fed_guess(item, feeds[item.slot_id]) for item in items]
         try:
             for item in items:
                 if item.slot_id not in new_slots:
                     self._rollback(item.slot_id, item.valid_len)
+            guesses = [self._fed_guess(item, feeds[item.slot_id], len(items)) for item in items]
             logits = self._feed([(item.slot_id, feeds[item.slot_id] + guess) for item, guess in zip(items, guesses)],
                                 [1 + len(guess) for guess in guesses])
             proposals = self._draft(items, logits, guesses, probs_dtype)
@@ -64,11 +72,39 @@ class DraftEngine(ModelEngine):
         self._hand_over()  # the target verifies next
         return proposals
 
-    def _fed_guess(self, item: ProposeItem, feed: list[int]) -> list[int]:
-        """The guessed tokens fed with `feed`: all but the K-th (the last drafted token is never
-        fed), and none after a prompt-sized feed (`_is_short`), whose forward would have to
-        score every position."""
-        return item.guess_tokens[: item.num_speculative_tokens - 1] if self._is_short(len(feed)) else []
+    def _fed_guess(self, item: ProposeItem, feed: list[int], batch: int) -> list[int]:
+        """The guessed tokens fed with `feed`: the item's guess, else with `lookup_guesses` the
+        draft's own over the accepted text (which it indexes here); all but the K-th (the last
+        drafted token is never fed), and none after a prompt-sized feed (`_is_short`), whose
+        forward would have to score every position."""
+        accepted = self.tokens[item.slot_id] + feed
+        if item.lookup_guesses:
+            self._index(item.slot_id, accepted)
+        if not self._is_short(len(feed)):
+            return []
+        if item.guess_tokens:
+            return item.guess_tokens[: item.num_speculative_tokens - 1]
+        return self._own_guess(item, accepted, min(self.guess_tokens // batch, item.num_speculative_tokens - 1))
+
+    def _index(self, slot_id: str, accepted: list[int]) -> None:
+        """Index the slot's accepted tokens (they only grow: `_rollback` drops an index it cuts)."""
+        self.lookups.setdefault(slot_id, PromptLookupIndex()).update(accepted)
+
+    def _rollback(self, slot_id: str, valid_len: int) -> None:
+        super()._rollback(slot_id, valid_len)
+        index = self.lookups.get(slot_id)
+        if index is not None and index.indexed > valid_len:  # a gateway's rollback past accepted tokens
+            del self.lookups[slot_id]
+
+    def _own_guess(self, item: ProposeItem, text: list[int], limit: int) -> list[int]:
+        """Up to `limit` tokens that followed `text`'s end earlier in the slot's accepted tokens,
+        where the real match is at least `lookup_guess_min_match` tokens; none without
+        `lookup_guesses`."""
+        index = self.lookups.get(item.slot_id) if item.lookup_guesses else None
+        if index is None or limit <= 0:
+            return []
+        match = index.propose(text, limit)
+        return list(match.tokens) if match is not None and match.match_len >= self.guess_min_match else []
 
     def _is_short(self, feed_len: int) -> bool:
         """At most what a round can add (K + 1 tokens): not a prompt."""
@@ -132,10 +168,13 @@ class DraftEngine(ModelEngine):
         """K draws per item, one batched step at a time. `logits[i]` holds item i's next-token
         logits after its feed and after each of its fed guessed tokens ([1 + len(guesses[i]), vocab]):
         while the drawn tokens equal the guess the next row is already there, and the first draw
-        that differs drops the rest of the guess from the cache and is fed as usual."""
+        that differs drops the rest of the guess from the cache and is fed as usual, with a
+        guess of the draft's own where the item allows one (`_step_guesses`)."""
         drafted: list[list[int]] = [[] for _ in items]
         q_rows: list[list[torch.Tensor]] = [[] for _ in items]
+        saved = [0] * len(items)
         pending = {i: list(rows.unbind(0)) for i, rows in enumerate(logits)}  # item -> its next rows, [vocab] each
+        unchecked = dict(enumerate(guesses))  # item -> its fed guessed tokens not drawn yet, one a pending row
         for step in range(max(item.num_speculative_tokens for item in items)):
             rows = [i for i, item in enumerate(items) if item.num_speculative_tokens > step]
             positions = [len(self.tokens[items[i].slot_id]) - len(pending[i]) + 1 for i in rows]
@@ -146,25 +185,41 @@ class DraftEngine(ModelEngine):
                 drafted[i].append(token)
                 if probs is not None and not items[i].sampling.is_greedy:
                     q_rows[i].append(probs[n])
-                if pending[i] and token == guesses[i][step]:
-                    continue  # the guess holds: its next row is this token's successor
-                if pending[i]:  # the guess parted here: its tokens from this position on go
+                if unchecked[i] and token == unchecked[i][0]:
+                    unchecked[i] = unchecked[i][1:]  # the guess holds: its next row is this token's successor
+                    saved[i] += 1
+                    continue
+                if unchecked[i]:  # the guess parted here: its tokens from this position on go
                     self._rollback(items[i].slot_id, positions[n])
-                    pending[i] = []
+                    pending[i], unchecked[i] = [], []
                 if items[i].num_speculative_tokens > step + 1:  # the last drafted token is not fed
                     feed.append(i)
             if feed:
-                out = self._run([(items[i].slot_id, [drafted[i][-1]]) for i in feed], logits="last", prompt=False)
-                pending.update((i, [row]) for i, row in zip(feed, out))
+                unchecked.update(self._step_guesses(items, feed, drafted, step))
+                every = any(unchecked[i] for i in feed)
+                chunks = [(items[i].slot_id, [drafted[i][-1], *unchecked[i]]) for i in feed]
+                out = self._run(chunks, logits="all" if every else "last", prompt=False)
+                pending.update((i, list(rows.unbind(0)) if every else [rows]) for i, rows in zip(feed, out))
         return [
             Proposal(
                 slot_id=item.slot_id,
                 tokens=drafted[i],
                 probs=SparseRows.from_dense(torch.stack(q_rows[i]).to(probs_dtype)) if q_rows[i] else None,
                 cached_len=len(self.tokens[item.slot_id]),
+                saved_steps=saved[i],
             )
             for i, item in enumerate(items)
         ]
+
+    def _step_guesses(
+        self, items: list[ProposeItem], feed: list[int], drafted: list[list[int]], step: int
+    ) -> dict[int, list[int]]:
+        """The draft's own guess for each item of `feed` after its latest drawn token: at most
+        the draws it has left but one, and at most `lookup_guess_tokens` // len(feed), since the
+        step's forward pads every row to the widest."""
+        share = self.guess_tokens // len(feed)
+        return {i: self._own_guess(items[i], [*self.tokens[items[i].slot_id], drafted[i][-1]],
+                                   min(share, items[i].num_speculative_tokens - step - 2)) for i in feed}
 
     def _draw(
         self, items: list[ProposeItem], rows: list[int], positions: list[int], step_logits: torch.Tensor,

@@ -36,12 +36,13 @@ class DraftSource(enum.Enum):
     """What proposed one request's draft tokens in one round; the value labels the metrics."""
 
     MODEL = "model"
-    #: The request's own prompt and output (`proposers.prompt_lookup`).
+    #: The request's own prompt and output (`specdec.prompt_lookup`).
     PROMPT_LOOKUP = "prompt_lookup"
     #: Recent outputs of all requests (`proposers.suffix_cache`).
     SUFFIX = "suffix"
-    #: The draft model, given a lookup's tokens as a guess: it checks them in one forward and
-    #: drafts on by itself from the first it would not draw (`ProposeItem.guess_tokens`).
+    #: The draft model guided by lookups: it checks a lookup's guess (the gateway's,
+    #: `ProposeItem.guess_tokens`, or its own, `lookup_guesses`) in one forward and drafts on by
+    #: itself from the first token it would not draw.
     LOOKUP_THEN_MODEL = "lookup_then_model"
 
     @property

@@ -139,6 +139,18 @@ class _Scale:
 
 
 @dataclass
+class _Share:
+    """EMA of a share in [0, 1]; its first observations are averaged, not nudged (as `_Scale`)."""
+
+    value: float = 0.0
+    seen: int = 0
+
+    def observe(self, share: float, weight: float) -> None:
+        self.seen += 1
+        self.value += max(weight, 1.0 / self.seen) * (share - self.value)
+
+
+@dataclass
 class KPlanner:
     """Plans K per request and round; see the module docstring."""
 
@@ -182,6 +194,11 @@ class KPlanner:
     _probe_interval: dict[str, int] = field(default_factory=dict, init=False)
     _probing: set[str] = field(default_factory=set, init=False)
     _lookup_estimates: dict[tuple[DraftSource, int], AcceptanceEstimate] = field(default_factory=dict, init=False)
+    #: The share of a model round's draft steps that guesses saved, per request that lets the
+    #: draft guess with its own lookup (`RoundPlan.self_guessing`), and over all of them (a new
+    #: request's first estimate).
+    _saved_shares: dict[str, _Share] = field(default_factory=dict, init=False)
+    _global_saved_share: _Share = field(default_factory=_Share, init=False)
     #: Whether any round with draft tokens has been observed (α is more than the prior).
     _measured_alpha: bool = field(default=False, init=False)
 
@@ -262,11 +279,12 @@ class KPlanner:
     def plan(
         self, seqs: list[Sequence], caps: dict[str, int], adaptive: dict[str, bool],
         steps: dict[str, int] | None = None, *, lookups: dict[str, LookupDraft] | None = None,
-        model_allowed: Collection[str] | None = None,
+        model_allowed: Collection[str] | None = None, self_guessing: Collection[str] = (),
     ) -> RoundPlan:
         """K and draft source per request. `caps` bounds each K (its requested or remaining room);
-        `lookups` are this round's lookup proposals (of requests that allow lookups), and
-        `model_allowed` the requests the draft model may draft for (default: all). Adaptive
+        `lookups` are this round's lookup proposals (of requests that allow lookups),
+        `model_allowed` the requests the draft model may draft for (default: all), and
+        `self_guessing` those whose draft may guess with its own lookup (with `guesses`). Adaptive
         requests get the planner's choice, the others `fixed_choice`. `steps` is what a plain
         round would decode per request (multi-step), which prices K = 0; the plan keeps them
         when no request drafts."""
@@ -278,13 +296,15 @@ class KPlanner:
         flexible = [s for s in seqs if adaptive[s.slot_id] and caps[s.slot_id] > 0
                     and (s.slot_id in model_ok or s.slot_id in lookups)]
         guessable = lookups if self.guesses else {}
+        own = set(self_guessing) if self.guesses else set()
         off_reason = None
         if flexible and self.can_adapt:
             model = self.cost_model(context)
             alphas, lookup_alphas = [self.alphas(s) for s in seqs], self._lookup_alphas(seqs, lookups)
             rates = RatePredictor(model, seqs, alphas, [self._catch_up(s, model) for s in seqs],
                                   [feeds[s.slot_id] for s in seqs], lookup_alphas,
-                                  self._guess_cuts(model, seqs, caps, guessable, lookup_alphas, model_ok))
+                                  self._guess_cuts(model, seqs, caps, guessable, lookup_alphas, model_ok),
+                                  [self.saved_share(s) if s.slot_id in own else 0.0 for s in seqs])
             off_reason = self._choose(rates, choice, flexible, caps, steps, lookups, model_ok)
             guesses = self._guesses(rates, choice, lookups)
             plain_round = model.round_seconds([0] * len(seqs))
@@ -303,8 +323,14 @@ class KPlanner:
         offered = {s.slot_id: (len(s.tokens), lookups[s.slot_id]) for s in seqs
                    if s.slot_id in lookups and s.slot_id not in chosen}
         guesses = {slot: guess for slot, guess in guesses.items() if ks[slot] > 0 and slot not in chosen}
+        own = {slot for slot in own if ks.get(slot, 0) > 0 and slot not in chosen}
         return RoundPlan(ks, {} if any(ks.values()) else steps, feeds, context, catching_up, off_reason, chosen,
-                         offered, guesses)
+                         offered, guesses, own)
+
+    def saved_share(self, seq: Sequence) -> float:
+        """The share of its model round's draft steps (after the first) that guesses are
+        expected to save the request: its own estimate, else the one over all requests."""
+        return self._saved_shares.get(seq.slot_id, self._global_saved_share).value
 
     def _lookup_alphas(self, seqs: list[Sequence], lookups: dict[str, LookupDraft]) -> list[list[float]]:
         """α of each request's lookup proposal ([0.0] where it has none)."""
@@ -510,6 +536,7 @@ class KPlanner:
             self.global_alpha.observe(k, accepted)
             self._measured_alpha = True
         self._judge_offered(plan, seqs)
+        self._observe_saved(plan, report)
         ks = [report.ks[s.slot_id] for s in seqs]
         drafts = [0 if s.slot_id in plan.lookups else k for s, k in zip(seqs, ks)]  # the model draft's
         if self._target is not None:  # the unscaled tables' prediction: the EMAs track the ratio
@@ -519,10 +546,21 @@ class KPlanner:
             if not plan.catching_up and any(drafts):
                 guesses = [len(g.tokens) if (g := plan.guesses.get(s.slot_id)) else 0 for s in seqs]
                 feeds = [plan.feeds.get(s.slot_id, 1) + guess for s, guess in zip(seqs, guesses)]
-                saved = [float(report.guessed.get(s.slot_id, 0)) for s in seqs] if any(guesses) else None
+                saved = ([float(report.guessed.get(s.slot_id, 0)) for s in seqs]
+                         if any(guesses) or any(report.guessed.values()) else None)
                 self._draft_scale.observe(report.propose.compute_s, unscaled.draft_seconds(drafts, feeds, saved),
                                           self.cost_weight)
         self._observe_overhead(sum(drafts), sum(ks) - sum(drafts), report.overhead_s)
+
+    def _observe_saved(self, plan: RoundPlan, report: RoundReport) -> None:
+        """Learn the share of draft steps the guesses saved each request whose draft guessed
+        with its own lookup: of the K - 1 steps after the first forward."""
+        for slot in plan.self_guessing:
+            k = report.ks.get(slot, 0)
+            if k >= 2:
+                share = report.guessed.get(slot, 0) / (k - 1)
+                self._saved_shares.setdefault(slot, _Share()).observe(share, self.cost_weight)
+                self._global_saved_share.observe(share, self.global_weight)
 
     def _judge_offered(self, plan: RoundPlan, seqs: list[Sequence]) -> None:
         """Learn from the lookups the round did not verify as if it had: each emitted token has
@@ -555,6 +593,7 @@ class KPlanner:
     def forget(self, seq: Sequence) -> None:
         """Drop a finished request's state."""
         self._estimates.pop(seq.slot_id, None)
+        self._saved_shares.pop(seq.slot_id, None)
         self._idle_rounds.pop(seq.slot_id, None)
         self._probe_interval.pop(seq.slot_id, None)
         self._probing.discard(seq.slot_id)

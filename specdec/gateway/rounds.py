@@ -37,6 +37,9 @@ class RoundPlan:
     #: Requests the draft model drafts for with a lookup's tokens as its guess, cut to the
     #: tokens worth feeding (`ProposeItem.guess_tokens`).
     guesses: dict[str, LookupDraft] = field(default_factory=dict)
+    #: Requests the draft model drafts for that let it guess with its own lookup
+    #: (`ProposeItem.lookup_guesses`).
+    self_guessing: set[str] = field(default_factory=set)
 
     @property
     def drafts(self) -> bool:
@@ -47,14 +50,17 @@ class RoundPlan:
         """K per request that the draft model drafts (0 for plain and lookup requests)."""
         return {slot: 0 if slot in self.lookups else k for slot, k in self.ks.items()}
 
-    def source_of(self, slot_id: str) -> DraftSource | None:
-        """Where the request's draft tokens come from this round; None when it decodes plainly."""
+    def source_of(self, slot_id: str, guessed: bool = False) -> DraftSource | None:
+        """Where the request's draft tokens come from this round; None when it decodes plainly.
+        A model draft is guided by a lookup where the plan gave it a guess or a guess saved it
+        a step (`guessed`: the draft's own may have)."""
         if not self.ks.get(slot_id):
             return None
         lookup = self.lookups.get(slot_id)
         if lookup is not None:
             return lookup.source
-        return DraftSource.LOOKUP_THEN_MODEL if slot_id in self.guesses else DraftSource.MODEL
+        guided = guessed or slot_id in self.guesses
+        return DraftSource.LOOKUP_THEN_MODEL if guided else DraftSource.MODEL
 
     def steps_of(self, slot_id: str) -> int:
         return self.steps.get(slot_id, 1)
@@ -80,7 +86,8 @@ class RoundReport:
     steps: dict[str, int] = field(default_factory=dict)
     #: Where each drafting slot's tokens came from (slots with K = 0 are absent).
     sources: dict[str, DraftSource] = field(default_factory=dict)
-    #: Draft steps each guessed slot's guess saved: its leading fed tokens that the draft drew too.
+    #: Draft steps the guesses saved each model-drafted slot, as the draft counted them
+    #: (`Proposal.saved_steps`; the lookup's guess and the draft's own).
     guessed: dict[str, int] = field(default_factory=dict)
 
     def phases(self) -> dict[str, float]:

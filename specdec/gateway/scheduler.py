@@ -218,8 +218,11 @@ class Scheduler:
         model_allowed = {s.slot_id for s in batch if model_usable and s.method.allows_model}
         limit = 1 if self._queue_head_fits() else self.decode_steps
         steps = {s.slot_id: plan_steps(s, self.max_seq_len, limit) for s in batch}
+        # A request that allows lookups lets the draft guess with its own as it drafts.
+        self_guessing = {s.slot_id for s in batch if self.lookup is not None and s.method.allows_lookup}
         plan = self.planner.plan(batch, caps, {s.slot_id: s.adaptive for s in batch}, steps,
-                                 lookups=self._lookups(batch, caps), model_allowed=model_allowed)
+                                 lookups=self._lookups(batch, caps), model_allowed=model_allowed,
+                                 self_guessing=self_guessing)
         if self.draft is not None and draft_off and any(caps[s.slot_id] and s.method.allows_model for s in batch):
             self.stats.off_rounds["draft_unavailable"] += 1
         elif plan.off_reason is not None:

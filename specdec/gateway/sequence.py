@@ -64,7 +64,8 @@ class SpeculationCounts:
     lookup_rounds: int = 0
     lookup_draft_tokens: int = 0
     lookup_accepted_tokens: int = 0
-    #: Model-drafted rounds with a lookup's guess, and the draft tokens their guesses gave.
+    #: Model-drafted rounds a lookup guided (the gateway's guess, or the draft's own that saved a
+    #: step), and the draft tokens the guesses gave.
     guided_rounds: int = 0
     guessed_tokens: int = 0
 

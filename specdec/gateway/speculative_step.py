@@ -69,9 +69,10 @@ def plan_steps(seq: Sequence, max_seq_len: int, limit: int) -> int:
 
 async def propose(
     draft: DraftAPI | None, seqs: list[Sequence], ks: dict[str, int], deadlines: Deadlines,
-    guesses: dict[str, LookupDraft] | None = None,
+    guesses: dict[str, LookupDraft] | None = None, self_guessing: Collection[str] = (),
 ) -> Timed[dict[str, Proposal]]:
-    """One batched Propose for every sequence with K >= 1, with its lookup guess if it has one."""
+    """One batched Propose for every sequence with K >= 1, with its lookup guess if it has one,
+    letting the draft guess on its own for those in `self_guessing`."""
     speculating = [s for s in seqs if ks[s.slot_id] > 0]
     if not speculating:
         return Timed({}, 0.0, 0.0)
@@ -81,7 +82,8 @@ async def propose(
     for seq in speculating:
         seq.has_draft_slot = True  # from now on the draft may hold a slot: release it at the end
     items = [ProposeItem(s.slot_id, s.draft_valid, s.tokens[s.draft_valid :], ks[s.slot_id], s.draft_sampling,
-                         list(guess.tokens) if (guess := guesses.get(s.slot_id)) is not None else [])
+                         list(guess.tokens) if (guess := guesses.get(s.slot_id)) is not None else [],
+                         s.slot_id in self_guessing)
              for s in speculating]
     timeout = deadlines.propose(
         len(items), max(len(i.new_tokens) + len(i.guess_tokens) for i in items),
@@ -226,24 +228,14 @@ async def run_round(
                 if any(s.logprobs is not None for s in seqs) else {})
     ks, num_accepted, steps = advance_all(seqs, proposals, verified.value, accepted, max_seq_len, plan.lookups,
                                           logprobs)
-    sources = {slot: source for slot in ks if ks[slot] and (source := plan.source_of(slot)) is not None}
+    guessed = {slot: p.saved_steps for slot, p in proposed.value.items() if p.saved_steps}
+    sources = {slot: source for slot in ks if ks[slot] and (source := plan.source_of(slot, slot in guessed))}
     return RoundReport(
         ks, num_accepted, propose=Timed(None, proposed.compute_s, proposed.wall_s),
         verify=Timed(None, verified.compute_s, verified.wall_s), accept_s=accept_s,
         total_s=time.perf_counter() - started, draft_failed=draft_failed, steps=steps, sources=sources,
-        guessed=guessed_steps(plan.guesses, proposed.value),
+        guessed=guessed,
     )
-
-
-def guessed_steps(guesses: dict[str, LookupDraft], proposals: dict[str, Proposal]) -> dict[str, int]:
-    """Draft steps each guess saved: its leading tokens that the draft drew too, of the K - 1
-    it fed (the K-th drafted token is never fed)."""
-    out = {}
-    for slot, guess in guesses.items():
-        proposal = proposals.get(slot)
-        if proposal is not None:
-            out[slot] = min(guess.agreeing(proposal.tokens), len(proposal.tokens) - 1)
-    return out
 
 
 def lookup_proposals(seqs: list[Sequence], plan: RoundPlan) -> dict[str, Proposal]:
@@ -292,7 +284,7 @@ async def propose_or_plain(
     draft's cache whatever it kept."""
     started = time.perf_counter()
     try:
-        return await propose(draft, seqs, plan.model_ks, deadlines, plan.guesses), False
+        return await propose(draft, seqs, plan.model_ks, deadlines, plan.guesses, plan.self_guessing), False
     except (grpc.aio.AioRpcError, ServiceStateError) as error:
         reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else str(error)
         log.warning("Propose failed (%s); this round decodes without speculation", reason)

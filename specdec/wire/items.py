@@ -268,19 +268,21 @@ class ProposeItem:
     num_speculative_tokens: int  # K
     sampling: SamplingParams
     guess_tokens: list[int] = field(default_factory=list)
+    #: Guess with the draft's own prompt lookup wherever no guess is left to check.
+    lookup_guesses: bool = False
 
     def to_pb(self) -> draft_pb2.ProposeItem:
         return draft_pb2.ProposeItem(
             slot_id=self.slot_id, valid_len=self.valid_len, new_tokens=self.new_tokens,
             num_speculative_tokens=self.num_speculative_tokens, sampling=sampling_to_pb(self.sampling),
-            guess_tokens=self.guess_tokens,
+            guess_tokens=self.guess_tokens, lookup_guesses=self.lookup_guesses,
         )
 
     @classmethod
     def from_pb(cls, message: draft_pb2.ProposeItem) -> ProposeItem:
         return cls(
             message.slot_id, message.valid_len, list(message.new_tokens), message.num_speculative_tokens,
-            sampling_from_pb(message.sampling), list(message.guess_tokens),
+            sampling_from_pb(message.sampling), list(message.guess_tokens), message.lookup_guesses,
         )
 
 
@@ -405,17 +407,19 @@ class Proposal:
     #: sampler's normalization), tail cut; None for greedy requests.
     probs: SparseRows | None
     cached_len: int
+    #: Draws whose logits a guessed token's forward gave: draft steps the guesses saved.
+    saved_steps: int = 0
 
     def to_pb(self) -> draft_pb2.ProposeResult:
         return draft_pb2.ProposeResult(
             slot_id=self.slot_id, tokens=self.tokens, cached_len=self.cached_len,
-            probs=sparse_to_pb(self.probs) if self.probs is not None else None,
+            probs=sparse_to_pb(self.probs) if self.probs is not None else None, saved_steps=self.saved_steps,
         )
 
     @classmethod
     def from_pb(cls, message: draft_pb2.ProposeResult) -> Proposal:
         probs = sparse_from_pb(message.probs) if message.HasField("probs") else None
-        return cls(message.slot_id, list(message.tokens), probs, message.cached_len)
+        return cls(message.slot_id, list(message.tokens), probs, message.cached_len, message.saved_steps)
 
 
 @dataclass(frozen=True)

@@ -104,10 +104,25 @@ def test_a_guess_over_the_wire_leaves_the_proposal_as_it_is(draft: Service, prom
     right or wrong, the tokens and the cache are those of a round without it."""
     prompt = prompts[2]
     own = list(propose(draft, item("plain", prompt, k=6))["plain"].tokens)
-    for slot, guess in (("right", own[:5]), ("wrong", [t ^ 1 for t in own])):
+    for slot, guess, saved in (("right", own[:5], 5), ("wrong", [t ^ 1 for t in own], 0)):
         propose(draft, item(slot, prompt[:-1], k=1))  # the slot holds the prompt but its last token
         result = propose(draft, guessing(item(slot, prompt[-1:], k=6, valid_len=len(prompt) - 1), guess))[slot]
         assert list(result.tokens) == own, slot
+        assert result.saved_steps == saved, slot
+
+
+def test_the_drafts_own_guesses_over_the_wire(draft: Service) -> None:
+    """`lookup_guesses` travels: on a text that repeats, the draft guesses from its own
+    earlier tokens, draws the same tokens and reports the steps it saved."""
+    text = [504, 3575, 282, 4649, 314, 260, 1345, 28] * 4
+    results = {}
+    for slot, own in (("plain", False), ("own", True)):
+        propose(draft, item(slot, text[:-1], k=1))
+        request = item(slot, text[-1:], k=8, valid_len=len(text) - 1)
+        request.lookup_guesses = own
+        results[slot] = propose(draft, request)[slot]
+    assert list(results["own"].tokens) == list(results["plain"].tokens)
+    assert results["plain"].saved_steps == 0 < results["own"].saved_steps
 
 
 def test_next_round_rolls_back_and_feeds_the_accepted_tokens(

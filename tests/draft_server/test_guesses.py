@@ -118,6 +118,65 @@ def test_a_batch_mixes_guessed_and_unguessed_requests(fp32_runtime: ModelRuntime
     assert [p.tokens for p in both] == [alone["a"].tokens, alone["b"].tokens]
 
 
+#: A text that repeats: the draft continues it, and its own lookup finds where.
+REPEATING = PROMPT * 4
+
+
+def own_guess_round(draft: DraftEngine, sampling: SamplingParams, own: bool, k: int = K) -> Proposal:
+    """The round after a Propose that set the slot up with all of REPEATING but its last token."""
+    draft.propose([ProposeItem("s", 0, REPEATING[:-1], 1, sampling)])
+    return draft.propose([ProposeItem("s", len(REPEATING) - 1, REPEATING[-1:], k, sampling, lookup_guesses=own)])[0]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_the_drafts_own_guesses_change_only_its_forwards(
+    fp32_runtime: ModelRuntime, monkeypatch: pytest.MonkeyPatch, sampling: SamplingParams
+) -> None:
+    proposals, forwards = [], []
+    for own in (False, True):
+        draft = engine(fp32_runtime)
+        widths = counting_forwards(draft, monkeypatch)
+        proposals.append(own_guess_round(draft, sampling, own, k=12))
+        forwards.append(len(widths) - 1)  # without the set-up's prefill
+    plain, guessed = proposals
+    assert guessed.tokens == plain.tokens and guessed.cached_len == plain.cached_len
+    if not sampling.is_greedy:
+        assert plain.probs is not None and guessed.probs is not None
+        vocab = fp32_runtime.forward.vocab_size
+        torch.testing.assert_close(guessed.probs.distributions(vocab), plain.probs.distributions(vocab),
+                                   atol=1e-5, rtol=1e-4)
+    # Every draw takes its row from a forward's first token or from a guessed one (saved).
+    assert plain.saved_steps == 0 and forwards[0] == 12
+    assert forwards[1] == 12 - guessed.saved_steps
+    if sampling.is_greedy:
+        assert guessed.saved_steps > 0  # the greedy draft copies the repetition
+
+
+def test_a_steps_guesses_share_the_budget(fp32_runtime: ModelRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A guess widens every row of the batched forward: two guessing requests get half each,
+    and a budget of 0 turns the draft's own guesses off."""
+    for budget, widest in ((8, 1 + 8 // 2), (0, 1)):
+        config = DraftConfig(port=0, dtype="float32", quantization="none", measure_costs=False, kv_token_budget=512,
+                             lookup_guess_tokens=budget)
+        draft = DraftEngine(fp32_runtime, config)
+        draft.propose([ProposeItem(slot, 0, REPEATING[:-1], 1, GREEDY) for slot in "ab"])
+        widths = counting_forwards(draft, monkeypatch)
+        proposals = draft.propose([ProposeItem(slot, len(REPEATING) - 1, REPEATING[-1:], 12, GREEDY,
+                                               lookup_guesses=True) for slot in "ab"])
+        assert max(widths) == widest and (budget == 0) == (proposals[0].saved_steps == 0)
+
+
+def test_a_rollback_into_accepted_tokens_rebuilds_the_index(fp32_runtime: ModelRuntime) -> None:
+    """The index covers accepted tokens only: a gateway that rolls the slot back below them
+    (a truncate) leaves a fresh index, which guesses the same as a new slot's."""
+    draft = engine(fp32_runtime)
+    first = own_guess_round(draft, GREEDY, True)
+    draft.truncate("s", 3)
+    assert "s" not in draft.lookups
+    again = draft.propose([ProposeItem("s", 3, REPEATING[3:], K, GREEDY, lookup_guesses=True)])[0]
+    assert again.tokens == first.tokens
+
+
 def test_an_invalid_guess_names_the_field(fp32_runtime: ModelRuntime) -> None:
     draft = engine(fp32_runtime)
     with pytest.raises(InvalidArgumentError, match="guess_tokens: 7 .* more than its num_speculative_tokens"):

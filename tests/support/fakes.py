@@ -289,7 +289,10 @@ class FakeDraft:
             support = [(t + 1) % VOCAB for t in drafted] if fault == "bad_q" else drafted
             q = None if item.sampling.is_greedy else SparseRows((1,) * len(drafted), torch.tensor(support),
                                                                 torch.ones(len(drafted)))
-            out[item.slot_id] = Proposal(item.slot_id, drafted, q, len(cache) + length_error)
+            # As the real draft counts them: the leading fed guessed tokens it drew too.
+            fed = item.guess_tokens[: item.num_speculative_tokens - 1]
+            saved = next((i for i, (a, b) in enumerate(zip(fed, drafted)) if a != b), len(fed))
+            out[item.slot_id] = Proposal(item.slot_id, drafted, q, len(cache) + length_error, saved)
         return Timed(out, 0.0005, 0.001)
 
     async def release(self, slot_id: str, timeout: float) -> None:

@@ -11,17 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.errors import InvalidArgumentError
+from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.proposers.draft import LookupDraft
-from specdec.gateway.proposers.prompt_lookup import PromptLookupIndex
 from specdec.gateway.proposers.suffix_cache import SuffixCache
+from specdec.prompt_lookup import MAX_N, MIN_N, PromptLookupIndex
 
 
 @dataclass(frozen=True)
 class LookupSettings:
     """n-gram lengths matched, and the suffix cache's size (0 turns it off)."""
 
-    min_n: int = 1
-    max_n: int = 4
+    min_n: int = MIN_N
+    max_n: int = MAX_N
     suffix_cache_tokens: int = 65536
     #: A suffix proposal goes on while its next token holds this share of its context's counts.
     suffix_min_share: float = 0.5
@@ -62,7 +63,8 @@ class LookupProposer:
             index = self._indexes[slot_id] = PromptLookupIndex(
                 settings.min_n, settings.max_n, candidates=settings.candidates, max_match_len=settings.max_match_len)
         index.update(tokens)
-        own = index.propose(tokens, k)
+        match = index.propose(tokens, k)
+        own = None if match is None else LookupDraft(match.tokens, DraftSource.PROMPT_LOOKUP, match.match_len)
         shared = self.suffixes.propose(tokens, k) if len(self.suffixes) else None
         if own is None or (shared is not None and shared.score > own.score):
             return shared

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+import pytest
+
 from specdec.gateway.draft_sources import SpeculationMethod
 from specdec.gateway.proposers import LookupDraft, LookupProposer, LookupSettings
 from specdec.gateway.requests import new_sequence
@@ -92,6 +94,18 @@ def test_the_model_draft_gets_a_lookup_too_short_to_verify_alone_as_its_guess() 
         assert counts.guessed_tokens == 2 * len(guessed)
 
     run(test, target, draft, lookup=ShortLookups(LookupSettings(min_n=1, max_n=3)))
+
+
+@pytest.mark.parametrize("method", [SpeculationMethod.AUTO, SpeculationMethod.MODEL])
+def test_only_a_request_that_allows_lookups_lets_the_draft_guess_on_its_own(method: SpeculationMethod) -> None:
+    target, draft = FakeTarget(), FakeDraft(wrong_at={3})
+
+    async def test(sched: Scheduler) -> None:
+        await generate(sched, method, 40)
+        items = [item for call in draft.calls for item in call]
+        assert items and all(item.lookup_guesses is method.allows_lookup for item in items)
+
+    run(test, target, draft, lookup=LookupProposer(LookupSettings()))
 
 
 def test_a_sampled_lookup_round_sends_one_hot_q_rows() -> None:

@@ -10,14 +10,15 @@ import pytest
 from specdec.errors import InvalidArgumentError
 from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.proposers import LookupDraft, LookupProposer, LookupSettings
-from specdec.gateway.proposers.prompt_lookup import PromptLookupIndex, copy_forward, match_length
 from specdec.gateway.proposers.suffix_cache import SuffixCache
+from specdec.prompt_lookup import LookupMatch, PromptLookupIndex, copy_forward, match_length
 
 
 def lookup(tokens: list[int], k: int, min_n: int = 1, max_n: int = 3, **options: int) -> LookupDraft | None:
     index = PromptLookupIndex(min_n, max_n, **options)
     index.update(tokens)
-    return index.propose(tokens, k)
+    match = index.propose(tokens, k)
+    return None if match is None else LookupDraft(match.tokens, DraftSource.PROMPT_LOOKUP, match.match_len)
 
 
 def test_prompt_lookup_takes_the_longest_match() -> None:
@@ -89,7 +90,7 @@ def test_the_index_grows_with_the_tokens() -> None:
     assert index.propose(tokens, 2) is None
     tokens += [1, 2]
     index.update(tokens)
-    assert index.propose(tokens, 2) == LookupDraft((3, 1), DraftSource.PROMPT_LOOKUP, match_len=2)
+    assert index.propose(tokens, 2) == LookupMatch((3, 1), match_len=2)
 
 
 def test_suffix_cache_proposes_the_most_frequent_continuation() -> None:

@@ -209,3 +209,35 @@ def test_guessed_tokens_widen_the_drafts_first_forward_and_save_steps() -> None:
     # A batch pads its first forward to the widest feed.
     two = model.draft_seconds([8, 8], [8, 1], [7.0, 0.0])
     assert two == pytest.approx(draft.seconds(2, 8) + 7 * draft.step(1))
+
+
+def guessing_rounds(planner: KPlanner, a: Sequence, share: float, rounds: int = 20) -> RoundPlan:
+    """Rounds in which request a's model draft is right at α 0.95 and the draft's own lookup
+    guesses save `share` of the steps after its first forward."""
+    plan = RoundPlan({})
+    for _ in range(rounds):
+        plan = planner.plan([a], {"a": 8}, {"a": True}, self_guessing={"a"})
+        k = plan.ks["a"]
+        accepted = min(k, 6)
+        a.tokens.extend([999] * (accepted + 1))
+        if plan.model_ks["a"]:
+            a.draft_valid = len(a.tokens) - 1
+        guessed = {"a": round(share * (k - 1))} if k > 1 else {}
+        planner.observe(plan, [a], RoundReport(plan.ks, {"a": accepted}, ZERO, ZERO, 0.0, 0.0, guessed=guessed))
+    return plan
+
+
+def test_a_draft_that_guesses_on_its_own_is_priced_by_the_steps_it_saves() -> None:
+    # A draft step at 0.9 target steps: drafting alone does not pay; saving 3 steps in 4 it does.
+    costly = wide_draft_costs(0.9)
+    alone = guessing_rounds(KPlanner(TARGET, costly), seq("a"), share=0.0)
+    assert alone.ks["a"] == 0
+    planner = KPlanner(TARGET, costly)
+    a = seq("a")
+    plan = guessing_rounds(planner, a, share=0.75)
+    assert plan.ks["a"] >= 4 and plan.self_guessing == {"a"}
+    assert planner.saved_share(a) == pytest.approx(0.75, abs=0.1)
+    assert planner.saved_share(seq("new")) == pytest.approx(0.75, abs=0.1)  # starts from all requests'
+    planner.forget(a)
+    not_told = KPlanner(TARGET, costly, guesses=False).plan([seq("b")], {"b": 8}, {"b": True}, self_guessing={"b"})
+    assert not not_told.self_guessing

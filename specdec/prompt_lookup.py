@@ -8,19 +8,31 @@ request's last tokens, up to `max_match_len`. The occurrence with the longest re
 wins, the most recent on a tie: a text repeats its openings (code lines, table rows, JSON
 objects share their first tokens), so a short n-gram alone points at the latest of many
 look-alikes, while the real match length tells a copy in progress from a coincidence. That
-length is the proposal's `match_len`, which the K planner's acceptance estimates are kept by.
+length is the match's `match_len`, which the K planner's acceptance estimates are kept by.
+
+The gateway looks up proposals with it (`specdec.gateway.proposers`), and the draft service
+guesses its own next tokens with it while it drafts (`specdec.draft_server.engine`).
 """
 
 from __future__ import annotations
 
-from specdec.gateway.draft_sources import DraftSource
-from specdec.gateway.proposers.draft import LookupDraft
+from typing import NamedTuple
+
+#: n-gram lengths matched, from the longest down.
+MIN_N, MAX_N = 1, 4
+
+
+class LookupMatch(NamedTuple):
+    """Up to k tokens that followed an earlier occurrence of the text's last `match_len` tokens."""
+
+    tokens: tuple[int, ...]
+    match_len: int
 
 
 class PromptLookupIndex:
     """The n-grams of one request's tokens, each pointing at its recent continuations."""
 
-    def __init__(self, min_n: int, max_n: int, *, candidates: int = 8, max_match_len: int = 64) -> None:
+    def __init__(self, min_n: int = MIN_N, max_n: int = MAX_N, *, candidates: int = 8, max_match_len: int = 64) -> None:
         self.min_n, self.max_n = min_n, max_n
         self.candidates, self.max_match_len = candidates, max(max_match_len, max_n)
         #: tables[n - min_n]: n-gram → index of the token that followed its latest occurrence.
@@ -46,7 +58,12 @@ class PromptLookupIndex:
                 table[key] = start
         self._indexed = max(self._indexed, len(tokens))
 
-    def propose(self, tokens: list[int], k: int) -> LookupDraft | None:
+    @property
+    def indexed(self) -> int:
+        """How many leading tokens of the text the tables cover."""
+        return self._indexed
+
+    def propose(self, tokens: list[int], k: int) -> LookupMatch | None:
         """Up to `k` tokens after the earlier occurrence of `tokens`' longest matching n-gram
         whose real match is longest (indexed up to their end by `update`); None when no
         n-gram of at least `min_n` tokens matches."""
@@ -62,7 +79,7 @@ class PromptLookupIndex:
                 start = earlier[start]
                 if start < 0 or best_len == self.max_match_len:
                     break
-            return LookupDraft(copy_forward(tokens, best_start, k), DraftSource.PROMPT_LOOKUP, best_len)
+            return LookupMatch(copy_forward(tokens, best_start, k), best_len)
         return None
 
 
