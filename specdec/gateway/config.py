@@ -61,7 +61,8 @@ class GatewayConfig(ServerSecurity):
     ngram_max: int = option(4, "longest n-gram a lookup matches", advanced=True)
     #: A lookup first, the model continuing (docs/architecture.md#drafting-without-a-draft-model).
     lookup_guesses: bool = option(
-        True, "give the draft model a request's lookup as a guess to check in its first forward, where that pays",
+        True, "let the draft model check lookups as guesses: a request's lookup in its first forward, where that "
+        "pays, and its own lookups as it drafts",
         advanced=True,
     )
     #: Memory of the cross-request suffix cache: recorded output tokens, the oldest evicted first.
