@@ -157,6 +157,11 @@ class CostTable:
         """One 1-token decode step over `batch_size` requests."""
         return self.seconds(batch_size, 1)
 
+    def width_seconds(self) -> float:
+        """What one more token of width adds to a forward of one request: the slope over the
+        widths a round's forwards have (2 to 9 tokens)."""
+        return (self.seconds(1, 9) - self.seconds(1, 2)) / 7
+
 
 def expected_tokens(alphas: Sequence[float], k: int) -> float:
     """Mean tokens a round emits with `k` draft tokens: accepted ones plus the recovered or bonus one.
@@ -207,7 +212,8 @@ class RoundCostModel:
     A request whose `lookup` flag is set verifies k tokens that a lookup proposed: they cost
     the verify its width and `lookup_token_overhead_s` each, and no draft step. One the draft
     model drafts for with a lookup's guess feeds the guess in its first forward and skips a
-    step for each guessed token it draws too (`draft_seconds`).
+    step for each guessed token it draws too (`draft_seconds`); where the draft also guesses on
+    its own, the tokens it feeds widen its later steps (`widened`).
     """
 
     target: CostTable
@@ -220,9 +226,10 @@ class RoundCostModel:
     def round_seconds(
         self, ks: Sequence[int], feeds: Sequence[int] | None = None, steps: Sequence[int] | None = None,
         lookup: Sequence[bool] | None = None, saved: Sequence[float] | None = None,
+        widened: Sequence[float] | None = None,
     ) -> float:
         """A round where request i drafts ks[i] tokens (0 = plain decoding for it) after
-        feeding the draft feeds[i] tokens (see `draft_seconds`, also for `saved`), or verifies
+        feeding the draft feeds[i] tokens (see `draft_seconds`, also for `saved` and `widened`), or verifies
         ks[i] tokens a lookup proposed where lookup[i], or, when every K is 0, decodes steps[i]
         tokens (see `verify_seconds`)."""
         drafts = model_ks(ks, lookup)
@@ -230,7 +237,7 @@ class RoundCostModel:
         overhead = self.overhead_s + self.lookup_token_overhead_s * looked_up
         if drafted:
             overhead += self.draft_round_overhead_s + self.draft_token_overhead_s * drafted
-        return overhead + self.verify_seconds(ks, steps) + self.draft_seconds(drafts, feeds, saved)
+        return overhead + self.verify_seconds(ks, steps) + self.draft_seconds(drafts, feeds, saved, widened)
 
     def verify_seconds(self, ks: Sequence[int], steps: Sequence[int] | None = None) -> float:
         """The target's one forward over K+1 tokens per request; in a multi-step plain round
@@ -242,7 +249,8 @@ class RoundCostModel:
         return _one_token_steps(self.target, steps, first=1)
 
     def draft_seconds(
-        self, ks: Sequence[int], feeds: Sequence[int] | None = None, saved: Sequence[float] | None = None
+        self, ks: Sequence[int], feeds: Sequence[int] | None = None, saved: Sequence[float] | None = None,
+        widened: Sequence[float] | None = None,
     ) -> float:
         """The draft's steps: step j runs over the requests with k >= j.
 
@@ -253,7 +261,8 @@ class RoundCostModel:
 
         With `saved`, feeds include guessed tokens and request i skips saved[i] steps (expected:
         the guessed tokens it draws too). Its first forward is then as wide as the widest feed,
-        since a batch's chunks are padded to the longest.
+        since a batch's chunks are padded to the longest. `widened[i]` guessed tokens of the
+        draft's own widen request i's forwards, one token of width each.
         """
         spec = [i for i, k in enumerate(ks) if k > 0]
         if not spec or self.draft is None:
@@ -266,7 +275,8 @@ class RoundCostModel:
             width = sum(max(1, feeds[i]) for i in spec) / len(spec)
         first = self.draft.seconds(len(spec), width)
         lengths = [ks[i] - (saved[i] if saved is not None else 0.0) for i in spec]
-        return first + _one_token_steps(self.draft, lengths, first=2)
+        wider = sum(widened[i] for i in spec) * self.draft.width_seconds() if widened is not None else 0.0
+        return first + _one_token_steps(self.draft, lengths, first=2) + wider
 
     def tokens_per_second(
         self,
@@ -277,12 +287,13 @@ class RoundCostModel:
         steps: Sequence[int] | None = None,
         lookup: Sequence[bool] | None = None,
         saved: Sequence[float] | None = None,
+        widened: Sequence[float] | None = None,
     ) -> float:
         """Expected emitted tokens per second of a round with draft lengths `ks`.
 
         `start_costs[i]` is a one-off cost request i pays this round if the draft model drafts
         for it (the draft catching up on tokens it has not seen), already spread over the rounds
-        it pays for; `feeds` and `saved` as in `draft_seconds`; `steps` as in `verify_seconds`
+        it pays for; `feeds`, `saved` and `widened` as in `draft_seconds`; `steps` as in `verify_seconds`
         (a plain round only); `lookup` as in `round_seconds`. `alphas[i]` is the acceptance of
         request i's source.
         """
@@ -291,7 +302,7 @@ class RoundCostModel:
         emitted = sum(expected_tokens(a, k) for a, k in zip(alphas, ks))
         drafts = model_ks(ks, lookup)
         extra = sum(c for c, k in zip(start_costs, drafts) if k > 0) if start_costs is not None else 0.0
-        return emitted / (self.round_seconds(ks, feeds, lookup=lookup, saved=saved) + extra)
+        return emitted / (self.round_seconds(ks, feeds, lookup=lookup, saved=saved, widened=widened) + extra)
 
 
 def model_ks(ks: Sequence[int], lookup: Sequence[bool] | None) -> list[int]:

@@ -77,12 +77,13 @@ class DraftEngine(ModelEngine):
         draft's own over the accepted text (which it indexes here); all but the K-th (the last
         drafted token is never fed), and none after a prompt-sized feed (`_is_short`), whose
         forward would have to score every position."""
-        accepted = self.tokens[item.slot_id] + feed
+        accepted = None
         if item.lookup_guesses:
+            accepted = self.tokens[item.slot_id] + feed
             self._index(item.slot_id, accepted)
         if not self._is_short(len(feed)):
             return []
-        if item.guess_tokens:
+        if item.guess_tokens or accepted is None:
             return item.guess_tokens[: item.num_speculative_tokens - 1]
         return self._own_guess(item, accepted, min(self.guess_tokens // batch, item.num_speculative_tokens - 1))
 
@@ -173,6 +174,7 @@ class DraftEngine(ModelEngine):
         drafted: list[list[int]] = [[] for _ in items]
         q_rows: list[list[torch.Tensor]] = [[] for _ in items]
         saved = [0] * len(items)
+        own_fed = [0 if item.guess_tokens else len(guess) for item, guess in zip(items, guesses)]
         pending = {i: list(rows.unbind(0)) for i, rows in enumerate(logits)}  # item -> its next rows, [vocab] each
         unchecked = dict(enumerate(guesses))  # item -> its fed guessed tokens not drawn yet, one a pending row
         for step in range(max(item.num_speculative_tokens for item in items)):
@@ -196,6 +198,8 @@ class DraftEngine(ModelEngine):
                     feed.append(i)
             if feed:
                 unchecked.update(self._step_guesses(items, feed, drafted, step))
+                for i in feed:
+                    own_fed[i] += len(unchecked[i])
                 every = any(unchecked[i] for i in feed)
                 chunks = [(items[i].slot_id, [drafted[i][-1], *unchecked[i]]) for i in feed]
                 out = self._run(chunks, logits="all" if every else "last", prompt=False)
@@ -207,6 +211,7 @@ class DraftEngine(ModelEngine):
                 probs=SparseRows.from_dense(torch.stack(q_rows[i]).to(probs_dtype)) if q_rows[i] else None,
                 cached_len=len(self.tokens[item.slot_id]),
                 saved_steps=saved[i],
+                own_guess_tokens=own_fed[i],
             )
             for i, item in enumerate(items)
         ]

@@ -32,6 +32,7 @@ from specdec.gateway.proposers import LookupDraft, match_class
 from specdec.gateway.round_rates import (
     CatchUp,
     RatePredictor,
+    SelfGuessRates,
     SourceChoice,
     fixed_choice,
     fixed_guesses,
@@ -139,15 +140,33 @@ class _Scale:
 
 
 @dataclass
-class _Share:
-    """EMA of a share in [0, 1]; its first observations are averaged, not nudged (as `_Scale`)."""
+class _Mean:
+    """EMA of a measured quantity; its first observations are averaged, not nudged (as `_Scale`)."""
 
     value: float = 0.0
     seen: int = 0
 
-    def observe(self, share: float, weight: float) -> None:
+    def observe(self, x: float, weight: float) -> None:
         self.seen += 1
-        self.value += max(weight, 1.0 / self.seen) * (share - self.value)
+        self.value += max(weight, 1.0 / self.seen) * (x - self.value)
+
+
+@dataclass
+class SelfGuessEstimate:
+    """What guesses did in a request's model rounds whose draft guesses on its own, per step
+    after the first forward: the share of steps they saved, and the tokens of the draft's own
+    guesses fed (each a token of width)."""
+
+    saved: _Mean = field(default_factory=_Mean)
+    fed: _Mean = field(default_factory=_Mean)
+
+    def observe(self, k: int, saved: int, fed: int, weight: float) -> None:
+        self.saved.observe(saved / (k - 1), weight)
+        self.fed.observe(fed / (k - 1), weight)
+
+    @property
+    def rates(self) -> SelfGuessRates:
+        return SelfGuessRates(self.saved.value, self.fed.value)
 
 
 @dataclass
@@ -194,11 +213,10 @@ class KPlanner:
     _probe_interval: dict[str, int] = field(default_factory=dict, init=False)
     _probing: set[str] = field(default_factory=set, init=False)
     _lookup_estimates: dict[tuple[DraftSource, int], AcceptanceEstimate] = field(default_factory=dict, init=False)
-    #: The share of a model round's draft steps that guesses saved, per request that lets the
-    #: draft guess with its own lookup (`RoundPlan.self_guessing`), and over all of them (a new
-    #: request's first estimate).
-    _saved_shares: dict[str, _Share] = field(default_factory=dict, init=False)
-    _global_saved_share: _Share = field(default_factory=_Share, init=False)
+    #: What guesses do in the model rounds of each request that lets the draft guess with its own
+    #: lookup (`RoundPlan.self_guessing`), and over all of them (a new request's first estimate).
+    _self_guesses: dict[str, SelfGuessEstimate] = field(default_factory=dict, init=False)
+    _global_self_guesses: SelfGuessEstimate = field(default_factory=SelfGuessEstimate, init=False)
     #: Whether any round with draft tokens has been observed (α is more than the prior).
     _measured_alpha: bool = field(default=False, init=False)
 
@@ -304,7 +322,7 @@ class KPlanner:
             rates = RatePredictor(model, seqs, alphas, [self._catch_up(s, model) for s in seqs],
                                   [feeds[s.slot_id] for s in seqs], lookup_alphas,
                                   self._guess_cuts(model, seqs, caps, guessable, lookup_alphas, model_ok),
-                                  [self.saved_share(s) if s.slot_id in own else 0.0 for s in seqs])
+                                  [self.self_guess_rates(s) if s.slot_id in own else SelfGuessRates() for s in seqs])
             off_reason = self._choose(rates, choice, flexible, caps, steps, lookups, model_ok)
             guesses = self._guesses(rates, choice, lookups)
             plain_round = model.round_seconds([0] * len(seqs))
@@ -327,10 +345,10 @@ class KPlanner:
         return RoundPlan(ks, {} if any(ks.values()) else steps, feeds, context, catching_up, off_reason, chosen,
                          offered, guesses, own)
 
-    def saved_share(self, seq: Sequence) -> float:
-        """The share of its model round's draft steps (after the first) that guesses are
-        expected to save the request: its own estimate, else the one over all requests."""
-        return self._saved_shares.get(seq.slot_id, self._global_saved_share).value
+    def self_guess_rates(self, seq: Sequence) -> SelfGuessRates:
+        """What guesses are expected to do in the request's model rounds while its draft guesses
+        on its own: its own estimate, else the one over all requests."""
+        return self._self_guesses.get(seq.slot_id, self._global_self_guesses).rates
 
     def _lookup_alphas(self, seqs: list[Sequence], lookups: dict[str, LookupDraft]) -> list[list[float]]:
         """α of each request's lookup proposal ([0.0] where it has none)."""
@@ -348,8 +366,7 @@ class KPlanner:
         draft, which feeds no guess after one."""
         if model.draft is None:
             return []
-        draft = model.draft
-        threshold = (draft.seconds(1, 9) - draft.seconds(1, 2)) / 7 / draft.step(1)  # a fed token ÷ a step
+        threshold = model.draft.width_seconds() / model.draft.step(1)  # a fed token ÷ a step
         cuts = []
         for s, alphas in zip(seqs, lookup_alphas):
             lookup = lookups.get(s.slot_id)
@@ -536,7 +553,7 @@ class KPlanner:
             self.global_alpha.observe(k, accepted)
             self._measured_alpha = True
         self._judge_offered(plan, seqs)
-        self._observe_saved(plan, report)
+        self._observe_self_guesses(plan, report)
         ks = [report.ks[s.slot_id] for s in seqs]
         drafts = [0 if s.slot_id in plan.lookups else k for s, k in zip(seqs, ks)]  # the model draft's
         if self._target is not None:  # the unscaled tables' prediction: the EMAs track the ratio
@@ -548,19 +565,20 @@ class KPlanner:
                 feeds = [plan.feeds.get(s.slot_id, 1) + guess for s, guess in zip(seqs, guesses)]
                 saved = ([float(report.guessed.get(s.slot_id, 0)) for s in seqs]
                          if any(guesses) or any(report.guessed.values()) else None)
-                self._draft_scale.observe(report.propose.compute_s, unscaled.draft_seconds(drafts, feeds, saved),
-                                          self.cost_weight)
+                widened = [float(report.own_guess_tokens.get(s.slot_id, 0)) for s in seqs]
+                predicted = unscaled.draft_seconds(drafts, feeds, saved, widened if any(widened) else None)
+                self._draft_scale.observe(report.propose.compute_s, predicted, self.cost_weight)
         self._observe_overhead(sum(drafts), sum(ks) - sum(drafts), report.overhead_s)
 
-    def _observe_saved(self, plan: RoundPlan, report: RoundReport) -> None:
-        """Learn the share of draft steps the guesses saved each request whose draft guessed
-        with its own lookup: of the K - 1 steps after the first forward."""
+    def _observe_self_guesses(self, plan: RoundPlan, report: RoundReport) -> None:
+        """Learn what the guesses did each request whose draft guessed with its own lookup, per
+        step of the K - 1 after the first forward: the steps saved and the own tokens fed."""
         for slot in plan.self_guessing:
             k = report.ks.get(slot, 0)
             if k >= 2:
-                share = report.guessed.get(slot, 0) / (k - 1)
-                self._saved_shares.setdefault(slot, _Share()).observe(share, self.cost_weight)
-                self._global_saved_share.observe(share, self.global_weight)
+                saved, fed = report.guessed.get(slot, 0), report.own_guess_tokens.get(slot, 0)
+                self._self_guesses.setdefault(slot, SelfGuessEstimate()).observe(k, saved, fed, self.cost_weight)
+                self._global_self_guesses.observe(k, saved, fed, self.global_weight)
 
     def _judge_offered(self, plan: RoundPlan, seqs: list[Sequence]) -> None:
         """Learn from the lookups the round did not verify as if it had: each emitted token has
@@ -593,7 +611,7 @@ class KPlanner:
     def forget(self, seq: Sequence) -> None:
         """Drop a finished request's state."""
         self._estimates.pop(seq.slot_id, None)
-        self._saved_shares.pop(seq.slot_id, None)
+        self._self_guesses.pop(seq.slot_id, None)
         self._idle_rounds.pop(seq.slot_id, None)
         self._probe_interval.pop(seq.slot_id, None)
         self._probing.discard(seq.slot_id)

@@ -94,6 +94,15 @@ def lookup_length(alphas: list[float], limit: int, threshold: float) -> int:
 
 
 @dataclass(frozen=True)
+class SelfGuessRates:
+    """Per step after a model round's first forward, where the draft guesses with its own
+    lookup: the share of steps the guesses save, and the guessed tokens fed (width)."""
+
+    saved: float = 0.0
+    fed: float = 0.0
+
+
+@dataclass(frozen=True)
 class RatePredictor:
     """Tokens per second of one batch for any Ks and sources, from the cost model, each
     request's α of the model draft and of its lookup proposal, its catch-up and round feed."""
@@ -107,9 +116,9 @@ class RatePredictor:
     lookup_alphas: list[list[float]] = field(default_factory=list)
     #: The most tokens of its lookup each request may give the draft model as a guess (0: none).
     guess_cuts: list[int] = field(default_factory=list)
-    #: The share of a model round's steps after the first that the draft's own lookup guesses
-    #: are expected to save each request (0: it does not guess on its own).
-    saved_shares: list[float] = field(default_factory=list)
+    #: What the guesses are expected to do in each request's model round where its draft
+    #: guesses on its own (all zero where it does not).
+    self_guesses: list[SelfGuessRates] = field(default_factory=list)
 
     def rate(self, ks: dict[str, int], on_lookup: Collection[str] = frozenset(),
              plain_steps: list[int] | None = None, guess_cap: int | None = None) -> float:
@@ -125,11 +134,15 @@ class RatePredictor:
         # draft draws the first j too, which the lookup's α prices.
         feeds = [feed + guess for feed, guess in zip(self.feeds, guesses)]
         saved = [expected_tokens(a, guess) - 1.0 if guess else 0.0 for a, guess in zip(self.lookup_alphas, guesses)]
-        if self.saved_shares:  # where the draft guesses on its own, it saves its usual share of the later steps
-            saved = [s if looked_up else max(s, share * (k - 1))
-                     for s, share, k, looked_up in zip(saved, self.saved_shares, k_list, lookup)]
+        widened = None
+        if self.self_guesses:  # a draft guessing on its own saves and widens its usual share of the later steps
+            saved = [s if looked_up else max(s, g.saved * (k - 1))
+                     for s, g, k, looked_up in zip(saved, self.self_guesses, k_list, lookup)]
+            widened = [0.0 if looked_up else g.fed * max(0, k - 1)
+                       for g, k, looked_up in zip(self.self_guesses, k_list, lookup)]
         return self.model.tokens_per_second(k_list, alphas, start, feeds, plain_steps,
-                                            lookup if any(lookup) else None, saved if any(saved) else None)
+                                            lookup if any(lookup) else None, saved if any(saved) else None,
+                                            widened if widened and any(widened) else None)
 
     def guess_length(self, i: int, k: int, cap: int | None = None) -> int:
         """Guessed tokens request i feeds the draft model at draft length `k`: its cut, at most

@@ -89,6 +89,8 @@ class RoundReport:
     #: Draft steps the guesses saved each model-drafted slot, as the draft counted them
     #: (`Proposal.saved_steps`; the lookup's guess and the draft's own).
     guessed: dict[str, int] = field(default_factory=dict)
+    #: Tokens of the draft's own lookup guesses fed per slot (`Proposal.own_guess_tokens`).
+    own_guess_tokens: dict[str, int] = field(default_factory=dict)
 
     def phases(self) -> dict[str, float]:
         """The round's wall time split by `ROUND_PHASES`."""

@@ -235,6 +235,7 @@ async def run_round(
         verify=Timed(None, verified.compute_s, verified.wall_s), accept_s=accept_s,
         total_s=time.perf_counter() - started, draft_failed=draft_failed, steps=steps, sources=sources,
         guessed=guessed,
+        own_guess_tokens={slot: p.own_guess_tokens for slot, p in proposed.value.items() if p.own_guess_tokens},
     )
 
 

@@ -409,17 +409,21 @@ class Proposal:
     cached_len: int
     #: Draws whose logits a guessed token's forward gave: draft steps the guesses saved.
     saved_steps: int = 0
+    #: Tokens of the draft's own lookup guesses it fed, each a token of width on a forward.
+    own_guess_tokens: int = 0
 
     def to_pb(self) -> draft_pb2.ProposeResult:
         return draft_pb2.ProposeResult(
             slot_id=self.slot_id, tokens=self.tokens, cached_len=self.cached_len,
             probs=sparse_to_pb(self.probs) if self.probs is not None else None, saved_steps=self.saved_steps,
+            own_guess_tokens=self.own_guess_tokens,
         )
 
     @classmethod
     def from_pb(cls, message: draft_pb2.ProposeResult) -> Proposal:
         probs = sparse_from_pb(message.probs) if message.HasField("probs") else None
-        return cls(message.slot_id, list(message.tokens), probs, message.cached_len, message.saved_steps)
+        return cls(message.slot_id, list(message.tokens), probs, message.cached_len, message.saved_steps,
+                   message.own_guess_tokens)
 
 
 @dataclass(frozen=True)

@@ -132,12 +132,13 @@ def own_guess_round(draft: DraftEngine, sampling: SamplingParams, own: bool, k: 
 def test_the_drafts_own_guesses_change_only_its_forwards(
     fp32_runtime: ModelRuntime, monkeypatch: pytest.MonkeyPatch, sampling: SamplingParams
 ) -> None:
-    proposals, forwards = [], []
+    proposals, forwards, fed = [], [], []
     for own in (False, True):
         draft = engine(fp32_runtime)
         widths = counting_forwards(draft, monkeypatch)
         proposals.append(own_guess_round(draft, sampling, own, k=12))
         forwards.append(len(widths) - 1)  # without the set-up's prefill
+        fed.append(sum(width - 1 for width in widths[1:]))  # each forward feeds one drawn token and the guess
     plain, guessed = proposals
     assert guessed.tokens == plain.tokens and guessed.cached_len == plain.cached_len
     if not sampling.is_greedy:
@@ -146,8 +147,8 @@ def test_the_drafts_own_guesses_change_only_its_forwards(
         torch.testing.assert_close(guessed.probs.distributions(vocab), plain.probs.distributions(vocab),
                                    atol=1e-5, rtol=1e-4)
     # Every draw takes its row from a forward's first token or from a guessed one (saved).
-    assert plain.saved_steps == 0 and forwards[0] == 12
-    assert forwards[1] == 12 - guessed.saved_steps
+    assert plain.saved_steps == plain.own_guess_tokens == 0 and forwards[0] == 12
+    assert forwards[1] == 12 - guessed.saved_steps and fed[1] == guessed.own_guess_tokens
     if sampling.is_greedy:
         assert guessed.saved_steps > 0  # the greedy draft copies the repetition
 

@@ -223,7 +223,9 @@ def guessing_rounds(planner: KPlanner, a: Sequence, share: float, rounds: int = 
         if plan.model_ks["a"]:
             a.draft_valid = len(a.tokens) - 1
         guessed = {"a": round(share * (k - 1))} if k > 1 else {}
-        planner.observe(plan, [a], RoundReport(plan.ks, {"a": accepted}, ZERO, ZERO, 0.0, 0.0, guessed=guessed))
+        fed = {"a": 2 * (k - 1)} if k > 1 else {}  # two tokens of width a step
+        planner.observe(plan, [a], RoundReport(plan.ks, {"a": accepted}, ZERO, ZERO, 0.0, 0.0, guessed=guessed,
+                                               own_guess_tokens=fed))
     return plan
 
 
@@ -236,8 +238,18 @@ def test_a_draft_that_guesses_on_its_own_is_priced_by_the_steps_it_saves() -> No
     a = seq("a")
     plan = guessing_rounds(planner, a, share=0.75)
     assert plan.ks["a"] >= 4 and plan.self_guessing == {"a"}
-    assert planner.saved_share(a) == pytest.approx(0.75, abs=0.1)
-    assert planner.saved_share(seq("new")) == pytest.approx(0.75, abs=0.1)  # starts from all requests'
+    assert planner.self_guess_rates(a).saved == pytest.approx(0.75, abs=0.1)
+    assert planner.self_guess_rates(a).fed == pytest.approx(2.0)
+    assert planner.self_guess_rates(seq("new")).saved == pytest.approx(0.75, abs=0.1)  # starts from all requests'
     planner.forget(a)
     not_told = KPlanner(TARGET, costly, guesses=False).plan([seq("b")], {"b": 8}, {"b": True}, self_guessing={"b"})
     assert not not_told.self_guessing
+
+
+def test_the_drafts_own_guesses_widen_its_forwards_a_token_each() -> None:
+    model = RoundCostModel(CostTable(TARGET), CostTable(wide_draft_costs(0.25)))
+    draft = model.draft
+    assert draft is not None
+    saving = model.draft_seconds([8], [1], [4.0])
+    assert model.draft_seconds([8], [1], [4.0], [6.0]) == pytest.approx(saving + 6 * draft.width_seconds())
+    assert draft.width_seconds() == pytest.approx((draft.seconds(1, 9) - draft.seconds(1, 2)) / 7)
