@@ -16,7 +16,8 @@ that raises the batch's rate, with as many of its tokens as pay (`lookup_length`
 lookup is kept per source and match length (`match_class`), over all requests. Token j of a
 lookup is judged only if the j before it were accepted, and then its match is j tokens
 longer: so its α is the estimate of that longer match, and a proposal grows more certain
-as it goes.
+as it goes. Each request scales those α by how its own lookups have fared against them
+(`LookupTrust`), so a text that does not copy stops paying for lookups learnt on one that does.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from specdec.gateway.round_rates import (
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence
 
-__all__ = ["OFF_REASONS", "AcceptanceEstimate", "DraftOverhead", "KPlanner", "RatePredictor"]
+__all__ = ["OFF_REASONS", "AcceptanceEstimate", "DraftOverhead", "KPlanner", "LookupTrust", "RatePredictor"]
 log = logging.getLogger(__name__)
 
 #: The most tokens a round leaves for the draft to feed: the last draft token and the bonus
@@ -170,6 +171,31 @@ class SelfGuessEstimate:
 
 
 @dataclass
+class LookupTrust:
+    """How one request's lookups fare against the α of their kinds: the tokens they kept over
+    the tokens those α expected, over every judged token (verified or offered), starting from
+    `prior` tokens that fared as expected. `factor` scales the request's lookup α, so a text
+    whose lookups miss where other texts' lookups of the same kind hit stops trusting them
+    after a round or two, and one whose lookups hit more trusts them more."""
+
+    prior: float = 2.0
+    kept: float = 0.0
+    expected: float = 0.0
+
+    @property
+    def factor(self) -> float:
+        return (self.kept + self.prior) / (self.expected + self.prior)
+
+    def observe(self, alpha: float, kept: bool) -> None:
+        self.expected += alpha
+        self.kept += kept
+
+
+#: The most a request's trust may raise a lookup's α: a sure copy can still part.
+MAX_LOOKUP_ALPHA = 0.99
+
+
+@dataclass
 class KPlanner:
     """Plans K per request and round; see the module docstring."""
 
@@ -213,6 +239,7 @@ class KPlanner:
     _probe_interval: dict[str, int] = field(default_factory=dict, init=False)
     _probing: set[str] = field(default_factory=set, init=False)
     _lookup_estimates: dict[tuple[DraftSource, int], AcceptanceEstimate] = field(default_factory=dict, init=False)
+    _lookup_trust: dict[str, LookupTrust] = field(default_factory=dict, init=False)
     #: What guesses do in the model rounds of each request that lets the draft guess with its own
     #: lookup (`RoundPlan.self_guessing`), and over all of them (a new request's first estimate).
     _self_guesses: dict[str, SelfGuessEstimate] = field(default_factory=dict, init=False)
@@ -276,10 +303,12 @@ class KPlanner:
             estimate = self._lookup_estimates[key] = AcceptanceEstimate(self.lookup_prior_alpha, self.lookup_weight)
         return estimate
 
-    def lookup_alphas(self, lookup: LookupDraft) -> list[float]:
-        """α of each of the lookup's tokens given the ones before it were accepted; the last
-        entry stands for the rest (as `expected_tokens` reads it), so equal trailing ones go."""
-        alphas = [self.lookup_estimate(lookup, j).alpha for j in range(max(1, len(lookup.tokens)))]
+    def lookup_alphas(self, lookup: LookupDraft, trust: float = 1.0) -> list[float]:
+        """α of each of the lookup's tokens given the ones before it were accepted, scaled by the
+        request's `trust` (`LookupTrust.factor`); the last entry stands for the rest (as
+        `expected_tokens` reads it), so equal trailing ones go."""
+        alphas = [min(MAX_LOOKUP_ALPHA, trust * self.lookup_estimate(lookup, j).alpha)
+                  for j in range(max(1, len(lookup.tokens)))]
         while len(alphas) > 1 and alphas[-1] == alphas[-2]:
             alphas.pop()
         return alphas
@@ -288,11 +317,20 @@ class KPlanner:
         """Every lookup acceptance estimate by (source, `match_class`), shortest matches first."""
         return sorted(self._lookup_estimates.items(), key=lambda item: (item[0][0].value, item[0][1]))
 
-    def observe_lookup(self, lookup: LookupDraft, k: int, num_accepted: int) -> None:
+    def observe_lookup(self, lookup: LookupDraft, k: int, num_accepted: int, slot_id: str | None = None) -> None:
         """`k` of the lookup's tokens were verified and the first `num_accepted` kept: each judged
-        token teaches the estimate of its own match length."""
+        token teaches the estimate of its own match length, and the trust of request `slot_id`."""
+        trust = self._lookup_trust.setdefault(slot_id, LookupTrust()) if slot_id is not None else None
         for j in range(min(num_accepted + 1, k)):
-            self.lookup_estimate(lookup, j).observe(1, 1 if j < num_accepted else 0)
+            estimate = self.lookup_estimate(lookup, j)
+            if trust is not None:
+                trust.observe(estimate.alpha, j < num_accepted)
+            estimate.observe(1, 1 if j < num_accepted else 0)
+
+    def lookup_trust(self, seq: Sequence) -> float:
+        """How far the request's lookups fare above (> 1) or below their kinds' α (`LookupTrust`)."""
+        trust = self._lookup_trust.get(seq.slot_id)
+        return trust.factor if trust is not None else 1.0
 
     def plan(
         self, seqs: list[Sequence], caps: dict[str, int], adaptive: dict[str, bool],
@@ -352,7 +390,8 @@ class KPlanner:
 
     def _lookup_alphas(self, seqs: list[Sequence], lookups: dict[str, LookupDraft]) -> list[list[float]]:
         """α of each request's lookup proposal ([0.0] where it has none)."""
-        return [self.lookup_alphas(lookups[s.slot_id]) if s.slot_id in lookups else [0.0] for s in seqs]
+        return [self.lookup_alphas(lookups[s.slot_id], self.lookup_trust(s)) if s.slot_id in lookups else [0.0]
+                for s in seqs]
 
     @staticmethod
     def _guess_cuts(
@@ -543,7 +582,7 @@ class KPlanner:
             if k == 0:
                 continue
             if lookup is not None:
-                self.observe_lookup(lookup, k, accepted)
+                self.observe_lookup(lookup, k, accepted, seq.slot_id)
                 continue
             estimate = self._estimates.get(seq.slot_id)
             if estimate is None:
@@ -594,7 +633,7 @@ class KPlanner:
             emitted = seq.tokens[start:]
             matched = lookup.agreeing(emitted)
             judged = matched + 1 if matched < min(len(lookup.tokens), len(emitted)) else matched
-            self.observe_lookup(lookup, judged, matched)
+            self.observe_lookup(lookup, judged, matched, seq.slot_id)
 
     def _observe_overhead(self, drafted: int, looked_up: int, overhead_s: float) -> None:
         """A round's overhead beyond the services' compute: a plain round's, plus what each
@@ -612,6 +651,7 @@ class KPlanner:
         """Drop a finished request's state."""
         self._estimates.pop(seq.slot_id, None)
         self._self_guesses.pop(seq.slot_id, None)
+        self._lookup_trust.pop(seq.slot_id, None)
         self._idle_rounds.pop(seq.slot_id, None)
         self._probe_interval.pop(seq.slot_id, None)
         self._probing.discard(seq.slot_id)

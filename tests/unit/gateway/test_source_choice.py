@@ -253,3 +253,18 @@ def test_the_drafts_own_guesses_widen_its_forwards_a_token_each() -> None:
     saving = model.draft_seconds([8], [1], [4.0])
     assert model.draft_seconds([8], [1], [4.0], [6.0]) == pytest.approx(saving + 6 * draft.width_seconds())
     assert draft.width_seconds() == pytest.approx((draft.seconds(1, 9) - draft.seconds(1, 2)) / 7)
+
+
+def test_a_request_whose_lookups_miss_stops_trusting_what_others_taught() -> None:
+    # Lookups of one kind: request a's always copy, request b's never do. The kind's α is their
+    # mix, but each request's trust scales it toward what its own lookups did.
+    planner = KPlanner(TARGET, draft_costs(0.1))
+    a, b = seq("a"), seq("b")
+    plan = run_rounds(planner, [a, b], {"a": copy(), "b": copy()}, {"a": 0.95, "b": 0.95}, rounds=30,
+                      lookup_alpha={"a": 1.0, "b": 0.0})
+    assert planner.lookup_trust(a) > 1.0 > 0.5 > planner.lookup_trust(b)
+    assert plan.source_of("a") is DraftSource.PROMPT_LOOKUP and "b" not in plan.lookups
+    kind = planner.lookup_alphas(copy())
+    assert max(planner.lookup_alphas(copy(), planner.lookup_trust(b))) < min(kind)
+    planner.forget(b)
+    assert planner.lookup_trust(b) == 1.0
