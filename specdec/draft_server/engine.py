@@ -77,15 +77,13 @@ class DraftEngine(ModelEngine):
         draft's own over the accepted text (which it indexes here); all but the K-th (the last
         drafted token is never fed), and none after a prompt-sized feed (`_is_short`), whose
         forward would have to score every position."""
-        accepted = None
         if item.lookup_guesses:
-            accepted = self.tokens[item.slot_id] + feed
-            self._index(item.slot_id, accepted)
+            self._index(item.slot_id, self.tokens[item.slot_id] + feed)
         if not self._is_short(len(feed)):
             return []
-        if item.guess_tokens or accepted is None:
+        if item.guess_tokens:
             return item.guess_tokens[: item.num_speculative_tokens - 1]
-        return self._own_guess(item, accepted, min(self.guess_tokens // batch, item.num_speculative_tokens - 1))
+        return self._own_guess(item, feed, min(self.guess_tokens // batch, item.num_speculative_tokens - 1))
 
     def _index(self, slot_id: str, accepted: list[int]) -> None:
         """Index the slot's accepted tokens (they only grow: `_rollback` drops an index it cuts)."""
@@ -97,14 +95,14 @@ class DraftEngine(ModelEngine):
         if index is not None and index.indexed > valid_len:  # a gateway's rollback past accepted tokens
             del self.lookups[slot_id]
 
-    def _own_guess(self, item: ProposeItem, text: list[int], limit: int) -> list[int]:
-        """Up to `limit` tokens that followed `text`'s end earlier in the slot's accepted tokens,
-        where the real match is at least `lookup_guess_min_match` tokens; none without
-        `lookup_guesses`."""
+    def _own_guess(self, item: ProposeItem, after: list[int], limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the end of the slot's cached tokens and `after`
+        earlier in its accepted tokens, where the real match is at least
+        `lookup_guess_min_match` tokens; none without `lookup_guesses`."""
         index = self.lookups.get(item.slot_id) if item.lookup_guesses else None
         if index is None or limit <= 0:
             return []
-        match = index.propose(text, limit)
+        match = index.propose([*self.tokens[item.slot_id], *after], limit)
         return list(match.tokens) if match is not None and match.match_len >= self.guess_min_match else []
 
     def _is_short(self, feed_len: int) -> bool:
@@ -223,8 +221,8 @@ class DraftEngine(ModelEngine):
         the draws it has left but one, and at most `lookup_guess_tokens` // len(feed), since the
         step's forward pads every row to the widest."""
         share = self.guess_tokens // len(feed)
-        return {i: self._own_guess(items[i], [*self.tokens[items[i].slot_id], drafted[i][-1]],
-                                   min(share, items[i].num_speculative_tokens - step - 2)) for i in feed}
+        return {i: self._own_guess(items[i], drafted[i][-1:], min(share, items[i].num_speculative_tokens - step - 2))
+                for i in feed}
 
     def _draw(
         self, items: list[ProposeItem], rows: list[int], positions: list[int], step_logits: torch.Tensor,

@@ -239,6 +239,7 @@ class KPlanner:
     _probe_interval: dict[str, int] = field(default_factory=dict, init=False)
     _probing: set[str] = field(default_factory=set, init=False)
     _lookup_estimates: dict[tuple[DraftSource, int], AcceptanceEstimate] = field(default_factory=dict, init=False)
+    #: How each request's lookups fared against their kinds' α, which scales them for it.
     _lookup_trust: dict[str, LookupTrust] = field(default_factory=dict, init=False)
     #: What guesses do in the model rounds of each request that lets the draft guess with its own
     #: lookup (`RoundPlan.self_guessing`), and over all of them (a new request's first estimate).
