@@ -16,6 +16,7 @@ guesses its own next tokens with it while it drafts (`specdec.draft_server.engin
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 #: n-gram lengths matched, from the longest down.
@@ -103,6 +104,11 @@ def match_length(tokens: list[int], end: int, known: int, limit: int) -> int:
         else:
             high = middle - 1
     return low
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens of `a` and `b` are equal, position by position."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def copy_forward(tokens: list[int], start: int, k: int) -> tuple[int, ...]:

@@ -27,6 +27,7 @@ import torch
 from specdec.draft_server.config import DraftConfig
 from specdec.draft_server.engine import DraftEngine
 from specdec.model.runtime import build_runtime
+from specdec.prompt_lookup import common_prefix_length
 from specdec.sampling.params import SamplingParams
 from specdec.wire.items import ProposeItem
 from specdec_bench.results import cpu_model
@@ -46,7 +47,7 @@ def replay(draft: DraftEngine, slot: str, prompt: list[int], answer: list[int], 
         seconds += time.perf_counter() - started
         rounds, saved, fed = rounds + 1, saved + proposal.saved_steps, fed + proposal.own_guess_tokens
         truth = answer[emitted : emitted + k_now]
-        kept = next((i for i, (a, b) in enumerate(zip(proposal.tokens, truth)) if a != b), len(truth))
+        kept = common_prefix_length(proposal.tokens, truth)
         valid = min(proposal.cached_len, len(context) + kept)  # the draft's cache agrees up to here
         emitted += kept + 1
     draft.release(slot)

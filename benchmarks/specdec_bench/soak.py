@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from specdec.cli.launcher import ServiceProcess, start_service
 from specdec.client import SpecdecClient, build_request
+from specdec.prompt_lookup import common_prefix_length
 from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from specdec_bench.results import cpu_model
 from specdec_bench.stack import Stack, running_stack
@@ -361,7 +362,7 @@ def _check_greedy(report: SoakReport, plan: Plan, tokens: list[int], reference: 
     expected = reference[: plan.max_new_tokens]
     if tokens != expected:
         report.greedy_mismatches += 1
-        first = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), min(len(tokens), len(expected)))
+        first = common_prefix_length(tokens, expected)
         report.failures.append(f"request {plan.index}: greedy output differs from its solo run at token {first}")
 
 

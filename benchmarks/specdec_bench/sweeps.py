@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from specdec.client import GenerationResult, SpecdecClient
+from specdec.prompt_lookup import common_prefix_length
 from specdec_bench.config import BenchConfig
 from specdec_bench.stack import Stack
 from specdec_bench.workloads import PROMPTS, DraftMethod, RunRecord, Workload, mode_name, run_request
@@ -58,7 +59,7 @@ class ConcurrencyGroup:
 
 def check_exact(prompt: int, what: str, tokens: list[int], reference: list[int]) -> None:
     if tokens != reference:
-        first = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+        first = common_prefix_length(tokens, reference)
         raise ExactnessError(
             f"EXACTNESS BROKEN: greedy {what} output differs from plain decoding on prompt {prompt} "
             f"at token {first} ({len(tokens)} vs {len(reference)} tokens)"

@@ -126,23 +126,9 @@ class DraftOverhead:
 
 
 @dataclass
-class _Scale:
-    """EMA of measured ÷ predicted seconds for one service. Its first rounds are averaged, not
-    nudged (weight max(`weight`, 1 / n) for the n-th), so a cost table timed on a busy machine
-    is corrected within the first rounds that use it."""
-
-    value: float = 1.0
-    seen: int = 0
-
-    def observe(self, measured: float, predicted: float, weight: float) -> None:
-        if measured > 0 and predicted > 0:
-            self.seen += 1
-            self.value += max(weight, 1.0 / self.seen) * (measured / predicted - self.value)
-
-
-@dataclass
 class _Mean:
-    """EMA of a measured quantity; its first observations are averaged, not nudged (as `_Scale`)."""
+    """EMA of a measured quantity. Its first observations are averaged, not nudged (weight
+    max(`weight`, 1 / n) for the n-th), so a poor starting value is gone within a few."""
 
     value: float = 0.0
     seen: int = 0
@@ -150,6 +136,18 @@ class _Mean:
     def observe(self, x: float, weight: float) -> None:
         self.seen += 1
         self.value += max(weight, 1.0 / self.seen) * (x - self.value)
+
+
+@dataclass
+class _Scale(_Mean):
+    """Measured ÷ predicted seconds for one service, averaged as `_Mean`: a cost table timed on
+    a busy machine is corrected within the first rounds that use it."""
+
+    value: float = 1.0
+
+    def observe_ratio(self, measured: float, predicted: float, weight: float) -> None:
+        if measured > 0 and predicted > 0:
+            self.observe(measured / predicted, weight)
 
 
 @dataclass
@@ -599,7 +597,8 @@ class KPlanner:
         if self._target is not None:  # the unscaled tables' prediction: the EMAs track the ratio
             unscaled = RoundCostModel(*self._at_context(plan.context))
             steps = [report.steps.get(s.slot_id, 1) for s in seqs]
-            self._target_scale.observe(report.verify.compute_s, unscaled.verify_seconds(ks, steps), self.cost_weight)
+            predicted = unscaled.verify_seconds(ks, steps)
+            self._target_scale.observe_ratio(report.verify.compute_s, predicted, self.cost_weight)
             if not plan.catching_up and any(drafts):
                 guesses = [len(g.tokens) if (g := plan.guesses.get(s.slot_id)) else 0 for s in seqs]
                 feeds = [plan.feeds.get(s.slot_id, 1) + guess for s, guess in zip(seqs, guesses)]
@@ -607,7 +606,7 @@ class KPlanner:
                          if any(guesses) or any(report.guessed.values()) else None)
                 widened = [float(report.own_guess_tokens.get(s.slot_id, 0)) for s in seqs]
                 predicted = unscaled.draft_seconds(drafts, feeds, saved, widened if any(widened) else None)
-                self._draft_scale.observe(report.propose.compute_s, predicted, self.cost_weight)
+                self._draft_scale.observe_ratio(report.propose.compute_s, predicted, self.cost_weight)
         self._observe_overhead(sum(drafts), sum(ks) - sum(drafts), report.overhead_s)
 
     def _observe_self_guesses(self, plan: RoundPlan, report: RoundReport) -> None:

@@ -27,6 +27,7 @@ from specdec.gateway.requests import RequestPolicy
 from specdec.gateway.scheduler import PoolLimits, Scheduler
 from specdec.gateway.stats import GatewayStats
 from specdec.model.tokenizer_info import TokenizerInfo
+from specdec.prompt_lookup import common_prefix_length
 from specdec.sampling.draws import pick_tokens, position_generator, sample
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.rejection_sampler import draw_candidates, token_probs
@@ -291,7 +292,7 @@ class FakeDraft:
                                                                 torch.ones(len(drafted)))
             # As the real draft counts them: the leading fed guessed tokens it drew too.
             fed = item.guess_tokens[: item.num_speculative_tokens - 1]
-            saved = next((i for i, (a, b) in enumerate(zip(fed, drafted)) if a != b), len(fed))
+            saved = common_prefix_length(fed, drafted)
             out[item.slot_id] = Proposal(item.slot_id, drafted, q, len(cache) + length_error, saved)
         return Timed(out, 0.0005, 0.001)
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from specdec.gateway.draft_sources import DraftSource
+from specdec.prompt_lookup import common_prefix_length
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,7 @@ class LookupDraft:
 
     def agreeing(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of this proposal equal `tokens`, position by position."""
-        return next((i for i, (a, b) in enumerate(zip(self.tokens, tokens)) if a != b),
-                    min(len(self.tokens), len(tokens)))
+        return common_prefix_length(self.tokens, tokens)
 
 
 def match_class(match_len: int) -> int:
