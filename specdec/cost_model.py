@@ -139,10 +139,19 @@ class CostTable:
         return table
 
     def context_seconds(self, batch_size: float, tokens: float) -> float:
-        """Unscaled seconds the context beyond the base one adds to a forward (negative below it)."""
+        """Unscaled seconds the context beyond the base one adds to a forward (negative below it).
+        Past the widest chunk measured, each of a chunk's tokens reads the context at that
+        chunk's cost per token: a line through the slopes would grow with the square of a
+        prompt-sized chunk."""
         if not self._slopes or self.context == self.base_context:
             return 0.0
-        slope = self._slopes[0] if len(self._slopes) == 1 else _interpolate(self._slope_tokens, self._slopes, tokens)
+        widest = self._slope_tokens[-1]
+        if tokens > widest:
+            slope = self._slopes[-1] * tokens / widest
+        elif len(self._slopes) == 1:
+            slope = self._slopes[0]
+        else:
+            slope = _interpolate(self._slope_tokens, self._slopes, tokens)
         return batch_size * (self.context - self.base_context) * slope
 
     def seconds(self, batch_size: float, tokens: float) -> float:

@@ -519,11 +519,18 @@ class KPlanner:
         spreads it over the rounds left at the K it prices (`CatchUp.per_round`). Without this
         a batch of new requests would all start drafting at once and pay seconds of draft
         prefill for a few rounds of gain."""
-        pending = seq.draft_pending
-        if model.draft is None or pending <= MAX_ROUND_FEED:
+        if model.draft is None or seq.draft_pending <= MAX_ROUND_FEED:
             return CatchUp()
-        extra = model.draft.seconds(1, pending) - model.draft.step(1)
+        extra = KPlanner._catch_up_seconds(seq, model.draft) - model.draft.step(1)
         return CatchUp(max(0.0, extra), seq.max_new_tokens - seq.completion_tokens)
+
+    @staticmethod
+    def _catch_up_seconds(seq: Sequence, draft: CostTable) -> float:
+        """The forward that feeds the draft what it has not seen of `seq`, whose queries read
+        only the context the draft holds (not the batch's: a prompt's catch-up reads nothing
+        but itself, which the table's prompt-sized point measured)."""
+        held = draft.at_context(max(float(seq.draft_valid), float(draft.base_context)))
+        return held.seconds(1, max(seq.draft_pending, 1))
 
     def _probe_affordable(self, seq: Sequence, model: RoundCostModel, plain_round: float, batch_size: int) -> bool:
         """A probe's catch-up may cost at most `probe_budget` of the request's remaining plain
@@ -534,7 +541,7 @@ class KPlanner:
             return False
         if not self._measured_alpha:
             return True
-        cost = model.draft.seconds(1, max(seq.draft_pending, 1)) + (self.probe_k - 1) * model.draft.step(1)
+        cost = self._catch_up_seconds(seq, model.draft) + (self.probe_k - 1) * model.draft.step(1)
         remaining_s = (seq.max_new_tokens - seq.completion_tokens) * plain_round
         return cost * batch_size <= self.probe_budget * remaining_s
 

@@ -22,6 +22,12 @@ so the service times them at start-up (`specdec.tuning.kernels`) and passes the 
   in the module. It works on any device, CUDA included. The cache costs as much memory as the float
   weight. We accept that: the draft is small, and dequantizing on every call would cost more time
   than the matmul itself.
+
+The 4-bit kernels are built for decode-shaped calls and cost about a row's work per row; a wide
+call (a draft catching up on a prompt) runs faster as a dense matmul on the CPU's bf16 units. So
+a layer may also take a second kernel for inputs of more than `MAX_NARROW_ROWS` rows
+(`Int4Linear.set_wide_kernel`, chosen at start-up by `specdec.tuning.kernels.measure_int4_wide`);
+with ``"dequant"`` there it keeps the float weight beside the codes.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from specdec.errors import InvalidArgumentError
 from specdec.model import int4_dot
 from specdec.model.gguf_q4 import gguf_int4_weights
 from specdec.model.int4_weight import Int4Weight
+from specdec.model.linear import MAX_NARROW_ROWS
 from specdec.model.quantize import mark_quantized
 
 log = logging.getLogger(__name__)
@@ -131,7 +138,8 @@ class Int4Linear(nn.Module):
 
     ``kernel`` is ``"auto"`` (``prefer``, or `default_int4_kernel` when that is empty, falling back
     to the next of `KERNELS` for shapes it cannot take) or one of `KERNELS`. After `prepare` or the
-    first forward, the attribute ``kernel`` names the kernel in use.
+    first forward, the attribute ``kernel`` names the kernel in use. Inputs of more than
+    `MAX_NARROW_ROWS` rows take ``wide_kernel`` where `set_wide_kernel` set one.
     """
 
     qweight: torch.Tensor
@@ -165,6 +173,9 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", bias)  # [out] or None
         self._cache_key: tuple[torch.device, torch.dtype] | None = None
         self._operands: tuple[torch.Tensor, ...] = ()
+        #: The kernel for inputs of more than MAX_NARROW_ROWS rows ("": ``kernel``'s).
+        self.wide_kernel = ""
+        self._wide_operands: tuple[torch.Tensor, ...] = ()
 
     def int4_weight(self) -> Int4Weight:
         """The weight as an `Int4Weight` (codes unpacked), e.g. to concatenate layers."""
@@ -208,22 +219,34 @@ class Int4Linear(nn.Module):
         elif not kernel_supported(kernel, weight, device, dtype):
             raise ValueError(f"the {kernel} kernel cannot take this layer on {device} with {dtype} activations")
         self._operands = kernel_operands(kernel, weight, dtype, device)
+        wide = self.wide_kernel
+        if wide and wide != kernel and kernel_supported(wide, weight, device, dtype):
+            self._wide_operands = kernel_operands(wide, weight, dtype, device)
         self.kernel, self._cache_key = kernel, (device, dtype)
         return kernel
 
+    def set_wide_kernel(self, kernel: str) -> None:
+        """Run inputs of more than `MAX_NARROW_ROWS` rows on `kernel` ("": the narrow one's)."""
+        if kernel not in ("", *KERNELS):
+            raise ValueError(f"wide kernel must be empty or one of {KERNELS}, got {kernel!r}")
+        self.wide_kernel = kernel
+        self._cache_key, self._operands, self._wide_operands = None, (), ()  # rebuilt on next use
+
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Int4Linear:
-        self._cache_key, self._operands = None, ()  # moved or cast: derived operands are stale
+        self._cache_key, self._operands, self._wide_operands = None, (), ()  # moved or cast: derived operands are stale
         return super()._apply(fn, recurse)
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        self._cache_key, self._operands = None, ()
+        self._cache_key, self._operands, self._wide_operands = None, (), ()
         super()._load_from_state_dict(*args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in] -> [..., out], in the dtype of ``x``."""
-        kernel = self.prepare(x.device, x.dtype)
+        kernel, operands = self.prepare(x.device, x.dtype), self._operands
         x_2d = x.reshape(-1, self.in_features)  # [tokens, in]
-        y = kernel_matmul(kernel, x_2d, self._operands, self.group_size)  # [tokens, out]
+        if self._wide_operands and x_2d.shape[0] > MAX_NARROW_ROWS:
+            kernel, operands = self.wide_kernel, self._wide_operands
+        y = kernel_matmul(kernel, x_2d, operands, self.group_size)  # [tokens, out]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)  # [..., out]
@@ -231,7 +254,8 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-            f"bias={self.bias is not None}, kernel={self.kernel or self.requested_kernel}, source={self.source or '?'}"
+            f"bias={self.bias is not None}, kernel={self.kernel or self.requested_kernel}, "
+            f"wide kernel={self.wide_kernel or 'same'}, source={self.source or '?'}"
         )
 
 

@@ -34,6 +34,10 @@ class RuntimeTuner(Protocol):
         """Set the dense projections' kernels."""
         ...
 
+    def int4_wide_kernels(self, forward: PagedLlama) -> None:
+        """Set the int4 projections' kernels for wide inputs."""
+        ...
+
 
 @dataclass
 class ModelRuntime:
@@ -66,7 +70,7 @@ def build_runtime(
     forward around it. `tuner` makes the machine-dependent choices: the int4 kernel for
     `int4_kernel="auto"` (`specdec.model.quantize_int4.KERNELS`), whether a quantized model's
     int8 output head becomes a `ShortlistHead` (a 4-bit pass, then the int8 head on its
-    `DEFAULT_SHORTLIST` best tokens), and the dense kernels. Without one,
+    `DEFAULT_SHORTLIST` best tokens), the dense kernels and the int4 kernels for wide inputs. Without one,
     each takes its untuned default: the kernel order of `Int4Linear`, the int8 head, `F.linear`.
 
     The int8 and int4 kernels only pay off with bfloat16 activations on CPU (see `quantize`
@@ -97,4 +101,5 @@ def build_runtime(
     forward = PagedLlama(loaded.model)
     if tuner is not None:
         tuner.dense_kernels(forward)
+        tuner.int4_wide_kernels(forward)
     return ModelRuntime(loaded=loaded, forward=forward, quantization=quantization, tuner=tuner)

@@ -20,7 +20,7 @@ from specdec.model import int4_dot
 from specdec.model.int4_weight import Int4Weight
 from specdec.model.linear import MAX_NARROW_ROWS, onednn_linear, onednn_packed
 from specdec.model.quantize import Int8Linear
-from specdec.model.quantize_int4 import kernel_matmul, kernel_operands
+from specdec.model.quantize_int4 import Int4Linear, kernel_matmul, kernel_operands
 from specdec.model.shortlist_head import ShortlistHead
 from specdec.tuning.threads import one_thread
 from specdec.tuning.timing import interleaved_times, synchronizer
@@ -67,6 +67,20 @@ def measure_int4_kernels(dtype: torch.dtype) -> dict[str, float]:
             continue
         runs[name] = functools.partial(_run_layers, name, x, operands)
     with one_thread(), torch.inference_mode():
+        return interleaved_times(runs, repeats=REPEATS, statistic=min)
+
+
+def measure_int4_wide(module: Int4Linear, dtype: torch.dtype) -> dict[str, float]:
+    """Seconds of a wide input (`WIDE_ROWS`: a draft catching up on a prompt) through this
+    layer's own weight on its decode kernel and on "dequant" (a dense matmul, which the CPU's
+    bf16 units run faster once the rows are many)."""
+    weight = module.int4_weight()
+    x = torch.randn(max(WIDE_ROWS), module.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+    cpu = torch.device("cpu")
+    kernels = {module.prepare(cpu, dtype), "dequant"}
+    operands = {name: kernel_operands(name, weight, dtype, cpu) for name in kernels}
+    runs = {name: functools.partial(kernel_matmul, name, x, operands[name], weight.group_size) for name in kernels}
+    with torch.inference_mode():
         return interleaved_times(runs, repeats=REPEATS, statistic=min)
 
 

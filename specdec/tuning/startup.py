@@ -23,6 +23,7 @@ from specdec.model.llama import PagedLlama
 from specdec.model.loader import default_cache_dir, weights_fingerprint
 from specdec.model.quantize import Int8Linear
 from specdec.model.quantize_int4 import KERNELS as INT4_KERNELS
+from specdec.model.quantize_int4 import Int4Linear
 from specdec.model.shortlist_head import ShortlistHead
 from specdec.tuning.choices import TuningChoice, tuning_line
 from specdec.tuning.compiled_layers import (
@@ -38,7 +39,7 @@ from specdec.tuning.compiled_layers import (
     times_detail,
 )
 from specdec.tuning.cost_profile import measure_forward_costs
-from specdec.tuning.kernels import measure_dense, measure_head, measure_int4_kernels
+from specdec.tuning.kernels import measure_dense, measure_head, measure_int4_kernels, measure_int4_wide
 from specdec.tuning.store import TuningKey, TuningStore, code_version, machine_fingerprint
 
 log = logging.getLogger(__name__)
@@ -179,6 +180,34 @@ class StartupTuner:
             m.set_kernels(*chosen[f"{m.out_features}x{m.in_features}"])
         summary = ", ".join(f"{shape} {'/'.join(kernels)}" for shape, kernels in chosen.items())
         self.note("dense_kernels", "narrow/wide per shape", reason, summary)
+
+    def int4_wide_kernels(self, forward: PagedLlama) -> None:
+        """Per int4 weight shape, whether wide inputs (a prompt or a catch-up) leave the 4-bit
+        kernel for a dense matmul on the dequantized weight, at the cost of keeping it."""
+        modules = [m for layer in forward.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        int4 = [m for m in modules if isinstance(m, Int4Linear)]
+        if not int4:
+            return
+        device, dtype = forward.embed_tokens.weight.device, forward.dtype
+        if device.type != "cpu":
+            self.note("int4_wide_kernel", "dequant", "fixed", "the only int4 kernel off CPU")
+            return
+        shapes = {f"{m.out_features}x{m.in_features}": m for m in int4}
+
+        def measure() -> tuple[dict[str, str], str]:
+            times = {shape: measure_int4_wide(m, dtype) for shape, m in shapes.items()}
+            detail = "; ".join(f"{shape} {_ms(t)}" for shape, t in times.items())
+            return {shape: min(t, key=t.__getitem__) for shape, t in times.items()}, detail
+
+        def valid(value: JSON) -> bool:
+            return isinstance(value, dict) and set(value) == set(shapes) and set(value.values()) <= set(INT4_KERNELS)
+
+        chosen, reason, detail = self.decide("int4_wide_kernels", measure, valid)
+        for m in int4:
+            kernel = str(chosen[f"{m.out_features}x{m.in_features}"])
+            m.set_wide_kernel("" if kernel == m.prepare(device, dtype) else kernel)
+        summary = ", ".join(f"{shape} {kernel}" for shape, kernel in chosen.items())
+        self.note("int4_wide_kernel", "per shape", reason, f"{summary} ({detail})" if detail else summary)
 
     def attention(self, forward: PagedLlama, flag: str) -> None:
         """Set the attention kernel: the one `flag` names, or for "auto" the device's default."""

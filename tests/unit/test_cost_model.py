@@ -41,6 +41,15 @@ def test_a_longer_context_adds_a_cost_per_cached_token_and_request() -> None:
     assert not CostTable(GRID).has_context_term
 
 
+def test_past_the_widest_chunk_each_token_reads_the_context_at_its_cost() -> None:
+    # 20 µs per context token at 1 token, 40 at 5: a 50-token chunk pays 40 / 5 µs a token, not
+    # the line through the two slopes, which would grow with the square of a prompt-sized chunk.
+    long = [ForwardCost(4, 1, 0.016 + 4 * 256 * 20e-6, context=304),
+            ForwardCost(4, 5, 0.040 + 4 * 256 * 40e-6, context=304)]
+    table = CostTable([ForwardCost(c.batch_size, c.tokens, c.seconds, context=48) for c in GRID] + long)
+    assert table.at_context(176).context_seconds(1, 50) == pytest.approx(128 * 50 * 8e-6)
+
+
 def test_context_slopes_pool_the_batch_sizes() -> None:
     # 1 request: 2 ms more over 256 tokens (noise-sized); 16 requests: 82 ms more.
     costs = [ForwardCost(1, 1, 0.010, context=48), ForwardCost(16, 1, 0.030, context=48),

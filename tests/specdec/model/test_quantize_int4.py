@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import quants
 from torch import nn
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
@@ -19,6 +20,7 @@ from specdec.model import gguf_q4, int4_dot
 from specdec.model import quantize_int4 as qi4
 from specdec.model.gguf_q4 import gguf_int4_weights, read_gguf_int4_weights, rope_unpermute_rows
 from specdec.model.int4_weight import Int4Weight
+from specdec.model.linear import MAX_NARROW_ROWS
 from specdec.model.loader import DEFAULT_MODEL, LoadedModel, embedded_model_path
 from specdec.model.quantize_int4 import Int4Linear, default_int4_kernel, quantize_int4
 from tests.support.tiny_models import tiny_llama
@@ -158,6 +160,25 @@ def test_auto_kernel_takes_the_preferred_one_and_falls_back_by_shape() -> None:
     assert default_int4_kernel("cuda", torch.bfloat16) == "dequant"  # no CPU kernel off CPU
     fused = Int4Linear.concat([Int4Linear(weight, prefer="dequant"), Int4Linear(weight, prefer="dequant")])
     assert fused.prefer == "dequant"
+
+
+def test_wide_inputs_take_the_wide_kernel() -> None:
+    if not HAS_OP:
+        pytest.skip("no int4pack op")
+    weight = Int4Weight.from_float(random_weight(64, 64) + 0.1, 32)
+    narrow_only = Int4Linear(weight, kernel="int4pack")
+    module = Int4Linear(weight, kernel="int4pack")
+    module.set_wide_kernel("dequant")
+    x = torch.randn(MAX_NARROW_ROWS + 1, 64)  # [rows, in]
+    # Up to MAX_NARROW_ROWS rows the decode kernel, past them the dense matmul on the float weight.
+    assert torch.equal(module(x[:MAX_NARROW_ROWS]), narrow_only(x[:MAX_NARROW_ROWS]))
+    assert torch.equal(module(x), F.linear(x, weight.dequantize()))
+    assert module.kernel == "int4pack" and "wide kernel=dequant" in repr(module)
+    # A wide kernel that cannot take these activations is not used: int4dot takes bf16 only.
+    module.set_wide_kernel("int4dot")
+    assert torch.equal(module(x), narrow_only(x))
+    with pytest.raises(ValueError, match="wide kernel"):
+        module.set_wide_kernel("fast")
 
 
 def test_state_dict_round_trip_and_cache_invalidation() -> None:

@@ -12,10 +12,16 @@ from specdec.model.linear import KERNELS as DENSE_KERNELS
 from specdec.model.linear import DenseLinear
 from specdec.model.llama import PagedLlama
 from specdec.model.quantize import Int8Linear
-from specdec.model.quantize_int4 import KERNELS
+from specdec.model.quantize_int4 import KERNELS, Int4Linear, quantize_int4
 from specdec.model.shortlist_head import ShortlistHead
 from specdec.tuning import startup
-from specdec.tuning.kernels import int4_candidates, measure_dense, measure_head, measure_int4_kernels
+from specdec.tuning.kernels import (
+    int4_candidates,
+    measure_dense,
+    measure_head,
+    measure_int4_kernels,
+    measure_int4_wide,
+)
 from specdec.tuning.startup import StartupTuner
 from specdec.tuning.store import TuningKey, TuningStore
 from tests.support.tiny_models import tiny_llama
@@ -69,6 +75,30 @@ def test_dense_kernels_are_measured_per_shape_and_reused(tmp_path: Path, monkeyp
         again = StartupTuner(TuningStore(tmp_path), KEY)
         again.dense_kernels(PagedLlama(tiny_llama()))
         assert again.choices[0].reason == "cached"
+
+
+def test_int4_wide_kernels_are_measured_per_shape_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def int4_forward() -> PagedLlama:
+        return PagedLlama(quantize_int4(tiny_llama(), include_lm_head=False, kernel="dequant"))
+
+    forward = int4_forward()
+    int4 = [m for m in forward.layers[0].__dict__.values() if isinstance(m, Int4Linear)]
+    assert int4 and set(measure_int4_wide(int4[0], torch.float32)) == {"dequant"}  # its own kernel: one to time
+    monkeypatch.setattr(startup, "measure_int4_wide", lambda module, dtype: {"int4pack": 1.0, "dequant": 2.0})
+    tuner = StartupTuner(TuningStore(tmp_path), KEY)
+    tuner.int4_wide_kernels(forward)
+    tuner.save()
+    (choice,) = tuner.choices
+    assert (choice.name, choice.reason) == ("int4_wide_kernel", "measured") and "int4pack" in choice.detail
+    assert all(m.wide_kernel == "int4pack" for m in int4)
+    monkeypatch.setattr(startup, "measure_int4_wide", lambda module, dtype: pytest.fail("measured although cached"))
+    again = StartupTuner(TuningStore(tmp_path), KEY)
+    reloaded = int4_forward()
+    again.int4_wide_kernels(reloaded)
+    assert again.choices[0].reason == "cached"
+    assert all(m.wide_kernel == "int4pack" for layer in reloaded.layers for m in layer.__dict__.values()
+               if isinstance(m, Int4Linear))
+    StartupTuner().int4_wide_kernels(PagedLlama(tiny_llama()))  # no int4 layers: nothing to choose
 
 
 def test_coarse_pass_weights_take_the_preferred_kernel() -> None:

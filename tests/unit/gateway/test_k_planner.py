@@ -212,6 +212,26 @@ def test_a_catch_up_is_spread_over_the_rounds_left_at_the_k_planned() -> None:
     assert planner.plan([late], {"late": 8}, {"late": True}).ks["late"] == 8
 
 
+def test_a_prompt_catch_up_is_priced_at_the_context_the_draft_holds() -> None:
+    # Costs shaped like the embedded pair's: a draft step a quarter of the target's, a 64-token
+    # chunk six steps, and attention reading ~5 µs (draft) and ~2 µs (target) a cached token at
+    # 1 token, ~20 µs at 17. The request's 1,658 cached tokens are what its rounds will read,
+    # but its catch-up reads only itself: priced at the batch's context, the 1,658-token chunk
+    # came out at ~5 s (against ~1 s measured) and the draft never caught up.
+    target = [ForwardCost(1, t, 0.043 + 0.0019 * (t - 1)) for t in (1, 5, 9, 17)] + [
+        ForwardCost(1, 1, 0.043 + 256 * 2e-6, context=304), ForwardCost(1, 17, 0.073 + 256 * 7e-6, context=304)]
+    draft = [ForwardCost(1, t, s) for t, s in ((1, 0.011), (5, 0.023), (9, 0.032), (17, 0.050), (64, 0.065))] + [
+        ForwardCost(1, 1, 0.011 + 256 * 5e-6, context=304), ForwardCost(1, 17, 0.050 + 256 * 21e-6, context=304)]
+    target = [ForwardCost(c.batch_size, c.tokens, c.seconds, context=c.context or 48) for c in target]
+    draft = [ForwardCost(c.batch_size, c.tokens, c.seconds, context=c.context or 48) for c in draft]
+    long = seq("long")
+    long.tokens, long.max_new_tokens, long.completion_tokens = list(range(1659)), 128, 1
+    planner = KPlanner(target, draft, prior_alpha=0.92)
+    catch_up = planner._catch_up(long, planner.cost_model(1659))
+    assert 0.3 < catch_up.extra_s < 1.0  # the prompt-sized point's line, no context term
+    assert planner.plan([long], {"long": 16}, {"long": True}).ks["long"] >= 4
+
+
 def test_the_first_probe_ignores_the_budget_so_a_good_draft_is_found() -> None:
     # A 60-token catch-up costing ~50 steps is over the probe budget of a 100-token request,
     # and the pessimistic prior keeps K at 0. Until some round has measured α, a probe
