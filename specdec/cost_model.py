@@ -162,6 +162,11 @@ class CostTable:
             unscaled = self._memo[key] = _interpolate(self._batches, per_batch, batch_size)
         return self.scale * max(0.0, unscaled + self.context_seconds(batch_size, tokens))
 
+    @property
+    def widest_chunk(self) -> int:
+        """Tokens of the widest forward measured for one request: past it, `seconds` extrapolates."""
+        return self._rows[self._batches[0]][0][-1]
+
     def step(self, batch_size: float = 1) -> float:
         """One 1-token decode step over `batch_size` requests."""
         return self.seconds(batch_size, 1)

@@ -232,6 +232,8 @@ class KPlanner:
     draft_overhead: DraftOverhead = field(init=False)
     _target_scale: _Scale = field(default_factory=_Scale, init=False)
     _draft_scale: _Scale = field(default_factory=_Scale, init=False)
+    #: Measured ÷ predicted seconds of the draft's catch-ups past its table's widest chunk.
+    _catch_up_scale: _Scale = field(default_factory=_Scale, init=False)
     _estimates: dict[str, AcceptanceEstimate] = field(default_factory=dict, init=False)
     _idle_rounds: dict[str, int] = field(default_factory=dict, init=False)
     _probe_interval: dict[str, int] = field(default_factory=dict, init=False)
@@ -259,7 +261,7 @@ class KPlanner:
         if service == "target":
             self._target, self._target_scale = table, _Scale()
         else:
-            self._draft, self._draft_scale = table, _Scale()
+            self._draft, self._draft_scale, self._catch_up_scale = table, _Scale(), _Scale()
 
     @property
     def can_adapt(self) -> bool:
@@ -373,14 +375,20 @@ class KPlanner:
             guesses = fixed_guesses(seqs, choice, caps, guessable)
         ks = choice.ks
         chosen = {slot: lookups[slot].truncated(ks[slot]) for slot in choice.on_lookup if ks[slot] > 0}
-        catching_up = any(ks[s.slot_id] > 0 and s.slot_id not in chosen and s.draft_pending > MAX_ROUND_FEED
-                          for s in seqs)
+        catching = [s for s in seqs if ks[s.slot_id] > 0 and s.slot_id not in chosen
+                    and s.draft_pending > MAX_ROUND_FEED]
         offered = {s.slot_id: (len(s.tokens), lookups[s.slot_id]) for s in seqs
                    if s.slot_id in lookups and s.slot_id not in chosen}
         guesses = {slot: guess for slot, guess in guesses.items() if ks[slot] > 0 and slot not in chosen}
         own = {slot for slot in own if ks.get(slot, 0) > 0 and slot not in chosen}
-        return RoundPlan(ks, {} if any(ks.values()) else steps, feeds, context, catching_up, off_reason, chosen,
-                         offered, guesses, own)
+        within, beyond = 0.0, 0.0
+        if catching and self._draft is not None:
+            draft = self._draft.scaled(self._draft_scale.value)
+            for s in catching:
+                part_within, part_beyond = self._catch_up_forward(s, draft)
+                within, beyond = within + part_within, beyond + part_beyond
+        return RoundPlan(ks, {} if any(ks.values()) else steps, feeds, context, bool(catching), off_reason, chosen,
+                         offered, guesses, own, within + beyond, beyond)
 
     def self_guess_rates(self, seq: Sequence) -> SelfGuessRates:
         """What guesses are expected to do in the request's model rounds while its draft guesses
@@ -511,8 +519,7 @@ class KPlanner:
         pending = seq.draft_pending
         return pending if 1 <= pending <= MAX_ROUND_FEED else 1
 
-    @staticmethod
-    def _catch_up(seq: Sequence, model: RoundCostModel) -> CatchUp:
+    def _catch_up(self, seq: Sequence, model: RoundCostModel) -> CatchUp:
         """What feeding the draft the tokens it has not seen costs beyond a normal step: a
         prompt the draft never saw (or everything since speculation went off) is a one-off
         prefill that only a long enough future of speculating repays, so the rate prediction
@@ -521,16 +528,26 @@ class KPlanner:
         prefill for a few rounds of gain."""
         if model.draft is None or seq.draft_pending <= MAX_ROUND_FEED:
             return CatchUp()
-        extra = KPlanner._catch_up_seconds(seq, model.draft) - model.draft.step(1)
+        extra = self._catch_up_seconds(seq, model.draft) - model.draft.step(1)
         return CatchUp(max(0.0, extra), seq.max_new_tokens - seq.completion_tokens)
 
+    def _catch_up_seconds(self, seq: Sequence, draft: CostTable) -> float:
+        """The forward that feeds the draft what it has not seen of `seq`: the table's seconds,
+        their part past its widest measured chunk corrected by what catch-ups measured."""
+        within, beyond = self._catch_up_forward(seq, draft)
+        return within + self._catch_up_scale.value * beyond
+
     @staticmethod
-    def _catch_up_seconds(seq: Sequence, draft: CostTable) -> float:
-        """The forward that feeds the draft what it has not seen of `seq`, whose queries read
-        only the context the draft holds (not the batch's: a prompt's catch-up reads nothing
-        but itself, which the table's prompt-sized point measured)."""
+    def _catch_up_forward(seq: Sequence, draft: CostTable) -> tuple[float, float]:
+        """The table's seconds for the forward that feeds the draft what it has not seen of
+        `seq`: up to its widest measured chunk, and the rest. Its queries read only the context
+        the draft holds (not the batch's: a prompt's catch-up reads nothing but itself). Past
+        the widest chunk the table extends a line, but a chunk reads more of itself the wider
+        it is (attention grows with its square), hence `_catch_up_scale`."""
         held = draft.at_context(max(float(seq.draft_valid), float(draft.base_context)))
-        return held.seconds(1, max(seq.draft_pending, 1))
+        pending = max(seq.draft_pending, 1)
+        within = held.seconds(1, min(pending, draft.widest_chunk))
+        return within, held.seconds(1, pending) - within
 
     def _probe_affordable(self, seq: Sequence, model: RoundCostModel, plain_round: float, batch_size: int) -> bool:
         """A probe's catch-up may cost at most `probe_budget` of the request's remaining plain
@@ -606,14 +623,19 @@ class KPlanner:
             steps = [report.steps.get(s.slot_id, 1) for s in seqs]
             predicted = unscaled.verify_seconds(ks, steps)
             self._target_scale.observe_ratio(report.verify.compute_s, predicted, self.cost_weight)
-            if not plan.catching_up and any(drafts):
+            if any(drafts):
                 guesses = [len(g.tokens) if (g := plan.guesses.get(s.slot_id)) else 0 for s in seqs]
                 feeds = [plan.feeds.get(s.slot_id, 1) + guess for s, guess in zip(seqs, guesses)]
                 saved = ([float(report.guessed.get(s.slot_id, 0)) for s in seqs]
                          if any(guesses) or any(report.guessed.values()) else None)
                 widened = [float(report.own_guess_tokens.get(s.slot_id, 0)) for s in seqs]
                 predicted = unscaled.draft_seconds(drafts, feeds, saved, widened if any(widened) else None)
-                self._draft_scale.observe_ratio(report.propose.compute_s, predicted, self.cost_weight)
+                if not plan.catching_up:
+                    self._draft_scale.observe_ratio(report.propose.compute_s, predicted, self.cost_weight)
+                elif plan.catch_up_beyond_s > 0:  # the Propose's time past its steps was the catch-ups'
+                    rest = predicted * self._draft_scale.value + plan.catch_up_s - plan.catch_up_beyond_s
+                    self._catch_up_scale.observe_ratio(report.propose.compute_s - rest, plan.catch_up_beyond_s,
+                                                       self.cost_weight)
         self._observe_overhead(sum(drafts), sum(ks) - sum(drafts), report.overhead_s)
 
     def _observe_self_guesses(self, plan: RoundPlan, report: RoundReport) -> None:

@@ -33,6 +33,10 @@ REPEATS = 25
 #: Rows the dense benchmark times for narrow inputs (a decode step, a verify chunk) and wide ones.
 NARROW_ROWS = (1, 5)
 WIDE_ROWS = (64,)
+#: Rows the int4 benchmark times: a decode step, a step of 4 requests, and a forward with a
+#: guess (the draft's own lookups feed up to 8 guessed tokens a step), where kernels that tie
+#: at 1 and 4 rows differed by a fifth (docs/performance.md#int4-kernels).
+INT4_ROWS = (1, 4, 9)
 
 
 def int4_candidates(dtype: torch.dtype) -> list[str]:
@@ -43,7 +47,7 @@ def int4_candidates(dtype: torch.dtype) -> list[str]:
 
 def measure_int4_kernels(dtype: torch.dtype) -> dict[str, float]:
     """Seconds of a decode-shaped workload on each int4 kernel that runs on this CPU and gives
-    the reference's results: 1 and 4 rows through four 1024->1024 layers (16 MB of fp32
+    the reference's results: `INT4_ROWS` rows through four 1024->1024 layers (16 MB of fp32
     weights, so the float path is not timed from a warm L2 cache)."""
     gen = torch.Generator().manual_seed(0)
     layers = []
@@ -51,7 +55,7 @@ def measure_int4_kernels(dtype: torch.dtype) -> dict[str, float]:
         q = torch.randint(0, 16, (1024, 1024), dtype=torch.uint8, generator=gen)  # [out, in]
         scales = torch.rand(1024, 1024 // 32, generator=gen) * 0.01 + 0.001  # [out, groups]
         layers.append(Int4Weight(q, scales, -8 * scales, 32))
-    x = torch.randn(4, 1024, generator=gen).to(dtype)  # [rows, in]
+    x = torch.randn(max(INT4_ROWS), 1024, generator=gen).to(dtype)  # [rows, in]
     want = F.linear(x.float(), layers[0].dequantize())  # [rows, out]
     cpu = torch.device("cpu")
     runs: dict[str, Callable[[], None]] = {}
@@ -85,7 +89,7 @@ def measure_int4_wide(module: Int4Linear, dtype: torch.dtype) -> dict[str, float
 
 
 def _run_layers(kernel: str, x: torch.Tensor, operands: list[tuple[torch.Tensor, ...]]) -> None:
-    for rows in (1, 4):
+    for rows in INT4_ROWS:
         for ops in operands:
             kernel_matmul(kernel, x[:rows], ops, 32)
 

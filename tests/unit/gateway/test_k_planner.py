@@ -232,6 +232,32 @@ def test_a_prompt_catch_up_is_priced_at_the_context_the_draft_holds() -> None:
     assert planner.plan([long], {"long": 16}, {"long": True}).ks["long"] >= 4
 
 
+def test_a_catch_up_slower_than_its_price_is_priced_higher_next_time() -> None:
+    # The table prices a 1,000-token catch-up from its 64-token point on; the Propose that ran
+    # it took three times that part more than its steps: the next catch-up costs that, while one
+    # within the widest measured chunk keeps the table's price.
+    draft = [*draft_costs(0.25), ForwardCost(1, 64, 0.040 * 0.25 * 6)]
+    planner = KPlanner(TARGET, draft, prior_alpha=0.95)
+    first, short = seq("first"), seq("short")
+    first.tokens, first.max_new_tokens, short.tokens = list(range(1000)), 1000, list(range(60))
+    plan = planner.plan([first], {"first": 2}, {"first": True})
+    assert plan.ks["first"] == 2 and plan.catching_up and 0 < plan.catch_up_beyond_s < plan.catch_up_s
+
+    def price(s: Sequence) -> float:
+        return planner._catch_up_seconds(s, planner.cost_model().draft)
+
+    before, short_before = price(first), price(short)
+    assert before == pytest.approx(plan.catch_up_s)
+    two_steps = planner.cost_model().draft_seconds([2], [1])
+    took = two_steps + plan.catch_up_s + 2 * plan.catch_up_beyond_s
+    planner.observe(plan, [first], RoundReport(plan.ks, {"first": 2}, Timed(None, took, 0.0),
+                                               Timed(None, 0.05, 0.0), 0.0, 0.0))
+    assert price(first) == pytest.approx(before + 2 * plan.catch_up_beyond_s)
+    assert price(short) == pytest.approx(short_before)
+    planner.set_costs("draft", draft)  # a restarted draft: measured afresh
+    assert price(first) == pytest.approx(before)
+
+
 def test_the_first_probe_ignores_the_budget_so_a_good_draft_is_found() -> None:
     # A 60-token catch-up costing ~50 steps is over the probe budget of a 100-token request,
     # and the pessimistic prior keeps K at 0. Until some round has measured α, a probe
