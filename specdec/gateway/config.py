@@ -76,7 +76,8 @@ class GatewayConfig(ServerSecurity):
     #: vLLM's multi-step scheduling, for plain rounds: n steps share one call's fixed cost
     #: (docs/performance.md#call-cost-and-multi-step-plain-rounds); tokens then stream n at a time.
     decode_steps: int = option(
-        DEFAULT_DECODE_STEPS, "tokens a plain round decodes per request in one target call (1 = one step a call)",
+        DEFAULT_DECODE_STEPS, "tokens a plain round decodes per request in one target call (1 = one step a call; "
+        "a request that drafts by lookup always takes one)",
         advanced=True,
     )
     max_new_tokens_default: int = option(256, "completion length of requests that set none", flag="max-new-tokens")

@@ -52,6 +52,24 @@ def test_lookups_without_a_draft_service_keep_the_greedy_output() -> None:
     assert target.slots == {}
 
 
+class NoMatches(LookupProposer):
+    """Lookups that never match: every round of a lookup-only request is plain."""
+
+    def propose(self, slot_id: str, tokens: list[int], k: int) -> LookupDraft | None:
+        return None
+
+
+def test_a_request_that_looks_up_decodes_one_step_a_plain_round() -> None:
+    # Up to 4 steps a plain round, but one for a request that drafts by lookup: a lookup may
+    # match after the next token.
+    async def test(sched: Scheduler) -> None:
+        for method, steps in ((SpeculationMethod.NGRAM, 1), (SpeculationMethod.NONE, 4)):
+            seq = new_sequence(request(max_new_tokens=50), policy(has_draft=False, method=method))
+            assert sched._plan([seq]).steps == {seq.slot_id: steps}
+
+    run(test, FakeTarget(), None, lookup=NoMatches(LookupSettings()), decode_steps=4)
+
+
 def test_auto_mixes_lookups_and_the_model_draft_and_leaves_the_drafts_cache_alone() -> None:
     # The fake draft is wrong at position 2, so whatever source drafts, rounds reject too.
     target, draft = FakeTarget(), FakeDraft(wrong_at={2})
