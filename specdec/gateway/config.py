@@ -77,7 +77,7 @@ class GatewayConfig(ServerSecurity):
     #: (docs/performance.md#call-cost-and-multi-step-plain-rounds); tokens then stream n at a time.
     decode_steps: int = option(
         DEFAULT_DECODE_STEPS, "tokens a plain round decodes per request in one target call (1 = one step a call; "
-        "a request that drafts by lookup always takes one)",
+        "a request that drafts by lookup takes one where calls cost little against a step)",
         advanced=True,
     )
     max_new_tokens_default: int = option(256, "completion length of requests that set none", flag="max-new-tokens")

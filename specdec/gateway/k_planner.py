@@ -191,6 +191,10 @@ class LookupTrust:
 
 #: The most a request's trust may raise a lookup's α: a sure copy can still part.
 MAX_LOOKUP_ALPHA = 0.99
+#: A plain round's overhead at most this share of a target step counts as cheap
+#: (`KPlanner.calls_are_cheap`): on CPU it is a few percent and a lookup request's one-step
+#: plain rounds paid; on a GPU a call can cost a fifth of a step, which multi-step rounds save.
+CHEAP_CALL_SHARE = 0.1
 
 
 @dataclass
@@ -268,6 +272,16 @@ class KPlanner:
         """The services advertised their costs (they measure them at start-up by default): the
         target's, and the draft's where there is a draft model."""
         return self._target is not None and (self._draft is not None or not self.uses_draft)
+
+    def calls_are_cheap(self, batch_size: int) -> bool:
+        """Whether a plain round's measured overhead (the call, acceptance) is at most
+        `CHEAP_CALL_SHARE` of a target step for `batch_size` requests: then a multi-step plain
+        round saves little, and a request that drafts by lookup gains more from a lookup after
+        every token (docs/performance.md#plain-rounds-of-requests-that-look-up)."""
+        if self._target is None:
+            return False
+        step = self._target.step(batch_size) * self._target_scale.value
+        return self.overhead_s <= CHEAP_CALL_SHARE * step
 
     def cost_model(self, context: float | None = None) -> RoundCostModel:
         """The round cost model with the online scales, pricing requests that hold `context`

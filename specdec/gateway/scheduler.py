@@ -210,17 +210,19 @@ class Scheduler:
     def _plan(self, batch: list[Sequence]) -> RoundPlan:
         """K and draft source per request (the model draft only while it is usable, a lookup
         where one matches) and, for a plain round, the tokens the target decodes per request:
-        one while a waiting request could join the batch at the next round or the request may
-        draft by lookup, more when the batch (or a pool) is full and throughput counts."""
+        one while a waiting request could join the batch at the next round, or the request
+        drafts by lookup and calls are cheap (`KPlanner.calls_are_cheap`); more when the batch
+        (or a pool) is full and throughput counts."""
         draft_off = self.draft_degraded or self.draft_refused
         model_usable = self.draft is not None and not draft_off
         caps = {s.slot_id: plan_k(s, self.max_seq_len) for s in batch}
         model_allowed = {s.slot_id for s in batch if model_usable and s.method.allows_model}
         limit = 1 if self._queue_head_fits() else self.decode_steps
         looking_up = {s.slot_id for s in batch if self.lookup is not None and s.method.allows_lookup}
-        # A request that drafts by lookup decodes one step a plain round, since a lookup may match
-        # after any new token (docs/performance.md#plain-rounds-of-requests-that-look-up).
-        steps = {s.slot_id: plan_steps(s, self.max_seq_len, 1 if s.slot_id in looking_up else limit) for s in batch}
+        # Where calls are cheap, a request that drafts by lookup decodes one step a plain round:
+        # a lookup may match after any new token.
+        one_step = looking_up if self.planner.calls_are_cheap(len(batch)) else set()
+        steps = {s.slot_id: plan_steps(s, self.max_seq_len, 1 if s.slot_id in one_step else limit) for s in batch}
         plan = self.planner.plan(batch, caps, {s.slot_id: s.adaptive for s in batch}, steps,
                                  lookups=self._lookups(batch, caps), model_allowed=model_allowed,
                                  self_guessing=looking_up)  # their draft guesses with its own lookups

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from specdec.gateway.draft_sources import SpeculationMethod
+from specdec.gateway.k_planner import KPlanner
 from specdec.gateway.proposers import LookupDraft, LookupProposer, LookupSettings
 from specdec.gateway.requests import new_sequence
 from specdec.gateway.scheduler import Scheduler
@@ -16,6 +17,7 @@ from specdec.gateway.sequence import FinishReason, Sequence
 from specdec.v1 import common_pb2, gateway_pb2
 from specdec.wire.items import SampledMode
 from tests.support.fakes import FakeDraft, FakeTarget, greedy_reference, policy
+from tests.unit.gateway.test_k_planner import TARGET
 from tests.unit.gateway.test_scheduler import drain, prompt_ids, request, run
 
 
@@ -59,13 +61,17 @@ class NoMatches(LookupProposer):
         return None
 
 
-def test_a_request_that_looks_up_decodes_one_step_a_plain_round() -> None:
-    # Up to 4 steps a plain round, but one for a request that drafts by lookup: a lookup may
-    # match after the next token.
+def test_a_request_that_looks_up_decodes_one_step_a_plain_round_where_calls_are_cheap() -> None:
+    # Up to 4 steps a plain round; one for a request that drafts by lookup while a round's
+    # overhead is small against a 40 ms step (a lookup may match after the next token), but
+    # not where the call costs a quarter of the step, which multi-step rounds save.
     async def test(sched: Scheduler) -> None:
-        for method, steps in ((SpeculationMethod.NGRAM, 1), (SpeculationMethod.NONE, 4)):
-            seq = new_sequence(request(max_new_tokens=50), policy(has_draft=False, method=method))
-            assert sched._plan([seq]).steps == {seq.slot_id: steps}
+        sched.planner = KPlanner(TARGET, [])
+        for overhead_s, lookup_steps in ((0.001, 1), (0.010, 4)):
+            sched.planner.overhead_s = overhead_s
+            for method, steps in ((SpeculationMethod.NGRAM, lookup_steps), (SpeculationMethod.NONE, 4)):
+                seq = new_sequence(request(max_new_tokens=50), policy(has_draft=False, method=method))
+                assert sched._plan([seq]).steps == {seq.slot_id: steps}
 
     run(test, FakeTarget(), None, lookup=NoMatches(LookupSettings()), decode_steps=4)
 
