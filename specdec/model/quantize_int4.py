@@ -218,7 +218,7 @@ class Int4Linear(nn.Module):
             kernel = next(k for k in KERNELS[best:] if kernel_supported(k, weight, device, dtype))
         elif not kernel_supported(kernel, weight, device, dtype):
             raise ValueError(f"the {kernel} kernel cannot take this layer on {device} with {dtype} activations")
-        self._operands = kernel_operands(kernel, weight, dtype, device)
+        self._operands, self._wide_operands = kernel_operands(kernel, weight, dtype, device), ()
         wide = self.wide_kernel
         if wide and wide != kernel and kernel_supported(wide, weight, device, dtype):
             self._wide_operands = kernel_operands(wide, weight, dtype, device)

@@ -35,7 +35,7 @@ NARROW_ROWS = (1, 5)
 WIDE_ROWS = (64,)
 #: Rows the int4 benchmark times: a decode step, a step of 4 requests, and a forward with a
 #: guess (the draft's own lookups feed up to 8 guessed tokens a step), where kernels that tie
-#: at 1 and 4 rows differed by a fifth (docs/performance.md#int4-kernels).
+#: at 1 and 4 rows differed by a fifth (docs/performance.md#a-long-prompts-catch-up).
 INT4_ROWS = (1, 4, 9)
 
 
