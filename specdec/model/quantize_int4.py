@@ -218,19 +218,26 @@ class Int4Linear(nn.Module):
             kernel = next(k for k in KERNELS[best:] if kernel_supported(k, weight, device, dtype))
         elif not kernel_supported(kernel, weight, device, dtype):
             raise ValueError(f"the {kernel} kernel cannot take this layer on {device} with {dtype} activations")
-        self._operands, self._wide_operands = kernel_operands(kernel, weight, dtype, device), ()
-        wide = self.wide_kernel
-        if wide and wide != kernel and kernel_supported(wide, weight, device, dtype):
-            self._wide_operands = kernel_operands(wide, weight, dtype, device)
+        self._operands = kernel_operands(kernel, weight, dtype, device)
         self.kernel, self._cache_key = kernel, (device, dtype)
+        self._wide_operands = self._build_wide(weight, device, dtype)
         return kernel
 
     def set_wide_kernel(self, kernel: str) -> None:
-        """Run inputs of more than `MAX_NARROW_ROWS` rows on `kernel` ("": the narrow one's)."""
+        """Run inputs of more than `MAX_NARROW_ROWS` rows on `kernel` ("": the narrow one's);
+        a prepared layer builds only the wide kernel's operands."""
         if kernel not in ("", *KERNELS):
             raise ValueError(f"wide kernel must be empty or one of {KERNELS}, got {kernel!r}")
-        self.wide_kernel = kernel
-        self._cache_key, self._operands, self._wide_operands = None, (), ()  # rebuilt on next use
+        self.wide_kernel, self._wide_operands = kernel, ()
+        if self._cache_key is not None:
+            self._wide_operands = self._build_wide(self.int4_weight(), *self._cache_key)
+
+    def _build_wide(self, weight: Int4Weight, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """The wide kernel's operands, or none where it is the narrow one or cannot take this layer."""
+        wide = self.wide_kernel
+        if wide and wide != self.kernel and kernel_supported(wide, weight, device, dtype):
+            return kernel_operands(wide, weight, dtype, device)
+        return ()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Int4Linear:
         self._cache_key, self._operands, self._wide_operands = None, (), ()  # moved or cast: derived operands are stale

@@ -218,12 +218,11 @@ def test_a_prompt_catch_up_is_priced_at_the_context_the_draft_holds() -> None:
     # 1 token, ~20 µs at 17. The request's 1,658 cached tokens are what its rounds will read,
     # but its catch-up reads only itself: priced at the batch's context, the 1,658-token chunk
     # came out at ~5 s (against ~1 s measured) and the draft never caught up.
-    target = [ForwardCost(1, t, 0.043 + 0.0019 * (t - 1)) for t in (1, 5, 9, 17)] + [
+    target = [ForwardCost(1, t, 0.043 + 0.0019 * (t - 1), context=48) for t in (1, 5, 9, 17)] + [
         ForwardCost(1, 1, 0.043 + 256 * 2e-6, context=304), ForwardCost(1, 17, 0.073 + 256 * 7e-6, context=304)]
-    draft = [ForwardCost(1, t, s) for t, s in ((1, 0.011), (5, 0.023), (9, 0.032), (17, 0.050), (64, 0.065))] + [
+    draft = [ForwardCost(1, t, s, context=48)
+             for t, s in ((1, 0.011), (5, 0.023), (9, 0.032), (17, 0.050), (64, 0.065))] + [
         ForwardCost(1, 1, 0.011 + 256 * 5e-6, context=304), ForwardCost(1, 17, 0.050 + 256 * 21e-6, context=304)]
-    target = [ForwardCost(c.batch_size, c.tokens, c.seconds, context=c.context or 48) for c in target]
-    draft = [ForwardCost(c.batch_size, c.tokens, c.seconds, context=c.context or 48) for c in draft]
     long = seq("long")
     long.tokens, long.max_new_tokens, long.completion_tokens = list(range(1659)), 128, 1
     planner = KPlanner(target, draft, prior_alpha=0.92)
