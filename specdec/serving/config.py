@@ -106,7 +106,8 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
         True, "time the forward pass at start-up so the gateway can plan K from real costs", advanced=True,
     )
     compile: str = option(
-        "off", "torch.compile the decoder layers of the drafting loop's 1- and 2-token steps: on, off, or auto "
+        "off", "torch.compile the decoder layers of the drafting loop's steps (1 and 2 tokens, and a single request's "
+        "3-16 tokens): on, off, or auto "
         "(compile, time both at start-up, keep the faster; eager with --no-measure-costs)",
         choices=COMPILE_MODES, advanced=True,
     )

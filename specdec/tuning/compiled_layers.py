@@ -13,10 +13,12 @@ One function runs a group of `layers_per_call` consecutive layers with their wei
 its inputs, so one graph serves every group. Only the drafting loop's shapes are compiled,
 one graph per shape class (`SHAPES`), with the context length (and a batch's size) dynamic:
 a single request's 1-token step, its 2-token round opening (the last draft token and the
-bonus token after a fully accepted round), and the same two for a batch (rows of 1 and 2
-tokens padded to 2). A single request keeps its own graphs: with the batch size dynamic its
-step ran slower. Each graph costs as much start-up as the first, so further shapes are
-built only while `--compile-budget-s` lasts; inductor's on-disk cache makes a restart's
+bonus token after a fully accepted round), the same two for a batch (rows of 1 and 2
+tokens padded to 2), and a single request's forwards of 3 to 16 tokens with the width
+dynamic too (a drawn token fed with guessed ones: `specdec.draft_server.engine`). A single
+request keeps its own graphs: with the batch size dynamic its step ran slower. Each graph
+costs as much start-up as the first, so further shapes are built only while
+`--compile-budget-s` lasts; inductor's on-disk cache makes a restart's
 graphs cheap, and the decisions themselves are kept in the tuning cache
 (`specdec.tuning.startup`), so a restart times nothing.
 
@@ -40,6 +42,7 @@ import torch
 
 from specdec.kv_cache.paged_cache import PagedKVCache
 from specdec.model.attention import ContextLayout
+from specdec.model.linear import MAX_NARROW_ROWS
 from specdec.model.llama import LayerInputs, PagedLlama
 from specdec.tuning.cost_profile import filler_prompt
 from specdec.tuning.timing import device_clock, interleaved_times, synchronizer
@@ -54,8 +57,17 @@ MAX_LAYERS_PER_COMPILED_CALL = 10
 GUARD_SKIP_MISS = "skip_guard_eval_unsafe"
 #: The request count of a compiled shape class with the batch dimension dynamic: two or more.
 MANY = 2
+#: The narrowest width of the single-request class whose width is dynamic: (1, MULTI) stands
+#: for every width from MULTI to `MAX_MULTI`.
+MULTI = 3
+#: The widest forward of that class: wider inputs take the int4 layers' wide kernel
+#: (`specdec.model.quantize_int4.MAX_NARROW_ROWS`), another graph.
+MAX_MULTI = MAX_NARROW_ROWS
+#: The width that builds and times the (1, MULTI) graph: a drawn token and 8 guessed ones,
+#: the draft's default guess.
+MULTI_TIMING_WIDTH = 9
 #: Shape classes (requests, tokens each) that get a graph, in order of use.
-SHAPES = ((1, 1), (1, 2), (MANY, 1), (MANY, 2))
+SHAPES = ((1, 1), (1, 2), (MANY, 1), (MANY, 2), (1, MULTI))
 #: Context the timed steps attend to (a short chat prompt plus some output).
 TIMING_CONTEXT = 128
 #: Contexts of the warm-up steps: the first compiles (context length dynamic), the second
@@ -78,7 +90,10 @@ Shape = tuple[int, int]
 
 def shape_class(batch_size: int, width: int) -> Shape:
     """The graph a forward of `batch_size` requests × `width` tokens would run: (1, width) for
-    a single request, (MANY, width) for any batch of two or more."""
+    a single request ((1, MULTI) for any width from MULTI to MAX_MULTI), (MANY, width) for any
+    batch of two or more."""
+    if batch_size == 1 and MULTI <= width <= MAX_MULTI:
+        return 1, MULTI
     return min(batch_size, MANY), width
 
 
@@ -90,7 +105,13 @@ def layers_per_compiled_call(num_layers: int, limit: int = MAX_LAYERS_PER_COMPIL
 
 def shape_name(shape: Shape) -> str:
     requests, width = shape
-    return f"{'batch' if requests == MANY else 'single-request'} {width}-token steps"
+    tokens = f"{MULTI}-{MAX_MULTI}" if shape == (1, MULTI) else str(width)
+    return f"{'batch' if requests == MANY else 'single-request'} {tokens}-token steps"
+
+
+def built_width(shape: Shape) -> int:
+    """The width of the steps that build and time a shape class's graph."""
+    return MULTI_TIMING_WIDTH if shape == (1, MULTI) else shape[1]
 
 
 def compile_options(device: torch.device) -> dict[str, str | int | bool | Callable[..., Any]]:
@@ -157,13 +178,18 @@ class CompiledLayers:
         return hidden
 
     def _mark_dynamic(self, hidden: torch.Tensor, inputs: LayerInputs, cache: PagedKVCache) -> None:
-        """One graph for every context length L, every pool size and, for a batch, every batch
-        size. A pool's tensors live on, so they are marked once, not on every call."""
+        """One graph for every context length L, every pool size, for a batch every batch size
+        and for (1, MULTI) every width. A pool's tensors live on, so they are marked once, not
+        on every call."""
         torch._dynamo.mark_dynamic(inputs.attention.context_index, 1)
         torch._dynamo.mark_dynamic(inputs.attention.bias, 3)
         if hidden.shape[0] >= MANY:
             for tensor in (hidden, *inputs.tensors()):
                 torch._dynamo.mark_dynamic(tensor, 0)
+        elif hidden.shape[1] >= MULTI:  # the width: hidden [1, T, h], cos/sin [1, T, 1, D], bias [1, 1, T, L], rows [T]
+            for tensor, dim in ((hidden, 1), (inputs.cos, 1), (inputs.sin, 1), (inputs.attention.bias, 2),
+                                (inputs.write_index, 0), (inputs.kv_rows, 0)):
+                torch._dynamo.mark_dynamic(tensor, dim)
         if cache not in self._dynamic_pools:
             for kv in cache.kv:
                 torch._dynamo.mark_dynamic(kv, 0)
@@ -270,7 +296,7 @@ def load_graphs(
 
 def _has_room(cache: PagedKVCache) -> bool:
     """Whether the warm-up and timing slots fit in half of the pool's free tokens."""
-    widest = max(width for _, width in SHAPES)
+    widest = max(built_width(shape) for shape in SHAPES)
     return cache.blocks.free_tokens >= 2 * BATCH_SLOTS * (TIMING_CONTEXT + widest + cache.block_size)
 
 
@@ -279,7 +305,7 @@ def _step_slots(forward: PagedLlama, cache: PagedKVCache) -> Iterator[Callable[.
     """Temporary slots holding `TIMING_CONTEXT` tokens, and a function running one step on them:
     `step(requests, width, context)` rolls the first `requests` slots back to `context` tokens
     and feeds `width` more. The slots are freed afterwards."""
-    prompt = filler_prompt(forward.vocab_size, TIMING_CONTEXT + max(width for _, width in SHAPES))
+    prompt = filler_prompt(forward.vocab_size, TIMING_CONTEXT + max(built_width(shape) for shape in SHAPES))
     with cache.temporary_slots(_SLOT_PREFIX, BATCH_SLOTS) as slots:
         forward.run(cache, [(slot, prompt[:TIMING_CONTEXT]) for slot in slots])
 
@@ -308,7 +334,7 @@ def _build_graphs(
                          "(a restart loads them from the compile cache and builds the next)",
                          shape_name(shape), spent, budget_s)
                 break
-            requests, width = shape
+            requests, width = shape[0], built_width(shape)
             runner.shapes.add(shape)
             try:
                 for extra, context in enumerate(WARM_UP_CONTEXTS):
@@ -331,7 +357,7 @@ def _time_both_paths(
         forward.layer_runner = runner if key[0] == "compiled" else forward.eager_layers
 
     candidates = {
-        (path, shape): (lambda shape=shape: step(BATCH_SLOTS if shape[0] == MANY else 1, shape[1]))
+        (path, shape): (lambda shape=shape: step(BATCH_SLOTS if shape[0] == MANY else 1, built_width(shape)))
         for path in ("eager", "compiled") for shape in shapes
     }
     sync = synchronizer(forward.embed_tokens.weight.device)
