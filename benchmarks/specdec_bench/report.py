@@ -163,7 +163,8 @@ def render_page(results: BenchResults, summary: Summary, plots: dict[str, Path],
         f"torch {machine.get('torch', '?')} ({machine.get('torch_threads', '?')} threads), "
         f"transformers {machine.get('transformers', '?')}, Python {machine.get('python', '?')}; "
         f"git {machine.get('git', '?')}; {m.get('date', '')}, {_f(m.get('duration_s', math.nan), 0)} s.",
-        f"- Models: target `{costs.target_model}` ({costs.target_dtype}), draft `{costs.draft_model}` "
+        f"- Models: target `{costs.target_model}` ({costs.target_dtype}; "
+        f"compiled: {', '.join(costs.target_compiled_steps) or 'none, eager'}), draft `{costs.draft_model}` "
         f"({costs.draft_dtype}{', ' + costs.draft_quantization if costs.draft_quantization else ''}; "
         f"compiled: {', '.join(costs.draft_compiled_steps) or 'none, eager'}); "
         f"gateway default K = {costs.default_num_speculative_tokens}, "

@@ -46,6 +46,8 @@ class ServiceCosts:
     draft_quantization: str = ""
     #: The draft's steps that ran compiled (`ModelInfo.compiled_steps`).
     draft_compiled_steps: list[str] = field(default_factory=list)
+    #: The target's steps that ran compiled.
+    target_compiled_steps: list[str] = field(default_factory=list)
 
     @classmethod
     def from_info(cls, info: gateway_pb2.GatewayInfo) -> ServiceCosts:
@@ -59,6 +61,7 @@ class ServiceCosts:
             target_model=info.target.model_name, target_dtype=info.target.dtype, draft_model=info.draft.model_name,
             draft_dtype=info.draft.dtype, draft_quantization=info.draft.quantization,
             draft_compiled_steps=list(info.draft.compiled_steps),
+            target_compiled_steps=list(info.target.compiled_steps),
         )
 
 

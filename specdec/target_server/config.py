@@ -13,6 +13,7 @@ from specdec.serving.config import ModelServiceConfig
 @dataclass(frozen=True)
 class TargetConfig(ModelServiceConfig):
     port: int = inherit(ModelServiceConfig, "port", 50052)
+    compile: str = inherit(ModelServiceConfig, "compile", "auto")
     batch_invariant: bool = option(
         False, "run every verify and decode step in one fixed shape (--invariant-batch requests of "
         "max_speculative_tokens + 1 tokens over max_seq_len keys), so a token's logits do not depend on its batch "

@@ -53,7 +53,8 @@ def _start(config: TargetConfig, caplog: pytest.LogCaptureFixture) -> tuple[Mode
 def test_one_line_and_info_report_every_choice_and_a_restart_reuses_them(
     pinned: list[str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = TargetConfig(kv_token_budget=1024, max_slots=2, max_speculative_tokens=2, retain_freed_memory=False)
+    config = TargetConfig(kv_token_budget=1024, max_slots=2, max_speculative_tokens=2, retain_freed_memory=False,
+                          compile="off")
     info, lines = _start(config, caplog)
     assert len(lines) == 1
     reasons = {c.name: c.reason for c in info.tuning}
