@@ -14,11 +14,11 @@ its inputs, so one graph serves every group. Only the drafting loop's shapes are
 one graph per shape class (`SHAPES`), with the context length (and a batch's size) dynamic:
 a single request's 1-token step, its 2-token round opening (the last draft token and the
 bonus token after a fully accepted round), the same two for a batch (rows of 1 and 2
-tokens padded to 2), and a single request's forwards of 3 to 16 tokens with the width
-dynamic too (a drawn token fed with guessed ones: `specdec.draft_server.engine`). A single
-request keeps its own graphs: with the batch size dynamic its step ran slower. Each graph
-costs as much start-up as the first, so further shapes are built only while
-`--compile-budget-s` lasts; inductor's on-disk cache makes a restart's
+tokens padded to 2), and forwards of 3 to 17 tokens a request, single and batched, with
+the width dynamic too (a verify, or a drawn token fed with guessed ones:
+`specdec.draft_server.engine`). A single request keeps its own graphs: with the batch size
+dynamic its step ran slower. Each graph costs as much start-up as the first, so further
+shapes are built only while `--compile-budget-s` lasts; inductor's on-disk cache makes a restart's
 graphs cheap, and the decisions themselves are kept in the tuning cache
 (`specdec.tuning.startup`), so a restart times nothing.
 
@@ -57,17 +57,19 @@ MAX_LAYERS_PER_COMPILED_CALL = 10
 GUARD_SKIP_MISS = "skip_guard_eval_unsafe"
 #: The request count of a compiled shape class with the batch dimension dynamic: two or more.
 MANY = 2
-#: The narrowest width of the single-request class whose width is dynamic: (1, MULTI) stands
-#: for every width from MULTI to `MAX_MULTI`.
+#: The narrowest width of the classes whose width is dynamic: (1, MULTI) and (MANY, MULTI)
+#: stand for every width from MULTI to `MAX_MULTI`.
 MULTI = 3
-#: The widest forward of that class: wider inputs take the int4 layers' wide kernel
-#: (`specdec.model.quantize_int4.MAX_NARROW_ROWS`), another graph.
-MAX_MULTI = MAX_NARROW_ROWS
-#: The width that builds and times the (1, MULTI) graph: a drawn token and 8 guessed ones,
+#: The widest forward of those classes: a verify at the services' largest K (16) and its
+#: bonus position. Past `MAX_NARROW_ROWS` rows an int4 layer may take its wide kernel, which
+#: the graph traced at `MULTI_TIMING_WIDTH` guards against: there a draft's single 17-token
+#: forward runs eager.
+MAX_MULTI = MAX_NARROW_ROWS + 1
+#: The width that builds and times the MULTI graphs: a drawn token and 8 guessed ones,
 #: the draft's default guess.
 MULTI_TIMING_WIDTH = 9
 #: Shape classes (requests, tokens each) that get a graph, in order of use.
-SHAPES = ((1, 1), (1, 2), (MANY, 1), (MANY, 2), (1, MULTI))
+SHAPES = ((1, 1), (1, 2), (MANY, 1), (MANY, 2), (1, MULTI), (MANY, MULTI))
 #: Context the timed steps attend to (a short chat prompt plus some output).
 TIMING_CONTEXT = 128
 #: Contexts of the warm-up steps: the first compiles (context length dynamic), the second
@@ -90,11 +92,9 @@ Shape = tuple[int, int]
 
 def shape_class(batch_size: int, width: int) -> Shape:
     """The graph a forward of `batch_size` requests × `width` tokens would run: (1, width) for
-    a single request ((1, MULTI) for any width from MULTI to MAX_MULTI), (MANY, width) for any
-    batch of two or more."""
-    if batch_size == 1 and MULTI <= width <= MAX_MULTI:
-        return 1, MULTI
-    return min(batch_size, MANY), width
+    a single request, (MANY, width) for any batch of two or more; any width from MULTI to
+    MAX_MULTI is MULTI."""
+    return min(batch_size, MANY), MULTI if MULTI <= width <= MAX_MULTI else width
 
 
 def layers_per_compiled_call(num_layers: int, limit: int = MAX_LAYERS_PER_COMPILED_CALL) -> int:
@@ -105,13 +105,13 @@ def layers_per_compiled_call(num_layers: int, limit: int = MAX_LAYERS_PER_COMPIL
 
 def shape_name(shape: Shape) -> str:
     requests, width = shape
-    tokens = f"{MULTI}-{MAX_MULTI}" if shape == (1, MULTI) else str(width)
+    tokens = f"{MULTI}-{MAX_MULTI}" if width == MULTI else str(width)
     return f"{'batch' if requests == MANY else 'single-request'} {tokens}-token steps"
 
 
 def built_width(shape: Shape) -> int:
     """The width of the steps that build and time a shape class's graph."""
-    return MULTI_TIMING_WIDTH if shape == (1, MULTI) else shape[1]
+    return MULTI_TIMING_WIDTH if shape[1] == MULTI else shape[1]
 
 
 def compile_options(device: torch.device) -> dict[str, str | int | bool | Callable[..., Any]]:
@@ -179,14 +179,14 @@ class CompiledLayers:
 
     def _mark_dynamic(self, hidden: torch.Tensor, inputs: LayerInputs, cache: PagedKVCache) -> None:
         """One graph for every context length L, every pool size, for a batch every batch size
-        and for (1, MULTI) every width. A pool's tensors live on, so they are marked once, not
-        on every call."""
+        and for the MULTI classes every width. A pool's tensors live on, so they are marked
+        once, not on every call."""
         torch._dynamo.mark_dynamic(inputs.attention.context_index, 1)
         torch._dynamo.mark_dynamic(inputs.attention.bias, 3)
         if hidden.shape[0] >= MANY:
             for tensor in (hidden, *inputs.tensors()):
                 torch._dynamo.mark_dynamic(tensor, 0)
-        elif hidden.shape[1] >= MULTI:  # the width: hidden [1, T, h], cos/sin [1, T, 1, D], bias [1, 1, T, L], rows [T]
+        if hidden.shape[1] >= MULTI:  # the width: hidden [B, T, h], cos/sin [B, T, 1, D], bias [B, 1, T, L], rows [w]
             for tensor, dim in ((hidden, 1), (inputs.cos, 1), (inputs.sin, 1), (inputs.attention.bias, 2),
                                 (inputs.write_index, 0), (inputs.kv_rows, 0)):
                 torch._dynamo.mark_dynamic(tensor, dim)

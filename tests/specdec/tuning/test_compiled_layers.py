@@ -6,7 +6,7 @@ Compiles for real (inductor, C++), once per module: a tiny int4 Llama in bfloat1
 default draft's formats, so the int4 kernel runs inside the compiled graph. Its four
 layers run as two calls of one compiled 2-layer group, with one graph for a single
 request's 1-token steps, one for its 2-token steps, one each for a batch's 1- and 2-token
-steps, and one for a single request's forwards of 3 to 16 tokens.
+steps, and one each for a single request's and a batch's forwards of 3 to 17 tokens a request.
 """
 
 from __future__ import annotations
@@ -178,15 +178,15 @@ def test_further_shapes_wait_for_a_quick_first_graph(runner: CompiledLayers) -> 
     chosen = choose_layer_path(forward, forward.new_cache(token_budget=1024), "on", budget_s=math.inf, runner=runner)
     assert runner.shapes == set(SHAPES)
     assert compiled_step_names(forward) == (
-        "single-request 1-token steps", "single-request 2-token steps", "single-request 3-16-token steps",
-        "batch 1-token steps", "batch 2-token steps",
+        "single-request 1-token steps", "single-request 2-token steps", "single-request 3-17-token steps",
+        "batch 1-token steps", "batch 2-token steps", "batch 3-17-token steps",
     )
 
 
-def test_single_request_forwards_of_3_to_16_tokens_run_one_graph_with_the_same_numbers(
+def test_single_request_forwards_of_3_to_17_tokens_run_one_graph_with_the_same_numbers(
     runner: CompiledLayers,
 ) -> None:
-    """A drawn token fed with guessed ones: any width from MULTI to MAX_MULTI runs the one graph
+    """A verify, or a drawn token fed with guessed ones: any width from MULTI to MAX_MULTI runs the one graph
     (the width dynamic), with eager's logits for every row and its cache writes."""
     widths = (MULTI, 9, MAX_MULTI, 5)
     starts = [40 + sum(widths[:i]) for i in range(len(widths))]
@@ -215,6 +215,18 @@ def test_batch_steps_of_any_size_run_one_graph_with_the_same_numbers(runner: Com
                                        eager_kv.index_select(0, rows).float(), atol=0.02, rtol=0.02)
 
 
+def test_batch_forwards_of_3_to_17_tokens_run_one_graph_with_the_same_numbers(runner: CompiledLayers) -> None:
+    """A batch's verify or guessed forwards: rows of 1 to 17 tokens padded to the widest (3 to
+    17), at 2 and 3 requests, run the one batch graph (batch size and width dynamic) with
+    eager's logits."""
+    steps: list[Chunks] = [  # each step reads what the steps before wrote
+        [("a", PROMPT[160:169]), ("b", PROMPT[169:172])],
+        [("a", PROMPT[172:173]), ("b", PROMPT[173:190]), ("c", PROMPT[190:195])],
+        [("c", PROMPT[100:104]), ("a", PROMPT[104:108])],
+    ]
+    _assert_same_logits(_steps_on_both_paths(runner, {"a": 20, "b": 33, "c": 7}, steps, logits="all"))
+
+
 def test_batch_round_openings_run_their_own_graph_with_the_same_numbers(runner: CompiledLayers) -> None:
     """A batch's round-opening feed: rows after a fully accepted round feed 2 tokens, the
     others 1, padded to one [B, 2] step that runs the batch 2-token graph with eager's numbers."""
@@ -233,8 +245,8 @@ def test_wider_chunks_run_eager_with_the_same_numbers(runner: CompiledLayers) ->
         for slot, length in (("a", 20), ("b", 33)):
             cache.blocks.allocate(slot)
             forward.run(cache, [(slot, PROMPT[:length])])
-        results[path] = forward.run(cache, [("a", [1]), ("b", [2, 3, 4])], logits="all")
-        results[path] += forward.run(cache, [("a", PROMPT[:MAX_MULTI + 1])], logits="all")  # past the 3-16 graph
+        results[path] = forward.run(cache, [("a", [1]), ("b", PROMPT[:MAX_MULTI + 1])], logits="all")
+        results[path] += forward.run(cache, [("a", PROMPT[:MAX_MULTI + 1])], logits="all")  # past the 3-17 graphs
     for want, got in zip(results["eager"], results["compiled"]):
         assert torch.equal(want, got)  # the same eager code ran both times
 
@@ -293,7 +305,7 @@ def test_auto_keeps_the_shapes_measured_faster(runner: CompiledLayers, monkeypat
     forward = runner.forward
     chosen = choose_layer_path(forward, forward.new_cache(token_budget=1024), "auto", budget_s=math.inf, runner=runner)
     assert chosen.measured and chosen.path == "compiled" and runner.shapes == {(1, 1), (2, 1)}
-    assert chosen.decisions == {"1x1": True, "1x2": False, "2x1": True, "2x2": False, "1x3": False}
+    assert chosen.decisions == {"1x1": True, "1x2": False, "2x1": True, "2x2": False, "1x3": False, "2x3": False}
     assert forward.layer_runner is runner and set(chosen.times) == {shape_key(s) for s in SHAPES}
 
 
@@ -303,7 +315,7 @@ def test_auto_reuses_known_decisions_without_timing(runner: CompiledLayers, monk
 
     monkeypatch.setattr(compiled_layers, "interleaved_times", no_timing)
     forward = runner.forward
-    known = {"1x1": True, "1x2": False, "2x1": False, "2x2": True, "1x3": False}
+    known = {"1x1": True, "1x2": False, "2x1": False, "2x2": True, "1x3": False, "2x3": False}
     chosen = choose_layer_path(forward, forward.new_cache(token_budget=1024), "auto", known=known, runner=runner)
     assert not chosen.measured and runner.shapes == {(1, 1), (2, 2)} and chosen.decisions == known
     everything_eager = dict.fromkeys(known, False)
@@ -337,7 +349,7 @@ def test_cached_decisions_leave_the_graphs_for_after_start_up(runner: CompiledLa
     afterwards, one call at a time, without timing anything."""
     key = TuningKey(machine="m", torch="t", model="tiny", weights="w", dtype="bfloat16", quantization="int4",
                     device="cpu", threads=1, code="c", settings="")
-    known = {"1x1": True, "1x2": False, "2x1": True, "2x2": False, "1x3": False}
+    known = {"1x1": True, "1x2": False, "2x1": True, "2x2": False, "1x3": False, "2x3": False}
     TuningStore(tmp_path).save(key, {"compiled_steps": known})
     forward = runner.forward
     cache = forward.new_cache(token_budget=1024)
@@ -375,12 +387,12 @@ def test_undecided_shapes_are_timed_after_start_up_and_their_decisions_saved(
     tuner.layer_path(forward, cache, "auto", math.inf, measure=True)
     assert tuner.pending == list(SHAPES) and runner.shapes == set()
     assert tuner.choices[-1].value == "single-request 1-token steps"
-    assert tuner.choices[-1].detail == "graphs load after start-up, 4 more tried then"
+    assert tuner.choices[-1].detail == "graphs load after start-up, 5 more tried then"
     while tuner.load_pending(cache):
         pass
-    assert runner.shapes == {(1, 1), (2, 1)} and len(tuner.loaded_detail) == 4
+    assert runner.shapes == {(1, 1), (2, 1)} and len(tuner.loaded_detail) == 5
     assert TuningStore(tmp_path).load(key)["compiled_steps"] == {
-        "1x1": True, "1x2": False, "2x1": True, "2x2": False, "1x3": False,
+        "1x1": True, "1x2": False, "2x1": True, "2x2": False, "1x3": False, "2x3": False,
     }
 
 
