@@ -106,8 +106,8 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
         True, "time the forward pass at start-up so the gateway can plan K from real costs", advanced=True,
     )
     compile: str = option(
-        "off", "torch.compile the decoder layers of the drafting loop's steps (1 and 2 tokens, and a single request's "
-        "3-16 tokens): on, off, or auto "
+        "off", "torch.compile the decoder layers of the steps, verifies and guessed forwards of up to 17 tokens a "
+        "request: on, off, or auto "
         "(compile, time both at start-up, keep the faster; eager with --no-measure-costs)",
         choices=COMPILE_MODES, advanced=True,
     )
