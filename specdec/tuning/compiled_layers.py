@@ -1,5 +1,5 @@
-"""The drafting loop's short steps with their decoder layers under `torch.compile`, where that
-measures faster.
+"""Decoding's short forwards (steps, verifies, guessed forwards) with their decoder layers
+under `torch.compile`, where that measures faster.
 
 A 1-token step of a small model is mostly small ops (RMSNorm, RoPE, the cache write and
 gather, softmax, SiLU), each its own kernel launch between the matmuls. Compiled, the ops
@@ -10,22 +10,23 @@ keeps the faster; compilation that fails (no C++ compiler, an op the compiler do
 on this device) leaves the model eager with a warning.
 
 One function runs a group of `layers_per_call` consecutive layers with their weights among
-its inputs, so one graph serves every group. Only the drafting loop's shapes are compiled,
-one graph per shape class (`SHAPES`), with the context length (and a batch's size) dynamic:
-a single request's 1-token step, its 2-token round opening (the last draft token and the
-bonus token after a fully accepted round), the same two for a batch (rows of 1 and 2
-tokens padded to 2), and forwards of 3 to 17 tokens a request, single and batched, with
-the width dynamic too (a verify, or a drawn token fed with guessed ones:
-`specdec.draft_server.engine`). A single request keeps its own graphs: with the batch size
+its inputs, so one graph serves every group. Only decoding's shapes are compiled (a
+prompt's prefill stays eager), one graph per shape class (`SHAPES`), with the context length
+(and a batch's size) dynamic: a single request's 1-token step, its 2-token round opening
+(the last draft token and the bonus token after a fully accepted round), the same two for
+a batch (rows of 1 and 2 tokens padded to 2), and forwards of 3 to 17 tokens a request,
+single and batched, with the width dynamic too (a verify, or a drawn token fed with
+guessed ones: `specdec.draft_server.engine`). A single request keeps its own graphs: with the batch size
 dynamic its step ran slower. Each graph costs as much start-up as the first, so further
-shapes are built only while `--compile-budget-s` lasts; inductor's on-disk cache makes a restart's
-graphs cheap, and the decisions themselves are kept in the tuning cache
+shapes are built only while `--compile-budget-s` lasts; inductor's on-disk cache makes a
+restart's graphs cheap, and the decisions themselves are kept in the tuning cache
 (`specdec.tuning.startup`), so a restart times nothing.
 
 The graph has no guards on the layers' modules (their attributes are fixed once the model is
 built); once warmed up, calls also skip dynamo's guards on Python values
 (`skip_guard_eval_unsafe`) and check only those on tensors, which tell the graphs apart.
-Timings behind these rules: docs/performance.md#compiled-draft-layers.
+Timings behind these rules: docs/performance.md#compiled-draft-layers,
+#compiled-guessed-forwards and #compiled-target-layers.
 """
 
 from __future__ import annotations
