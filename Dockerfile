@@ -33,8 +33,8 @@ RUN case "$VARIANT" in \
     esac \
     && pip install --index-url "$index" "torch==${TORCH_VERSION}"
 
-# 2. A C++ compiler for torch.compile's CPU kernels: the draft compiles its decoder layers at
-#    start-up (`--compile auto`) and falls back to eager without one.
+# 2. A C++ compiler for torch.compile's CPU kernels: both services compile their decoder
+#    layers at start-up (`--compile auto`) and fall back to eager without one.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
