@@ -186,8 +186,8 @@ def test_further_shapes_wait_for_a_quick_first_graph(runner: CompiledLayers) -> 
 def test_single_request_forwards_of_3_to_17_tokens_run_one_graph_with_the_same_numbers(
     runner: CompiledLayers,
 ) -> None:
-    """A verify, or a drawn token fed with guessed ones: any width from MULTI to MAX_MULTI runs the one graph
-    (the width dynamic), with eager's logits for every row and its cache writes."""
+    """A verify, or a drawn token fed with guessed ones: any width from MULTI to MAX_MULTI runs
+    the one graph (the width dynamic), with eager's logits for every row and its cache writes."""
     widths = (MULTI, 9, MAX_MULTI, 5)
     starts = [40 + sum(widths[:i]) for i in range(len(widths))]
     steps = [[("s", PROMPT[start : start + width])] for start, width in zip(starts, widths)]
