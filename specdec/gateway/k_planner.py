@@ -189,6 +189,14 @@ class LookupTrust:
         self.kept += kept
 
 
+def catch_up_class(tokens: int) -> int:
+    """The length class of a catch-up of `tokens` tokens: their count's power of two."""
+    return max(tokens, 1).bit_length()
+
+
+#: A draft catch-up dearer than this many plain rounds waits until its request has spent as
+#: long without it (`KPlanner._renting`).
+RENT_FROM_ROUNDS = 4
 #: The most a request's trust may raise a lookup's α: a sure copy can still part.
 MAX_LOOKUP_ALPHA = 0.99
 #: A plain round's overhead at most this share of a target step counts as cheap
@@ -236,8 +244,9 @@ class KPlanner:
     draft_overhead: DraftOverhead = field(init=False)
     _target_scale: _Scale = field(default_factory=_Scale, init=False)
     _draft_scale: _Scale = field(default_factory=_Scale, init=False)
-    #: Measured ÷ predicted seconds of the draft's catch-ups past its table's widest chunk.
-    _catch_up_scale: _Scale = field(default_factory=_Scale, init=False)
+    #: Measured ÷ predicted seconds of the draft's catch-ups past its table's widest chunk, per
+    #: `catch_up_class` of their length.
+    _catch_up_scales: dict[int, _Scale] = field(default_factory=dict, init=False)
     _estimates: dict[str, AcceptanceEstimate] = field(default_factory=dict, init=False)
     _idle_rounds: dict[str, int] = field(default_factory=dict, init=False)
     _probe_interval: dict[str, int] = field(default_factory=dict, init=False)
@@ -251,6 +260,8 @@ class KPlanner:
     _global_self_guesses: SelfGuessEstimate = field(default_factory=SelfGuessEstimate, init=False)
     #: Whether any round with draft tokens has been observed (α is more than the prior).
     _measured_alpha: bool = field(default=False, init=False)
+    #: Seconds of the rounds each request spent waiting to pay its draft's catch-up (`_renting`).
+    _rent: dict[str, float] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.global_alpha = AcceptanceEstimate(self.prior_alpha, self.global_weight)
@@ -265,7 +276,7 @@ class KPlanner:
         if service == "target":
             self._target, self._target_scale = table, _Scale()
         else:
-            self._draft, self._draft_scale, self._catch_up_scale = table, _Scale(), _Scale()
+            self._draft, self._draft_scale, self._catch_up_scales = table, _Scale(), {}
 
     @property
     def can_adapt(self) -> bool:
@@ -350,11 +361,12 @@ class KPlanner:
     def plan(
         self, seqs: list[Sequence], caps: dict[str, int], adaptive: dict[str, bool],
         steps: dict[str, int] | None = None, *, lookups: dict[str, LookupDraft] | None = None,
-        model_allowed: Collection[str] | None = None, self_guessing: Collection[str] = (),
+        model_allowed: Collection[str] | None = None, lookup_allowed: Collection[str] = (),
+        self_guessing: Collection[str] = (),
     ) -> RoundPlan:
         """K and draft source per request. `caps` bounds each K (its requested or remaining room);
-        `lookups` are this round's lookup proposals (of requests that allow lookups),
-        `model_allowed` the requests the draft model may draft for (default: all), and
+        `lookups` are this round's lookup proposals (of the `lookup_allowed` requests that have
+        one), `model_allowed` the requests the draft model may draft for (default: all), and
         `self_guessing` those whose draft may guess with its own lookup (with `guesses`). Adaptive
         requests get the planner's choice, the others `fixed_choice`. `steps` is what a plain
         round would decode per request (multi-step), which prices K = 0; the plan keeps them
@@ -371,14 +383,16 @@ class KPlanner:
         off_reason = None
         if flexible and self.can_adapt:
             model = self.cost_model(context)
+            plain_round = model.round_seconds([0] * len(seqs))
+            catch_ups = [self._catch_up(s, model) for s in seqs]
+            model_ok -= self._renting([s for s in flexible if s.slot_id in lookup_allowed], catch_ups, seqs,
+                                      plain_round)
             alphas, lookup_alphas = [self.alphas(s) for s in seqs], self._lookup_alphas(seqs, lookups)
-            rates = RatePredictor(model, seqs, alphas, [self._catch_up(s, model) for s in seqs],
-                                  [feeds[s.slot_id] for s in seqs], lookup_alphas,
+            rates = RatePredictor(model, seqs, alphas, catch_ups, [feeds[s.slot_id] for s in seqs], lookup_alphas,
                                   self._guess_cuts(model, seqs, caps, guessable, lookup_alphas, model_ok),
                                   [self.self_guess_rates(s) if s.slot_id in own else SelfGuessRates() for s in seqs])
             off_reason = self._choose(rates, choice, flexible, caps, steps, lookups, model_ok)
             guesses = self._guesses(rates, choice, lookups)
-            plain_round = model.round_seconds([0] * len(seqs))
 
             def worth_probing(s: Sequence) -> bool:
                 return (self._probe_affordable(s, model, plain_round, len(seqs))
@@ -397,12 +411,12 @@ class KPlanner:
         own = {slot for slot in own if ks.get(slot, 0) > 0 and slot not in chosen}
         within, beyond = 0.0, 0.0
         if catching and self._draft is not None:
-            draft = self._draft.scaled(self._draft_scale.value)
             for s in catching:
-                part_within, part_beyond = self._catch_up_forward(s, draft)
+                part_within, part_beyond = self._catch_up_forward(s, self._draft)
                 within, beyond = within + part_within, beyond + part_beyond
+        longest = max((s.draft_pending for s in catching), default=0)
         return RoundPlan(ks, {} if any(ks.values()) else steps, feeds, context, bool(catching), off_reason, chosen,
-                         offered, guesses, own, within + beyond, beyond)
+                         offered, guesses, own, within + beyond, beyond, longest)
 
     def self_guess_rates(self, seq: Sequence) -> SelfGuessRates:
         """What guesses are expected to do in the request's model rounds while its draft guesses
@@ -542,14 +556,26 @@ class KPlanner:
         prefill for a few rounds of gain."""
         if model.draft is None or seq.draft_pending <= MAX_ROUND_FEED:
             return CatchUp()
-        extra = self._catch_up_seconds(seq, model.draft) - model.draft.step(1)
+        extra = self._catch_up_seconds(seq) - model.draft.step(1)
         return CatchUp(max(0.0, extra), seq.max_new_tokens - seq.completion_tokens)
 
-    def _catch_up_seconds(self, seq: Sequence, draft: CostTable) -> float:
+    def _catch_up_seconds(self, seq: Sequence) -> float:
         """The forward that feeds the draft what it has not seen of `seq`: the table's seconds,
-        their part past its widest measured chunk corrected by what catch-ups measured."""
-        within, beyond = self._catch_up_forward(seq, draft)
-        return within + self._catch_up_scale.value * beyond
+        their part past its widest measured chunk corrected by what catch-ups measured. The
+        table as measured, not scaled by what the draft's steps took since: a catch-up is a
+        prompt, or more tokens than a compiled step takes, and runs eager, as the table's wide
+        chunks did, while the steps may run compiled graphs loaded after start-up."""
+        assert self._draft is not None
+        within, beyond = self._catch_up_forward(seq, self._draft)
+        return within + self._catch_up_scale(catch_up_class(seq.draft_pending)) * beyond
+
+    def _catch_up_scale(self, length_class: int) -> float:
+        """The correction of catch-ups of `length_class`: its own, else the nearest class's that
+        catch-ups measured (a shorter one first), else none."""
+        if not self._catch_up_scales:
+            return 1.0
+        nearest = min(self._catch_up_scales, key=lambda c: (abs(c - length_class), c > length_class))
+        return self._catch_up_scales[nearest].value
 
     @staticmethod
     def _catch_up_forward(seq: Sequence, draft: CostTable) -> tuple[float, float]:
@@ -557,11 +583,33 @@ class KPlanner:
         `seq`: up to its widest measured chunk, and the rest. Its queries read only the context
         the draft holds (not the batch's: a prompt's catch-up reads nothing but itself). Past
         the widest chunk the table extends a line, but a chunk reads more of itself the wider
-        it is (attention grows with its square), hence `_catch_up_scale`."""
+        it is (attention grows with its square), hence `_catch_up_scales`, one for each length
+        class: a chat prompt's catch-up says little of a 2,000-token one's."""
         held = draft.at_context(max(float(seq.draft_valid), float(draft.base_context)))
         pending = max(seq.draft_pending, 1)
         within = held.seconds(1, min(pending, draft.widest_chunk))
         return within, held.seconds(1, pending) - within
+
+    def _renting(
+        self, candidates: list[Sequence], catch_ups: list[CatchUp], seqs: list[Sequence], round_s: float
+    ) -> set[str]:
+        """The `candidates` (requests that may also look up) whose draft catch-up waits this
+        round: each pays one only once the rounds it took part in without it have cost as much
+        as the catch-up itself (the ski-rental rule: never more than twice the better of the
+        two choices made in hindsight). Meanwhile it drafts by lookup or decodes plainly, which
+        shows whether its answer copies (its lookup trust) and whether it is short, the two
+        things that decide whether seconds of a long prompt's catch-up are repaid. A catch-up
+        of at most `RENT_FROM_ROUNDS` rounds (a chat prompt's) waits for none: lost, it costs
+        little. Each waiting round adds `round_s` to the request's rent."""
+        extra = {s.slot_id: catch_up.extra_s for s, catch_up in zip(seqs, catch_ups)}
+        waiting = set()
+        for s in candidates:
+            rent = self._rent.get(s.slot_id, 0.0)
+            if extra[s.slot_id] > RENT_FROM_ROUNDS * round_s and extra[s.slot_id] > rent:
+                self._rent[s.slot_id] = rent + round_s
+                waiting.add(s.slot_id)
+                log.debug("catch-up of %s waits: %.2f s, %.2f s rented", s.slot_id, extra[s.slot_id], rent)
+        return waiting
 
     def _probe_affordable(self, seq: Sequence, model: RoundCostModel, plain_round: float, batch_size: int) -> bool:
         """A probe's catch-up may cost at most `probe_budget` of the request's remaining plain
@@ -572,7 +620,7 @@ class KPlanner:
             return False
         if not self._measured_alpha:
             return True
-        cost = self._catch_up_seconds(seq, model.draft) + (self.probe_k - 1) * model.draft.step(1)
+        cost = self._catch_up_seconds(seq) + (self.probe_k - 1) * model.draft.step(1)
         remaining_s = (seq.max_new_tokens - seq.completion_tokens) * plain_round
         return cost * batch_size <= self.probe_budget * remaining_s
 
@@ -648,7 +696,8 @@ class KPlanner:
                     self._draft_scale.observe_ratio(report.propose.compute_s, predicted, self.cost_weight)
                 elif plan.catch_up_beyond_s > 0:  # the Propose's time past its steps was the catch-ups'
                     rest = predicted * self._draft_scale.value + plan.catch_up_s - plan.catch_up_beyond_s
-                    self._catch_up_scale.observe_ratio(report.propose.compute_s - rest, plan.catch_up_beyond_s,
+                    scale = self._catch_up_scales.setdefault(catch_up_class(plan.catch_up_tokens), _Scale())
+                    scale.observe_ratio(report.propose.compute_s - rest, plan.catch_up_beyond_s,
                                                        self.cost_weight)
         self._observe_overhead(sum(drafts), sum(ks) - sum(drafts), report.overhead_s)
 
@@ -695,6 +744,7 @@ class KPlanner:
         self._estimates.pop(seq.slot_id, None)
         self._self_guesses.pop(seq.slot_id, None)
         self._lookup_trust.pop(seq.slot_id, None)
+        self._rent.pop(seq.slot_id, None)
         self._idle_rounds.pop(seq.slot_id, None)
         self._probe_interval.pop(seq.slot_id, None)
         self._probing.discard(seq.slot_id)

@@ -40,11 +40,13 @@ class RoundPlan:
     #: Requests the draft model drafts for that let it guess with its own lookup
     #: (`ProposeItem.lookup_guesses`).
     self_guessing: set[str] = field(default_factory=set)
-    #: Seconds the round's catch-ups take by the draft's cost table (its online scale
-    #: applied), and of them the part past the table's widest measured chunk: the planner's
-    #: catch-up correction compares the Propose's time with them.
+    #: Seconds the round's catch-ups take by the draft's cost table as measured, and of them
+    #: the part past the table's widest measured chunk: the planner's catch-up correction
+    #: compares the Propose's time with them.
     catch_up_s: float = 0.0
     catch_up_beyond_s: float = 0.0
+    #: Tokens of the round's longest catch-up (its length class gets the correction).
+    catch_up_tokens: int = 0
 
     @property
     def drafts(self) -> bool:

@@ -225,6 +225,7 @@ class Scheduler:
         steps = {s.slot_id: plan_steps(s, self.max_seq_len, 1 if s.slot_id in one_step else limit) for s in batch}
         plan = self.planner.plan(batch, caps, {s.slot_id: s.adaptive for s in batch}, steps,
                                  lookups=self._lookups(batch, caps), model_allowed=model_allowed,
+                                 lookup_allowed=looking_up,
                                  self_guessing=looking_up)  # their draft guesses with its own lookups
         if self.draft is not None and draft_off and any(caps[s.slot_id] and s.method.allows_model for s in batch):
             self.stats.off_rounds["draft_unavailable"] += 1

@@ -231,30 +231,90 @@ def test_a_prompt_catch_up_is_priced_at_the_context_the_draft_holds() -> None:
     assert planner.plan([long], {"long": 16}, {"long": True}).ks["long"] >= 4
 
 
+def test_a_request_that_may_look_up_rents_before_it_buys_a_long_catch_up() -> None:
+    """Ski rental: the catch-up of a 1,000-token prompt (~28 plain rounds here) waits while the
+    request may look up, until its rounds without the draft cost as much; then the planner
+    prices it as before. A model-only request, and a chat-sized catch-up, never wait."""
+    long_prompt = [*draft_costs(0.23), ForwardCost(1, 1000, 0.040 * 30)]
+    planner = KPlanner(TARGET, long_prompt, prior_alpha=0.975)
+    rented, model_only, chat = seq("rented"), seq("model_only"), seq("chat")
+    for s in (rented, model_only):
+        s.tokens, s.max_new_tokens = list(range(1000)), 1000
+    chat.max_new_tokens = 1000
+
+    def plan(s: Sequence) -> int:
+        lookup_allowed = () if s is model_only else (s.slot_id,)
+        return planner.plan([s], {s.slot_id: 8}, {s.slot_id: True}, lookup_allowed=lookup_allowed).ks[s.slot_id]
+
+    assert plan(model_only) == 8 and plan(chat) == 8
+    extra = planner._catch_up(rented, planner.cost_model(1000)).extra_s
+    plain_round = planner.cost_model(1000).round_seconds([0])
+    waits = 0
+    while plan(rented) == 0:
+        waits += 1
+        assert waits < 100
+    assert waits == pytest.approx(extra / plain_round, abs=1)
+    planner.forget(rented)  # a new request under the same slot rents afresh
+    assert plan(rented) == 0
+
+
 def test_a_catch_up_slower_than_its_price_is_priced_higher_next_time() -> None:
     # The table prices a 1,000-token catch-up from its 64-token point on; the Propose that ran
     # it took three times that part more than its steps: the next catch-up costs that, while one
-    # within the widest measured chunk keeps the table's price.
+    # within the widest measured chunk keeps the table's price. Each length class keeps its own
+    # correction (a chat prompt's catch-up says little of a long one's); a class not measured
+    # yet takes the nearest measured one's.
     draft = [*draft_costs(0.25), ForwardCost(1, 64, 0.040 * 0.25 * 6)]
     planner = KPlanner(TARGET, draft, prior_alpha=0.95)
-    first, short = seq("first"), seq("short")
+    first, short, shorter = seq("first"), seq("short"), seq("shorter")
     first.tokens, first.max_new_tokens, short.tokens = list(range(1000)), 1000, list(range(60))
-    plan = planner.plan([first], {"first": 2}, {"first": True})
-    assert plan.ks["first"] == 2 and plan.catching_up and 0 < plan.catch_up_beyond_s < plan.catch_up_s
+    shorter.tokens, shorter.max_new_tokens = list(range(200)), 1000
 
     def price(s: Sequence) -> float:
-        return planner._catch_up_seconds(s, planner.cost_model().draft)
+        return planner._catch_up_seconds(s)
+
+    def run(s: Sequence, times_beyond: float) -> RoundPlan:
+        """Plan `s` alone and report its catch-up as `times_beyond` × its part past the table."""
+        plan = planner.plan([s], {s.slot_id: 2}, {s.slot_id: True})
+        assert plan.ks[s.slot_id] == 2 and plan.catching_up and 0 < plan.catch_up_beyond_s < plan.catch_up_s
+        steps = planner.cost_model().draft_seconds([2], [1])
+        took = steps + plan.catch_up_s + (times_beyond - 1) * plan.catch_up_beyond_s
+        planner.observe(plan, [s], RoundReport(plan.ks, {s.slot_id: 2}, Timed(None, took, 0.0),
+                                               Timed(None, 0.05, 0.0), 0.0, 0.0))
+        return plan
 
     before, short_before = price(first), price(short)
-    assert before == pytest.approx(plan.catch_up_s)
-    two_steps = planner.cost_model().draft_seconds([2], [1])
-    took = two_steps + plan.catch_up_s + 2 * plan.catch_up_beyond_s
-    planner.observe(plan, [first], RoundReport(plan.ks, {"first": 2}, Timed(None, took, 0.0),
-                                               Timed(None, 0.05, 0.0), 0.0, 0.0))
+    plan = run(first, times_beyond=3)
+    assert plan.catch_up_s == pytest.approx(before) and plan.catch_up_tokens == 1000
     assert price(first) == pytest.approx(before + 2 * plan.catch_up_beyond_s)
     assert price(short) == pytest.approx(short_before)
+    within, beyond = planner._catch_up_forward(shorter, planner.cost_model().draft)
+    assert price(shorter) == pytest.approx(within + 3 * beyond)  # not measured: the nearest class's x3
+    run(shorter, times_beyond=0.5)  # its own class measures cheaper: the long class keeps its correction
+    assert price(shorter) == pytest.approx(within + 0.5 * beyond)
+    assert price(first) == pytest.approx(before + 2 * plan.catch_up_beyond_s)
     planner.set_costs("draft", draft)  # a restarted draft: measured afresh
     assert price(first) == pytest.approx(before)
+
+
+def test_steps_faster_than_the_table_do_not_cheapen_a_catch_up() -> None:
+    """Compiled steps loaded after start-up run faster than the table measured them; a
+    catch-up runs eager, as the table's wide chunks did, so its price stays the table's."""
+    draft = [*draft_costs(0.25), ForwardCost(1, 64, 0.040 * 0.25 * 6)]
+    planner = KPlanner(TARGET, draft, prior_alpha=0.95)
+    warm, long = seq("warm"), seq("long")
+    long.tokens, warm.draft_valid = list(range(1000)), len(warm.tokens) - 1  # the draft saw warm's prompt
+    before = planner._catch_up_seconds(long)
+    for _ in range(20):
+        plan = planner.plan([warm], {"warm": 4}, {"warm": True})
+        assert plan.ks["warm"] > 0 and not plan.catching_up
+        half = 0.5 * planner.cost_model().draft_seconds([plan.ks["warm"]], [1])
+        planner.observe(plan, [warm], RoundReport(plan.ks, {"warm": plan.ks["warm"]}, Timed(None, half, 0.0),
+                                                  Timed(None, 0.05, 0.0), 0.0, 0.0))
+        warm.tokens.extend([7] * (plan.ks["warm"] + 1))
+        warm.draft_valid = len(warm.tokens) - 1
+    assert planner.cost_model().draft.step(1) < 0.7 * KPlanner(TARGET, draft).cost_model().draft.step(1)
+    assert planner._catch_up_seconds(long) == pytest.approx(before)
 
 
 def test_the_first_probe_ignores_the_budget_so_a_good_draft_is_found() -> None:
