@@ -18,6 +18,8 @@ lookup is judged only if the j before it were accepted, and then its match is j 
 longer: so its α is the estimate of that longer match, and a proposal grows more certain
 as it goes. Each request scales those α by how its own lookups have fared against them
 (`LookupTrust`), so a text that does not copy stops paying for lookups learnt on one that does.
+A request that may look up drafts by lookup or plainly before it pays for a long prompt's draft
+catch-up (`KPlanner._renting`): its first rounds show whether its answer copies or ends soon.
 """
 
 from __future__ import annotations
@@ -595,8 +597,8 @@ class KPlanner:
     ) -> set[str]:
         """The `candidates` (requests that may also look up) whose draft catch-up waits this
         round: each pays one only once the rounds it took part in without it have cost as much
-        as the catch-up itself (the ski-rental rule: never more than twice the better of the
-        two choices made in hindsight). Meanwhile it drafts by lookup or decodes plainly, which
+        as the catch-up itself (the ski-rental rule, which in its simple model costs at most
+        twice the better of the two choices made in hindsight). Meanwhile it drafts by lookup or decodes plainly, which
         shows whether its answer copies (its lookup trust) and whether it is short, the two
         things that decide whether seconds of a long prompt's catch-up are repaid. A catch-up
         of at most `RENT_FROM_ROUNDS` rounds (a chat prompt's) waits for none: lost, it costs
@@ -697,8 +699,7 @@ class KPlanner:
                 elif plan.catch_up_beyond_s > 0:  # the Propose's time past its steps was the catch-ups'
                     rest = predicted * self._draft_scale.value + plan.catch_up_s - plan.catch_up_beyond_s
                     scale = self._catch_up_scales.setdefault(catch_up_class(plan.catch_up_tokens), _Scale())
-                    scale.observe_ratio(report.propose.compute_s - rest, plan.catch_up_beyond_s,
-                                                       self.cost_weight)
+                    scale.observe_ratio(report.propose.compute_s - rest, plan.catch_up_beyond_s, self.cost_weight)
         self._observe_overhead(sum(drafts), sum(ks) - sum(drafts), report.overhead_s)
 
     def _observe_self_guesses(self, plan: RoundPlan, report: RoundReport) -> None:
