@@ -232,7 +232,7 @@ def test_a_prompt_catch_up_is_priced_at_the_context_the_draft_holds() -> None:
 
 
 def test_a_request_that_may_look_up_rents_before_it_buys_a_long_catch_up() -> None:
-    """Ski rental: the catch-up of a 1,000-token prompt (~28 plain rounds here) waits while the
+    """Ski rental: the catch-up of a 1,000-token prompt (~30 plain rounds here) waits while the
     request may look up, until its rounds without the draft cost as much; then the planner
     prices it as before. A model-only request, and a chat-sized catch-up, never wait."""
     long_prompt = [*draft_costs(0.23), ForwardCost(1, 1000, 0.040 * 30)]
