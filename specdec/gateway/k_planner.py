@@ -387,8 +387,8 @@ class KPlanner:
             model = self.cost_model(context)
             plain_round = model.round_seconds([0] * len(seqs))
             catch_ups = [self._catch_up(s, model) for s in seqs]
-            model_ok -= self._renting([s for s in flexible if s.slot_id in lookup_allowed], catch_ups, seqs,
-                                      plain_round)
+            model_ok -= self._renting([(s, catch_up) for s, catch_up in zip(seqs, catch_ups)
+                                       if s in flexible and s.slot_id in lookup_allowed], plain_round)
             alphas, lookup_alphas = [self.alphas(s) for s in seqs], self._lookup_alphas(seqs, lookups)
             rates = RatePredictor(model, seqs, alphas, catch_ups, [feeds[s.slot_id] for s in seqs], lookup_alphas,
                                   self._guess_cuts(model, seqs, caps, guessable, lookup_alphas, model_ok),
@@ -592,25 +592,23 @@ class KPlanner:
         within = held.seconds(1, min(pending, draft.widest_chunk))
         return within, held.seconds(1, pending) - within
 
-    def _renting(
-        self, candidates: list[Sequence], catch_ups: list[CatchUp], seqs: list[Sequence], round_s: float
-    ) -> set[str]:
-        """The `candidates` (requests that may also look up) whose draft catch-up waits this
-        round: each pays one only once the rounds it took part in without it have cost as much
-        as the catch-up itself (the ski-rental rule, which in its simple model costs at most
-        twice the better of the two choices made in hindsight). Meanwhile it drafts by lookup or decodes plainly, which
-        shows whether its answer copies (its lookup trust) and whether it is short, the two
-        things that decide whether seconds of a long prompt's catch-up are repaid. A catch-up
-        of at most `RENT_FROM_ROUNDS` rounds (a chat prompt's) waits for none: lost, it costs
-        little. Each waiting round adds `round_s` to the request's rent."""
-        extra = {s.slot_id: catch_up.extra_s for s, catch_up in zip(seqs, catch_ups)}
+    def _renting(self, candidates: list[tuple[Sequence, CatchUp]], round_s: float) -> set[str]:
+        """The `candidates` (requests that may also look up, with their catch-ups) whose draft
+        catch-up waits this round: each pays one only once the rounds it took part in without
+        it have cost as much as the catch-up itself (the ski-rental rule, which in its simple
+        model costs at most twice the better of the two choices made in hindsight). Meanwhile
+        it drafts by lookup or decodes plainly, which shows whether its answer copies (its
+        lookup trust) and whether it is short, the two things that decide whether seconds of a
+        long prompt's catch-up are repaid. A catch-up of at most `RENT_FROM_ROUNDS` rounds (a
+        chat prompt's) waits for none: lost, it costs little. Each waiting round adds `round_s`
+        to the request's rent."""
         waiting = set()
-        for s in candidates:
+        for s, catch_up in candidates:
             rent = self._rent.get(s.slot_id, 0.0)
-            if extra[s.slot_id] > RENT_FROM_ROUNDS * round_s and extra[s.slot_id] > rent:
+            if catch_up.extra_s > RENT_FROM_ROUNDS * round_s and catch_up.extra_s > rent:
                 self._rent[s.slot_id] = rent + round_s
                 waiting.add(s.slot_id)
-                log.debug("catch-up of %s waits: %.2f s, %.2f s rented", s.slot_id, extra[s.slot_id], rent)
+                log.debug("catch-up of %s waits: %.2f s, %.2f s rented", s.slot_id, catch_up.extra_s, rent)
         return waiting
 
     def _probe_affordable(self, seq: Sequence, model: RoundCostModel, plain_round: float, batch_size: int) -> bool:

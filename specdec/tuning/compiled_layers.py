@@ -16,10 +16,10 @@ prompt's prefill stays eager), one graph per shape class (`SHAPES`), with the co
 (the last draft token and the bonus token after a fully accepted round), the same two for
 a batch (rows of 1 and 2 tokens padded to 2), and forwards of 3 to 17 tokens a request,
 single and batched, with the width dynamic too (a verify, or a drawn token fed with
-guessed ones: `specdec.draft_server.engine`). A single request keeps its own graphs: with the batch size
-dynamic its step ran slower. Each graph costs as much start-up as the first, so further
-shapes are built only while `--compile-budget-s` lasts; inductor's on-disk cache makes a
-restart's graphs cheap, and the decisions themselves are kept in the tuning cache
+guessed ones: `specdec.draft_server.engine`). A single request keeps its own graphs: with
+the batch size dynamic its step ran slower. Each graph costs as much start-up as the first,
+so further shapes are built only while `--compile-budget-s` lasts; inductor's on-disk cache
+makes a restart's graphs cheap, and the decisions themselves are kept in the tuning cache
 (`specdec.tuning.startup`), so a restart times nothing.
 
 The graph has no guards on the layers' modules (their attributes are fixed once the model is
