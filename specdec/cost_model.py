@@ -73,27 +73,49 @@ def _smoothed(tokens: Sequence[int], seconds: Sequence[float]) -> list[float]:
 
 
 def _context_slopes(
-    costs: Sequence[ForwardCost], base: dict[tuple[int, int], float], base_context: int
+    costs: Sequence[ForwardCost], base: dict[tuple[int, int], float], base_context: int, context: int
 ) -> dict[int, float]:
-    """Seconds each cached context token adds to a forward, per request, by tokens per request:
-    the extra seconds of the long-context points over their extra context-token-requests, pooled
-    over batch sizes so the large batches (well above the timing noise) carry it. Attention reads
-    every cached token (docs/performance.md#context-cost).
+    """Seconds each cached context token adds to a forward, per request, by tokens per request,
+    at `context`: the extra seconds of that context's points over their extra
+    context-token-requests, pooled over batch sizes so the large batches (well above the timing
+    noise) carry it. Attention reads every cached token (docs/performance.md#context-cost).
     """
     extra: dict[int, float] = {}
     weight: dict[int, float] = {}
     for cost in costs:
-        if cost.context > base_context and (cost.batch_size, cost.tokens) in base:
+        if cost.context == context and (cost.batch_size, cost.tokens) in base:
             extra[cost.tokens] = extra.get(cost.tokens, 0.0) + cost.seconds - base[(cost.batch_size, cost.tokens)]
             weight[cost.tokens] = weight.get(cost.tokens, 0.0) + cost.batch_size * (cost.context - base_context)
     return {t: max(0.0, extra[t] / weight[t]) for t in sorted(extra)}
+
+
+@dataclass(frozen=True)
+class _ContextLevel:
+    """The context slopes measured at one longer context: seconds per cached token and request,
+    by tokens per request (ascending)."""
+
+    context: int
+    tokens: list[float]
+    slopes: list[float]
+
+    def slope(self, tokens: float) -> float:
+        """The slope for a chunk of `tokens`. Past the widest chunk measured, each of a chunk's
+        tokens reads the context at that chunk's cost per token: a line through the slopes would
+        grow with the square of a prompt-sized chunk."""
+        widest = self.tokens[-1]
+        if tokens > widest:
+            return self.slopes[-1] * tokens / widest
+        if len(self.slopes) == 1:
+            return self.slopes[0]
+        return _interpolate(self.tokens, self.slopes, tokens)
 
 
 class CostTable:
     """Forward-pass seconds for any (batch size, tokens per request, cached context), from a
     grid measured at one short context: linear in tokens within a batch size (rows smoothed by
     `_smoothed`), then linear in batch size, extended past the grid; plus a cost linear in the
-    batch's cached tokens where the grid has long-context points (`_context_slopes`).
+    batch's cached tokens where the grid has long-context points (`_context_slopes`), piecewise
+    linear where it has them at more than one context.
     """
 
     def __init__(self, costs: Sequence[ForwardCost], scale: float = 1.0) -> None:
@@ -110,8 +132,12 @@ class CostTable:
         for b in self._batches:
             widths = sorted(rows[b])
             self._rows[b] = (widths, _smoothed(widths, [rows[b][t] for t in widths]))
-        slopes = _context_slopes(costs, base, self.base_context)
-        self._slope_tokens, self._slopes = [float(t) for t in slopes], list(slopes.values())
+        #: The longer contexts measured, shortest first, each with its slopes.
+        self._levels: list[_ContextLevel] = []
+        for context in sorted({c.context for c in costs if c.context > self.base_context}):
+            slopes = _context_slopes(costs, base, self.base_context, context)
+            if slopes:
+                self._levels.append(_ContextLevel(context, [float(t) for t in slopes], list(slopes.values())))
         #: Correction factor applied to every figure (measured online ÷ measured at start-up).
         self.scale = scale
         #: Mean cached tokens per request that `seconds` prices (the base context by default).
@@ -123,7 +149,7 @@ class CostTable:
     @property
     def has_context_term(self) -> bool:
         """Whether the table knows how its costs grow with the context."""
-        return bool(self._slopes)
+        return bool(self._levels)
 
     def scaled(self, factor: float) -> CostTable:
         """The same table with every figure multiplied by `factor` (sharing the smoothed
@@ -140,19 +166,19 @@ class CostTable:
 
     def context_seconds(self, batch_size: float, tokens: float) -> float:
         """Unscaled seconds the context beyond the base one adds to a forward (negative below it).
-        Past the widest chunk measured, each of a chunk's tokens reads the context at that
-        chunk's cost per token: a line through the slopes would grow with the square of a
-        prompt-sized chunk."""
-        if not self._slopes or self.context == self.base_context:
+        Per request it is piecewise linear in the context, through each measured context's extra
+        seconds and on past the longest along its last piece: once the cached keys and values
+        outgrow the CPU's caches each one costs more (docs/performance.md#context-cost)."""
+        if not self._levels or self.context == self.base_context:
             return 0.0
-        widest = self._slope_tokens[-1]
-        if tokens > widest:
-            slope = self._slopes[-1] * tokens / widest
-        elif len(self._slopes) == 1:
-            slope = self._slopes[0]
-        else:
-            slope = _interpolate(self._slope_tokens, self._slopes, tokens)
-        return batch_size * (self.context - self.base_context) * slope
+        x0, y0, slope = float(self.base_context), 0.0, 0.0
+        for level in self._levels:
+            y1 = max(y0, level.slope(tokens) * (level.context - self.base_context))
+            slope = (y1 - y0) / (level.context - x0)
+            if self.context <= level.context:
+                break
+            x0, y0 = float(level.context), y1
+        return batch_size * (y0 + slope * (self.context - x0))
 
     def seconds(self, batch_size: float, tokens: float) -> float:
         key = (batch_size, tokens)

@@ -36,6 +36,10 @@ CONTEXT_LEN = 48
 #: Its extra positions are appended without a forward (attention's cost does not depend on
 #: what the cached K/V hold), so the longer context costs no prefill at start-up.
 LONG_CONTEXT_LEN = CONTEXT_LEN + 256
+#: A third context, timed at batch 1 only (the same two chunks): past a few hundred tokens the
+#: cached K/V outgrow the CPU's caches and each token costs more than the first 256 said, so a
+#: long prompt's steps are priced from a measured point (docs/performance.md#context-cost).
+LONGEST_CONTEXT_LEN = CONTEXT_LEN + 2048
 _SLOT_PREFIX = "\x00profile-"  # never a gateway slot id: those are printable
 #: Timed passes over the whole grid (after one warm-up pass); each point reports its median.
 REPEATS = 5
@@ -52,7 +56,8 @@ def measure_forward_costs(
 ) -> list[ForwardCost]:
     """Median seconds of one forward over `b` slots × `t` new tokens, for the grid within limits,
     plus one `PREFILL_WIDTH`-token chunk at batch 1, every slot holding `CONTEXT_LEN` cached
-    tokens; and the narrowest and widest chunk of each batch size again at `LONG_CONTEXT_LEN`.
+    tokens; and the narrowest and widest chunk of each batch size again at `LONG_CONTEXT_LEN`,
+    of batch 1 also at `LONGEST_CONTEXT_LEN`.
 
     The grid is timed in `repeats` interleaved passes (`interleaved_times`), not point by point:
     on a shared machine the speed drifts over seconds, and the planner compares points (a
@@ -112,4 +117,6 @@ def _grid(cache: PagedKVCache, max_batch: int, max_tokens: int) -> list[tuple[in
         if tokens_needed(batch, False, LONG_CONTEXT_LEN) <= room:
             widest = max(width for b, width in short if b == batch)
             grid += [(batch, width, LONG_CONTEXT_LEN) for width in sorted({1, widest})]
+            if batch == 1 and tokens_needed(batch, False, LONGEST_CONTEXT_LEN) <= room:
+                grid += [(batch, width, LONGEST_CONTEXT_LEN) for width in sorted({1, widest})]
     return sorted(grid)  # by batch size, then width, then context

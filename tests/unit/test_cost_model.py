@@ -50,6 +50,25 @@ def test_past_the_widest_chunk_each_token_reads_the_context_at_its_cost() -> Non
     assert table.at_context(176).context_seconds(1, 50) == pytest.approx(128 * 50 * 8e-6)
 
 
+def test_a_longer_measured_context_bends_the_context_cost() -> None:
+    # 20 µs per context token and request from 48 to 304 tokens; at 2,096 the step cost 50 µs
+    # per token more than at 48 (the cached K/V outgrew the caches): 62.5 µs per token past 304.
+    costs = [ForwardCost(c.batch_size, c.tokens, c.seconds, context=48) for c in GRID] + [
+        ForwardCost(4, 1, 0.016 + 4 * 256 * 20e-6, context=304),
+        ForwardCost(1, 1, 0.010 + 2048 * 50e-6, context=2096),
+    ]
+    table = CostTable(costs)
+    assert table.at_context(176).seconds(1, 1) == pytest.approx(0.010 + 128 * 20e-6)  # the first piece
+    past_304 = (2048 * 50e-6 - 256 * 20e-6) / 1792
+    assert table.at_context(1200).seconds(1, 1) == pytest.approx(0.010 + 256 * 20e-6 + 896 * past_304)
+    assert table.at_context(2096).seconds(1, 1) == pytest.approx(0.010 + 2048 * 50e-6)  # as measured
+    assert table.at_context(3000).seconds(2, 1) == pytest.approx(  # on along the last piece, per request
+        table.seconds(2, 1) + 2 * (2048 * 50e-6 + 904 * past_304))
+    # A longer context never prices cheaper than a shorter one, whatever the noise measured.
+    noisy = CostTable(costs[:-1] + [ForwardCost(1, 1, 0.010 + 2048 * 1e-6, context=2096)])
+    assert noisy.at_context(2096).seconds(1, 1) == pytest.approx(noisy.at_context(304).seconds(1, 1))
+
+
 def test_context_slopes_pool_the_batch_sizes() -> None:
     # 1 request: 2 ms more over 256 tokens (noise-sized); 16 requests: 82 ms more.
     costs = [ForwardCost(1, 1, 0.010, context=48), ForwardCost(16, 1, 0.030, context=48),

@@ -8,6 +8,7 @@ from specdec.tuning.cost_profile import (
     CHUNK_WIDTHS,
     CONTEXT_LEN,
     LONG_CONTEXT_LEN,
+    LONGEST_CONTEXT_LEN,
     PREFILL_WIDTH,
     measure_forward_costs,
 )
@@ -24,11 +25,21 @@ def test_profile_times_verify_chunks_and_a_prompt_sized_prefill() -> None:
     assert {(4, t) for t in CHUNK_WIDTHS if t <= 9} <= points
     # A catch-up or prefill is interpolated from a measured prompt-sized chunk, not extrapolated.
     assert (1, PREFILL_WIDTH) in points and PREFILL_WIDTH > max(CHUNK_WIDTHS)
-    # The narrowest and widest chunk of each batch size again at a long context.
+    # The narrowest and widest chunk of each batch size again at a long context (no room for
+    # the longest one in this pool).
     long = {(c.batch_size, c.tokens) for c in costs if c.context == LONG_CONTEXT_LEN}
     assert long == {(1, 1), (1, 9), (4, 1), (4, 9)}
+    assert LONGEST_CONTEXT_LEN not in {c.context for c in costs}
     assert all(c.seconds > 0 for c in costs)
     assert cache.blocks.free_tokens == cache.capacity_tokens  # the profile's slots are gone
+
+
+def test_a_pool_with_room_times_one_request_at_the_longest_context_too() -> None:
+    forward = PagedLlama(tiny_llama())
+    cache = forward.new_cache(token_budget=8192, block_size=16)
+    costs = measure_forward_costs(forward, cache, max_batch=4, max_tokens=9, repeats=1)
+    assert {(c.batch_size, c.tokens) for c in costs if c.context == LONGEST_CONTEXT_LEN} == {(1, 1), (1, 9)}
+    assert cache.blocks.free_tokens == cache.capacity_tokens
 
 
 def test_the_widest_verify_is_timed_where_the_batch_stays_within_the_row_limit() -> None:
