@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specdec.cost_model import CostTable, ForwardCost, RoundCostModel
 from specdec.gateway.draft_sources import DraftSource
@@ -387,13 +387,15 @@ class KPlanner:
             model = self.cost_model(context)
             plain_round = model.round_seconds([0] * len(seqs))
             catch_ups = [self._catch_up(s, model) for s in seqs]
-            model_ok -= self._renting([(s, catch_up) for s, catch_up in zip(seqs, catch_ups)
-                                       if s in flexible and s.slot_id in lookup_allowed], plain_round)
+            waiting = self._renting([(s, catch_up) for s, catch_up in zip(seqs, catch_ups)
+                                     if s in flexible and s.slot_id in lookup_allowed], plain_round)
+            model_ok -= waiting
             alphas, lookup_alphas = [self.alphas(s) for s in seqs], self._lookup_alphas(seqs, lookups)
             rates = RatePredictor(model, seqs, alphas, catch_ups, [feeds[s.slot_id] for s in seqs], lookup_alphas,
                                   self._guess_cuts(model, seqs, caps, guessable, lookup_alphas, model_ok),
                                   [self.self_guess_rates(s) if s.slot_id in own else SelfGuessRates() for s in seqs])
             off_reason = self._choose(rates, choice, flexible, caps, steps, lookups, model_ok)
+            self._charge_rent(waiting, rates, choice, caps, steps)
             guesses = self._guesses(rates, choice, lookups)
 
             def worth_probing(s: Sequence) -> bool:
@@ -594,22 +596,45 @@ class KPlanner:
 
     def _renting(self, candidates: list[tuple[Sequence, CatchUp]], round_s: float) -> set[str]:
         """The `candidates` (requests that may also look up, with their catch-ups) whose draft
-        catch-up waits this round: each pays one only once the rounds it took part in without
-        it have cost as much as the catch-up itself (the ski-rental rule, which in its simple
-        model costs at most twice the better of the two choices made in hindsight). Meanwhile
-        it drafts by lookup or decodes plainly, which shows whether its answer copies (its
-        lookup trust) and whether it is short, the two things that decide whether seconds of a
-        long prompt's catch-up are repaid. A catch-up of at most `RENT_FROM_ROUNDS` rounds (a
-        chat prompt's) waits for none: lost, it costs little. Each waiting round adds `round_s`
-        to the request's rent."""
+        catch-up waits this round: each pays one only once waiting has cost it as much as the
+        catch-up itself (the ski-rental rule, which in its simple model costs at most twice the
+        better of the two choices made in hindsight; `_charge_rent` says what waiting costs).
+        Meanwhile it drafts by lookup or decodes plainly, which shows whether its answer copies
+        (its lookup trust) and whether it is short, the two things that decide whether seconds
+        of a long prompt's catch-up are repaid. A catch-up of at most `RENT_FROM_ROUNDS` plain
+        rounds (`round_s`; a chat prompt's) waits for none: lost, it costs little."""
         waiting = set()
         for s, catch_up in candidates:
-            rent = self._rent.get(s.slot_id, 0.0)
-            if catch_up.extra_s > RENT_FROM_ROUNDS * round_s and catch_up.extra_s > rent:
-                self._rent[s.slot_id] = rent + round_s
+            if catch_up.extra_s > RENT_FROM_ROUNDS * round_s and catch_up.extra_s > self._rent.get(s.slot_id, 0.0):
                 waiting.add(s.slot_id)
-                log.debug("catch-up of %s waits: %.2f s, %.2f s rented", s.slot_id, catch_up.extra_s, rent)
         return waiting
+
+    def _charge_rent(
+        self, waiting: set[str], rates: RatePredictor, choice: SourceChoice, caps: dict[str, int],
+        steps: dict[str, int],
+    ) -> None:
+        """Add to each `waiting` request's rent the seconds its wait cost this round: how much
+        sooner the round's tokens would have come at the batch's best rate with that request's
+        draft caught up (its model draft at the best uniform K up to its cap, the others as
+        chosen). A round the model draft would not have beaten costs nothing: renting's price
+        is the saving it forgoes, so a catch-up whose draft never pays is never bought."""
+        if not waiting:
+            return
+        plain_steps = [steps.get(s.slot_id, 1) for s in rates.seqs] if steps else None
+        chosen_rate = rates.rate(choice.ks, choice.on_lookup, plain_steps)
+        emitted = rates.emitted(choice.ks, choice.on_lookup, plain_steps)
+        caught_up = replace(rates, catch_ups=[CatchUp() if s.slot_id in waiting else c
+                                              for s, c in zip(rates.seqs, rates.catch_ups)])
+        for slot in waiting:
+            ks, on_lookup = dict(choice.ks), set(choice.on_lookup) - {slot}
+            best_rate = chosen_rate
+            for k in range(1, caps[slot] + 1):
+                ks[slot] = k
+                best_rate = max(best_rate, caught_up.rate(ks, on_lookup, plain_steps))
+            forgone = emitted * (1.0 / chosen_rate - 1.0 / best_rate) if chosen_rate > 0.0 else 0.0
+            self._rent[slot] = self._rent.get(slot, 0.0) + forgone
+            log.debug("catch-up of %s waits: %.2f s rented (%.1f vs %.1f tok/s caught up)",
+                      slot, self._rent[slot], chosen_rate, best_rate)
 
     def _probe_affordable(self, seq: Sequence, model: RoundCostModel, plain_round: float, batch_size: int) -> bool:
         """A probe's catch-up may cost at most `probe_budget` of the request's remaining plain

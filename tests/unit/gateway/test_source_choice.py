@@ -268,3 +268,19 @@ def test_a_request_whose_lookups_miss_stops_trusting_what_others_taught() -> Non
     assert max(planner.lookup_alphas(copy(), planner.lookup_trust(b))) < min(kind)
     planner.forget(b)
     assert planner.lookup_trust(b) == 1.0
+
+
+def test_a_request_whose_lookups_beat_its_caught_up_draft_never_buys_the_catch_up() -> None:
+    # Renting costs the saving it forgoes: while a long prompt's lookups are right every time,
+    # its model draft (α 0.95) would not be faster even caught up, so waiting costs nothing and
+    # a round without a lookup decodes plainly rather than buy the 1,000-token catch-up (~15
+    # plain rounds here, which charging the whole round would have paid off by now).
+    planner = KPlanner(TARGET, [*draft_costs(0.23), ForwardCost(1, 1000, 0.040 * 15)], prior_alpha=0.95)
+    a = seq("a")
+    a.tokens, a.max_new_tokens = list(range(1000)), 1000
+    plan = run_rounds(planner, [a], {"a": copy()}, {"a": 0.95}, rounds=30, lookup_alpha={"a": 1.0},
+                      lookup_allowed=("a",))
+    assert plan.lookups["a"].tokens == copy().tokens
+    assert planner.plan([a], {"a": 8}, {"a": True}, lookup_allowed=("a",)).ks["a"] == 0
+    planner.forget(a)  # a request that may not look up has only the draft, and buys it
+    assert planner.plan([a], {"a": 8}, {"a": True}).ks["a"] == 8
