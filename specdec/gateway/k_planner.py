@@ -196,9 +196,10 @@ def catch_up_class(tokens: int) -> int:
     return max(tokens, 1).bit_length()
 
 
-#: A draft catch-up dearer than this many plain rounds waits until its request has spent as
-#: long without it (`KPlanner._renting`).
-RENT_FROM_ROUNDS = 4
+#: A draft catch-up dearer than this many plain rounds waits until waiting has cost its
+#: request as much (`KPlanner._renting`). Waiting costs only the saving it forgoes, so it lasts
+#: several times the catch-up's rounds: a chat prompt's catch-up of a few rounds is cheaper bought.
+RENT_FROM_ROUNDS = 8
 #: The most a request's trust may raise a lookup's α: a sure copy can still part.
 MAX_LOOKUP_ALPHA = 0.99
 #: A plain round's overhead at most this share of a target step counts as cheap
@@ -382,7 +383,7 @@ class KPlanner:
                     and (s.slot_id in model_ok or s.slot_id in lookups)]
         guessable = lookups if self.guesses else {}
         own = set(self_guessing) if self.guesses else set()
-        off_reason = None
+        off_reason, caught_up_rates = None, {}
         if flexible and self.can_adapt:
             model = self.cost_model(context)
             plain_round = model.round_seconds([0] * len(seqs))
@@ -395,7 +396,7 @@ class KPlanner:
                                   self._guess_cuts(model, seqs, caps, guessable, lookup_alphas, model_ok),
                                   [self.self_guess_rates(s) if s.slot_id in own else SelfGuessRates() for s in seqs])
             off_reason = self._choose(rates, choice, flexible, caps, steps, lookups, model_ok)
-            self._charge_rent(waiting, rates, choice, caps, steps)
+            caught_up_rates = self._caught_up_rates(waiting, rates, choice, caps, steps)
             guesses = self._guesses(rates, choice, lookups)
 
             def worth_probing(s: Sequence) -> bool:
@@ -420,7 +421,7 @@ class KPlanner:
                 within, beyond = within + part_within, beyond + part_beyond
         longest = max((s.draft_pending for s in catching), default=0)
         return RoundPlan(ks, {} if any(ks.values()) else steps, feeds, context, bool(catching), off_reason, chosen,
-                         offered, guesses, own, within + beyond, beyond, longest)
+                         offered, guesses, own, within + beyond, beyond, longest, caught_up_rates)
 
     def self_guess_rates(self, seq: Sequence) -> SelfGuessRates:
         """What guesses are expected to do in the request's model rounds while its draft guesses
@@ -609,32 +610,42 @@ class KPlanner:
                 waiting.add(s.slot_id)
         return waiting
 
-    def _charge_rent(
-        self, waiting: set[str], rates: RatePredictor, choice: SourceChoice, caps: dict[str, int],
-        steps: dict[str, int],
-    ) -> None:
-        """Add to each `waiting` request's rent the seconds its wait cost this round: how much
-        sooner the round's tokens would have come at the batch's best rate with that request's
-        draft caught up (its model draft at the best uniform K up to its cap, the others as
-        chosen). A round the model draft would not have beaten costs nothing: renting's price
-        is the saving it forgoes, so a catch-up whose draft never pays is never bought."""
-        if not waiting:
-            return
+    @staticmethod
+    def _caught_up_rates(
+        waiting: set[str], rates: RatePredictor, choice: SourceChoice, caps: dict[str, int], steps: dict[str, int],
+    ) -> dict[str, float]:
+        """For each `waiting` request, the batch's best rate had its draft been caught up (its
+        model draft at the best uniform K up to its cap, the others as chosen), where that beats
+        the chosen rate: `_charge_rent` charges the round against it."""
         plain_steps = [steps.get(s.slot_id, 1) for s in rates.seqs] if steps else None
         chosen_rate = rates.rate(choice.ks, choice.on_lookup, plain_steps)
-        emitted = rates.emitted(choice.ks, choice.on_lookup, plain_steps)
         caught_up = replace(rates, catch_ups=[CatchUp() if s.slot_id in waiting else c
                                               for s, c in zip(rates.seqs, rates.catch_ups)])
+        out = {}
         for slot in waiting:
             ks, on_lookup = dict(choice.ks), set(choice.on_lookup) - {slot}
             best_rate = chosen_rate
             for k in range(1, caps[slot] + 1):
                 ks[slot] = k
                 best_rate = max(best_rate, caught_up.rate(ks, on_lookup, plain_steps))
-            forgone = emitted * (1.0 / chosen_rate - 1.0 / best_rate) if chosen_rate > 0.0 else 0.0
-            self._rent[slot] = self._rent.get(slot, 0.0) + forgone
-            log.debug("catch-up of %s waits: %.2f s rented (%.1f vs %.1f tok/s caught up)",
-                      slot, self._rent[slot], chosen_rate, best_rate)
+            if best_rate > chosen_rate:
+                out[slot] = best_rate
+        return out
+
+    def _charge_rent(self, plan: RoundPlan, seqs: list[Sequence], report: RoundReport) -> None:
+        """Add to each waiting request's rent what its wait cost the round: the round's time
+        past the time its tokens would have taken at the rate with that request's draft caught
+        up (`RoundPlan.caught_up_rates`). Renting's price is the saving it forgoes, measured on
+        the tokens the round did emit: a round whose lookups beat the caught-up draft costs
+        nothing, so a catch-up whose draft never pays is never bought, while lookups that
+        promise more than they yield cost the rent they lose."""
+        if not plan.caught_up_rates:
+            return
+        emitted = sum(report.num_accepted[s.slot_id] + 1 if report.ks[s.slot_id] else report.steps.get(s.slot_id, 1)
+                      for s in seqs)
+        for slot, rate in plan.caught_up_rates.items():
+            self._rent[slot] = self._rent.get(slot, 0.0) + max(0.0, report.total_s - emitted / rate)
+            log.debug("catch-up of %s waits: %.2f s rented", slot, self._rent[slot])
 
     def _probe_affordable(self, seq: Sequence, model: RoundCostModel, plain_round: float, batch_size: int) -> bool:
         """A probe's catch-up may cost at most `probe_budget` of the request's remaining plain
@@ -702,6 +713,7 @@ class KPlanner:
             self.global_alpha.observe(k, accepted)
             self._measured_alpha = True
         self._judge_offered(plan, seqs)
+        self._charge_rent(plan, seqs, report)
         self._observe_self_guesses(plan, report)
         ks = [report.ks[s.slot_id] for s in seqs]
         drafts = [0 if s.slot_id in plan.lookups else k for s, k in zip(seqs, ks)]  # the model draft's

@@ -144,14 +144,6 @@ class RatePredictor:
                                             lookup if any(lookup) else None, saved if any(saved) else None,
                                             widened if widened and any(widened) else None)
 
-    def emitted(self, ks: dict[str, int], on_lookup: Collection[str] = frozenset(),
-                plain_steps: list[int] | None = None) -> float:
-        """The tokens the batch is expected to emit in the round that `rate` prices."""
-        if plain_steps is not None and not any(ks[s.slot_id] for s in self.seqs):
-            return float(sum(plain_steps))
-        return sum(expected_tokens(own if s.slot_id in on_lookup else a, ks[s.slot_id])
-                   for s, a, own in zip(self.seqs, self.alphas, self.lookup_alphas))
-
     def guess_length(self, i: int, k: int, cap: int | None = None) -> int:
         """Guessed tokens request i feeds the draft model at draft length `k`: its cut, at most
         `cap`, and never the K-th (the draft does not feed its last token)."""

@@ -47,6 +47,10 @@ class RoundPlan:
     catch_up_beyond_s: float = 0.0
     #: Tokens of the round's longest catch-up (its length class gets the correction).
     catch_up_tokens: int = 0
+    #: For each request whose draft catch-up waits (`KPlanner._renting`) where a caught-up
+    #: draft would have been faster: the batch's tokens per second then. The round's time past
+    #: its tokens at that rate is the request's rent.
+    caught_up_rates: dict[str, float] = field(default_factory=dict)
 
     @property
     def drafts(self) -> bool:

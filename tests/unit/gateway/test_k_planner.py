@@ -233,25 +233,32 @@ def test_a_prompt_catch_up_is_priced_at_the_context_the_draft_holds() -> None:
 
 def test_a_request_that_may_look_up_rents_before_it_buys_a_long_catch_up() -> None:
     """Ski rental: the catch-up of a 1,000-token prompt (~30 plain rounds here) waits while the
-    request may look up, until waiting has cost as much: each plain round costs the time the
-    caught-up draft would have saved on its token. Then the planner prices it as before. A
-    model-only request, and a chat-sized catch-up, never wait."""
+    request may look up, until waiting has cost as much: each plain round costs the time past
+    its token at the caught-up draft's rate. Then the planner prices it as before. A model-only
+    request, and a chat-sized catch-up, never wait."""
     long_prompt = [*draft_costs(0.23), ForwardCost(1, 1000, 0.040 * 30)]
     planner = KPlanner(TARGET, long_prompt, prior_alpha=0.975)
     rented, model_only, chat = seq("rented"), seq("model_only"), seq("chat")
     for s in (rented, model_only):
         s.tokens, s.max_new_tokens = list(range(1000)), 1000
     chat.max_new_tokens = 1000
+    model = planner.cost_model(1000)
+    plain_round = model.round_seconds([0])
 
     def plan(s: Sequence) -> int:
+        """Plan `s` alone; a plain round takes as long as predicted."""
         lookup_allowed = () if s is model_only else (s.slot_id,)
-        return planner.plan([s], {s.slot_id: 8}, {s.slot_id: True}, lookup_allowed=lookup_allowed).ks[s.slot_id]
+        plan = planner.plan([s], {s.slot_id: 8}, {s.slot_id: True}, lookup_allowed=lookup_allowed)
+        if plan.ks[s.slot_id] == 0:
+            verify = Timed(None, plain_round, plain_round)
+            planner.observe(plan, [s], RoundReport(plan.ks, {s.slot_id: 0}, Timed(None, 0.0, 0.0), verify, 0.0,
+                                                   plain_round))
+        return plan.ks[s.slot_id]
 
     assert plan(model_only) == 8 and plan(chat) == 8
-    model = planner.cost_model(1000)
     extra = planner._catch_up(rented, model).extra_s
     caught_up = max(model.tokens_per_second([k], [planner.alphas(rented)], [0.0], [1]) for k in range(1, 9))
-    forgone = model.round_seconds([0]) - 1 / caught_up  # a plain round's token, a caught-up round's sooner
+    forgone = plain_round - 1 / caught_up  # a plain round's token, had the draft been caught up
     waits = 0
     while plan(rented) == 0:
         waits += 1

@@ -24,11 +24,13 @@ def copy(n: int = 8, match_len: int = 4, source: DraftSource = DraftSource.PROMP
 
 
 def run_rounds(planner: KPlanner, seqs: list[Sequence], lookups: dict[str, LookupDraft], alpha: dict[str, float],
-               rounds: int, lookup_alpha: dict[str, float] | None = None, **plan_options: object) -> RoundPlan:
+               rounds: int, lookup_alpha: dict[str, float] | None = None, timed: bool = False,
+               **plan_options: object) -> RoundPlan:
     """Plan and observe `rounds` rounds in which request r's model draft agrees with the target
     on each token with probability alpha[r], and its lookup with lookup_alpha[r] (default the
     same): the target's text goes on as the lookup proposes for a geometric number of tokens,
-    and each request emits what its round accepted plus one token. Returns the last plan."""
+    and each request emits what its round accepted plus one token. Rounds take no time, or
+    where `timed` as long as the planner predicts. Returns the last plan."""
     rng = torch.Generator().manual_seed(0)
     lookup_alpha = lookup_alpha or alpha
     plan = RoundPlan({})
@@ -49,8 +51,19 @@ def run_rounds(planner: KPlanner, seqs: list[Sequence], lookups: dict[str, Looku
             s.tokens.extend(truth[: accepted[slot] + 1])
             if plan.model_ks[slot]:  # the draft saw all but the round's last token
                 s.draft_valid = len(s.tokens) - 1
-        planner.observe(plan, seqs, RoundReport(plan.ks, accepted, ZERO, ZERO, 0.0, 0.0))
+        propose, verify = predicted_times(planner, plan, seqs) if timed else (ZERO, ZERO)
+        planner.observe(plan, seqs, RoundReport(plan.ks, accepted, propose, verify, 0.0,
+                                                propose.wall_s + verify.wall_s))
     return plan
+
+
+def predicted_times(planner: KPlanner, plan: RoundPlan, seqs: list[Sequence]) -> tuple[Timed[None], Timed[None]]:
+    """Propose and Verify of `plan` taking what the planner predicts (wall = compute)."""
+    model = planner.cost_model(plan.context)
+    ks = [plan.ks[s.slot_id] for s in seqs]
+    verify = model.verify_seconds(ks)
+    draft = model.round_seconds(ks, lookup=[s.slot_id in plan.lookups for s in seqs]) - verify
+    return Timed(None, draft, draft), Timed(None, verify, verify)
 
 
 def test_a_lookup_that_copies_beats_the_model_draft() -> None:
@@ -279,7 +292,7 @@ def test_a_request_whose_lookups_beat_its_caught_up_draft_never_buys_the_catch_u
     a = seq("a")
     a.tokens, a.max_new_tokens = list(range(1000)), 1000
     plan = run_rounds(planner, [a], {"a": copy()}, {"a": 0.95}, rounds=30, lookup_alpha={"a": 1.0},
-                      lookup_allowed=("a",))
+                      timed=True, lookup_allowed=("a",))
     assert plan.lookups["a"].tokens == copy().tokens
     assert planner.plan([a], {"a": 8}, {"a": True}, lookup_allowed=("a",)).ks["a"] == 0
     planner.forget(a)  # a request that may not look up has only the draft, and buys it
