@@ -215,6 +215,36 @@ class PagedLlama:
             out.extend(scored.index_select(0, batch.token_rows).split(batch.chunk_lens, dim=0))
         return out
 
+    def fixed_shape(self, requests: int, tokens: int, blocks: int) -> StepShape:
+        """The shape of fixed steps of up to `requests` chunks of `tokens` tokens over `blocks`
+        KV blocks: each chunk widened to the fewest tokens, at most twice `tokens`, at which
+        every matmul gives a row the same bits in any position (`rows_invariant`); as asked
+        where no width does (then only equal positions are bit-exact)."""
+        for width in range(tokens, 2 * tokens + 1):
+            if self.rows_invariant(requests * width):
+                return StepShape(requests, width, blocks)
+        return StepShape(requests, tokens, blocks)
+
+    def rows_invariant(self, rows: int) -> bool:
+        """Whether every matmul of a forward over `rows` rows gives a row the same bits in every
+        position. A BLAS library may run the rows past its kernel's row block through a tail
+        kernel that sums in another order (MKL's fp32 GEMM on AVX2 does, at some row counts),
+        which a fixed shape alone does not prevent. Checked on the first layer's matmuls and
+        the head, as fixed steps run them: outputs of rows rolled by one position must be the
+        outputs rolled, for two random inputs."""
+        weight = self.embed_tokens.weight
+        hidden, layer = weight.shape[1], self.layers[0]
+        widths = ((layer.qkv, hidden), (layer.o, self.num_heads * self.head_dim), (layer.gate_up, hidden),
+                  (layer.down, int(self.config.intermediate_size)), (self.lm_head, hidden))
+        generator = torch.Generator(device=weight.device).manual_seed(0)
+        with torch.inference_mode(), fastest_wide_kernel(True):
+            for module, width in widths:
+                for _ in range(2):
+                    x = torch.randn(rows, width, generator=generator, device=weight.device).to(weight.dtype)
+                    if not torch.equal(module(x.roll(1, 0)), module(x).roll(1, 0)):
+                        return False
+        return True
+
     def forward(self, batch: ForwardBatch, cache: PagedKVCache, logit_rows: torch.Tensor) -> torch.Tensor:
         """Logits `[len(logit_rows), vocab]` for the given rows of the flattened `[B*T]` batch.
 

@@ -16,7 +16,8 @@ class TargetConfig(ModelServiceConfig):
     compile: str = inherit(ModelServiceConfig, "compile", "auto")
     batch_invariant: bool = option(
         False, "run every verify and decode step in one fixed shape (--invariant-batch requests of "
-        "max_speculative_tokens + 1 tokens over max_seq_len keys), so a token's logits do not depend on its batch "
+        "max_speculative_tokens + 1 tokens, or more where this machine's matmuls need it, over max_seq_len keys), "
+        "so a token's logits do not depend on its batch "
         "or chunk: speculative output then equals plain output bit for bit in bf16 too, at the cost of the padding "
         "(docs/architecture.md#exactness-in-bf16)", advanced=True,
     )

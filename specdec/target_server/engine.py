@@ -9,7 +9,6 @@ import typing
 import torch
 
 from specdec.errors import InvalidArgumentError, SlotExistsError
-from specdec.model.forward_batch import StepShape
 from specdec.model.runtime import ModelRuntime
 from specdec.sampling.draws import drawn_tokens, pick_tokens, position_generator, sample
 from specdec.sampling.logprobs import RowLogprobs, answer_rows
@@ -44,12 +43,15 @@ class TargetEngine(ModelEngine):
 
     def __init__(self, runtime: ModelRuntime, config: TargetConfig) -> None:
         super().__init__(runtime, config)
-        if config.batch_invariant:
-            self.step_shape = StepShape(
-                requests=config.invariant_batch, tokens=config.max_speculative_tokens + 1,
-                blocks=-(-self.max_seq_len // self.cache.block_size),
-            )
         self.tuner.note("batch_invariant", config.batch_invariant, "flag")
+        if config.batch_invariant:
+            tokens = config.max_speculative_tokens + 1
+            self.step_shape = self.forward.fixed_shape(
+                config.invariant_batch, tokens, blocks=-(-self.max_seq_len // self.cache.block_size)
+            )
+            invariant = self.forward.rows_invariant(config.invariant_batch * self.step_shape.tokens)
+            self.tuner.note("invariant_step_tokens", self.step_shape.tokens, "measured",
+                            f"{tokens} needed; rows {'' if invariant else 'not '}position-invariant")
 
     def prefill(self, items: list[PrefillItem], lease: Lease | None = None) -> list[ScoredChunk]:
         """Allocate a slot per prompt (held under `lease`) and return the logits at each

@@ -30,7 +30,8 @@ def _logits(engine: TargetEngine, items: list[VerifyItem]) -> list[torch.Tensor]
 
 
 def test_a_verified_chunk_has_the_bits_of_its_tokens_decoded_one_at_a_time(engine: TargetEngine) -> None:
-    assert engine.step_shape is not None and engine.step_shape.tokens == 5
+    # K + 1 = 5 tokens a chunk, or more where this machine's matmuls would treat rows unalike.
+    assert engine.step_shape is not None and 5 <= engine.step_shape.tokens <= 10
     engine.prefill([PrefillItem("plain", PROMPT), PrefillItem("spec", PROMPT), PrefillItem("other", PROMPT[:4])])
     decoded = []
     for step, token in enumerate(DRAFT):  # alone, then beside another request
@@ -42,4 +43,5 @@ def test_a_verified_chunk_has_the_bits_of_its_tokens_decoded_one_at_a_time(engin
     verified = _logits(engine, [VerifyItem("other", 6, [7, 8], LogitsMode()),
                                 VerifyItem("spec", len(PROMPT), DRAFT, LogitsMode())])[-1]  # [K+1, vocab]
     assert torch.equal(verified, torch.cat(decoded))
-    assert ("batch_invariant", "True") in [(choice.name, choice.value) for choice in engine.tuner.choices]
+    choices = {choice.name: choice.value for choice in engine.tuner.choices}
+    assert choices["batch_invariant"] == "True" and choices["invariant_step_tokens"] == str(engine.step_shape.tokens)

@@ -31,9 +31,11 @@ def _model(device: torch.device, dtype: torch.dtype, kernel: AttentionKernel) ->
     return forward
 
 
-def _step(forward: PagedLlama, cache: PagedKVCache, chunks: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
+def _step(
+    forward: PagedLlama, cache: PagedKVCache, chunks: list[tuple[str, list[int]]], shape: StepShape = SHAPE
+) -> list[torch.Tensor]:
     cache.blocks.append_many([(slot_id, len(tokens)) for slot_id, tokens in chunks])
-    return forward.compute_fixed(cache, chunks, SHAPE)
+    return forward.compute_fixed(cache, chunks, shape)
 
 
 def _kv_rows(cache: PagedKVCache, slot_id: str, start: int, end: int) -> list[torch.Tensor]:
@@ -48,6 +50,7 @@ def test_verified_tokens_equal_decoded_tokens_bit_for_bit(
     device: torch.device, dtype: torch.dtype, kernel: AttentionKernel
 ) -> None:
     forward = _model(device, dtype, kernel)
+    shape = forward.fixed_shape(SHAPE.requests, SHAPE.tokens, SHAPE.blocks)  # widened where rows would differ
     cache = forward.new_cache(token_budget=SHAPE.blocks * 16 * 4)
     for slot_id, prompt in (("plain", PROMPT), ("spec", PROMPT), ("other", PROMPT[::-1])):
         cache.blocks.allocate(slot_id)
@@ -55,8 +58,8 @@ def test_verified_tokens_equal_decoded_tokens_bit_for_bit(
     decoded = []
     for step, token in enumerate(DRAFT):  # alone, then as the second row beside another request
         chunks = [("plain", [token])] if step % 2 == 0 else [("other", [step]), ("plain", [token])]
-        decoded.append(_step(forward, cache, chunks)[-1])
-    verified = _step(forward, cache, [("other", [1, 2]), ("spec", DRAFT)])[-1]  # [K+1, vocab]
+        decoded.append(_step(forward, cache, chunks, shape)[-1])
+    verified = _step(forward, cache, [("other", [1, 2]), ("spec", DRAFT)], shape)[-1]  # [K+1, vocab]
     assert torch.equal(verified, torch.cat(decoded))
     end = len(PROMPT) + len(DRAFT)
     for spec_rows, plain_rows in zip(_kv_rows(cache, "spec", 0, end), _kv_rows(cache, "plain", 0, end)):
@@ -74,6 +77,15 @@ def test_fixed_steps_give_the_ordinary_logits(device: torch.device) -> None:
     fixed = _step(forward, cache, chunks[:1])[0]
     ordinary = forward.run(cache, chunks[1:], logits="all", prompt=False)[0]
     torch.testing.assert_close(fixed, ordinary, rtol=0, atol=1e-5)
+
+
+def test_a_fixed_shape_is_as_wide_as_asked_or_wider_where_rows_would_differ() -> None:
+    forward = _model(torch.device("cpu"), torch.float32, AttentionKernel.GATHER)
+    shape = forward.fixed_shape(SHAPE.requests, SHAPE.tokens, SHAPE.blocks)
+    assert (shape.requests, shape.blocks) == (SHAPE.requests, SHAPE.blocks)
+    assert SHAPE.tokens <= shape.tokens <= 2 * SHAPE.tokens
+    assert forward.rows_invariant(shape.requests * shape.tokens)
+    assert forward.fixed_shape(1, 1, 4).tokens == 1  # one row sits in one place
 
 
 def test_chunks_that_do_not_fit_the_shape_are_refused() -> None:
