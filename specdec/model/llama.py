@@ -215,15 +215,15 @@ class PagedLlama:
             out.extend(scored.index_select(0, batch.token_rows).split(batch.chunk_lens, dim=0))
         return out
 
-    def fixed_shape(self, requests: int, tokens: int, blocks: int) -> StepShape:
+    def fixed_shape(self, requests: int, tokens: int, blocks: int) -> StepShape | None:
         """The shape of fixed steps of up to `requests` chunks of `tokens` tokens over `blocks`
         KV blocks: each chunk widened to the fewest tokens, at most twice `tokens`, at which
-        every matmul gives a row the same bits in any position (`rows_invariant`); as asked
-        where no width does (then only equal positions are bit-exact)."""
+        every matmul gives a row the same bits in any position (`rows_invariant`); None where
+        no width does."""
         for width in range(tokens, 2 * tokens + 1):
             if self.rows_invariant(requests * width):
                 return StepShape(requests, width, blocks)
-        return StepShape(requests, tokens, blocks)
+        return None
 
     def rows_invariant(self, rows: int) -> bool:
         """Whether every matmul of a forward over `rows` rows gives a row the same bits in every

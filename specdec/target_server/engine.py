@@ -9,6 +9,7 @@ import typing
 import torch
 
 from specdec.errors import InvalidArgumentError, SlotExistsError
+from specdec.model.forward_batch import StepShape
 from specdec.model.runtime import ModelRuntime
 from specdec.sampling.draws import drawn_tokens, pick_tokens, position_generator, sample
 from specdec.sampling.logprobs import RowLogprobs, answer_rows
@@ -45,11 +46,10 @@ class TargetEngine(ModelEngine):
         super().__init__(runtime, config)
         self.tuner.note("batch_invariant", config.batch_invariant, "flag")
         if config.batch_invariant:
-            tokens = config.max_speculative_tokens + 1
-            self.step_shape = self.forward.fixed_shape(
-                config.invariant_batch, tokens, blocks=-(-self.max_seq_len // self.cache.block_size)
-            )
-            invariant = self.forward.rows_invariant(config.invariant_batch * self.step_shape.tokens)
+            tokens, blocks = config.max_speculative_tokens + 1, -(-self.max_seq_len // self.cache.block_size)
+            invariant = self.forward.fixed_shape(config.invariant_batch, tokens, blocks)
+            # Where no width is position-invariant, the shape as asked: then only equal positions are bit-exact.
+            self.step_shape = invariant or StepShape(config.invariant_batch, tokens, blocks)
             self.tuner.note("invariant_step_tokens", self.step_shape.tokens, "measured",
                             f"{tokens} needed; rows {'' if invariant else 'not '}position-invariant")
 

@@ -51,6 +51,7 @@ def test_verified_tokens_equal_decoded_tokens_bit_for_bit(
 ) -> None:
     forward = _model(device, dtype, kernel)
     shape = forward.fixed_shape(SHAPE.requests, SHAPE.tokens, SHAPE.blocks)  # widened where rows would differ
+    assert shape is not None
     cache = forward.new_cache(token_budget=SHAPE.blocks * 16 * 4)
     for slot_id, prompt in (("plain", PROMPT), ("spec", PROMPT), ("other", PROMPT[::-1])):
         cache.blocks.allocate(slot_id)
@@ -82,10 +83,10 @@ def test_fixed_steps_give_the_ordinary_logits(device: torch.device) -> None:
 def test_a_fixed_shape_is_as_wide_as_asked_or_wider_where_rows_would_differ() -> None:
     forward = _model(torch.device("cpu"), torch.float32, AttentionKernel.GATHER)
     shape = forward.fixed_shape(SHAPE.requests, SHAPE.tokens, SHAPE.blocks)
-    assert (shape.requests, shape.blocks) == (SHAPE.requests, SHAPE.blocks)
+    assert shape is not None and (shape.requests, shape.blocks) == (SHAPE.requests, SHAPE.blocks)
     assert SHAPE.tokens <= shape.tokens <= 2 * SHAPE.tokens
     assert forward.rows_invariant(shape.requests * shape.tokens)
-    assert forward.fixed_shape(1, 1, 4).tokens == 1  # one row sits in one place
+    assert forward.fixed_shape(1, 1, 4) == StepShape(1, 1, 4)  # one row sits in one place
 
 
 def test_chunks_that_do_not_fit_the_shape_are_refused() -> None:
