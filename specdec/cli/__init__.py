@@ -2,7 +2,8 @@
 
 The top layer: it may import the services and the shared library, and nothing imports it
 (except the benchmark harness, which drives the same launcher). `main` dispatches
-`specdec health` before anything heavy is imported: health checks run it every few seconds.
+`specdec health` and `specdec generate` before anything heavy is imported: health checks run
+the one every few seconds, and the other is a client, which needs neither torch nor a model.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from specdec.cli.health import main as health_main
 
         return health_main(args[1:])
+    if args[:1] == ["generate"]:
+        from specdec.cli.generate import main as generate_main
+
+        return generate_main(args[1:])
     from specdec.cli.main import main as full_main
 
     return full_main(args)
