@@ -36,8 +36,12 @@ system-deps:
 	fi
 
 # Everything, as CI runs it: unit tests, real services on loopback, real models, a real Prometheus.
+# In TEST_WORKERS processes (pytest-xdist), each test file whole in one of them: one process
+# keeps about one core busy (the stacks' tests wait on gRPC, sleeps and child start-ups), so
+# two fill the two cores of a small machine. `TEST_WORKERS=0` runs everything in one process.
+TEST_WORKERS ?= 2
 test: setup system-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The unit tier alone (no model, no server; well under a minute): tests/unit.
 test-fast: setup
