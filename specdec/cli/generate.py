@@ -87,6 +87,7 @@ def _logit_bias(text: str) -> tuple[int, float]:
 
 
 def generate(args: argparse.Namespace) -> int:
+    """Stream the reply to stdout (or print one JSON object with --json); 1 on an RPC error."""
     if args.raw:
         prompt: str | list[dict[str, str]] = args.prompt
     else:
@@ -101,6 +102,7 @@ def generate(args: argparse.Namespace) -> int:
         method=args.method, verification=args.verification, logprobs=args.logprobs,
         processed_logprobs=args.processed_logprobs,
     )
+
     def echo(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
