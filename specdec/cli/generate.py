@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -17,6 +16,7 @@ import grpc
 
 from specdec.client import SpecdecClient, collect
 from specdec.gateway.draft_sources import SpeculationMethod
+from specdec.serving.logs import configure_logging
 from specdec.serving.security import read_token
 
 DEFAULT_GATEWAY = "127.0.0.1:50050"
@@ -134,5 +134,5 @@ def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="specdec generate", description="stream a generation from a running gateway")
     add_generate_flags(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging("WARNING")
     return generate(args)

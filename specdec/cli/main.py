@@ -18,7 +18,7 @@ from specdec.flags import add_flags, from_args, to_argv
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.entrypoint import start_gateway
 from specdec.serving.config import ModelServiceConfig
-from specdec.serving.entrypoint import LOG_LEVELS, configure_logging
+from specdec.serving.logs import LOG_LEVELS, configure_logging
 from specdec.target_server.config import TargetConfig
 from specdec_bench.config import add_bench_flags
 from specdec_bench.config import config_from_args as bench_config_from_args

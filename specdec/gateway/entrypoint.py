@@ -19,8 +19,8 @@ from specdec.errors import SpecdecError
 from specdec.flags import add_flags, from_args
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.server import create_gateway
-from specdec.serving.entrypoint import LOG_LEVELS, configure_logging
 from specdec.serving.grpc_server import serve_until_signal
+from specdec.serving.logs import LOG_LEVELS, configure_logging
 from specdec.serving.ready import ReadyLine
 
 log = logging.getLogger(__name__)

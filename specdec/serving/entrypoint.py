@@ -12,14 +12,10 @@ from specdec.errors import SpecdecError
 from specdec.flags import add_flags, from_args
 from specdec.serving.config import ModelServiceConfig
 from specdec.serving.grpc_server import RunningServer, serve_until_signal
+from specdec.serving.logs import LOG_LEVELS, configure_logging
 from specdec.serving.ready import ReadyLine
 
 C = TypeVar("C", bound=ModelServiceConfig)
-LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def run_model_service(
