@@ -641,8 +641,7 @@ class KPlanner:
         promise more than they yield cost the rent they lose."""
         if not plan.caught_up_rates:
             return
-        emitted = sum(report.num_accepted[s.slot_id] + 1 if report.ks[s.slot_id] else report.steps.get(s.slot_id, 1)
-                      for s in seqs)
+        emitted = sum(report.emitted(s.slot_id) for s in seqs)
         for slot, rate in plan.caught_up_rates.items():
             self._rent[slot] = self._rent.get(slot, 0.0) + max(0.0, report.total_s - emitted / rate)
             log.debug("catch-up of %s waits: %.2f s rented", slot, self._rent[slot])
@@ -719,7 +718,7 @@ class KPlanner:
         drafts = [0 if s.slot_id in plan.lookups else k for s, k in zip(seqs, ks)]  # the model draft's
         if self._target is not None:  # the unscaled tables' prediction: the EMAs track the ratio
             unscaled = RoundCostModel(*self._at_context(plan.context))
-            steps = [report.steps.get(s.slot_id, 1) for s in seqs]
+            steps = [report.steps_of(s.slot_id) for s in seqs]
             predicted = unscaled.verify_seconds(ks, steps)
             self._target_scale.observe_ratio(report.verify.compute_s, predicted, self.cost_weight)
             if any(drafts):

@@ -103,6 +103,14 @@ class RoundReport:
     #: Tokens of the draft's own lookup guesses fed per slot (`Proposal.own_guess_tokens`).
     own_guess_tokens: dict[str, int] = field(default_factory=dict)
 
+    def steps_of(self, slot_id: str) -> int:
+        return self.steps.get(slot_id, 1)
+
+    def emitted(self, slot_id: str) -> int:
+        """Tokens the round gave the request: its accepted draft tokens and the target's own
+        (one after a draft, `steps` in a plain round, which accepts none)."""
+        return self.num_accepted[slot_id] + self.steps_of(slot_id)
+
     def phases(self) -> dict[str, float]:
         """The round's wall time split by `ROUND_PHASES`."""
         rpc = self.propose.wall_s - self.propose.compute_s + self.verify.wall_s - self.verify.compute_s

@@ -255,7 +255,7 @@ class Scheduler:
             source = report.sources.get(seq.slot_id, DraftSource.MODEL)
             seq.counts.record(k, accepted, source, report.guessed.get(seq.slot_id, 0))
             seq.anatomy.add(phases)
-            self.stats.record_round(k, accepted, report.steps.get(seq.slot_id, 1), source)
+            self.stats.record_round(k, accepted, report.steps_of(seq.slot_id), source)
             count, last_at = before[seq.slot_id]
             if seq.completion_tokens > count and seq.last_token_at is not None and last_at is not None:
                 self.stats.record_tokens(seq.completion_tokens - count, seq.last_token_at - last_at)
