@@ -14,9 +14,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
-import openai
 import pytest
-from openai.types.chat import ChatCompletionMessageParam
+
+# A dev extra: where it is missing (the GPU machine runs the suite's collection with its own
+# packages), this module is skipped rather than stopping the collection.
+pytest.importorskip("openai", reason="the pip package openai is needed (a dev extra)")
+import openai  # noqa: E402
+from openai.types.chat import ChatCompletionMessageParam  # noqa: E402
 
 from specdec.client import SpecdecClient
 from specdec.model.runtime import ModelRuntime
