@@ -26,7 +26,10 @@ class ServiceProcess:
         self.ready_name = ready_name
         #: The service's ready line once it printed it: bound address (and metrics port).
         self.ready: ReadyLine | None = None
+        #: Seconds from the start of the process to its ready line (None until then).
+        self.ready_s: float | None = None
         self._ready = threading.Event()
+        self._started = time.monotonic()
         self.process = subprocess.Popen(
             [sys.executable, "-m", module, *args, "--port", str(port)],
             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, bufsize=1,
@@ -41,6 +44,7 @@ class ServiceProcess:
             ready = parse_ready_line(line) if self.ready is None else None
             if ready is not None and self.ready_name in ("", ready.name):
                 self.ready = ready
+                self.ready_s = time.monotonic() - self._started
                 self._ready.set()
             elif self.ready is not None:
                 sys.stdout.write(line)

@@ -2,21 +2,23 @@
 
 The services start as in production, three processes on loopback, through the benchmark's own
 launcher (`specdec_bench.stack.running_stack`), with compiled steps off (start-up then costs the
-same every run; the `service_defaults` stage tries the defaults) and no prefix caching (every
-repeat of a prompt is computed). Prompts go as plain text: the random models' tokenizer has no
-chat template.
+same every run; the `service_defaults` stage tries the defaults), no prefix caching (every
+repeat of a prompt is computed) and, where a stage measures no speed, no start-up timing.
+Prompts go as plain text: the random models' tokenizer has no chat template.
 """
 
 from __future__ import annotations
 
+import math
 import shlex
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from specdec.client import SpecdecClient
 from specdec.v1 import common_pb2
-from specdec_bench.analysis import summarize
+from specdec_bench.analysis import PHASES, summarize
 from specdec_bench.gpu.config import GpuCheckConfig
 from specdec_bench.gpu.record import Record
 from specdec_bench.peers import run_peers
@@ -32,19 +34,30 @@ REQUEST_TIMEOUT_S = 300.0
 
 @contextmanager
 def check_stack(
-    config: GpuCheckConfig, target: str, draft: str, dtype: str, extra: tuple[str, str] = ("", "")
+    config: GpuCheckConfig, record: Record, target: str, draft: str, dtype: str, *, measure_costs: bool,
+    extra: tuple[str, str] = ("", ""),
 ) -> Iterator[tuple[Stack, SpecdecClient]]:
     """Target, draft and gateway on the check's device, both models unquantized in `dtype`, the
-    target and the gateway with the `extra` flags (target's, gateway's); and a client."""
+    target and the gateway with the `extra` flags (target's, gateway's); and a client. Without
+    `measure_costs` the model services skip their start-up timing (a stage that measures no
+    speed needs none). Records how long the services took to start, serve and stop."""
+    costs = "" if measure_costs else " --no-measure-costs"
 
     def model_flags(model: str) -> str:
         return (f"--model {shlex.quote(model)} --device {config.device} --dtype {dtype} --quantization none "
-                "--compile off --no-prefix-caching")
+                f"--compile off --no-prefix-caching{costs}")
 
     gateway = f"--max-batch-size {max(config.concurrency)} {extra[1]}".strip()
+    started = time.monotonic()
     with running_stack(f"{model_flags(target)} {extra[0]}".strip(), model_flags(draft), gateway) as stack:
+        ready = time.monotonic()
+        record.put("start_s", {"target": stack.target.ready_s, "draft": stack.draft.ready_s,
+                               "gateway": stack.gateway.ready_s, "all": ready - started})
         with SpecdecClient(stack.address, timeout=REQUEST_TIMEOUT_S) as client:
             yield stack, client
+        stopping = time.monotonic()
+        record.put("serve_s", stopping - ready)
+    record.put("stop_s", time.monotonic() - stopping)
 
 
 def model_summary(info: common_pb2.ModelInfo) -> dict[str, str]:
@@ -118,7 +131,8 @@ def service_pairs(
     sampled speculative request must complete too."""
     k = config.parity_k
     comparison = GreedyComparison(k)
-    with check_stack(config, config.target_model, config.draft_model, dtype, extra) as (_, client):
+    with check_stack(config, record, config.target_model, config.draft_model, dtype, measure_costs=False,
+                     extra=extra) as (_, client):
         record.put("services", services_of(client))
         warm_up(client, k)
         for prompt in range(prompts):
@@ -170,13 +184,15 @@ def stack_speed(config: GpuCheckConfig, record: Record) -> None:
     the stack against transformers' `generate` on the same weights; each fixed K's measured
     speedup against Theorem 3.8 with the measured α, c and s (the benchmark's analysis); then
     aggregate tokens/s at each concurrency, plain and speculative."""
-    with check_stack(config, config.target_model, config.target_model, config.dtype) as (stack, client):
+    with check_stack(config, record, config.target_model, config.target_model, config.dtype,
+                     measure_costs=True) as (stack, client):
         record.put("services", services_of(client))
         costs = ServiceCosts.from_info(client.info())
         warm_up(client, max(config.speed_ks))
         sweep, plain_tokens, comparison = _fixed_k_runs(client, stack, config)
         record.put("greedy_vs_plain", comparison.as_dict())
         record.put("fixed_k_runs", [{"prompt": r.prompt, "k": r.k, "tokens_per_s": r.tokens_per_s} for r in sweep])
+        record.put("round_ms_per_token", round_ms_per_token(sweep))
         vocab = client.info().target.vocab_size
         pairs = probe_steps(stack.target.address, stack.draft.address, vocab, pairs=config.step_pairs)
         record.put("concurrency", _concurrency(client, config))
@@ -198,6 +214,20 @@ def stack_speed(config: GpuCheckConfig, record: Record) -> None:
         "c_source": costs_used.source, "s_by_k": costs_used.s_by_k,
         "by_k": [row for row in summary.k_rows if row.k > 0],
     })
+
+
+def round_ms_per_token(runs: list[RunRecord]) -> dict[str, dict[str, float]]:
+    """Per fixed K ("K=0" plain), milliseconds per generated token in each round phase
+    (`PHASES`: both services' compute, the RPCs around it, acceptance, the rest), summed over
+    the prompts after the first, whose rounds also capture the CUDA graphs of new shapes."""
+    later = [r for r in runs if r.prompt > 0] or runs
+    table = {}
+    for k in sorted({r.k for r in later if r.k is not None}):
+        of_k = [r for r in later if r.k == k]
+        tokens = sum(r.completion_tokens for r in of_k)
+        table[f"K={k}"] = {phase: 1e3 * sum(r.anatomy.get(phase, 0.0) for r in of_k) / tokens if tokens else math.nan
+                           for phase in PHASES}
+    return table
 
 
 @dataclass

@@ -117,11 +117,15 @@ def device_tests(config: GpuCheckConfig, record: Record) -> None:
             "-m", "device_agnostic", "--device", config.device, *collect_only]
     record.put("command", shlex.join(argv[1:]))
     lines: list[str] = []
+    started = time.monotonic()
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as pytest:
         assert pytest.stdout is not None
         for line in pytest.stdout:
             print(line, end="", flush=True)
             lines.append(line.strip())
+            if _pytest_counts(line):  # when the summary came, against when pytest exited (below)
+                record.put("summary_s", time.monotonic() - started)
+    record.put("exit_s", time.monotonic() - started)
     record.put("exit_code", pytest.returncode)
     record.put("counts", _pytest_counts("\n".join(lines)))
     if pytest.returncode != 0:
@@ -164,7 +168,8 @@ def greedy_invariant(config: GpuCheckConfig, record: Record) -> None:
 
 
 def step_speed(config: GpuCheckConfig, record: Record) -> None:
-    """The target's 1-token step and (K+1)-token verify in-process, with the roofline fraction."""
+    """The target's 1-token step and (K+1)-token verify in-process, eager and from CUDA graphs,
+    with the roofline fraction."""
     runtime = build_runtime(config.target_model, dtype=config.dtype, device=config.device)
     forward = runtime.forward
     device = forward.embed_tokens.weight.device
@@ -178,18 +183,20 @@ def step_speed(config: GpuCheckConfig, record: Record) -> None:
                       "KV-cache and activation traffic not counted",
     })
     widths = (1, config.verify_k + 1)
-    timings = time_steps(forward, batches=config.step_batches, widths=widths, context=config.step_context,
-                         warmup=config.step_warmup, repeats=config.step_repeats)
-    seconds = {(t.batch, t.tokens): t.seconds for t in timings}
-    rows = []
-    for batch in config.step_batches:
-        step, verify = seconds[(batch, 1)], seconds[(batch, widths[1])]
-        rows.append({
-            "batch": batch, "context": config.step_context, "step_s": step, "verify_tokens": widths[1],
-            "verify_s": verify, "verify_over_step": verify / step, "step_tokens_per_s": batch / step,
-            "step_roofline_fraction": roofline_s / step,
-        })
-    record.put("steps", rows)
+    # Eager first, then as the services run steps on CUDA: padded, replayed from CUDA graphs.
+    for key, graphs in (("steps", False), ("graph_steps", True)):
+        timings = time_steps(forward, batches=config.step_batches, widths=widths, context=config.step_context,
+                             warmup=config.step_warmup, repeats=config.step_repeats, graphs=graphs)
+        seconds = {(t.batch, t.tokens): t.seconds for t in timings}
+        rows = []
+        for batch in config.step_batches:
+            step, verify = seconds[(batch, 1)], seconds[(batch, widths[1])]
+            rows.append({
+                "batch": batch, "context": config.step_context, "step_s": step, "verify_tokens": widths[1],
+                "verify_s": verify, "verify_over_step": verify / step, "step_tokens_per_s": batch / step,
+                "step_roofline_fraction": roofline_s / step,
+            })
+        record.put(key, rows)
 
 
 def service_defaults(config: GpuCheckConfig, record: Record) -> None:

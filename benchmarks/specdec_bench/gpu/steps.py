@@ -3,9 +3,11 @@
 At batch 1 a decode step reads every weight once and does little arithmetic with it, so its
 floor is weight bytes ÷ memory bandwidth (the roofline); a (K+1)-token verify reads the same
 weights, so on a GPU it should cost little more than a step. The steps run as an engine runs
-them (`PagedLlama.run`: block bookkeeping, batch tensors, the forward), every request holding
-the same cached context, timed with the project's one timing helper: interleaved rounds after
-a warm-up, the device synchronized around each call, the median kept.
+them (block bookkeeping, batch tensors, the forward), every request holding the same cached
+context, either eagerly or, as the services run steps on CUDA, padded to a bucket and replayed
+from a CUDA graph (`specdec.model.cuda_graphs`; off CUDA the padded steps run eagerly). They
+are timed with the project's one timing helper: interleaved rounds after a warm-up, the
+device synchronized around each call, the median kept.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specdec.model.cuda_graphs import StepGraphs
 from specdec.model.llama import PagedLlama
 from specdec.tuning.cost_profile import filler_prompt
 from specdec.tuning.timing import interleaved_times, synchronizer
@@ -66,14 +69,17 @@ def copy_bandwidth(device: torch.device) -> float:
 
 def time_steps(
     forward: PagedLlama, *, batches: tuple[int, ...], widths: tuple[int, ...], context: int, warmup: int,
-    repeats: int,
+    repeats: int, graphs: bool = False,
 ) -> list[StepTiming]:
     """Median seconds of a forward over each (batch, width) pair, every request of it
-    `context` tokens deep; the pairs are timed in interleaved rounds."""
+    `context` tokens deep; the pairs are timed in interleaved rounds. With `graphs`, each step
+    runs padded to its bucket from a CUDA graph (captured in the warm-up; eager off CUDA)."""
     block_size = 16
     per_slot = context + max(widths) + block_size
     cache = forward.new_cache(token_budget=max(batches) * per_slot, block_size=block_size)
     prompt = filler_prompt(forward.vocab_size, context + max(widths))
+    replays = StepGraphs(forward, cache, max_requests=max(batches), max_tokens=max(widths),
+                         max_blocks=-(-per_slot // block_size), capture=True) if graphs else None
     with cache.temporary_slots("\x00step-", max(batches)) as slots:
         for slot in slots:  # one prefill a slot: a batch of long prompts would need far more memory
             forward.run(cache, [(slot, prompt[:context])])
@@ -83,8 +89,14 @@ def time_steps(
                 cache.truncate(slot, context)
 
         def step(batch: int, width: int) -> None:
-            chunk = prompt[context : context + width]
-            forward.run(cache, [(slot, chunk) for slot in slots[:batch]], logits="all", prompt=False)
+            chunks = [(slot, prompt[context : context + width]) for slot in slots[:batch]]
+            if replays is None:
+                forward.run(cache, chunks, logits="all", prompt=False)
+                return
+            cache.blocks.append_many([(slot, width) for slot, _ in chunks])
+            shape = replays.shape_for(chunks)
+            assert shape is not None, "the buckets are sized for every timed step"
+            forward.compute_fixed(cache, chunks, shape, replays.run)
 
         candidates = {(b, w): (lambda b=b, w=w: step(b, w)) for b in batches for w in widths}
         device = forward.embed_tokens.weight.device

@@ -45,14 +45,16 @@ def _invariant(figures: dict[str, Any], config: GpuCheckConfig) -> str:
 
 
 def _steps(figures: dict[str, Any], config: GpuCheckConfig) -> str:
-    rows = figures.get("steps", [])
-    if not rows:
-        return "steps ?"
-    first = rows[0]
-    return (f"step b{first['batch']} {_num(first['step_s'] * 1e3, '.2f')} ms "
-            f"({_num(first.get('step_roofline_fraction'), '.0%')} of roofline), verify/step "
-            + "/".join(_num(r["verify_over_step"], ".2f") for r in rows)
-            + " at b" + "/".join(str(r["batch"]) for r in rows))
+    parts = []
+    for key, label in (("steps", "eager"), ("graph_steps", "graphs")):
+        if not (rows := figures.get(key, [])):
+            continue
+        first = rows[0]
+        parts.append(f"{label} step b{first['batch']} {_num(first['step_s'] * 1e3, '.2f')} ms "
+                     f"({_num(first.get('step_roofline_fraction'), '.0%')} of roofline), verify/step "
+                     + "/".join(_num(r["verify_over_step"], ".2f") for r in rows)
+                     + " at b" + "/".join(str(r["batch"]) for r in rows))
+    return "; ".join(parts) or "steps ?"
 
 
 def _stack(figures: dict[str, Any], config: GpuCheckConfig) -> str:

@@ -16,10 +16,11 @@ from specdec.model.llama import PagedLlama
 from specdec_bench.gpu.carry import check_size, folder_bytes
 from specdec_bench.gpu.check import StagePlan, StageResult, StageStatus, run_stages
 from specdec_bench.gpu.config import GPU, SMALL, GpuCheckConfig, Stage
-from specdec_bench.gpu.services import GreedyComparison
+from specdec_bench.gpu.services import GreedyComparison, round_ms_per_token
 from specdec_bench.gpu.stages import _pytest_counts
 from specdec_bench.gpu.steps import nominal_bandwidth, time_steps, weight_bytes
 from specdec_bench.gpu.summary import summary_line
+from specdec_bench.workloads import RunRecord
 from tests.support.tiny_models import tiny_llama
 
 
@@ -96,11 +97,28 @@ def test_greedy_comparison_counts_differing_positions_and_missing_ones() -> None
     assert comparison.mismatch_rate == 0.25 and comparison.acceptance_rate == 0.5
 
 
+def test_round_time_per_token_by_phase_leaves_out_the_first_prompt() -> None:
+    def run(prompt: int, k: int, tokens: int, draft_s: float, verify_s: float) -> RunRecord:
+        return RunRecord("fixed_k", prompt, k, 0.0, 0, 0.0, 0.0, 0.0, tokens, 0, 0, 0,
+                         {"draft_compute": draft_s, "verify_compute": verify_s, "rpc": 0.5})
+
+    runs = [run(0, 4, 10, 9.0, 9.0),  # the first prompt: its rounds capture new graphs
+            run(1, 0, 8, 0.0, 0.4), run(1, 4, 10, 0.2, 0.3), run(2, 4, 30, 0.6, 0.5)]
+    table = round_ms_per_token(runs)
+    assert list(table) == ["K=0", "K=4"]
+    assert table["K=4"]["draft_compute"] == pytest.approx(1e3 * 0.8 / 40)
+    assert table["K=4"]["verify_compute"] == pytest.approx(1e3 * 0.8 / 40)
+    assert table["K=4"]["rpc"] == pytest.approx(1e3 * 1.0 / 40)
+    assert table["K=0"]["verify_compute"] == pytest.approx(50.0) and table["K=0"]["accept"] == 0.0
+
+
 def test_in_process_step_timing_covers_every_batch_and_width() -> None:
     model = tiny_llama()
-    timings = time_steps(PagedLlama(model), batches=(1, 3), widths=(1, 4), context=20, warmup=0, repeats=1)
-    assert {(t.batch, t.tokens) for t in timings} == {(1, 1), (1, 4), (3, 1), (3, 4)}
-    assert all(t.seconds > 0 for t in timings)
+    for graphs in (False, True):  # off CUDA the graphs' padded steps run eagerly
+        timings = time_steps(PagedLlama(model), batches=(1, 3), widths=(1, 4), context=20, warmup=0, repeats=1,
+                             graphs=graphs)
+        assert {(t.batch, t.tokens) for t in timings} == {(1, 1), (1, 4), (3, 1), (3, 4)}
+        assert all(t.seconds > 0 for t in timings)
     tied = model.model.embed_tokens.weight
     assert weight_bytes(model) == sum(p.numel() for p in model.parameters()) * 4
     assert model.lm_head.weight is tied  # counted once
