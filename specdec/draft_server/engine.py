@@ -115,15 +115,16 @@ class DraftEngine(ModelEngine):
 
         Lazy prefills (whole prompts) and the usual few accepted tokens (with a guess) run as
         separate forwards: padded into one [B, T] batch, every short feed would pay for the
-        longest prompt's width.
+        longest prompt's width. The short feeds run as a step, as the drafting steps do (on
+        CUDA, replayed from a graph: an eager forward there costs a few graph replays).
         """
         short = [self._is_short(len(tokens) - tail + 1) for (_, tokens), tail in zip(chunks, tails)]
         groups = [[i for i in range(len(chunks)) if short[i]], [i for i in range(len(chunks)) if not short[i]]]
         out: list[torch.Tensor | None] = [None] * len(chunks)
-        for group in groups:
+        for group, prompt in zip(groups, (False, True)):
             if group:
                 every = any(tails[i] > 1 for i in group)
-                rows = self._run([chunks[i] for i in group], logits="all" if every else "last")
+                rows = self._run([chunks[i] for i in group], logits="all" if every else "last", prompt=prompt)
                 for i, row in zip(group, rows):
                     out[i] = row[-tails[i]:] if every else row[None]
         return [row for row in out if row is not None]

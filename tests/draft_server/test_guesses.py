@@ -185,3 +185,25 @@ def test_an_invalid_guess_names_the_field(fp32_runtime: ModelRuntime) -> None:
     with pytest.raises(InvalidArgumentError, match="guess_tokens: token id -1"):
         draft.propose([ProposeItem("s", 0, PROMPT, K, GREEDY, [-1])])
     assert "s" not in draft.tokens
+
+
+@pytest.mark.parametrize("guess", [[], [5, 6, 7]], ids=["unguessed", "guessed"])
+def test_after_the_prompt_every_forward_of_a_round_is_a_step(
+    fp32_runtime: ModelRuntime, monkeypatch: pytest.MonkeyPatch, guess: list[int]
+) -> None:
+    """Steps are what a GPU replays from CUDA graphs, so feeding the accepted tokens (and a guess)
+    must not take the prompt path, which runs eagerly."""
+    draft = engine(fp32_runtime)
+    first = draft.propose([ProposeItem("s", 0, PROMPT, K, GREEDY)])[0]
+    kinds: list[bool] = []
+    real_run = draft._run
+
+    def spy(chunks: list[tuple[str, list[int]]], logits: str, *, prompt: bool = True) -> list[torch.Tensor]:
+        kinds.append(prompt)
+        return real_run(chunks, logits, prompt=prompt)
+
+    monkeypatch.setattr(draft, "_run", spy)
+    accepted = first.tokens[:2] + [first.tokens[2] ^ 1]
+    second = draft.propose([ProposeItem("s", len(PROMPT) + 2, accepted[2:], K, GREEDY, guess)])[0]
+    assert len(second.tokens) == K
+    assert kinds and not any(kinds)
