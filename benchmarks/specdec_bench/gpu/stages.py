@@ -236,7 +236,10 @@ def _model_info(address: str) -> dict[str, Any]:
         info = draft_pb2_grpc.DraftServiceStub(channel).Info(common_pb2.InfoRequest(), timeout=30)
     return {
         **model_summary(info), "compiled_steps": list(info.compiled_steps), "pending_graphs": info.pending_graphs,
-        "tuning": {choice.name: choice.value for choice in info.tuning},
+        # Each choice with what decided it: on CUDA, compiled steps turn the CUDA graphs off, and
+        # the detail holds the eager and compiled step times the choice rested on.
+        "tuning": {choice.name: {"value": choice.value, "reason": choice.reason, "detail": choice.detail}
+                   for choice in info.tuning},
     }
 
 
