@@ -159,6 +159,19 @@ class _PhaseLog:
         print(desc, flush=True)  # into the stage's log
 
 
+def capture_pass(client: SpecdecClient, config: GpuCheckConfig) -> None:
+    """Every request the timed runs send, once, untimed. A service captures a step's CUDA graph
+    the first time a step of its shape (requests, tokens, key blocks) comes; greedy requests
+    repeat their steps exactly, so after this pass the timed ones replay graphs only, as a
+    server does once it has run a while."""
+    for prompt in range(config.speed_prompts):
+        for k in (0, *config.speed_ks):
+            run_request(client, "capture", prompt, k, max_new_tokens=config.speed_tokens)
+    for level in config.concurrency:
+        for k in (0, config.concurrency_k):
+            run_group(client, level, k, max_new_tokens=config.concurrency_tokens, prompts=PROMPTS, phase="capture")
+
+
 def _fixed_k_runs(
     client: SpecdecClient, stack: Stack, config: GpuCheckConfig
 ) -> tuple[list[RunRecord], dict[int, list[int]], GreedyComparison]:
@@ -189,6 +202,7 @@ def stack_speed(config: GpuCheckConfig, record: Record) -> None:
         record.put("services", services_of(client))
         costs = ServiceCosts.from_info(client.info())
         warm_up(client, max(config.speed_ks))
+        capture_pass(client, config)
         sweep, plain_tokens, comparison = _fixed_k_runs(client, stack, config)
         record.put("greedy_vs_plain", comparison.as_dict())
         record.put("fixed_k_runs", [{"prompt": r.prompt, "k": r.k, "tokens_per_s": r.tokens_per_s} for r in sweep])
@@ -218,12 +232,10 @@ def stack_speed(config: GpuCheckConfig, record: Record) -> None:
 
 def round_ms_per_token(runs: list[RunRecord]) -> dict[str, dict[str, float]]:
     """Per fixed K ("K=0" plain), milliseconds per generated token in each round phase
-    (`PHASES`: both services' compute, the RPCs around it, acceptance, the rest), summed over
-    the prompts after the first, whose rounds also capture the CUDA graphs of new shapes."""
-    later = [r for r in runs if r.prompt > 0] or runs
+    (`PHASES`: both services' compute, the RPCs around it, acceptance, the rest)."""
     table = {}
-    for k in sorted({r.k for r in later if r.k is not None}):
-        of_k = [r for r in later if r.k == k]
+    for k in sorted({r.k for r in runs if r.k is not None}):
+        of_k = [r for r in runs if r.k == k]
         tokens = sum(r.completion_tokens for r in of_k)
         table[f"K={k}"] = {phase: 1e3 * sum(r.anatomy.get(phase, 0.0) for r in of_k) / tokens if tokens else math.nan
                            for phase in PHASES}
