@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.model.loader import DEFAULT_MODEL, LoadedModel, load_model
+from specdec.model.choices import DEFAULT_MODEL
+from specdec.model.loader import LoadedModel, load_model
 
 pytest_plugins = ["tests.support.services", "tests.support.stacks", "tests.support.pki"]
 DEVICE_AGNOSTIC = "device_agnostic"

@@ -23,7 +23,8 @@ from specdec.gateway.detokenizer import StopStringDetokenizer
 from specdec.gateway.k_planner import KPlanner
 from specdec.gateway.proposers import LookupDraft, LookupProposer, LookupSettings
 from specdec.gateway.sequence import Sequence
-from specdec.model.loader import DEFAULT_MODEL, load_tokenizer
+from specdec.model.choices import DEFAULT_MODEL
+from specdec.model.loader import load_tokenizer
 from specdec.sampling.params import SamplingParams
 from specdec_bench.results import cpu_model
 

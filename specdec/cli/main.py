@@ -16,7 +16,6 @@ from specdec.draft_server.config import DraftConfig
 from specdec.errors import SpecdecError
 from specdec.flags import add_flags, from_args, to_argv
 from specdec.gateway.config import GatewayConfig
-from specdec.gateway.entrypoint import start_gateway
 from specdec.serving.config import ModelServiceConfig
 from specdec.serving.logs import LOG_LEVELS, configure_logging
 from specdec.target_server.config import TargetConfig
@@ -75,6 +74,10 @@ def serve_configs(args: argparse.Namespace) -> tuple[TargetConfig, DraftConfig |
 
 
 def serve(args: argparse.Namespace) -> int:
+    # The gateway (and with it torch) loads here, not with this module: `specdec serve --help`
+    # and the other commands' parsers stay light.
+    from specdec.gateway.entrypoint import start_gateway
+
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # while the children start; asyncio takes over later
     try:
         target_config, draft_config, gateway_config = serve_configs(args)

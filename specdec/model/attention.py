@@ -38,15 +38,8 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
+from specdec.model.choices import AttentionKernel
 from specdec.model.forward_batch import ForwardBatch
-
-
-class AttentionKernel(enum.Enum):
-    """Which implementation computes the attention (`PagedLlama.attention`)."""
-
-    GATHER = "gather"
-    SDPA = "sdpa"
-
 
 #: Each device type's kernel unless a flag chooses (docs/performance.md#attention-kernels).
 DEFAULT_KERNELS = {"cpu": AttentionKernel.SDPA, "cuda": AttentionKernel.SDPA}

@@ -28,6 +28,7 @@ from specdec.model.attention import (
     default_kernel,
     make_attention,
 )
+from specdec.model.choices import DEFAULT_PREFILL_CHUNK_TOKENS
 from specdec.model.forward_batch import (
     ForwardBatch,
     StepShape,
@@ -38,12 +39,6 @@ from specdec.model.forward_batch import (
 from specdec.model.linear import DenseLinear, fastest_wide_kernel, fuse
 
 SUPPORTED_MODEL_TYPES = ("llama",)
-#: The most tokens of one chunk a forward computes by default (`PagedLlama.compute`). Pieces
-#: cost time: a later piece's attention is masked over its whole context, where one causal
-#: pass skips the blocks above the diagonal; so a chat prompt of a couple of thousand tokens
-#: runs whole, and a longer one in pieces whose activations stay small
-#: (docs/performance.md#attention-kernels).
-DEFAULT_PREFILL_CHUNK_TOKENS = 2048
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

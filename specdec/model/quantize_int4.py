@@ -43,6 +43,7 @@ from torch import nn
 
 from specdec.errors import InvalidArgumentError
 from specdec.model import int4_dot
+from specdec.model.choices import INT4_KERNELS
 from specdec.model.gguf_q4 import gguf_int4_weights
 from specdec.model.int4_weight import Int4Weight
 from specdec.model.linear import MAX_NARROW_ROWS
@@ -50,7 +51,7 @@ from specdec.model.quantize import mark_quantized
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("int4dot", "int4pack", "dequant")
+KERNELS = INT4_KERNELS
 INT4PACK_GROUP_SIZES = frozenset({32, 64, 128, 256})
 #: `_weight_int4pack_mm_for_cpu` computes ``(q - 8) * scale + offset``; our codes are unsigned.
 INT4PACK_Q_OFFSET = 8

@@ -9,14 +9,14 @@ import torch
 from torch import nn
 
 from specdec.errors import InvalidArgumentError
+from specdec.model.choices import DTYPE_NAMES, QUANTIZATIONS
 from specdec.model.llama import PagedLlama
 from specdec.model.loader import LoadedModel, gguf_path_of, load_model
 from specdec.model.quantize import Int8Linear, quantize_int8
 from specdec.model.quantize_int4 import quantize_int4
 from specdec.model.shortlist_head import DEFAULT_SHORTLIST
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-QUANTIZATIONS = ("none", "int8", "int4")
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 class RuntimeTuner(Protocol):

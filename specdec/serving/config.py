@@ -5,18 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
 from specdec.errors import InvalidArgumentError
 from specdec.flags import inherit, option
-from specdec.model.attention import AttentionKernel
-from specdec.model.llama import DEFAULT_PREFILL_CHUNK_TOKENS
-from specdec.model.loader import DEFAULT_MODEL
-from specdec.model.quantize_int4 import KERNELS as INT4_KERNELS
-from specdec.model.runtime import DTYPES, QUANTIZATIONS
+from specdec.model.choices import (
+    COMPILE_MODES,
+    DEFAULT_COMPILE_BUDGET_S,
+    DEFAULT_MODEL,
+    DEFAULT_PREFILL_CHUNK_TOKENS,
+    DTYPE_NAMES,
+    INT4_KERNELS,
+    QUANTIZATIONS,
+    AttentionKernel,
+    device_type,
+)
 from specdec.serving.security import ServerSecurity
 from specdec.stats import DEFAULT_PREFIX, check_metrics_prefix
-from specdec.tuning.compiled_layers import COMPILE_MODES, DEFAULT_COMPILE_BUDGET_S
 from specdec.tuning.thread_placement import ThreadPlacement, parse_cores
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -34,7 +37,8 @@ QUANTIZATION_HELP = (
 
 @dataclass(frozen=True)
 class Precision:
-    """How a model runs: the dtype of its forward pass (`DTYPES`) and its weights' quantization (`QUANTIZATIONS`)."""
+    """How a model runs: the dtype of its forward pass (one of `DTYPE_NAMES`) and its weights'
+    quantization (one of `QUANTIZATIONS`)."""
 
     dtype: str
     quantization: str
@@ -48,7 +52,7 @@ class AutoPrecision:
     accelerator: Precision
 
     def on(self, device: str) -> Precision:
-        return self.cpu if torch.device(device).type == "cpu" else self.accelerator
+        return self.cpu if device_type(device) == "cpu" else self.accelerator
 
     def help(self, text: str, field: str) -> str:
         """`text`, then what `auto` picks for `field` ("dtype" or "quantization")."""
@@ -72,7 +76,7 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
     AUTO_PRECISION: ClassVar[AutoPrecision] = MODEL_AUTO
 
     model: str = option(DEFAULT_MODEL, MODEL_HELP)
-    dtype: str = option(AUTO, MODEL_AUTO.help(DTYPE_HELP, "dtype"), choices=(AUTO, *sorted(DTYPES)))
+    dtype: str = option(AUTO, MODEL_AUTO.help(DTYPE_HELP, "dtype"), choices=(AUTO, *sorted(DTYPE_NAMES)))
     device: str = option("cpu", "torch device, e.g. cpu or cuda:0")
     quantization: str = option(
         AUTO, MODEL_AUTO.help(QUANTIZATION_HELP, "quantization"), choices=(AUTO, *QUANTIZATIONS),
@@ -169,18 +173,13 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
 
     def __post_init__(self) -> None:
         self.check_security()
-        if self.dtype not in (AUTO, *DTYPES):
-            raise InvalidArgumentError(f"dtype must be {AUTO!r} or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in (AUTO, *DTYPE_NAMES):
+            raise InvalidArgumentError(f"dtype must be {AUTO!r} or one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.quantization not in (AUTO, *QUANTIZATIONS):
             raise InvalidArgumentError(
                 f"quantization must be {AUTO!r} or one of {QUANTIZATIONS}, got {self.quantization!r}"
             )
-        try:
-            torch.device(self.device)
-        except RuntimeError as error:
-            raise InvalidArgumentError(
-                f"device {self.device!r} is not a torch device (cpu, cuda, cuda:0, ...)"
-            ) from error
+        _check_device(self.device)
         if self.attention != "auto" and self.attention not in {kernel.value for kernel in AttentionKernel}:
             raise InvalidArgumentError(f"attention must be auto or one of {[k.value for k in AttentionKernel]}, "
                                        f"got {self.attention!r}")
@@ -209,3 +208,14 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
             raise InvalidArgumentError(f"min_ping_interval_s must be > 0, got {self.min_ping_interval_s}")
         if self.max_seq_len < 0:
             raise InvalidArgumentError(f"max_seq_len must be >= 0, got {self.max_seq_len}")
+
+
+def _check_device(device: str) -> None:
+    """InvalidArgumentError unless torch takes `device`. torch is imported here, where a service
+    starts, and not with this module: a command line builds its parser from these configs."""
+    import torch
+
+    try:
+        torch.device(device)
+    except RuntimeError as error:
+        raise InvalidArgumentError(f"device {device!r} is not a torch device (cpu, cuda, cuda:0, ...)") from error

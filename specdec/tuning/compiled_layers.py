@@ -43,6 +43,7 @@ import torch
 
 from specdec.kv_cache.paged_cache import PagedKVCache
 from specdec.model.attention import ContextLayout
+from specdec.model.choices import COMPILE_MODES, DEFAULT_COMPILE_BUDGET_S
 from specdec.model.linear import MAX_NARROW_ROWS
 from specdec.model.llama import LayerInputs, PagedLlama
 from specdec.tuning.cost_profile import filler_prompt
@@ -50,7 +51,6 @@ from specdec.tuning.timing import device_clock, interleaved_times, synchronizer
 
 log = logging.getLogger(__name__)
 
-COMPILE_MODES = ("auto", "on", "off")
 #: The most decoder layers one compiled call runs: fewer, larger calls save the compiled
 #: region's per-call cost, while each layer in a group adds compile time.
 MAX_LAYERS_PER_COMPILED_CALL = 10
@@ -76,9 +76,6 @@ TIMING_CONTEXT = 128
 #: Contexts of the warm-up steps: the first compiles (context length dynamic), the second
 #: runs a new length through that graph.
 WARM_UP_CONTEXTS = (TIMING_CONTEXT - 1, TIMING_CONTEXT)
-#: The default of `--compile-budget-s`: a shape after the first gets its graph only when the
-#: graphs so far took at most this many seconds to build.
-DEFAULT_COMPILE_BUDGET_S = 25.0
 #: Requests in the batch steps that warm up and time the batch graphs: the warm-up runs 2
 #: (the graph is built with the batch size dynamic) and then 3 through it, the timing all.
 BATCH_SLOTS = 3

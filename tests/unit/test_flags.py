@@ -13,7 +13,7 @@ from specdec.draft_server.config import DraftConfig
 from specdec.errors import InvalidArgumentError
 from specdec.flags import add_flags, inherit, is_advanced, option, parse_config, to_argv
 from specdec.gateway.config import FIXED_K_DEFAULT, GatewayConfig
-from specdec.model.loader import DEFAULT_MODEL
+from specdec.model.choices import DEFAULT_MODEL
 from specdec.serving.config import ModelServiceConfig
 from specdec.target_server.config import TargetConfig
 

@@ -18,10 +18,11 @@ from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 from specdec.errors import InvalidArgumentError
 from specdec.model import gguf_q4, int4_dot
 from specdec.model import quantize_int4 as qi4
+from specdec.model.choices import DEFAULT_MODEL
 from specdec.model.gguf_q4 import gguf_int4_weights, read_gguf_int4_weights, rope_unpermute_rows
 from specdec.model.int4_weight import Int4Weight
 from specdec.model.linear import MAX_NARROW_ROWS
-from specdec.model.loader import DEFAULT_MODEL, LoadedModel, embedded_model_path
+from specdec.model.loader import LoadedModel, embedded_model_path
 from specdec.model.quantize_int4 import Int4Linear, default_int4_kernel, quantize_int4
 from tests.support.tiny_models import tiny_llama
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from specdec.gateway.detokenizer import StopStringDetokenizer
-from specdec.model.loader import DEFAULT_MODEL, load_tokenizer
+from specdec.model.choices import DEFAULT_MODEL
+from specdec.model.loader import load_tokenizer
 
 EOS = 2
 
