@@ -17,12 +17,12 @@ from torch import nn
 
 from specdec.cost_model import ForwardCost
 from specdec.kv_cache.paged_cache import PagedKVCache
-from specdec.model.attention import AttentionKernel, default_kernel, make_attention
+from specdec.model.attention import default_kernel, make_attention
+from specdec.model.choices import INT4_KERNELS, AttentionKernel
 from specdec.model.linear import DenseLinear, onednn_available
 from specdec.model.llama import PagedLlama
 from specdec.model.loader import default_cache_dir, weights_fingerprint
 from specdec.model.quantize import Int8Linear
-from specdec.model.quantize_int4 import KERNELS as INT4_KERNELS
 from specdec.model.quantize_int4 import Int4Linear
 from specdec.model.shortlist_head import ShortlistHead
 from specdec.tuning.choices import TuningChoice, tuning_line
