@@ -354,9 +354,14 @@ def _concurrency_rows(groups: Sequence[ConcurrencyGroup]) -> list[ConcurrencyRow
     return rows
 
 
+def phase_seconds(records: Sequence[RunRecord]) -> dict[str, float]:
+    """Round time per phase (`PHASES`), summed over `records`."""
+    return {p: sum(r.anatomy.get(p, 0.0) for r in records) for p in PHASES}
+
+
 def anatomy_shares(records: Sequence[RunRecord]) -> dict[str, float]:
     """Share of the summed round time per phase."""
-    totals = {p: sum(r.anatomy.get(p, 0.0) for r in records) for p in PHASES}
+    totals = phase_seconds(records)
     whole = sum(totals.values())
     return {p: _ratio(v, whole) for p, v in totals.items()}
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from specdec.client import SpecdecClient
 from specdec.v1 import common_pb2
-from specdec_bench.analysis import PHASES, summarize
+from specdec_bench.analysis import phase_seconds, summarize
 from specdec_bench.gpu.config import GpuCheckConfig
 from specdec_bench.gpu.record import Record
 from specdec_bench.peers import run_peers
@@ -232,13 +232,13 @@ def stack_speed(config: GpuCheckConfig, record: Record) -> None:
 
 def round_ms_per_token(runs: list[RunRecord]) -> dict[str, dict[str, float]]:
     """Per fixed K ("K=0" plain), milliseconds per generated token in each round phase
-    (`PHASES`: both services' compute, the RPCs around it, acceptance, the rest)."""
+    (`specdec_bench.analysis.PHASES`: both services' compute, the RPCs around it, acceptance, the rest)."""
     table = {}
     for k in sorted({r.k for r in runs if r.k is not None}):
         of_k = [r for r in runs if r.k == k]
         tokens = sum(r.completion_tokens for r in of_k)
-        table[f"K={k}"] = {phase: 1e3 * sum(r.anatomy.get(phase, 0.0) for r in of_k) / tokens if tokens else math.nan
-                           for phase in PHASES}
+        table[f"K={k}"] = {phase: 1e3 * seconds / tokens if tokens else math.nan
+                           for phase, seconds in phase_seconds(of_k).items()}
     return table
 
 
