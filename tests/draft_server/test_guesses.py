@@ -4,7 +4,7 @@ compare bit for bit (greedy) or to rounding (q rows)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -28,17 +28,28 @@ def engine(runtime: ModelRuntime) -> DraftEngine:
     return DraftEngine(runtime, config)
 
 
-def counting_forwards(draft: DraftEngine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The chunk widths of every forward `draft` runs from now on, one list entry per forward."""
-    widths: list[int] = []
+class Forward(NamedTuple):
+    """One forward the draft ran: its widest chunk, and whether it ran as a prompt or a step."""
+
+    width: int
+    prompt: bool
+
+
+def recording_forwards(draft: DraftEngine, monkeypatch: pytest.MonkeyPatch) -> list[Forward]:
+    """Every forward `draft` runs from now on, one list entry per forward."""
+    forwards: list[Forward] = []
     real_run = draft._run
 
-    def spy(chunks: list[tuple[str, list[int]]], logits: str, **kwargs: Any) -> list[torch.Tensor]:
-        widths.append(max(len(tokens) for _, tokens in chunks))
-        return real_run(chunks, logits, **kwargs)
+    def spy(chunks: list[tuple[str, list[int]]], logits: str, *, prompt: bool = True) -> list[torch.Tensor]:
+        forwards.append(Forward(max(len(tokens) for _, tokens in chunks), prompt))
+        return real_run(chunks, logits, prompt=prompt)
 
     monkeypatch.setattr(draft, "_run", spy)
-    return widths
+    return forwards
+
+
+def widths(forwards: list[Forward]) -> list[int]:
+    return [forward.width for forward in forwards]
 
 
 def two_rounds(draft: DraftEngine, sampling: SamplingParams, guess: list[int]) -> tuple[Proposal, Proposal]:
@@ -89,20 +100,20 @@ def test_each_kept_guessed_token_saves_a_forward(fp32_runtime: ModelRuntime, mon
         draft = engine(fp32_runtime)
         draft.propose([ProposeItem("s", 0, PROMPT, K, GREEDY)])
         first = draft.tokens["s"][len(PROMPT):]
-        widths = counting_forwards(draft, monkeypatch)
+        ran = recording_forwards(draft, monkeypatch)
         draft.propose([ProposeItem("s", len(PROMPT) + 2, [first[2] ^ 1], K, GREEDY, guess)])
         fed_guess = min(len(guess), K - 1)
-        assert widths == [1 + fed_guess] + [1] * (forwards - 1), guess
+        assert widths(ran) == [1 + fed_guess] + [1] * (forwards - 1), guess
 
 
 def test_a_new_slots_prompt_feeds_no_guess(fp32_runtime: ModelRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
     """A lazy prefill scores only its last position: a guess would make it score them all."""
     plain = engine(fp32_runtime).propose([ProposeItem("s", 0, PROMPT * 3, K, GREEDY)])[0]
     draft = engine(fp32_runtime)
-    widths = counting_forwards(draft, monkeypatch)
+    ran = recording_forwards(draft, monkeypatch)
     guessed = draft.propose([ProposeItem("s", 0, PROMPT * 3, K, GREEDY, plain.tokens)])[0]
     assert guessed.tokens == plain.tokens
-    assert widths == [len(PROMPT) * 3] + [1] * (K - 1)
+    assert widths(ran) == [len(PROMPT) * 3] + [1] * (K - 1)
 
 
 def test_a_batch_mixes_guessed_and_unguessed_requests(fp32_runtime: ModelRuntime) -> None:
@@ -135,10 +146,10 @@ def test_the_drafts_own_guesses_change_only_its_forwards(
     proposals, forwards, fed = [], [], []
     for own in (False, True):
         draft = engine(fp32_runtime)
-        widths = counting_forwards(draft, monkeypatch)
+        ran = recording_forwards(draft, monkeypatch)
         proposals.append(own_guess_round(draft, sampling, own, k=12))
-        forwards.append(len(widths) - 1)  # without the set-up's prefill
-        fed.append(sum(width - 1 for width in widths[1:]))  # each forward feeds one drawn token and the guess
+        forwards.append(len(ran) - 1)  # without the set-up's prefill
+        fed.append(sum(width - 1 for width in widths(ran)[1:]))  # each forward feeds one drawn token and the guess
     plain, guessed = proposals
     assert guessed.tokens == plain.tokens and guessed.cached_len == plain.cached_len
     if not sampling.is_greedy:
@@ -161,10 +172,10 @@ def test_a_steps_guesses_share_the_budget(fp32_runtime: ModelRuntime, monkeypatc
                              lookup_guess_tokens=budget)
         draft = DraftEngine(fp32_runtime, config)
         draft.propose([ProposeItem(slot, 0, REPEATING[:-1], 1, GREEDY) for slot in "ab"])
-        widths = counting_forwards(draft, monkeypatch)
+        ran = recording_forwards(draft, monkeypatch)
         proposals = draft.propose([ProposeItem(slot, len(REPEATING) - 1, REPEATING[-1:], 12, GREEDY,
                                                lookup_guesses=True) for slot in "ab"])
-        assert max(widths) == widest and (budget == 0) == (proposals[0].saved_steps == 0)
+        assert max(widths(ran)) == widest and (budget == 0) == (proposals[0].saved_steps == 0)
 
 
 def test_a_rollback_into_accepted_tokens_rebuilds_the_index(fp32_runtime: ModelRuntime) -> None:
@@ -195,15 +206,8 @@ def test_after_the_prompt_every_forward_of_a_round_is_a_step(
     must not take the prompt path, which runs eagerly."""
     draft = engine(fp32_runtime)
     first = draft.propose([ProposeItem("s", 0, PROMPT, K, GREEDY)])[0]
-    kinds: list[bool] = []
-    real_run = draft._run
-
-    def spy(chunks: list[tuple[str, list[int]]], logits: str, *, prompt: bool = True) -> list[torch.Tensor]:
-        kinds.append(prompt)
-        return real_run(chunks, logits, prompt=prompt)
-
-    monkeypatch.setattr(draft, "_run", spy)
+    ran = recording_forwards(draft, monkeypatch)
     accepted = first.tokens[:2] + [first.tokens[2] ^ 1]
     second = draft.propose([ProposeItem("s", len(PROMPT) + 2, accepted[2:], K, GREEDY, guess)])[0]
     assert len(second.tokens) == K
-    assert kinds and not any(kinds)
+    assert ran and not any(forward.prompt for forward in ran)
