@@ -28,6 +28,8 @@ class LookupMatch(NamedTuple):
 
     tokens: tuple[int, ...]
     match_len: int
+    #: Where the copied tokens start in the text: the copy continues from there.
+    start: int
 
 
 class PromptLookupIndex:
@@ -80,7 +82,7 @@ class PromptLookupIndex:
                 start = earlier[start]
                 if start < 0 or best_len == self.max_match_len:
                     break
-            return LookupMatch(copy_forward(tokens, best_start, k), best_len)
+            return LookupMatch(copy_forward(tokens, best_start, k), best_len, best_start)
         return None
 
 

@@ -228,13 +228,15 @@ def main() -> None:
                         help="a verified draft token's cost in target steps, for tokens/step")
     parser.add_argument("--min-n", type=int, default=1)
     parser.add_argument("--max-n", type=int, default=4)
+    parser.add_argument("--max-edits", type=int, default=LookupSettings.max_edits,
+                        help="learned edits a request (0 = plain prompt lookup only)")
     args = parser.parse_args()
     if args.action == "record":
         record(args.traces, args.max_new_tokens, args.chat_prompts)
     elif args.action == "served":
         served(args.traces, args.max_new_tokens, args.chat_prompts)
     else:
-        settings = LookupSettings(min_n=args.min_n, max_n=args.max_n, suffix_cache_tokens=0)
+        settings = LookupSettings(min_n=args.min_n, max_n=args.max_n, suffix_cache_tokens=0, max_edits=args.max_edits)
         replay(args.traces, args.k, args.short, args.policy, args.threshold, args.verify_slope, settings)
 
 

@@ -68,10 +68,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=300)
+    parser.add_argument("--max-edits", type=int, default=LookupSettings.max_edits,
+                        help="learned edits a request (0 = plain prompt lookup only)")
     args = parser.parse_args()
     rng = random.Random(0)
     corpus = corpus_tokens()
-    proposer = LookupProposer(LookupSettings())
+    proposer = LookupProposer(LookupSettings(max_edits=args.max_edits))
     while len(proposer.suffixes) < proposer.settings.suffix_cache_tokens:
         start = rng.randrange(len(corpus) - 300)
         proposer.suffixes.add(corpus[start:start + 8], corpus[start + 8:start + 300])
@@ -96,7 +98,7 @@ def main() -> None:
         planner.plan(seqs, caps, adaptive)
         plain_plan_us.append(1e6 * (time.perf_counter() - started))
     print(f"{cpu_model()}; {args.requests} requests, prompts of {PROMPT_TOKENS} tokens, K = {K}, "
-          f"suffix cache {len(proposer.suffixes)} tokens, {args.rounds} rounds")
+          f"suffix cache {len(proposer.suffixes)} tokens, {args.rounds} rounds, at most {args.max_edits} edits a request")
     print(f"lookup proposals, all requests:  {percentiles(propose_us)}")
     print(f"plan with lookups:               {percentiles(plan_us)}")
     print(f"plan without lookups:            {percentiles(plain_plan_us)}")

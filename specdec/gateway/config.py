@@ -65,6 +65,11 @@ class GatewayConfig(ServerSecurity):
         "pays, and its own lookups as it drafts",
         advanced=True,
     )
+    #: Prompt lookup through the edits an answer makes to what it copies (`proposers.edits`).
+    lookup_edits: int = option(
+        16, "edits (renamed or reformatted tokens) a request's lookups learn from its answer and repeat "
+        "wherever it copies them again (0 = off)", advanced=True,
+    )
     #: Memory of the cross-request suffix cache: recorded output tokens, the oldest evicted first.
     suffix_cache_tokens: int = option(
         65536, "recent output tokens of all requests kept for suffix proposals (0 = off)", advanced=True,
@@ -191,4 +196,4 @@ class GatewayConfig(ServerSecurity):
         return services_max if self.adaptive_k and costs_known else min(FIXED_K_DEFAULT, services_max)
 
     def lookup_settings(self) -> LookupSettings:
-        return LookupSettings(self.ngram_min, self.ngram_max, self.suffix_cache_tokens)
+        return LookupSettings(self.ngram_min, self.ngram_max, self.suffix_cache_tokens, max_edits=self.lookup_edits)

@@ -90,7 +90,7 @@ def test_the_index_grows_with_the_tokens() -> None:
     assert index.propose(tokens, 2) is None
     tokens += [1, 2]
     index.update(tokens)
-    assert index.propose(tokens, 2) == LookupMatch((3, 1), match_len=2)
+    assert index.propose(tokens, 2) == LookupMatch((3, 1), match_len=2, start=2)
 
 
 def test_suffix_cache_proposes_the_most_frequent_continuation() -> None:
