@@ -2,10 +2,14 @@
 greedy answers: figures that do not depend on the machine's speed.
 
     PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/experiments/lookup_acceptance.py record
-    PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/experiments/lookup_acceptance.py replay
+    PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/experiments/lookup_acceptance.py replay [--max-edits 0]
 
 `record` starts the default stack and stores each bench workload prompt's (copy-heavy,
 long-context, the first chat prompts) token ids and its greedy plain answer in `--traces`.
+`reference` stores the copy-heavy prompts with the answers an instruction-following model
+would give (the edit done in full: every occurrence renamed, the table converted, each
+misspelling corrected), written by the script from the prompts' texts: the small default
+model often skips or varies the edit, which hides what learned edits buy.
 `served` sends the same prompts through the stack again with lookup drafting alone and
 with auto, and counts rounds per request (greedy, so the answers must equal the recorded ones).
 `replay` runs the lookup proposer over each answer as greedy lookup-only decoding
@@ -62,6 +66,45 @@ def record(traces: Path, max_new_tokens: int, chat_prompts: int) -> None:
                 out.append({"workload": workload.value, "prompt": i, "prompt_ids": prompt_ids,
                             "answer": list(result.token_ids)})
                 print(workload.value, i, len(prompt_ids), len(result.token_ids), flush=True)
+    traces.write_text(json.dumps(out))
+
+
+def reference_answers() -> list[str]:
+    """The copy-heavy prompts' answers with each edit done in full, in `COPY_HEAVY_PROMPTS` order."""
+    from specdec_bench import texts
+
+    header, *rows = texts._CSV.split("\n")
+    table = "\n".join("| " + " | ".join(line.split(",")) + " |" for line in [header, "-,-,-,-", *rows])
+    spelling = {"recieved": "received", "libary": "library", "Unfortunatly": "Unfortunately", "allready": "already",
+                "promissed": "promised", "replacments": "replacements", "Untill": "Until", "availble": "available"}
+    past = {"walks": "walked", "buys": "bought", "waits": "waited", "reads": "read", "crosses": "crossed",
+            "looks": "looked", "passes": "passed", "answers": "answered", "meets": "met", "plans": "planned"}
+
+    def replaced(text: str, words: dict[str, str]) -> str:
+        for old, new in words.items():
+            text = text.replace(old, new)
+        return text
+
+    return [
+        "```python\n" + texts._FUNCTION.replace("total", "star_sum") + "```",
+        texts._PARAGRAPH,
+        table.replace("| - | - | - | - |", "|---|---|---|---|"),
+        "```json\n" + texts._JSON.replace('"title"', '"name"') + "\n```",
+        replaced(texts._MISSPELT, spelling),
+        replaced(texts._PRESENT_TENSE, past),
+    ]
+
+
+def reference(traces: Path) -> None:
+    from specdec.model.chat import encode_chat
+    from specdec.model.loader import load_tokenizer
+    from specdec_bench.texts import COPY_HEAVY_PROMPTS
+    from specdec_bench.workloads import chat
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    out = [{"workload": "copy-heavy (reference answers)", "prompt": i, "prompt_ids": encode_chat(tokenizer, chat(prompt)),
+            "answer": tokenizer.encode(answer, add_special_tokens=False)}
+           for i, (prompt, answer) in enumerate(zip(COPY_HEAVY_PROMPTS, reference_answers(), strict=True))]
     traces.write_text(json.dumps(out))
 
 
@@ -215,7 +258,7 @@ def replay(traces: Path, k: int, short: int, policy: str, threshold: float, veri
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", choices=("record", "replay", "served"))
+    parser.add_argument("action", choices=("record", "reference", "replay", "served"))
     parser.add_argument("--traces", type=Path, default=Path("/tmp/lookup_traces.json"))
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--chat-prompts", type=int, default=3)
@@ -233,6 +276,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.action == "record":
         record(args.traces, args.max_new_tokens, args.chat_prompts)
+    elif args.action == "reference":
+        reference(args.traces)
     elif args.action == "served":
         served(args.traces, args.max_new_tokens, args.chat_prompts)
     else:

@@ -162,6 +162,8 @@ class GatewayConfig(ServerSecurity):
             )
         if self.speculation_method == "model" and not self.draft_address:
             raise InvalidArgumentError("speculation_method model needs a draft: set draft_address, or use auto / ngram")
+        if self.lookup_edits < 0:
+            raise InvalidArgumentError(f"lookup_edits must be >= 0, got {self.lookup_edits}")
         self.lookup_settings()  # validates the n-gram lengths and the cache size
         if self.num_speculative_tokens < 0:
             raise InvalidArgumentError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")

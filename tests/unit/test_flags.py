@@ -99,6 +99,13 @@ def test_a_field_without_help_is_refused() -> None:
         add_flags(argparse.ArgumentParser(), Bare)
 
 
+def test_lookup_settings_come_from_the_gateway_flags_and_are_checked() -> None:
+    gateway = GatewayConfig(target_address="a:1", lookup_edits=3, ngram_max=5)
+    assert (gateway.lookup_settings().max_edits, gateway.lookup_settings().max_n) == (3, 5)
+    with pytest.raises(InvalidArgumentError, match="lookup_edits must be >= 0"):
+        GatewayConfig(target_address="a:1", lookup_edits=-1)
+
+
 def test_the_gateway_pings_no_more_often_than_the_services_accept_by_default() -> None:
     # A service closes the connection of a client that pings more often than it allows.
     gateway = GatewayConfig(target_address="a:1", draft_address="b:2")
