@@ -102,7 +102,8 @@ def reference(traces: Path) -> None:
     from specdec_bench.workloads import chat
 
     tokenizer = load_tokenizer("smollm2-135m")
-    out = [{"workload": "copy-heavy (reference answers)", "prompt": i, "prompt_ids": encode_chat(tokenizer, chat(prompt)),
+    out = [{"workload": "copy-heavy (reference answers)", "prompt": i,
+            "prompt_ids": encode_chat(tokenizer, chat(prompt)),
             "answer": tokenizer.encode(answer, add_special_tokens=False)}
            for i, (prompt, answer) in enumerate(zip(COPY_HEAVY_PROMPTS, reference_answers(), strict=True))]
     traces.write_text(json.dumps(out))

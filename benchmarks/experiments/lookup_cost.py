@@ -98,7 +98,8 @@ def main() -> None:
         planner.plan(seqs, caps, adaptive)
         plain_plan_us.append(1e6 * (time.perf_counter() - started))
     print(f"{cpu_model()}; {args.requests} requests, prompts of {PROMPT_TOKENS} tokens, K = {K}, "
-          f"suffix cache {len(proposer.suffixes)} tokens, {args.rounds} rounds, at most {args.max_edits} edits a request")
+          f"suffix cache {len(proposer.suffixes)} tokens, {args.rounds} rounds, "
+          f"at most {args.max_edits} edits a request")
     print(f"lookup proposals, all requests:  {percentiles(propose_us)}")
     print(f"plan with lookups:               {percentiles(plan_us)}")
     print(f"plan without lookups:            {percentiles(plain_plan_us)}")
