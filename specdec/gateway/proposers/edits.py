@@ -10,7 +10,8 @@ plainly until a match forms again.
 copy and meets it again within `max_edit` tokens on both sides (`REJOIN` equal tokens in a
 row), it has seen one edit: the source's tokens between the two points became the answer's.
 An edit that replaced or deleted tokens becomes the rule `old → new`; one that only inserted
-tokens becomes the rule `t → t + inserted` for the token t before the insertion.
+tokens becomes the rule `t → t + inserted` for the token t before the insertion. A rule goes
+again when a later copy writes a rule's old tokens as they were (the edit was not a rule).
 
 `EditedLookup` applies the rules to the request's text before its first edit (the answer
 from there on already has the new form) and indexes that edited text as `PromptLookupIndex`
@@ -56,15 +57,17 @@ class EditTracker:
 
     def observe(self, tokens: list[int]) -> bool:
         """Look at how the text went on since the last proposal; True when a rule was learned."""
+        dropped = False
         if self._parted is None and self._copy is not None:
             source, at, matched = self._copy
             kept = common_prefix_length(tokens[at:], tokens[source : source + len(tokens) - at])
+            dropped = self._drop_contradicted(tokens, source, source + kept)
             if at + kept < len(tokens):
                 self._copy = None
                 if matched + kept >= MIN_COPIED:
                     self._parted = (source + kept, at + kept)
         if self._parted is None:
-            return False
+            return dropped
         source, at = self._parted
         rejoined = rejoin_point(tokens, source, at, self.max_edit)
         if rejoined is None:
@@ -72,7 +75,24 @@ class EditTracker:
                 self._parted = self._copy = None
             return False
         self._parted = self._copy = None
-        return self._learn(edit_rule(tokens, source, at, *rejoined), at)
+        return self._learn(edit_rule(tokens, source, at, *rejoined), at) or dropped
+
+    def _drop_contradicted(self, tokens: list[int], start: int, end: int) -> bool:
+        """Drop the rules that the text has just broken by copying tokens[start:end] as they
+        were: where a rule's old tokens begin in that span and the copy wrote other tokens than
+        the rule says. True when a rule went."""
+        broken = []
+        for old, new in self.rules.items():
+            for i in range(start, end):
+                if tokens[i] != old[0] or tuple(tokens[i : i + len(old)]) != old:
+                    continue
+                written = tokens[i:end]
+                if written != [*new, *tokens[i + len(old) : end]][: len(written)]:
+                    broken.append(old)
+                    break
+        for old in broken:
+            del self.rules[old]
+        return bool(broken)
 
     def _learn(self, rule: Rule | None, at: int) -> bool:
         if rule is None or self.rules.get(rule[0]) == rule[1]:
@@ -153,7 +173,7 @@ class EditedLookup:
         learned = self.tracker.observe(tokens)
         self.tracker.follow(plain, len(tokens))
         cut = self.tracker.first_edit_at
-        if cut is None:
+        if cut is None or not self.tracker.rules:
             return None
         if learned or self._index is None:
             self._edited = apply_rules(tokens[:cut], self.tracker.rules) + tokens[cut:]

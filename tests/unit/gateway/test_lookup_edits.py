@@ -115,12 +115,13 @@ def test_apply_rules_prefers_the_longest_old_tokens() -> None:
 
 def test_rules_are_capped_per_request() -> None:
     tracker = EditTracker(max_edit=4, max_rules=1)
-    for old, new in ((5, 70), (6, 71)):
-        text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1]
-        copied = text[1 : text.index(old)]
-        tracker.follow(LookupMatch(tuple(copied), match_len=1, start=1), at=len(text))
-        text += [*copied, new, old + 1, old + 2]
-        tracker.observe(text)
+    base = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 0]
+    text = [*base, 1]
+    tracker.follow(LookupMatch((2, 3, 4, 5), match_len=1, start=1), at=len(text))
+    assert tracker.observe([*text, 2, 3, 4, 70, 6, 7])  # 5 → 70
+    text = [*base, 5, 6, 7]
+    tracker.follow(LookupMatch((8, 9), match_len=3, start=7), at=len(text))
+    assert not tracker.observe([*text, 8, 71, 10, 11])  # 9 → 71: one rule too many
     assert tracker.rules == {(5,): (70,)}
 
 
@@ -134,3 +135,25 @@ def test_settings_are_checked_and_state_goes_with_the_request() -> None:
     assert lookup._edited
     lookup.forget("r")
     assert not lookup._edited and not lookup._indexes
+
+
+def test_a_rule_the_text_breaks_by_copying_the_old_tokens_goes() -> None:
+    tracker = EditTracker(max_edit=4, max_rules=16)
+    tracker.rules = {(OLD,): (NEW_A, NEW_B), (4,): (4, 70)}  # rename OLD; insert 70 after every 4
+    tracker.first_edit_at = len(PROMPT)
+    text = [*PROMPT, 1]
+    tracker.follow(LookupMatch((2, 3, 4), match_len=1, start=4), at=len(text))
+    text += [2, 3, 4]  # the copy stopped right after 4: the insertion may still come
+    assert not tracker.observe(text)
+    assert set(tracker.rules) == {(OLD,), (4,)}
+    tracker.follow(LookupMatch((OLD, 5), match_len=4, start=7), at=len(text))
+    text += [OLD, 5, 6]  # OLD copied as it was, and 4 had no 70 after it before
+    assert tracker.observe(text)
+    assert set(tracker.rules) == {(4,)}
+    tracker.follow(LookupMatch((7,), match_len=3, start=10), at=len(text))
+    text += [7, 8]
+    assert not tracker.observe(text)  # nothing of a rule in what was copied
+    text_copying_4 = [*text, 1]
+    tracker.follow(LookupMatch((2, 3, 4, OLD), match_len=1, start=4), at=len(text_copying_4))
+    assert tracker.observe([*text_copying_4, 2, 3, 4, OLD])  # 4 then OLD, not 4 then 70
+    assert tracker.rules == {}
