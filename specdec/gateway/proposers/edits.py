@@ -56,7 +56,7 @@ class EditTracker:
             self._copy = None if match is None else (match.start, at, match.match_len)
 
     def observe(self, tokens: list[int]) -> bool:
-        """Look at how the text went on since the last proposal; True when a rule was learned."""
+        """Look at how the text went on since the last proposal; True when the rules changed."""
         dropped = False
         if self._parted is None and self._copy is not None:
             source, at, matched = self._copy
@@ -80,7 +80,10 @@ class EditTracker:
     def _drop_contradicted(self, tokens: list[int], start: int, end: int) -> bool:
         """Drop the rules that the text has just broken by copying tokens[start:end] as they
         were: where a rule's old tokens begin in that span and the copy wrote other tokens than
-        the rule says. True when a rule went."""
+        the rule says. Only the text before the first edit has the old form: a copy of the
+        answer since then copies tokens the rules already made. True when a rule went."""
+        if self.first_edit_at is not None:
+            end = min(end, self.first_edit_at)
         broken = []
         for old, new in self.rules.items():
             for i in range(start, end):

@@ -153,6 +153,11 @@ def test_a_rule_the_text_breaks_by_copying_the_old_tokens_goes() -> None:
     tracker.follow(LookupMatch((7,), match_len=3, start=10), at=len(text))
     text += [7, 8]
     assert not tracker.observe(text)  # nothing of a rule in what was copied
+    # A copy of the answer's own "4 70" (text the rule made) keeps the rule.
+    text += [4, 70, 9]
+    tracker.follow(LookupMatch((4, 70, 9), match_len=1, start=len(text) - 3), at=len(text))
+    assert not tracker.observe([*text, 4, 70, 9])
+    assert set(tracker.rules) == {(4,)}
     text_copying_4 = [*text, 1]
     tracker.follow(LookupMatch((2, 3, 4, OLD), match_len=1, start=4), at=len(text_copying_4))
     assert tracker.observe([*text_copying_4, 2, 3, 4, OLD])  # 4 then OLD, not 4 then 70
