@@ -173,12 +173,12 @@ class EditedLookup:
     def propose(self, tokens: list[int], plain: LookupMatch | None, k: int) -> LookupMatch | None:
         """The edited text's lookup of up to `k` tokens, or None; `plain` is the text's own
         lookup this round, the copy the tracker follows next."""
-        learned = self.tracker.observe(tokens)
+        changed = self.tracker.observe(tokens)
         self.tracker.follow(plain, len(tokens))
         cut = self.tracker.first_edit_at
         if cut is None or not self.tracker.rules:
             return None
-        if learned or self._index is None:
+        if changed or self._index is None:
             self._edited = apply_rules(tokens[:cut], self.tracker.rules) + tokens[cut:]
             self._index = self._new_index()
         else:
