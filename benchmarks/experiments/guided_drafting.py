@@ -23,30 +23,34 @@ from specdec_bench.stack import NO_SUFFIX_CACHE, running_stack, start_service
 from specdec_bench.sweeps import check_exact, method_order
 from specdec_bench.workloads import Workload, chat
 
-#: Variant name -> (gateway: 0 as shipped, 1 without guesses; the request's method; its largest
-#: K, None for the gateway's).
-VARIANTS: dict[str, tuple[int, str, int | None]] = {
+#: Variant name -> (gateway: 0 as shipped, 1 the other; the request's method; its largest K,
+#: None for the gateway's).
+Variants = dict[str, tuple[int, str, int | None]]
+#: Here the other gateway runs without guesses.
+VARIANTS: Variants = {
     "plain": (0, "none", None), "model": (0, "model", None), "auto, no guesses": (1, "auto", None),
     "auto": (0, "auto", None),
 }
 
 
 def run_workload(
-    clients: list[SpecdecClient], workload: Workload, repeats: int, max_new_tokens: int, turn: int
+    clients: list[SpecdecClient], variants: Variants, workload: Workload, repeats: int, max_new_tokens: int,
+    turn: int, chat_prompts: int = 3,
 ) -> tuple[dict[str, list[GenerationResult]], int]:
-    """Every prompt of `workload` once per variant, rotating the order; results by variant."""
-    results: dict[str, list[GenerationResult]] = {name: [] for name in VARIANTS}
+    """Every prompt of `workload` once per variant (which needs "plain"), rotating the order;
+    results by variant."""
+    results: dict[str, list[GenerationResult]] = {name: [] for name in variants}
     for _ in range(repeats):
-        for index, prompt in enumerate(workload.prompts(3)):
+        for index, prompt in enumerate(workload.prompts(chat_prompts)):
             tokens = {}
-            for name in method_order(tuple(VARIANTS), turn):
-                gateway, method, k = VARIANTS[name]
+            for name in method_order(tuple(variants), turn):
+                gateway, method, k = variants[name]
                 options = {} if k is None else {"num_speculative_tokens": k, "adaptive": True}
                 result = clients[gateway].generate(chat(prompt), max_new_tokens=max_new_tokens, method=method,
                                                    **options)
                 results[name].append(result)
                 tokens[name] = result.token_ids
-            for name in VARIANTS:
+            for name in variants:
                 check_exact(index, f"{workload.value} {name}", tokens[name], tokens["plain"])
             turn += 1
     return results, turn
@@ -57,13 +61,14 @@ def pairwise(results: dict[str, list[GenerationResult]], name: str, baseline: st
 
 
 def report(workload: Workload, results: dict[str, list[GenerationResult]]) -> None:
+    """Each variant's figures (the results need "plain" and "model")."""
     print(f"\n{workload.value}: variant, median tok/s, ÷ plain, ÷ model, rounds / lookup / guided, "
           "draft tokens, of them guessed, acceptance")
 
     def total(name: str, field: str) -> int:
         return sum(getattr(r, field) for r in results[name])
 
-    for name in VARIANTS:
+    for name in results:
         drafted = total(name, "num_draft_tokens")
         print(f"  {name:18} {statistics.median(r.tokens_per_s for r in results[name]):6.1f}"
               f"  {pairwise(results, name, 'plain'):5.2f}x  {pairwise(results, name, 'model'):5.2f}x"
@@ -100,7 +105,7 @@ def main() -> None:
                       f"adaptive K, suffix cache off {args.gateway_args}")
                 turn = 0
                 for value in args.workloads:
-                    results, turn = run_workload([first_client, client], Workload(value), args.repeats,
+                    results, turn = run_workload([first_client, client], VARIANTS, Workload(value), args.repeats,
                                                  args.max_new_tokens, turn)
                     report(Workload(value), results)
         finally:
