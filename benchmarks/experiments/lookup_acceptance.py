@@ -73,8 +73,8 @@ def reference_answers() -> list[str]:
     """The copy-heavy prompts' answers with each edit done in full, in `COPY_HEAVY_PROMPTS` order."""
     from specdec_bench import texts
 
-    header, *rows = texts._CSV.split("\n")
-    table = "\n".join("| " + " | ".join(line.split(",")) + " |" for line in [header, "-,-,-,-", *rows])
+    header, *rows = ("| " + " | ".join(line.split(",")) + " |" for line in texts._CSV.split("\n"))
+    table = "\n".join([header, "|---|---|---|---|", *rows])
     spelling = {"recieved": "received", "libary": "library", "Unfortunatly": "Unfortunately", "allready": "already",
                 "promissed": "promised", "replacments": "replacements", "Untill": "Until", "availble": "available"}
     past = {"walks": "walked", "buys": "bought", "waits": "waited", "reads": "read", "crosses": "crossed",
@@ -88,7 +88,7 @@ def reference_answers() -> list[str]:
     return [
         "```python\n" + texts._FUNCTION.replace("total", "star_sum") + "```",
         texts._PARAGRAPH,
-        table.replace("| - | - | - | - |", "|---|---|---|---|"),
+        table,
         "```json\n" + texts._JSON.replace('"title"', '"name"') + "\n```",
         replaced(texts._MISSPELT, spelling),
         replaced(texts._PRESENT_TENSE, past),
@@ -97,11 +97,12 @@ def reference_answers() -> list[str]:
 
 def reference(traces: Path) -> None:
     from specdec.model.chat import encode_chat
+    from specdec.model.choices import DEFAULT_MODEL
     from specdec.model.loader import load_tokenizer
     from specdec_bench.texts import COPY_HEAVY_PROMPTS
     from specdec_bench.workloads import chat
 
-    tokenizer = load_tokenizer("smollm2-135m")
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
     out = [{"workload": "copy-heavy (reference answers)", "prompt": i,
             "prompt_ids": encode_chat(tokenizer, chat(prompt)),
             "answer": tokenizer.encode(answer, add_special_tokens=False)}
