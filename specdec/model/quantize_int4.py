@@ -51,7 +51,6 @@ from specdec.model.quantize import mark_quantized
 
 log = logging.getLogger(__name__)
 
-KERNELS = INT4_KERNELS
 INT4PACK_GROUP_SIZES = frozenset({32, 64, 128, 256})
 #: `_weight_int4pack_mm_for_cpu` computes ``(q - 8) * scale + offset``; our codes are unsigned.
 INT4PACK_Q_OFFSET = 8
@@ -138,7 +137,7 @@ class Int4Linear(nn.Module):
     final dtype, so the scales stay in fp32.
 
     ``kernel`` is ``"auto"`` (``prefer``, or `default_int4_kernel` when that is empty, falling back
-    to the next of `KERNELS` for shapes it cannot take) or one of `KERNELS`. After `prepare` or the
+    to the next of `INT4_KERNELS` for shapes it cannot take) or one of `INT4_KERNELS`. After `prepare` or the
     first forward, the attribute ``kernel`` names the kernel in use. Inputs of more than
     `MAX_NARROW_ROWS` rows take ``wide_kernel`` where `set_wide_kernel` set one.
     """
@@ -153,10 +152,10 @@ class Int4Linear(nn.Module):
         source: str = "",
     ) -> None:
         super().__init__()
-        if kernel not in ("auto", *KERNELS):
-            raise ValueError(f"kernel must be 'auto' or one of {KERNELS}, got {kernel!r}")
-        if prefer not in ("", *KERNELS):
-            raise ValueError(f"prefer must be empty or one of {KERNELS}, got {prefer!r}")
+        if kernel not in ("auto", *INT4_KERNELS):
+            raise ValueError(f"kernel must be 'auto' or one of {INT4_KERNELS}, got {kernel!r}")
+        if prefer not in ("", *INT4_KERNELS):
+            raise ValueError(f"prefer must be empty or one of {INT4_KERNELS}, got {prefer!r}")
         if kernel == "int4pack" and not int4pack_supported(weight):
             raise ValueError(f"int4pack cannot take out={weight.out_features}, group_size={weight.group_size}")
         if weight.in_features % 2:
@@ -215,8 +214,8 @@ class Int4Linear(nn.Module):
         weight = self.int4_weight()
         kernel = self.requested_kernel
         if kernel == "auto":
-            best = KERNELS.index(self.prefer or default_int4_kernel(device.type, dtype))
-            kernel = next(k for k in KERNELS[best:] if kernel_supported(k, weight, device, dtype))
+            best = INT4_KERNELS.index(self.prefer or default_int4_kernel(device.type, dtype))
+            kernel = next(k for k in INT4_KERNELS[best:] if kernel_supported(k, weight, device, dtype))
         elif not kernel_supported(kernel, weight, device, dtype):
             raise ValueError(f"the {kernel} kernel cannot take this layer on {device} with {dtype} activations")
         self._operands = kernel_operands(kernel, weight, dtype, device)
@@ -227,8 +226,8 @@ class Int4Linear(nn.Module):
     def set_wide_kernel(self, kernel: str) -> None:
         """Run inputs of more than `MAX_NARROW_ROWS` rows on `kernel` ("": the narrow one's);
         a prepared layer builds only the wide kernel's operands."""
-        if kernel not in ("", *KERNELS):
-            raise ValueError(f"wide kernel must be empty or one of {KERNELS}, got {kernel!r}")
+        if kernel not in ("", *INT4_KERNELS):
+            raise ValueError(f"wide kernel must be empty or one of {INT4_KERNELS}, got {kernel!r}")
         self.wide_kernel, self._wide_operands = kernel, ()
         if self._cache_key is not None:
             self._wide_operands = self._build_wide(self.int4_weight(), *self._cache_key)

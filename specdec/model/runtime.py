@@ -68,7 +68,7 @@ def build_runtime(
     """Load `model` in `dtype` on `device`, optionally cut it to its first `num_layers` decoder
     layers and quantize its weights (int8, or int4 in groups of `group_size`), and wrap our
     forward around it. `tuner` makes the machine-dependent choices: the int4 kernel for
-    `int4_kernel="auto"` (`specdec.model.quantize_int4.KERNELS`), whether a quantized model's
+    `int4_kernel="auto"` (`specdec.model.choices.INT4_KERNELS`), whether a quantized model's
     int8 output head becomes a `ShortlistHead` (a 4-bit pass, then the int8 head on its
     `DEFAULT_SHORTLIST` best tokens), the dense kernels and the int4 kernels for wide inputs. Without one,
     each takes its untuned default: the kernel order of `Int4Linear`, the int8 head, `F.linear`.

@@ -18,7 +18,7 @@ from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 from specdec.errors import InvalidArgumentError
 from specdec.model import gguf_q4, int4_dot
 from specdec.model import quantize_int4 as qi4
-from specdec.model.choices import DEFAULT_MODEL
+from specdec.model.choices import DEFAULT_MODEL, INT4_KERNELS
 from specdec.model.gguf_q4 import gguf_int4_weights, read_gguf_int4_weights, rope_unpermute_rows
 from specdec.model.int4_weight import Int4Weight
 from specdec.model.linear import MAX_NARROW_ROWS
@@ -274,7 +274,7 @@ def test_quantize_int4_tiny_llama() -> None:
     for layer in model.model.layers:
         for name in PROJECTIONS:
             module = getattr(layer.self_attn, name, None) or getattr(layer.mlp, name)
-            assert isinstance(module, Int4Linear) and module.source == "float" and module.kernel in qi4.KERNELS
+            assert isinstance(module, Int4Linear) and module.source == "float" and module.kernel in INT4_KERNELS
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     torch.testing.assert_close(model.model.embed_tokens.weight, embed_before, rtol=0, atol=0)
     assert isinstance(model.lm_head, Int4Linear)

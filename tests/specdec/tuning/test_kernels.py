@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdec.model.choices import INT4_KERNELS
 from specdec.model.int4_weight import Int4Weight
 from specdec.model.linear import KERNELS as DENSE_KERNELS
 from specdec.model.linear import DenseLinear
 from specdec.model.llama import PagedLlama
 from specdec.model.quantize import Int8Linear
-from specdec.model.quantize_int4 import KERNELS, Int4Linear, quantize_int4
+from specdec.model.quantize_int4 import Int4Linear, quantize_int4
 from specdec.model.shortlist_head import ShortlistHead
 from specdec.tuning import startup
 from specdec.tuning.kernels import (
@@ -41,7 +42,7 @@ def int8_head(out: int = 512, in_features: int = 64) -> Int8Linear:
 def test_every_int4_kernel_that_runs_here_is_timed_on_one_thread() -> None:
     threads = torch.get_num_threads()
     times = measure_int4_kernels(torch.bfloat16)
-    assert set(times) == {"dequant", *int4_candidates(torch.bfloat16)} and set(times) <= set(KERNELS)
+    assert set(times) == {"dequant", *int4_candidates(torch.bfloat16)} and set(times) <= set(INT4_KERNELS)
     assert all(seconds > 0 for seconds in times.values()) and torch.get_num_threads() == threads
 
 
