@@ -1,16 +1,19 @@
-"""``"int4dot"``: our own 4-bit matmul for CPUs with AVX-512 BF16 (`csrc/int4_dot.cpp`).
+"""``"int4dot"``: our own 4-bit matmul for x86-64 CPUs with AVX-512 BF16 or AVX2 (`csrc/int4_dot.cpp`).
 
 The draft's decode steps are 1-4 rows through small matrices, where
 `torch._weight_int4pack_mm_for_cpu` is bound by its per-weight dequantization, not by memory.
-The kernel here turns each 4-bit code into a bf16 number with one bitwise OR and multiplies 32
-of them at a time with ``vdpbf16ps``; scales and zeros are applied once per group
-(docs/performance.md#int4-kernels).
+The kernel here applies scales and zeros once per group, not per weight. With AVX-512 BF16 it
+turns each 4-bit code into a bf16 number with one bitwise OR and multiplies 32 of them at a
+time with ``vdpbf16ps``; with AVX2 it turns 8 codes into fp32 integers at a time and multiplies
+them with one FMA (docs/performance.md#int4-kernels).
 
 The library is compiled on first use with the machine's C++ compiler (the one torch.compile
-uses) into the specdec cache directory, keyed by the source, the torch version and the flags, and
-loaded with `torch.ops.load_library`. Where the CPU lacks the instructions, the compiler is
-missing or the build fails, `available` is False and `quantize_int4` chooses among the other
-kernels. The op has a fake (meta) implementation, so compiled graphs call it as an extern kernel.
+uses) for the best instruction set the CPU has, into the specdec cache directory, keyed by the
+source, the torch version and the flags, and loaded with `torch.ops.load_library`. Where the CPU
+has neither instruction set, the compiler is missing or the build fails, `available` is False
+and `quantize_int4` chooses among the other kernels; the start-up tuner times it against them
+(`specdec.tuning.kernels`). The op has a fake (meta) implementation, so compiled graphs call it
+as an extern kernel.
 """
 
 from __future__ import annotations
@@ -36,30 +39,39 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "int4_dot.cpp"
 #: Outputs per block of the packed layout: the op needs ``out % OUT_BLOCK == 0``.
 OUT_BLOCK = 64
-#: CPU flags (as /proc/cpuinfo names them) the kernel's instructions need.
-CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
-COMPILE_FLAGS = (
-    "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16",
-)
+#: Per instruction set the kernel is built for, best first: the CPU flags (as /proc/cpuinfo
+#: names them) it needs, and the compiler flags that select it in the source.
+ISA_FLAGS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
+    "avx512_bf16": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
+                    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")),
+    "avx2": (frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
+}
+COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
 #: The build of one small file against torch's headers takes seconds; more means something is wrong.
 BUILD_TIMEOUT_S = 300.0
 
 
-def cpu_supported() -> bool:
-    """Whether this CPU has the instructions the kernel uses (Linux on x86-64 only)."""
+def cpu_flags() -> frozenset[str]:
+    """This CPU's flags as /proc/cpuinfo lists them (empty off Linux on x86-64)."""
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return False
+        return frozenset()
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return CPU_FLAGS <= set(line.split(":", 1)[1].split())
-    return False
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
-def _build(library: Path) -> None:
+def instruction_set(flags: frozenset[str] | None = None) -> str | None:
+    """The best instruction set of `ISA_FLAGS` this CPU (or one with `flags`) has, or None."""
+    have = cpu_flags() if flags is None else flags
+    return next((isa for isa, (needs, _) in ISA_FLAGS.items() if needs <= have), None)
+
+
+def _build(library: Path, isa: str) -> None:
     """Compile `SOURCE` into ``library`` (written under a temporary name, then renamed, so
     processes building at once never load a half-written file)."""
     from torch.utils import cpp_extension  # imports setuptools: only when we build
@@ -72,7 +84,7 @@ def _build(library: Path) -> None:
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         partial = Path(scratch) / library.name
         command = [
-            compiler, *COMPILE_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            compiler, *COMPILE_FLAGS, *ISA_FLAGS[isa][1], f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             *(f"-I{path}" for path in cpp_extension.include_paths()),
             str(SOURCE), "-o", str(partial),
             *(f"-L{path}" for path in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu",
@@ -83,24 +95,25 @@ def _build(library: Path) -> None:
         os.replace(partial, library)
 
 
-def _library_path() -> Path:
+def _library_path(isa: str) -> Path:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(COMPILE_FLAGS).encode()):
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(COMPILE_FLAGS + ISA_FLAGS[isa][1]).encode()):
         key.update(part)
-    return default_cache_dir() / "kernels" / f"int4_dot-{key.hexdigest()[:16]}.so"
+    return default_cache_dir() / "kernels" / f"int4_dot-{isa}-{key.hexdigest()[:16]}.so"
 
 
 @functools.cache
 def available() -> bool:
     """Build (once per machine) and load the kernel; False, with the reason logged, where it cannot run."""
-    if not cpu_supported():
-        log.info("int4dot kernel: not available (the CPU lacks %s)", ", ".join(sorted(CPU_FLAGS)))
+    isa = instruction_set()
+    if isa is None:
+        log.info("int4dot kernel: not available (the CPU has neither AVX-512 BF16 nor AVX2 with FMA)")
         return False
-    library = _library_path()
+    library = _library_path(isa)
     try:
         if not library.exists():
-            log.info("int4dot kernel: compiling %s", SOURCE.name)
-            _build(library)
+            log.info("int4dot kernel: compiling %s for %s", SOURCE.name, isa)
+            _build(library, isa)
         torch.ops.load_library(str(library))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("int4dot kernel: not available (%s)", exc)

@@ -9,7 +9,7 @@ from them computes with the target's own weights, up to float rounding.
 There are three matmul kernels; which is fastest depends on the CPU (docs/performance.md#int4-kernels),
 so the service times them at start-up (`specdec.tuning.kernels`) and passes the winner as ``prefer``:
 
-- ``"int4dot"``: our own kernel for CPUs with AVX-512 BF16 and bfloat16 activations
+- ``"int4dot"``: our own kernel for CPUs with AVX-512 BF16 or AVX2 and bfloat16 activations
   (`specdec.model.int4_dot`), compiled on first use. It needs ``out % 64 == 0``.
 - ``"int4pack"``: `torch._weight_int4pack_mm_for_cpu` (CPU only). It takes the weight packed by
   `torch._convert_weight_to_int4pack_for_cpu(q_int32 [out, in], 1)` and ``scales_and_zeros`` of shape

@@ -1,20 +1,24 @@
-// A 4-bit group-wise weight-only matmul for CPUs with AVX-512 BF16: y = x @ W^T.
+// A 4-bit group-wise weight-only matmul for x86-64 CPUs: y = x @ W^T, x and y bfloat16.
 //
 // Why not `_weight_int4pack_mm_for_cpu`: for the decode-shaped calls a draft makes (1-4 rows),
 // that kernel dequantizes every weight to fp32 (a table lookup and a multiply-add) before its
 // multiply-add with x, and is compute-bound: it reads its weights far below memory bandwidth
-// (docs/performance.md#int4-kernels). This kernel does no per-weight float arithmetic:
+// (docs/performance.md#int4-kernels). This kernel applies the scale and the offset once per
+// group of `group_size` inputs, not per weight, and comes in two builds, one per instruction set
+// (the compiler's flags pick it):
 //
-//   * a 4-bit code q becomes the bf16 number 128 + q by OR-ing it into 0x4300 (bf16 has 7
-//     mantissa bits, so 128 + q is exact), and `vdpbf16ps` multiplies 32 such weights with a
-//     pair of x values and adds them, in fp32, in one instruction;
-//   * the scale, the zero and the +128 are applied once per group of `group_size` inputs:
-//     sum_k ((q_k - 8) * s + o) * x_k = s * sum_k (128 + q_k) * x_k + (o - 136 * s) * sum_k x_k,
-//     with (s, o) the bf16 scale and offset `_weight_int4pack_mm_for_cpu` takes, so both
-//     kernels compute the same sum, up to fp32 rounding.
+//   * AVX-512 BF16: a 4-bit code q becomes the bf16 number 128 + q by OR-ing it into 0x4300
+//     (bf16 has 7 mantissa bits, so 128 + q is exact), and `vdpbf16ps` multiplies 32 such
+//     weights with a pair of x values and adds them, in fp32, in one instruction:
+//     sum_k ((q_k - 8) * s + o) * x_k = s * sum_k (128 + q_k) * x_k + (o - 136 * s) * sum_k x_k.
+//     It runs at memory speed (~25 GB/s there, the weights streamed in order with software
+//     prefetch) and 2.2-2.4x the packed kernel's speed from cache.
+//   * AVX2 and FMA (no bf16 arithmetic): each code becomes an fp32 integer (a shift, a mask and
+//     a conversion for 8 codes) and one FMA multiplies 8 of them with a broadcast x value:
+//     sum_k ((q_k - 8) * s + o) * x_k = s * sum_k q_k * x_k + (o - 8 * s) * sum_k x_k.
 //
-// It then runs at memory speed (~25 GB/s there, the weights streamed in order with software
-// prefetch) and 2.2-2.4x the packed kernel's speed from cache.
+// (s, o) are the bf16 scale and offset `_weight_int4pack_mm_for_cpu` takes, so every kernel
+// computes the same sum, up to fp32 rounding.
 //
 // Layout (built by `specdec.model.int4_dot.pack`), for N outputs, K inputs, groups of `gs`:
 //   packed [N / 64, K / 4, 128] uint8: for each block of 64 outputs and each 4 inputs
@@ -38,6 +42,18 @@ constexpr int64_t kBlockOut = 64;     // outputs per block: four zmm registers o
 constexpr int64_t kChunkBytes = 128;  // one block's codes for 4 inputs
 constexpr int64_t kPrefetchChunks = 8;
 constexpr int kMaxRows = 4;
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t wide = uint32_t(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof value);
+  return value;
+}
+
+using BlockFn = void (*)(const uint16_t*, const float*, int64_t, const float*, int64_t, const uint8_t*,
+                         const uint16_t*, uint16_t*, int64_t, int64_t, int64_t);
+
+#if defined(__AVX512BF16__)
 
 inline __m512 bf16_to_fp32(const uint16_t* p) {  // 16 bf16 -> 16 fp32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
@@ -68,8 +84,8 @@ inline void expand_codes(const uint8_t* piece, __m512i& lo, __m512i& hi) {
 
 // One block of 64 outputs for ROWS rows of x.
 template <int ROWS>
-void block(const uint16_t* x, int64_t ld_x, const float* x_sums, int64_t ld_sums, const uint8_t* codes,
-           const uint16_t* sz, uint16_t* y, int64_t ld_y, int64_t chunks, int64_t groups, int64_t chunks_per_group) {
+void block(const uint16_t* x, const float*, int64_t ld_x, const float* x_sums, int64_t ld_sums, const uint8_t* codes,
+           const uint16_t* sz, uint16_t* y, int64_t ld_y, int64_t groups, int64_t chunks_per_group) {
   const __m512 minus_136 = _mm512_set1_ps(-136.0f);
   __m512 out[ROWS][4];
   for (int r = 0; r < ROWS; ++r)
@@ -117,8 +133,9 @@ void block(const uint16_t* x, int64_t ld_x, const float* x_sums, int64_t ld_sums
 // `block`'s (x broadcast once per 4 inputs, each 16 outputs' codes expanded once for all
 // rows). Results equal `block`'s up to fp32 rounding order.
 template <int ROWS>
-void block_lean(const uint16_t* x, int64_t ld_x, const float* x_sums, int64_t ld_sums, const uint8_t* codes,
-                const uint16_t* sz, uint16_t* y, int64_t ld_y, int64_t chunks, int64_t groups, int64_t chunks_per_group) {
+void block_lean(const uint16_t* x, const float*, int64_t ld_x, const float* x_sums, int64_t ld_sums,
+                const uint8_t* codes, const uint16_t* sz, uint16_t* y, int64_t ld_y, int64_t groups,
+                int64_t chunks_per_group) {
   const __m512 minus_136 = _mm512_set1_ps(-136.0f);
   alignas(64) float out[ROWS][kBlockOut] = {};
   for (int64_t g = 0; g < groups; ++g) {
@@ -155,9 +172,105 @@ void block_lean(const uint16_t* x, int64_t ld_x, const float* x_sums, int64_t ld
       _mm256_storeu_si256((__m256i*)(y + r * ld_y + 16 * j), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(out[r] + 16 * j)));
 }
 
-using BlockFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint8_t*, const uint16_t*, uint16_t*,
-                         int64_t, int64_t, int64_t, int64_t);
+// The fp32 copy of x is unused here: these blocks read x as bf16 pairs.
 constexpr BlockFn kBlockFns[kMaxRows] = {block<1>, block<2>, block_lean<3>, block_lean<4>};
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+// 16 outputs' codes for 4 inputs (one 32-byte piece) as two vectors of 8 words, one output
+// each: k in bits 0-3, k + 2 in bits 4-7, k + 1 in bits 8-11, k + 3 in bits 12-15.
+inline void load_piece(const uint8_t* piece, __m256i& first, __m256i& second) {
+  first = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)piece));
+  second = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(piece + 16)));
+}
+
+// The codes of input k + T as 8 fp32 integers 0..15.
+template <int T>
+inline __m256 codes_of(__m256i words) {
+  constexpr int kShift[4] = {0, 8, 4, 12};  // where input k + T's nibble sits in a word
+  const __m256i nibble = _mm256_set1_epi32(0xF);
+  if constexpr (kShift[T] == 0) return _mm256_cvtepi32_ps(_mm256_and_si256(words, nibble));
+  if constexpr (kShift[T] == 12) return _mm256_cvtepi32_ps(_mm256_srli_epi32(words, 12));  // the top nibble
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(words, kShift[T]), nibble));
+}
+
+template <int T, int ROWS, int PIECES>
+inline void multiply_input(const float* x, int64_t ld_x, int64_t k, const __m256i (&words)[PIECES][2],
+                           __m256 (&acc)[ROWS][PIECES][2]) {
+  for (int p = 0; p < PIECES; ++p) {
+    const __m256 first = codes_of<T>(words[p][0]), second = codes_of<T>(words[p][1]);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 xk = _mm256_broadcast_ss(x + r * ld_x + k + T);
+      acc[r][p][0] = _mm256_fmadd_ps(first, xk, acc[r][p][0]);
+      acc[r][p][1] = _mm256_fmadd_ps(second, xk, acc[r][p][1]);
+    }
+  }
+}
+
+// Pieces first_piece..first_piece + PIECES - 1 (16 outputs each) of one block for ROWS rows,
+// added into out [ROWS][64]: PIECES * ROWS <= 4 keeps the 2 accumulators of each in the 16
+// ymm registers with the codes.
+template <int ROWS, int PIECES>
+void pieces(const float* x, int64_t ld_x, const float* x_sums, int64_t ld_sums, const uint8_t* codes,
+            const uint16_t* sz, float (*out)[kBlockOut], int first_piece, int64_t groups, int64_t chunks_per_group) {
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 acc[ROWS][PIECES][2];
+    for (int r = 0; r < ROWS; ++r)
+      for (int p = 0; p < PIECES; ++p) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
+    for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
+      const uint8_t* piece = codes + c * kChunkBytes + 32 * first_piece;
+      _mm_prefetch((const char*)(piece + kPrefetchChunks * kChunkBytes), _MM_HINT_T0);
+      __m256i words[PIECES][2];
+      for (int p = 0; p < PIECES; ++p) load_piece(piece + 32 * p, words[p][0], words[p][1]);
+      multiply_input<0>(x, ld_x, 4 * c, words, acc);
+      multiply_input<1>(x, ld_x, 4 * c, words, acc);
+      multiply_input<2>(x, ld_x, 4 * c, words, acc);
+      multiply_input<3>(x, ld_x, 4 * c, words, acc);
+    }
+    const uint16_t* scales = sz + g * 2 * kBlockOut;
+    for (int p = 0; p < PIECES; ++p) {
+      for (int h = 0; h < 2; ++h) {
+        const int o = 16 * (first_piece + p) + 8 * h;
+        const __m256 s = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(scales + o))), 16));
+        const __m256 offset = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(scales + kBlockOut + o))), 16));
+        const __m256 zero = _mm256_fnmadd_ps(s, _mm256_set1_ps(8.0f), offset);  // o - 8 s
+        for (int r = 0; r < ROWS; ++r) {
+          __m256 sum = _mm256_fmadd_ps(s, acc[r][p][h], _mm256_loadu_ps(out[r] + o));
+          _mm256_storeu_ps(out[r] + o, _mm256_fmadd_ps(zero, _mm256_set1_ps(x_sums[r * ld_sums + g]), sum));
+        }
+      }
+    }
+  }
+}
+
+// fp32 -> bf16, rounding to nearest even (a NaN stays a NaN).
+inline uint16_t float_to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((bits >> 16) | 0x40);
+  return uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// One block of 64 outputs for ROWS rows of x (fp32), a pass over the block's codes per
+// PIECES pieces: the later passes find the block's codes (K / 4 * 128 bytes) in L2.
+template <int ROWS>
+void avx2_block(const uint16_t*, const float* x, int64_t ld_x, const float* x_sums, int64_t ld_sums,
+                const uint8_t* codes, const uint16_t* sz, uint16_t* y, int64_t ld_y, int64_t groups,
+                int64_t chunks_per_group) {
+  constexpr int kPieces = 4 / ROWS;  // 4, 2, 1, 1
+  alignas(32) float out[ROWS][kBlockOut] = {};
+  for (int first = 0; first < 4; first += kPieces)
+    pieces<ROWS, kPieces>(x, ld_x, x_sums, ld_sums, codes, sz, out, first, groups, chunks_per_group);
+  for (int r = 0; r < ROWS; ++r)
+    for (int o = 0; o < kBlockOut; ++o) y[r * ld_y + o] = float_to_bf16(out[r][o]);
+}
+constexpr BlockFn kBlockFns[kMaxRows] = {avx2_block<1>, avx2_block<2>, avx2_block<3>, avx2_block<4>};
+
+#else
+#error "int4_dot.cpp needs AVX-512 BF16, or AVX2 and FMA"
+#endif
 
 at::Tensor int4_dot_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
@@ -175,14 +288,13 @@ at::Tensor int4_dot_mm(const at::Tensor& x, const at::Tensor& packed, const at::
   if (rows == 0 || N == 0) return y;
 
   const auto* x_bf16 = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+  std::vector<float> x_f32(rows * K);  // x in fp32: the AVX2 blocks broadcast it from here
   std::vector<float> x_sums(rows * groups);  // sum of x over each group, per row
   for (int64_t i = 0; i < rows * groups; ++i) {
     float sum = 0.0f;
     for (int64_t k = 0; k < group_size; ++k) {
-      uint32_t bits = uint32_t(x_bf16[i * group_size + k]) << 16;
-      float value;
-      std::memcpy(&value, &bits, sizeof value);
-      sum += value;
+      x_f32[i * group_size + k] = bf16_to_float(x_bf16[i * group_size + k]);
+      sum += x_f32[i * group_size + k];
     }
     x_sums[i] = sum;
   }
@@ -194,9 +306,9 @@ at::Tensor int4_dot_mm(const at::Tensor& x, const at::Tensor& packed, const at::
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t r = 0; r < rows; r += kMaxRows) {
         const int64_t n = std::min<int64_t>(kMaxRows, rows - r);
-        kBlockFns[n - 1](x_bf16 + r * K, K, x_sums.data() + r * groups, groups, codes + b * chunks * kChunkBytes,
-                         scales + b * groups * 2 * kBlockOut, out + r * N + b * kBlockOut, N, chunks, groups,
-                         group_size / 4);
+        kBlockFns[n - 1](x_bf16 + r * K, x_f32.data() + r * K, K, x_sums.data() + r * groups, groups,
+                         codes + b * chunks * kChunkBytes, scales + b * groups * 2 * kBlockOut,
+                         out + r * N + b * kBlockOut, N, groups, group_size / 4);
       }
     }
   });

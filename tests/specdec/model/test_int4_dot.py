@@ -1,6 +1,6 @@
 """Tests for the ``int4dot`` kernel (`specdec.model.int4_dot`): its packed layout, its results
 against the dequantized weight and torch's packed kernel, inside a compiled graph, and the
-fallback where it cannot be built."""
+fallback where it cannot be built. The build for this CPU's best instruction set is the one tested."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from specdec.model import quantize_int4 as qi4
 from specdec.model.int4_weight import Int4Weight
 from specdec.model.quantize_int4 import Int4Linear
 
-needs_kernel = pytest.mark.skipif(not int4_dot.available(), reason="int4dot needs AVX-512 BF16 and a C++ compiler")
+needs_kernel = pytest.mark.skipif(not int4_dot.available(),
+                                  reason="int4dot needs AVX-512 BF16 or AVX2, and a C++ compiler")
 
 
 def weight(out: int, in_features: int, group_size: int, *, seed: int = 0) -> Int4Weight:
@@ -72,8 +73,17 @@ def test_int4_linear_and_compiled_graph() -> None:
         Int4Linear(weight(128, 256, 32), kernel="int4dot").prepare("cpu", torch.float32)  # bf16 activations only
 
 
+def test_instruction_set_is_the_best_the_cpu_has() -> None:
+    avx2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
+    avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+    assert int4_dot.instruction_set(avx512) == "avx512_bf16"
+    assert int4_dot.instruction_set(avx2) == "avx2"
+    assert int4_dot.instruction_set(avx2 - {"fma"}) is None
+    assert int4_dot.instruction_set(frozenset()) is None
+
+
 def test_not_available_without_the_instructions(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(int4_dot, "cpu_supported", lambda: False)
+    monkeypatch.setattr(int4_dot, "instruction_set", lambda: None)
     assert int4_dot.available.__wrapped__() is False
     module = Int4Linear(weight(128, 64, 32), prefer="int4dot")
     monkeypatch.setattr(int4_dot, "available", lambda: False)
@@ -82,8 +92,8 @@ def test_not_available_without_the_instructions(monkeypatch: pytest.MonkeyPatch)
 
 def test_a_failed_build_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                caplog: pytest.LogCaptureFixture) -> None:
-    if not int4_dot.cpu_supported():
-        pytest.skip("the build is only tried on CPUs with AVX-512 BF16")
+    if int4_dot.instruction_set() is None:
+        pytest.skip("the build is only tried on CPUs with AVX-512 BF16 or AVX2")
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(int4_dot, "SOURCE", broken)

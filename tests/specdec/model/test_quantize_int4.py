@@ -30,7 +30,8 @@ HAS_OP = hasattr(torch, "_weight_int4pack_mm_for_cpu")
 KERNELS = [
     "dequant",
     pytest.param("int4pack", marks=pytest.mark.skipif(not HAS_OP, reason="no int4pack op")),
-    pytest.param("int4dot", marks=pytest.mark.skipif(not int4_dot.available(), reason="int4dot needs AVX-512 BF16")),
+    pytest.param("int4dot", marks=pytest.mark.skipif(not int4_dot.available(),
+                                                   reason="int4dot needs AVX-512 BF16 or AVX2")),
 ]
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [
