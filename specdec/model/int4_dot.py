@@ -44,7 +44,7 @@ OUT_BLOCK = 64
 ISA_FLAGS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     "avx512_bf16": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
                     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")),
-    "avx2": (frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
+    "avx2": (frozenset({"avx2", "fma"}), ("-mavx2", "-mfma")),
 }
 COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
 #: The build of one small file against torch's headers takes seconds; more means something is wrong.

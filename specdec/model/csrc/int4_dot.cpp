@@ -38,7 +38,7 @@
 
 namespace {
 
-constexpr int64_t kBlockOut = 64;     // outputs per block: four zmm registers of 16 fp32
+constexpr int64_t kBlockOut = 64;     // outputs per block: four zmm (eight ymm) registers of fp32
 constexpr int64_t kChunkBytes = 128;  // one block's codes for 4 inputs
 constexpr int64_t kPrefetchChunks = 8;
 constexpr int kMaxRows = 4;
@@ -50,6 +50,8 @@ inline float bf16_to_float(uint16_t bits) {
   return value;
 }
 
+// One block of 64 outputs for 1..kMaxRows rows: (x as bf16, x as fp32, ld_x, x_sums, ld_sums,
+// codes, scales and offsets, y, ld_y, groups, chunks_per_group); each build reads one of the x.
 using BlockFn = void (*)(const uint16_t*, const float*, int64_t, const float*, int64_t, const uint8_t*,
                          const uint16_t*, uint16_t*, int64_t, int64_t, int64_t);
 
