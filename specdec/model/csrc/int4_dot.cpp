@@ -174,8 +174,8 @@ void block_lean(const uint16_t* x, const float*, int64_t ld_x, const float* x_su
       _mm256_storeu_si256((__m256i*)(y + r * ld_y + 16 * j), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(out[r] + 16 * j)));
 }
 
-// The fp32 copy of x is unused here: these blocks read x as bf16 pairs.
 constexpr BlockFn kBlockFns[kMaxRows] = {block<1>, block<2>, block_lean<3>, block_lean<4>};
+constexpr bool kReadsFp32X = false;  // these blocks read x as bf16 pairs
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
@@ -269,6 +269,7 @@ void avx2_block(const uint16_t*, const float* x, int64_t ld_x, const float* x_su
     for (int o = 0; o < kBlockOut; ++o) y[r * ld_y + o] = float_to_bf16(out[r][o]);
 }
 constexpr BlockFn kBlockFns[kMaxRows] = {avx2_block<1>, avx2_block<2>, avx2_block<3>, avx2_block<4>};
+constexpr bool kReadsFp32X = true;
 
 #else
 #error "int4_dot.cpp needs AVX-512 BF16, or AVX2 and FMA"
@@ -290,13 +291,14 @@ at::Tensor int4_dot_mm(const at::Tensor& x, const at::Tensor& packed, const at::
   if (rows == 0 || N == 0) return y;
 
   const auto* x_bf16 = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
-  std::vector<float> x_f32(rows * K);  // x in fp32: the AVX2 blocks broadcast it from here
+  std::vector<float> x_f32(kReadsFp32X ? rows * K : 0);  // x in fp32, where the blocks broadcast it from
   std::vector<float> x_sums(rows * groups);  // sum of x over each group, per row
   for (int64_t i = 0; i < rows * groups; ++i) {
     float sum = 0.0f;
     for (int64_t k = 0; k < group_size; ++k) {
-      x_f32[i * group_size + k] = bf16_to_float(x_bf16[i * group_size + k]);
-      sum += x_f32[i * group_size + k];
+      const float value = bf16_to_float(x_bf16[i * group_size + k]);
+      if (kReadsFp32X) x_f32[i * group_size + k] = value;
+      sum += value;
     }
     x_sums[i] = sum;
   }
@@ -308,7 +310,8 @@ at::Tensor int4_dot_mm(const at::Tensor& x, const at::Tensor& packed, const at::
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t r = 0; r < rows; r += kMaxRows) {
         const int64_t n = std::min<int64_t>(kMaxRows, rows - r);
-        kBlockFns[n - 1](x_bf16 + r * K, x_f32.data() + r * K, K, x_sums.data() + r * groups, groups,
+        const float* x_rows = kReadsFp32X ? x_f32.data() + r * K : nullptr;
+        kBlockFns[n - 1](x_bf16 + r * K, x_rows, K, x_sums.data() + r * groups, groups,
                          codes + b * chunks * kChunkBytes, scales + b * groups * 2 * kBlockOut,
                          out + r * N + b * kBlockOut, N, groups, group_size / 4);
       }
