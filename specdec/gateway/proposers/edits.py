@@ -73,7 +73,7 @@ class EditTracker:
         if rejoined is None:
             if len(tokens) - at > self.max_edit + REJOIN:  # the copy ended: the answer moved on
                 self._parted = self._copy = None
-            return False
+            return dropped
         self._parted = self._copy = None
         return self._learn(edit_rule(tokens, source, at, *rejoined), at) or dropped
 

@@ -162,3 +162,13 @@ def test_a_rule_the_text_breaks_by_copying_the_old_tokens_goes() -> None:
     tracker.follow(LookupMatch((2, 3, 4, OLD), match_len=1, start=4), at=len(text_copying_4))
     assert tracker.observe([*text_copying_4, 2, 3, 4, OLD])  # 4 then OLD, not 4 then 70
     assert tracker.rules == {}
+
+
+def test_a_rule_broken_where_the_copy_parts_is_reported_as_a_change() -> None:
+    # The edited lookup rebuilds its index only when observe says the rules changed.
+    tracker = EditTracker(max_edit=4, max_rules=16)
+    tracker.rules, tracker.first_edit_at = {(OLD,): (NEW_A, NEW_B)}, len(PROMPT)
+    text = [*PROMPT, 1]
+    tracker.follow(LookupMatch((2, 3, 4, OLD, 5), match_len=4, start=PROMPT.index(2)), at=len(text))
+    assert tracker.observe([*text, 2, 3, 4, OLD, 99])  # OLD copied as it was, then the text parts
+    assert tracker.rules == {}
