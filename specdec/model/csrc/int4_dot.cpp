@@ -179,6 +179,10 @@ constexpr bool kReadsFp32X = false;  // these blocks read x as bf16 pairs
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
+inline __m256 bf16x8_to_fp32(const uint16_t* p) {  // 8 bf16 -> 8 fp32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
 // 16 outputs' codes for 4 inputs (one 32-byte piece) as two vectors of 8 words, one output
 // each: k in bits 0-3, k + 2 in bits 4-7, k + 1 in bits 8-11, k + 3 in bits 12-15.
 inline void load_piece(const uint8_t* piece, __m256i& first, __m256i& second) {
@@ -233,10 +237,8 @@ void pieces(const float* x, int64_t ld_x, const float* x_sums, int64_t ld_sums, 
     for (int p = 0; p < PIECES; ++p) {
       for (int h = 0; h < 2; ++h) {
         const int o = 16 * (first_piece + p) + 8 * h;
-        const __m256 s = _mm256_castsi256_ps(
-            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(scales + o))), 16));
-        const __m256 offset = _mm256_castsi256_ps(
-            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(scales + kBlockOut + o))), 16));
+        const __m256 s = bf16x8_to_fp32(scales + o);
+        const __m256 offset = bf16x8_to_fp32(scales + kBlockOut + o);
         const __m256 zero = _mm256_fnmadd_ps(s, _mm256_set1_ps(8.0f), offset);  // o - 8 s
         for (int r = 0; r < ROWS; ++r) {
           __m256 sum = _mm256_fmadd_ps(s, acc[r][p][h], _mm256_loadu_ps(out[r] + o));
