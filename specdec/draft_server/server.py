@@ -10,18 +10,20 @@ import grpc
 
 from specdec.draft_server.config import DraftConfig
 from specdec.draft_server.engine import DraftEngine
+from specdec.errors import InvalidArgumentError
 from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer
 from specdec.serving.model_service import SlotServicer, start_model_service
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.wire.items import Lease, Proposal, ProposeItem
+from specdec.wire.kv_transfer import ImportHeader, assemble_pieces
 from specdec.wire.tensor_codec import torch_dtype
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
 class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
-    """Propose; Info, Truncate and Release come from `SlotServicer`."""
+    """Propose and ImportKV; Info, Truncate and Release come from `SlotServicer`."""
 
     engine: DraftEngine
 
@@ -49,6 +51,42 @@ class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
         return response
 
 
+    @grpc_errors
+    async def ImportKV(
+        self, requests: AsyncIterator[draft_pb2.ImportKVRequest], context: grpc.aio.ServicerContext
+    ) -> draft_pb2.ImportKVResponse:
+        header, pieces = await _import_parts(requests)
+        shape = self.engine.import_shape(header)
+
+        def work() -> int:  # the header, then the pieces are checked whole before the slot changes
+            self.engine.check_import(header)
+            return self.engine.import_kv(header, assemble_pieces(pieces, shape, self.engine.cache.dtype))
+
+        cached_len, compute_s = await self.worker.run_timed(work, lambda length: length)
+        self.stats.record_work("ImportKV", compute_s, 1, len(header.tokens))
+        return draft_pb2.ImportKVResponse(cached_len=cached_len, compute_s=compute_s)
+
+
+async def _import_parts(
+    requests: AsyncIterator[draft_pb2.ImportKVRequest],
+) -> tuple[ImportHeader, list[common_pb2.KVPiece]]:
+    """The header (the first message) and the pieces after it."""
+    header: ImportHeader | None = None
+    pieces: list[common_pb2.KVPiece] = []
+    async for message in requests:
+        if message.HasField("header"):
+            if header is not None:
+                raise InvalidArgumentError("header: sent more than once")
+            header = ImportHeader.from_pb(message.header)
+        elif header is None:
+            raise InvalidArgumentError("header: must come first, before any piece")
+        else:
+            pieces.append(message.piece)
+    if header is None:
+        raise InvalidArgumentError("header: none was sent")
+    return header, pieces
+
+
 def _propose_response(proposals: list[Proposal]) -> draft_pb2.ProposeResponse:
     return draft_pb2.ProposeResponse(results=[p.to_pb() for p in proposals])
 
@@ -57,5 +95,5 @@ async def create_server(config: DraftConfig, engine: DraftEngine | None = None) 
     """Load the model (unless an engine is given) and start serving; returns the bound server."""
     return await start_model_service(
         config, engine, DraftEngine, DraftServicer,
-        draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME, ["Propose"],
+        draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME, ["Propose", "ImportKV"],
     )

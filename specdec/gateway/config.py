@@ -65,6 +65,12 @@ class GatewayConfig(ServerSecurity):
         "pays, and its own lookups as it drafts",
         advanced=True,
     )
+    #: The target's keys and values fill a self-draft's cache (`specdec.gateway.kv_handoff`).
+    kv_handoff: bool = option(
+        True, "where the draft is the target's own weights (quantized or cut), copy the target's KV cache into the "
+        "draft's when the draft falls behind (a new prompt) instead of having it compute its own",
+        advanced=True,
+    )
     #: Prompt lookup through the edits an answer makes to what it copies (`proposers.edits`).
     lookup_edits: int = option(
         16, "edits (renamed or reformatted tokens) a request's lookups learn from its answer and repeat "

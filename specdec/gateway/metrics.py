@@ -90,6 +90,8 @@ def gateway_families(stats: GatewayStats, prefix: str, model_name: str) -> Itera
                     _one(s.preemptions))
     yield f.counter("spec_decode_draft_failures", "Rounds whose Propose failed and ran as plain decoding", [],
                     _one(s.draft_failures))
+    yield f.counter("spec_decode_kv_handoff_tokens", "Tokens whose keys and values the target's cache copied into "
+                    "the draft's, which the draft did not compute", [], _one(s.kv_handoff_tokens))
     yield f.gauge("spec_decode_draft_overhead_ratio", "Propose time / Verify time in the last round", [],
                   _one(s.draft_overhead))
     yield f.counter("round_time_seconds", "Round wall time by phase", ["phase"],

@@ -51,6 +51,9 @@ class RoundPlan:
     #: draft would have been faster: the batch's tokens per second then. The round's time past
     #: its tokens at that rate is the request's rent.
     caught_up_rates: dict[str, float] = field(default_factory=dict)
+    #: Requests whose draft cache the target's fills before the Propose (`KPlanner.kv_handoff`):
+    #: the draft has fallen behind by more than a round's tokens.
+    handoffs: frozenset[str] = frozenset()
 
     @property
     def drafts(self) -> bool:
@@ -102,6 +105,9 @@ class RoundReport:
     guessed: dict[str, int] = field(default_factory=dict)
     #: Tokens of the draft's own lookup guesses fed per slot (`Proposal.own_guess_tokens`).
     own_guess_tokens: dict[str, int] = field(default_factory=dict)
+    #: The round's KV handoffs (`RoundPlan.handoffs`): their wall time and the tokens they moved.
+    handoff_s: float = 0.0
+    handoff_tokens: int = 0
 
     def steps_of(self, slot_id: str) -> int:
         return self.steps.get(slot_id, 1)
@@ -113,7 +119,8 @@ class RoundReport:
 
     def phases(self) -> dict[str, float]:
         """The round's wall time split by `ROUND_PHASES`."""
-        rpc = self.propose.wall_s - self.propose.compute_s + self.verify.wall_s - self.verify.compute_s
+        rpc = (self.propose.wall_s - self.propose.compute_s + self.verify.wall_s - self.verify.compute_s
+               + self.handoff_s)  # a handoff is a copy between the services
         counted = self.propose.compute_s + self.verify.compute_s + max(0.0, rpc) + self.accept_s
         return {
             "draft_compute": self.propose.compute_s,
@@ -125,5 +132,6 @@ class RoundReport:
 
     @property
     def overhead_s(self) -> float:
-        """Round time spent outside both services' compute: RPCs, (de)serialisation, acceptance."""
-        return max(0.0, self.total_s - self.propose.compute_s - self.verify.compute_s)
+        """Round time spent outside both services' compute: RPCs, (de)serialisation, acceptance
+        (not a KV handoff's, which the planner prices on its own)."""
+        return max(0.0, self.total_s - self.propose.compute_s - self.verify.compute_s - self.handoff_s)

@@ -193,7 +193,7 @@ class Scheduler:
         before = {s.slot_id: (s.completion_tokens, s.last_token_at) for s in batch}
         try:
             report = await run_round(self.target, self.draft, batch, plan, self.sampler, self.max_seq_len,
-                                     self.deadlines)
+                                     self.deadlines, self.planner.kv_handoff)
         except Exception as error:  # noqa: BLE001 - a failed round fails its requests, not the gateway
             await self._fail(batch, error)
             return
@@ -201,6 +201,7 @@ class Scheduler:
             self.stats.draft_failures += 1
             self.stats.off_rounds["draft_unavailable"] += 1
             self._degrade_draft()
+        self.stats.kv_handoff_tokens += report.handoff_tokens
         self.planner.observe(plan, batch, report)
         self._record_round(batch, report, before)
         for seq in batch:

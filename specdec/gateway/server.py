@@ -27,6 +27,7 @@ from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.draft_sources import SpeculationMethod
 from specdec.gateway.generation import GatewayState, Generations
 from specdec.gateway.k_planner import KPlanner
+from specdec.gateway.kv_handoff import KVHandoff
 from specdec.gateway.metrics import gateway_endpoint
 from specdec.gateway.model_clients import INFO_TIMEOUT_S, DraftAPI, DraftClient, ServiceLink, TargetAPI, TargetClient
 from specdec.gateway.monitor import ServiceMonitor
@@ -224,7 +225,11 @@ def new_scheduler(config: GatewayConfig, services: Services, stats: GatewayStats
     target_costs, draft_info = services.target_info.forward_costs, services.draft_info
     draft_costs = draft_info.forward_costs if draft_info is not None else ()
     planner = KPlanner(list(target_costs), list(draft_costs) if config.adaptive_k else [],
-                       uses_draft=services.draft is not None, guesses=config.lookup_guesses)
+                       uses_draft=services.draft is not None, guesses=config.lookup_guesses,
+                       kv_handoff=KVHandoff.between(services.target_info, draft_info) if config.kv_handoff else None)
+    if planner.kv_handoff is not None:
+        log.info("the draft's KV cache is filled from the target's (%d layers, %s)",
+                 planner.kv_handoff.num_layers, str(planner.kv_handoff.dtype).removeprefix("torch."))
     pools = [PoolLimits(name, info.total_kv_tokens, info.block_size, info.max_slots)
              for name, info in services.infos().items()]
     return Scheduler(
@@ -270,6 +275,7 @@ def watch_services(
     # Lookups speculate without a draft, so the target's K is promised either way.
     max_k = services.max_speculative_tokens
     monitor.on_change = ServiceChanges(
-        scheduler, services.target_info.tokenizer, max_k, services.max_seq_len, config.adaptive_k
+        scheduler, services.target_info.tokenizer, max_k, services.max_seq_len, config.adaptive_k,
+        dict(services.infos()) if config.kv_handoff else None,
     )
     monitor.start()

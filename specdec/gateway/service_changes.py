@@ -6,7 +6,8 @@ monitor hands every Info that differs from the last one it kept to `ServiceChang
 either adopts it or refuses the service:
 
 - **adopted**: the K planner takes the new cost table and forgets the old one's online
-  correction, the deadlines follow the new costs, and admission counts the new pool;
+  correction, the deadlines follow the new costs, admission counts the new pool, and the
+  KV handoff from target to draft follows the two services' layouts;
 - **refused**: a tokenizer that differs from the gateway's, or a maximum K or context
   length below what the gateway promised at start-up. A refused draft only turns
   speculation off; a refused target makes the gateway NOT_SERVING. Both are logged with
@@ -20,6 +21,7 @@ import logging
 from dataclasses import dataclass
 
 from specdec.cost_model import CostTable
+from specdec.gateway.kv_handoff import KVHandoff
 from specdec.gateway.scheduler import PoolLimits, Scheduler
 from specdec.model.tokenizer_info import TokenizerInfo, TokenizerMismatchError, check_compatible
 from specdec.wire.items import ModelInfo
@@ -37,6 +39,9 @@ class ServiceChanges:
     max_seq_len: int
     #: Whether the planner uses the draft's costs (adaptive K on).
     adaptive_k: bool
+    #: The latest adopted Info of each service, where the gateway may fill the draft's cache
+    #: from the target's (--kv-handoff); None where it may not.
+    handoff_infos: dict[str, ModelInfo] | None = None
 
     def __call__(self, name: str, info: ModelInfo) -> str | None:
         """Adopt `info` of service `name` ("target" or "draft"), or return why it is refused."""
@@ -55,6 +60,10 @@ class ServiceChanges:
             else dataclasses.replace(deadlines, draft=table)
         )
         self.scheduler.set_pool(PoolLimits(name, info.total_kv_tokens, info.block_size, info.max_slots))
+        if self.handoff_infos is not None:
+            self.handoff_infos[name] = info
+            self.scheduler.planner.kv_handoff = KVHandoff.between(self.handoff_infos["target"],
+                                                                  self.handoff_infos.get("draft"))
         log.info(
             "adopted the %s service's new Info: %s, %d KV tokens, %d slots, %s",
             name, info.model_name, info.total_kv_tokens, info.max_slots,

@@ -22,6 +22,7 @@ import torch
 from specdec.errors import InvalidArgumentError, ServiceStateError
 from specdec.gateway.acceptance import accept_all
 from specdec.gateway.deadlines import Deadlines
+from specdec.gateway.kv_handoff import KVHandoff, hand_off
 from specdec.gateway.model_clients import DraftAPI, TargetAPI, Timed
 from specdec.gateway.proposers import LookupDraft
 from specdec.gateway.rounds import RoundPlan, RoundReport
@@ -211,12 +212,16 @@ def first_tokens(seqs: list[Sequence], logits: dict[str, torch.Tensor]) -> dict[
 
 async def run_round(
     target: TargetAPI, draft: DraftAPI | None, seqs: list[Sequence], plan: RoundPlan, sampler: ModelWorker,
-    max_seq_len: int, deadlines: Deadlines,
+    max_seq_len: int, deadlines: Deadlines, handoff: KVHandoff | None = None,
 ) -> RoundReport:
-    """Propose, verify, accept and advance every sequence by one round as `plan` says. A
-    request without a proposal (K = 0, or the draft failed) decodes plainly on the target:
-    nothing comes back to judge, and the plan's `steps` tokens share one call."""
+    """Fill the draft's cache from the target's where the plan says (`handoff`), then propose,
+    verify, accept and advance every sequence by one round as `plan` says. A request without
+    a proposal (K = 0, or the draft failed) decodes plainly on the target: nothing comes back
+    to judge, and the plan's `steps` tokens share one call."""
     started = time.perf_counter()
+    handed = Timed(0, 0.0, 0.0)
+    if plan.handoffs and handoff is not None and draft is not None:
+        handed = await hand_off(target, draft, [s for s in seqs if s.slot_id in plan.handoffs], handoff, deadlines)
     proposed, draft_failed = await propose_or_plain(draft, seqs, plan, deadlines)
     proposals = proposed.value | lookup_proposals(seqs, plan)
     verified = await verify(target, seqs, proposals, plan, deadlines)
@@ -236,6 +241,7 @@ async def run_round(
         total_s=time.perf_counter() - started, draft_failed=draft_failed, steps=steps, sources=sources,
         guessed=guessed,
         own_guess_tokens={slot: p.own_guess_tokens for slot, p in proposed.value.items() if p.own_guess_tokens},
+        handoff_s=handed.wall_s, handoff_tokens=handed.value,
     )
 
 

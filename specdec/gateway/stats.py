@@ -61,6 +61,8 @@ class GatewayStats:
     draft_overhead: float = 0.0
     off_rounds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OFF_REASONS, 0))
     draft_failures: int = 0
+    #: Tokens whose keys and values the target's cache gave the draft's (`kv_handoff`).
+    kv_handoff_tokens: int = 0
     #: Requests whose slots were freed to make room in a KV pool (they resume later).
     preemptions: int = 0
     round_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ROUND_PHASES, 0.0))

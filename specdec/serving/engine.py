@@ -18,6 +18,7 @@ from specdec.cost_model import ForwardCost
 from specdec.errors import CapacityExhaustedError, InvalidArgumentError, SlotNotFoundError
 from specdec.model.cuda_graphs import StepGraphs
 from specdec.model.forward_batch import StepShape
+from specdec.model.loader import weights_fingerprint
 from specdec.model.runtime import ModelRuntime
 from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.sampling.params import SamplingParams
@@ -25,7 +26,8 @@ from specdec.serving.config import ModelServiceConfig
 from specdec.serving.leases import LeaseTable
 from specdec.tuning.openmp import release_threads
 from specdec.tuning.startup import StartupTuner
-from specdec.wire.items import Lease, ModelInfo
+from specdec.wire.items import KVLayout, Lease, ModelInfo
+from specdec.wire.kv_transfer import ImportHeader
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,8 @@ class ModelEngine:
             self.forward, self.cache, max_batch=config.max_slots, max_tokens=config.max_speculative_tokens + 1,
             enabled=config.measure_costs,
         )
+        _, _, kv_heads, head_dim = self.cache.kv[0].shape
+        self.kv_layout = KVLayout(weights_fingerprint(runtime.loaded.model_id), len(self.cache.kv), kv_heads, head_dim)
         log.info(
             "%s: KV pool of %d tokens (%d blocks of %d), %.0f MiB; max_seq_len %d",
             runtime.loaded.name, self.cache.capacity_tokens, self.cache.blocks.num_blocks, self.cache.block_size,
@@ -93,7 +97,75 @@ class ModelEngine:
             compiled_steps=self.tuner.compiled_steps(self.forward),
             tuning=tuple(self.tuner.choices),
             pending_graphs=len(self.tuner.pending),
+            kv_layout=self.kv_layout,
         )
+
+    def export_kv(self, slot_id: str, start: int, end: int, num_layers: int, dtype: torch.dtype) -> torch.Tensor:
+        """The keys and values the slot holds for positions [start, end) of its first
+        `num_layers` layers, in `dtype`: [num_layers, end - start, 2, kv_heads, head_dim]."""
+        cached = len(self._require_slot(slot_id))
+        if not 0 <= start <= end <= cached:
+            raise InvalidArgumentError(f"start, end: [{start}, {end}) is outside [0, {cached}] "
+                                       f"(cached length of slot {slot_id!r})")
+        if not 1 <= num_layers <= len(self.cache.kv):
+            raise InvalidArgumentError(f"num_layers: {num_layers} is outside [1, {len(self.cache.kv)}]")
+        rows = torch.tensor(self.cache.blocks.positions(slot_id, start, end), device=self.cache.device)
+        return torch.stack([pool.index_select(0, rows) for pool in self.cache.kv[:num_layers]]).to("cpu", dtype)
+
+    def import_shape(self, header: ImportHeader) -> tuple[int, int, int, int, int]:
+        """The [layers, positions, 2, kv_heads, head_dim] shape an import of `header` fills."""
+        layout = self.kv_layout
+        return (layout.num_layers, len(header.tokens), 2, layout.num_kv_heads, layout.head_dim)
+
+    def import_kv(self, header: ImportHeader, kv: torch.Tensor) -> int:
+        """Roll the slot back to `header.valid_len` (or create it, under the header's lease)
+        and append `header.tokens` with the keys and values `kv` ([layers, tokens, 2, kv_heads,
+        head_dim], computed elsewhere from the same weights) instead of computing them; a new
+        slot keeps what its prefix cache holds. Returns the slot's cached length."""
+        slot_id, tokens = header.slot_id, header.tokens
+        new = self.check_import(header)
+        if tuple(kv.shape) != self.import_shape(header):
+            raise InvalidArgumentError(f"KV import of shape {list(kv.shape)} for slot {slot_id!r}: this cache "
+                                       f"takes {list(self.import_shape(header))}")
+        if new:
+            skip = len(tokens) - len(self._allocate({slot_id: tokens}, header.lease)[slot_id])
+        else:
+            self._rollback(slot_id, header.valid_len)
+            skip = 0
+        try:
+            rows = torch.tensor(self.cache.blocks.append(slot_id, len(tokens) - skip), device=self.cache.device)
+            for layer, pool in enumerate(self.cache.kv):
+                pool.index_copy_(0, rows, kv[layer, skip:].to(pool.device, pool.dtype))
+        except BaseException:
+            if new:
+                self._free_quietly([slot_id])
+            else:
+                self.cache.truncate(slot_id, header.valid_len)
+            raise
+        self.tokens[slot_id].extend(tokens[skip:])
+        if self.config.prefix_caching:
+            self.cache.blocks.register_full_blocks(slot_id, self.tokens[slot_id])
+        return len(self.tokens[slot_id])
+
+    def check_import(self, header: ImportHeader) -> bool:
+        """Validate an import's header without changing anything; returns whether its slot is new."""
+        slot_id = header.slot_id
+        if not slot_id:
+            raise InvalidArgumentError("slot_id: must not be empty")
+        new = slot_id not in self.tokens
+        if new and header.valid_len != 0:
+            raise InvalidArgumentError(f"valid_len: slot {slot_id!r} is new here, so valid_len must be 0 "
+                                       f"(got {header.valid_len})")
+        if new:
+            self.leases.check(header.lease)
+            self._check_new_slots(1)
+        else:
+            self._check_rollback(slot_id, header.valid_len, "valid_len")
+        if not header.tokens:
+            raise InvalidArgumentError(f"tokens: slot {slot_id!r} sent none to import")
+        self._check_tokens("tokens", slot_id, header.tokens)
+        self._check_length(slot_id, header.valid_len + len(header.tokens))
+        return new
 
     def truncate(self, slot_id: str, new_len: int) -> int:
         """Explicit rollback: keep the first `new_len` cached tokens. Returns the new length."""

@@ -11,19 +11,21 @@ from collections.abc import AsyncIterator
 import grpc
 
 from specdec.errors import InvalidArgumentError
-from specdec.serving.errors import grpc_errors
+from specdec.serving.errors import grpc_errors, grpc_stream_errors
 from specdec.serving.grpc_server import RunningServer
 from specdec.serving.model_service import SlotServicer, start_model_service
 from specdec.target_server.config import TargetConfig
 from specdec.target_server.engine import TargetEngine
-from specdec.v1 import target_pb2, target_pb2_grpc
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.wire.items import Lease, PrefillItem, ScoredChunk, VerifiedChunk, VerifyItem, verified_to_pb
+from specdec.wire.kv_transfer import split_pieces
+from specdec.wire.tensor_codec import torch_dtype
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
 class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
-    """Prefill and Verify; Info, Truncate and Release come from `SlotServicer`."""
+    """Prefill, Verify and ExportKV; Info, Truncate and Release come from `SlotServicer`."""
 
     engine: TargetEngine
 
@@ -68,6 +70,19 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
         return response
 
 
+    @grpc_stream_errors
+    async def ExportKV(
+        self, request: target_pb2.ExportKVRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.KVPiece]:
+        dtype = torch_dtype(request.dtype or common_pb2.DTYPE_FLOAT32)
+        export = functools.partial(self.engine.export_kv, request.slot_id, request.start, request.end,
+                                   request.num_layers, dtype)
+        pieces, compute_s = await self.worker.run_timed(export, lambda kv: list(split_pieces(kv)))
+        self.stats.record_work("ExportKV", compute_s, 1, request.end - request.start)
+        for piece in pieces:
+            yield piece
+
+
 def _prefill_response(results: list[ScoredChunk]) -> target_pb2.PrefillResponse:
     return target_pb2.PrefillResponse(results=[r.to_pb() for r in results])
 
@@ -80,5 +95,5 @@ async def create_server(config: TargetConfig, engine: TargetEngine | None = None
     """Load the model (unless an engine is given) and start serving; returns the bound server."""
     return await start_model_service(
         config, engine, TargetEngine, TargetServicer,
-        target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, ["Prefill", "Verify"],
+        target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, ["Prefill", "Verify", "ExportKV"],
     )

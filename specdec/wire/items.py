@@ -427,6 +427,31 @@ class Proposal:
 
 
 @dataclass(frozen=True)
+class KVLayout:
+    """What a service's keys and values are computed from (`common.proto` KVLayout): two
+    services with the same `weights` compute the same keys and values in their shared layers."""
+
+    weights: str = ""
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+
+    def feeds(self, other: KVLayout) -> bool:
+        """Whether this service's cache can fill `other`'s: the same weights and head shape,
+        and every layer of `other` among this one's."""
+        return (bool(self.weights) and self.weights == other.weights and self.num_kv_heads == other.num_kv_heads
+                and self.head_dim == other.head_dim and 0 < other.num_layers <= self.num_layers)
+
+    def to_pb(self) -> common_pb2.KVLayout:
+        return common_pb2.KVLayout(weights=self.weights, num_layers=self.num_layers,
+                                   num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+
+    @classmethod
+    def from_pb(cls, message: common_pb2.KVLayout) -> KVLayout:
+        return cls(message.weights, message.num_layers, message.num_kv_heads, message.head_dim)
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What a model service advertises through its Info rpc."""
 
@@ -453,6 +478,7 @@ class ModelInfo:
     tuning: tuple[TuningChoice, ...] = ()
     #: Compiled graphs still to load after start-up (those steps run eager until then).
     pending_graphs: int = 0
+    kv_layout: KVLayout = KVLayout()
 
     def to_pb(self) -> common_pb2.ModelInfo:
         return common_pb2.ModelInfo(
@@ -482,6 +508,7 @@ class ModelInfo:
                 for c in self.tuning
             ],
             pending_graphs=self.pending_graphs,
+            kv_layout=self.kv_layout.to_pb(),
         )
 
     @classmethod
@@ -505,4 +532,5 @@ class ModelInfo:
             compiled_steps=tuple(message.compiled_steps),
             tuning=tuple(TuningChoice(c.name, c.value, c.reason, c.detail) for c in message.tuning),
             pending_graphs=message.pending_graphs,
+            kv_layout=KVLayout.from_pb(message.kv_layout),
         )

@@ -10,7 +10,14 @@ import torch
 
 from specdec.cost_model import ForwardCost
 from specdec.gateway.detokenizer import StopStringDetokenizer
-from specdec.gateway.k_planner import AcceptanceEstimate, DraftOverhead, KPlanner, RatePredictor
+from specdec.gateway.k_planner import (
+    HANDOFF_PRIOR_S_PER_TOKEN,
+    AcceptanceEstimate,
+    DraftOverhead,
+    KPlanner,
+    RatePredictor,
+)
+from specdec.gateway.kv_handoff import KVHandoff
 from specdec.gateway.model_clients import Timed
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence
@@ -210,6 +217,27 @@ def test_a_catch_up_is_spread_over_the_rounds_left_at_the_k_planned() -> None:
     assert planner.plan([late], {"late": 8}, {"late": True}).ks["late"] == 0
     late.max_new_tokens = 1000  # a long future repays the same catch-up
     assert planner.plan([late], {"late": 8}, {"late": True}).ks["late"] == 8
+
+
+def test_a_kv_handoff_replaces_a_catch_up_the_draft_could_not_repay() -> None:
+    """The same 60-step catch-up as above, where the target's cache can fill the draft's: the
+    round copies it instead (priced per token, learnt from what handoffs took) and drafts at
+    once; the Propose then feeds one token, so the round is no catch-up for the draft's scale."""
+    long_prompt = [*draft_costs(0.23), ForwardCost(1, 1000, 0.040 * 60)]
+    late = seq("late")
+    late.tokens, late.max_new_tokens = list(range(1000)), 64
+    planner = KPlanner(TARGET, long_prompt, prior_alpha=0.975, kv_handoff=KVHandoff(30, torch.bfloat16))
+    plan = planner.plan([late], {"late": 8}, {"late": True})
+    assert plan.ks["late"] == 8 and plan.handoffs == {"late"}
+    assert not plan.catching_up and plan.feeds["late"] == 1
+    assert planner._catch_up(late, planner.cost_model()).extra_s == pytest.approx(999 * HANDOFF_PRIOR_S_PER_TOKEN)
+    zero = Timed(None, 0.0, 0.0)
+    planner.observe(plan, [late], RoundReport(plan.ks, {"late": 8}, zero, zero, 0.0, 1.0, handoff_s=0.999,
+                                              handoff_tokens=999))
+    slower = HANDOFF_PRIOR_S_PER_TOKEN + planner.cost_weight * (1e-3 - HANDOFF_PRIOR_S_PER_TOKEN)
+    assert planner.handoff_s_per_token == pytest.approx(slower)
+    planner.kv_handoff = None  # e.g. the draft came back as another model
+    assert planner.plan([late], {"late": 8}, {"late": True}).ks["late"] == 0
 
 
 def test_a_prompt_catch_up_is_priced_at_the_context_the_draft_holds() -> None:

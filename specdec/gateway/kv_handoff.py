@@ -1,0 +1,82 @@
+"""Filling the draft's cache from the target's instead of feeding it the tokens.
+
+A self-draft (the target's own weights quantized, or their first layers; `KVLayout.feeds`)
+computes nearly the keys and values the target already holds for every token it verified.
+Where the draft has fallen behind by more than a round's tokens (a prompt it never saw,
+tokens decoded while speculation was off or drafted by lookup), the gateway moves the
+target's keys and values over (`TargetAPI.export_kv` relayed into `DraftAPI.import_kv`)
+rather than have the draft recompute them: a copy of ~23 KB a token for the default
+models, against a forward over the whole prompt. What the draft proposes afterwards is
+still only a proposal, judged by the target as always, so the output is unchanged; only
+the draft's acceptance could move, and the target's keys are closer to the target's own
+choices than the draft's would be (docs/performance.md#the-draft-cache-from-the-target).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from specdec.errors import ServiceStateError
+from specdec.gateway.deadlines import Deadlines
+from specdec.gateway.model_clients import DraftAPI, TargetAPI, Timed
+from specdec.gateway.sequence import Sequence
+from specdec.model.choices import DTYPE_NAMES
+from specdec.wire.items import ModelInfo
+from specdec.wire.kv_transfer import ImportHeader, KVExport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """How the target's cache fills the draft's: the draft's layers, in its cache's dtype."""
+
+    num_layers: int
+    dtype: torch.dtype
+
+    @classmethod
+    def between(cls, target: ModelInfo, draft: ModelInfo | None) -> KVHandoff | None:
+        """The handoff from `target` to `draft` where the target's keys and values are the
+        draft's to take (`KVLayout.feeds`) and its dtype travels; else None."""
+        if draft is None or not target.kv_layout.feeds(draft.kv_layout) or draft.dtype not in DTYPE_NAMES:
+            return None
+        return cls(draft.kv_layout.num_layers, getattr(torch, draft.dtype))
+
+
+async def hand_off(
+    target: TargetAPI, draft: DraftAPI, seqs: list[Sequence], handoff: KVHandoff, deadlines: Deadlines
+) -> Timed[int]:
+    """Fill the draft's cache of each of `seqs` with the target's keys and values up to what
+    the target holds; returns the tokens moved. A request whose handoff fails keeps its place
+    (its Propose then feeds the tokens as before): the handoff only ever saves time."""
+    started, compute_s, moved = time.perf_counter(), 0.0, 0
+    for seq in seqs:
+        start, end = seq.draft_valid, seq.target_valid
+        if end <= start:
+            continue
+        header = ImportHeader(seq.slot_id, start, seq.tokens[start:end])
+        export = KVExport(seq.slot_id, start, end, handoff.num_layers, handoff.dtype)
+        timeout = deadlines.propose(1, end - start, 0)  # never longer than the draft computing them
+        seq.has_draft_slot = True  # the import may create the slot: release it at the end
+        try:
+            imported = await draft.import_kv(header, target.export_kv(export, timeout), timeout)
+            if imported.value != end:
+                raise ServiceStateError(f"the draft holds {imported.value} tokens for slot {seq.slot_id} after "
+                                        f"the import, the gateway expected {end}")
+        except grpc.aio.AioRpcError as error:  # the draft holds what it held: the import is all or nothing
+            log.warning("KV handoff of %s failed (%s: %s); its draft catches up by itself", seq.slot_id,
+                        error.code().name, error.details())
+            continue
+        except ServiceStateError as error:
+            log.warning("%s; its next Propose resends every token", error)
+            seq.draft_valid = 0
+            continue
+        seq.draft_valid = end
+        compute_s += imported.compute_s
+        moved += end - start
+    return Timed(moved, compute_s, time.perf_counter() - started)
