@@ -50,7 +50,6 @@ class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
         response.compute_s = compute_s
         return response
 
-
     @grpc_errors
     async def ImportKV(
         self, requests: AsyncIterator[draft_pb2.ImportKVRequest], context: grpc.aio.ServicerContext

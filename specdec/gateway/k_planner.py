@@ -20,8 +20,8 @@ as it goes. Each request scales those α by how its own lookups have fared again
 (`LookupTrust`), so a text that does not copy stops paying for lookups learnt on one that does.
 A request that may look up drafts by lookup or plainly before it pays for a long prompt's draft
 catch-up (`KPlanner._renting`): its first rounds show whether its answer copies or ends soon.
-Where the target's cache can fill the draft's (`kv_handoff`), a catch-up is that copy instead,
-priced per token as measured, and renting rarely applies.
+Where the target's cache can fill the draft's (`kv_handoff`), a catch-up is that copy where it
+is the cheaper of the two as measured (`KPlanner._hands_off`), and renting rarely applies.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from specdec.cost_model import CostTable, ForwardCost, RoundCostModel
 from specdec.gateway.draft_sources import DraftSource
-from specdec.gateway.kv_handoff import KVHandoff
+from specdec.gateway.kv_handoff import HandoffCost, KVHandoff
 from specdec.gateway.proposers import LookupDraft, match_class
 from specdec.gateway.round_rates import (
     CatchUp,
@@ -203,9 +203,6 @@ def catch_up_class(tokens: int) -> int:
 #: request as much (`KPlanner._renting`). Waiting costs only the saving it forgoes, so it lasts
 #: several times the catch-up's rounds: a chat prompt's catch-up of a few rounds is cheaper bought.
 RENT_FROM_ROUNDS = 8
-#: Seconds a token of KV handoff is priced at before one was measured: a little above what
-#: loopback transfers of the default models measure (docs/performance.md#the-draft-cache-from-the-target).
-HANDOFF_PRIOR_S_PER_TOKEN = 1e-4
 #: The most a request's trust may raise a lookup's α: a sure copy can still part.
 MAX_LOOKUP_ALPHA = 0.99
 #: A plain round's overhead at most this share of a target step counts as cheap
@@ -248,9 +245,9 @@ class KPlanner:
     #: Seconds each verified lookup token adds to a round's overhead (wire, acceptance), online.
     lookup_token_overhead_s: float = 0.0
     #: How the target's cache fills the draft's where the draft falls behind (None: the draft
-    #: catches up by itself), and the seconds a token of it takes, online.
+    #: catches up by itself), and what a handoff costs, online.
     kv_handoff: KVHandoff | None = None
-    handoff_s_per_token: float = HANDOFF_PRIOR_S_PER_TOKEN
+    handoff_cost: HandoffCost = field(default_factory=HandoffCost)
     global_alpha: AcceptanceEstimate = field(init=False)
     _target: CostTable | None = field(init=False)
     _draft: CostTable | None = field(init=False)
@@ -419,7 +416,7 @@ class KPlanner:
         ks = choice.ks
         chosen = {slot: lookups[slot].truncated(ks[slot]) for slot in choice.on_lookup if ks[slot] > 0}
         behind = [s for s in seqs if ks[s.slot_id] > 0 and s.slot_id not in chosen and s.draft_pending > MAX_ROUND_FEED]
-        handoffs = frozenset(s.slot_id for s in behind) if self.kv_handoff is not None else frozenset()
+        handoffs = frozenset(s.slot_id for s in behind if self._hands_off(s))
         catching = [s for s in behind if s.slot_id not in handoffs]
         offered = {s.slot_id: (len(s.tokens), lookups[s.slot_id]) for s in seqs
                    if s.slot_id in lookups and s.slot_id not in chosen}
@@ -576,16 +573,27 @@ class KPlanner:
         return CatchUp(max(0.0, extra), seq.max_new_tokens - seq.completion_tokens)
 
     def _catch_up_seconds(self, seq: Sequence) -> float:
-        """The forward that feeds the draft what it has not seen of `seq`: with a KV handoff,
-        the handoff of all but the newest token at its measured price and a step that feeds
-        that one; else the table's seconds, their part past its widest measured chunk corrected
-        by what catch-ups measured. The table as measured, not scaled by what the draft's steps
-        took since: a catch-up is a prompt, or more tokens than a compiled step takes, and runs
-        eager, as the table's wide chunks did, while the steps may run compiled graphs loaded
-        after start-up."""
+        """Feeding the draft what it has not seen of `seq`: the cheaper of its own forward
+        (`_computed_catch_up_seconds`) and, where the target's cache can fill the draft's, a
+        handoff of all but the newest token and a step that feeds that one."""
+        computed = self._computed_catch_up_seconds(seq)
+        return min(computed, self._handed_off_seconds(seq)) if self.kv_handoff is not None else computed
+
+    def _hands_off(self, seq: Sequence) -> bool:
+        """Whether the draft's catch-up on `seq` is cheaper handed off than computed."""
+        return self.kv_handoff is not None and self._handed_off_seconds(seq) < self._computed_catch_up_seconds(seq)
+
+    def _handed_off_seconds(self, seq: Sequence) -> float:
         assert self._draft is not None
-        if self.kv_handoff is not None:
-            return self.handoff_s_per_token * (seq.draft_pending - 1) + self._draft.step(1)
+        return self.handoff_cost.seconds(seq.draft_pending - 1) + self._draft.step(1)
+
+    def _computed_catch_up_seconds(self, seq: Sequence) -> float:
+        """The draft's forward over what it has not seen of `seq`: the table's seconds, their
+        part past its widest measured chunk corrected by what catch-ups measured. The table as
+        measured, not scaled by what the draft's steps took since: a catch-up is a prompt, or
+        more tokens than a compiled step takes, and runs eager, as the table's wide chunks did,
+        while the steps may run compiled graphs loaded after start-up."""
+        assert self._draft is not None
         within, beyond = self._catch_up_forward(seq, self._draft)
         return within + self._catch_up_scale(catch_up_class(seq.draft_pending)) * beyond
 
@@ -727,9 +735,8 @@ class KPlanner:
             self.global_alpha.observe(k, accepted)
             self._measured_alpha = True
         self._judge_offered(plan, seqs)
-        if report.handoff_tokens:
-            per_token = report.handoff_s / report.handoff_tokens
-            self.handoff_s_per_token += self.cost_weight * (per_token - self.handoff_s_per_token)
+        for tokens, seconds in report.handoffs.values():
+            self.handoff_cost.observe(tokens, seconds)
         self._charge_rent(plan, seqs, report)
         self._observe_self_guesses(plan, report)
         ks = [report.ks[s.slot_id] for s in seqs]

@@ -16,20 +16,29 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
 
 from specdec.errors import ServiceStateError
 from specdec.gateway.deadlines import Deadlines
-from specdec.gateway.model_clients import DraftAPI, TargetAPI, Timed
+from specdec.gateway.model_clients import DraftAPI, TargetAPI
 from specdec.gateway.sequence import Sequence
 from specdec.model.choices import DTYPE_NAMES
 from specdec.wire.items import ModelInfo
 from specdec.wire.kv_transfer import ImportHeader, KVExport
 
 log = logging.getLogger(__name__)
+
+#: What a handoff is priced at before any was measured: a call's fixed part and a part per
+#: token, about what loopback handoffs of the default models measure on a 2-core CPU
+#: (docs/performance.md#the-draft-cache-from-the-target).
+PRIOR_CALL_S = 0.015
+PRIOR_TOKEN_S = 1e-4
+#: The least relative spread of the measured handoffs' sizes (variance ÷ mean square) that
+#: fits the part per token; below it, only the fixed part follows the measurements.
+MIN_SIZE_SPREAD = 0.05
 
 
 @dataclass(frozen=True)
@@ -48,13 +57,41 @@ class KVHandoff:
         return cls(draft.kv_layout.num_layers, getattr(torch, draft.dtype))
 
 
+@dataclass
+class HandoffCost:
+    """Seconds of one request's handoff: a fixed part (two calls and a hop to each service's
+    model worker) and a part per token, fit to the handoffs measured by exponentially
+    weighted least squares, so that the price follows this machine and its load."""
+
+    call_s: float = PRIOR_CALL_S
+    token_s: float = PRIOR_TOKEN_S
+    #: Weight of the newest measurement.
+    weight: float = 0.1
+    #: The decayed sums of 1, tokens, seconds, tokens² and tokens × seconds.
+    _sums: tuple[float, float, float, float, float] = field(default=(0.0, 0.0, 0.0, 0.0, 0.0), init=False)
+
+    def seconds(self, tokens: int) -> float:
+        return self.call_s + self.token_s * tokens
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        decay = 1.0 - self.weight
+        w, n, t, nn, nt = (total * decay for total in self._sums)
+        w, n, t, nn, nt = w + 1.0, n + tokens, t + seconds, nn + tokens * tokens, nt + tokens * seconds
+        self._sums = (w, n, t, nn, nt)
+        spread = w * nn - n * n
+        if spread > MIN_SIZE_SPREAD * w * nn:
+            self.token_s = max(0.0, (w * nt - n * t) / spread)
+        self.call_s = max(0.0, (t - self.token_s * n) / w)
+
+
 async def hand_off(
     target: TargetAPI, draft: DraftAPI, seqs: list[Sequence], handoff: KVHandoff, deadlines: Deadlines
-) -> Timed[int]:
+) -> dict[str, tuple[int, float]]:
     """Fill the draft's cache of each of `seqs` with the target's keys and values up to what
-    the target holds; returns the tokens moved. A request whose handoff fails keeps its place
-    (its Propose then feeds the tokens as before): the handoff only ever saves time."""
-    started, compute_s, moved = time.perf_counter(), 0.0, 0
+    the target holds; returns the tokens moved and the seconds it took, per request that took
+    one. A request whose handoff fails keeps its place (its Propose then feeds the tokens as
+    before): the handoff only ever saves time."""
+    done = {}
     for seq in seqs:
         start, end = seq.draft_valid, seq.target_valid
         if end <= start:
@@ -63,6 +100,7 @@ async def hand_off(
         export = KVExport(seq.slot_id, start, end, handoff.num_layers, handoff.dtype)
         timeout = deadlines.propose(1, end - start, 0)  # never longer than the draft computing them
         seq.has_draft_slot = True  # the import may create the slot: release it at the end
+        started = time.perf_counter()
         try:
             imported = await draft.import_kv(header, target.export_kv(export, timeout), timeout)
             if imported.value != end:
@@ -77,6 +115,5 @@ async def hand_off(
             seq.draft_valid = 0
             continue
         seq.draft_valid = end
-        compute_s += imported.compute_s
-        moved += end - start
-    return Timed(moved, compute_s, time.perf_counter() - started)
+        done[seq.slot_id] = (end - start, time.perf_counter() - started)
+    return done

@@ -105,12 +105,19 @@ class RoundReport:
     guessed: dict[str, int] = field(default_factory=dict)
     #: Tokens of the draft's own lookup guesses fed per slot (`Proposal.own_guess_tokens`).
     own_guess_tokens: dict[str, int] = field(default_factory=dict)
-    #: The round's KV handoffs (`RoundPlan.handoffs`): their wall time and the tokens they moved.
-    handoff_s: float = 0.0
-    handoff_tokens: int = 0
+    #: The round's KV handoffs (`RoundPlan.handoffs`) that succeeded: tokens moved and seconds, per slot.
+    handoffs: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     def steps_of(self, slot_id: str) -> int:
         return self.steps.get(slot_id, 1)
+
+    @property
+    def handoff_s(self) -> float:
+        return sum(seconds for _, seconds in self.handoffs.values())
+
+    @property
+    def handoff_tokens(self) -> int:
+        return sum(tokens for tokens, _ in self.handoffs.values())
 
     def emitted(self, slot_id: str) -> int:
         """Tokens the round gave the request: its accepted draft tokens and the target's own

@@ -219,7 +219,7 @@ async def run_round(
     a proposal (K = 0, or the draft failed) decodes plainly on the target: nothing comes back
     to judge, and the plan's `steps` tokens share one call."""
     started = time.perf_counter()
-    handed = Timed(0, 0.0, 0.0)
+    handed = {}
     if plan.handoffs and handoff is not None and draft is not None:
         handed = await hand_off(target, draft, [s for s in seqs if s.slot_id in plan.handoffs], handoff, deadlines)
     proposed, draft_failed = await propose_or_plain(draft, seqs, plan, deadlines)
@@ -241,7 +241,7 @@ async def run_round(
         total_s=time.perf_counter() - started, draft_failed=draft_failed, steps=steps, sources=sources,
         guessed=guessed,
         own_guess_tokens={slot: p.own_guess_tokens for slot, p in proposed.value.items() if p.own_guess_tokens},
-        handoff_s=handed.wall_s, handoff_tokens=handed.value,
+        handoffs=handed,
     )
 
 

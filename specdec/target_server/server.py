@@ -69,7 +69,6 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
         response.compute_s = compute_s
         return response
 
-
     @grpc_stream_errors
     async def ExportKV(
         self, request: target_pb2.ExportKVRequest, context: grpc.aio.ServicerContext

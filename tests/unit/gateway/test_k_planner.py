@@ -10,14 +10,8 @@ import torch
 
 from specdec.cost_model import ForwardCost
 from specdec.gateway.detokenizer import StopStringDetokenizer
-from specdec.gateway.k_planner import (
-    HANDOFF_PRIOR_S_PER_TOKEN,
-    AcceptanceEstimate,
-    DraftOverhead,
-    KPlanner,
-    RatePredictor,
-)
-from specdec.gateway.kv_handoff import KVHandoff
+from specdec.gateway.k_planner import AcceptanceEstimate, DraftOverhead, KPlanner, RatePredictor
+from specdec.gateway.kv_handoff import HandoffCost, KVHandoff
 from specdec.gateway.model_clients import Timed
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence
@@ -221,8 +215,8 @@ def test_a_catch_up_is_spread_over_the_rounds_left_at_the_k_planned() -> None:
 
 def test_a_kv_handoff_replaces_a_catch_up_the_draft_could_not_repay() -> None:
     """The same 60-step catch-up as above, where the target's cache can fill the draft's: the
-    round copies it instead (priced per token, learnt from what handoffs took) and drafts at
-    once; the Propose then feeds one token, so the round is no catch-up for the draft's scale."""
+    round copies it instead (priced as handoffs measured) and drafts at once; the Propose then
+    feeds one token, so the round is no catch-up for the draft's scale."""
     long_prompt = [*draft_costs(0.23), ForwardCost(1, 1000, 0.040 * 60)]
     late = seq("late")
     late.tokens, late.max_new_tokens = list(range(1000)), 64
@@ -230,14 +224,36 @@ def test_a_kv_handoff_replaces_a_catch_up_the_draft_could_not_repay() -> None:
     plan = planner.plan([late], {"late": 8}, {"late": True})
     assert plan.ks["late"] == 8 and plan.handoffs == {"late"}
     assert not plan.catching_up and plan.feeds["late"] == 1
-    assert planner._catch_up(late, planner.cost_model()).extra_s == pytest.approx(999 * HANDOFF_PRIOR_S_PER_TOKEN)
+    assert planner._catch_up(late, planner.cost_model()).extra_s == pytest.approx(HandoffCost().seconds(999))
     zero = Timed(None, 0.0, 0.0)
-    planner.observe(plan, [late], RoundReport(plan.ks, {"late": 8}, zero, zero, 0.0, 1.0, handoff_s=0.999,
-                                              handoff_tokens=999))
-    slower = HANDOFF_PRIOR_S_PER_TOKEN + planner.cost_weight * (1e-3 - HANDOFF_PRIOR_S_PER_TOKEN)
-    assert planner.handoff_s_per_token == pytest.approx(slower)
+    report = RoundReport(plan.ks, {"late": 8}, zero, zero, 0.0, 1.0, handoffs={"late": (999, 2.0)})
+    planner.observe(plan, [late], report)
+    assert planner.handoff_cost.seconds(999) > HandoffCost().seconds(999)  # slower than the prior: priced higher
     planner.kv_handoff = None  # e.g. the draft came back as another model
     assert planner.plan([late], {"late": 8}, {"late": True}).ks["late"] == 0
+
+
+def test_a_lag_the_draft_feeds_cheaper_than_a_handoff_is_fed() -> None:
+    """A few tokens behind (a lookup's round), the draft's own first forward costs less than a
+    handoff's two calls: it feeds them; far behind, the handoff is the cheaper."""
+    draft = [ForwardCost(1, t, 0.010 + 0.0005 * (t - 1)) for t in (1, 5, 9, 17)] + [ForwardCost(1, 64, 0.080)]
+    planner = KPlanner(TARGET, draft, prior_alpha=0.95, kv_handoff=KVHandoff(30, torch.bfloat16))
+    near, far = seq("near"), seq("far")
+    near.tokens, far.tokens = list(range(40)), list(range(400))
+    near.draft_valid, far.draft_valid = 30, 0
+    plan = planner.plan([near, far], {"near": 8, "far": 8}, {"near": False, "far": False})
+    assert plan.handoffs == {"far"} and plan.catching_up
+
+
+def test_the_handoff_cost_fits_a_calls_part_and_a_tokens() -> None:
+    cost = HandoffCost(call_s=0.0, token_s=0.0, weight=0.2)
+    for tokens in (40, 128, 512, 1660, 40, 128, 512, 1660):
+        cost.observe(tokens, 0.015 + 1.1e-4 * tokens)
+    assert cost.call_s == pytest.approx(0.015) and cost.token_s == pytest.approx(1.1e-4)
+    same = HandoffCost(call_s=0.0, token_s=1e-4)
+    for _ in range(3):  # one size only says nothing of the part per token: the fixed part moves
+        same.observe(100, 0.03)
+    assert same.token_s == 1e-4 and same.seconds(100) == pytest.approx(0.03)
 
 
 def test_a_prompt_catch_up_is_priced_at_the_context_the_draft_holds() -> None:
