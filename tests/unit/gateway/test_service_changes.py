@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
+from specdec.gateway.kv_handoff import KVHandoff
 from specdec.gateway.service_changes import ServiceChanges
+from specdec.wire.items import KVLayout
 from tests.support.fakes import FakeDraft, FakeTarget, model_info, scheduler
 
 
@@ -34,3 +38,18 @@ def test_a_service_with_a_shorter_context_or_another_tokenizer_is_refused() -> N
     other = dataclasses.replace(model_info(),
                                 tokenizer=dataclasses.replace(model_info().tokenizer, fingerprint="0" * 64))
     assert "tokenizer" in (watcher("target", other) or "")
+
+
+def test_the_kv_handoff_follows_the_services_layouts() -> None:
+    """A draft that comes back as another model's takes the target's keys and values no more;
+    once it is the target's own weights again, it does. Without --kv-handoff, never."""
+    own = dataclasses.replace(model_info(), kv_layout=KVLayout("weights", 30, 3, 64))
+    other = dataclasses.replace(own, kv_layout=KVLayout("other weights", 30, 3, 64))
+    watcher = changes()
+    watcher.handoff_infos = {"target": own, "draft": own}
+    assert watcher("draft", other) is None and watcher.scheduler.planner.kv_handoff is None
+    assert watcher("draft", own) is None
+    assert watcher.scheduler.planner.kv_handoff == KVHandoff(30, torch.float32)
+    assert watcher("target", other) is None and watcher.scheduler.planner.kv_handoff is None
+    switched_off = changes()
+    assert switched_off("draft", own) is None and switched_off.scheduler.planner.kv_handoff is None
