@@ -4,7 +4,8 @@ on the worker too: the event loop only sends it)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -54,7 +55,7 @@ class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
     async def ImportKV(
         self, requests: AsyncIterator[draft_pb2.ImportKVRequest], context: grpc.aio.ServicerContext
     ) -> draft_pb2.ImportKVResponse:
-        header, pieces = await _import_parts(requests)
+        header, pieces = await _import_parts(requests, self._import_bytes)
         shape = self.engine.import_shape(header)
 
         def work() -> int:  # the header, then the pieces are checked whole before the slot changes
@@ -66,20 +67,35 @@ class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.ImportKVResponse(cached_len=cached_len, compute_s=compute_s)
 
 
+    def _import_bytes(self, header: ImportHeader) -> int:
+        """The most bytes of pieces an import of `header` may send: its keys and values in fp32,
+        the widest dtype on the wire (checked before they are held, so no stream can pile up
+        more)."""
+        if len(header.tokens) > self.engine.max_seq_len:
+            raise InvalidArgumentError(f"tokens: {len(header.tokens)} to import, past max_seq_len "
+                                       f"{self.engine.max_seq_len}")
+        return math.prod(self.engine.import_shape(header)) * 4
+
+
 async def _import_parts(
-    requests: AsyncIterator[draft_pb2.ImportKVRequest],
+    requests: AsyncIterator[draft_pb2.ImportKVRequest], max_bytes: Callable[[ImportHeader], int]
 ) -> tuple[ImportHeader, list[common_pb2.KVPiece]]:
-    """The header (the first message) and the pieces after it."""
+    """The header (the first message) and the pieces after it, at most `max_bytes(header)` of them."""
     header: ImportHeader | None = None
     pieces: list[common_pb2.KVPiece] = []
+    budget = 0
     async for message in requests:
         if message.HasField("header"):
             if header is not None:
                 raise InvalidArgumentError("header: sent more than once")
             header = ImportHeader.from_pb(message.header)
+            budget = max_bytes(header)
         elif header is None:
             raise InvalidArgumentError("header: must come first, before any piece")
         else:
+            budget -= len(message.piece.kv.data)
+            if budget < 0:
+                raise InvalidArgumentError(f"pieces: more bytes than {len(header.tokens)} tokens' keys and values")
             pieces.append(message.piece)
     if header is None:
         raise InvalidArgumentError("header: none was sent")

@@ -90,12 +90,14 @@ def _bad_imports(prompt: list[int], pieces: list[common_pb2.KVPiece]) -> Iterato
     yield "no header", [draft_pb2.ImportKVRequest(piece=pieces[0])], "header"
     yield "a missing piece", [header.to_pb(), *(draft_pb2.ImportKVRequest(piece=p) for p in pieces[1:])], \
         "were not sent"
-    yield "a repeated piece", [header.to_pb(), *(draft_pb2.ImportKVRequest(piece=p) for p in [*pieces, pieces[0]])], \
-        "repeats"
+    repeated = [pieces[0], pieces[0], *pieces[2:]]  # layer 0 twice, layer 1 never
+    yield "a repeated piece", [header.to_pb(), *(draft_pb2.ImportKVRequest(piece=p) for p in repeated)], "repeats"
     yield "valid_len of a new slot", [ImportHeader("new", 3, prompt).to_pb()], "valid_len"
     yield "a token outside the vocabulary", [ImportHeader("new", 0, [*prompt[:-1], 10**6]).to_pb()], "vocabulary"
     keys_only = common_pb2.KVPiece(layer=0, start=0, kv=encode_tensor(torch.zeros(len(prompt), 1, 3, 64)))
     yield "rows of another shape", [header.to_pb(), draft_pb2.ImportKVRequest(piece=keys_only)], "rows of shape"
+    yield "more bytes than the tokens need", [ImportHeader("new", 0, prompt[:1]).to_pb(),
+                                              *(draft_pb2.ImportKVRequest(piece=p) for p in pieces)], "more bytes"
     yield "a piece past the end", [header.to_pb(), draft_pb2.ImportKVRequest(
         piece=common_pb2.KVPiece(layer=30, start=0, kv=pieces[0].kv))], "outside"
 
