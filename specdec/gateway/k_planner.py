@@ -580,8 +580,12 @@ class KPlanner:
         return min(computed, self._handed_off_seconds(seq)) if self.kv_handoff is not None else computed
 
     def _hands_off(self, seq: Sequence) -> bool:
-        """Whether the draft's catch-up on `seq` is cheaper handed off than computed."""
-        return self.kv_handoff is not None and self._handed_off_seconds(seq) < self._computed_catch_up_seconds(seq)
+        """Whether the draft's catch-up on `seq` is cheaper handed off than computed; without the
+        draft's costs to weigh it by (a fixed K), always: a copy beat the draft's forward at
+        every length measured."""
+        if self.kv_handoff is None:
+            return False
+        return self._draft is None or self._handed_off_seconds(seq) < self._computed_catch_up_seconds(seq)
 
     def _handed_off_seconds(self, seq: Sequence) -> float:
         assert self._draft is not None

@@ -5,11 +5,11 @@ computes nearly the keys and values the target already holds for every token it 
 Where the draft has fallen behind by more than a round's tokens (a prompt it never saw,
 tokens decoded while speculation was off or drafted by lookup), the gateway moves the
 target's keys and values over (`TargetAPI.export_kv` relayed into `DraftAPI.import_kv`)
-rather than have the draft recompute them: a copy of ~23 KB a token for the default
-models, against a forward over the whole prompt. What the draft proposes afterwards is
-still only a proposal, judged by the target as always, so the output is unchanged; only
-the draft's acceptance could move, and the target's keys are closer to the target's own
-choices than the draft's would be (docs/performance.md#the-draft-cache-from-the-target).
+rather than have the draft recompute them: a copy, against a forward over the whole
+prompt, where the planner measures it cheaper (`HandoffCost`). What the draft proposes
+afterwards is still only a proposal, judged by the target as always, so the output is
+unchanged; only the draft's acceptance could move, and it did not measurably
+(docs/performance.md#the-draft-cache-from-the-target).
 """
 
 from __future__ import annotations

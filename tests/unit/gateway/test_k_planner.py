@@ -243,6 +243,8 @@ def test_a_lag_the_draft_feeds_cheaper_than_a_handoff_is_fed() -> None:
     near.draft_valid, far.draft_valid = 30, 0
     plan = planner.plan([near, far], {"near": 8, "far": 8}, {"near": False, "far": False})
     assert plan.handoffs == {"far"} and plan.catching_up
+    uncosted = KPlanner(TARGET, [], kv_handoff=KVHandoff(30, torch.bfloat16))  # a fixed K: nothing to weigh
+    assert uncosted.plan([near, far], {"near": 8, "far": 8}, {"near": False, "far": False}).handoffs == {"near", "far"}
 
 
 def test_the_handoff_cost_fits_a_calls_part_and_a_tokens() -> None:
