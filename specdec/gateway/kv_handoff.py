@@ -4,7 +4,7 @@ A self-draft (the target's own weights quantized, or their first layers; `KVLayo
 computes nearly the keys and values the target already holds for every token it verified.
 Where the draft has fallen behind by more than a round's tokens (a prompt it never saw,
 tokens decoded while speculation was off or drafted by lookup), the gateway moves the
-target's keys and values over (`TargetAPI.export_kv` relayed into `DraftAPI.import_kv`)
+target's keys and values over (`TargetAPI.export_kv`, then `DraftAPI.import_kv`)
 rather than have the draft recompute them: a copy, against a forward over the whole
 prompt, where the planner measures it cheaper (`HandoffCost`). What the draft proposes
 afterwards is still only a proposal, judged by the target as always, so the output is
@@ -102,11 +102,11 @@ async def hand_off(
         seq.has_draft_slot = True  # the import may create the slot: release it at the end
         started = time.perf_counter()
         try:
-            imported = await draft.import_kv(header, target.export_kv(export, timeout), timeout)
+            imported = await draft.import_kv(header, await target.export_kv(export, timeout), timeout)
             if imported.value != end:
                 raise ServiceStateError(f"the draft holds {imported.value} tokens for slot {seq.slot_id} after "
                                         f"the import, the gateway expected {end}")
-        except grpc.aio.AioRpcError as error:  # the draft holds what it held: the import is all or nothing
+        except grpc.aio.AioRpcError as error:  # the draft holds what it held: an import is all or nothing
             log.warning("KV handoff of %s failed (%s: %s); its draft catches up by itself", seq.slot_id,
                         error.code().name, error.details())
             continue

@@ -8,7 +8,7 @@ types to protobuf and back, with the conversions of `specdec.wire.items`.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -56,7 +56,7 @@ class TargetAPI(Protocol):
     async def renew_lease(self, timeout: float) -> int: ...
     async def prefill(self, items: list[PrefillItem], timeout: float) -> Timed[dict[str, ScoredChunk]]: ...
     async def verify(self, items: list[VerifyItem], timeout: float) -> Timed[dict[str, VerifiedChunk]]: ...
-    def export_kv(self, export: KVExport, timeout: float) -> AsyncIterable[common_pb2.KVPiece]: ...
+    async def export_kv(self, export: KVExport, timeout: float) -> list[common_pb2.KVPiece]: ...
     async def release(self, slot_id: str, timeout: float) -> None: ...
     async def close(self) -> None: ...
 
@@ -68,9 +68,7 @@ class DraftAPI(Protocol):
     async def serving(self, timeout: float) -> bool: ...
     async def renew_lease(self, timeout: float) -> int: ...
     async def propose(self, items: list[ProposeItem], timeout: float) -> Timed[dict[str, Proposal]]: ...
-    async def import_kv(
-        self, header: ImportHeader, pieces: AsyncIterable[common_pb2.KVPiece], timeout: float
-    ) -> Timed[int]: ...
+    async def import_kv(self, header: ImportHeader, pieces: list[common_pb2.KVPiece], timeout: float) -> Timed[int]: ...
     async def release(self, slot_id: str, timeout: float) -> None: ...
     async def close(self) -> None: ...
 
@@ -170,10 +168,11 @@ class TargetClient(_ServiceClient[target_pb2_grpc.TargetServiceStub]):
         results = {r.slot_id: verified_from_pb(r) for r in response.results}
         return Timed(results, response.compute_s, time.perf_counter() - started)
 
-    def export_kv(self, export: KVExport, timeout: float) -> AsyncIterable[common_pb2.KVPiece]:
-        """The keys and values of `export`, piece by piece as the target sends them."""
-        pieces: AsyncIterable[common_pb2.KVPiece] = self.stub.ExportKV(export.to_pb(), timeout=timeout)
-        return pieces
+    async def export_kv(self, export: KVExport, timeout: float) -> list[common_pb2.KVPiece]:
+        """The keys and values of `export`, every piece the target sends. Received whole before
+        the import starts: an export that fails then fails here, with its own status, and no
+        import is left waiting on it."""
+        return [piece async for piece in self.stub.ExportKV(export.to_pb(), timeout=timeout)]
 
 
 class DraftClient(_ServiceClient[draft_pb2_grpc.DraftServiceStub]):
@@ -197,17 +196,11 @@ class DraftClient(_ServiceClient[draft_pb2_grpc.DraftServiceStub]):
         results = {r.slot_id: Proposal.from_pb(r) for r in response.results}
         return Timed(results, response.compute_s, time.perf_counter() - started)
 
-    async def import_kv(
-        self, header: ImportHeader, pieces: AsyncIterable[common_pb2.KVPiece], timeout: float
-    ) -> Timed[int]:
-        """Import `pieces` (relayed as they arrive) into the slot `header` names, a new one held
-        under this client's lease; returns the slot's cached length after it."""
+    async def import_kv(self, header: ImportHeader, pieces: list[common_pb2.KVPiece], timeout: float) -> Timed[int]:
+        """Import `pieces` into the slot `header` names, a new one held under this client's
+        lease; returns the slot's cached length after it."""
         started = time.perf_counter()
-
-        async def requests() -> AsyncIterator[draft_pb2.ImportKVRequest]:
-            yield ImportHeader(header.slot_id, header.valid_len, header.tokens, self.lease).to_pb()
-            async for piece in pieces:
-                yield draft_pb2.ImportKVRequest(piece=piece)
-
-        response = await self.stub.ImportKV(requests(), timeout=timeout)
+        requests = [ImportHeader(header.slot_id, header.valid_len, header.tokens, self.lease).to_pb(),
+                    *(draft_pb2.ImportKVRequest(piece=piece) for piece in pieces)]
+        response = await self.stub.ImportKV(iter(requests), timeout=timeout)
         return Timed(response.cached_len, response.compute_s, time.perf_counter() - started)

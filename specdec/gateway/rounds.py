@@ -51,8 +51,8 @@ class RoundPlan:
     #: draft would have been faster: the batch's tokens per second then. The round's time past
     #: its tokens at that rate is the request's rent.
     caught_up_rates: dict[str, float] = field(default_factory=dict)
-    #: Requests whose draft cache the target's fills before the Propose (`KPlanner.kv_handoff`):
-    #: the draft has fallen behind by more than a round's tokens.
+    #: Requests whose draft cache the target's fills before the Propose (`KPlanner._hands_off`):
+    #: the draft has fallen behind by more than a round's tokens, and a copy costs less than its forward.
     handoffs: frozenset[str] = frozenset()
 
     @property

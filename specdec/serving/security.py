@@ -187,8 +187,32 @@ class _StreamBearerToken(grpc.aio.StreamStreamClientInterceptor):
         return await continuation(_with_token(details, self._metadata), request_iterator)
 
 
+class _UnaryStreamBearerToken(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._metadata = bearer_metadata(token)
+
+    async def intercept_unary_stream(
+        self, continuation: Callable[[grpc.aio.ClientCallDetails, Any], Any],
+        details: grpc.aio.ClientCallDetails, request: Any,
+    ) -> Any:
+        return await continuation(_with_token(details, self._metadata), request)
+
+
+class _StreamUnaryBearerToken(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._metadata = bearer_metadata(token)
+
+    async def intercept_stream_unary(
+        self, continuation: Callable[[grpc.aio.ClientCallDetails, Any], Any],
+        details: grpc.aio.ClientCallDetails, request_iterator: Any,
+    ) -> Any:
+        return await continuation(_with_token(details, self._metadata), request_iterator)
+
+
 def bearer_token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
     """Interceptors that add the bearer token to every call of an aio channel (the gateway
-    toward the services): the unary calls and the streamed work rpcs. An aio channel files
-    each interceptor under one kind of call only, hence one per kind."""
-    return [_UnaryBearerToken(token), _StreamBearerToken(token)]
+    toward the services): the unary calls, the streamed work rpcs and the KV handoff's
+    streams. An aio channel files each interceptor under one kind of call only, hence one per
+    kind."""
+    return [_UnaryBearerToken(token), _StreamBearerToken(token), _UnaryStreamBearerToken(token),
+            _StreamUnaryBearerToken(token)]

@@ -82,21 +82,24 @@ def test_without_the_handoff_the_draft_computes_the_prompt(
     assert max(len(item.new_tokens) for item in calls["proposes"]) > 2
 
 
+@pytest.mark.parametrize("side", ["export", "import"])
 def test_a_failed_handoff_leaves_the_draft_to_catch_up(
-    weak_stack: Stack, expected: list[list[int]], monkeypatch: pytest.MonkeyPatch,
+    side: str, weak_stack: Stack, expected: list[list[int]], monkeypatch: pytest.MonkeyPatch,
     spied: Callable[[Stack], dict[str, list[Any]]], caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """The target refuses the export, or the draft the import: the round goes on, the draft
+    computes the prompt itself, and the output is plain decoding's."""
     calls = spied(weak_stack)
 
-    def refuse(header: Any, kv: torch.Tensor) -> int:
-        raise InvalidArgumentError("no imports today")
+    def refuse(*args: Any) -> Any:
+        raise InvalidArgumentError(f"no {side}s today")
 
-    assert weak_stack.draft is not None
-    monkeypatch.setattr(weak_stack.draft, "import_kv", refuse)
+    engine = weak_stack.target if side == "export" else weak_stack.draft
+    monkeypatch.setattr(engine, f"{side}_kv", refuse)
     results = generate_all(weak_stack, PROMPTS, MAX_NEW_TOKENS, num_speculative_tokens=4)
     assert [r.token_ids for r in results] == expected
     assert max(len(item.new_tokens) for item in calls["proposes"]) > 2  # the prompt, computed by the draft
-    assert "KV handoff" in caplog.text and "no imports today" in caplog.text
+    assert "KV handoff" in caplog.text and f"no {side}s today" in caplog.text
     weak_stack.wait_until_idle()
 
 
