@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from specdec.errors import CapacityExhaustedError, SpecdecError
+from specdec.errors import CapacityExhaustedError, ServiceStateError, SpecdecError
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.k_planner import KPlanner
@@ -70,6 +70,12 @@ def kv_tokens_for_round(seq: Sequence, max_seq_len: int, decode_steps: int = 1) 
     tokens, the K draft tokens verified after them (or all but the last of a multi-step
     round's tokens), and the token that round emits."""
     return min(len(seq.tokens) + max(seq.num_speculative_tokens, decode_steps - 1) + 1, max_seq_len)
+
+
+def _stopping() -> bool:
+    """Whether the running task itself is being cancelled (the gateway stopping)."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
 
 
 class Scheduler:
@@ -196,6 +202,13 @@ class Scheduler:
                                      self.deadlines, self.planner.kv_handoff)
         except Exception as error:  # noqa: BLE001 - a failed round fails its requests, not the gateway
             await self._fail(batch, error)
+            return
+        except asyncio.CancelledError:
+            if _stopping():
+                raise
+            # A call the round awaited was cancelled inside grpc, not this task: without this
+            # the CancelledError would end the scheduler and leave every stream waiting.
+            await self._fail(batch, ServiceStateError("a call to a model service was cancelled"))
             return
         if report.draft_failed:
             self.stats.draft_failures += 1

@@ -132,7 +132,7 @@ class FakeTarget:
     #: The tokens each Prefill sent, by slot id.
     prefilled: dict[str, list[int]] = field(default_factory=dict)
     #: Raise this from the next Verify.
-    fail_verify: grpc.aio.AioRpcError | None = None
+    fail_verify: BaseException | None = None
     #: Seconds every Verify takes (a hung service when above the call's deadline).
     verify_delay_s: float = 0.0
     #: Seconds every Prefill takes.

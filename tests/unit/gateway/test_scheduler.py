@@ -335,6 +335,25 @@ def test_a_failing_target_ends_the_requests_with_its_status_and_releases_them() 
     run(test, target, draft)
 
 
+def test_a_call_cancelled_under_the_round_fails_its_requests_not_the_scheduler() -> None:
+    """grpc can cancel a call from inside (a request stream that raised): the round's requests
+    end with an error and are released, and the scheduler goes on serving."""
+    target, draft = FakeTarget(), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        first, second = (new_sequence(request(max_new_tokens=20), policy()) for _ in range(2))
+        target.fail_verify = asyncio.CancelledError()
+        sched.submit(first)
+        _, finished = await drain(first)
+        assert finished.reason == FinishReason.ERROR and "cancelled" in finished.error
+        target.fail_verify = None
+        sched.submit(second)
+        tokens, finished = await drain(second)
+        assert finished.reason == FinishReason.LENGTH and tokens == greedy_reference(prompt_ids(), 20)
+
+    run(test, target, draft)
+
+
 def test_plain_requests_never_call_the_draft() -> None:
     target, draft = FakeTarget(), FakeDraft()
 
