@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 #: What a handoff is priced at before any was measured: a call's fixed part and a part per
 #: token, about what loopback handoffs of the default models measure on a 2-core CPU
 #: (docs/performance.md#the-draft-cache-from-the-target).
-PRIOR_CALL_S = 0.015
-PRIOR_TOKEN_S = 1e-4
+PRIOR_CALL_S = 0.02
+PRIOR_TOKEN_S = 1.4e-4
 #: The least relative spread of the measured handoffs' sizes (variance ÷ mean square) that
 #: fits the part per token; below it, only the fixed part follows the measurements.
 MIN_SIZE_SPREAD = 0.05
