@@ -165,48 +165,41 @@ def _with_token(details: grpc.aio.ClientCallDetails, token: tuple[tuple[str, str
                                       details.wait_for_ready)
 
 
-class _UnaryBearerToken(grpc.aio.UnaryUnaryClientInterceptor):
+Continuation = Callable[[grpc.aio.ClientCallDetails, Any], Any]
+
+
+class _BearerToken:
+    """Adds the bearer token to a call's metadata; one subclass per kind of call."""
+
     def __init__(self, token: str) -> None:
         self._metadata = bearer_metadata(token)
 
-    async def intercept_unary_unary(
-        self, continuation: Callable[[grpc.aio.ClientCallDetails, Any], Any],
-        details: grpc.aio.ClientCallDetails, request: Any,
-    ) -> Any:
+    async def _forward(self, continuation: Continuation, details: grpc.aio.ClientCallDetails, request: Any) -> Any:
         return await continuation(_with_token(details, self._metadata), request)
 
 
-class _StreamBearerToken(grpc.aio.StreamStreamClientInterceptor):
-    def __init__(self, token: str) -> None:
-        self._metadata = bearer_metadata(token)
-
-    async def intercept_stream_stream(
-        self, continuation: Callable[[grpc.aio.ClientCallDetails, Any], Any],
-        details: grpc.aio.ClientCallDetails, request_iterator: Any,
-    ) -> Any:
-        return await continuation(_with_token(details, self._metadata), request_iterator)
+class _UnaryBearerToken(_BearerToken, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Continuation, details: grpc.aio.ClientCallDetails,
+                                    request: Any) -> Any:
+        return await self._forward(continuation, details, request)
 
 
-class _UnaryStreamBearerToken(grpc.aio.UnaryStreamClientInterceptor):
-    def __init__(self, token: str) -> None:
-        self._metadata = bearer_metadata(token)
-
-    async def intercept_unary_stream(
-        self, continuation: Callable[[grpc.aio.ClientCallDetails, Any], Any],
-        details: grpc.aio.ClientCallDetails, request: Any,
-    ) -> Any:
-        return await continuation(_with_token(details, self._metadata), request)
+class _StreamBearerToken(_BearerToken, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Continuation, details: grpc.aio.ClientCallDetails,
+                                      request_iterator: Any) -> Any:
+        return await self._forward(continuation, details, request_iterator)
 
 
-class _StreamUnaryBearerToken(grpc.aio.StreamUnaryClientInterceptor):
-    def __init__(self, token: str) -> None:
-        self._metadata = bearer_metadata(token)
+class _UnaryStreamBearerToken(_BearerToken, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Continuation, details: grpc.aio.ClientCallDetails,
+                                     request: Any) -> Any:
+        return await self._forward(continuation, details, request)
 
-    async def intercept_stream_unary(
-        self, continuation: Callable[[grpc.aio.ClientCallDetails, Any], Any],
-        details: grpc.aio.ClientCallDetails, request_iterator: Any,
-    ) -> Any:
-        return await continuation(_with_token(details, self._metadata), request_iterator)
+
+class _StreamUnaryBearerToken(_BearerToken, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Continuation, details: grpc.aio.ClientCallDetails,
+                                     request_iterator: Any) -> Any:
+        return await self._forward(continuation, details, request_iterator)
 
 
 def bearer_token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
