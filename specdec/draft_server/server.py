@@ -66,7 +66,6 @@ class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
         self.stats.record_work("ImportKV", compute_s, 1, len(header.tokens))
         return draft_pb2.ImportKVResponse(cached_len=cached_len, compute_s=compute_s)
 
-
     def _import_bytes(self, header: ImportHeader) -> int:
         """The most bytes of pieces an import of `header` may send: its keys and values in fp32,
         the widest dtype on the wire (checked before they are held, so no stream can pile up
