@@ -5,7 +5,7 @@ prompt, and a handoff that fails or is switched off leaves the draft to catch up
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,7 +16,7 @@ from specdec.gateway.kv_handoff import KVHandoff
 from specdec.model.chat import encode_chat
 from specdec.model.loader import LoadedModel
 from specdec.model.runtime import ModelRuntime
-from specdec.wire.items import KVLayout, ProposeItem
+from specdec.wire.items import KVLayout, ModelInfo, ProposeItem
 from tests.support.fakes import model_info
 from tests.support.stacks import Stack, StartStack, chat, generate_all
 
@@ -30,7 +30,7 @@ def expected(smollm2: LoadedModel, hf_greedy: Callable[[list[int], int], list[in
 
 
 @pytest.fixture
-def spied(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Stack], dict[str, list[Any]]]]:
+def spied(monkeypatch: pytest.MonkeyPatch) -> Callable[[Stack], dict[str, list[Any]]]:
     """`spied(stack)`: the imports and Proposes its draft engine serves from now on."""
 
     def spy(stack: Stack) -> dict[str, list[Any]]:
@@ -50,7 +50,7 @@ def spied(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Stack], dict[st
         monkeypatch.setattr(stack.draft, "propose", counting_propose)
         return calls
 
-    yield spy
+    return spy
 
 
 @pytest.mark.parametrize("stack_name", ["int8_stack", "weak_stack"])
@@ -109,9 +109,8 @@ def test_a_handoff_needs_the_same_weights_and_heads() -> None:
     layout = KVLayout("abc", 30, 3, 64)
     target = dataclasses.replace(model_info(), kv_layout=layout)
 
-    def draft(**changes: Any) -> Any:
-        info = dataclasses.replace(model_info(), kv_layout=dataclasses.replace(layout, **changes))
-        return info
+    def draft(**changes: Any) -> ModelInfo:
+        return dataclasses.replace(model_info(), kv_layout=dataclasses.replace(layout, **changes))
 
     assert KVHandoff.between(target, draft()) == KVHandoff(30, torch.float32)
     assert KVHandoff.between(target, draft(num_layers=2)) == KVHandoff(2, torch.float32)
