@@ -55,8 +55,8 @@ class DraftEngine(ModelEngine):
         # A new slot's new_tokens are its whole prompt (valid_len 0): it feeds what the prefix cache lacks.
         feeds = {item.slot_id: list(item.new_tokens) for item in items}
         feeds.update(self._allocate({slot_id: feeds[slot_id] for slot_id in new_slots}, lease))
-        for item in items:
-            if item.slot_id in new_slots and item.sampling.seed is None:
+        for item in items:  # a slot an import created has none yet either
+            if item.sampling.seed is None and item.slot_id not in self.generators:
                 self.generators[item.slot_id] = make_generator(None, self.cache.device)
         try:
             for item in items:

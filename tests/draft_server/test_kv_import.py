@@ -18,7 +18,7 @@ import torch
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 from specdec.wire.kv_transfer import ImportHeader, KVExport, assemble_pieces, split_pieces
 from specdec.wire.tensor_codec import encode_tensor
-from tests.draft_server.test_draft_service import item, propose
+from tests.draft_server.test_draft_service import item, propose, sampled
 from tests.support.services import Service, rpc_error
 from tests.target_server.test_target_service import prefill
 
@@ -75,6 +75,19 @@ def test_an_import_after_the_slots_valid_prefix_rolls_back_first(
     assert import_kv(draft, ImportHeader("d", 5, prompt[5:-1]), pieces) == len(prompt) - 1
     assert draft.engine.tokens["d"] == prompt[:-1]
     assert torch.equal(cache_rows(draft, "d")[:, 5:], cache_rows(target, "t")[:, 5 : len(prompt) - 1])
+
+
+def test_an_imported_slot_draws_unseeded_tokens_with_its_own_generator(
+    target: Service, draft: Service, prompts: list[list[int]]
+) -> None:
+    """A slot the import created gets its random stream at its first Propose, as a slot the
+    Propose created does: its draws do not depend on what else is batched with it."""
+    prompt = prompts[1]
+    prefill(target, {"t": prompt})
+    import_kv(draft, ImportHeader("s", 0, prompt[:-1]), export(target, "t", 0, len(prompt) - 1))
+    request = item("s", prompt[-1:], k=3, valid_len=len(prompt) - 1, sampling=sampled(seed=None))
+    propose(draft, request)
+    assert "s" in draft.engine.generators
 
 
 def test_pieces_split_and_come_back_whole() -> None:
