@@ -116,4 +116,5 @@ def _identity(info: ModelInfo) -> tuple[object, ...]:
     return (
         info.model_id, info.model_name, info.tokenizer, info.max_seq_len, info.block_size, info.total_kv_tokens,
         info.max_slots, info.max_speculative_tokens, info.dtype, info.device, info.quantization, info.forward_costs,
+        info.kv_layout,
     )

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import torch
 
 from specdec.gateway.kv_handoff import KVHandoff
+from specdec.gateway.monitor import ServiceMonitor
 from specdec.gateway.service_changes import ServiceChanges
-from specdec.wire.items import KVLayout
+from specdec.gateway.stats import GatewayStats
+from specdec.wire.items import KVLayout, ModelInfo
 from tests.support.fakes import FakeDraft, FakeTarget, model_info, scheduler
 
 
@@ -53,3 +56,25 @@ def test_the_kv_handoff_follows_the_services_layouts() -> None:
     assert watcher("target", other) is None and watcher.scheduler.planner.kv_handoff is None
     switched_off = changes()
     assert switched_off("draft", own) is None and switched_off.scheduler.planner.kv_handoff is None
+
+
+def test_a_service_back_with_other_weights_alone_is_a_change() -> None:
+    """The same name, dtype and costs, but other weights (a new file under the same path):
+    the monitor hands the Info on, so the handoff is weighed afresh."""
+    own = dataclasses.replace(model_info(), kv_layout=KVLayout("weights", 30, 3, 64))
+    draft = FakeDraft()
+    monitor = ServiceMonitor({"draft": draft}, {"draft": own}, GatewayStats(max_speculative_tokens=8))
+    seen: list[ModelInfo] = []
+
+    def adopt(name: str, info: ModelInfo) -> None:
+        seen.append(info)
+
+    monitor.on_change = adopt
+    other = dataclasses.replace(own, kv_layout=KVLayout("new weights", 30, 3, 64))
+    draft.info = lambda timeout=0.0: _answer(other)  # type: ignore[method-assign]
+    asyncio.run(monitor.poll("draft"))
+    assert seen == [other] and monitor.latest["draft"] == other
+
+
+async def _answer(info: ModelInfo) -> ModelInfo:
+    return info
