@@ -148,6 +148,7 @@ class DraftEngine(ModelEngine):
                                            "(at least the last accepted token is needed)")
             self._check_tokens("new_tokens", item.slot_id, item.new_tokens)
             self._check_tokens("guess_tokens", item.slot_id, item.guess_tokens)
+            self._check_tokens("stop_token_ids", item.slot_id, item.stop_token_ids)
             if len(item.guess_tokens) > item.num_speculative_tokens:
                 raise InvalidArgumentError(f"guess_tokens: {len(item.guess_tokens)} for slot {item.slot_id!r}, more "
                                            f"than its num_speculative_tokens ({item.num_speculative_tokens})")
@@ -169,15 +170,20 @@ class DraftEngine(ModelEngine):
         logits after its feed and after each of its fed guessed tokens ([1 + len(guesses[i]), vocab]):
         while the drawn tokens equal the guess the next row is already there, and the first draw
         that differs drops the rest of the guess from the cache and is fed as usual, with a
-        guess of the draft's own where the item allows one (`_step_guesses`)."""
+        guess of the draft's own where the item allows one (`_step_guesses`). An item stops at
+        its first drawn stop token, which like a K-th token is not fed."""
         drafted: list[list[int]] = [[] for _ in items]
         q_rows: list[list[torch.Tensor]] = [[] for _ in items]
         saved = [0] * len(items)
         own_fed = [0 if item.guess_tokens else len(guess) for item, guess in zip(items, guesses)]
         pending = {i: list(rows.unbind(0)) for i, rows in enumerate(logits)}  # item -> its next rows, [vocab] each
         unchecked = dict(enumerate(guesses))  # item -> its fed guessed tokens not drawn yet, one a pending row
-        for step in range(max(item.num_speculative_tokens for item in items)):
-            rows = [i for i, item in enumerate(items) if item.num_speculative_tokens > step]
+        limits = [item.num_speculative_tokens for item in items]  # cut to the step of a drawn stop token
+        stops = [frozenset(item.stop_token_ids) for item in items]
+        for step in range(max(limits)):
+            rows = [i for i in range(len(items)) if limits[i] > step]
+            if not rows:
+                break
             positions = [len(self.tokens[items[i].slot_id]) - len(pending[i]) + 1 for i in rows]
             tokens, probs = self._draw(items, rows, positions, torch.stack([pending[i].pop(0) for i in rows]),
                                        probs_dtype)
@@ -186,14 +192,16 @@ class DraftEngine(ModelEngine):
                 drafted[i].append(token)
                 if probs is not None and not items[i].sampling.is_greedy:
                     q_rows[i].append(probs[n])
-                if unchecked[i] and token == unchecked[i][0]:
+                if token in stops[i]:
+                    limits[i] = step + 1
+                if unchecked[i] and token == unchecked[i][0] and limits[i] > step + 1:
                     unchecked[i] = unchecked[i][1:]  # the guess holds: its next row is this token's successor
                     saved[i] += 1
                     continue
-                if unchecked[i]:  # the guess parted here: its tokens from this position on go
+                if unchecked[i]:  # the guess parted here, or the item stops: its tokens from here on go
                     self._rollback(items[i].slot_id, positions[n])
                     pending[i], unchecked[i] = [], []
-                if items[i].num_speculative_tokens > step + 1:  # the last drafted token is not fed
+                if limits[i] > step + 1:  # the last drafted token is not fed
                     feed.append(i)
             if feed:
                 unchecked.update(self._step_guesses(items, feed, drafted, step))

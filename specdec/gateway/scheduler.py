@@ -254,7 +254,7 @@ class Scheduler:
         out = {}
         for seq in batch:
             if caps[seq.slot_id] > 0 and seq.method.allows_lookup:
-                draft = self.lookup.propose(seq.slot_id, seq.tokens, caps[seq.slot_id])
+                draft = self.lookup.propose(seq.slot_id, seq.tokens, caps[seq.slot_id], seq.stop_token_ids)
                 if draft is not None:
                     out[seq.slot_id] = draft
         return out

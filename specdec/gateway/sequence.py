@@ -179,6 +179,11 @@ class Sequence:
         return len(self.tokens) - self.draft_valid
 
     @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The tokens that end this request (its EOS ids): a draft token after one is never kept."""
+        return tuple(sorted(self.detokenizer.eos_token_ids))
+
+    @property
     def done(self) -> bool:
         return self.finish_reason is not None
 

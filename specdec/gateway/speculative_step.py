@@ -84,7 +84,7 @@ async def propose(
         seq.has_draft_slot = True  # from now on the draft may hold a slot: release it at the end
     items = [ProposeItem(s.slot_id, s.draft_valid, s.tokens[s.draft_valid :], ks[s.slot_id], s.draft_sampling,
                          list(guess.tokens) if (guess := guesses.get(s.slot_id)) is not None else [],
-                         s.slot_id in self_guessing)
+                         s.slot_id in self_guessing, s.stop_token_ids)
              for s in speculating]
     timeout = deadlines.propose(
         len(items), max(len(i.new_tokens) + len(i.guess_tokens) for i in items),
@@ -92,12 +92,24 @@ async def propose(
     )
     proposed = await draft.propose(items, timeout)
     for item in items:
+        proposal = proposed.value[item.slot_id]
+        _check_drafted(item, proposal.tokens)
         # The draft caches the valid prefix, the new tokens and all but the last drafted token.
-        _check_cached("draft", item.slot_id, proposed.value[item.slot_id].cached_len,
-                      item.valid_len + len(item.new_tokens) + item.num_speculative_tokens - 1)
+        _check_cached("draft", item.slot_id, proposal.cached_len,
+                      item.valid_len + len(item.new_tokens) + len(proposal.tokens) - 1)
         if not item.sampling.is_greedy:
-            _check_q(proposed.value[item.slot_id])
+            _check_q(proposal)
     return proposed
+
+
+def _check_drafted(item: ProposeItem, tokens: list[int]) -> None:
+    """The draft drafts K tokens, or fewer ending at a stop token; anything else means it
+    did not do what it was asked, and its tokens cannot be trusted."""
+    k = len(tokens)
+    if k == item.num_speculative_tokens or (0 < k < item.num_speculative_tokens and tokens[-1] in item.stop_token_ids):
+        return
+    raise ServiceStateError(f"the draft sent {k} tokens for slot {item.slot_id}, the gateway asked for "
+                            f"{item.num_speculative_tokens} (fewer only up to a stop token)")
 
 
 #: The token ids of a q row are checked against the vocabulary by the target; here only

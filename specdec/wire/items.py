@@ -260,7 +260,8 @@ class VerifyItem:
 @dataclass(frozen=True)
 class ProposeItem:
     """Draft Propose: roll back to `valid_len`, feed `new_tokens`, draft K tokens (checking
-    `guess_tokens`, a lookup's guess at them, in the same forward)."""
+    `guess_tokens`, a lookup's guess at them, in the same forward), or fewer, ending at the
+    first of `stop_token_ids` drawn."""
 
     slot_id: str
     valid_len: int
@@ -270,12 +271,14 @@ class ProposeItem:
     guess_tokens: list[int] = field(default_factory=list)
     #: Guess with the draft's own prompt lookup wherever no guess is left to check.
     lookup_guesses: bool = False
+    #: Tokens that end the request: no draft token after one could be kept.
+    stop_token_ids: tuple[int, ...] = ()
 
     def to_pb(self) -> draft_pb2.ProposeItem:
         return draft_pb2.ProposeItem(
             slot_id=self.slot_id, valid_len=self.valid_len, new_tokens=self.new_tokens,
             num_speculative_tokens=self.num_speculative_tokens, sampling=sampling_to_pb(self.sampling),
-            guess_tokens=self.guess_tokens, lookup_guesses=self.lookup_guesses,
+            guess_tokens=self.guess_tokens, lookup_guesses=self.lookup_guesses, stop_token_ids=self.stop_token_ids,
         )
 
     @classmethod
@@ -283,6 +286,7 @@ class ProposeItem:
         return cls(
             message.slot_id, message.valid_len, list(message.new_tokens), message.num_speculative_tokens,
             sampling_from_pb(message.sampling), list(message.guess_tokens), message.lookup_guesses,
+            tuple(message.stop_token_ids),
         )
 
 
@@ -402,7 +406,7 @@ class Proposal:
     """What the draft returns per request from Propose."""
 
     slot_id: str
-    tokens: list[int]  # [K]
+    tokens: list[int]  # [k]: K, or fewer when the last is a stop token
     #: q_1..q_K in the wire dtype, exactly the rows the tokens were sampled from (before the
     #: sampler's normalization), tail cut; None for greedy requests.
     probs: SparseRows | None

@@ -1,6 +1,6 @@
 """A lookup's guess fed to the draft: the proposal is the draft's own whatever the guess, and
-every guessed token it keeps saves a forward. In process on the fp32 model, so proposals
-compare bit for bit (greedy) or to rounding (q rows)."""
+every guessed token it keeps saves a forward; and a draft that draws a stop token stops there.
+In process on the fp32 model, so proposals compare bit for bit (greedy) or to rounding (q rows)."""
 
 from __future__ import annotations
 
@@ -211,3 +211,54 @@ def test_after_the_prompt_every_forward_of_a_round_is_a_step(
     second = draft.propose([ProposeItem("s", len(PROMPT) + 2, accepted[2:], K, GREEDY, guess)])[0]
     assert len(second.tokens) == K
     assert ran and not any(forward.prompt for forward in ran)
+
+
+def first_new_token(tokens: list[int]) -> int:
+    """The position of the first token of `tokens` not seen before it, past the first."""
+    return next(j for j in range(1, len(tokens)) if tokens[j] not in tokens[:j])
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("guessed", [False, True], ids=["unguessed", "guessed"])
+def test_the_draft_stops_after_a_stop_token(
+    fp32_runtime: ModelRuntime, sampling: SamplingParams, guessed: bool
+) -> None:
+    """A drawn stop token ends the item's proposal (no token after it could be kept) and is not
+    cached, so the next round goes on as after any proposal of that length, guessed or not."""
+    _, plain = two_rounds(engine(fp32_runtime), sampling, [])
+    j = first_new_token(plain.tokens)
+    draft = engine(fp32_runtime)
+    first = draft.propose([ProposeItem("s", 0, PROMPT, K, sampling)])[0]
+    accepted = first.tokens[:2] + [first.tokens[2] ^ 1]
+    guess = plain.tokens[: K - 1] if guessed else []
+    stops = (plain.tokens[j], 0)
+    item = ProposeItem("s", len(PROMPT) + 2, accepted[2:], K, sampling, guess, stop_token_ids=stops)
+    stopped = draft.propose([item])[0]
+    assert stopped.tokens == plain.tokens[: j + 1]
+    valid = len(PROMPT) + 3
+    assert stopped.cached_len == len(draft.tokens["s"]) == valid + j
+    if not sampling.is_greedy:
+        assert stopped.probs is not None and len(stopped.probs.distributions(fp32_runtime.forward.vocab_size)) == j + 1
+    # Accept all but the stop token and go on: the same as a draft that never stopped.
+    after = draft.propose([ProposeItem("s", valid + j, [42], K, sampling)])[0]
+    reference = engine(fp32_runtime)
+    two_rounds(reference, sampling, [])
+    assert after.tokens == reference.propose([ProposeItem("s", valid + j, [42], K, sampling)])[0].tokens
+
+
+def test_a_stopped_item_leaves_the_batch_drafting(fp32_runtime: ModelRuntime) -> None:
+    alone = {slot: engine(fp32_runtime).propose([ProposeItem(slot, 0, prompt, K, GREEDY)])[0]
+             for slot, prompt in (("a", PROMPT), ("b", PROMPT[::-1]))}
+    j = first_new_token(alone["a"].tokens)
+    both = engine(fp32_runtime).propose([
+        ProposeItem("a", 0, PROMPT, K, GREEDY, stop_token_ids=(alone["a"].tokens[j],)),
+        ProposeItem("b", 0, PROMPT[::-1], K, GREEDY),
+    ])
+    assert [p.tokens for p in both] == [alone["a"].tokens[: j + 1], alone["b"].tokens]
+
+
+def test_an_invalid_stop_token_names_the_field(fp32_runtime: ModelRuntime) -> None:
+    draft = engine(fp32_runtime)
+    with pytest.raises(InvalidArgumentError, match="stop_token_ids: token id -1"):
+        draft.propose([ProposeItem("s", 0, PROMPT, K, GREEDY, stop_token_ids=(-1,))])
+    assert "s" not in draft.tokens

@@ -249,7 +249,8 @@ class FakeDraft:
     #: Call number (1-based) at which `fault` strikes once, so it lands mid-stream whatever
     #: the scheduler's pace (a test polling for the right moment raced a short request's end):
     #: an error the call raises, how far off the cached length it reports (a draft that
-    #: lost track of a slot), or "bad_q": q rows that give the drafted tokens no chance.
+    #: lost track of a slot), "bad_q": q rows that give the drafted tokens no chance, or
+    #: "short": a token fewer than asked, with no stop token to end it.
     fault_on_call: int = 0
     fault: grpc.aio.AioRpcError | int | str | None = None
     #: Seconds every Propose takes (a hung draft when above the call's deadline), and what
@@ -285,6 +286,10 @@ class FakeDraft:
             for position in range(1, item.num_speculative_tokens + 1):
                 guess = next_token((drafted or cache)[-1])
                 drafted.append((guess + 1) % _CYCLE if position in self.wrong_at else guess)
+                if drafted[-1] in item.stop_token_ids:
+                    break  # as the real draft: no token after a stop token could be kept
+            if fault == "short" and len(drafted) > 1:
+                drafted.pop()
             cache.extend(drafted[:-1])  # the last drafted token is not fed back
             # A sampled request's q: the draft is sure of its guesses (q one-hot).
             support = [(t + 1) % VOCAB for t in drafted] if fault == "bad_q" else drafted

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from specdec.gateway.draft_sources import DraftSource
@@ -33,6 +33,11 @@ class LookupDraft:
     def truncated(self, k: int) -> LookupDraft:
         """The first `k` tokens of this proposal."""
         return self if k >= len(self.tokens) else replace(self, tokens=self.tokens[:k])
+
+    def through_stop(self, stop_token_ids: Collection[int]) -> LookupDraft:
+        """This proposal up to its first stop token, kept: no token after one could be."""
+        cut = next((j + 1 for j, token in enumerate(self.tokens) if token in stop_token_ids), len(self.tokens))
+        return self.truncated(cut)
 
     def agreeing(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of this proposal equal `tokens`, position by position."""

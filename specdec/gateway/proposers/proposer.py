@@ -10,6 +10,7 @@ what it copies (`proposers.edits`), the edited lookup winning where it matches a
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from specdec.errors import InvalidArgumentError
@@ -63,9 +64,13 @@ class LookupProposer:
         self._indexes: dict[str, PromptLookupIndex] = {}
         self._edited: dict[str, EditedLookup] = {}
 
-    def propose(self, slot_id: str, tokens: list[int], k: int) -> LookupDraft | None:
+    def propose(
+        self, slot_id: str, tokens: list[int], k: int, stop_token_ids: Collection[int] = ()
+    ) -> LookupDraft | None:
         """The better of the prompt-lookup and the suffix proposal of up to `k` tokens for the
-        request holding `tokens` (its prompt and output so far), or None."""
+        request holding `tokens` (its prompt and output so far), or None; cut after the first of
+        `stop_token_ids` it holds (the tokens that end the request: a chat prompt holds them
+        at the end of every turn)."""
         if k <= 0:
             return None
         index = self._indexes.get(slot_id)
@@ -78,9 +83,8 @@ class LookupProposer:
             match = edited
         own = None if match is None else LookupDraft(match.tokens, DraftSource.PROMPT_LOOKUP, match.match_len)
         shared = self.suffixes.propose(tokens, k) if len(self.suffixes) else None
-        if own is None or (shared is not None and shared.score > own.score):
-            return shared
-        return own
+        best = shared if own is None or (shared is not None and shared.score > own.score) else own
+        return best.through_stop(stop_token_ids) if best is not None and stop_token_ids else best
 
     def _new_index(self) -> PromptLookupIndex:
         settings = self.settings

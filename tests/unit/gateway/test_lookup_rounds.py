@@ -4,7 +4,7 @@ suffix cache reuses earlier answers. No draft service is needed for lookups."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 import pytest
 
@@ -57,7 +57,9 @@ def test_lookups_without_a_draft_service_keep_the_greedy_output() -> None:
 class NoMatches(LookupProposer):
     """Lookups that never match: every round of a lookup-only request is plain."""
 
-    def propose(self, slot_id: str, tokens: list[int], k: int) -> LookupDraft | None:
+    def propose(
+        self, slot_id: str, tokens: list[int], k: int, stop_token_ids: Collection[int] = ()
+    ) -> LookupDraft | None:
         return None
 
 
@@ -96,8 +98,10 @@ def test_auto_mixes_lookups_and_the_model_draft_and_leaves_the_drafts_cache_alon
 class ShortLookups(LookupProposer):
     """Lookups cut to two tokens: shorter than K, so the draft model drafts with them as a guess."""
 
-    def propose(self, slot_id: str, tokens: list[int], k: int) -> LookupDraft | None:
-        draft = super().propose(slot_id, tokens, k)
+    def propose(
+        self, slot_id: str, tokens: list[int], k: int, stop_token_ids: Collection[int] = ()
+    ) -> LookupDraft | None:
+        draft = super().propose(slot_id, tokens, k, stop_token_ids)
         return None if draft is None else draft.truncated(2)
 
 

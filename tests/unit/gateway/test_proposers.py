@@ -135,6 +135,16 @@ def test_proposer_keeps_the_better_score() -> None:
     proposer.forget("b")
 
 
+def test_a_proposal_ends_at_its_first_stop_token() -> None:
+    """A chat prompt ends every turn with EOS: a lookup copying a turn's end proposes nothing after it."""
+    proposer = LookupProposer(LookupSettings(min_n=1, max_n=3, suffix_cache_tokens=0))
+    text = [5, 6, 7, 2, 8, 9, 5, 6]
+    whole = LookupDraft((7, 2, 8, 9), DraftSource.PROMPT_LOOKUP, 2)
+    assert proposer.propose("a", text, 4) == whole
+    assert proposer.propose("a", text, 4, stop_token_ids=(2, 0)) == whole.truncated(2)
+    assert proposer.propose("a", text, 4, stop_token_ids=(9,)) == whole
+
+
 def test_settings_are_validated() -> None:
     with pytest.raises(InvalidArgumentError, match="n-gram"):
         LookupSettings(min_n=3, max_n=2)

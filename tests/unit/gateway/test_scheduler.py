@@ -20,6 +20,7 @@ from specdec.gateway.speculative_step import advance
 from specdec.v1 import common_pb2, gateway_pb2
 from specdec.wire.items import ArgmaxMode, DecodeMode, DrawnMode, LogitsMode, SampledMode, VerifyItem
 from tests.support.fakes import (
+    EOS,
     FakeDraft,
     FakeTarget,
     ToyTokenizer,
@@ -157,6 +158,39 @@ def test_eos_stops_the_stream_and_is_not_emitted() -> None:
         sched.submit(seq)
         tokens, finished = await drain(seq)
         assert tokens == [] and finished.reason == FinishReason.STOP and seq.completion_tokens == 0
+
+    run(test, target, draft)
+
+
+def test_the_draft_stops_drafting_at_eos() -> None:
+    """No token after EOS could be kept, so the draft is told to stop there and the target
+    verifies nothing past it."""
+    target, draft = FakeTarget(), FakeDraft()
+    counting_up = "h" + chr(ord("a") + 33)  # ... 33 -> 34, 35, 36, 37, 38, EOS
+
+    async def test(sched: Scheduler) -> None:
+        seq = new_sequence(request(prompt=counting_up, num_speculative_tokens=8), policy())
+        sched.submit(seq)
+        tokens, finished = await drain(seq)
+        assert tokens == [34, 35, 36, 37, 38] and finished.reason == FinishReason.STOP
+        assert [item.stop_token_ids for call in draft.calls for item in call] == [(EOS,)]
+        verified = target.verify_batches[0][0].tokens
+        assert verified[-6:] == [34, 35, 36, 37, 38, EOS] and seq.counts.draft_tokens == 5
+
+    run(test, target, draft)
+
+
+def test_a_draft_sending_too_few_tokens_costs_speculation_not_the_request() -> None:
+    target, draft = FakeTarget(), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        seq = new_sequence(request(max_new_tokens=30), policy())
+        draft.fault_on_call, draft.fault = 2, "short"
+        sched.submit(seq)
+        tokens, finished = await drain(seq)
+        assert tokens == greedy_reference(prompt_ids(), 30) and finished.reason == FinishReason.LENGTH
+        assert sched.stats.draft_failures == 1
+        assert all(isinstance(item.mode, DecodeMode) for item in target.verify_batches[1])  # the round ran plain
 
     run(test, target, draft)
 
