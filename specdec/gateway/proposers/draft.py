@@ -35,7 +35,7 @@ class LookupDraft:
         return self if k >= len(self.tokens) else replace(self, tokens=self.tokens[:k])
 
     def through_stop(self, stop_token_ids: Collection[int]) -> LookupDraft:
-        """This proposal up to its first stop token, kept: no token after one could be."""
+        """This proposal up to and including its first stop token: no token after one could be kept."""
         cut = next((j + 1 for j, token in enumerate(self.tokens) if token in stop_token_ids), len(self.tokens))
         return self.truncated(cut)
 
