@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 #: How often a degraded draft's health is checked, and failed Releases are tried again.
 DRAFT_RECHECK_S = 1.0
 RELEASE_RETRY_S = 1.0
+#: A request that may draft by lookup decodes one token a plain round until this many plain
+#: rounds in a row (docs/performance.md#plain-rounds-of-requests-that-look-up): a copy's
+#: lookups match again a token or two after an edit, so a longer run means none are paying.
+LOOKUP_PLAIN_STREAK = 8
 #: Codes of a call that did not reach the service's own logic (their details name addresses).
 _TRANSPORT_FAILURES = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
@@ -233,9 +237,12 @@ class Scheduler:
         model_allowed = {s.slot_id for s in batch if model_usable and s.method.allows_model}
         limit = 1 if self._queue_head_fits() else self.decode_steps
         looking_up = {s.slot_id for s in batch if self.lookup is not None and s.method.allows_lookup}
-        # Where calls are cheap, a request that drafts by lookup decodes one step a plain round:
-        # a lookup may match after any new token.
-        one_step = looking_up if self.planner.calls_are_cheap(len(batch)) else set()
+        # Where calls are cheap, a request that drafts by lookup decodes one step a plain round (a
+        # lookup may match after any new token) while it drafts now and then: one that has not for
+        # a while (a large batch, where no draft pays) takes the multi-step rounds' saving.
+        cheap = self.planner.calls_are_cheap(len(batch))
+        one_step = {s.slot_id for s in batch
+                    if cheap and s.slot_id in looking_up and s.counts.plain_streak < LOOKUP_PLAIN_STREAK}
         steps = {s.slot_id: plan_steps(s, self.max_seq_len, 1 if s.slot_id in one_step else limit) for s in batch}
         plan = self.planner.plan(batch, caps, {s.slot_id: s.adaptive for s in batch}, steps,
                                  lookups=self._lookups(batch, caps), model_allowed=model_allowed,

@@ -8,11 +8,11 @@ from collections.abc import Awaitable, Callable, Collection
 
 import pytest
 
-from specdec.gateway.draft_sources import SpeculationMethod
+from specdec.gateway.draft_sources import DraftSource, SpeculationMethod
 from specdec.gateway.k_planner import KPlanner
 from specdec.gateway.proposers import LookupDraft, LookupProposer, LookupSettings
 from specdec.gateway.requests import new_sequence
-from specdec.gateway.scheduler import Scheduler
+from specdec.gateway.scheduler import LOOKUP_PLAIN_STREAK, Scheduler
 from specdec.gateway.sequence import FinishReason, Sequence
 from specdec.v1 import common_pb2, gateway_pb2
 from specdec.wire.items import SampledMode
@@ -74,6 +74,22 @@ def test_a_request_that_looks_up_decodes_one_step_a_plain_round_where_calls_are_
             for method, steps in ((SpeculationMethod.NGRAM, lookup_steps), (SpeculationMethod.NONE, 4)):
                 seq = new_sequence(request(max_new_tokens=50), policy(has_draft=False, method=method))
                 assert sched._plan([seq]).steps == {seq.slot_id: steps}
+
+    run(test, FakeTarget(), None, lookup=NoMatches(LookupSettings()), decode_steps=4)
+
+
+def test_a_request_whose_lookups_have_not_drafted_for_a_while_takes_multi_step_rounds() -> None:
+    async def test(sched: Scheduler) -> None:
+        sched.planner = KPlanner(TARGET, [])
+        sched.planner.overhead_s = 0.001
+        seq = new_sequence(request(max_new_tokens=50), policy(has_draft=False, method=SpeculationMethod.NGRAM))
+        for _ in range(LOOKUP_PLAIN_STREAK - 1):
+            seq.counts.record(0, 0)
+        assert sched._plan([seq]).steps == {seq.slot_id: 1}
+        seq.counts.record(0, 0)
+        assert sched._plan([seq]).steps == {seq.slot_id: 4}
+        seq.counts.record(3, 2, DraftSource.PROMPT_LOOKUP)  # a lookup drafted: one step again
+        assert sched._plan([seq]).steps == {seq.slot_id: 1}
 
     run(test, FakeTarget(), None, lookup=NoMatches(LookupSettings()), decode_steps=4)
 
