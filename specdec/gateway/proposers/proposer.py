@@ -84,7 +84,7 @@ class LookupProposer:
         own = None if match is None else LookupDraft(match.tokens, DraftSource.PROMPT_LOOKUP, match.match_len)
         shared = self.suffixes.propose(tokens, k) if len(self.suffixes) else None
         best = shared if own is None or (shared is not None and shared.score > own.score) else own
-        return best.through_stop(stop_token_ids) if best is not None and stop_token_ids else best
+        return None if best is None else best.through_stop(stop_token_ids)
 
     def _new_index(self) -> PromptLookupIndex:
         settings = self.settings
