@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from specdec.gateway.draft_sources import DRAFT_SOURCES, DraftSource
 from specdec.gateway.k_planner import OFF_REASONS
+from specdec.gateway.planner.status import PlannerStatus
 from specdec.gateway.rounds import RoundReport
 from specdec.gateway.sequence import ROUND_PHASES, FinishReason, Sequence
 from specdec.stats import BATCH_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS, Distribution
@@ -68,6 +69,8 @@ class GatewayStats:
     round_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ROUND_PHASES, 0.0))
     rpc_latency: dict[str, Distribution] = field(default_factory=lambda: {m: _latency() for m in RPC_METHODS})
     batch_size: Distribution = field(default_factory=lambda: Distribution(BATCH_BUCKETS))
+    #: The planner's state after the last round: each source's state and the live estimates.
+    planner: PlannerStatus = field(default_factory=PlannerStatus)
 
     def __post_init__(self) -> None:
         if not self.accepted_per_position:
