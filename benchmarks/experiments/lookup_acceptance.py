@@ -42,9 +42,9 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.gateway.k_planner import KPlanner
+from specdec.gateway.planner import Planner
+from specdec.gateway.planner.rates import lookup_length
 from specdec.gateway.proposers import LookupDraft, LookupProposer, LookupSettings
-from specdec.gateway.round_rates import lookup_length
 
 
 def record(traces: Path, max_new_tokens: int, chat_prompts: int) -> None:
@@ -203,7 +203,7 @@ def classify(draft: LookupDraft, history: list[int], answer_rest: list[int], k: 
 
 
 def replay_one(proposer: LookupProposer, slot: str, prompt: list[int], answer: list[int], k: int, short: int,
-               tally: Tally, planner: KPlanner | None, threshold: float, verify_slope: float) -> None:
+               tally: Tally, planner: Planner | None, threshold: float, verify_slope: float) -> None:
     done = 0
     while done < len(answer):
         history, rest = prompt + answer[:done], answer[done:]
@@ -212,7 +212,7 @@ def replay_one(proposer: LookupProposer, slot: str, prompt: list[int], answer: l
         if draft is not None:
             take = len(draft.tokens)
             if planner is not None:
-                take = lookup_length(planner.lookup_alphas(draft), take, threshold)
+                take = lookup_length(planner.lookups.alphas(draft), take, threshold)
         accepted = 0
         if take:
             draft = draft.truncated(take) if draft is not None else None
@@ -227,7 +227,7 @@ def replay_one(proposer: LookupProposer, slot: str, prompt: list[int], answer: l
             if accepted < take and accepted < len(rest):
                 tally.causes.update(classify(draft, history, rest, take, short))
             if planner is not None:
-                planner.observe_lookup(draft, take, accepted)
+                planner.lookups.observe(draft, take, accepted)
         tally.rounds += 1
         tally.step_cost += 1.0 + verify_slope * take
         step = min(accepted + 1, len(rest))
@@ -242,7 +242,7 @@ def replay(traces: Path, k: int, short: int, policy: str, threshold: float, veri
     print(f"K ≤ {k}, policy {policy} (threshold {threshold}), verify slope {verify_slope}, {settings}")
     for workload in dict.fromkeys(r["workload"] for r in records):
         tally = Tally()
-        planner = KPlanner([], [], uses_draft=False) if policy == "planner" else None  # learnt afresh per workload
+        planner = Planner([], [], uses_draft=False) if policy == "planner" else None  # learnt afresh per workload
         for r in (r for r in records if r["workload"] == workload):
             proposer = LookupProposer(settings)
             replay_one(proposer, "r", r["prompt_ids"], r["answer"], k, short, tally, planner, threshold, verify_slope)
@@ -253,7 +253,7 @@ def replay(traces: Path, k: int, short: int, policy: str, threshold: float, veri
         print(f"{'':13} accepted/proposed by match length: {lengths}")
         if planner is not None:
             learnt = {f"{source.value} {length}": round(estimate.alpha, 2)
-                      for (source, length), estimate in planner.lookup_estimates()}
+                      for (source, length), estimate in planner.lookups.all()}
             print(f"{'':13} learnt α by match length:", learnt)
     print("median answer tokens:", statistics.median(len(r["answer"]) for r in records))
 

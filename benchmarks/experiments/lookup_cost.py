@@ -7,7 +7,7 @@ Each request's prompt is ~2,000 tokens of this repository's docs (the embedded t
 each round appends 1-9 tokens to every request (copied from its prompt, as an answer that
 quotes it would, or drawn at random), and the suffix cache holds 65,536 recorded output tokens.
 Prints the median and p90 microseconds per round of `LookupProposer.propose` over all requests,
-of `KPlanner.plan` with and without their proposals, and the CPU model.
+of `Planner.plan` with and without their proposals, and the CPU model.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from specdec.cost_model import ForwardCost
 from specdec.gateway.detokenizer import StopStringDetokenizer
-from specdec.gateway.k_planner import KPlanner
+from specdec.gateway.planner import Planner, RoundInputs
 from specdec.gateway.proposers import LookupDraft, LookupProposer, LookupSettings
 from specdec.gateway.sequence import Sequence
 from specdec.model.choices import DEFAULT_MODEL
@@ -79,8 +79,10 @@ def main() -> None:
         proposer.suffixes.add(corpus[start:start + 8], corpus[start + 8:start + 300])
     seqs = [new_request(f"r{i}", corpus[(s := rng.randrange(len(corpus) - PROMPT_TOKENS)):s + PROMPT_TOKENS])
             for i in range(args.requests)]
-    planner = KPlanner(TARGET, DRAFT)
-    caps, adaptive = {s.slot_id: K for s in seqs}, {s.slot_id: True for s in seqs}
+    planner = Planner(TARGET, DRAFT)
+    caps = {s.slot_id: K for s in seqs}
+    for seq in seqs:
+        seq.adaptive = True
     propose_us, plan_us, plain_plan_us = [], [], []
     for _ in range(args.rounds):
         for seq in seqs:
@@ -92,10 +94,10 @@ def main() -> None:
                 lookups[seq.slot_id] = draft
         propose_us.append(1e6 * (time.perf_counter() - started))
         started = time.perf_counter()
-        planner.plan(seqs, caps, adaptive, lookups=lookups)
+        planner.plan(RoundInputs(seqs, caps, lookups=lookups, lookup_enabled=True))
         plan_us.append(1e6 * (time.perf_counter() - started))
         started = time.perf_counter()
-        planner.plan(seqs, caps, adaptive)
+        planner.plan(RoundInputs(seqs, caps))
         plain_plan_us.append(1e6 * (time.perf_counter() - started))
     print(f"{cpu_model()}; {args.requests} requests, prompts of {PROMPT_TOKENS} tokens, K = {K}, "
           f"suffix cache {len(proposer.suffixes)} tokens, {args.rounds} rounds, "

@@ -43,6 +43,10 @@ class ServiceMonitor:
         #: Called with an Info that differs from the service's last one (it restarted):
         #: returns None once adopted, or why the service is refused (then unavailable).
         self.on_change: Callable[[str, ModelInfo], str | None] | None = None
+        #: Called with every Info a poll brings back, and with a service's name when it answers
+        #: again after it did not (it may have restarted).
+        self.on_info: Callable[[str, ModelInfo], None] | None = None
+        self.on_back: Callable[[str], None] | None = None
         #: Why each refused service is refused (logged once per reason).
         self.refused: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
@@ -79,6 +83,8 @@ class ServiceMonitor:
                 return
             self.refused.pop(name, None)
         self.latest[name] = info
+        if self.on_info is not None:
+            self.on_info(name, info)
         self._record_kv(name, info)
         await self._set_available(name, True)
 
@@ -102,6 +108,8 @@ class ServiceMonitor:
         self.available[name] = available
         if available:
             log.info("the %s service answers again", name)
+            if self.on_back is not None:
+                self.on_back(name)
         else:
             if name not in self.refused:
                 reason = (f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError)

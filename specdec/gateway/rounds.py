@@ -47,11 +47,11 @@ class RoundPlan:
     catch_up_beyond_s: float = 0.0
     #: Tokens of the round's longest catch-up (its length class gets the correction).
     catch_up_tokens: int = 0
-    #: For each request whose draft catch-up waits (`KPlanner._renting`) where a caught-up
+    #: For each request whose draft catch-up waits (`CatchUpPricer.renting`) where a caught-up
     #: draft would have been faster: the batch's tokens per second then. The round's time past
     #: its tokens at that rate is the request's rent.
     caught_up_rates: dict[str, float] = field(default_factory=dict)
-    #: Requests whose draft cache the target's fills before the Propose (`KPlanner._hands_off`):
+    #: Requests whose draft cache the target's fills before the Propose (`CatchUpPricer.hands_off`):
     #: the draft has fallen behind by more than a round's tokens, and a copy costs less than its forward.
     handoffs: frozenset[str] = frozenset()
 

@@ -26,8 +26,8 @@ import grpc
 from specdec.errors import CapacityExhaustedError, ServiceStateError, SpecdecError
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.draft_sources import DraftSource
-from specdec.gateway.k_planner import KPlanner
 from specdec.gateway.model_clients import DraftAPI, TargetAPI
+from specdec.gateway.planner import DraftAvailability, Planner, RoundInputs
 from specdec.gateway.proposers import LookupDraft, LookupProposer
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import FinishReason, Sequence
@@ -42,10 +42,6 @@ log = logging.getLogger(__name__)
 #: How often a degraded draft's health is checked, and failed Releases are tried again.
 DRAFT_RECHECK_S = 1.0
 RELEASE_RETRY_S = 1.0
-#: A request that may draft by lookup decodes one token a plain round until this many plain
-#: rounds in a row (docs/performance.md#plain-rounds-of-requests-that-look-up): a copy's
-#: lookups match again a token or two after an edit, so a longer run means none are paying.
-LOOKUP_PLAIN_STREAK = 8
 #: Codes of a call that did not reach the service's own logic (their details name addresses).
 _TRANSPORT_FAILURES = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
@@ -92,7 +88,7 @@ class Scheduler:
         max_seq_len: int,
         max_batch_size: int,
         max_queue: int,
-        planner: KPlanner,
+        planner: Planner,
         stats: GatewayStats,
         deadlines: Deadlines,
         decode_steps: int = 1,
@@ -220,39 +216,32 @@ class Scheduler:
             self._degrade_draft()
         self.stats.kv_handoff_tokens += report.handoff_tokens
         self.planner.observe(plan, batch, report)
+        self.stats.planner = self.planner.status()
         self._record_round(batch, report, before)
         for seq in batch:
             if seq.done:
                 await self._retire(seq, seq.finish_reason)  # type: ignore[arg-type]
 
     def _plan(self, batch: list[Sequence]) -> RoundPlan:
-        """K and draft source per request (the model draft only while it is usable, a lookup
-        where one matches) and, for a plain round, the tokens the target decodes per request:
-        one while a waiting request could join the batch at the next round, or the request
-        drafts by lookup and calls are cheap (`KPlanner.calls_are_cheap`); more when the batch
-        (or a pool) is full and throughput counts."""
-        draft_off = self.draft_degraded or self.draft_refused
-        model_usable = self.draft is not None and not draft_off
+        """The planner's plan for the round, from the batch's facts: each request's room for draft
+        tokens and plain steps (one a round while a waiting request could join at the next
+        round; more when the batch or a pool is full and throughput counts), its lookup
+        proposal, and whether the draft can be called."""
         caps = {s.slot_id: plan_k(s, self.max_seq_len) for s in batch}
-        model_allowed = {s.slot_id for s in batch if model_usable and s.method.allows_model}
         limit = 1 if self._queue_head_fits() else self.decode_steps
-        looking_up = {s.slot_id for s in batch if self.lookup is not None and s.method.allows_lookup}
-        # Where calls are cheap, a request that drafts by lookup decodes one step a plain round (a
-        # lookup may match after any new token) while it drafts now and then: one that has not for
-        # a while (a large batch, where no draft pays) takes the multi-step rounds' saving.
-        cheap = self.planner.calls_are_cheap(len(batch))
-        one_step = {s.slot_id for s in batch
-                    if cheap and s.slot_id in looking_up and s.counts.plain_streak < LOOKUP_PLAIN_STREAK}
-        steps = {s.slot_id: plan_steps(s, self.max_seq_len, 1 if s.slot_id in one_step else limit) for s in batch}
-        plan = self.planner.plan(batch, caps, {s.slot_id: s.adaptive for s in batch}, steps,
-                                 lookups=self._lookups(batch, caps), model_allowed=model_allowed,
-                                 lookup_allowed=looking_up,
-                                 self_guessing=looking_up)  # their draft guesses with its own lookups
-        if self.draft is not None and draft_off and any(caps[s.slot_id] and s.method.allows_model for s in batch):
-            self.stats.off_rounds["draft_unavailable"] += 1
-        elif plan.off_reason is not None:
+        plan = self.planner.plan(RoundInputs(
+            batch=batch, caps=caps, plain_steps={s.slot_id: plan_steps(s, self.max_seq_len, limit) for s in batch},
+            lookups=self._lookups(batch, caps), lookup_enabled=self.lookup is not None, draft=self._draft_availability,
+        ))
+        if plan.off_reason is not None:
             self.stats.off_rounds[plan.off_reason] += 1
         return plan
+
+    @property
+    def _draft_availability(self) -> DraftAvailability:
+        if self.draft is None:
+            return DraftAvailability.NONE
+        return DraftAvailability.DOWN if self.draft_degraded or self.draft_refused else DraftAvailability.READY
 
     def _lookups(self, batch: list[Sequence], caps: dict[str, int]) -> dict[str, LookupDraft]:
         """This round's lookup proposal of each request that allows lookups and has one."""
@@ -340,6 +329,7 @@ class Scheduler:
         while not await self.draft.serving(self.deadlines.control()):
             await asyncio.sleep(DRAFT_RECHECK_S)
         log.info("the draft answers its health check again: speculation resumes")
+        self.planner.service_restarted("draft")
         self.draft_degraded = False
         self.stats.speculation_enabled = 1
         self._wakeup.set()

@@ -26,13 +26,13 @@ from specdec.gateway.config import GatewayConfig
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.draft_sources import SpeculationMethod
 from specdec.gateway.generation import GatewayState, Generations
-from specdec.gateway.k_planner import KPlanner
 from specdec.gateway.kv_handoff import KVHandoff
 from specdec.gateway.metrics import gateway_endpoint
 from specdec.gateway.model_clients import INFO_TIMEOUT_S, DraftAPI, DraftClient, ServiceLink, TargetAPI, TargetClient
 from specdec.gateway.monitor import ServiceMonitor
 from specdec.gateway.openai.app import HttpServer, OpenAIFront, start_http
 from specdec.gateway.openai.protocol import ServedModel
+from specdec.gateway.planner import Planner
 from specdec.gateway.proposers import LookupProposer
 from specdec.gateway.requests import RequestPolicy, method_to_pb
 from specdec.gateway.scheduler import PoolLimits, Scheduler
@@ -224,9 +224,11 @@ def check_services(config: GatewayConfig, services: Services) -> PreTrainedToken
 def new_scheduler(config: GatewayConfig, services: Services, stats: GatewayStats) -> Scheduler:
     target_costs, draft_info = services.target_info.forward_costs, services.draft_info
     draft_costs = draft_info.forward_costs if draft_info is not None else ()
-    planner = KPlanner(list(target_costs), list(draft_costs) if config.adaptive_k else [],
+    planner = Planner(list(target_costs), list(draft_costs) if config.adaptive_k else [],
                        uses_draft=services.draft is not None, guesses=config.lookup_guesses,
                        kv_handoff=KVHandoff.between(services.target_info, draft_info) if config.kv_handoff else None)
+    for name, info in services.infos().items():
+        planner.note_service(name, info.pending_graphs)
     if planner.kv_handoff is not None:
         log.info("the draft's KV cache is filled from the target's (%d layers, %s)",
                  planner.kv_handoff.num_layers, str(planner.kv_handoff.dtype).removeprefix("torch."))
@@ -272,6 +274,9 @@ def watch_services(
             await running.health.set(name, status)
 
     monitor.on_target = report_target
+    planner = scheduler.planner
+    monitor.on_info = lambda name, info: planner.note_service(name, info.pending_graphs)
+    monitor.on_back = planner.service_restarted
     # Lookups speculate without a draft, so the target's K is promised either way.
     max_k = services.max_speculative_tokens
     monitor.on_change = ServiceChanges(

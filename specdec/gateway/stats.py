@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdec.gateway.draft_sources import DRAFT_SOURCES, DraftSource
-from specdec.gateway.k_planner import OFF_REASONS
-from specdec.gateway.planner.status import PlannerStatus
+from specdec.gateway.planner import OFF_REASONS, PlannerStatus
 from specdec.gateway.rounds import RoundReport
 from specdec.gateway.sequence import ROUND_PHASES, FinishReason, Sequence
 from specdec.stats import BATCH_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS, Distribution

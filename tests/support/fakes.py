@@ -20,8 +20,8 @@ import torch
 from specdec.cost_model import ForwardCost
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.draft_sources import SpeculationMethod
-from specdec.gateway.k_planner import KPlanner
 from specdec.gateway.model_clients import Timed
+from specdec.gateway.planner import Planner
 from specdec.gateway.proposers import LookupProposer
 from specdec.gateway.requests import RequestPolicy
 from specdec.gateway.scheduler import PoolLimits, Scheduler
@@ -52,6 +52,7 @@ from specdec.wire.items import (
     VerifiedSampled,
     VerifyItem,
 )
+from tests.support.planner_rounds import still
 
 VOCAB = 40
 EOS = 39
@@ -339,6 +340,7 @@ def scheduler(target: FakeTarget, draft: FakeDraft | None, *, kv_tokens: int = 4
     pools = [PoolLimits("target", kv_tokens, 16, 64)] + ([PoolLimits("draft", kv_tokens, 16, 64)] if draft else [])
     return Scheduler(
         target, draft, pools, max_seq_len=min(256, kv_tokens), max_batch_size=max_batch_size, max_queue=max_queue,
-        planner=KPlanner([], []), stats=GatewayStats(8), deadlines=Deadlines(floor_s=deadline_s, factor=1.0),
+        planner=Planner([], [], clock=still), stats=GatewayStats(8),
+        deadlines=Deadlines(floor_s=deadline_s, factor=1.0),
         decode_steps=decode_steps, lookup=lookup,
     )

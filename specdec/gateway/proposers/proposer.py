@@ -2,7 +2,7 @@
 
 The gateway holds every request's tokens, so a lookup needs no call to another service. Each
 round the scheduler asks for a proposal per request that allows lookups; the K planner decides
-whether to verify it (`specdec.gateway.k_planner`). Of a request's two candidate proposals the
+whether to verify it (`specdec.gateway.planner`). Of a request's two candidate proposals the
 one with the better score (longer match, then higher frequency) wins, the request's own text on a tie.
 The request's own text is looked up as written and with the edits its answer has made to
 what it copies (`proposers.edits`), the edited lookup winning where it matches as long.

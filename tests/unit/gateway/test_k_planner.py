@@ -10,12 +10,16 @@ import torch
 
 from specdec.cost_model import ForwardCost
 from specdec.gateway.detokenizer import StopStringDetokenizer
-from specdec.gateway.k_planner import AcceptanceEstimate, DraftOverhead, KPlanner, RatePredictor
 from specdec.gateway.kv_handoff import HandoffCost, KVHandoff
 from specdec.gateway.model_clients import Timed
+from specdec.gateway.planner import Planner, PlannerSettings
+from specdec.gateway.planner.catch_up import catch_up_forward
+from specdec.gateway.planner.estimates import AcceptanceEstimate, DraftOverhead
+from specdec.gateway.planner.rates import RatePredictor
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence
 from specdec.sampling.params import SamplingParams
+from tests.support.planner_rounds import round_inputs, still
 
 # A memory-bound target: a 9-token verify costs 1.3x a step, and batching is nearly free.
 TARGET = [ForwardCost(b, t, 0.040 * (1 + 0.0375 * (t - 1)) * (1 + 0.05 * (b - 1)))
@@ -35,13 +39,13 @@ def seq(slot: str) -> Sequence:
     )
 
 
-def feed(planner: KPlanner, seqs: list[Sequence], alpha: dict[str, float], rounds: int) -> RoundPlan:
+def feed(planner: Planner, seqs: list[Sequence], alpha: dict[str, float], rounds: int) -> RoundPlan:
     """Run `rounds` planned rounds where request r accepts each draft token with prob alpha[r];
     returns the last round's plan."""
     rng = torch.Generator().manual_seed(0)
     plan = RoundPlan({})
     for _ in range(rounds):
-        plan = planner.plan(seqs, {s.slot_id: 8 for s in seqs}, {s.slot_id: True for s in seqs})
+        plan = planner.plan(round_inputs(seqs, {s.slot_id: 8 for s in seqs}, {s.slot_id: True for s in seqs}))
         accepted = {}
         for s in seqs:
             draws = torch.rand(plan.ks[s.slot_id], generator=rng) < alpha[s.slot_id]
@@ -78,22 +82,22 @@ def test_acceptance_estimate_averages_its_first_outcomes() -> None:
 def test_one_late_rejection_does_not_shorten_k_for_good() -> None:
     # A good draft (α = 0.95) whose request once saw its 5th token rejected: pooled over all
     # judged tokens that is one miss in many, and K stays long.
-    planner = KPlanner(TARGET, draft_costs(0.1))
+    planner = Planner(TARGET, draft_costs(0.1), clock=still)
     a = seq("a")
     feed(planner, [a], {"a": 0.95}, rounds=20)
     zero = Timed(None, 0.0, 0.0)
     planner.observe(RoundPlan({"a": 8}), [a], RoundReport({"a": 8}, {"a": 4}, zero, zero, 0.0, 0.0))
-    assert planner.plan([a], {"a": 8}, {"a": True}).ks["a"] >= 6
+    assert planner.plan(round_inputs([a], {"a": 8}, {"a": True})).ks["a"] >= 6
 
 
 def test_good_cheap_draft_speculates_with_a_long_k() -> None:
-    planner = KPlanner(TARGET, draft_costs(0.1))
+    planner = Planner(TARGET, draft_costs(0.1), clock=still)
     ks = feed(planner, [seq("a")], {"a": 0.95}, rounds=40).ks
     assert ks["a"] >= 5
 
 
 def test_weak_draft_turns_speculation_off_and_reprobes() -> None:
-    planner = KPlanner(TARGET, draft_costs(0.3), probe_every=8)
+    planner = Planner(TARGET, draft_costs(0.3), PlannerSettings(probe_every=8), clock=still)
     a = seq("a")
     history = []
     for _ in range(40):
@@ -106,13 +110,13 @@ def test_weak_draft_turns_speculation_off_and_reprobes() -> None:
 
 
 def test_expensive_draft_never_pays() -> None:
-    planner = KPlanner(TARGET, draft_costs(1.2))
+    planner = Planner(TARGET, draft_costs(1.2), clock=still)
     ks = feed(planner, [seq("a")], {"a": 0.9}, rounds=5).ks
     assert ks["a"] == 0
 
 
 def test_mixed_batch_drops_only_the_request_whose_draft_fails() -> None:
-    planner = KPlanner(TARGET, draft_costs(0.1))
+    planner = Planner(TARGET, draft_costs(0.1), clock=still)
     good, bad = seq("good"), seq("bad")
     ks = feed(planner, [good, bad], {"good": 0.95, "bad": 0.0}, rounds=30).ks
     assert ks["good"] >= 3 and ks["bad"] == 0
@@ -120,37 +124,37 @@ def test_mixed_batch_drops_only_the_request_whose_draft_fails() -> None:
 
 def test_fixed_requests_and_missing_costs_keep_their_cap() -> None:
     a, b = seq("a"), dataclasses.replace(seq("b"), adaptive=False)
-    planner = KPlanner(TARGET, draft_costs(1.5))
-    assert planner.plan([a], {"a": 4}, {"a": True}).ks == {"a": 0}  # alone, a costly draft does not pay
-    assert planner.plan([a, b], {"a": 4, "b": 0}, {"a": True, "b": False}).ks["b"] == 0
-    assert planner.plan([b], {"b": 3}, {"b": False}).ks == {"b": 3}  # fixed K is kept whatever it costs
-    no_costs = KPlanner(TARGET, [])
+    planner = Planner(TARGET, draft_costs(1.5), clock=still)
+    assert planner.plan(round_inputs([a], {"a": 4}, {"a": True})).ks == {"a": 0}  # alone, a costly draft does not pay
+    assert planner.plan(round_inputs([a, b], {"a": 4, "b": 0}, {"a": True, "b": False})).ks["b"] == 0
+    assert planner.plan(round_inputs([b], {"b": 3}, {"b": False})).ks == {"b": 3}  # fixed K is kept whatever it costs
+    no_costs = Planner(TARGET, [], clock=still)
     assert not no_costs.can_adapt
-    assert no_costs.plan([a], {"a": 4}, {"a": True}).ks == {"a": 4}
+    assert no_costs.plan(round_inputs([a], {"a": 4}, {"a": True})).ks == {"a": 4}
 
 
 def test_cost_scale_follows_the_measured_compute() -> None:
-    planner = KPlanner(TARGET, draft_costs(0.1), cost_weight=0.5)
+    planner = Planner(TARGET, draft_costs(0.1), PlannerSettings(cost_weight=0.5), clock=still)
     a = seq("a")
     report = RoundReport({"a": 0}, {"a": 0}, Timed(None, 0.0, 0.0), Timed(None, 0.080, 0.085), 0.0, 0.090)
     for _ in range(20):
         planner.observe(RoundPlan(report.ks), [a], report)
-    assert planner.cost_model().target.step(1) == pytest.approx(0.080, rel=1e-3)
-    assert planner.overhead_s == pytest.approx(0.010, rel=1e-3)
+    assert planner.costs.cost_model().target.step(1) == pytest.approx(0.080, rel=1e-3)
+    assert planner.costs.overhead_s == pytest.approx(0.010, rel=1e-3)
 
 
 def test_a_table_timed_on_a_busy_machine_is_corrected_by_the_first_rounds() -> None:
     # The draft timed itself while the machine was busy: its table says 3x what a step costs.
     # The first round that drafts sets the scale from what the draft reports, not a tenth of it.
-    planner = KPlanner(TARGET, draft_costs(0.3), cost_weight=0.1)
+    planner = Planner(TARGET, draft_costs(0.3), PlannerSettings(cost_weight=0.1), clock=still)
     a = seq("a")
     plan = RoundPlan({"a": 4}, feeds={"a": 1})
-    truth = planner.cost_model().draft_seconds([4], [1]) / 3
-    verify_s = planner.cost_model().verify_seconds([4])
+    truth = planner.costs.cost_model().draft_seconds([4], [1]) / 3
+    verify_s = planner.costs.cost_model().verify_seconds([4])
     for _ in range(2):
         report = RoundReport({"a": 4}, {"a": 4}, Timed(None, truth, truth), Timed(None, verify_s, verify_s), 0.0, 0.0)
         planner.observe(plan, [a], report)
-    model = planner.cost_model()
+    model = planner.costs.cost_model()
     assert model.draft is not None and model.draft.scale == pytest.approx(1 / 3, rel=1e-3)
     assert model.target.scale == pytest.approx(1.0)
 
@@ -158,22 +162,23 @@ def test_a_table_timed_on_a_busy_machine_is_corrected_by_the_first_rounds() -> N
 def test_a_multi_step_round_teaches_the_cost_of_one_step() -> None:
     """A plain round that decoded 4 tokens a request ran 4 forwards: its compute rescales
     the step cost by a quarter of it, and multi-step prices K = 0 higher."""
-    planner = KPlanner(TARGET, draft_costs(0.1), cost_weight=0.5)
+    planner = Planner(TARGET, draft_costs(0.1), PlannerSettings(cost_weight=0.5), clock=still)
     a = seq("a")
     report = RoundReport({"a": 0}, {"a": 0}, Timed(None, 0.0, 0.0), Timed(None, 0.320, 0.325), 0.0, 0.330,
                          steps={"a": 4})
     for _ in range(20):
         planner.observe(RoundPlan(report.ks), [a], report)
-    assert planner.cost_model().target.step(1) == pytest.approx(0.080, rel=1e-3)
+    assert planner.costs.cost_model().target.step(1) == pytest.approx(0.080, rel=1e-3)
     # A draft whose K = 1 barely beats one-step plain rounds loses to 4 steps a round.
-    close = KPlanner(TARGET, draft_costs(0.4), overhead_s=0.010)
-    close.global_alpha.alpha = 0.6
-    assert close.plan([a], {"a": 8}, {"a": True}).ks["a"] > 0
-    assert close.plan([a], {"a": 8}, {"a": True}, steps={"a": 4}).ks["a"] == 0
+    close = Planner(TARGET, draft_costs(0.4), clock=still)
+    close.costs.overhead_s = 0.010
+    close.acceptance.overall.alpha = 0.6
+    assert close.plan(round_inputs([a], {"a": 8}, {"a": True})).ks["a"] > 0
+    assert close.plan(round_inputs([a], {"a": 8}, {"a": True}, steps={"a": 4})).ks["a"] == 0
 
 
 def test_probes_back_off_and_never_come_together() -> None:
-    planner = KPlanner(TARGET, draft_costs(0.3), probe_every=4, max_probe_every=16)
+    planner = Planner(TARGET, draft_costs(0.3), PlannerSettings(probe_every=4, max_probe_every=16), clock=still)
     seqs = [seq(f"r{i}") for i in range(3)]
     probe_rounds = []
     for round_index in range(80):
@@ -195,9 +200,9 @@ def test_a_draft_prefill_is_worth_it_only_for_a_long_enough_future() -> None:
     for s, max_new in ((long_future, 2000), (short_future, 6)):
         s.tokens = list(range(60))
         s.max_new_tokens = max_new
-    planner = KPlanner(TARGET, costly_prefill, prior_alpha=0.9)
-    assert planner.plan([long_future], {"long": 4}, {"long": True}).ks["long"] > 0
-    assert planner.plan([short_future], {"short": 4}, {"short": True}).ks["short"] == 0
+    planner = Planner(TARGET, costly_prefill, PlannerSettings(prior_alpha=0.9), clock=still)
+    assert planner.plan(round_inputs([long_future], {"long": 4}, {"long": True})).ks["long"] > 0
+    assert planner.plan(round_inputs([short_future], {"short": 4}, {"short": True})).ks["short"] == 0
 
 
 def test_a_catch_up_is_spread_over_the_rounds_left_at_the_k_planned() -> None:
@@ -207,10 +212,10 @@ def test_a_catch_up_is_spread_over_the_rounds_left_at_the_k_planned() -> None:
     long_prompt = [*draft_costs(0.23), ForwardCost(1, 1000, 0.040 * 60)]
     late = seq("late")
     late.tokens, late.max_new_tokens = list(range(1000)), 64
-    planner = KPlanner(TARGET, long_prompt, prior_alpha=0.975)
-    assert planner.plan([late], {"late": 8}, {"late": True}).ks["late"] == 0
+    planner = Planner(TARGET, long_prompt, PlannerSettings(prior_alpha=0.975), clock=still)
+    assert planner.plan(round_inputs([late], {"late": 8}, {"late": True})).ks["late"] == 0
     late.max_new_tokens = 1000  # a long future repays the same catch-up
-    assert planner.plan([late], {"late": 8}, {"late": True}).ks["late"] == 8
+    assert planner.plan(round_inputs([late], {"late": 8}, {"late": True})).ks["late"] == 8
 
 
 def test_a_kv_handoff_replaces_a_catch_up_the_draft_could_not_repay() -> None:
@@ -220,31 +225,36 @@ def test_a_kv_handoff_replaces_a_catch_up_the_draft_could_not_repay() -> None:
     long_prompt = [*draft_costs(0.23), ForwardCost(1, 1000, 0.040 * 60)]
     late = seq("late")
     late.tokens, late.max_new_tokens = list(range(1000)), 64
-    planner = KPlanner(TARGET, long_prompt, prior_alpha=0.975, kv_handoff=KVHandoff(30, torch.bfloat16))
-    plan = planner.plan([late], {"late": 8}, {"late": True})
+    planner = Planner(TARGET, long_prompt, PlannerSettings(prior_alpha=0.975), kv_handoff=KVHandoff(30, torch.bfloat16),
+                      clock=still)
+    plan = planner.plan(round_inputs([late], {"late": 8}, {"late": True}))
     assert plan.ks["late"] == 8 and plan.handoffs == {"late"}
     assert not plan.catching_up and plan.feeds["late"] == 1
-    assert planner._catch_up(late, planner.cost_model()).extra_s == pytest.approx(HandoffCost().seconds(999))
+    catch_up = planner.catch_ups.catch_up(late, planner.costs.cost_model())
+    assert catch_up.extra_s == pytest.approx(HandoffCost().seconds(999))
     zero = Timed(None, 0.0, 0.0)
     report = RoundReport(plan.ks, {"late": 8}, zero, zero, 0.0, 1.0, handoffs={"late": (999, 2.0)})
     planner.observe(plan, [late], report)
-    assert planner.handoff_cost.seconds(999) > HandoffCost().seconds(999)  # slower than the prior: priced higher
+    # Slower than the prior: priced higher.
+    assert planner.catch_ups.handoff_cost.seconds(999) > HandoffCost().seconds(999)
     planner.kv_handoff = None  # e.g. the draft came back as another model
-    assert planner.plan([late], {"late": 8}, {"late": True}).ks["late"] == 0
+    assert planner.plan(round_inputs([late], {"late": 8}, {"late": True})).ks["late"] == 0
 
 
 def test_a_lag_the_draft_feeds_cheaper_than_a_handoff_is_fed() -> None:
     """A few tokens behind (a lookup's round), the draft's own first forward costs less than a
     handoff's two calls: it feeds them; far behind, the handoff is the cheaper."""
     draft = [ForwardCost(1, t, 0.010 + 0.0005 * (t - 1)) for t in (1, 5, 9, 17)] + [ForwardCost(1, 64, 0.080)]
-    planner = KPlanner(TARGET, draft, prior_alpha=0.95, kv_handoff=KVHandoff(30, torch.bfloat16))
+    planner = Planner(TARGET, draft, PlannerSettings(prior_alpha=0.95), kv_handoff=KVHandoff(30, torch.bfloat16),
+                      clock=still)
     near, far = seq("near"), seq("far")
     near.tokens, far.tokens = list(range(40)), list(range(400))
     near.draft_valid, far.draft_valid = 30, 0
-    plan = planner.plan([near, far], {"near": 8, "far": 8}, {"near": False, "far": False})
+    plan = planner.plan(round_inputs([near, far], {"near": 8, "far": 8}, {"near": False, "far": False}))
     assert plan.handoffs == {"far"} and plan.catching_up
-    uncosted = KPlanner(TARGET, [], kv_handoff=KVHandoff(30, torch.bfloat16))  # a fixed K: nothing to weigh
-    assert uncosted.plan([near, far], {"near": 8, "far": 8}, {"near": False, "far": False}).handoffs == {"near", "far"}
+    uncosted = Planner(TARGET, [], kv_handoff=KVHandoff(30, torch.bfloat16), clock=still)  # a fixed K: nothing to weigh
+    plan = uncosted.plan(round_inputs([near, far], {"near": 8, "far": 8}, {"near": False, "far": False}))
+    assert plan.handoffs == {"near", "far"}
 
 
 def test_the_handoff_cost_fits_a_calls_part_and_a_tokens() -> None:
@@ -271,10 +281,10 @@ def test_a_prompt_catch_up_is_priced_at_the_context_the_draft_holds() -> None:
         ForwardCost(1, 1, 0.011 + 256 * 5e-6, context=304), ForwardCost(1, 17, 0.050 + 256 * 21e-6, context=304)]
     long = seq("long")
     long.tokens, long.max_new_tokens, long.completion_tokens = list(range(1659)), 128, 1
-    planner = KPlanner(target, draft, prior_alpha=0.92)
-    catch_up = planner._catch_up(long, planner.cost_model(1659))
+    planner = Planner(target, draft, PlannerSettings(prior_alpha=0.92), clock=still)
+    catch_up = planner.catch_ups.catch_up(long, planner.costs.cost_model(1659))
     assert 0.3 < catch_up.extra_s < 1.0  # the prompt-sized point's line, no context term
-    assert planner.plan([long], {"long": 16}, {"long": True}).ks["long"] >= 4
+    assert planner.plan(round_inputs([long], {"long": 16}, {"long": True})).ks["long"] >= 4
 
 
 def test_a_request_that_may_look_up_rents_before_it_buys_a_long_catch_up() -> None:
@@ -283,18 +293,18 @@ def test_a_request_that_may_look_up_rents_before_it_buys_a_long_catch_up() -> No
     its token at the caught-up draft's rate. Then the planner prices it as before. A model-only
     request, and a chat-sized catch-up, never wait."""
     long_prompt = [*draft_costs(0.23), ForwardCost(1, 1000, 0.040 * 30)]
-    planner = KPlanner(TARGET, long_prompt, prior_alpha=0.975)
+    planner = Planner(TARGET, long_prompt, PlannerSettings(prior_alpha=0.975), clock=still)
     rented, model_only, chat = seq("rented"), seq("model_only"), seq("chat")
     for s in (rented, model_only):
         s.tokens, s.max_new_tokens = list(range(1000)), 1000
     chat.max_new_tokens = 1000
-    model = planner.cost_model(1000)
+    model = planner.costs.cost_model(1000)
     plain_round = model.round_seconds([0])
 
     def plan(s: Sequence) -> int:
         """Plan `s` alone; a plain round takes as long as predicted."""
         lookup_allowed = () if s is model_only else (s.slot_id,)
-        plan = planner.plan([s], {s.slot_id: 8}, {s.slot_id: True}, lookup_allowed=lookup_allowed)
+        plan = planner.plan(round_inputs([s], {s.slot_id: 8}, {s.slot_id: True}, lookup_allowed=lookup_allowed))
         if plan.ks[s.slot_id] == 0:
             verify = Timed(None, plain_round, plain_round)
             planner.observe(plan, [s], RoundReport(plan.ks, {s.slot_id: 0}, Timed(None, 0.0, 0.0), verify, 0.0,
@@ -302,8 +312,8 @@ def test_a_request_that_may_look_up_rents_before_it_buys_a_long_catch_up() -> No
         return plan.ks[s.slot_id]
 
     assert plan(model_only) == 8 and plan(chat) == 8
-    extra = planner._catch_up(rented, model).extra_s
-    caught_up = max(model.tokens_per_second([k], [planner.alphas(rented)], [0.0], [1]) for k in range(1, 9))
+    extra = planner.catch_ups.catch_up(rented, model).extra_s
+    caught_up = max(model.tokens_per_second([k], [planner.acceptance.alphas(rented)], [0.0], [1]) for k in range(1, 9))
     forgone = plain_round - 1 / caught_up  # a plain round's token, had the draft been caught up
     waits = 0
     while plan(rented) == 0:
@@ -321,19 +331,19 @@ def test_a_catch_up_slower_than_its_price_is_priced_higher_next_time() -> None:
     # correction (a chat prompt's catch-up says little of a long one's); a class not measured
     # yet takes the nearest measured one's.
     draft = [*draft_costs(0.25), ForwardCost(1, 64, 0.040 * 0.25 * 6)]
-    planner = KPlanner(TARGET, draft, prior_alpha=0.95)
+    planner = Planner(TARGET, draft, PlannerSettings(prior_alpha=0.95), clock=still)
     first, short, shorter = seq("first"), seq("short"), seq("shorter")
     first.tokens, first.max_new_tokens, short.tokens = list(range(1000)), 1000, list(range(60))
     shorter.tokens, shorter.max_new_tokens = list(range(200)), 1000
 
     def price(s: Sequence) -> float:
-        return planner._catch_up_seconds(s)
+        return planner.catch_ups.seconds(s)
 
     def run(s: Sequence, times_beyond: float) -> RoundPlan:
         """Plan `s` alone and report its catch-up as `times_beyond` × its part past the table."""
-        plan = planner.plan([s], {s.slot_id: 2}, {s.slot_id: True})
+        plan = planner.plan(round_inputs([s], {s.slot_id: 2}, {s.slot_id: True}))
         assert plan.ks[s.slot_id] == 2 and plan.catching_up and 0 < plan.catch_up_beyond_s < plan.catch_up_s
-        steps = planner.cost_model().draft_seconds([2], [1])
+        steps = planner.costs.cost_model().draft_seconds([2], [1])
         took = steps + plan.catch_up_s + (times_beyond - 1) * plan.catch_up_beyond_s
         planner.observe(plan, [s], RoundReport(plan.ks, {s.slot_id: 2}, Timed(None, took, 0.0),
                                                Timed(None, 0.05, 0.0), 0.0, 0.0))
@@ -344,7 +354,7 @@ def test_a_catch_up_slower_than_its_price_is_priced_higher_next_time() -> None:
     assert plan.catch_up_s == pytest.approx(before) and plan.catch_up_tokens == 1000
     assert price(first) == pytest.approx(before + 2 * plan.catch_up_beyond_s)
     assert price(short) == pytest.approx(short_before)
-    within, beyond = planner._catch_up_forward(shorter, planner.cost_model().draft)
+    within, beyond = catch_up_forward(shorter, planner.costs.cost_model().draft)
     assert price(shorter) == pytest.approx(within + 3 * beyond)  # not measured: the nearest class's x3
     run(shorter, times_beyond=0.5)  # its own class measures cheaper: the long class keeps its correction
     assert price(shorter) == pytest.approx(within + 0.5 * beyond)
@@ -357,20 +367,21 @@ def test_steps_faster_than_the_table_do_not_cheapen_a_catch_up() -> None:
     """Compiled steps loaded after start-up run faster than the table measured them; a
     catch-up runs eager, as the table's wide chunks did, so its price stays the table's."""
     draft = [*draft_costs(0.25), ForwardCost(1, 64, 0.040 * 0.25 * 6)]
-    planner = KPlanner(TARGET, draft, prior_alpha=0.95)
+    planner = Planner(TARGET, draft, PlannerSettings(prior_alpha=0.95), clock=still)
     warm, long = seq("warm"), seq("long")
     long.tokens, warm.draft_valid = list(range(1000)), len(warm.tokens) - 1  # the draft saw warm's prompt
-    before = planner._catch_up_seconds(long)
+    before = planner.catch_ups.seconds(long)
     for _ in range(20):
-        plan = planner.plan([warm], {"warm": 4}, {"warm": True})
+        plan = planner.plan(round_inputs([warm], {"warm": 4}, {"warm": True}))
         assert plan.ks["warm"] > 0 and not plan.catching_up
-        half = 0.5 * planner.cost_model().draft_seconds([plan.ks["warm"]], [1])
+        half = 0.5 * planner.costs.cost_model().draft_seconds([plan.ks["warm"]], [1])
         planner.observe(plan, [warm], RoundReport(plan.ks, {"warm": plan.ks["warm"]}, Timed(None, half, 0.0),
                                                   Timed(None, 0.05, 0.0), 0.0, 0.0))
         warm.tokens.extend([7] * (plan.ks["warm"] + 1))
         warm.draft_valid = len(warm.tokens) - 1
-    assert planner.cost_model().draft.step(1) < 0.7 * KPlanner(TARGET, draft).cost_model().draft.step(1)
-    assert planner._catch_up_seconds(long) == pytest.approx(before)
+    fresh = Planner(TARGET, draft, clock=still)
+    assert planner.costs.cost_model().draft.step(1) < 0.7 * fresh.costs.cost_model().draft.step(1)
+    assert planner.catch_ups.seconds(long) == pytest.approx(before)
 
 
 def test_the_first_probe_ignores_the_budget_so_a_good_draft_is_found() -> None:
@@ -380,14 +391,14 @@ def test_the_first_probe_ignores_the_budget_so_a_good_draft_is_found() -> None:
     costly_prefill = [*draft_costs(0.3), ForwardCost(1, 9, 0.040 * 0.3 * 8)]
     fresh = seq("fresh")
     fresh.tokens = list(range(60))
-    planner = KPlanner(TARGET, costly_prefill, prior_alpha=0.5, probe_every=4)
-    history = [planner.plan([fresh], {"fresh": 4}, {"fresh": True}).ks["fresh"] for _ in range(4)]
+    planner = Planner(TARGET, costly_prefill, PlannerSettings(prior_alpha=0.5, probe_every=4), clock=still)
+    history = [planner.plan(round_inputs([fresh], {"fresh": 4}, {"fresh": True})).ks["fresh"] for _ in range(4)]
     assert history[:3] == [0, 0, 0] and history[3] > 0  # probed once its interval passed
 
     zero = Timed(None, 0.0, 0.0)
     planner.observe(RoundPlan({"fresh": history[3]}), [fresh],
                     RoundReport({"fresh": history[3]}, {"fresh": 0}, zero, zero, 0.0, 0.0))
-    later = [planner.plan([fresh], {"fresh": 4}, {"fresh": True}).ks["fresh"] for _ in range(12)]
+    later = [planner.plan(round_inputs([fresh], {"fresh": 4}, {"fresh": True})).ks["fresh"] for _ in range(12)]
     assert later == [0] * 12  # measured now: the same catch-up is over budget, so no probe
 
 
@@ -398,7 +409,7 @@ def test_no_probe_where_even_a_perfect_draft_would_not_pay() -> None:
     compute_bound = [ForwardCost(b, t, 0.040 + 0.006 * b * t) for b in (1, 4, 16) for t in (1, 5, 9)]
     drafts = [ForwardCost(b, 1, 0.012 + 0.006 * b) for b in (1, 4, 16)]
     crowd = [seq(f"r{i}") for i in range(16)]
-    planner = KPlanner(compute_bound, drafts, probe_every=4)
+    planner = Planner(compute_bound, drafts, PlannerSettings(probe_every=4), clock=still)
     for _ in range(60):
         ks = feed(planner, crowd, {s.slot_id: 1.0 for s in crowd}, rounds=1).ks
         assert set(ks.values()) == {0}
@@ -422,7 +433,7 @@ def test_a_request_not_worth_probing_is_asked_again_after_as_many_rounds_as_the_
         return could_pay(self, s, ks, caps, *args)
 
     monkeypatch.setattr(RatePredictor, "probe_could_pay", counting)
-    planner = KPlanner(compute_bound, drafts, probe_every=32)
+    planner = Planner(compute_bound, drafts, PlannerSettings(probe_every=32), clock=still)
     feed(planner, crowd, {s.slot_id: 1.0 for s in crowd}, rounds=80)
     assert all(asked.count(s.slot_id) == 4 for s in crowd)  # rounds 32, 48, 64 and 80
 
@@ -435,7 +446,7 @@ def test_a_batch_shares_one_probe_budget() -> None:
     seqs = [seq(f"r{i}") for i in range(4)]
     for s in seqs:
         s.tokens = list(range(15))
-    planner = KPlanner(TARGET, costly_prefill, probe_every=4)
+    planner = Planner(TARGET, costly_prefill, PlannerSettings(probe_every=4), clock=still)
     probes = 0
     for round_index in range(60):
         ks = feed(planner, seqs, {s.slot_id: 0.0 for s in seqs}, rounds=1).ks
@@ -448,16 +459,17 @@ def test_the_overhead_a_draft_token_adds_keeps_a_cheap_weak_draft_off() -> None:
     # A nearly free draft accepted 10 % of the time: by the forward costs alone one draft
     # token pays (1.1 tokens for a 2-token verify that costs about one step). But every
     # draft token adds 15 ms of RPC and acceptance to the round, which the planner learns.
-    planner = KPlanner(TARGET, draft_costs(0.02), prior_alpha=0.1, request_weight=0.0, global_weight=0.0,
-                       probe_every=1000)
+    settings = PlannerSettings(prior_alpha=0.1, request_weight=0.0, global_weight=0.0, probe_every=1000,
+                               max_probe_every=1000)
+    planner = Planner(TARGET, draft_costs(0.02), settings, clock=still)
     a = seq("a")
     zero = Timed(None, 0.0, 0.0)
-    assert planner.plan([a], {"a": 8}, {"a": True}).ks["a"] > 0
+    assert planner.plan(round_inputs([a], {"a": 8}, {"a": True})).ks["a"] > 0
     for k in (0, 1, 0, 1, 0, 1) * 10:
         report = RoundReport({"a": k}, {"a": 0}, zero, zero, 0.0, 0.002 + 0.015 * k)
         planner.observe(RoundPlan(report.ks), [a], report)
-    assert planner.draft_overhead.per_token == pytest.approx(0.015, rel=0.05)
-    assert planner.plan([a], {"a": 8}, {"a": True}).ks["a"] == 0
+    assert planner.costs.draft_overhead.per_token == pytest.approx(0.015, rel=0.05)
+    assert planner.plan(round_inputs([a], {"a": 8}, {"a": True})).ks["a"] == 0
 
 
 def test_the_draft_overhead_splits_into_a_fixed_and_a_per_token_part() -> None:
@@ -475,20 +487,21 @@ def test_a_two_token_feed_is_not_mistaken_for_dearer_draft_steps() -> None:
     # token and the bonus token), here at 1.8 one-token steps. A Propose that cost exactly
     # that leaves the draft's cost scale at 1.
     step = 0.040 * 0.3
-    planner = KPlanner(TARGET, [*draft_costs(0.3), ForwardCost(1, 2, 1.8 * step)], cost_weight=0.5)
+    planner = Planner(TARGET, [*draft_costs(0.3), ForwardCost(1, 2, 1.8 * step)], PlannerSettings(cost_weight=0.5),
+                      clock=still)
     a = seq("a")
     a.draft_valid = len(a.tokens) - 2
     assert a.draft_pending == 2
-    plan = planner.plan([a], {"a": 4}, {"a": True})
+    plan = planner.plan(round_inputs([a], {"a": 4}, {"a": True}))
     ks = plan.ks
     k = ks["a"]
     assert k > 0
     propose_s = 1.8 * step + (k - 1) * step
-    verify_s = planner.cost_model().target.seconds(1, k + 1)
+    verify_s = planner.costs.cost_model().target.seconds(1, k + 1)
     for _ in range(10):
         planner.observe(plan, [a], RoundReport(ks, {"a": k}, Timed(None, propose_s, propose_s),
                                                Timed(None, verify_s, verify_s), 0.0, 0.0))
-    model = planner.cost_model()
+    model = planner.costs.cost_model()
     assert model.draft is not None and model.draft.step(1) == pytest.approx(step, rel=1e-3)
 
 
@@ -503,7 +516,7 @@ def with_context_slope(costs: list[ForwardCost], per_token_s: float) -> list[For
 def test_a_long_context_can_make_drafting_stop_paying() -> None:
     # A draft whose step grows with the context much faster than the target's (its attention
     # is the slow part): worth drafting for at 50 tokens of context, not at 1000.
-    planner = KPlanner(with_context_slope(TARGET, 2e-6), with_context_slope(draft_costs(0.15), 40e-6))
+    planner = Planner(with_context_slope(TARGET, 2e-6), with_context_slope(draft_costs(0.15), 40e-6), clock=still)
     seqs = [seq(f"r{i}") for i in range(4)]
     assert set(feed(planner, seqs, {s.slot_id: 0.8 for s in seqs}, rounds=5).ks.values()) != {0}
     for s in seqs:
@@ -516,17 +529,17 @@ def test_the_online_scale_does_not_chase_a_growing_context() -> None:
     # Rounds whose compute is exactly what the tables say at each round's context leave
     # both scales at 1, however long the contexts grow.
     target, draft = with_context_slope(TARGET, 10e-6), with_context_slope(draft_costs(0.15), 10e-6)
-    planner = KPlanner(target, draft)
+    planner = Planner(target, draft, clock=still)
     seqs = [seq(f"r{i}") for i in range(4)]
     for length in range(50, 400, 50):
         for s in seqs:
             s.tokens, s.draft_valid = list(range(length)), length - 1
-        plan = planner.plan(seqs, {s.slot_id: 4 for s in seqs}, {s.slot_id: False for s in seqs})
+        plan = planner.plan(round_inputs(seqs, {s.slot_id: 4 for s in seqs}, {s.slot_id: False for s in seqs}))
         ks = plan.ks
-        truth = planner.cost_model(context=length)  # scales are still 1: the tables at this context
+        truth = planner.costs.cost_model(context=length)  # scales are still 1: the tables at this context
         kk = [ks[s.slot_id] for s in seqs]
         report = RoundReport(ks, {s.slot_id: 4 for s in seqs}, Timed(None, truth.draft_seconds(kk), 0.0),
                              Timed(None, truth.verify_seconds(kk), 0.0), 0.0, 0.0)
         planner.observe(plan, seqs, report)
-        assert planner.cost_model(context=length).draft.scale == pytest.approx(1.0)  # type: ignore[union-attr]
-        assert planner.cost_model(context=length).target.scale == pytest.approx(1.0)
+        assert planner.costs.cost_model(context=length).draft.scale == pytest.approx(1.0)  # type: ignore[union-attr]
+        assert planner.costs.cost_model(context=length).target.scale == pytest.approx(1.0)

@@ -9,14 +9,15 @@ from collections.abc import Awaitable, Callable, Collection
 import pytest
 
 from specdec.gateway.draft_sources import DraftSource, SpeculationMethod
-from specdec.gateway.k_planner import KPlanner
+from specdec.gateway.planner import LOOKUP_PLAIN_STREAK, Planner
 from specdec.gateway.proposers import LookupDraft, LookupProposer, LookupSettings
 from specdec.gateway.requests import new_sequence
-from specdec.gateway.scheduler import LOOKUP_PLAIN_STREAK, Scheduler
+from specdec.gateway.scheduler import Scheduler
 from specdec.gateway.sequence import FinishReason, Sequence
 from specdec.v1 import common_pb2, gateway_pb2
 from specdec.wire.items import SampledMode
 from tests.support.fakes import FakeDraft, FakeTarget, greedy_reference, policy
+from tests.support.planner_rounds import still
 from tests.unit.gateway.test_k_planner import TARGET
 from tests.unit.gateway.test_scheduler import drain, prompt_ids, request, run
 
@@ -68,9 +69,9 @@ def test_a_request_that_looks_up_decodes_one_step_a_plain_round_where_calls_are_
     # overhead is small against a 40 ms step (a lookup may match after the next token), but
     # not where the call costs a quarter of the step, which multi-step rounds save.
     async def test(sched: Scheduler) -> None:
-        sched.planner = KPlanner(TARGET, [])
+        sched.planner = Planner(TARGET, [], clock=still)
         for overhead_s, lookup_steps in ((0.001, 1), (0.010, 4)):
-            sched.planner.overhead_s = overhead_s
+            sched.planner.costs.overhead_s = overhead_s
             for method, steps in ((SpeculationMethod.NGRAM, lookup_steps), (SpeculationMethod.NONE, 4)):
                 seq = new_sequence(request(max_new_tokens=50), policy(has_draft=False, method=method))
                 assert sched._plan([seq]).steps == {seq.slot_id: steps}
@@ -80,8 +81,8 @@ def test_a_request_that_looks_up_decodes_one_step_a_plain_round_where_calls_are_
 
 def test_a_request_whose_lookups_have_not_drafted_for_a_while_takes_multi_step_rounds() -> None:
     async def test(sched: Scheduler) -> None:
-        sched.planner = KPlanner(TARGET, [])
-        sched.planner.overhead_s = 0.001
+        sched.planner = Planner(TARGET, [], clock=still)
+        sched.planner.costs.overhead_s = 0.001
         seq = new_sequence(request(max_new_tokens=50), policy(has_draft=False, method=SpeculationMethod.NGRAM))
         for _ in range(LOOKUP_PLAIN_STREAK - 1):
             seq.counts.record(0, 0)

@@ -1,5 +1,5 @@
-"""What the K planner weighs: a round's choice of K and source per request, and the batch's
-predicted tokens per second for any such choice (`specdec.gateway.k_planner` decides)."""
+"""What the planner weighs: a round's choice of K and source per request, and the batch's
+predicted tokens per second for any such choice (`specdec.gateway.planner.core` decides)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,196 @@
+"""What rounds cost, as the planner prices them: the services' start-up cost tables, corrected
+online by what rounds measure, and the round's overhead outside the services.
+
+A table is never rescaled by timings taken while a service warms up (`Warmup`): steps measured
+while compiled graphs load beside them, or in a service's first rounds after a (re)start, are
+slower than the service will be, and a correction learnt from them would price the draft out
+until the next sample.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from specdec.cost_model import CostTable, ForwardCost, RoundCostModel
+from specdec.gateway.planner.estimates import DraftOverhead, Scale
+from specdec.gateway.rounds import RoundPlan, RoundReport
+from specdec.gateway.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+#: Rounds after a service (re)starts, or finishes loading its compiled steps, whose timings
+#: teach nothing: a compiled graph's first calls and a cold cache are slower than the rest.
+WARMUP_ROUNDS = 4
+#: A plain round's overhead at most this share of a target step counts as cheap
+#: (`CostEstimates.calls_are_cheap`): on CPU it is a few percent and a lookup request's one-step
+#: plain rounds paid; on a GPU a call can cost a fifth of a step, which multi-step rounds save.
+CHEAP_CALL_SHARE = 0.1
+
+
+def catch_up_class(tokens: int) -> int:
+    """The length class of a catch-up of `tokens` tokens: their count's power of two."""
+    return max(tokens, 1).bit_length()
+
+
+@dataclass
+class Warmup:
+    """Which services are warming up: loading compiled steps (their Info's pending graphs), or
+    within `WARMUP_ROUNDS` rounds of a (re)start or of their last graph loading."""
+
+    loading: set[str] = field(default_factory=set)
+    rounds_left: dict[str, int] = field(default_factory=dict)
+
+    def note(self, service: str, pending_graphs: int) -> None:
+        """The service's latest Info said it has `pending_graphs` compiled graphs to load."""
+        if pending_graphs > 0:
+            if service not in self.loading:
+                log.info("planner: the %s is loading %d compiled graphs; its timings are not learnt from until "
+                         "it is done", service, pending_graphs)
+            self.loading.add(service)
+        elif service in self.loading:
+            self.loading.discard(service)
+            self.rounds_left[service] = WARMUP_ROUNDS
+
+    def restarted(self, service: str) -> None:
+        self.rounds_left[service] = WARMUP_ROUNDS
+
+    @property
+    def steady(self) -> bool:
+        return not self.loading and not any(self.rounds_left.values())
+
+    def round_done(self) -> None:
+        for service, left in self.rounds_left.items():
+            self.rounds_left[service] = max(0, left - 1)
+
+
+@dataclass
+class CostEstimates:
+    """The cost tables, their online scales and the round overheads (see the module docstring)."""
+
+    target_costs: Seq[ForwardCost]
+    draft_costs: Seq[ForwardCost]
+    #: EMA weight per round of the scales and overheads.
+    weight: float = 0.1
+    #: A plain round's seconds outside the services' compute (RPCs, acceptance).
+    overhead_s: float = 0.0
+    #: Seconds each verified lookup token adds to a round's overhead (wire, acceptance).
+    lookup_token_overhead_s: float = 0.0
+    draft_overhead: DraftOverhead = field(init=False)
+    target: CostTable | None = field(init=False)
+    draft: CostTable | None = field(init=False)
+    target_scale: Scale = field(default_factory=Scale, init=False)
+    draft_scale: Scale = field(default_factory=Scale, init=False)
+    #: Measured ÷ predicted seconds of the draft's catch-ups past its table's widest chunk, per
+    #: `catch_up_class` of their length.
+    catch_up_scales: dict[int, Scale] = field(default_factory=dict, init=False)
+    warmup: Warmup = field(default_factory=Warmup, init=False)
+
+    def __post_init__(self) -> None:
+        self.draft_overhead = DraftOverhead(self.weight)
+        self.target = CostTable(self.target_costs) if self.target_costs else None
+        self.draft = CostTable(self.draft_costs) if self.draft_costs else None
+
+    def set_costs(self, service: str, costs: Seq[ForwardCost]) -> None:
+        """A service came back with other start-up costs: plan with them, measured afresh."""
+        table = CostTable(costs) if costs else None
+        if service == "target":
+            self.target = table
+        else:
+            self.draft = table
+        self.restarted(service)
+
+    def restarted(self, service: str) -> None:
+        """A service (re)started: its online corrections are forgotten (its speed may differ,
+        even with the same cost table from the tuning cache), and it warms up again."""
+        if service == "target":
+            self.target_scale = Scale()
+        else:
+            self.draft_scale, self.catch_up_scales = Scale(), {}
+            self.draft_overhead = DraftOverhead(self.weight)
+        self.warmup.restarted(service)
+
+    def cost_model(self, context: float | None = None) -> RoundCostModel:
+        """The round cost model with the online scales, pricing requests that hold `context`
+        cached tokens on average (default: the context the services measured at)."""
+        if self.target is None:
+            raise RuntimeError("no target cost table: the target did not measure its costs")
+        target, draft = self.at_context(context)
+        return RoundCostModel(
+            target=target.scaled(self.target_scale.value),
+            draft=draft.scaled(self.draft_scale.value) if draft else None,
+            overhead_s=self.overhead_s,
+            draft_round_overhead_s=self.draft_overhead.per_round,
+            draft_token_overhead_s=self.draft_overhead.per_token,
+            lookup_token_overhead_s=self.lookup_token_overhead_s,
+        )
+
+    def at_context(self, context: float | None) -> tuple[CostTable, CostTable | None]:
+        """Both unscaled tables at `context` (as measured when None)."""
+        assert self.target is not None
+        if context is None:
+            return self.target, self.draft
+        return self.target.at_context(context), self.draft.at_context(context) if self.draft else None
+
+    def calls_are_cheap(self, batch_size: int) -> bool:
+        """Whether a plain round's measured overhead (the call, acceptance) is at most
+        `CHEAP_CALL_SHARE` of a target step for `batch_size` requests: then a multi-step plain
+        round saves little, and a request that drafts by lookup gains more from a lookup after
+        every token (docs/performance.md#plain-rounds-of-requests-that-look-up)."""
+        if self.target is None:
+            return False
+        return self.overhead_s <= CHEAP_CALL_SHARE * self.target.step(batch_size) * self.target_scale.value
+
+    def draft_cost_ratio(self) -> float:
+        """The draft's 1-token step ÷ the target's at batch 1, as priced now (NaN without both)."""
+        if self.target is None or self.draft is None:
+            return float("nan")
+        model = self.cost_model()
+        assert model.draft is not None
+        return model.draft.step(1) / model.target.step(1)
+
+    def observe(self, plan: RoundPlan, seqs: list[Sequence], report: RoundReport, now: float) -> None:
+        """Learn the scales and overheads from a finished round, unless a service warms up."""
+        steady = self.warmup.steady
+        self.warmup.round_done()
+        if not steady:
+            return
+        ks = [report.ks[s.slot_id] for s in seqs]
+        drafts = [0 if s.slot_id in plan.lookups else k for s, k in zip(seqs, ks)]  # the model draft's
+        if self.target is not None:
+            unscaled = RoundCostModel(*self.at_context(plan.context))  # the EMAs track measured ÷ this
+            predicted = unscaled.verify_seconds(ks, [report.steps_of(s.slot_id) for s in seqs])
+            self.target_scale.observe_ratio(report.verify.compute_s, predicted, self.weight, now)
+            if any(drafts):
+                self._observe_draft(plan, seqs, report, unscaled, drafts, now)
+        self._observe_overhead(sum(drafts), sum(ks) - sum(drafts), report.overhead_s, now)
+
+    def _observe_draft(self, plan: RoundPlan, seqs: list[Sequence], report: RoundReport, unscaled: RoundCostModel,
+                       drafts: list[int], now: float) -> None:
+        """The draft's scale from a round without a catch-up; from one with, the correction of
+        catch-ups past the table's widest chunk (the Propose's time past its steps was theirs)."""
+        guesses = [len(g.tokens) if (g := plan.guesses.get(s.slot_id)) else 0 for s in seqs]
+        feeds = [plan.feeds.get(s.slot_id, 1) + guess for s, guess in zip(seqs, guesses)]
+        saved = ([float(report.guessed.get(s.slot_id, 0)) for s in seqs]
+                 if any(guesses) or any(report.guessed.values()) else None)
+        widened = [float(report.own_guess_tokens.get(s.slot_id, 0)) for s in seqs]
+        predicted = unscaled.draft_seconds(drafts, feeds, saved, widened if any(widened) else None)
+        if not plan.catching_up:
+            self.draft_scale.observe_ratio(report.propose.compute_s, predicted, self.weight, now)
+        elif plan.catch_up_beyond_s > 0:
+            rest = predicted * self.draft_scale.value + plan.catch_up_s - plan.catch_up_beyond_s
+            scale = self.catch_up_scales.setdefault(catch_up_class(plan.catch_up_tokens), Scale())
+            scale.observe_ratio(report.propose.compute_s - rest, plan.catch_up_beyond_s, self.weight, now)
+
+    def _observe_overhead(self, drafted: int, looked_up: int, overhead_s: float, now: float) -> None:
+        """A round's overhead beyond the services' compute: a plain round's, plus what each
+        verified lookup token adds, plus what the model draft adds (`DraftOverhead`)."""
+        excess = overhead_s - self.overhead_s
+        if drafted == 0 and looked_up == 0:
+            self.overhead_s += self.weight * excess
+        elif drafted == 0:
+            per_token = max(0.0, excess) / looked_up
+            self.lookup_token_overhead_s += self.weight * (per_token - self.lookup_token_overhead_s)
+        else:
+            self.draft_overhead.observe(drafted, excess - self.lookup_token_overhead_s * looked_up, now)
