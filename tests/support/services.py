@@ -257,6 +257,20 @@ def slow_down(monkeypatch: pytest.MonkeyPatch, owner: object, method: str, secon
     monkeypatch.setattr(owner, method, slowed)
 
 
+def slow_first(monkeypatch: pytest.MonkeyPatch, owner: object, method: str, seconds: float, calls: int) -> None:
+    """The first `calls` calls of `owner.method` sleep `seconds` first (as a service's first
+    steps do while it loads compiled graphs beside them); the later ones run as they are."""
+    real, made = getattr(owner, method), [0]
+
+    def slowed(*args: Any, **kwargs: Any) -> Any:
+        made[0] += 1
+        if made[0] <= calls:
+            time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, method, slowed)
+
+
 def rpc_error(call: Callable[[Any], Any], request: Any) -> grpc.RpcError:
     """The RpcError `call(request)` raises (fails the test if it succeeds)."""
     with pytest.raises(grpc.RpcError) as info:

@@ -111,6 +111,12 @@ class CostEstimates:
             self.draft_overhead = DraftOverhead(self.weight)
         self.warmup.restarted(service)
 
+    def remeasure_draft(self) -> None:
+        """A probe of the model draft begins: its next timings replace what the draft's scale and
+        overhead hold, rather than being averaged with the samples that kept it off."""
+        self.draft_scale.seen = 0
+        self.draft_overhead.restart()
+
     def cost_model(self, context: float | None = None) -> RoundCostModel:
         """The round cost model with the online scales, pricing requests that hold `context`
         cached tokens on average (default: the context the services measured at)."""

@@ -118,6 +118,10 @@ class DraftOverhead:
     _means: list[float] = field(default_factory=list)
     at: float | None = None
 
+    def restart(self) -> None:
+        """The next round's sample replaces the fit (which stands until then)."""
+        self._means = []
+
     def observe(self, drafted: int, excess_s: float, now: float = 0.0) -> None:
         """A round drafted `drafted` tokens in all and its overhead exceeded a plain round's by `excess_s`."""
         sample = [float(drafted), excess_s, float(drafted * drafted), drafted * excess_s]

@@ -88,6 +88,7 @@ class SourceTrack:
             self.rounds_off, self.interval, self.probe_rounds_left = 0, FIRST_PROBE_ROUNDS, 0
             if self.state is not SourceState.DRAFTING or self.reason is None:
                 self._switch(SourceState.DRAFTING, SwitchReason.PAYS, numbers)
+            self.off_s = 0.0
             return
         self.rounds_off += 1
         if self.state is SourceState.PROBING and self.probe_rounds_left == 0:
@@ -107,10 +108,8 @@ class SourceTrack:
         self.state, self.reason = state, reason
         self.switches[reason] += 1
         level = logging.WARNING if reason is SwitchReason.DRAFT_FAILURE else logging.INFO
-        log.log(level, "planner: %s %s -> %s (%s) after %.1f s of decoding off; %s", self.source.value,
+        log.log(level, "planner: %s %s -> %s (%s), %.1f s of decoding since it last drafted; %s", self.source.value,
                 was.value if was is not None else "start", state.value, reason.value, self.off_s, numbers())
-        if state is SourceState.DRAFTING:
-            self.off_s = 0.0
 
     def restarted(self) -> None:
         """Its service (re)started: probe soon, whatever earlier probes found."""

@@ -84,6 +84,8 @@ class SourceDecisions:
         slot, cap = seq.slot_id, inputs.caps[seq.slot_id]
         if track.source is DraftSource.MODEL:
             choice.set(slot, min(PROBE_K, cap), lookup=False)
+            if track.probe_rounds_left == 0:  # a new probe: what it measures is the draft's cost now
+                self.costs.remeasure_draft()
         else:
             choice.set(slot, min(PROBE_K, cap, len(inputs.lookups[slot].tokens)), lookup=True)
         track.start_probe(slot)
