@@ -1,9 +1,10 @@
-"""The command line: `specdec serve | generate | bench | health`, the process launcher and `make demo`.
+"""The command line: `specdec serve | generate | info | bench | health`, the process launcher and `make demo`.
 
 The top layer: it may import the services and the shared library, and nothing imports it
 (except the benchmark harness, which drives the same launcher). `main` dispatches
-`specdec health` and `specdec generate` before anything heavy is imported: health checks run
-the one every few seconds, and the other is a client, which needs neither torch nor a model.
+`specdec health`, `specdec generate` and `specdec info` before anything heavy is imported:
+health checks run the first every few seconds, and the others are clients, which need
+neither torch nor a model.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from specdec.cli.generate import main as generate_main
 
         return generate_main(args[1:])
+    if args[:1] == ["info"]:
+        from specdec.cli.info import main as info_main
+
+        return info_main(args[1:])
     from specdec.cli.main import main as full_main
 
     return full_main(args)

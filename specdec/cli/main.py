@@ -1,5 +1,6 @@
 """The `specdec` command: `specdec serve` runs the trio, `specdec generate` streams from it,
-`specdec bench` measures its speed (the harness in benchmarks/specdec_bench)."""
+`specdec info` shows what its gateway reports (the planner's state included), `specdec bench`
+measures its speed (the harness in benchmarks/specdec_bench)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 
 from specdec.cli.generate import add_generate_flags, generate
 from specdec.cli.health import add_health_flags, health
+from specdec.cli.info import add_info_flags, info
 from specdec.cli.launcher import ServiceProcess, start_service
 from specdec.draft_server.config import DraftConfig
 from specdec.errors import SpecdecError
@@ -127,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _serve_flags(commands.add_parser("serve", help="start draft, target and gateway; stop all on Ctrl-C / SIGTERM"))
     add_generate_flags(commands.add_parser("generate", help="stream a generation from a running gateway"))
+    add_info_flags(commands.add_parser(
+        "info", help="print what a running gateway reports: models, K, and the planner's draft sources",
+    ))
     add_health_flags(commands.add_parser("health", help="check a service with grpc.health.v1; exit 0 when SERVING"))
     add_bench_flags(commands.add_parser(
         "bench", help="measure speed: starts the trio, writes results JSON, plots and docs/benchmarks.md",
@@ -146,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench(args, sys.argv[1:] if argv is None else argv)
     if args.command == "health":
         return health(args)
+    if args.command == "info":
+        return info(args)
     return generate(args)
 
 

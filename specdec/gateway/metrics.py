@@ -19,16 +19,42 @@ draft `source` too (model, prompt_lookup, suffix, lookup_then_model): sum it awa
     round time by phase      = rate(specdec_round_time_seconds_total[5m])
     speculation turned off   = sum by (reason) (rate(specdec_spec_decode_off_rounds_total[5m]))
 
+The planner's state (`gateway.planner.status`): is speculation off, since when, why.
+
+    off, for how long        = specdec_spec_decode_off_seconds > 0
+                               (seconds of decoding since any source last drafted on its merits;
+                               idle time does not count, so it grows only while requests decode)
+    which sources are off    = specdec_spec_decode_source_state{state="off"} == 1
+    each source, since       = specdec_spec_decode_source_off_seconds
+    why (recent switches)    = sum by (source, reason) (increase(specdec_spec_decode_source_switches_total[1h])) > 0
+    when it switched         = the steps of specdec_spec_decode_source_switches_total
+    the estimates behind it  = specdec_spec_decode_planner_acceptance (by source),
+                               specdec_spec_decode_planner_draft_cost_ratio, ..._expected_speedup
+
+A source the planner reports nothing for (the model draft on a gateway without one; every
+source before the first round) has every `state` at 0, `off_seconds` 0 and acceptance NaN.
+An estimate the planner does not have is NaN, as a summary's quantiles are before their first
+observation: its series exists from the start, comparisons with it are false (no alert fires
+on it) and Grafana draws a gap.
+
 docs/metrics.md lists every family.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import Metric
 
 from specdec.gateway.draft_sources import DraftSource
+from specdec.gateway.planner.status import (
+    PLANNED_SOURCES,
+    SOURCE_STATES,
+    SWITCH_REASONS,
+    PlannerStatus,
+    SourceStatus,
+)
 from specdec.gateway.stats import GatewayStats
 from specdec.stats import DEFAULT_PREFIX, Families, MetricsEndpoint
 
@@ -99,6 +125,38 @@ def gateway_families(stats: GatewayStats, prefix: str, model_name: str) -> Itera
     yield f.histogram("rpc_latency_seconds", "Model-service calls as the gateway sees them", ["method"],
                       {(m,): d for m, d in s.rpc_latency.items()})
     yield f.histogram("round_batch_size", "Requests per speculation round", [], {(): s.batch_size})
+    yield from planner_families(f, s.planner)
+
+
+def planner_families(f: Families, status: PlannerStatus) -> Iterator[Metric]:
+    """The planner's state after the last round: every planned source, state and reason from the start."""
+    yield f.gauge("spec_decode_source_state", "1 for the draft source's current state with the planner, 0 for the "
+                  "others (all 0: the planner reports none for it)", ["source", "state"], _source_states(status))
+    yield f.gauge("spec_decode_source_off_seconds", "Seconds of decoding since the source last drafted on its merits "
+                  "(0 while it does; probes do not reset it)", ["source"], _per_source(status, lambda s: s.off_s, 0.0))
+    yield f.gauge("spec_decode_off_seconds", "Seconds of decoding since any source last drafted on its merits", [],
+                  _one(status.off_s))
+    yield f.counter("spec_decode_source_switches", "Planner switches of a draft source, by reason (pays: back on)",
+                    ["source", "reason"], {(source.value, reason.value): status.switches.get((source, reason), 0)
+                                           for source in PLANNED_SOURCES for reason in SWITCH_REASONS})
+    yield f.gauge("spec_decode_planner_acceptance", "The planner's acceptance estimate per draft source (NaN: none)",
+                  ["source"], _per_source(status, lambda s: s.acceptance, math.nan))
+    yield f.gauge("spec_decode_planner_draft_cost_ratio", "Draft 1-token step / target step at batch 1, as the "
+                  "planner prices them (NaN: no draft model or no costs)", [], _one(status.draft_cost_ratio))
+    yield f.gauge("spec_decode_planner_expected_speedup", "The last planned round's expected tokens/s / a plain "
+                  "round's", [], _one(status.expected_speedup))
+
+
+def _per_source(status: PlannerStatus, value: Callable[[SourceStatus], float],
+                missing: float) -> dict[tuple[str, ...], float]:
+    """`value` of each planned source's status; `missing` where the planner reports none."""
+    return {(source.value,): value(s) if (s := status.of(source)) else missing for source in PLANNED_SOURCES}
+
+
+def _source_states(status: PlannerStatus) -> dict[tuple[str, ...], float]:
+    states = {source: s.state if (s := status.of(source)) else None for source in PLANNED_SOURCES}
+    return {(source.value, state.value): float(states[source] is state)
+            for source in PLANNED_SOURCES for state in SOURCE_STATES}
 
 
 def gateway_endpoint(stats: GatewayStats, model_name: str, prefix: str = DEFAULT_PREFIX) -> MetricsEndpoint:

@@ -26,6 +26,7 @@ from specdec.gateway.config import GatewayConfig
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.draft_sources import SpeculationMethod
 from specdec.gateway.generation import GatewayState, Generations
+from specdec.gateway.info import planner_to_pb
 from specdec.gateway.kv_handoff import KVHandoff
 from specdec.gateway.metrics import gateway_endpoint
 from specdec.gateway.model_clients import INFO_TIMEOUT_S, DraftAPI, DraftClient, ServiceLink, TargetAPI, TargetClient
@@ -67,6 +68,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             max_new_tokens_default=s.config.max_new_tokens_default,
             adaptive_k=s.config.adaptive_k and s.scheduler.planner.can_adapt,
             default_speculation_method=method_to_pb(s.policy.default_method),
+            planner=planner_to_pb(s.stats.planner),
         )
         if "draft" in s.monitor.latest:
             info.draft.CopyFrom(s.monitor.latest["draft"].to_pb())

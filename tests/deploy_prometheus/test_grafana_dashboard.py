@@ -139,7 +139,7 @@ def test_queries_use_documented_raw_metrics_only() -> None:
 
 
 def test_dashboard_covers_the_issue() -> None:
-    """The panels issue 9 asks for: each needs these metrics somewhere in the dashboard."""
+    """The panels issues 9 and 55 ask for: each needs these metrics somewhere in the dashboard."""
     used = {name for _, expr in panel_queries() for name in metric_names(expr)}
     required = {
         "acceptance rate": {"specdec_spec_decode_num_accepted_tokens_total",
@@ -154,6 +154,10 @@ def test_dashboard_covers_the_issue() -> None:
         "RPC latency": {"specdec_rpc_latency_seconds_bucket", "specdec_service_rpc_latency_seconds_bucket"},
         "draft failures": {"specdec_spec_decode_draft_failures_total"},
         "speculation off": {"specdec_spec_decode_off_rounds_total"},
+        "planner (issue 55)": {"specdec_spec_decode_source_state", "specdec_spec_decode_source_switches_total",
+                               "specdec_spec_decode_off_seconds", "specdec_spec_decode_source_off_seconds",
+                               "specdec_spec_decode_planner_acceptance", "specdec_spec_decode_planner_draft_cost_ratio",
+                               "specdec_spec_decode_planner_expected_speedup"},
     }
     by_source = [expr for _, expr in panel_queries() if "by (model_name, source)" in expr]
     assert {"specdec_spec_decode_num_draft_tokens_total", "specdec_spec_decode_num_accepted_tokens_total"} <= {

@@ -121,6 +121,7 @@ def test_required_alerts_exist() -> None:
     assert "specdec_spec_decode_draft_failures_total" in joined
     assert "specdec_spec_decode_num_accepted_tokens_total" in joined  # low acceptance
     assert "specdec_service_kv_blocks_total" in joined and "specdec_kv_cache_usage_perc" in joined  # KV nearly full
+    assert "specdec_spec_decode_off_seconds > 600" in exprs["SpecdecSpeculationOff"]  # the planner keeps it off
 
 
 def test_recording_rule_names() -> None:

@@ -1,4 +1,4 @@
-"""The `specdec` command line: generate (streaming and --json) and serve (the whole trio)."""
+"""The `specdec` command line: generate (streaming and --json), info, and serve (the whole trio)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,25 @@ def test_generate_error_exits_non_zero_with_status(int8_stack) -> None:  # type:
     assert done.returncode != 0
     assert "INVALID_ARGUMENT" in done.stderr and "num_speculative_tokens" in done.stderr
     assert done.stdout == ""
+
+
+def test_info_prints_the_models_and_the_planner(int8_stack) -> None:  # type: ignore[no-untyped-def]
+    with int8_stack.client() as client:
+        client.generate("Name three fruits.", max_new_tokens=4)  # a round, so the planner has reported
+        info = client.info()
+    done = subprocess.run([*CLI, "info", "--gateway", int8_stack.address, "--json"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout)
+    assert printed["target"]["model_name"] == info.target.model_name and printed["draft"] is not None
+    planner = printed["planner"]
+    assert set(planner) == {"sources", "draft_cost_ratio", "expected_speedup", "off_seconds"}
+    for source in planner["sources"]:
+        assert source["source"] in {"model", "prompt_lookup", "suffix"}, source
+        assert source["state"] in {"drafting", "off", "probing"}, source
+    done = subprocess.run([*CLI, "info", "--gateway", int8_stack.address], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"target       {info.target.model_name} (" in done.stdout and "planner      " in done.stdout
 
 
 def test_gateway_runs_alone_against_running_services(int8_stack) -> None:  # type: ignore[no-untyped-def]

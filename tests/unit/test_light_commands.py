@@ -1,9 +1,9 @@
 """The command line starts without torch or transformers until it serves or benchmarks.
 
-Health checks run `specdec health` every few seconds, `specdec generate` is a client, and
-every `--help` should answer at once: importing torch and transformers takes seconds. The
-model services' configs take their choices from `specdec.model.choices`, which imports
-neither, and the gateway loads inside `specdec serve`.
+Health checks run `specdec health` every few seconds, `specdec generate` and `specdec info`
+are clients, and every `--help` should answer at once: importing torch and transformers takes
+seconds. The model services' configs take their choices from `specdec.model.choices`, which
+imports neither, and the gateway loads inside `specdec serve`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 HEAVY = ("torch", "transformers")
 
 
-@pytest.mark.parametrize("command", ["health", "generate", "serve", "bench", None])
+@pytest.mark.parametrize("command", ["health", "generate", "info", "serve", "bench", None])
 def test_a_commands_help_imports_no_model_library(command: str | None) -> None:
     # The dispatch itself, as `specdec COMMAND --help` runs it: argparse exits after the help.
     probe = (
