@@ -107,7 +107,9 @@ class SourceTrack:
         was = self.state if self.reason is not None else None
         self.state, self.reason = state, reason
         self.switches[reason] += 1
-        level = logging.WARNING if reason is SwitchReason.DRAFT_FAILURE else logging.INFO
+        # The model draft's switches show at a server's default level (they are rare: a source
+        # counts as off only after OFF_AFTER_ROUNDS); a lookup's come and go with the text.
+        level = logging.WARNING if self.source is DraftSource.MODEL and was is not None else logging.INFO
         log.log(level, "planner: %s %s -> %s (%s), %.1f s of decoding since it last drafted; %s", self.source.value,
                 was.value if was is not None else "start", state.value, reason.value, self.off_s, numbers())
 
