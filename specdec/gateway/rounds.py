@@ -47,6 +47,8 @@ class RoundPlan:
     catch_up_beyond_s: float = 0.0
     #: Tokens of the round's longest catch-up (its length class gets the correction).
     catch_up_tokens: int = 0
+    #: The tokens each catching-up request feeds its draft in the round's first forward.
+    catch_up_feeds: dict[str, int] = field(default_factory=dict)
     #: For each request whose draft catch-up waits (`CatchUpPricer.renting`) where a caught-up
     #: draft would have been faster: the batch's tokens per second then. The round's time past
     #: its tokens at that rate is the request's rent.

@@ -10,6 +10,9 @@ from specdec.gateway.planner.rates import SelfGuessRates
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence
 
+#: What the estimate a probe re-measures keeps of its past: as many outcomes as this.
+PROBE_PRIOR_OUTCOMES = 2
+
 
 @dataclass
 class ModelAcceptance:
@@ -37,6 +40,14 @@ class ModelAcceptance:
         """The draft is another model now: what its predecessor's tokens taught does not hold."""
         self.overall, self.measured = AcceptanceEstimate(self.prior_alpha, self.global_weight), False
         self._requests.clear()
+
+    def remeasure(self, slot_id: str) -> None:
+        """A probe of the draft begins on `slot_id`: its outcomes count as much as the last
+        `PROBE_PRIOR_OUTCOMES` outcomes together, so a draft that turned good shows within a
+        probe or two (an estimate held by many old outcomes would need dozens)."""
+        for estimate in (self.overall, self._requests.get(slot_id)):
+            if estimate is not None:
+                estimate.seen = min(estimate.seen, PROBE_PRIOR_OUTCOMES)
 
     def alphas(self, seq: Sequence) -> list[float]:
         estimate = self._requests.get(seq.slot_id)

@@ -21,6 +21,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from specdec.cost_model import ForwardCost
+from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.kv_handoff import KVHandoff
 from specdec.gateway.planner.acceptance import ModelAcceptance
 from specdec.gateway.planner.catch_up import MAX_ROUND_FEED, CatchUpPricer, round_feed
@@ -122,13 +123,14 @@ class Planner:
         decision = Decision(rates, choose(rates, choice, flexible, caps, steps, lookups, model_ok), waiting=waiting)
         decision.caught_up_rates = self.catch_ups.caught_up_rates(waiting, rates, choice, caps, steps)
         decision.guesses = best_guesses(rates, choice, lookups) if self.guesses else {}
-        self.sources.chosen(inputs, flexible, choice, rates, steps)
+        self.sources.chosen(inputs, flexible, choice, rates, steps, waiting)
 
         def worth_probing(s: Sequence) -> bool:
             return self._probe_affordable(s, plain_round, len(batch)) and rates.probe_could_pay(
                 s, choice.ks, caps, choice.on_lookup)
 
-        self.request_probes.schedule([s for s in flexible if s.slot_id in model_ok], choice.ks, caps, worth_probing)
+        if self.sources.drafting(DraftSource.MODEL):  # while it is off, the source's probes explore it
+            self.request_probes.schedule([s for s in flexible if s.slot_id in model_ok], choice.ks, caps, worth_probing)
         return decision
 
     def _probe_affordable(self, seq: Sequence, plain_round: float, batch_size: int) -> bool:
@@ -173,6 +175,7 @@ class Planner:
             self_guessing={s.slot_id for s in model_drafted if s.slot_id in own},
             catch_up_s=within + beyond, catch_up_beyond_s=beyond,
             catch_up_tokens=max((s.draft_pending for s in catching), default=0),
+            catch_up_feeds={s.slot_id: s.draft_pending for s in catching},
             caught_up_rates=caught_up_rates, handoffs=handoffs,
         )
 

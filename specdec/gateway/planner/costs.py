@@ -13,7 +13,7 @@ import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from specdec.cost_model import CostTable, ForwardCost, RoundCostModel
+from specdec.cost_model import VERIFY_MAX_TOKENS, CostTable, ForwardCost, RoundCostModel
 from specdec.gateway.planner.estimates import DraftOverhead, Scale
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence
@@ -174,15 +174,21 @@ class CostEstimates:
 
     def _observe_draft(self, plan: RoundPlan, seqs: list[Sequence], report: RoundReport, unscaled: RoundCostModel,
                        drafts: list[int], now: float) -> None:
-        """The draft's scale from a round without a catch-up; from one with, the correction of
-        catch-ups past the table's widest chunk (the Propose's time past its steps was theirs)."""
+        """The draft's scale from a round whose catch-ups (if any) are verify-sized, priced as the
+        first forward's width: a draft that falls a plain round behind after every drafted round
+        must still teach its step cost. From a round with a catch-up past the table's widest
+        chunk, that catch-up's correction (the Propose's time past its steps)."""
         guesses = [len(g.tokens) if (g := plan.guesses.get(s.slot_id)) else 0 for s in seqs]
-        feeds = [plan.feeds.get(s.slot_id, 1) + guess for s, guess in zip(seqs, guesses)]
+        # A verify-sized catch-up (a plain round's tokens) runs as a step does, a first forward
+        # the table prices; a prompt's runs eager, and says nothing of the steps.
+        within = plan.catch_up_tokens <= VERIFY_MAX_TOKENS
+        feeds = [(plan.catch_up_feeds.get(s.slot_id, 0) if within else 0) or plan.feeds.get(s.slot_id, 1) + guess
+                 for s, guess in zip(seqs, guesses)]
         saved = ([float(report.guessed.get(s.slot_id, 0)) for s in seqs]
                  if any(guesses) or any(report.guessed.values()) else None)
         widened = [float(report.own_guess_tokens.get(s.slot_id, 0)) for s in seqs]
         predicted = unscaled.draft_seconds(drafts, feeds, saved, widened if any(widened) else None)
-        if not plan.catching_up:
+        if within:
             self.draft_scale.observe_ratio(report.propose.compute_s, predicted, self.weight, now)
         elif plan.catch_up_beyond_s > 0:
             rest = predicted * self.draft_scale.value + plan.catch_up_s - plan.catch_up_beyond_s

@@ -6,8 +6,8 @@ corrected. Each source the planner can switch off (`PLANNED_SOURCES`) therefore 
 `SourceTrack`: its state (drafting / off / probing), why it last switched, and a probe
 schedule that does not ask the estimates. After `FIRST_PROBE_ROUNDS` candidate rounds off, one
 request drafts `PROBE_K` tokens from it anyway; each probe that does not turn it back on
-doubles the wait, up to `MAX_PROBE_ROUNDS`, and a probe may spend at most `PROBE_BUDGET` of the
-decoding time since the last one. A service that restarts starts the schedule afresh. Probes
+doubles the wait, up to `MAX_PROBE_ROUNDS`, and a probe after the first may spend at most
+`PROBE_BUDGET` of the decoding time since the last one. A service that restarts starts the schedule afresh. Probes
 are what refresh the estimates: a stale estimate weighs a new sample more (`estimates`).
 
 A request kept at K = 0 while its source drafts for others is probed on its own
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 #: pays now and then is on), and before its first probe; the wait doubles up to the maximum.
 OFF_AFTER_ROUNDS = 32
 FIRST_PROBE_ROUNDS = 32
-MAX_PROBE_ROUNDS = 256
+MAX_PROBE_ROUNDS = 128
 #: A probe may cost at most this share of the decoding seconds since the source's last probe.
 PROBE_BUDGET = 0.02
 #: Draft tokens of a probe; a model probe lasts two rounds, so its second one measures a step
@@ -55,6 +55,9 @@ class SourceTrack:
     interval: int = FIRST_PROBE_ROUNDS
     #: Decoding seconds since its last probe (the probe budget's base).
     since_probe_s: float = 0.0
+    #: Whether it was probed since the start or its service's last restart: the first probe
+    #: goes ahead whatever it costs (the priors alone must not keep a source from ever being measured).
+    probed: bool = False
     #: The request a running probe drafts for, and the probe's rounds left.
     probe_slot: str | None = None
     probe_rounds_left: int = 0
@@ -69,11 +72,12 @@ class SourceTrack:
         if self.probe_rounds_left > 0:
             return True
         return (self.state is SourceState.OFF and self.reason is not SwitchReason.DRAFT_FAILURE
-                and self.rounds_off >= self.interval and price_s <= PROBE_BUDGET * self.since_probe_s)
+                and self.rounds_off >= self.interval
+                and (not self.probed or price_s <= PROBE_BUDGET * self.since_probe_s))
 
     def start_probe(self, slot_id: str) -> None:
         if self.probe_rounds_left == 0:
-            self.probe_slot, self.rounds_off, self.since_probe_s = slot_id, 0, 0.0
+            self.probe_slot, self.rounds_off, self.since_probe_s, self.probed = slot_id, 0, 0.0, True
             self.probe_rounds_left = MODEL_PROBE_ROUNDS if self.source is DraftSource.MODEL else 1
             log.debug("planner: probing %s (off %.1f s, next wait %d rounds)", self.source.value, self.off_s,
                       min(2 * self.interval, MAX_PROBE_ROUNDS))
@@ -115,7 +119,7 @@ class SourceTrack:
 
     def restarted(self) -> None:
         """Its service (re)started: probe soon, whatever earlier probes found."""
-        self.interval = FIRST_PROBE_ROUNDS
+        self.interval, self.probed = FIRST_PROBE_ROUNDS, False
 
     def ran(self, seconds: float) -> None:
         """A round with candidates for it took `seconds` while it was not drafting on merits."""

@@ -31,13 +31,16 @@ class SourceDecisions:
     _candidates: dict[DraftSource, list[Sequence]] = field(default_factory=dict)
     _merit: dict[DraftSource, bool] = field(default_factory=dict)
     _rates: RatePredictor | None = None
+    _renting: set[str] = field(default_factory=set)
     expected_speedup: float = 1.0
     #: Decoding seconds since any source last drafted on its merits.
     off_s: float = 0.0
 
     def chosen(self, inputs: RoundInputs, flexible: list[Sequence], choice: SourceChoice, rates: RatePredictor,
-               steps: dict[str, int]) -> None:
-        """Record the planner's choice on the estimates alone (before any probe)."""
+               steps: dict[str, int], renting: set[str]) -> None:
+        """Record the planner's choice on the estimates alone (before any probe). Requests
+        `renting` (waiting before a long catch-up) are candidates, but a probe skips them."""
+        self._renting = renting
         model_ok = inputs.model_allowed
         self._candidates = {DraftSource.MODEL: [s for s in flexible if s.slot_id in model_ok]}
         for s in flexible:
@@ -78,14 +81,18 @@ class SourceDecisions:
         if track.source is DraftSource.MODEL and not self.costs.warmup.steady and track.probe_rounds_left == 0:
             return  # what it would measure now is not learnt from
         ongoing = [s for s in candidates if s.slot_id == track.probe_slot and track.probe_rounds_left > 0]
-        seq = ongoing[0] if ongoing else min(candidates, key=lambda s: self._price(track.source, s))
+        affordable = [s for s in candidates if s.slot_id not in self._renting]
+        if not ongoing and not affordable:
+            return
+        seq = ongoing[0] if ongoing else min(affordable, key=lambda s: self._price(track.source, s))
         if not track.probe_due(self._price(track.source, seq)):
             return
         slot, cap = seq.slot_id, inputs.caps[seq.slot_id]
         if track.source is DraftSource.MODEL:
             choice.set(slot, min(PROBE_K, cap), lookup=False)
-            if track.probe_rounds_left == 0:  # a new probe: what it measures is the draft's cost now
+            if track.probe_rounds_left == 0:  # a new probe: what it measures is the draft as it is now
                 self.costs.remeasure_draft()
+                self.acceptance.remeasure(slot)
         else:
             choice.set(slot, min(PROBE_K, cap, len(inputs.lookups[slot].tokens)), lookup=True)
         track.start_probe(slot)
@@ -98,6 +105,11 @@ class SourceDecisions:
         if source is not DraftSource.MODEL or draft is None:
             return 0.0
         return self.catch_ups.seconds(seq) + PROBE_K * draft.step(1)
+
+    def drafting(self, source: DraftSource) -> bool:
+        """Whether `source` is on: drafting for some requests on its merits lately."""
+        track = self.tracks.get(source)
+        return track is not None and track.state is SourceState.DRAFTING
 
     def draft_down(self, batch: list[Sequence]) -> None:
         """The draft cannot be called this round, with requests that would draft with it."""

@@ -252,7 +252,7 @@ def test_a_draft_that_guesses_on_its_own_is_priced_by_the_steps_it_saves() -> No
     assert alone.ks["a"] == 0
     planner = Planner(TARGET, costly, clock=still)
     a = seq("a")
-    plan = guessing_rounds(planner, a, share=0.75)
+    plan = guessing_rounds(planner, a, share=0.75, rounds=60)  # the source is probed after 32 rounds off
     assert plan.ks["a"] >= 4 and plan.self_guessing == {"a"}
     assert planner.acceptance.self_guess_rates(a).saved == pytest.approx(0.75, abs=0.1)
     assert planner.acceptance.self_guess_rates(a).fed == pytest.approx(2.0)
