@@ -100,10 +100,13 @@ NO_SUFFIX_CACHE = ("--suffix-cache-tokens", "0")
 
 @contextmanager
 def running_stack(
-    target_args: str = "", draft_args: str = "", gateway_args: str = "", *, lookup_gateway: bool = False
+    target_args: str = "", draft_args: str = "", gateway_args: str = "", *, lookup_gateway: bool = False,
+    wait_graphs: bool = True,
 ) -> Iterator[Stack]:
     """Start target, draft and gateway, one after the other (and, with `lookup_gateway`, a second
-    gateway on the same target without the draft, `--speculation-method ngram`); stop all on exit."""
+    gateway on the same target without the draft, `--speculation-method ngram`); stop all on exit.
+    With `wait_graphs` the gateway starts once both services have loaded their deferred compiled
+    graphs (`wait_for_graphs`); without, as soon as they listen, as in production."""
     target_flags, draft_flags = shlex.split(target_args), shlex.split(draft_args)
     configs = parse_config(TargetConfig, target_flags), parse_config(DraftConfig, draft_flags)
     children: list[ServiceProcess] = []
@@ -115,8 +118,9 @@ def running_stack(
         target = children[-1].wait_ready()
         children.append(start_service("specdec.draft_server", [*_QUIET, *draft_flags]))
         draft = children[-1].wait_ready()
-        wait_for_graphs(target.address, "target")
-        wait_for_graphs(draft.address, "draft")
+        if wait_graphs:
+            wait_for_graphs(target.address, "target")
+            wait_for_graphs(draft.address, "draft")
         children.append(start_service("specdec.gateway", [
             "--target-address", target.address, "--draft-address", draft.address, "--metrics-port", "0", *_QUIET,
             *MODEL_DRAFT, *NO_SUFFIX_CACHE, *shlex.split(gateway_args),
@@ -139,18 +143,24 @@ def running_stack(
             child.stop()
 
 
-def wait_for_graphs(address: str, service: str, timeout: float = GRAPHS_TIMEOUT_S) -> None:
-    """Block until the `service` ("target" or "draft") at `address` has loaded the compiled
-    graphs its start-up left for after serving began (`ModelInfo.pending_graphs`): until then
-    its steps run eager and it compiles or times beside the benchmark."""
-    deadline = time.monotonic() + timeout
+def pending_graphs(address: str, service: str) -> int:
+    """The compiled graphs the `service` ("target" or "draft") at `address` still has to load
+    (`ModelInfo.pending_graphs`): until it has, some of its steps run eager."""
     with grpc.insecure_channel(address) as channel:
         stub: target_pb2_grpc.TargetServiceStub | draft_pb2_grpc.DraftServiceStub
         if service == "target":
             stub = target_pb2_grpc.TargetServiceStub(channel)
         else:
             stub = draft_pb2_grpc.DraftServiceStub(channel)
-        while (pending := stub.Info(common_pb2.InfoRequest(), timeout=30).pending_graphs) > 0:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {service} still had {pending} compiled graphs to load after {timeout:.0f} s")
-            time.sleep(0.5)
+        return stub.Info(common_pb2.InfoRequest(), timeout=30).pending_graphs
+
+
+def wait_for_graphs(address: str, service: str, timeout: float = GRAPHS_TIMEOUT_S) -> None:
+    """Block until the `service` ("target" or "draft") at `address` has loaded the compiled
+    graphs its start-up left for after serving began (`pending_graphs`): until then its steps
+    run eager and it compiles or times beside the benchmark."""
+    deadline = time.monotonic() + timeout
+    while (pending := pending_graphs(address, service)) > 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the {service} still had {pending} compiled graphs to load after {timeout:.0f} s")
+        time.sleep(0.5)
