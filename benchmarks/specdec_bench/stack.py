@@ -26,6 +26,9 @@ from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 #: How long a service may take to load the compiled graphs its start-up left for later.
 GRAPHS_TIMEOUT_S = 600.0
+#: How long a service may take to print its ready line: a cold start (empty tuning and compile
+#: caches) measures its kernels and builds graphs first, minutes on a busy 2-core machine.
+START_TIMEOUT_S = 900.0
 #: Quiet services: their INFO logs would interleave with the progress bar.
 _QUIET = ("--log-level", "WARNING")
 
@@ -115,9 +118,9 @@ def running_stack(
         # start-up, and on a 2-core machine two services loading and timing at once corrupt
         # each other's cost tables (and with them c, s and the gateway's choice of K).
         children.append(start_service("specdec.target_server", [*_QUIET, *target_flags]))
-        target = children[-1].wait_ready()
+        target = children[-1].wait_ready(START_TIMEOUT_S)
         children.append(start_service("specdec.draft_server", [*_QUIET, *draft_flags]))
-        draft = children[-1].wait_ready()
+        draft = children[-1].wait_ready(START_TIMEOUT_S)
         if wait_graphs:
             wait_for_graphs(target.address, "target")
             wait_for_graphs(draft.address, "draft")
@@ -125,7 +128,7 @@ def running_stack(
             "--target-address", target.address, "--draft-address", draft.address, "--metrics-port", "0", *_QUIET,
             *MODEL_DRAFT, *NO_SUFFIX_CACHE, *shlex.split(gateway_args),
         ]))
-        gateway = children[-1].wait_ready()
+        gateway = children[-1].wait_ready(START_TIMEOUT_S)
         metrics_port = gateway.ready.metrics_port if gateway.ready is not None else None
         if metrics_port is None:
             raise RuntimeError(f"the gateway's ready line names no metrics port: {gateway.ready}")
@@ -136,7 +139,7 @@ def running_stack(
                 "--target-address", target.address, *_QUIET, *NO_SUFFIX_CACHE, *shlex.split(gateway_args),
                 "--speculation-method", "ngram",
             ]))
-            lookup_only = children[-1].wait_ready()
+            lookup_only = children[-1].wait_ready(START_TIMEOUT_S)
         yield Stack(target, draft, gateway, metrics_port, *configs, lookup_gateway=lookup_only)
     finally:
         for child in reversed(children):
