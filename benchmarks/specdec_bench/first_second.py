@@ -11,7 +11,7 @@ A speculative request *drafts* when at least `DRAFTING_SHARE` of its decode roun
 with the draft model: a planner that keeps the model draft off still probes it now and
 then, and a probe's few draft tokens are not drafting. *Startup-to-drafting* is the start of
 the first request from which on every speculative request of the span drafted (None, "never",
-when the span's last one did not).
+when the span's last one did not); a speculative request that failed did not draft.
 """
 
 from __future__ import annotations
@@ -32,6 +32,19 @@ DRAFTING_SHARE = 0.5
 
 
 @dataclass
+class FailedRequest:
+    """A request of the scenario that ended with an error instead of its tokens."""
+
+    #: Seconds after t.
+    start_s: float
+    prompt: int
+    #: 0 = plain, None = speculative.
+    k: int | None
+    #: The gRPC status code's name, or the message of a request that ended without its tokens.
+    error: str
+
+
+@dataclass
 class StackTraffic:
     """One fresh stack of the scenario and the requests it was sent."""
 
@@ -45,10 +58,12 @@ class StackTraffic:
     graphs_loaded_s: float | None
     #: In order; each with `start_s`, seconds after t.
     requests: list[RunRecord] = field(default_factory=list)
+    failures: list[FailedRequest] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> StackTraffic:
-        return cls(**{**raw, "requests": [RunRecord(**r) for r in raw["requests"]]})
+        return cls(**{**raw, "requests": [RunRecord(**r) for r in raw["requests"]],
+                      "failures": [FailedRequest(**f) for f in raw.get("failures", [])]})
 
 
 @dataclass
@@ -105,9 +120,12 @@ def drafting_since(points: Sequence[tuple[float, bool]]) -> float | None:
 
 def startup_to_drafting(stack: StackTraffic) -> float | None:
     """Seconds from t until the model draft drafts in every speculative request that follows
-    (requests without a decode round, ended by their first token, say nothing either way)."""
-    return drafting_since([(_start(r), is_drafting(r)) for r in stack.requests
-                           if r.k is None and not math.isnan(model_rounds_share(r))])
+    (requests without a decode round, ended by their first token, say nothing either way;
+    a failed one did not draft)."""
+    points = [(_start(r), is_drafting(r)) for r in stack.requests
+              if r.k is None and not math.isnan(model_rounds_share(r))]
+    points += [(f.start_s, False) for f in stack.failures if f.k is None]
+    return drafting_since(sorted(points))
 
 
 @dataclass
@@ -124,6 +142,8 @@ class StackRow:
     graphs_loaded_s: float | None
     #: `startup_to_drafting` (speculative rows only; None: never).
     drafting_from_s: float | None
+    #: Requests of this stack and mode that failed, over the whole span.
+    failed: int = 0
 
 
 @dataclass
@@ -167,12 +187,13 @@ def summarize_first_second(run: FirstSecondRun) -> FirstSecondSummary:
         window = in_window(stack.requests, stack.traffic_from_s + window_s)
         for k, mode in ((None, "speculative"), (0, "plain")):
             records = [r for r in window if r.k == k]
-            if not records and not any(r.k == k for r in stack.requests):
+            failed = sum(f.k == k for f in stack.failures)
+            if not records and not failed and not any(r.k == k for r in stack.requests):
                 continue
             rows.append(StackRow(
                 stack.name, mode, Spread.of([r.tokens_per_s for r in records]),
                 _speculating(records) if k is None else math.nan, stack.traffic_from_s, stack.pending_graphs,
-                stack.graphs_loaded_s, startup_to_drafting(stack) if k is None else None,
+                stack.graphs_loaded_s, startup_to_drafting(stack) if k is None else None, failed,
             ))
 
     def median(stack: str, mode: str) -> float:

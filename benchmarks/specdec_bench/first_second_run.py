@@ -17,16 +17,20 @@ import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
 
+import grpc
+
 from specdec.client import SpecdecClient
 from specdec_bench.config import BenchConfig
-from specdec_bench.first_second import FIRST_SECOND, WAITED, FirstSecondRun, StackTraffic
+from specdec_bench.first_second import FIRST_SECOND, WAITED, FailedRequest, FirstSecondRun, StackTraffic
 from specdec_bench.results import machine
 from specdec_bench.stack import GRAPHS_TIMEOUT_S, Stack, pending_graphs, running_stack
 from specdec_bench.sweeps import Progress
-from specdec_bench.workloads import REQUEST_TIMEOUT_S, RunRecord, run_request
+from specdec_bench.workloads import REQUEST_TIMEOUT_S, run_request
 
 #: Seconds between two looks at the services' pending graphs.
 GRAPH_POLL_S = 0.5
+#: Failed requests in a row after which a stack is taken for broken (the run stops).
+MAX_FAILURES_IN_A_ROW = 10
 
 
 class GraphWatch:
@@ -93,21 +97,34 @@ def run_stack(
                     raise TimeoutError(f"the waited stack's graphs did not all load within {GRAPHS_TIMEOUT_S:.0f} s")
                 time.sleep(config.first_second_settle_s)
             traffic_from_s = time.monotonic() - t if waited else 0.0
-            requests: list[RunRecord] = []
+            traffic = StackTraffic(name, traffic_from_s, {}, None)
+            in_a_row = 0
             for prompt, k in traffic_plan(config.prompts, plain_too=waited):
                 start_s = time.monotonic() - t
                 if start_s >= traffic_from_s + config.first_second_span_s:
                     break
                 progress.set_description(f"first second: {name} stack, {start_s - traffic_from_s:.0f} s "
                                          f"of {config.first_second_span_s:.0f}")
-                record, result = run_request(client, name, prompt, k, max_new_tokens=config.max_new_tokens,
-                                             repetition=len(requests))
+                try:
+                    record, result = run_request(client, name, prompt, k, max_new_tokens=config.max_new_tokens,
+                                                 repetition=len(traffic.requests))
+                except (grpc.RpcError, RuntimeError) as error:
+                    # Counted: a request that fails while the services warm up is part of the picture.
+                    code = error.code().name if isinstance(error, grpc.Call) else str(error)
+                    traffic.failures.append(FailedRequest(start_s, prompt, k, code))
+                    in_a_row += 1
+                    if in_a_row >= MAX_FAILURES_IN_A_ROW:
+                        raise RuntimeError(f"the {name} stack failed {in_a_row} requests in a row, "
+                                           f"the last with {code}") from error
+                    continue
+                in_a_row = 0
                 record.start_s = start_s
-                requests.append(record)
+                traffic.requests.append(record)
                 outputs.setdefault((prompt, k), []).append(result.token_ids)
         finally:
             watch.stop()
-        return StackTraffic(name, traffic_from_s, watch.pending, watch.loaded_s, requests)
+        traffic.pending_graphs, traffic.graphs_loaded_s = watch.pending, watch.loaded_s
+        return traffic
 
 
 def measure_first_second(config: BenchConfig, command: str, progress: Progress) -> FirstSecondRun:
@@ -123,6 +140,10 @@ def measure_first_second(config: BenchConfig, command: str, progress: Progress) 
         if k is None and reference:
             checked += len(texts)
             mismatches += sum(tokens != reference[0] for tokens in texts)
+    for stack in stacks:
+        if stack.failures:
+            print(f"first-second scenario: {len(stack.failures)} request(s) of the {stack.name} stack failed: "
+                  + ", ".join(f"{f.error} at t + {f.start_s:.1f} s" for f in stack.failures), file=sys.stderr)
     if mismatches:
         print(f"*** first-second scenario: {mismatches} of {checked} greedy speculative outputs differ from plain "
               "decoding ***", file=sys.stderr)

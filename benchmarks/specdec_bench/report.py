@@ -117,11 +117,13 @@ def _first_second_section(results: BenchResults, summary: Summary) -> list[str]:
         f"- Command: `{run.meta.get('command', '')}`",
         "",
         *_table(["stack", "mode", "median tok/s", "min–max", "n", "rounds drafting (model)", "traffic from",
-                 "graphs pending at t (target / draft)", "graphs loaded", "drafting steadily from"],
+                 "graphs pending at t (target / draft)", "graphs loaded", "drafting steadily from",
+                 "failed in the span"],
                 [[r.stack, r.mode, _f(r.tokens_per_s.median, 1),
                   f"{_f(r.tokens_per_s.min, 1)}–{_f(r.tokens_per_s.max, 1)}", str(r.tokens_per_s.n),
                   _f(r.speculating * 100, 0, " %"), _f(r.traffic_from_s, 1, " s"), pending(r.pending_graphs),
-                  _seconds(r.graphs_loaded_s), _seconds(r.drafting_from_s) if r.mode == "speculative" else ""]
+                  _seconds(r.graphs_loaded_s), _seconds(r.drafting_from_s) if r.mode == "speculative" else "",
+                  str(r.failed)]
                  for r in fs.rows]),
         "",
         first_second_table(fs),
@@ -132,7 +134,8 @@ def _first_second_section(results: BenchResults, summary: Summary) -> list[str]:
         f"{DRAFTING_SHARE:g}. A planner that keeps the draft off still probes it in a few rounds, which is not "
         "drafting. *Rounds drafting* in the table is that share over the window's requests.",
         "- **Startup-to-drafting** (drafting steadily from): the start of the first request from which on every "
-        "speculative request of the span drafted; *never* when the span's last one did not.",
+        "speculative request of the span drafted; *never* when the span's last one did not. A request that "
+        "failed (an error status instead of its tokens; the run goes on) did not draft.",
         f"- Greedy speculative outputs compared with the waited stack's plain output of the same prompt: "
         f"{run.greedy_checked}, of which {run.greedy_mismatches} differed.",
         "",

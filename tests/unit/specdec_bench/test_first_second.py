@@ -19,6 +19,7 @@ from specdec_bench.config import FULL, QUICK, add_bench_flags, config_from_args
 from specdec_bench.first_second import (
     FIRST_SECOND,
     WAITED,
+    FailedRequest,
     FirstSecondRun,
     StackTraffic,
     drafting_since,
@@ -85,6 +86,10 @@ def test_startup_to_drafting_reads_the_speculative_requests_only() -> None:
     assert startup_to_drafting(stack) == 72.0
     never = StackTraffic(FIRST_SECOND, 0.0, {}, None, [_request(0.0, 15.0), _probing(5.0, 10.0)])
     assert startup_to_drafting(never) is None
+    # A speculative request that failed did not draft; a plain one says nothing.
+    failed = StackTraffic(FIRST_SECOND, 0.0, {}, None, [_request(0.0, 15.0), _request(9.0, 15.0)],
+                          [FailedRequest(4.0, 1, None, "DEADLINE_EXCEEDED"), FailedRequest(12.0, 2, 0, "UNAVAILABLE")])
+    assert startup_to_drafting(failed) == 9.0
 
 
 def _run() -> FirstSecondRun:
@@ -93,7 +98,7 @@ def _run() -> FirstSecondRun:
     first = StackTraffic(FIRST_SECOND, 0.0, {"target": 5, "draft": 6}, 35.0, [
         _request(0.01, 12.0), _probing(8.0, 9.0), _probing(20.0, 10.0), _request(40.0, 17.0),
         _request(55.0, 18.0), _request(60.0, 18.0), _request(70.0, 20.0),
-    ])
+    ], [FailedRequest(30.0, 1, None, "DEADLINE_EXCEEDED")])
     # Waited: traffic from t + 40 s, so its window starts at t + 100 s; plain 10 and 12, speculative 24.
     waited = StackTraffic(WAITED, 40.0, {"target": 5, "draft": 6}, 34.5, [
         _request(40.0, 30.0, k=0, phase=WAITED), _request(44.0, 30.0, phase=WAITED),
@@ -118,6 +123,7 @@ def test_summary_takes_each_stacks_window_from_its_first_request() -> None:
     assert fs.vs_plain == pytest.approx(19.0 / 11.0) and fs.vs_waited == pytest.approx(19.0 / 24.0)
     assert fs.waited_vs_plain == pytest.approx(24.0 / 11.0)
     assert fs.startup_to_drafting_s == 40.0 and waited.drafting_from_s == 44.0
+    assert (first.failed, waited.failed, plain.failed) == (1, 0, 0)
     assert first.speculating == pytest.approx(60 / 64)
     assert fs.final_line() == "first_second_vs_plain=1.727 first_second_vs_waited=0.792 startup_to_drafting_s=40.0"
     assert fs.cpu == "Test CPU 9000, 2 logical CPUs"
@@ -148,7 +154,8 @@ def test_page_names_the_cpu_and_the_json_round_trips(tmp_path: Path) -> None:
     assert "CPU: **Test CPU 9000, 2 logical CPUs**" in section
     assert "| first-second ÷ plain | 1.727× |" in section and "| first-second ÷ waited | 0.792× |" in section
     assert "| waited | plain | 11.0 | 10.0–12.0 | 2 |" in section
-    assert "| first-second | speculative | 19.0 | 18.0–20.0 | 2 | 94 % | 0.0 s | 5 / 6 | 35.0 s | 40.0 s |" in section
+    row = "| first-second | speculative | 19.0 | 18.0–20.0 | 2 | 94 % | 0.0 s | 5 / 6 | 35.0 s | 40.0 s | 1 |"
+    assert row in section
     # Without the scenario there is no section.
     without = dataclasses.replace(loaded, first_second=None)
     assert "first second" not in render_page(without, summarize(without), plots, tmp_path / "b.md", path).lower()
