@@ -120,7 +120,8 @@ def _first_second_section(results: BenchResults, summary: Summary) -> list[str]:
                  "graphs pending at t (target / draft)", "graphs loaded", "drafting steadily from",
                  "failed in the span"],
                 [[r.stack, r.mode, _f(r.tokens_per_s.median, 1),
-                  f"{_f(r.tokens_per_s.min, 1)}–{_f(r.tokens_per_s.max, 1)}", str(r.tokens_per_s.n),
+                  f"{_f(r.tokens_per_s.min, 1)}–{_f(r.tokens_per_s.max, 1)}" if r.tokens_per_s.n else "–",
+                  str(r.tokens_per_s.n),
                   _f(r.speculating * 100, 0, " %"), _f(r.traffic_from_s, 1, " s"), pending(r.pending_graphs),
                   _seconds(r.graphs_loaded_s), _seconds(r.drafting_from_s) if r.mode == "speculative" else "",
                   str(r.failed)]
