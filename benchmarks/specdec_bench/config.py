@@ -72,7 +72,8 @@ class BenchConfig:
         "traffic from the first second: two fresh stacks, one after the other, are sent W1's greedy chat requests "
         "one at a time for --first-second-span-s each, one from the moment its gateway answers, the other after "
         "its services loaded their compiled graphs (then plain and speculative alternate); takes 2 × the span "
-        "plus two start-ups and the graph loading, about 6 min at 90 s on 2 cores. 'on': after the rest of the "
+        "plus two start-ups and the waited stack's graph loading: 6-8 min at 90 s on 2 cores, more on a busy "
+        "machine or from cold caches. 'on': after the rest of the "
         "run; 'only': alone, replacing the scenario in the --results JSON of an earlier run, whose page is "
         "redrawn"), "choices": FIRST_SECOND_MODES})
     first_second_span_s: float = field(default=90.0, metadata=_help(
