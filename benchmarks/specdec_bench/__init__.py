@@ -11,7 +11,10 @@ page. Modules, in the order a run uses them:
 - `workloads`: the chat prompts and one measured request (`RunRecord`);
 - `sweeps`: W1 (plain vs speculative, interleaved), the fixed-K and the concurrency sweeps;
 - `peers`: transformers `generate`, plain and assisted, timed like ours;
+- `first_second_run`, `first_second`: traffic from the first second, on fresh stacks (after the
+  rest, or alone with `--first-second only`), and its records and figures;
 - `results`: the JSON document of one run;
+- `spread`: median, extremes and quartiles of a sample;
 - `analysis`: every derived figure (speedups, α, c, s, S(K), efficiency) from the JSON alone;
 - `plots`, `report`: PNGs, the summary table, the final line and `docs/benchmarks.md`;
 - `runner`: the whole run, with a progress bar.

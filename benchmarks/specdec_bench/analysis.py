@@ -29,42 +29,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdec.cost_model import CostTable, expected_speedup
+from specdec_bench.first_second import FirstSecondSummary, summarize_first_second
 from specdec_bench.peers import PeerRecord
 from specdec_bench.results import BenchResults
+from specdec_bench.spread import Spread, percentile
 from specdec_bench.step_timing import side_by_side_c
 from specdec_bench.sweeps import ConcurrencyGroup
 from specdec_bench.workloads import DraftMethod, RunRecord, Workload
 
 PHASES = ("draft_compute", "verify_compute", "rpc", "accept", "other")
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100), linear between closest ranks (numpy's default)."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low, high = math.floor(position), math.ceil(position)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-@dataclass
-class Spread:
-    """Median, extremes and quartiles of a sample."""
-
-    n: int
-    median: float
-    min: float
-    max: float
-    q1: float
-    q3: float
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Spread:
-        if not values:
-            return cls(0, math.nan, math.nan, math.nan, math.nan, math.nan)
-        return cls(len(values), statistics.median(values), min(values), max(values),
-                   percentile(values, 25), percentile(values, 75))
 
 
 @dataclass
@@ -203,6 +176,8 @@ class Summary:
     anatomy: dict[str, dict[str, float]] = field(default_factory=dict)
     methods: list[MethodRow] = field(default_factory=list)
     method_targets: list[TargetCheck] = field(default_factory=list)
+    #: Traffic from the first second (None when the run did not measure it).
+    first_second: FirstSecondSummary | None = None
 
     @property
     def headline_costs(self) -> CostSummary:
@@ -448,4 +423,5 @@ def summarize(results: BenchResults) -> Summary:
         k_rows=_k_rows(results.k_sweep, headline.expected_by_k),
         concurrency=_concurrency_rows(results.concurrency), anatomy=anatomy,
         methods=method_rows(results.methods), method_targets=method_targets(results.methods),
+        first_second=summarize_first_second(results.first_second) if results.first_second is not None else None,
     )

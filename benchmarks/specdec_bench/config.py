@@ -19,6 +19,8 @@ from specdec_bench.workloads import PROMPTS
 MIN_PROMPTS = 5
 #: The draft's `--compile-budget-s` in a run: enough to build every compiled graph cold.
 BENCH_COMPILE_BUDGET_S = 600.0
+#: `--first-second`: skip the scenario / run it after the rest / run it alone.
+FIRST_SECOND_MODES = ("off", "on", "only")
 
 
 def _help(text: str) -> dict[str, str]:
@@ -66,6 +68,21 @@ class BenchConfig:
     docs: str = field(default="docs/benchmarks.md", metadata=_help("Markdown page to write ('' = none)"))
     render_only: bool = field(default=False, metadata=_help(
         "measure nothing: redraw the plots and the page from --results"))
+    first_second: str = field(default="on", metadata={**_help(
+        "traffic from the first second: two fresh stacks, one after the other, are sent W1's greedy chat requests "
+        "one at a time for --first-second-span-s each, one from the moment its gateway answers, the other after "
+        "its services loaded their compiled graphs (then plain and speculative alternate); takes 2 × the span "
+        "plus two start-ups and the waited stack's graph loading: 6-8 min at 90 s on 2 cores, more on a busy "
+        "machine or from cold caches. 'on': after the rest of the "
+        "run; 'only': alone, replacing the scenario in the --results JSON of an earlier run, whose page is "
+        "redrawn"), "choices": FIRST_SECOND_MODES})
+    first_second_span_s: float = field(default=90.0, metadata=_help(
+        "seconds of traffic per stack of the first-second scenario"))
+    first_second_window_s: float = field(default=60.0, metadata=_help(
+        "the first-second scenario's figures count the requests that start this many seconds after a stack's "
+        "traffic began or later (t + this for the stack sent traffic from the first second)"))
+    first_second_settle_s: float = field(default=5.0, metadata=_help(
+        "the first-second scenario's waited stack idles this long after its graphs loaded"))
 
     def __post_init__(self) -> None:
         if not MIN_PROMPTS <= self.prompts <= len(PROMPTS):
@@ -90,6 +107,25 @@ class BenchConfig:
             raise InvalidArgumentError(f"concurrency levels must be >= 1, got {self.concurrency}")
         if not self.results:
             raise InvalidArgumentError("results: a path is required")
+        if self.first_second not in FIRST_SECOND_MODES:
+            raise InvalidArgumentError(f"first_second must be one of {', '.join(FIRST_SECOND_MODES)}, "
+                                       f"got {self.first_second!r}")
+        if not 0 <= self.first_second_window_s < self.first_second_span_s:
+            raise InvalidArgumentError(f"first_second_window_s must be in [0, first_second_span_s = "
+                                       f"{self.first_second_span_s:g}), got {self.first_second_window_s:g}")
+        if not self.first_second_settle_s >= 0:
+            raise InvalidArgumentError(f"first_second_settle_s must be >= 0, got {self.first_second_settle_s}")
+        if self.render_only and self.first_second == "only":
+            raise InvalidArgumentError("render_only measures nothing: it cannot run the first-second scenario alone")
+
+    def service_args(self) -> tuple[str, str, str]:
+        """Extra flags of the target, the draft and the gateway of every stack a run starts."""
+        # Prompts computed in full: W1 and the sweeps repeat every prompt, and with the prefix
+        # cache on, every repeat after the first would skip both prefills (flags given later win).
+        cold = "--no-prefix-caching"
+        # Every compiled graph, as a service started from a warm compile cache has them.
+        all_graphs = f"--compile-budget-s {BENCH_COMPILE_BUDGET_S:.0f}"
+        return f"{cold} {self.target_args}", f"{cold} {all_graphs} {self.draft_args}", self.gateway_args
 
 
 FULL = BenchConfig()
@@ -100,7 +136,7 @@ FULL = BenchConfig()
 QUICK = BenchConfig(
     quick=True, prompts=5, max_new_tokens=48, repetitions=2, peer_repetitions=1, sweep_prompts=1,
     concurrency=(1, 4, 16), concurrency_tokens=32, concurrency_repetitions=1,
-    workload_repetitions=1, workload_tokens=48, workload_chat_prompts=2,
+    workload_repetitions=1, workload_tokens=48, workload_chat_prompts=2, first_second="off",
     results="benchmarks/results/quick/bench.json", plots_dir="benchmarks/results/quick",
     docs="benchmarks/results/quick/benchmarks.md",
 )
@@ -130,7 +166,8 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
             continue
         shown = _shown(full) if full == quick else f"{_shown(full)}, quick: {_shown(quick)}"
         kind = _int_tuple if hints[f.name] == tuple[int, ...] else hints[f.name]
-        parser.add_argument(flag, type=kind, default=None, help=f"{f.metadata['help']} (default: {shown})")
+        parser.add_argument(flag, type=kind, default=None, choices=f.metadata.get("choices"),
+                            help=f"{f.metadata['help']} (default: {shown})")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:

@@ -8,9 +8,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specdec.cost_model import ForwardCost
-from specdec_bench.analysis import PHASES, CostSummary, Spread, Summary, TargetCheck, W1Summary
+from specdec_bench.analysis import PHASES, CostSummary, Summary, TargetCheck, W1Summary
 from specdec_bench.config import BENCH_COMPILE_BUDGET_S
+from specdec_bench.first_second import DRAFTING_SHARE, FIRST_SECOND, WAITED, FirstSecondSummary
 from specdec_bench.results import BenchResults
+from specdec_bench.spread import Spread
 
 
 def _f(value: float, digits: int = 2, suffix: str = "") -> str:
@@ -60,6 +62,85 @@ def summary_table(summary: Summary) -> str:
     rows += [[f"{_target_name(t)} (target ≥ {t.minimum:g}×)", f"{_f(t.measured, 2, '×')} ({_met(t)})"]
              for t in summary.method_targets]
     return "\n".join(_table(["figure", "value"], rows))
+
+
+def _seconds(value: float | None) -> str:
+    return "never" if value is None else f"{value:.1f} s"
+
+
+def first_second_table(fs: FirstSecondSummary) -> str:
+    """The first-second scenario's headline figures as one Markdown table."""
+    def median(stack: str, mode: str) -> str:
+        row = fs.row(stack, mode)
+        return _spread(row.tokens_per_s) if row is not None else "–"
+
+    rows = [
+        [f"tok/s from a stack's traffic start + {fs.window_s:g} s: first-second / waited / plain "
+         "(median [min–max])",
+         f"{median(FIRST_SECOND, 'speculative')} / {median(WAITED, 'speculative')} / {median(WAITED, 'plain')}"],
+        ["first-second ÷ plain", _f(fs.vs_plain, 3, "×")],
+        ["first-second ÷ waited", _f(fs.vs_waited, 3, "×")],
+        ["startup-to-drafting (first-second stack)", _seconds(fs.startup_to_drafting_s)],
+    ]
+    return "\n".join(_table(["first second", "value"], rows))
+
+
+def _first_second_section(results: BenchResults, summary: Summary) -> list[str]:
+    """Traffic from the first second (none if not run), with the machine and command it ran on."""
+    run, fs = results.first_second, summary.first_second
+    if run is None or fs is None:
+        return []
+    config = run.meta.get("config", {})
+    machine = run.meta.get("machine", {})
+
+    def pending(graphs: dict[str, int]) -> str:
+        return f"{graphs.get('target', '?')} / {graphs.get('draft', '?')}" if graphs else "–"
+
+    return [
+        "## Traffic from the first second",
+        "",
+        f"Two fresh stacks, one after the other, each sent W1's greedy chat prompts ({config.get('prompts')} "
+        f"prompts cycled, {config.get('max_new_tokens')} new tokens) one request at a time for "
+        f"{_f(fs.span_s, 0)} s: the *first-second* stack from the moment its gateway first answered Info (t), "
+        "speculative requests only (the gateway's adaptive K); the *waited* stack once both its services "
+        "reported no compiled graph pending (`ModelInfo.pending_graphs` = 0) and "
+        f"{_f(float(config.get('settle_s', math.nan)), 0)} s more, plain and speculative requests alternating "
+        "as in W1. Both start with the services' flags of the rest of the run, the gateway as soon as the "
+        "services listen (as in production: deferred graphs load while they serve); the waited stack starts "
+        "first, so the first-second one starts from a warm tuning cache. Figures count the requests that start "
+        f"{_f(fs.window_s, 0)} s or more after a stack's traffic began (for the first-second stack: at "
+        f"t + {_f(fs.window_s, 0)} s or later); tok/s is the gateway's per-request decode `tokens_per_s`, "
+        "ratios are of medians. Times are seconds after t.",
+        "",
+        f"- CPU: **{fs.cpu}**; git {machine.get('git', '?')}; {run.meta.get('date', '')}, "
+        f"{_f(run.meta.get('duration_s', math.nan), 0)} s.",
+        f"- Command: `{run.meta.get('command', '')}`",
+        "",
+        *_table(["stack", "mode", "median tok/s", "min–max", "n", "rounds drafting (model)", "traffic from",
+                 "graphs pending at t (target / draft)", "graphs loaded", "drafting steadily from",
+                 "failed in the span"],
+                [[r.stack, r.mode, _f(r.tokens_per_s.median, 1),
+                  f"{_f(r.tokens_per_s.min, 1)}–{_f(r.tokens_per_s.max, 1)}" if r.tokens_per_s.n else "–",
+                  str(r.tokens_per_s.n),
+                  _f(r.speculating * 100, 0, " %"), _f(r.traffic_from_s, 1, " s"), pending(r.pending_graphs),
+                  _seconds(r.graphs_loaded_s), _seconds(r.drafting_from_s) if r.mode == "speculative" else "",
+                  str(r.failed)]
+                 for r in fs.rows]),
+        "",
+        first_second_table(fs),
+        "",
+        f"- **Drafting**: a speculative request drafts when at least {DRAFTING_SHARE * 100:.0f} % of its decode "
+        "rounds drafted with the draft model: (`num_rounds` − `num_lookup_rounds`) ÷ (`num_rounds` + "
+        "`num_plain_rounds`) of its final message's `SpeculationStats` ≥ "
+        f"{DRAFTING_SHARE:g}. A planner that keeps the draft off still probes it in a few rounds, which is not "
+        "drafting. *Rounds drafting* in the table is that share over the window's requests.",
+        "- **Startup-to-drafting** (drafting steadily from): the start of the first request from which on every "
+        "speculative request of the span drafted; *never* when the span's last one did not. A request that "
+        "failed (an error status instead of its tokens; the run goes on) did not draft.",
+        f"- Greedy speculative outputs compared with the waited stack's plain output of the same prompt: "
+        f"{run.greedy_checked}, of which {run.greedy_mismatches} differed.",
+        "",
+    ]
 
 
 #: How the page names the drafting methods (`DraftMethod` values).
@@ -296,6 +377,7 @@ def render_page(results: BenchResults, summary: Summary, plots: dict[str, Path],
         _image(plots["throughput_vs_concurrency"], docs, "throughput vs concurrency"),
         "",
         *_method_section(results, summary),
+        *_first_second_section(results, summary),
         "## Round anatomy",
         "",
         "Share of round time per phase, summed over requests (`Completion.anatomy`): W1 plain (both "

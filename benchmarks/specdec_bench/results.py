@@ -22,6 +22,7 @@ import transformers
 
 from specdec.cost_model import ForwardCost
 from specdec.v1 import gateway_pb2
+from specdec_bench.first_second import FirstSecondRun
 from specdec_bench.peers import PeerRecord
 from specdec_bench.step_timing import StepPair
 from specdec_bench.sweeps import ConcurrencyGroup
@@ -79,6 +80,9 @@ class BenchResults:
     step_pairs: list[StepPair] = field(default_factory=list)
     #: The drafting-method comparison on the copy-heavy, long-context and chat workloads.
     methods: list[RunRecord] = field(default_factory=list)
+    #: Traffic from the first second (`specdec_bench.first_second`), with its own meta: `--first-second
+    #: only` puts it into an earlier run's document.
+    first_second: FirstSecondRun | None = None
 
     def save(self, path: Path, summary: dict[str, Any] | None = None) -> None:
         """Write the document; `summary` (derived figures, for readers) is ignored by `load`."""
@@ -106,6 +110,7 @@ class BenchResults:
             ],
             step_pairs=[StepPair(**p) for p in raw.get("step_pairs", [])],  # absent from runs before it existed
             methods=[RunRecord(**r) for r in raw.get("methods", [])],  # likewise
+            first_second=FirstSecondRun.from_dict(raw["first_second"]) if raw.get("first_second") else None,
         )
 
 

@@ -1,7 +1,8 @@
 """One whole benchmark run: start the stack, measure with a progress bar, write and print.
 
 The last line printed (stdout) is the headline, machine-readable:
-`speedup=… vs_hf_assisted=… efficiency=… alpha=… c=…`.
+`speedup=… vs_hf_assisted=… efficiency=… alpha=… c=…`; with `--first-second only`, the
+scenario's: `first_second_vs_plain=… first_second_vs_waited=… startup_to_drafting_s=…`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from transformers.utils import logging as hf_logging
 
 from specdec.client import SpecdecClient
 from specdec_bench import analysis, plots, report
-from specdec_bench.config import BENCH_COMPILE_BUDGET_S, BenchConfig
+from specdec_bench.config import BenchConfig
+from specdec_bench.first_second_run import measure_first_second
 from specdec_bench.peers import METHODS, run_peers
 from specdec_bench.results import BenchResults, ServiceCosts, machine
 from specdec_bench.stack import Stack, running_stack
@@ -36,10 +38,7 @@ from specdec_bench.sweeps import (
     warm_up,
     warm_up_methods,
 )
-from specdec_bench.workloads import DraftMethod, RunRecord, Workload
-
-#: Deadline of one request; generous, a crowded 2-core machine is slow.
-REQUEST_TIMEOUT_S = 900.0
+from specdec_bench.workloads import REQUEST_TIMEOUT_S, DraftMethod, RunRecord, Workload
 
 
 def repo_root() -> Path:
@@ -83,15 +82,7 @@ def measure(config: BenchConfig, command: str) -> BenchResults:
     laps = Laps()
     with tqdm(total=_planned_runs(config), unit="run", file=sys.stderr, dynamic_ncols=True) as progress:
         progress.set_description("starting services")
-        # Prompts computed in full: W1 and the sweeps repeat every prompt, and with the prefix
-        # cache on, every repeat after the first would skip both prefills (flags given later win).
-        cold = "--no-prefix-caching"
-        # Every compiled graph, as a service started from a warm compile cache has them.
-        all_graphs = f"--compile-budget-s {BENCH_COMPILE_BUDGET_S:.0f}"
-        with running_stack(
-            f"{cold} {config.target_args}", f"{cold} {all_graphs} {config.draft_args}", config.gateway_args,
-            lookup_gateway=config.workload_repetitions > 0,
-        ) as stack:
+        with running_stack(*config.service_args(), lookup_gateway=config.workload_repetitions > 0) as stack:
             laps.lap("start_services")
             with SpecdecClient(stack.address, timeout=REQUEST_TIMEOUT_S) as client:
                 costs = ServiceCosts.from_info(client.info())
@@ -124,6 +115,9 @@ def measure(config: BenchConfig, command: str) -> BenchResults:
             services = {"target": dataclasses.asdict(stack.target_config),
                         "draft": dataclasses.asdict(stack.draft_config)}
         laps.lap("stop_services")
+        # After the stack above stopped: never two stacks at once.
+        first_second = measure_first_second(config, command, progress) if config.first_second == "on" else None
+        laps.lap("first_second")
         progress.set_description("done")
     meta = {
         "command": command,
@@ -134,7 +128,7 @@ def measure(config: BenchConfig, command: str) -> BenchResults:
         "config": dataclasses.asdict(config),
         "services": services,
     }
-    return BenchResults(meta, costs, outcome.records, peers, sweep, groups, step_pairs, methods)
+    return BenchResults(meta, costs, outcome.records, peers, sweep, groups, step_pairs, methods, first_second)
 
 
 def measure_methods(client: SpecdecClient, stack: Stack, config: BenchConfig, progress: Progress) -> list[RunRecord]:
@@ -164,6 +158,19 @@ def run(config: BenchConfig, argv: Sequence[str]) -> int:
     results_path = resolve(config.results)
     if config.render_only:
         results = BenchResults.load(results_path)
+    elif config.first_second == "only":
+        if not results_path.is_file():
+            print(f"error: --first-second only adds to an earlier run's results, and {results_path} does not "
+                  "exist: run the bench first or point --results at its JSON", file=sys.stderr)
+            return 1
+        results = BenchResults.load(results_path)
+        try:
+            with tqdm(unit="request", file=sys.stderr, dynamic_ncols=True) as progress:
+                results.first_second = measure_first_second(config, "specdec " + shlex.join(argv), progress)
+        except (RuntimeError, TimeoutError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+        results.save(results_path)
     else:
         hf_logging.set_verbosity_error()  # generate()'s advisory warnings would break the progress bar
         try:
@@ -179,6 +186,13 @@ def run(config: BenchConfig, argv: Sequence[str]) -> int:
     results.save(results_path, summary=dataclasses.asdict(summary))
     written = [str(results_path), str(resolve(config.plots_dir))] + ([str(resolve(config.docs))] if config.docs else [])
     print(f"results: {', '.join(written)}", file=sys.stderr)
+    if config.first_second == "only" and summary.first_second is not None:
+        print(f"first second, on {summary.first_second.cpu}:", file=sys.stderr)
+        print(report.first_second_table(summary.first_second))
+        print(summary.first_second.final_line())
+        return 0
     print(report.summary_table(summary))
+    if summary.first_second is not None:
+        print(report.first_second_table(summary.first_second))
     print(summary.final_line())
     return 0

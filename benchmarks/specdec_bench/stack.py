@@ -26,6 +26,9 @@ from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 #: How long a service may take to load the compiled graphs its start-up left for later.
 GRAPHS_TIMEOUT_S = 600.0
+#: How long a service may take to print its ready line: a cold start (empty tuning and compile
+#: caches) measures its kernels and builds graphs first, minutes on a busy 2-core machine.
+START_TIMEOUT_S = 900.0
 #: Quiet services: their INFO logs would interleave with the progress bar.
 _QUIET = ("--log-level", "WARNING")
 
@@ -100,10 +103,13 @@ NO_SUFFIX_CACHE = ("--suffix-cache-tokens", "0")
 
 @contextmanager
 def running_stack(
-    target_args: str = "", draft_args: str = "", gateway_args: str = "", *, lookup_gateway: bool = False
+    target_args: str = "", draft_args: str = "", gateway_args: str = "", *, lookup_gateway: bool = False,
+    wait_graphs: bool = True,
 ) -> Iterator[Stack]:
     """Start target, draft and gateway, one after the other (and, with `lookup_gateway`, a second
-    gateway on the same target without the draft, `--speculation-method ngram`); stop all on exit."""
+    gateway on the same target without the draft, `--speculation-method ngram`); stop all on exit.
+    With `wait_graphs` the gateway starts once both services have loaded their deferred compiled
+    graphs (`wait_for_graphs`); without, as soon as they listen, as in production."""
     target_flags, draft_flags = shlex.split(target_args), shlex.split(draft_args)
     configs = parse_config(TargetConfig, target_flags), parse_config(DraftConfig, draft_flags)
     children: list[ServiceProcess] = []
@@ -112,16 +118,17 @@ def running_stack(
         # start-up, and on a 2-core machine two services loading and timing at once corrupt
         # each other's cost tables (and with them c, s and the gateway's choice of K).
         children.append(start_service("specdec.target_server", [*_QUIET, *target_flags]))
-        target = children[-1].wait_ready()
+        target = children[-1].wait_ready(START_TIMEOUT_S)
         children.append(start_service("specdec.draft_server", [*_QUIET, *draft_flags]))
-        draft = children[-1].wait_ready()
-        wait_for_graphs(target.address, "target")
-        wait_for_graphs(draft.address, "draft")
+        draft = children[-1].wait_ready(START_TIMEOUT_S)
+        if wait_graphs:
+            wait_for_graphs(target.address, "target")
+            wait_for_graphs(draft.address, "draft")
         children.append(start_service("specdec.gateway", [
             "--target-address", target.address, "--draft-address", draft.address, "--metrics-port", "0", *_QUIET,
             *MODEL_DRAFT, *NO_SUFFIX_CACHE, *shlex.split(gateway_args),
         ]))
-        gateway = children[-1].wait_ready()
+        gateway = children[-1].wait_ready(START_TIMEOUT_S)
         metrics_port = gateway.ready.metrics_port if gateway.ready is not None else None
         if metrics_port is None:
             raise RuntimeError(f"the gateway's ready line names no metrics port: {gateway.ready}")
@@ -132,25 +139,31 @@ def running_stack(
                 "--target-address", target.address, *_QUIET, *NO_SUFFIX_CACHE, *shlex.split(gateway_args),
                 "--speculation-method", "ngram",
             ]))
-            lookup_only = children[-1].wait_ready()
+            lookup_only = children[-1].wait_ready(START_TIMEOUT_S)
         yield Stack(target, draft, gateway, metrics_port, *configs, lookup_gateway=lookup_only)
     finally:
         for child in reversed(children):
             child.stop()
 
 
-def wait_for_graphs(address: str, service: str, timeout: float = GRAPHS_TIMEOUT_S) -> None:
-    """Block until the `service` ("target" or "draft") at `address` has loaded the compiled
-    graphs its start-up left for after serving began (`ModelInfo.pending_graphs`): until then
-    its steps run eager and it compiles or times beside the benchmark."""
-    deadline = time.monotonic() + timeout
+def pending_graphs(address: str, service: str) -> int:
+    """The compiled graphs the `service` ("target" or "draft") at `address` still has to load
+    (`ModelInfo.pending_graphs`): until it has, some of its steps run eager."""
     with grpc.insecure_channel(address) as channel:
         stub: target_pb2_grpc.TargetServiceStub | draft_pb2_grpc.DraftServiceStub
         if service == "target":
             stub = target_pb2_grpc.TargetServiceStub(channel)
         else:
             stub = draft_pb2_grpc.DraftServiceStub(channel)
-        while (pending := stub.Info(common_pb2.InfoRequest(), timeout=30).pending_graphs) > 0:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {service} still had {pending} compiled graphs to load after {timeout:.0f} s")
-            time.sleep(0.5)
+        return stub.Info(common_pb2.InfoRequest(), timeout=30).pending_graphs
+
+
+def wait_for_graphs(address: str, service: str, timeout: float = GRAPHS_TIMEOUT_S) -> None:
+    """Block until the `service` ("target" or "draft") at `address` has loaded the compiled
+    graphs its start-up left for after serving began (`pending_graphs`): until then its steps
+    run eager and it compiles or times beside the benchmark."""
+    deadline = time.monotonic() + timeout
+    while (pending := pending_graphs(address, service)) > 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the {service} still had {pending} compiled graphs to load after {timeout:.0f} s")
+        time.sleep(0.5)

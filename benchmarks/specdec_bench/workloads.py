@@ -14,6 +14,9 @@ from enum import Enum
 from specdec.client import GenerationResult, SpecdecClient
 from specdec_bench.texts import COPY_HEAVY_PROMPTS, LONG_CONTEXT_PROMPTS
 
+#: Deadline of one request; generous, a crowded 2-core machine is slow.
+REQUEST_TIMEOUT_S = 900.0
+
 PROMPTS: tuple[str, ...] = (
     "Explain how the gears on a bicycle make it easier to ride up a steep hill.",
     "Describe the life cycle of a butterfly, from egg to adult, in detail.",
@@ -113,12 +116,16 @@ class RunRecord:
     #: `Workload` value of the method comparison ("" elsewhere).
     workload: str = ""
     prompt_tokens: int = 0
-    #: Draft and accepted tokens that lookups proposed (part of num_draft / num_accepted_tokens).
+    #: Rounds, draft and accepted tokens that lookups proposed (part of num_rounds and
+    #: num_draft / num_accepted_tokens).
+    num_lookup_rounds: int = 0
     num_lookup_draft_tokens: int = 0
     num_lookup_accepted_tokens: int = 0
     #: Model-drafted rounds that checked a lookup's guess, and the draft tokens the guesses gave.
     num_guided_rounds: int = 0
     num_guessed_tokens: int = 0
+    #: Seconds from the moment its stack answered to the request's start (first-second scenario only).
+    start_s: float | None = None
 
     @property
     def mode(self) -> str:
@@ -168,7 +175,7 @@ def run_request(
         num_draft_tokens=result.num_draft_tokens, num_accepted_tokens=result.num_accepted_tokens,
         anatomy=dict(result.anatomy), concurrency=concurrency, num_plain_rounds=result.num_plain_rounds,
         method=method.value if method is not None else "", prompt_tokens=result.prompt_tokens,
-        num_lookup_draft_tokens=result.num_lookup_draft_tokens,
+        num_lookup_rounds=result.num_lookup_rounds, num_lookup_draft_tokens=result.num_lookup_draft_tokens,
         num_lookup_accepted_tokens=result.num_lookup_accepted_tokens,
         num_guided_rounds=result.num_guided_rounds, num_guessed_tokens=result.num_guessed_tokens,
     )
