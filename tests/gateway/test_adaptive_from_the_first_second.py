@@ -29,12 +29,14 @@ def test_a_draft_slow_at_first_drafts_again(
     # prompt, the second is a step the planner learns from): priced by it, even a draft that is
     # always accepted would not pay, which no estimate of acceptance can change: only a probe can.
     stack = start_stack(int8_runtime, adaptive_k=True, target_costs=TARGET_COSTS, draft_costs=DRAFT_COSTS)
-    assert stack.draft is not None
-    slow_first(monkeypatch, stack.draft, "propose", 2.0, calls=2)
-    drafted: list[int] = []
-    with stack.client() as client:
-        while len(drafted) < MAX_REQUESTS and not resumed(drafted):
-            drafted.append(client.generate(chat(QUESTION), max_new_tokens=32).num_draft_tokens)
-    assert drafted[0] > 0, drafted  # the first request drafts on the start-up costs,
-    assert resumed(drafted), drafted  # the slow steps turn drafting off, and a probe turns it back on
-    stack.wait_until_idle()
+    try:
+        assert stack.draft is not None
+        slow_first(monkeypatch, stack.draft, "propose", 2.0, calls=2)
+        drafted: list[int] = []
+        with stack.client() as client:
+            while len(drafted) < MAX_REQUESTS and not resumed(drafted):
+                drafted.append(client.generate(chat(QUESTION), max_new_tokens=32).num_draft_tokens)
+        assert drafted[0] > 0, drafted  # the first request drafts on the start-up costs,
+        assert resumed(drafted), drafted  # the slow steps turn drafting off, and a probe turns it back on
+    finally:
+        start_stack.stop(stack)  # no later test shares it

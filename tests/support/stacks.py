@@ -12,6 +12,7 @@ A plugin of tests/conftest.py: its fixtures are found by name in every test fold
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -93,6 +94,9 @@ class StartStack(Protocol):
                  target_costs: Sequence[ForwardCost] = (), draft_costs: Sequence[ForwardCost] = (),
                  **gateway: Any) -> Stack: ...
 
+    def stop(self, stack: Stack) -> None:
+        """Stop a stack now and let its memory go (a test whose stack no later test shares)."""
+
 
 #: `hf_greedy(prompt_ids, n)`: the target's greedy continuation by transformers.
 HfGreedy = Callable[[list[int], int], list[int]]
@@ -122,14 +126,24 @@ def weak_runtime() -> ModelRuntime:
 
 @pytest.fixture(scope="session")
 def start_stack(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterator[StartStack]:
-    """Starts stacks on the session's loop; all of them stop at the end of the session."""
-    stacks: list[Stack] = []
+    """Starts stacks on the session's loop; those not stopped earlier stop at the end of the session."""
+    starter = _StackStarter(service_loop, fp32_runtime)
+    yield starter
+    for stack in list(starter.stacks):
+        starter.stop(stack)
 
-    def start(draft_runtime: ModelRuntime | None, *, target: dict[str, Any] | None = None,
-              draft: dict[str, Any] | None = None, target_runtime: ModelRuntime | None = None,
-              target_costs: Sequence[ForwardCost] = (), draft_costs: Sequence[ForwardCost] = (),
-              **gateway: Any) -> Stack:
-        target_engine, target_start = target_server(target_runtime or fp32_runtime, **{**POOL, **(target or {})})
+
+class _StackStarter:
+    def __init__(self, service_loop: LoopThread, fp32_runtime: ModelRuntime) -> None:
+        self.service_loop, self.fp32_runtime = service_loop, fp32_runtime
+        self.stacks: list[Stack] = []
+
+    def __call__(self, draft_runtime: ModelRuntime | None, *, target: dict[str, Any] | None = None,
+                 draft: dict[str, Any] | None = None, target_runtime: ModelRuntime | None = None,
+                 target_costs: Sequence[ForwardCost] = (), draft_costs: Sequence[ForwardCost] = (),
+                 **gateway: Any) -> Stack:
+        service_loop = self.service_loop
+        target_engine, target_start = target_server(target_runtime or self.fp32_runtime, **{**POOL, **(target or {})})
         target_engine.forward_costs = tuple(target_costs) or target_engine.forward_costs  # before Info is served
         servers = [service_loop.run(target_start)]
         draft_engine = None
@@ -149,13 +163,14 @@ def start_stack(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterato
         )
         gateway_server = service_loop.run(create_gateway(config))
         stack = Stack(target_engine, draft_engine, gateway_server, servers)
-        stacks.append(stack)
+        self.stacks.append(stack)
         return stack
 
-    yield start
-    for stack in stacks:
+    def stop(self, stack: Stack) -> None:
         for server in [stack.gateway, *stack.servers]:
-            service_loop.run(server.stop(grace=1.0))
+            self.service_loop.run(server.stop(grace=1.0))
+        self.stacks.remove(stack)
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
