@@ -246,6 +246,7 @@ def new_scheduler(config: GatewayConfig, services: Services, stats: GatewayStats
         deadlines=Deadlines(
             config.rpc_timeout_floor_s, config.rpc_timeout_factor,
             CostTable(target_costs) if target_costs else None, CostTable(draft_costs) if draft_costs else None,
+            loading=frozenset(name for name, info in services.infos().items() if info.pending_graphs > 0),
         ),
     )
 
@@ -277,7 +278,13 @@ def watch_services(
 
     monitor.on_target = report_target
     planner = scheduler.planner
-    monitor.on_info = lambda name, info: planner.note_service(name, info.pending_graphs)
+
+    def note_info(name: str, info: ModelInfo) -> None:
+        """A service still loading compiled graphs: timings not learnt from, calls given longer."""
+        planner.note_service(name, info.pending_graphs)
+        scheduler.deadlines = scheduler.deadlines.with_loading(name, info.pending_graphs > 0)
+
+    monitor.on_info = note_info
     monitor.on_back = planner.service_restarted
     # Lookups speculate without a draft, so the target's K is promised either way.
     max_k = services.max_speculative_tokens
