@@ -77,14 +77,17 @@ class SourceDecisions:
 
     def _probe(self, track: SourceTrack, candidates: list[Sequence], choice: SourceChoice, inputs: RoundInputs) -> None:
         """Draft with the source for one candidate, if its probe is due: the request it probed
-        last round (a model probe lasts two), else the cheapest to probe."""
+        last round (a model probe lasts two), else the cheapest to probe of those decoding
+        plainly, else of all."""
         if track.source is DraftSource.MODEL and not self.costs.warmup.steady and track.probe_rounds_left == 0:
             return  # what it would measure now is not learnt from
         ongoing = [s for s in candidates if s.slot_id == track.probe_slot and track.probe_rounds_left > 0]
         affordable = [s for s in candidates if s.slot_id not in self._renting]
         if not ongoing and not affordable:
             return
-        seq = ongoing[0] if ongoing else min(affordable, key=lambda s: self._price(track.source, s))
+        # A request decoding plainly this round first: a probe should not displace another draft.
+        seq = ongoing[0] if ongoing else min(
+            affordable, key=lambda s: (choice.ks[s.slot_id] > 0, self._price(track.source, s)))
         if not track.probe_due(self._price(track.source, seq)):
             return
         slot, cap = seq.slot_id, inputs.caps[seq.slot_id]
