@@ -20,7 +20,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from specdec.cost_model import ForwardCost
+from specdec.cost_model import ForwardCost, RoundCostModel
 from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.kv_handoff import KVHandoff
 from specdec.gateway.planner.acceptance import ModelAcceptance
@@ -126,19 +126,19 @@ class Planner:
         self.sources.chosen(inputs, flexible, choice, rates, steps, waiting)
 
         def worth_probing(s: Sequence) -> bool:
-            return self._probe_affordable(s, plain_round, len(batch)) and rates.probe_could_pay(
+            return self._probe_affordable(s, model, plain_round, len(batch)) and rates.probe_could_pay(
                 s, choice.ks, caps, choice.on_lookup)
 
         if self.sources.drafting(DraftSource.MODEL):  # while it is off, the source's probes explore it
             self.request_probes.schedule([s for s in flexible if s.slot_id in model_ok], choice.ks, caps, worth_probing)
         return decision
 
-    def _probe_affordable(self, seq: Sequence, plain_round: float, batch_size: int) -> bool:
+    def _probe_affordable(self, seq: Sequence, model: RoundCostModel, plain_round: float, batch_size: int) -> bool:
         """A request's probe, its catch-up included, may cost at most `probe_budget` of its
         remaining plain decoding, shared with the batch (a catch-up stalls every stream in its
         round). The first probe of all is always affordable: the prior α alone must not keep a
         gateway from ever measuring its draft."""
-        draft = self.costs.cost_model().draft
+        draft = model.draft
         if draft is None:
             return False
         if not self.acceptance.measured:

@@ -152,9 +152,7 @@ class CostEstimates:
         """The draft's 1-token step ÷ the target's at batch 1, as priced now (NaN without both)."""
         if self.target is None or self.draft is None:
             return float("nan")
-        model = self.cost_model()
-        assert model.draft is not None
-        return model.draft.step(1) / model.target.step(1)
+        return self.draft.step(1) * self.draft_scale.value / (self.target.step(1) * self.target_scale.value)
 
     def observe(self, plan: RoundPlan, seqs: list[Sequence], report: RoundReport, now: float) -> None:
         """Learn the scales and overheads from a finished round, unless a service warms up."""
