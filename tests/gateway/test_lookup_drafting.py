@@ -31,9 +31,9 @@ SAMPLES = 160
 
 
 @pytest.fixture(scope="module")
-def lookup_stack(start_stack: StartStack) -> Stack:
+def lookup_stack(start_module_stack: StartStack) -> Stack:
     """The target and a gateway, no draft service: requests speculate with lookups."""
-    return start_stack(None, speculative=True)
+    return start_module_stack(None, speculative=True)
 
 
 @pytest.fixture(scope="module")

@@ -36,12 +36,12 @@ MAX_REQUEST_BYTES = 64 * 1024
 
 
 @pytest.fixture(scope="module")
-def stack(start_stack: StartStack, int8_runtime: ModelRuntime, pki: Pki,
+def stack(start_module_stack: StartStack, int8_runtime: ModelRuntime, pki: Pki,
           tmp_path_factory: pytest.TempPathFactory) -> Stack:
     token_file = tmp_path_factory.mktemp("openai") / "token"
     token_file.write_text(TOKEN)
-    return start_stack(int8_runtime, http_port=0, tls_cert=pki.server_cert, tls_key=pki.server_key,
-                       auth_token_file=str(token_file), max_request_bytes=MAX_REQUEST_BYTES)
+    return start_module_stack(int8_runtime, http_port=0, tls_cert=pki.server_cert, tls_key=pki.server_key,
+                              auth_token_file=str(token_file), max_request_bytes=MAX_REQUEST_BYTES)
 
 
 @pytest.fixture(scope="module")

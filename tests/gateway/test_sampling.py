@@ -34,9 +34,9 @@ def exact_second_token(smollm2: LoadedModel) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def bf16_q_stack(start_stack: StartStack, weak_runtime: ModelRuntime) -> Stack:
+def bf16_q_stack(start_module_stack: StartStack, weak_runtime: ModelRuntime) -> Stack:
     """The mostly-rejected 2-layer draft sending q in bf16: exact only if it samples from the rounded q."""
-    return start_stack(weak_runtime, draft_probs_dtype="bfloat16")
+    return start_module_stack(weak_runtime, draft_probs_dtype="bfloat16")
 
 
 def _second_tokens(stack: Stack, seeds: range, **options: Any) -> tuple[list[int], int]:

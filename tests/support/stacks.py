@@ -125,9 +125,25 @@ def weak_runtime() -> ModelRuntime:
 
 
 @pytest.fixture(scope="session")
+def session_stacks(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterator[StartStack]:
+    """Stacks that live for the whole session (the shared `int8_stack` and `weak_stack`)."""
+    yield from _scoped(_StackStarter(service_loop, fp32_runtime))
+
+
+@pytest.fixture(scope="module")
+def start_module_stack(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterator[StartStack]:
+    """`start_stack` for module-scoped fixtures: what it started stops when the module ends."""
+    yield from _scoped(_StackStarter(service_loop, fp32_runtime))
+
+
+@pytest.fixture
 def start_stack(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterator[StartStack]:
-    """Starts stacks on the session's loop; those not stopped earlier stop at the end of the session."""
-    starter = _StackStarter(service_loop, fp32_runtime)
+    """Starts stacks on the session's loop; those the test did not stop stop at its teardown, so a
+    worker holds no test's KV pools after it (each stack's pools are hundreds of MB)."""
+    yield from _scoped(_StackStarter(service_loop, fp32_runtime))
+
+
+def _scoped(starter: _StackStarter) -> Iterator[StartStack]:
     yield starter
     for stack in list(starter.stacks):
         starter.stop(stack)
@@ -174,13 +190,13 @@ class _StackStarter:
 
 
 @pytest.fixture(scope="session")
-def int8_stack(start_stack: StartStack, int8_runtime: ModelRuntime) -> Stack:
-    return start_stack(int8_runtime)
+def int8_stack(session_stacks: StartStack, int8_runtime: ModelRuntime) -> Stack:
+    return session_stacks(int8_runtime)
 
 
 @pytest.fixture(scope="session")
-def weak_stack(start_stack: StartStack, weak_runtime: ModelRuntime) -> Stack:
-    return start_stack(weak_runtime)
+def weak_stack(session_stacks: StartStack, weak_runtime: ModelRuntime) -> Stack:
+    return session_stacks(weak_runtime)
 
 
 @pytest.fixture(scope="session")
