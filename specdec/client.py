@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -125,6 +126,11 @@ def build_request(
     verification: str | None = None,
     logprobs: int | None = None,
     processed_logprobs: bool = False,
+    json_schema: Mapping[str, object] | str | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    choice: Sequence[str] | None = None,
+    grammar: str | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest: a string is a raw prompt, a list of {role, content} is a chat.
     `logit_bias` maps token ids to a bias in [-100, 100]; presence and frequency penalties
@@ -134,7 +140,9 @@ def build_request(
     (default: drawn when seeded, so the tokens depend on the seed alone; see gateway.proto).
     `logprobs` asks for each token's logprob with that many alternatives (0..20; None: no
     logprobs), from the model's raw distribution or, with `processed_logprobs`, from the
-    distribution after the request's transforms."""
+    distribution after the request's transforms.
+    At most one of `json_schema` (a dict or JSON text), `json_object`, `regex`, `choice` (the
+    allowed strings) and `grammar` (llguidance Lark or GBNF) constrains the completion."""
     sampling = common_pb2.SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, min_p=min_p,
         logit_bias=dict(logit_bias or {}), presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -145,6 +153,9 @@ def build_request(
     request = gateway_pb2.GenerateRequest(
         max_new_tokens=max_new_tokens, sampling=sampling, stop=list(stop), speculation=speculation
     )
+    output = structured_output(json_schema, json_object, regex, choice, grammar)
+    if output is not None:
+        request.structured_output.CopyFrom(output)
     if logprobs is not None:
         request.logprobs.CopyFrom(gateway_pb2.LogprobsOptions(top_logprobs=logprobs, processed=processed_logprobs))
     if isinstance(prompt, str):
@@ -152,6 +163,33 @@ def build_request(
     else:
         request.chat.messages.extend(gateway_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
     return request
+
+
+def structured_output(
+    json_schema: Mapping[str, object] | str | None = None, json_object: bool = False, regex: str | None = None,
+    choice: Sequence[str] | None = None, grammar: str | None = None,
+) -> gateway_pb2.StructuredOutput | None:
+    """The `StructuredOutput` of whichever one is given (None for none; ValueError for several)."""
+    given = [(name, value) for name, value in (("json_schema", json_schema), ("json_object", json_object or None),
+                                              ("regex", regex), ("choice", choice), ("grammar", grammar))
+             if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of json_schema, json_object, regex, choice, grammar; got "
+                         f"{', '.join(name for name, _ in given)}")
+    if not given:
+        return None
+    output = gateway_pb2.StructuredOutput()
+    if json_schema is not None:
+        output.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+    elif json_object:
+        output.json_object.SetInParent()
+    elif regex is not None:
+        output.regex = regex
+    elif choice is not None:
+        output.choice.options.extend(choice)
+    elif grammar is not None:
+        output.grammar = grammar
+    return output
 
 
 def speculation_options(

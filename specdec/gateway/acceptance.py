@@ -20,6 +20,7 @@ import torch
 from specdec.errors import ServiceStateError
 from specdec.gateway.sequence import Sequence, Verification
 from specdec.sampling.rejection_sampler import RejectionResult, accept_candidates, greedy_accept, greedy_accept_argmax
+from specdec.sampling.token_masks import TokenMasks
 from specdec.sampling.transforms import chunk_adjust_logits, stack_chunks
 from specdec.wire.items import (
     Proposal,
@@ -36,9 +37,12 @@ PAD_TOKEN_ID = -1
 
 
 def accept_all(
-    seqs: list[Sequence], verified: dict[str, VerifiedChunk], proposals: dict[str, Proposal]
+    seqs: list[Sequence], verified: dict[str, VerifiedChunk], proposals: dict[str, Proposal],
+    masks: dict[str, TokenMasks] | None = None,
 ) -> dict[str, RejectionResult]:
-    """Judge every drafting request of the round (each has a proposal); one call per kind."""
+    """Judge every drafting request of the round (each has a proposal); one call per kind. The
+    target applied structured-output requests' grammar `masks` to all but raw logits: here."""
+    masks = masks or {}
     by_argmax = [s for s in seqs if s.sampling.is_greedy and s.sampling.greedy_by_raw_argmax]
     greedy = [s for s in seqs if s.sampling.is_greedy and not s.sampling.greedy_by_raw_argmax]
     drawn = [s for s in seqs if not s.sampling.is_greedy and s.verification is Verification.DRAWN]
@@ -52,7 +56,7 @@ def accept_all(
         tokens, ks = _padded_drafts(matched, proposals)  # [A, K_max]
         results |= _split(matched, greedy_accept_argmax(_padded_rows(matched, best, ks), tokens, ks))
     if greedy:
-        logits = [_answer(verified, s, VerifiedLogits).logits for s in greedy]
+        logits = [masked(_answer(verified, s, VerifiedLogits).logits, masks.get(s.slot_id)) for s in greedy]
         tokens, ks = _padded_drafts(greedy, proposals)  # [G, K_max]
         scores = stack_chunks(logits, tokens.shape[1] + 1)  # [G, K_max+1, vocab]
         drafted = [proposals[s.slot_id].tokens for s in greedy]
@@ -65,6 +69,11 @@ def accept_all(
         p, q = _padded_probs(sampled, answers, proposals, ks)  # [S, K_max] each
         results |= _split(sampled, accept_candidates(p, q, tokens, ks, candidates, [s.generator for s in sampled]))
     return results
+
+
+def masked(logits: torch.Tensor, masks: TokenMasks | None) -> torch.Tensor:
+    """Raw logits [rows, vocab] under a grammar's masks, if the request has them."""
+    return logits if masks is None else masks.apply(logits)
 
 
 def _answer(verified: dict[str, VerifiedChunk], seq: Sequence, kind: type[C]) -> C:

@@ -80,6 +80,8 @@ class Generations:
         #: stall health checks and other streams. One thread, as the tokenizer is not made
         #: for concurrent use.
         self.tokenizer_thread = ModelWorker("gateway-tokenizer")
+        if state.policy.grammars is not None:  # the grammar tokenizer takes seconds: build it now
+            self.tokenizer_thread.submit(state.policy.grammars.warm)
 
     @asynccontextmanager
     async def start(self, request: gateway_pb2.GenerateRequest) -> AsyncIterator[Generation]:

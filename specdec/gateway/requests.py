@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from specdec.errors import InvalidArgumentError
 from specdec.gateway.detokenizer import StopStringDetokenizer
 from specdec.gateway.draft_sources import SpeculationMethod
+from specdec.gateway.grammar import GrammarCompiler, RequestGrammar, structured_output_from_pb
 from specdec.gateway.sequence import FinishReason, Sequence, Verification
 from specdec.model.chat import encode_chat
 from specdec.sampling.draws import make_generator
@@ -77,6 +78,8 @@ class RequestPolicy:
     slot_prefix: str = ""
     #: The method of a speculating request that names none.
     default_method: SpeculationMethod = SpeculationMethod.AUTO
+    #: Compiles structured-output requests' grammars (None: such requests are refused).
+    grammars: GrammarCompiler | None = None
 
 
 def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) -> Sequence:
@@ -129,7 +132,18 @@ def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) ->
         target_sampling=_reseeded(sampling, POSITION_STREAM),
         verification=verification,
         logprobs=logprobs_options(request).request_for(sampling) if request.HasField("logprobs") else None,
+        grammar=request_grammar(request, policy),
     )
+
+
+def request_grammar(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) -> RequestGrammar | None:
+    """The request's structured output compiled (on the caller's thread: the tokenizer thread)."""
+    if not request.HasField("structured_output"):
+        return None
+    output = structured_output_from_pb(request.structured_output, "structured_output")
+    if policy.grammars is None:
+        raise InvalidArgumentError("structured_output: this gateway serves no grammars")
+    return policy.grammars.compile(output, f"structured_output.{request.structured_output.WhichOneof('kind')}")
 
 
 def logprobs_options(request: gateway_pb2.GenerateRequest) -> LogprobsOptions:

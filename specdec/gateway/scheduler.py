@@ -299,8 +299,9 @@ class Scheduler:
             await self._fail(admitted, error, release=False)
             return 0
         self.running.extend(admitted)  # they hold target slots now: a failure below releases them
-        firsts = await self.sampler.run(first_tokens, admitted, logits)
-        logprobs = (await self.sampler.run(first_logprobs, admitted, logits, firsts)
+        masks = {s.slot_id: s.grammar.masks_along([])[0] for s in admitted if s.grammar is not None}
+        firsts = await self.sampler.run(first_tokens, admitted, logits, masks)
+        logprobs = (await self.sampler.run(first_logprobs, admitted, logits, firsts, masks)
                     if any(s.logprobs is not None for s in admitted) else {})
         for seq in admitted:
             count, last_at = seq.completion_tokens, seq.last_token_at

@@ -12,6 +12,7 @@ import torch
 
 from specdec.gateway.detokenizer import StopStringDetokenizer
 from specdec.gateway.draft_sources import DraftSource, SpeculationMethod
+from specdec.gateway.grammar import RequestGrammar
 from specdec.sampling.logprobs import LogprobsRequest, TokenLogprob
 from specdec.sampling.params import SamplingParams
 
@@ -156,6 +157,8 @@ class Sequence:
     verification: Verification = Verification.REJECTION
     #: The logprobs of each emitted token to compute (None: the request asked for none).
     logprobs: LogprobsRequest | None = None
+    #: A structured-output request's grammar, at its emitted tokens (None: free text).
+    grammar: RequestGrammar | None = None
     counts: SpeculationCounts = field(default_factory=SpeculationCounts)
     anatomy: RoundAnatomy = field(default_factory=RoundAnatomy)
     outbox: asyncio.Queue[Delta | Finished] = field(default_factory=asyncio.Queue)
@@ -197,6 +200,8 @@ class Sequence:
         room = min(self.max_new_tokens - self.completion_tokens, max_seq_len - len(self.tokens))
         kept = new_tokens[: max(room, 0)]
         self.tokens.extend(kept)
+        if self.grammar is not None:
+            self.grammar.advance(kept, self.detokenizer.eos_token_ids)
         update = self.detokenizer.add(kept)
         self.completion_tokens += len(update.tokens)
         now = time.perf_counter()

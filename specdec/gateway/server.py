@@ -26,6 +26,7 @@ from specdec.gateway.config import GatewayConfig
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.draft_sources import SpeculationMethod
 from specdec.gateway.generation import GatewayState, Generations
+from specdec.gateway.grammar import GrammarCompiler
 from specdec.gateway.info import planner_to_pb
 from specdec.gateway.kv_handoff import KVHandoff
 from specdec.gateway.metrics import gateway_endpoint
@@ -262,6 +263,7 @@ def new_policy(config: GatewayConfig, services: Services, tokenizer: PreTrainedT
         adaptive_k=config.adaptive_k,
         max_new_tokens_default=config.max_new_tokens_default, slot_prefix=f"{lease.holder}/{lease.incarnation}/",
         default_method=SpeculationMethod(config.speculation_method),
+        grammars=GrammarCompiler(tokenizer, info.tokenizer.vocab_size, sorted(info.tokenizer.eos_token_ids)),
     )
 
 

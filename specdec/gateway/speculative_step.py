@@ -20,8 +20,9 @@ import grpc
 import torch
 
 from specdec.errors import InvalidArgumentError, ServiceStateError
-from specdec.gateway.acceptance import accept_all
+from specdec.gateway.acceptance import accept_all, masked
 from specdec.gateway.deadlines import Deadlines
+from specdec.gateway.grammar.rounds import constrain
 from specdec.gateway.kv_handoff import KVHandoff, hand_off
 from specdec.gateway.model_clients import DraftAPI, TargetAPI, Timed
 from specdec.gateway.proposers import LookupDraft
@@ -32,6 +33,7 @@ from specdec.sampling.draws import drawn_tokens, position_generator, sample
 from specdec.sampling.logprobs import TokenLogprob
 from specdec.sampling.rejection_sampler import RejectionResult
 from specdec.sampling.sparse_probs import SparseRows
+from specdec.sampling.token_masks import TokenMasks
 from specdec.sampling.transforms import logits_to_probs
 from specdec.serving.worker import ModelWorker
 from specdec.wire.items import (
@@ -130,11 +132,13 @@ def _check_q(proposal: Proposal) -> None:
 
 
 async def verify(
-    target: TargetAPI, seqs: list[Sequence], proposals: dict[str, Proposal], plan: RoundPlan, deadlines: Deadlines
+    target: TargetAPI, seqs: list[Sequence], proposals: dict[str, Proposal], plan: RoundPlan, deadlines: Deadlines,
+    masks: dict[str, TokenMasks] | None = None,
 ) -> Timed[dict[str, VerifiedChunk]]:
     """One batched Verify of [pending tokens, t1..tK] after each sequence's valid prefix, each
-    item in the mode its request needs (`verify_mode`)."""
-    items = [verify_item(s, proposals.get(s.slot_id), plan) for s in seqs]
+    item in the mode its request needs (`verify_mode`), with its grammar's `masks` if it has one."""
+    masks = masks or {}
+    items = [verify_item(s, proposals.get(s.slot_id), plan, masks.get(s.slot_id)) for s in seqs]
     timeout = deadlines.verify(len(items), max(len(i.tokens) for i in items), max(plan.steps.values(), default=1))
     verified = await target.verify(items, timeout)
     for item in items:
@@ -152,11 +156,12 @@ async def verify(
     return verified
 
 
-def verify_item(seq: Sequence, proposal: Proposal | None, plan: RoundPlan) -> VerifyItem:
+def verify_item(seq: Sequence, proposal: Proposal | None, plan: RoundPlan,
+                masks: TokenMasks | None = None) -> VerifyItem:
     """The tokens the target has not cached yet (the pending token g), then the draft's."""
     drafted = proposal.tokens if proposal is not None else []
     return VerifyItem(seq.slot_id, seq.target_valid, seq.tokens[seq.target_valid :] + drafted,
-                      verify_mode(seq, proposal, plan))
+                      verify_mode(seq, proposal, plan), masks)
 
 
 def verify_mode(seq: Sequence, proposal: Proposal | None, plan: RoundPlan) -> VerifyMode:
@@ -167,7 +172,9 @@ def verify_mode(seq: Sequence, proposal: Proposal | None, plan: RoundPlan) -> Ve
     (sampled, unseeded: rejection sampling, which keeps more draft tokens)."""
     raw_argmax = seq.sampling.greedy_by_raw_argmax
     if proposal is None:
-        return DecodeMode(plan.steps_of(seq.slot_id), None if raw_argmax else seq.target_sampling, seq.logprobs)
+        # A grammar's mask covers one step: the gateway moves the grammar past each token.
+        steps = 1 if seq.grammar is not None else plan.steps_of(seq.slot_id)
+        return DecodeMode(steps, None if raw_argmax else seq.target_sampling, seq.logprobs)
     if raw_argmax:
         return ArgmaxMode(seq.logprobs)
     if seq.sampling.is_greedy:
@@ -206,13 +213,16 @@ def advance(seq: Sequence, k: int, num_accepted: int) -> None:
         seq.draft_valid = length + min(num_accepted, k - 1)
 
 
-def first_tokens(seqs: list[Sequence], logits: dict[str, torch.Tensor]) -> dict[str, int]:
-    """The next token of each newly prefilled sequence, from its last-position logits: the first
-    completion token, or, for a request resuming after a preemption, the one after its tokens
-    (whose penalty context is all of them)."""
+def first_tokens(seqs: list[Sequence], logits: dict[str, torch.Tensor],
+                 masks: dict[str, TokenMasks] | None = None) -> dict[str, int]:
+    """The next token of each newly prefilled sequence, from its last-position logits (under its
+    grammar's one-row `masks`, if it has one): the first completion token, or, for a request
+    resuming after a preemption, the one after its tokens (whose penalty context is all of them)."""
+    masks = masks or {}
     out = {}
     for seq in seqs:
-        probs = logits_to_probs(logits[seq.slot_id][None], [seq.sampling], [seq.tokens])  # [1, vocab]
+        row = masked(logits[seq.slot_id][None], masks.get(seq.slot_id))  # [1, vocab]
+        probs = logits_to_probs(row, [seq.sampling], [seq.tokens])  # [1, vocab]
         if seq.sampling.is_greedy:
             out[seq.slot_id] = int(probs.argmax())
             continue
@@ -235,13 +245,13 @@ async def run_round(
     if plan.handoffs and handoff is not None and draft is not None:
         handed = await hand_off(target, draft, [s for s in seqs if s.slot_id in plan.handoffs], handoff, deadlines)
     proposed, draft_failed = await propose_or_plain(draft, seqs, plan, deadlines)
-    proposals = proposed.value | lookup_proposals(seqs, plan)
-    verified = await verify(target, seqs, proposals, plan, deadlines)
+    proposals, masks = constrain(seqs, proposed.value | lookup_proposals(seqs, plan), plan.lookups)
+    verified = await verify(target, seqs, proposals, plan, deadlines, masks)
     accept_started = time.perf_counter()
     drafting = [s for s in seqs if s.slot_id in proposals]
-    accepted = await sampler.run(accept_all, drafting, verified.value, proposals) if drafting else {}
+    accepted = await sampler.run(accept_all, drafting, verified.value, proposals, masks) if drafting else {}
     accept_s = time.perf_counter() - accept_started
-    logprobs = (await sampler.run(round_logprobs, seqs, proposals, verified.value, accepted)
+    logprobs = (await sampler.run(round_logprobs, seqs, proposals, verified.value, accepted, masks)
                 if any(s.logprobs is not None for s in seqs) else {})
     ks, num_accepted, steps = advance_all(seqs, proposals, verified.value, accepted, max_seq_len, plan.lookups,
                                           logprobs)

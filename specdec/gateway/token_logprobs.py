@@ -16,29 +16,36 @@ from __future__ import annotations
 import torch
 
 from specdec.errors import ServiceStateError
+from specdec.gateway.acceptance import masked
 from specdec.gateway.sequence import Sequence
 from specdec.sampling.logprobs import LogprobsRequest, RowLogprobs, TokenLogprob, answer_rows
 from specdec.sampling.rejection_sampler import RejectionResult
+from specdec.sampling.token_masks import TokenMasks
 from specdec.wire.items import Proposal, VerifiedChunk, VerifiedDecode, VerifiedLogits
 
 
-def first_logprobs(seqs: list[Sequence], logits: dict[str, torch.Tensor],
-                   firsts: dict[str, int]) -> dict[str, list[TokenLogprob]]:
-    """The first token's logprobs of each sequence that asks, from its Prefill logits [vocab]."""
+def first_logprobs(seqs: list[Sequence], logits: dict[str, torch.Tensor], firsts: dict[str, int],
+                   masks: dict[str, TokenMasks] | None = None) -> dict[str, list[TokenLogprob]]:
+    """The first token's logprobs of each sequence that asks, from its Prefill logits [vocab]
+    (under its grammar's one-row `masks` for transformed logprobs)."""
+    masks = masks or {}
     asking = [(s, s.logprobs) for s in seqs if s.logprobs is not None]
     if not asking:
         return {}
-    rows = answer_rows([logits[s.slot_id][None] for s, _ in asking], [r for _, r in asking],
+    rows = answer_rows([_processed(logits[s.slot_id][None], r, masks.get(s.slot_id)) for s, r in asking],
+                       [r for _, r in asking],
                        [s.tokens for s, _ in asking], [[] for _ in asking], [[firsts[s.slot_id]] for s, _ in asking])
     return {s.slot_id: r.emitted([firsts[s.slot_id]], 0) for (s, _), r in zip(asking, rows)}
 
 
 def round_logprobs(
     seqs: list[Sequence], proposals: dict[str, Proposal], verified: dict[str, VerifiedChunk],
-    accepted: dict[str, RejectionResult],
+    accepted: dict[str, RejectionResult], masks: dict[str, TokenMasks] | None = None,
 ) -> dict[str, list[TokenLogprob]]:
     """The logprobs of the tokens this round emits, per sequence that asks (before `advance_all`
-    moves the sequences): from the target's rows, or from its logits for a Logits answer."""
+    moves the sequences): from the target's rows, or from its logits for a Logits answer (under
+    the request's grammar `masks` for transformed logprobs, raw ones being the model's own)."""
+    masks = masks or {}
     out: dict[str, list[TokenLogprob]] = {}
     from_logits: list[tuple[Sequence, LogprobsRequest, VerifiedLogits, list[int], int]] = []
     for seq in seqs:
@@ -55,11 +62,17 @@ def round_logprobs(
         k = len(proposals[slot].tokens)
         out[slot] = _checked(seq, chunk.logprobs, request, k + 1, k).emitted(tokens, num_accepted)
     if from_logits:
-        rows = answer_rows([c.logits[: len(t)] for _, _, c, t, _ in from_logits], [r for _, r, *_ in from_logits],
+        logits = [_processed(c.logits, r, masks.get(s.slot_id))[: len(t)] for s, r, c, t, _ in from_logits]
+        rows = answer_rows(logits, [r for _, r, *_ in from_logits],
                            [s.tokens for s, *_ in from_logits], [t[:n] for *_, t, n in from_logits],
                            [t for *_, t, _ in from_logits])
         out |= {s.slot_id: r.emitted(t, 0) for (s, _, _, t, _), r in zip(from_logits, rows)}
     return out
+
+
+def _processed(logits: torch.Tensor, request: LogprobsRequest, masks: TokenMasks | None) -> torch.Tensor:
+    """The rows transformed logprobs start from: a grammar's masks apply to them, not to raw ones."""
+    return logits if request.transforms is None else masked(logits, masks)
 
 
 def _checked(seq: Sequence, rows: RowLogprobs | None, request: LogprobsRequest, n_rows: int,

@@ -59,6 +59,11 @@ class SparseRows:
     def num_rows(self) -> int:
         return len(self.lengths)
 
+    def head(self, rows: int) -> SparseRows:
+        """The first `rows` rows."""
+        end = sum(self.lengths[:rows])
+        return SparseRows(self.lengths[:rows], self.token_ids[:end], self.values[:end])
+
     def _row_index(self) -> torch.Tensor:
         """Each entry's row: [nnz] int64."""
         lengths = torch.tensor(self.lengths, dtype=torch.int64, device=self.token_ids.device)

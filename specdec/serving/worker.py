@@ -39,6 +39,10 @@ class ModelWorker:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
+    def submit(self, fn: Callable[[], object]) -> None:
+        """Queue `fn` without waiting for it (start-up work the thread's callers need later)."""
+        self._executor.submit(fn)
+
     async def run_timed(self, work: Callable[[], T], encode: Callable[[T], R]) -> tuple[R, float]:
         """Run `work`, then `encode` its result, both on the worker; return what `encode` made
         and the seconds `work` took there on the worker's clock (queueing and encoding

@@ -89,14 +89,15 @@ class TargetEngine(ModelEngine):
         for item in items:
             self._rollback(item.slot_id, item.valid_len)
         rows = self._run([(item.slot_id, list(item.tokens)) for item in items], logits="all", prompt=False)
-        scored = list(zip(items, rows))  # rows: [K+1, vocab] each
+        raw = {item.slot_id: r for item, r in zip(items, rows)}  # [K+1, vocab] each
+        scored = [(item, _masked(item, r)) for item, r in zip(items, rows)]
         try:
             answers = {
                 **self._answer_logits([(i, r) for i, r in scored if isinstance(i.mode, LogitsMode)]),
-                **self._answer_argmax([(i, r) for i, r in scored if isinstance(i.mode, ArgmaxMode)]),
-                **self._answer_sampled([(i, r) for i, r in scored if isinstance(i.mode, SampledMode)]),
-                **self._answer_decode([(i, r) for i, r in scored if isinstance(i.mode, DecodeMode)], deadline),
-                **self._answer_drawn([(i, r) for i, r in scored if isinstance(i.mode, DrawnMode)]),
+                **self._answer_argmax([(i, r) for i, r in scored if isinstance(i.mode, ArgmaxMode)], raw),
+                **self._answer_sampled([(i, r) for i, r in scored if isinstance(i.mode, SampledMode)], raw),
+                **self._answer_decode([(i, r) for i, r in scored if isinstance(i.mode, DecodeMode)], raw, deadline),
+                **self._answer_drawn([(i, r) for i, r in scored if isinstance(i.mode, DrawnMode)], raw),
             }
         except BaseException:
             for item in items:
@@ -137,25 +138,31 @@ class TargetEngine(ModelEngine):
                     raise InvalidArgumentError(
                         f"steps: {steps} for slot {item.slot_id!r}, need 1 to max_speculative_tokens + 1 = {limit + 1}"
                     )
+        if item.allowed is not None:
+            rows = 1 if isinstance(item.mode, DecodeMode) else len(item.tokens)
+            if isinstance(item.mode, DecodeMode) and item.mode.steps != 1:
+                raise InvalidArgumentError(f"steps: slot {item.slot_id!r} decodes {item.mode.steps} steps under a "
+                                           "grammar mask, which covers one (the gateway advances the grammar)")
+            item.allowed.check(rows, self.vocab_size, f"allowed of slot {item.slot_id!r}")
         self._check_length(item.slot_id, item.cached_len_after)
 
     def _answer_logits(self, scored: list[tuple[VerifyItem, torch.Tensor]]) -> dict[str, VerifiedChunk]:
         return {item.slot_id: VerifiedLogits(item.slot_id, self._cached(item), rows) for item, rows in scored}
 
-    def _answer_argmax(self, scored: list[tuple[VerifyItem, torch.Tensor]]) -> dict[str, VerifiedChunk]:
+    def _answer_argmax(self, scored: list[tuple[VerifyItem, torch.Tensor]], raw: Raw) -> dict[str, VerifiedChunk]:
         """Each row's argmax (`torch.argmax`: the lowest index among equal maxima, as the
         gateway's argmax over the same logits), with one device-to-host copy for the batch."""
         if not scored:
             return {}
         best = iter(torch.cat([rows.argmax(dim=-1) for _, rows in scored]).tolist())
         tokens = [list(itertools.islice(best, len(item.tokens))) for item, _ in scored]
-        logprobs = self._logprobs(scored, tokens)
+        logprobs = self._logprobs(scored, tokens, raw)
         return {
             item.slot_id: VerifiedArgmax(item.slot_id, self._cached(item), answer, logprobs[item.slot_id])
             for (item, _), answer in zip(scored, tokens)
         }
 
-    def _answer_sampled(self, scored: list[tuple[VerifyItem, torch.Tensor]]) -> dict[str, VerifiedChunk]:
+    def _answer_sampled(self, scored: list[tuple[VerifyItem, torch.Tensor]], raw: Raw) -> dict[str, VerifiedChunk]:
         """For each item and its logits [K + 1, vocab]: p, the logits with the item's transforms
         (the penalties' context growing through the draft tokens), the K + 1 candidates
         (`rejection_sampler.draw_candidates`, each with the generator of its sequence position)
@@ -175,14 +182,14 @@ class TargetEngine(ModelEngine):
             candidates = iter(drawn_tokens(draw_candidates(rows, q, generators)))  # [sum(K_b+1)]
         p_drafts = token_probs(p, drafts).tolist()  # [S, K_max]
         answers = [list(itertools.islice(candidates, len(item.tokens))) for item, _ in scored]
-        logprobs = self._logprobs(scored, answers)
+        logprobs = self._logprobs(scored, answers, raw)
         return {
             item.slot_id: VerifiedSampled(item.slot_id, self._cached(item), answers[b],
                                           p_drafts[b][: len(item.tokens) - 1], logprobs[item.slot_id])
             for b, (item, _) in enumerate(scored)
         }
 
-    def _answer_drawn(self, scored: list[tuple[VerifyItem, torch.Tensor]]) -> dict[str, VerifiedChunk]:
+    def _answer_drawn(self, scored: list[tuple[VerifyItem, torch.Tensor]], raw: Raw) -> dict[str, VerifiedChunk]:
         """For each item and its logits [K + 1, vocab]: each row's draw from p with the generator
         of its sequence position, the token plain decoding draws there (`_choose`). One batch."""
         if not scored:
@@ -192,7 +199,7 @@ class TargetEngine(ModelEngine):
                 scored, [typing.cast(DrawnMode, item.mode).sampling for item, _ in scored])
             draws = iter(drawn_tokens(sample(rows, generators)))  # [sum(K_b+1)]
         answers = [list(itertools.islice(draws, len(item.tokens))) for item, _ in scored]
-        logprobs = self._logprobs(scored, answers)
+        logprobs = self._logprobs(scored, answers, raw)
         return {
             item.slot_id: VerifiedDrawn(item.slot_id, self._cached(item), answer, logprobs[item.slot_id])
             for (item, _), answer in zip(scored, answers)
@@ -213,7 +220,7 @@ class TargetEngine(ModelEngine):
                       for b, (item, _) in enumerate(scored) for i in range(len(item.tokens))]
         return p, rows, generators
 
-    def _answer_decode(self, scored: list[tuple[VerifyItem, torch.Tensor]],
+    def _answer_decode(self, scored: list[tuple[VerifyItem, torch.Tensor]], raw: Raw,
                        deadline: float | None) -> dict[str, VerifiedChunk]:
         """Plain decoding on the target: each item's first token from its verify row, then
         one-token forwards batched across the items that want more, each feeding the token
@@ -228,7 +235,8 @@ class TargetEngine(ModelEngine):
         items = [item for item, _ in scored]
         chosen = {item.slot_id: [token]
                   for item, token in zip(items, self._choose(items, torch.cat([r for _, r in scored])))}
-        logprobs = {slot: [rows] for slot, rows in self._logprobs(scored, [chosen[i.slot_id] for i in items]).items()}
+        logprobs = {slot: [rows] for slot, rows
+                    in self._logprobs(scored, [chosen[i.slot_id] for i in items], raw).items()}
         slowest = 0.0
         for step in range(1, max(typing.cast(DecodeMode, item.mode).steps for item in items)):
             if deadline is not None and time.monotonic() + 2 * slowest > deadline:
@@ -239,8 +247,9 @@ class TargetEngine(ModelEngine):
                              prompt=False)
             for item, token in zip(active, self._choose(active, torch.stack(rows))):  # rows: [vocab] each
                 chosen[item.slot_id].append(token)
-            step_logprobs = self._logprobs([(item, row[None]) for item, row in zip(active, rows)],
-                                           [chosen[item.slot_id][-1:] for item in active])
+            stepped = [(item, row[None]) for item, row in zip(active, rows)]  # no mask: one step a grammar
+            step_logprobs = self._logprobs(stepped, [chosen[item.slot_id][-1:] for item in active],
+                                           {item.slot_id: row for item, row in stepped})
             for slot, step_rows in step_logprobs.items():
                 logprobs[slot].append(step_rows)
             slowest = max(slowest, time.monotonic() - started)
@@ -254,14 +263,16 @@ class TargetEngine(ModelEngine):
     def _joined(steps: list[RowLogprobs | None]) -> RowLogprobs | None:
         return None if steps[0] is None else RowLogprobs.concat([s for s in steps if s is not None])
 
-    def _logprobs(self, scored: list[tuple[VerifyItem, torch.Tensor]],
-                  answers: list[list[int]]) -> dict[str, RowLogprobs | None]:
+    def _logprobs(self, scored: list[tuple[VerifyItem, torch.Tensor]], answers: list[list[int]],
+                  raw: Raw) -> dict[str, RowLogprobs | None]:
         """Per item, its rows' logprobs when its mode asks (`LogprobsRequest`), else None: the
         draft tokens' and the `answers`' (one per row) and each row's top alternatives, one batch
         for the items that ask. Row 0's penalty context is the slot's tokens through the item's
-        first token g, and it grows through the draft tokens row by row, as p's does."""
+        first token g, and it grows through the draft tokens row by row, as p's does. Raw logprobs
+        come from the `raw` rows, transformed ones from the grammar-masked rows in `scored`."""
         out: dict[str, RowLogprobs | None] = {item.slot_id: None for item, _ in scored}
-        asking = [(item, rows, answer, request) for (item, rows), answer in zip(scored, answers)
+        asking = [(item, rows if request.transforms is not None else raw[item.slot_id], answer, request)
+                  for (item, rows), answer in zip(scored, answers)
                   if (request := requested_logprobs(item.mode)) is not None]
         if not asking:
             return out
@@ -292,3 +303,15 @@ class TargetEngine(ModelEngine):
 
     def _cached(self, item: VerifyItem) -> int:
         return len(self.tokens[item.slot_id])
+
+
+#: Each item's logits rows before its grammar mask, by slot: what raw logprobs are computed from.
+Raw = dict[str, torch.Tensor]
+
+
+def _masked(item: VerifyItem, rows: torch.Tensor) -> torch.Tensor:
+    """`rows` [K+1, vocab] under the item's grammar mask; a Logits answer stays raw (the gateway,
+    which holds the masks, applies them with the request's other transforms)."""
+    if item.allowed is None or isinstance(item.mode, LogitsMode):
+        return rows
+    return item.allowed.apply(rows)

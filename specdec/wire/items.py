@@ -20,9 +20,11 @@ from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.sampling.logprobs import MAX_TOP_LOGPROBS, LogprobsRequest, RowLogprobs
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.sparse_probs import SparseRows
+from specdec.sampling.token_masks import TokenMasks
 from specdec.tuning.choices import TuningChoice
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 from specdec.wire.tensor_codec import decode_tensor, encode_tensor
+from specdec.wire.token_masks import token_masks_from_pb, token_masks_to_pb
 
 
 def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
@@ -239,6 +241,8 @@ class VerifyItem:
     valid_len: int
     tokens: list[int]
     mode: VerifyMode = LogitsMode()
+    #: A structured-output request's grammar masks, one per answered row (None: no grammar).
+    allowed: TokenMasks | None = None
 
     @property
     def cached_len_after(self) -> int:
@@ -248,13 +252,18 @@ class VerifyItem:
         return self.valid_len + max(len(self.tokens), steps)
 
     def to_pb(self) -> target_pb2.VerifyItem:
-        return target_pb2.VerifyItem(
+        message = target_pb2.VerifyItem(
             slot_id=self.slot_id, valid_len=self.valid_len, tokens=self.tokens, mode=verify_mode_to_pb(self.mode)
         )
+        if self.allowed is not None:
+            message.allowed.CopyFrom(token_masks_to_pb(self.allowed))
+        return message
 
     @classmethod
     def from_pb(cls, message: target_pb2.VerifyItem) -> VerifyItem:
-        return cls(message.slot_id, message.valid_len, list(message.tokens), verify_mode_from_pb(message.mode))
+        allowed = token_masks_from_pb(message.allowed) if message.HasField("allowed") else None
+        return cls(message.slot_id, message.valid_len, list(message.tokens), verify_mode_from_pb(message.mode),
+                   allowed)
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,10 @@ import asyncio
 import json
 import ssl
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
+import pydantic
 import pytest
 
 # A dev extra: where it is missing (the GPU machine runs the suite's collection with its own
@@ -197,6 +198,10 @@ def test_models_and_health(client: openai.OpenAI, stack: Stack, base_url: str, p
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     ({"speculation": {"num_speculative_tokens": 99}}, "speculation.num_speculative_tokens"),
     ({"stop": ["x"] * 17}, "stop"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}}},
+     "response_format.json_schema.schema"),
 ])
 def test_a_bad_field_is_a_400_naming_it(client: openai.OpenAI, body: dict[str, Any], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as error:  # extra_body: sent as is, replacing the fields named
@@ -204,6 +209,47 @@ def test_a_bad_field_is_a_400_naming_it(client: openai.OpenAI, body: dict[str, A
                                        extra_body=body)
     assert error.value.status_code == 400 and error.value.param == param, error.value.message
     assert isinstance(error.value.body, dict) and error.value.body["message"].startswith(param)
+
+
+class Pet(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    legs: int
+    kind: Literal["cat", "dog", "bird"]
+
+
+def test_response_format_json_schema_through_the_sdks_parse_helper(client: openai.OpenAI) -> None:
+    """The SDK sends a strict JSON schema built from the pydantic model and parses the answer with it."""
+    reply = client.chat.completions.parse(model="", messages=[{"role": "user", "content": "Describe a pet."}],
+                                          max_tokens=48, temperature=0, response_format=Pet)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Pet), choice.message.content
+    streamed = client.chat.completions.create(
+        model="", messages=[{"role": "user", "content": "Describe a pet."}], max_tokens=48, temperature=0,
+        stream=True, extra_body={"speculation": {"enabled": False}},
+        response_format={"type": "json_schema", "json_schema": {"name": "Pet", "schema": Pet.model_json_schema()}},
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    assert Pet.model_validate_json(text) == choice.message.parsed
+
+
+def test_response_format_json_object(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model="", messages=[{"role": "user", "content": "Reply with {}."}],
+                                           max_tokens=24, temperature=0, response_format={"type": "json_object"})
+    content = reply.choices[0].message.content or ""
+    assert content.startswith("{")
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+
+
+def test_a_body_nested_past_the_parser_is_a_400(base_url: str, pki: Pki) -> None:
+    async def post() -> int:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as session:
+            body = '{"messages": ' + "[" * 5000 + "]" * 5000 + "}"
+            async with session.post(f"{base_url}/v1/chat/completions", data=body, ssl=_ssl(pki),
+                                    headers={"Content-Type": "application/json"}) as reply:
+                return reply.status
+
+    assert asyncio.run(post()) == 400
 
 
 def test_errors_of_the_whole_request(client: openai.OpenAI, base_url: str, pki: Pki) -> None:

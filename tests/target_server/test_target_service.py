@@ -22,6 +22,7 @@ from specdec.sampling.draws import make_generator, pick_tokens
 from specdec.sampling.params import independent_seed
 from specdec.sampling.rejection_sampler import draw_candidates, token_probs
 from specdec.sampling.sparse_probs import SparseRows
+from specdec.sampling.token_masks import TokenMasks
 from specdec.sampling.transforms import chunk_logits_to_probs, logits_to_probs
 from specdec.target_server import server as target_servicer
 from specdec.target_server.server import SERVICE_NAME
@@ -29,6 +30,7 @@ from specdec.v1 import common_pb2, target_pb2
 from specdec.wire import items as wire_items
 from specdec.wire.items import DecodeMode, VerifiedDecode, VerifyItem, sampling_from_pb, sparse_from_pb, sparse_to_pb
 from specdec.wire.tensor_codec import decode_tensor, encode_tensor
+from specdec.wire.token_masks import token_masks_to_pb
 from tests.support.services import Service, greedy_continuation, reference_logits, rpc_error
 
 #: Logit tolerance. Batched and single rows may run different fp32 kernels (oneDNN or BLAS,
@@ -723,3 +725,59 @@ def test_a_row_with_nothing_to_draw_fails_its_call_clearly_and_the_next_one_work
         target_pb2.VerifyItem(slot_id="a", valid_len=n, tokens=[17], mode=decode_mode(2, normal)),
     ])).results[0]
     assert result.cached_len == n + 2 and len(result.decoded.ids) == 2
+
+
+# -- grammar masks --------------------------------------------------------------------------
+
+
+def _masks(rows: list[list[int]], vocab: int) -> common_pb2.TokenMasks:
+    """TokenMasks allowing exactly `rows[r]` at row r."""
+    allowed = torch.zeros(len(rows), vocab, dtype=torch.bool)
+    for r, tokens in enumerate(rows):
+        allowed[r, tokens] = True
+    return token_masks_to_pb(TokenMasks.from_allowed(allowed))
+
+
+def test_masked_items_choose_among_the_allowed_tokens_and_keep_raw_logprobs(
+    target: Service, prompts: list[list[int]], smollm2: LoadedModel
+) -> None:
+    """Argmax and Decode items under a mask answer each row's best allowed token; raw logprobs are
+    the model's own (the unmasked softmax), the Logits item's logits stay raw."""
+    vocab = smollm2.model.config.vocab_size
+    prefill(target, {"raw": prompts[0], "arg": prompts[0], "dec": prompts[1]})
+    chunk, n = [11, 300, 301], len(prompts[0])
+    raw = verify(target, [("raw", n, chunk)])["raw"]  # [3, vocab]
+    allowed = [[5, 6, 7], [100, 200], [42]]
+    logprobs = target_pb2.VerifyMode(argmax=target_pb2.VerifyMode.Argmax(logprobs=target_pb2.LogprobsRequest(top=1)))
+    response = target.stub.Verify(target_pb2.VerifyRequest(items=[
+        target_pb2.VerifyItem(slot_id="arg", valid_len=n, tokens=chunk, mode=logprobs, allowed=_masks(allowed, vocab)),
+        target_pb2.VerifyItem(slot_id="dec", valid_len=len(prompts[1]), tokens=[11], allowed=_masks([[9, 10]], vocab),
+                              mode=target_pb2.VerifyMode(decode=target_pb2.VerifyMode.Decode(steps=1))),
+    ]))
+    arg, dec = response.results
+    want = [tokens[int(raw[r, tokens].argmax())] for r, tokens in enumerate(allowed)]
+    assert list(arg.argmax.ids) == want
+    model_logprobs = torch.log_softmax(raw.double(), dim=-1)
+    assert list(arg.logprobs.answered) == pytest.approx(
+        [float(model_logprobs[r, t]) for r, t in enumerate(want)], abs=1e-4)
+    assert list(dec.decoded.ids)[0] in (9, 10)
+
+
+@pytest.mark.parametrize(("rows", "steps", "field"), [
+    ([[1], [2]], None, "allowed"),       # 2 rows for 3
+    ([[1]], 2, "steps"),                 # a mask covers one decoded step
+    ([[], [1], [2]], None, "allowed"),   # a row that allows nothing
+])
+def test_a_mask_that_does_not_fit_the_item_is_invalid_argument(
+    target: Service, prompts: list[list[int]], smollm2: LoadedModel, rows: list[list[int]], steps: int | None,
+    field: str,
+) -> None:
+    prefill(target, {"s": prompts[0]})
+    tokens = [11] if steps else [11, 300, 301]
+    mode = target_pb2.VerifyMode(decode=target_pb2.VerifyMode.Decode(steps=steps)) if steps else ARGMAX
+    item = target_pb2.VerifyItem(slot_id="s", valid_len=len(prompts[0]), tokens=tokens, mode=mode,
+                                 allowed=_masks(rows, smollm2.model.config.vocab_size))
+    with pytest.raises(grpc.RpcError) as raised:
+        target.stub.Verify(target_pb2.VerifyRequest(items=[item]))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (raised.value.details() or "").startswith(field), raised.value.details()

@@ -38,10 +38,11 @@ from specdec_bench.results import git_revision
 
 #: Distributions carried as wheels, each at the version installed here.
 WHEELS = ("grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection", "cryptography", "cffi", "pycparser",
-          "gguf", "transformers")
+          "gguf", "transformers", "llguidance")
 #: The machine's Python and platform, as the device notes give them (pip matches each tag exactly).
 PYTHON_VERSION = "3.12"
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+PLATFORMS = ("manylinux_2_31_x86_64",  # llguidance
+             "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 #: Everything that travels with a call to the device (tree and carried folders) shares this.
 TRAVEL_LIMIT_BYTES = 64 * 2**20

@@ -136,7 +136,7 @@ class OpenAIFront:
 
 
 async def read_json(request: web.Request, limit: int) -> Any:
-    """The body as JSON; 413 above `limit` bytes, 400 when it is no JSON."""
+    """The body as JSON; 413 above `limit` bytes, 400 when it is no JSON (or nested past the parser)."""
     if request.content_length is not None and request.content_length > limit:
         raise too_large(limit)
     try:
@@ -147,6 +147,8 @@ async def read_json(request: web.Request, limit: int) -> Any:
         return json.loads(raw)
     except ValueError as error:
         raise OpenAIError(400, f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise OpenAIError(400, "the request body is nested too deeply") from None
 
 
 def too_large(limit: int) -> OpenAIError:

@@ -12,6 +12,7 @@ implement are refused unless they carry their no-op value, so nothing asked for 
 from __future__ import annotations
 
 import enum
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -42,7 +43,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -90,6 +90,8 @@ def parse_request(body: object, endpoint: Endpoint, model: ServedModel) -> OpenA
     )
     if (logprobs := logprobs_from_body(body, endpoint)) is not None:
         request.logprobs.CopyFrom(logprobs)
+    if (output := response_format_from_body(body)) is not None:
+        request.structured_output.CopyFrom(output)
     if endpoint is Endpoint.CHAT:
         request.chat.CopyFrom(chat_from_body(body))
     else:
@@ -193,6 +195,37 @@ def logprobs_from_body(body: dict[str, Any], endpoint: Endpoint) -> gateway_pb2.
     if mode not in LOGPROBS_MODES:
         raise invalid_field("logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)}, got {mode!r}")
     return gateway_pb2.LogprobsOptions(top_logprobs=top or 0, processed=LOGPROBS_MODES[mode])
+
+
+def response_format_from_body(body: dict[str, Any]) -> gateway_pb2.StructuredOutput | None:
+    """`response_format`: text (None), `json_object`, or `json_schema` with its `name` and
+    `schema` (always enforced, `strict` or not)."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid_field("response_format", f"must be an object, got {_json_type(value)}")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        output = gateway_pb2.StructuredOutput()
+        output.json_object.SetInParent()
+        return output
+    if kind != "json_schema":
+        raise invalid_field("response_format.type", f"must be text, json_object or json_schema, got {kind!r}")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise invalid_field("response_format.json_schema", "must be an object with a name and a schema")
+    name = spec.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+        raise invalid_field("response_format.json_schema.name",
+                            "must be 1 to 64 letters, digits, underscores or dashes")
+    _boolean(spec, "strict", "response_format.json_schema.")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise invalid_field("response_format.json_schema.schema", f"must be an object, got {_json_type(schema)}")
+    return gateway_pb2.StructuredOutput(json_schema=json.dumps(schema))
 
 
 def stop_from_body(body: dict[str, Any]) -> list[str]:
@@ -301,7 +334,9 @@ def in_openai_terms(message: str, endpoint: Endpoint) -> tuple[str | None, str]:
     if field in ("prompt", "input"):
         param = "messages" if endpoint is Endpoint.CHAT else "prompt"
     else:
-        param = {"max_new_tokens": "max_tokens"}.get(field, field.removeprefix("chat."))
+        param = {"max_new_tokens": "max_tokens", "structured_output.json_object": "response_format",
+                 "structured_output.json_schema": "response_format.json_schema.schema",
+                 }.get(field, field.removeprefix("chat."))
     return param, param + message[len(field):]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import grpc
@@ -107,7 +108,9 @@ def test_bad_sampling_and_logprobs_fields_name_themselves(body: dict[str, Any], 
 def test_chat_refusals() -> None:
     assert refusal({**CHAT, "model": "gpt-4o"}).status == 404
     assert refusal({**CHAT, "n": 3}).param == "n"
-    assert refusal({**CHAT, "response_format": {"type": "json_object"}}).param == "response_format"
+    assert refusal({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}).param == "tools"
+    assert refusal({**CHAT, "response_format": {"type": "yaml"}}).param == "response_format.type"
+    assert refusal({**CHAT, "response_format": "json"}).param == "response_format"
     assert refusal({**CHAT, "speculation": {"k": 2}}).param == "speculation.k"
     assert refusal({**CHAT, "speculation": {"method": "medusa"}}).param == "speculation.method"
     assert refusal({**CHAT, "temperature": True}).param == "temperature"
@@ -115,7 +118,17 @@ def test_chat_refusals() -> None:
     image = [{"type": "image_url", "image_url": {"url": "x"}}]
     assert refusal({"messages": [{"role": "user", "content": image}]}).param == "messages[0].content"
     assert refusal(["not", "an", "object"]).status == 400
-    chat_request(response_format={"type": "text"}, tools=[], model="")
+    assert not chat_request(response_format={"type": "text"}, tools=[], model="").HasField("structured_output")
+
+
+def test_response_formats_become_structured_output() -> None:
+    assert chat_request(response_format={"type": "json_object"}).structured_output.HasField("json_object")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    request = chat_request(response_format={"type": "json_schema",
+                                            "json_schema": {"name": "A", "schema": schema, "strict": True}})
+    assert json.loads(request.structured_output.json_schema) == schema
+    assert in_openai_terms("structured_output.json_schema: Invalid type", Endpoint.CHAT)[0] == \
+        "response_format.json_schema.schema"
 
 
 def test_grpc_side_messages_in_openai_terms() -> None:

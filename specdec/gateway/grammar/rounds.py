@@ -1,0 +1,58 @@
+"""A round of structured-output requests: each verify row gets the grammar's mask, and a draft
+is cut where the grammar refuses one of its tokens.
+
+Cutting keeps the output exact: a greedy request, a seeded one (kept while it equals the
+target's own draws) and a lookup's draft (q one-hot: a refused token is rejected for certain,
+and the residual is then p itself) lose nothing by dropping the refused token and all after it.
+A model draft judged by rejection sampling keeps the refused token (p = 0 there, so it is
+rejected for certain, but the residual norm(max(p - q, 0)) it leads to is what keeps the
+output's distribution p); only the tokens after it go, and its bonus row is never used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+
+import torch
+
+from specdec.gateway.sequence import Sequence, Verification
+from specdec.sampling.token_masks import TokenMasks
+from specdec.wire.items import Proposal
+
+
+def constrain(
+    seqs: list[Sequence], proposals: dict[str, Proposal], lookups: Collection[str]
+) -> tuple[dict[str, Proposal], dict[str, TokenMasks]]:
+    """The round's proposals, cut where a grammar refuses a draft token (a request whose draft is
+    cut to nothing decodes plainly), and the masks of each structured-output request's rows."""
+    kept, masks = dict(proposals), {}
+    for seq in seqs:
+        if seq.grammar is None:
+            continue
+        proposal = proposals.get(seq.slot_id)
+        drafted = proposal.tokens if proposal is not None else []
+        rows, legal = seq.grammar.masks_along(drafted)
+        if proposal is None or legal == len(drafted):
+            masks[seq.slot_id] = rows
+            continue
+        if _keeps_refused(seq, seq.slot_id in lookups):
+            # Its bonus row is never used (the refused token is rejected): any allowed set does.
+            masks[seq.slot_id] = TokenMasks(torch.cat([rows.words, rows.words[-1:]]))
+            kept[seq.slot_id] = _head(proposal, legal + 1)
+        elif legal > 0:
+            masks[seq.slot_id] = rows
+            kept[seq.slot_id] = _head(proposal, legal)
+        else:
+            masks[seq.slot_id] = rows
+            del kept[seq.slot_id]
+    return kept, masks
+
+
+def _keeps_refused(seq: Sequence, lookup: bool) -> bool:
+    return not seq.sampling.is_greedy and seq.verification is Verification.REJECTION and not lookup
+
+
+def _head(proposal: Proposal, k: int) -> Proposal:
+    probs = proposal.probs.head(k) if proposal.probs is not None else None
+    return dataclasses.replace(proposal, tokens=proposal.tokens[:k], probs=probs)

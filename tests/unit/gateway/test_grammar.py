@@ -1,0 +1,149 @@
+"""Structured output without a model: masks along a draft, the cut a round makes, bad specs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from specdec.errors import InvalidArgumentError
+from specdec.gateway.detokenizer import StopStringDetokenizer
+from specdec.gateway.grammar import Choice, GrammarCompiler, JsonSchema, Regex, structured_output_from_pb
+from specdec.gateway.grammar.rounds import constrain
+from specdec.gateway.sequence import Sequence, Verification
+from specdec.model.choices import DEFAULT_MODEL
+from specdec.model.loader import load_tokenizer
+from specdec.sampling.params import SamplingParams
+from specdec.sampling.sparse_probs import SparseRows
+from specdec.sampling.token_masks import TokenMasks
+from specdec.v1 import gateway_pb2
+from specdec.wire.items import Proposal
+
+EOS = 2
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerBase:
+    return load_tokenizer(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer: PreTrainedTokenizerBase) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer, VOCAB, [EOS])
+
+
+def sequence(temperature: float = 0.0, verification: Verification = Verification.REJECTION) -> Sequence:
+    sampling = SamplingParams(temperature=temperature)
+    return Sequence(
+        slot_id="s", prompt=[1, 2, 3], sampling=sampling, max_new_tokens=100, num_speculative_tokens=3,
+        detokenizer=StopStringDetokenizer.__new__(StopStringDetokenizer), generator=torch.Generator(),
+        draft_sampling=sampling, target_sampling=sampling, verification=verification,
+    )
+
+
+def _ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_masks_along_a_draft_stop_at_the_first_refused_token(compiler: GrammarCompiler,
+                                                               tokenizer: PreTrainedTokenizerBase) -> None:
+    grammar = compiler.compile(Regex(r"[0-9]{4}"), "regex")
+    digits = _ids(tokenizer, "2")
+    letter = _ids(tokenizer, "x")
+    masks, legal = grammar.masks_along(digits * 2 + letter + digits)
+    assert legal == 2 and masks.rows == 3
+    assert masks.allows(0, digits[0]) and not masks.allows(2, letter[0])
+    # The walk left the state where it was: the same first row again.
+    assert torch.equal(grammar.masks_along([])[0].words[0], masks.words[0])
+
+
+def test_a_stop_token_ends_the_walk_and_completes_the_grammar(compiler: GrammarCompiler,
+                                                              tokenizer: PreTrainedTokenizerBase) -> None:
+    grammar = compiler.compile(Choice(("yes", "no")), "choice")
+    yes = _ids(tokenizer, "yes")
+    masks, legal = grammar.masks_along(yes + [EOS, EOS])
+    assert legal == len(yes) + 1 and masks.rows == legal + 1
+    grammar.advance(yes, {EOS})
+    assert grammar.complete
+    only = grammar.masks_along([])[0].allowed(VOCAB)[0]
+    assert only.nonzero().flatten().tolist() == [EOS]
+
+
+@pytest.mark.parametrize(("temperature", "verification", "lookup", "kept"), [
+    (0.0, Verification.REJECTION, False, 1),   # greedy: the refused token goes
+    (1.0, Verification.DRAWN, False, 1),       # seeded draws: likewise
+    (1.0, Verification.REJECTION, True, 1),    # a lookup's one-hot q: likewise
+    (1.0, Verification.REJECTION, False, 2),   # a model draft judged by rejection keeps it, to be rejected
+])
+def test_a_round_cuts_a_draft_where_its_grammar_refuses_a_token(
+    compiler: GrammarCompiler, tokenizer: PreTrainedTokenizerBase, temperature: float,
+    verification: Verification, lookup: bool, kept: int,
+) -> None:
+    seq = sequence(temperature=temperature, verification=verification)
+    seq.grammar = compiler.compile(Regex(r"[0-9]+"), "regex")
+    drafted = _ids(tokenizer, "7") + _ids(tokenizer, "x") + _ids(tokenizer, "8")
+    probs = SparseRows.one_hot(drafted) if temperature else None
+    proposals, masks = constrain([seq], {seq.slot_id: Proposal(seq.slot_id, drafted, probs, 0)},
+                                 [seq.slot_id] if lookup else [])
+    assert proposals[seq.slot_id].tokens == drafted[:kept]
+    assert masks[seq.slot_id].rows == kept + 1
+    if probs is not None:
+        assert proposals[seq.slot_id].probs.num_rows == kept  # type: ignore[union-attr]
+
+
+def test_a_draft_refused_at_its_first_token_leaves_a_plain_round(compiler: GrammarCompiler,
+                                                                 tokenizer: PreTrainedTokenizerBase) -> None:
+    seq = sequence()
+    seq.grammar = compiler.compile(Regex(r"[0-9]+"), "regex")
+    proposals, masks = constrain([seq], {seq.slot_id: Proposal(seq.slot_id, _ids(tokenizer, "x"), None, 0)}, [])
+    assert proposals == {} and masks[seq.slot_id].rows == 1
+
+
+def test_packed_masks_round_trip_and_apply() -> None:
+    words = torch.zeros(2, 2, dtype=torch.int32)
+    words[0, 0], words[1, 1] = 0b101, 1 << 3  # row 0: tokens 0, 2; row 1: token 35
+    masks = TokenMasks(words)
+    again = TokenMasks.from_bytes(masks.to_bytes(), 2, 2)
+    assert torch.equal(again.words, words)
+    assert torch.equal(TokenMasks.from_allowed(masks.allowed(64)).words, words)
+    high = torch.zeros(1, 32, dtype=torch.bool)
+    high[0, 31] = True  # the sign bit of an int32 word
+    assert TokenMasks.from_allowed(high).allows(0, 31)
+    out = masks.apply(torch.zeros(2, 40))
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [0, 2]
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [35]
+    with pytest.raises(InvalidArgumentError, match="allows no token"):
+        TokenMasks(torch.zeros(1, 2, dtype=torch.int32)).check(1, 40, "allowed")
+    with pytest.raises(InvalidArgumentError, match="rows"):
+        masks.check(3, 40, "allowed")
+    with pytest.raises(InvalidArgumentError):
+        TokenMasks.from_bytes(b"\0" * 7, 1, 2)
+
+
+@pytest.mark.parametrize(("message", "field"), [
+    (gateway_pb2.StructuredOutput(), "structured_output: set one of"),
+    (gateway_pb2.StructuredOutput(json_schema="[1]"), "structured_output.json_schema: a schema is a JSON object"),
+    (gateway_pb2.StructuredOutput(json_schema='{"a": ' * 100 + "1" + "}" * 100),
+     "structured_output.json_schema: nested deeper"),
+    (gateway_pb2.StructuredOutput(regex=""), "structured_output.regex: empty"),
+    (gateway_pb2.StructuredOutput(choice=gateway_pb2.StructuredOutput.Choice(options=["a", ""])),
+     "structured_output.choice: give 1 to"),
+])
+def test_a_bad_spec_names_its_field(message: gateway_pb2.StructuredOutput, field: str) -> None:
+    with pytest.raises(InvalidArgumentError) as raised:
+        structured_output_from_pb(message, "structured_output")
+    assert str(raised.value).startswith(field)
+
+
+def test_equal_schemas_share_one_compiled_grammar(compiler: GrammarCompiler) -> None:
+    spaced = gateway_pb2.StructuredOutput(json_schema='{"type": "object",  "required": []}')
+    tight = gateway_pb2.StructuredOutput(json_schema=json.dumps({"required": [], "type": "object"}))
+    before = compiler.cached()
+    for message in (spaced, tight):
+        output = structured_output_from_pb(message, "structured_output")
+        assert isinstance(output, JsonSchema)
+        compiler.compile(output, "structured_output.json_schema")
+    assert compiler.cached() == before + 1
