@@ -44,11 +44,14 @@ class DraftSource(enum.Enum):
     #: `ProposeItem.guess_tokens`, or its own, `lookup_guesses`) in one forward and drafts on by
     #: itself from the first token it would not draw.
     LOOKUP_THEN_MODEL = "lookup_then_model"
+    #: A structured-output request's grammar: the tokens it allows alone from here (its keys,
+    #: quotes, braces), accepted for certain, at no draft cost.
+    GRAMMAR = "grammar"
 
     @property
     def is_lookup(self) -> bool:
-        """A lookup alone proposed the tokens (the draft model did not run)."""
-        return self in (DraftSource.PROMPT_LOOKUP, DraftSource.SUFFIX)
+        """A deterministic proposal alone gave the tokens (the draft model did not run)."""
+        return self in (DraftSource.PROMPT_LOOKUP, DraftSource.SUFFIX, DraftSource.GRAMMAR)
 
 
 #: Every source, in the order metrics list them.

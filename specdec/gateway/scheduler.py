@@ -26,6 +26,7 @@ import grpc
 from specdec.errors import CapacityExhaustedError, ServiceStateError, SpecdecError
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.draft_sources import DraftSource
+from specdec.gateway.grammar.rounds import with_forced_tokens
 from specdec.gateway.model_clients import DraftAPI, TargetAPI
 from specdec.gateway.planner import DraftAvailability, Planner, RoundInputs
 from specdec.gateway.proposers import LookupDraft, LookupProposer
@@ -235,7 +236,7 @@ class Scheduler:
         ))
         if plan.off_reason is not None:
             self.stats.off_rounds[plan.off_reason] += 1
-        return plan
+        return with_forced_tokens(plan, batch, caps)
 
     @property
     def _draft_availability(self) -> DraftAvailability:

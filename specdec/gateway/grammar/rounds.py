@@ -1,5 +1,6 @@
-"""A round of structured-output requests: each verify row gets the grammar's mask, and a draft
-is cut where the grammar refuses one of its tokens.
+"""A round of structured-output requests: where the grammar allows one continuation alone, it is
+the request's draft (`with_forced_tokens`); each verify row gets the grammar's mask, and a draft
+is cut where the grammar refuses one of its tokens (`constrain`).
 
 Cutting keeps the output exact: a greedy request, a seeded one (kept while it equals the
 target's own draws) and a lookup's draft (q one-hot: a refused token is rejected for certain,
@@ -16,9 +17,30 @@ from collections.abc import Collection
 
 import torch
 
+from specdec.gateway.draft_sources import DraftSource
+from specdec.gateway.proposers import LookupDraft
+from specdec.gateway.rounds import RoundPlan
 from specdec.gateway.sequence import Sequence, Verification
 from specdec.sampling.token_masks import TokenMasks
 from specdec.wire.items import Proposal
+
+
+def with_forced_tokens(plan: RoundPlan, batch: list[Sequence], caps: dict[str, int]) -> RoundPlan:
+    """`plan` with each structured-output request that the grammar forces on drafting the forced
+    tokens (up to its cap) instead of what was planned: they cost no draft step, and the target,
+    whose p the mask makes certain of them, accepts them all. The round then drafts, so no request
+    takes several plain steps in it."""
+    forced = {}
+    for seq in batch:
+        if seq.grammar is not None and caps[seq.slot_id] > 0 and (tokens := seq.grammar.forced_tokens()):
+            forced[seq.slot_id] = LookupDraft(tuple(tokens[: caps[seq.slot_id]]), DraftSource.GRAMMAR, len(tokens))
+    if not forced:
+        return plan
+    return dataclasses.replace(
+        plan, ks=plan.ks | {slot: len(draft.tokens) for slot, draft in forced.items()}, steps={},
+        lookups=plan.lookups | forced, guesses={s: g for s, g in plan.guesses.items() if s not in forced},
+        self_guessing=plan.self_guessing - set(forced),
+    )
 
 
 def constrain(

@@ -186,6 +186,8 @@ class Planner:
         for seq in seqs:
             k, accepted = report.ks[seq.slot_id], report.num_accepted[seq.slot_id]
             lookup = plan.lookups.get(seq.slot_id)
+            if lookup is not None and lookup.source is DraftSource.GRAMMAR:
+                continue  # a grammar's forced tokens: certain, nothing to learn
             if k > 0 and lookup is not None:
                 self.lookups.observe(lookup, k, accepted, seq.slot_id, now)
             elif k > 0:

@@ -10,8 +10,11 @@ from transformers import PreTrainedTokenizerBase
 
 from specdec.errors import InvalidArgumentError
 from specdec.gateway.detokenizer import StopStringDetokenizer
+from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.grammar import Choice, GrammarCompiler, JsonSchema, Regex, structured_output_from_pb
-from specdec.gateway.grammar.rounds import constrain
+from specdec.gateway.grammar.rounds import constrain, with_forced_tokens
+from specdec.gateway.proposers import LookupDraft
+from specdec.gateway.rounds import RoundPlan
 from specdec.gateway.sequence import Sequence, Verification
 from specdec.model.choices import DEFAULT_MODEL
 from specdec.model.loader import load_tokenizer
@@ -147,3 +150,19 @@ def test_equal_schemas_share_one_compiled_grammar(compiler: GrammarCompiler) -> 
         assert isinstance(output, JsonSchema)
         compiler.compile(output, "structured_output.json_schema")
     assert compiler.cached() == before + 1
+
+
+def test_forced_tokens_replace_the_planned_draft_up_to_the_cap(compiler: GrammarCompiler,
+                                                               tokenizer: PreTrainedTokenizerBase) -> None:
+    seq, free = sequence(), sequence()
+    free.slot_id = "free"
+    seq.grammar = compiler.compile(Regex(r"hello world [0-9]"), "regex")
+    plan = RoundPlan(ks={"s": 4, "free": 4}, steps={}, guesses={"s": LookupDraft((1, 2), DraftSource.SUFFIX, 2)})
+    forced = with_forced_tokens(plan, [seq, free], {"s": 2, "free": 4})
+    draft = forced.lookups["s"]
+    assert draft.source is DraftSource.GRAMMAR and len(draft.tokens) == forced.ks["s"] == 2
+    assert tokenizer.decode(list(draft.tokens)) == "hello world"[: len(tokenizer.decode(list(draft.tokens)))]
+    assert forced.ks["free"] == 4 and "free" not in forced.lookups and "s" not in forced.guesses
+    assert forced.model_ks == {"s": 0, "free": 4}
+    seq.grammar.advance(list(tokenizer("hello world ", add_special_tokens=False)["input_ids"]), {EOS})
+    assert with_forced_tokens(plan, [seq, free], {"s": 2, "free": 4}) is plan  # a digit: a choice, nothing forced
