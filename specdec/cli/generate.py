@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 
@@ -65,6 +66,14 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
         "--processed-logprobs", action="store_true",
         help="logprobs of the distribution after the request's transforms instead of the model's raw one",
     )
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--json-schema", type=_text_or_file, default=None, metavar="SCHEMA",
+                        help="the answer matches this JSON Schema (JSON text, or @FILE)")
+    output.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
+    output.add_argument("--regex", default=None, help="the answer matches this regular expression")
+    output.add_argument("--choice", action="append", default=None, help="the answer is one of these (repeatable)")
+    output.add_argument("--grammar", type=_text_or_file, default=None, metavar="GRAMMAR",
+                        help="the answer follows this Lark or GBNF grammar (text, or @FILE)")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     parser.add_argument("--tls-ca", default="", help="PEM CA of the gateway's certificate: connect over TLS")
@@ -73,6 +82,16 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token-file", default="", help="file holding the gateway's bearer token (default: $SPECDEC_AUTH_TOKEN)",
     )
+
+
+def _text_or_file(text: str) -> str:
+    """A `--json-schema` / `--grammar` value: the text itself, or the contents of @FILE."""
+    if not text.startswith("@"):
+        return text
+    try:
+        return Path(text[1:]).read_text()
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot read {text[1:]!r}: {error.strerror}") from None
 
 
 def _logit_bias(text: str) -> tuple[int, float]:
@@ -100,7 +119,8 @@ def generate(args: argparse.Namespace) -> int:
         frequency_penalty=args.frequency_penalty, logit_bias=dict(args.logit_bias), seed=args.seed, stop=args.stop,
         speculative=False if args.no_speculative else None, num_speculative_tokens=args.num_speculative_tokens,
         method=args.method, verification=args.verification, logprobs=args.logprobs,
-        processed_logprobs=args.processed_logprobs,
+        processed_logprobs=args.processed_logprobs, json_schema=args.json_schema, json_object=args.json_object,
+        regex=args.regex, choice=args.choice, grammar=args.grammar,
     )
 
     def echo(text: str) -> None:

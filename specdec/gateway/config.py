@@ -50,6 +50,11 @@ class GatewayConfig(ServerSecurity):
         0, "draft tokens per round, K (the upper bound with --adaptive-k); 0: the services' largest K with "
         f"--adaptive-k and their measured costs, else {FIXED_K_DEFAULT}",
     )
+    #: Structured-output requests draft the tokens their grammar forces (`grammar.rounds`).
+    grammar_drafts: bool = option(
+        True, "draft the tokens a structured-output request's grammar allows alone (no draft step, kept for "
+        "certain); --no-grammar-drafts leaves them to the planned draft", advanced=True,
+    )
     #: Requests may name another (`SpeculationOptions.method`); `model` needs a draft service.
     speculation_method: str = option(
         "auto", "what requests draft with unless they say: auto (the model draft or a lookup, chosen per round), "

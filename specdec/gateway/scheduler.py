@@ -94,11 +94,14 @@ class Scheduler:
         deadlines: Deadlines,
         decode_steps: int = 1,
         lookup: LookupProposer | None = None,
+        grammar_drafts: bool = True,
     ) -> None:
         self.target = target
         self.draft = draft
         #: Proposes lookup drafts for the requests that allow them (None: no lookups).
         self.lookup = lookup
+        #: Structured-output requests draft their grammar's forced tokens (`with_forced_tokens`).
+        self.grammar_drafts = grammar_drafts
         self.pools = pools
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
@@ -236,7 +239,7 @@ class Scheduler:
         ))
         if plan.off_reason is not None:
             self.stats.off_rounds[plan.off_reason] += 1
-        return with_forced_tokens(plan, batch, caps)
+        return with_forced_tokens(plan, batch, caps) if self.grammar_drafts else plan
 
     @property
     def _draft_availability(self) -> DraftAvailability:

@@ -243,7 +243,7 @@ def new_scheduler(config: GatewayConfig, services: Services, stats: GatewayStats
         # A target that comes back allowing less than the promised K is refused (`service_changes`),
         # so steps within it stay valid whatever target answers.
         decode_steps=min(config.decode_steps, services.max_speculative_tokens + 1),
-        lookup=LookupProposer(config.lookup_settings()),
+        lookup=LookupProposer(config.lookup_settings()), grammar_drafts=config.grammar_drafts,
         deadlines=Deadlines(
             config.rpc_timeout_floor_s, config.rpc_timeout_factor,
             CostTable(target_costs) if target_costs else None, CostTable(draft_costs) if draft_costs else None,

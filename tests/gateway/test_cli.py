@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterable
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,19 @@ def test_generate_streams_text_and_prints_statistics(int8_stack) -> None:  # typ
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()
     assert "acceptance rate" in done.stderr and "tok/s" in done.stderr
+
+
+def test_generate_structured_output_flags(int8_stack, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    schema = tmp_path / "answer.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False}))
+    done = _generate(int8_stack.address, "Is water wet?", "--json-schema", f"@{schema}", "--json")
+    assert done.returncode == 0, done.stderr
+    assert set(json.loads(json.loads(done.stdout)["text"])) == {"ok"}
+    chosen = _generate(int8_stack.address, "Pick one.", "--choice", "left", "--choice", "right", "--json")
+    assert json.loads(chosen.stdout)["text"] in ("left", "right")
+    both = _generate(int8_stack.address, "x", "--regex", "a+", "--json-object")
+    assert both.returncode == 2 and "not allowed with" in both.stderr
 
 
 def test_generate_logit_bias_flags_parse_to_pairs(capsys: pytest.CaptureFixture[str]) -> None:
