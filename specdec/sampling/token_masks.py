@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec.errors import InvalidArgumentError
@@ -55,8 +56,10 @@ class TokenMasks:
 
     def allowed(self, vocab: int) -> torch.Tensor:
         """[rows, vocab] bool."""
-        bits = (self.words.unsqueeze(-1) >> _SHIFTS) & 1  # [rows, W, 32]
-        return bits.reshape(self.rows, -1)[:, :vocab].bool()
+        # Little-endian words: byte b of word w holds tokens 32w + 8b .. +7, lowest bit first.
+        packed = self.words.contiguous().numpy().view(np.uint8)  # [rows, 4W]
+        bits = np.unpackbits(packed, axis=-1, count=vocab, bitorder="little")  # [rows, vocab] 0/1
+        return torch.from_numpy(bits).view(torch.bool)
 
     def allows(self, row: int, token: int) -> bool:
         return bool((int(self.words[row, token // BITS]) >> (token % BITS)) & 1)

@@ -120,10 +120,11 @@ def _schema_text(text: str, where: str) -> str:
 
 
 def canonical_schema(schema: Any, where: str) -> str:
-    """A parsed schema as the JSON text compiled and cached (keys sorted)."""
+    """A parsed schema as the JSON text compiled and cached: compact, its keys in the order given
+    (the order of `properties` is the order of the answer's keys)."""
     if not isinstance(schema, dict | bool):
         raise InvalidArgumentError(f"{where}: a schema is a JSON object, got {type(schema).__name__}")
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    return json.dumps(schema, separators=(",", ":"))
 
 
 def _nesting(text: str) -> int:

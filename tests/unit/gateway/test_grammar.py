@@ -141,15 +141,26 @@ def test_a_bad_spec_names_its_field(message: gateway_pb2.StructuredOutput, field
     assert str(raised.value).startswith(field)
 
 
-def test_equal_schemas_share_one_compiled_grammar(compiler: GrammarCompiler) -> None:
+def test_schemas_that_differ_in_blanks_share_one_compiled_grammar(compiler: GrammarCompiler) -> None:
     spaced = gateway_pb2.StructuredOutput(json_schema='{"type": "object",  "required": []}')
-    tight = gateway_pb2.StructuredOutput(json_schema=json.dumps({"required": [], "type": "object"}))
+    tight = gateway_pb2.StructuredOutput(json_schema=json.dumps({"type": "object", "required": []},
+                                                                separators=(",", ":")))
     before = compiler.cached()
     for message in (spaced, tight):
         output = structured_output_from_pb(message, "structured_output")
         assert isinstance(output, JsonSchema)
         compiler.compile(output, "structured_output.json_schema")
     assert compiler.cached() == before + 1
+
+
+def test_the_answer_keeps_the_schemas_property_order(compiler: GrammarCompiler,
+                                                     tokenizer: PreTrainedTokenizerBase) -> None:
+    schema = {"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    message = gateway_pb2.StructuredOutput(json_schema=json.dumps(schema))
+    grammar = compiler.compile(structured_output_from_pb(message, "structured_output"), "structured_output")
+    answer = _ids(tokenizer, '{"zeta":1,"alpha":2}')
+    assert grammar.masks_along(answer)[1] == len(answer)
 
 
 def test_forced_tokens_replace_the_planned_draft_up_to_the_cap(compiler: GrammarCompiler,
