@@ -245,7 +245,10 @@ async def run_round(
     if plan.handoffs and handoff is not None and draft is not None:
         handed = await hand_off(target, draft, [s for s in seqs if s.slot_id in plan.handoffs], handoff, deadlines)
     proposed, draft_failed = await propose_or_plain(draft, seqs, plan, deadlines)
-    proposals, masks = constrain(seqs, proposed.value | lookup_proposals(seqs, plan), plan.lookups)
+    proposals: dict[str, Proposal] = proposed.value | lookup_proposals(seqs, plan)
+    masks: dict[str, TokenMasks] = {}
+    if any(s.grammar is not None for s in seqs):  # grammar walks take ms: off the event loop
+        proposals, masks = await sampler.run(constrain, seqs, proposals, plan.lookups)
     verified = await verify(target, seqs, proposals, plan, deadlines, masks)
     accept_started = time.perf_counter()
     drafting = [s for s in seqs if s.slot_id in proposals]

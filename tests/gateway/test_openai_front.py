@@ -226,7 +226,9 @@ def test_response_format_json_schema_through_the_sdks_parse_helper(client: opena
     streamed = client.chat.completions.create(
         model="", messages=[{"role": "user", "content": "Describe a pet."}], max_tokens=48, temperature=0,
         stream=True, extra_body={"speculation": {"enabled": False}},
-        response_format={"type": "json_schema", "json_schema": {"name": "Pet", "schema": Pet.model_json_schema()}},
+        response_format={"type": "json_schema",  # what the parse helper sends: no other keys
+                         "json_schema": {"name": "Pet", "schema": {**Pet.model_json_schema(),
+                                                                   "additionalProperties": False}}},
     )
     text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
     assert Pet.model_validate_json(text) == choice.message.parsed
