@@ -1,10 +1,11 @@
 """A noisy-neighbour burst: its records and figures (measured by `burst_run`; `--burst-s`).
 
 Single greedy requests run one after another, speculative in one pass and plain in the
-next, each pass `LEAD_S` seconds steady, then `burst_s` seconds with two busy processes
-taking both cores, then `TAIL_S` seconds after. Times are seconds after the pass began. A
-request counts *before* when it ended before the burst began, *during* when it overlapped
-the burst, *after* when it started once the burst had ended.
+next. Each pass runs steady for `LEAD_S` seconds and at least `MIN_BEFORE` requests, then
+`burst_s` seconds with two busy processes taking both cores (started between two
+requests), then `TAIL_S` seconds more. Times are seconds after the pass began. A request
+counts *before* when it ended before the burst began, *during* when it overlapped the
+burst, *after* when it started once the burst had ended.
 
 *Recovery* (issue 55: within `TARGET_S`): seconds from the burst's end to the start of the
 first `RUN` consecutive requests after it whose median tokens/s is at least `SHARE` of the
@@ -23,8 +24,9 @@ from typing import Any
 from specdec_bench.spread import Spread
 from specdec_bench.workloads import RunRecord
 
-#: Seconds of steady requests before the burst, and after it.
+#: Seconds of steady requests before the burst (and at least this many requests), and after it.
 LEAD_S = 20.0
+MIN_BEFORE = 5
 TAIL_S = 30.0
 #: Recovered: back to this share of the median before the burst ...
 SHARE = 0.95

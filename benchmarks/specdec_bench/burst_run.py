@@ -14,7 +14,7 @@ import time
 from datetime import datetime, timezone
 
 from specdec.client import SpecdecClient
-from specdec_bench.burst import LEAD_S, TAIL_S, BurstPass, BurstRun
+from specdec_bench.burst import LEAD_S, MIN_BEFORE, TAIL_S, BurstPass, BurstRun
 from specdec_bench.config import BenchConfig
 from specdec_bench.sweeps import Progress
 from specdec_bench.workloads import PROMPTS, RunRecord, run_request
@@ -25,55 +25,56 @@ _SPIN = "while True: pass"
 
 
 class CpuBurst:
-    """In a thread: `lead_s` after `t0`, start `HOGS` busy processes; kill them `burst_s` later.
+    """`HOGS` busy processes from now on, killed `burst_s` later by a thread (or by `stop`).
     `from_s` / `to_s`: when they ran, seconds after `t0`."""
 
-    def __init__(self, t0: float, lead_s: float, burst_s: float) -> None:
-        self.t0, self.lead_s, self.burst_s = t0, lead_s, burst_s
-        self.from_s = self.to_s = float("nan")
-        self._hogs: list[subprocess.Popen[bytes]] = []
+    def __init__(self, t0: float, burst_s: float) -> None:
+        self.t0 = t0
+        self._hogs = [subprocess.Popen([sys.executable, "-c", _SPIN]) for _ in range(HOGS)]
+        self.from_s = time.monotonic() - t0
+        self.to_s: float | None = None
+        self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cpu-burst", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(burst_s,), name="cpu-burst", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
-        if self._stop.wait(max(self.t0 + self.lead_s - time.monotonic(), 0.0)):
-            return
-        self._hogs = [subprocess.Popen([sys.executable, "-c", _SPIN]) for _ in range(HOGS)]
-        self.from_s = time.monotonic() - self.t0
-        self._stop.wait(self.burst_s)
-        self._kill()
-
-    def _kill(self) -> None:
-        hogs, self._hogs = self._hogs, []
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
-        if hogs:
-            self.to_s = time.monotonic() - self.t0
+    def _run(self, burst_s: float) -> None:
+        self._stop.wait(burst_s)
+        with self._lock:
+            hogs, self._hogs = self._hogs, []
+            for hog in hogs:
+                hog.kill()
+                hog.wait()
+            if hogs:
+                self.to_s = time.monotonic() - self.t0
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-        self._kill()
 
 
 def burst_pass(client: SpecdecClient, config: BenchConfig, k: int | None, progress: Progress) -> BurstPass:
     """Greedy requests in mode `k`, the prompts cycled, through one burst."""
-    span_s = LEAD_S + config.burst_s + TAIL_S
     requests: list[RunRecord] = []
     t0 = time.monotonic()
-    burst = CpuBurst(t0, LEAD_S, config.burst_s)
+    burst: CpuBurst | None = None
     try:
-        while (start_s := time.monotonic() - t0) < span_s:
-            progress.set_description(f"burst, {'plain' if k == 0 else 'speculative'}: {start_s:.0f} s of {span_s:.0f}")
+        while burst is None or burst.to_s is None or time.monotonic() - t0 < burst.to_s + TAIL_S:
+            start_s = time.monotonic() - t0
+            if burst is None and start_s >= LEAD_S and len(requests) >= MIN_BEFORE:
+                burst = CpuBurst(t0, config.burst_s)
+            phase = "steady" if burst is None else "burst" if burst.to_s is None else "after"
+            progress.set_description(f"burst, {'plain' if k == 0 else 'speculative'}: {phase}, {start_s:.0f} s")
             record, _ = run_request(client, "burst", len(requests) % config.prompts, k,
                                     max_new_tokens=config.max_new_tokens, repetition=len(requests),
                                     prompts=PROMPTS)
             record.start_s = start_s
             requests.append(record)
     finally:
-        burst.stop()
+        if burst is not None:
+            burst.stop()
+    if burst is None or burst.to_s is None:
+        raise RuntimeError("the burst did not run")
     return BurstPass(k, burst.from_s, burst.to_s, requests)
 
 
@@ -81,5 +82,6 @@ def measure_burst(client: SpecdecClient, config: BenchConfig, progress: Progress
     """The speculative pass, then the plain one."""
     passes = [burst_pass(client, config, k, progress) for k in (None, 0)]
     meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "burst_s": config.burst_s,
-            "lead_s": LEAD_S, "tail_s": TAIL_S, "hogs": HOGS, "max_new_tokens": config.max_new_tokens}
+            "lead_s": LEAD_S, "min_before": MIN_BEFORE, "tail_s": TAIL_S, "hogs": HOGS,
+            "max_new_tokens": config.max_new_tokens}
     return BurstRun(meta, passes)

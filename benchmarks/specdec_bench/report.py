@@ -168,8 +168,9 @@ def _planner_section(summary: Summary) -> list[str]:
     if summary.burst is not None:
         lines += [
             "## A CPU burst", "",
-            f"Single greedy requests, speculative in one pass and plain in the next: {burst.LEAD_S:g} s steady, "
-            f"{summary.burst.burst_s:g} s with two busy processes taking both cores, {burst.TAIL_S:g} s after. "
+            f"Single greedy requests, speculative in one pass and plain in the next: {burst.LEAD_S:g} s and "
+            f"{burst.MIN_BEFORE} requests or more steady, {summary.burst.burst_s:g} s with two busy processes "
+            f"taking both cores, {burst.TAIL_S:g} s after. "
             f"Recovery: seconds from the burst's end to the first {burst.RUN} requests in a row whose median "
             f"tok/s is ≥ {burst.SHARE * 100:.0f} % of the median before; *after* counts the requests from "
             f"{burst.TARGET_S:g} s after the burst's end.", "",
