@@ -5,7 +5,8 @@ next. Each pass runs steady for `LEAD_S` seconds and at least `MIN_BEFORE` reque
 `burst_s` seconds with two busy processes taking both cores (started between two
 requests), then `TAIL_S` seconds more. Times are seconds after the pass began. A request
 counts *before* when it ended before the burst began, *during* when it overlapped the
-burst, *after* when it started once the burst had ended.
+burst, *after* when it started once the burst had ended. A request that fails (a service's
+deadline passes on a crowded machine) is counted, and is not back at speed.
 
 *Recovery* (issue 55: within `TARGET_S`): seconds from the burst's end to the start of the
 first `RUN` consecutive requests after it whose median tokens/s is at least `SHARE` of the
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec_bench.first_second import FailedRequest
 from specdec_bench.spread import Spread
 from specdec_bench.workloads import RunRecord
 
@@ -46,10 +48,13 @@ class BurstPass:
     burst_to_s: float
     #: In order; each with `start_s`, seconds after the pass began.
     requests: list[RunRecord] = field(default_factory=list)
+    #: Requests that ended with an error (`start_s` as above).
+    failures: list[FailedRequest] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> BurstPass:
-        return cls(**{**raw, "requests": [RunRecord(**r) for r in raw["requests"]]})
+        return cls(**{**raw, "requests": [RunRecord(**r) for r in raw["requests"]],
+                      "failures": [FailedRequest(**f) for f in raw.get("failures", [])]})
 
 
 @dataclass
@@ -102,6 +107,8 @@ class BurstRow:
     recovery_s: float | None
     #: Share of decode rounds that drafted, before / during / after (NaN for plain).
     drafting: tuple[float, float, float]
+    #: Requests of the pass that failed.
+    failed: int = 0
 
     @property
     def met(self) -> bool:
@@ -115,11 +122,12 @@ def burst_row(p: BurstPass) -> BurstRow:
     after = [r for r in p.requests if _start(r) >= p.burst_to_s]
     settled = [r for r in after if _start(r) >= p.burst_to_s + TARGET_S]
     baseline = Spread.of([r.tokens_per_s for r in before])
-    points = [(_start(r), r.tokens_per_s) for r in after]
+    points = sorted([(_start(r), r.tokens_per_s) for r in after] + [(f.start_s, 0.0) for f in p.failures])
     return BurstRow(
         "plain" if p.k == 0 else "speculative", baseline, Spread.of([r.tokens_per_s for r in during]),
         Spread.of([r.tokens_per_s for r in settled]), recovery_s(points, p.burst_to_s, baseline.median),
         (_drafting(before), _drafting(during), _drafting(settled)) if p.k != 0 else (math.nan,) * 3,
+        len(p.failures),
     )
 
 

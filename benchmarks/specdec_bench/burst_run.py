@@ -13,9 +13,13 @@ import threading
 import time
 from datetime import datetime, timezone
 
+import grpc
+
 from specdec.client import SpecdecClient
 from specdec_bench.burst import LEAD_S, MIN_BEFORE, TAIL_S, BurstPass, BurstRun
 from specdec_bench.config import BenchConfig
+from specdec_bench.first_second import FailedRequest
+from specdec_bench.first_second_run import MAX_FAILURES_IN_A_ROW
 from specdec_bench.sweeps import Progress
 from specdec_bench.workloads import PROMPTS, RunRecord, run_request
 
@@ -56,6 +60,8 @@ class CpuBurst:
 def burst_pass(client: SpecdecClient, config: BenchConfig, k: int | None, progress: Progress) -> BurstPass:
     """Greedy requests in mode `k`, the prompts cycled, through one burst."""
     requests: list[RunRecord] = []
+    failures: list[FailedRequest] = []
+    in_a_row = 0
     t0 = time.monotonic()
     burst: CpuBurst | None = None
     try:
@@ -65,9 +71,17 @@ def burst_pass(client: SpecdecClient, config: BenchConfig, k: int | None, progre
                 burst = CpuBurst(t0, config.burst_s)
             phase = "steady" if burst is None else "burst" if burst.to_s is None else "after"
             progress.set_description(f"burst, {'plain' if k == 0 else 'speculative'}: {phase}, {start_s:.0f} s")
-            record, _ = run_request(client, "burst", len(requests) % config.prompts, k,
-                                    max_new_tokens=config.max_new_tokens, repetition=len(requests),
-                                    prompts=PROMPTS)
+            turn = len(requests) + len(failures)
+            try:
+                record, _ = run_request(client, "burst", turn % config.prompts, k,
+                                        max_new_tokens=config.max_new_tokens, repetition=turn, prompts=PROMPTS)
+            except (grpc.RpcError, RuntimeError) as error:
+                failures.append(failed(error, start_s, turn % config.prompts, k))
+                in_a_row += 1
+                if in_a_row >= MAX_FAILURES_IN_A_ROW:
+                    raise RuntimeError(f"the burst scenario failed {in_a_row} requests in a row") from error
+                continue
+            in_a_row = 0
             record.start_s = start_s
             requests.append(record)
     finally:
@@ -75,7 +89,16 @@ def burst_pass(client: SpecdecClient, config: BenchConfig, k: int | None, progre
             burst.stop()
     if burst is None or burst.to_s is None:
         raise RuntimeError("the burst did not run")
-    return BurstPass(k, burst.from_s, burst.to_s, requests)
+    return BurstPass(k, burst.from_s, burst.to_s, requests, failures)
+
+
+def failed(error: Exception, start_s: float, prompt: int, k: int | None) -> FailedRequest:
+    """A request that ended with an error: counted, not fatal (a service's deadline may pass on a
+    crowded machine)."""
+    code = error.code().name if isinstance(error, grpc.Call) else str(error)
+    print(f"burst: a {'plain' if k == 0 else 'speculative'} request at {start_s:.0f} s failed: {code}",
+          file=sys.stderr)
+    return FailedRequest(start_s, prompt, k, code)
 
 
 def measure_burst(client: SpecdecClient, config: BenchConfig, progress: Progress) -> BurstRun:

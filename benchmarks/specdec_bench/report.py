@@ -175,10 +175,11 @@ def _planner_section(summary: Summary) -> list[str]:
             f"tok/s is ≥ {burst.SHARE * 100:.0f} % of the median before; *after* counts the requests from "
             f"{burst.TARGET_S:g} s after the burst's end.", "",
             *_table(["mode", "before tok/s", "during", "after", "after ÷ before", "recovery",
-                     "rounds drafting before / during / after"],
+                     "rounds drafting before / during / after", "failed"],
                     [[r.mode, _spread(r.before), _spread(r.during), _spread(r.after),
                       _f(r.after.median / r.before.median if r.before.n else math.nan, 3), _seconds(r.recovery_s),
-                      " / ".join(_f(d * 100, 0, " %") for d in r.drafting)] for r in summary.burst.rows]), "",
+                      " / ".join(_f(d * 100, 0, " %") for d in r.drafting), str(r.failed)]
+                     for r in summary.burst.rows]), "",
         ]
     return lines
 

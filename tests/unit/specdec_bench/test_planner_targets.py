@@ -15,6 +15,7 @@ from specdec.errors import InvalidArgumentError
 from specdec_bench.analysis import summarize
 from specdec_bench.burst import TARGET_S, BurstPass, BurstRun, burst_row, recovery_s
 from specdec_bench.config import QUICK
+from specdec_bench.first_second import FailedRequest
 from specdec_bench.report import render_page, summary_table
 from specdec_bench.results import BenchResults, ServiceCosts
 from specdec_bench.sweeps import ConcurrencyGroup, modes
@@ -88,6 +89,10 @@ def test_burst_row_splits_the_requests_around_the_burst() -> None:
     assert row.recovery_s == pytest.approx(1.0) and row.met
     assert row.after.n == sum(30.0 + 2 * i >= 29.0 + TARGET_S for i in range(12))
     assert row.drafting[0] == pytest.approx(1.0)
+    # Requests that failed right after the burst are not back at speed (two of three: the median is 0).
+    failures = [FailedRequest(s, 0, None, "DEADLINE_EXCEEDED") for s in (30.5, 31.0)]
+    failed = burst_row(BurstPass(None, 6.0, 29.0, requests, failures))
+    assert failed.recovery_s == pytest.approx(2.0) and failed.failed == 2
 
 
 def test_fixed_k_and_burst_reach_the_summary_the_page_and_the_json(tmp_path: Path) -> None:
@@ -95,8 +100,8 @@ def test_fixed_k_and_burst_reach_the_summary_the_page_and_the_json(tmp_path: Pat
                          default_num_speculative_tokens=8, max_speculative_tokens=8, adaptive_k=True)
     w1 = [_run(0, 20.0), _run(None, 40.0), _run(8, 41.0), _run(0, 18.0, temperature=0.8),
           _run(None, 30.0, temperature=0.8), _run(8, 15.0, temperature=0.8)]
-    passes = [BurstPass(k, 20.0, 40.0, [_run(k, 50.0, start_s=float(s), total_s=1.0) for s in range(0, 70, 2)])
-              for k in (None, 0)]
+    passes = [BurstPass(k, 20.0, 40.0, [_run(k, 50.0, start_s=float(s), total_s=1.0) for s in range(0, 70, 2)],
+                        [FailedRequest(21.0, 0, k, "DEADLINE_EXCEEDED")]) for k in (None, 0)]
     results = BenchResults({"config": {"temperature": 0.8}}, costs, w1,
                            burst=BurstRun({"burst_s": 20.0}, passes))
     path = tmp_path / "bench.json"
