@@ -253,6 +253,11 @@ def _cost_rows(costs: CostSummary, batch: int) -> list[str]:
             _f(costs.s_batch_b, 3)]
 
 
+def _load(loadavg: Sequence[float] | None) -> str:
+    """The load averages a run ended with (runs before they were recorded: none)."""
+    return f"; load average as it ended (1 / 5 / 15 min) {' / '.join(map(str, loadavg))}" if loadavg else ""
+
+
 def _image(plot: Path, docs: Path, alt: str) -> str:
     return f"![{alt}]({Path(os.path.relpath(plot, docs.parent)).as_posix()})"
 
@@ -284,7 +289,8 @@ def render_page(results: BenchResults, summary: Summary, plots: dict[str, Path],
         f"{', ' + machine['hypervisor'] + ' guest' if machine.get('hypervisor') else ''}; "
         f"torch {machine.get('torch', '?')} ({machine.get('torch_threads', '?')} threads), "
         f"transformers {machine.get('transformers', '?')}, Python {machine.get('python', '?')}; "
-        f"git {machine.get('git', '?')}; {m.get('date', '')}, {_f(m.get('duration_s', math.nan), 0)} s.",
+        f"git {machine.get('git', '?')}; {m.get('date', '')}, {_f(m.get('duration_s', math.nan), 0)} s"
+        f"{_load(machine.get('loadavg'))}.",
         f"- Models: target `{costs.target_model}` ({costs.target_dtype}; "
         f"compiled: {', '.join(costs.target_compiled_steps) or 'none, eager'}), draft `{costs.draft_model}` "
         f"({costs.draft_dtype}{', ' + costs.draft_quantization if costs.draft_quantization else ''}; "

@@ -153,6 +153,8 @@ def machine() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "threads_per_core": cpu.get("Thread(s) per core", ""),
         "hypervisor": cpu.get("Hypervisor vendor", ""),
+        #: 1, 5 and 15-minute load averages as the run ends: how crowded a shared machine was.
+        "loadavg": [round(load, 2) for load in os.getloadavg()],
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
