@@ -29,12 +29,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdec.cost_model import CostTable, expected_speedup
+from specdec_bench.burst import BurstSummary, summarize_burst
 from specdec_bench.first_second import FirstSecondSummary, summarize_first_second
 from specdec_bench.peers import PeerRecord
 from specdec_bench.results import BenchResults
 from specdec_bench.spread import Spread, percentile
 from specdec_bench.step_timing import side_by_side_c
 from specdec_bench.sweeps import ConcurrencyGroup
+from specdec_bench.vs_fixed_k import VsFixedK, vs_fixed_k
 from specdec_bench.workloads import DraftMethod, RunRecord, Workload
 
 PHASES = ("draft_compute", "verify_compute", "rpc", "accept", "other")
@@ -178,6 +180,10 @@ class Summary:
     method_targets: list[TargetCheck] = field(default_factory=list)
     #: Traffic from the first second (None when the run did not measure it).
     first_second: FirstSecondSummary | None = None
+    #: Adaptive K ÷ the best fixed K per part of the run (`--fixed-k`; empty without).
+    vs_fixed_k: list[VsFixedK] = field(default_factory=list)
+    #: The noisy-neighbour burst (None when the run did not measure it).
+    burst: BurstSummary | None = None
 
     @property
     def headline_costs(self) -> CostSummary:
@@ -424,4 +430,6 @@ def summarize(results: BenchResults) -> Summary:
         concurrency=_concurrency_rows(results.concurrency), anatomy=anatomy,
         methods=method_rows(results.methods), method_targets=method_targets(results.methods),
         first_second=summarize_first_second(results.first_second) if results.first_second is not None else None,
+        vs_fixed_k=vs_fixed_k(results.w1, temperature, results.concurrency),
+        burst=summarize_burst(results.burst) if results.burst is not None else None,
     )

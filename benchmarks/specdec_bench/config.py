@@ -49,6 +49,13 @@ class BenchConfig:
     concurrency_tokens: int = field(default=128, metadata=_help("new tokens per request of the concurrency sweep"))
     concurrency_repetitions: int = field(default=3, metadata=_help(
         "repetitions of every concurrency level (plain and speculative alternating; medians reported)"))
+    fixed_k: tuple[int, ...] = field(default=(), metadata=_help(
+        "fixed Ks (adaptive off) that W1 and the concurrency sweep run too, interleaved with plain and adaptive "
+        "K, comma-separated: adaptive K is compared with the best of them and plain in hindsight (empty = none)"))
+    burst_s: float = field(default=20.0, metadata=_help(
+        "a CPU burst of this many seconds (two busy processes) amid greedy single requests, after the rest of "
+        "the stack's measurements, one pass speculative and one plain (20 s before, 30 s after each): how soon "
+        "each is back to its earlier speed (0 = skip)"))
     workload_repetitions: int = field(default=2, metadata=_help(
         "repetitions of the drafting-method comparison on the copy-heavy, long-context and chat workloads "
         "(methods interleaved per prompt; 0 = skip)"))
@@ -103,6 +110,10 @@ class BenchConfig:
         if self.temperature <= 0:
             raise InvalidArgumentError(f"temperature must be > 0 (the greedy variant always runs), "
                                        f"got {self.temperature}")
+        if any(k < 1 for k in self.fixed_k):
+            raise InvalidArgumentError(f"fixed_k values must be >= 1 (plain always runs), got {self.fixed_k}")
+        if not self.burst_s >= 0:
+            raise InvalidArgumentError(f"burst_s must be >= 0, got {self.burst_s}")
         if any(level < 1 for level in self.concurrency):
             raise InvalidArgumentError(f"concurrency levels must be >= 1, got {self.concurrency}")
         if not self.results:
@@ -136,7 +147,7 @@ FULL = BenchConfig()
 QUICK = BenchConfig(
     quick=True, prompts=5, max_new_tokens=48, repetitions=2, peer_repetitions=1, sweep_prompts=1,
     concurrency=(1, 4, 16), concurrency_tokens=32, concurrency_repetitions=1,
-    workload_repetitions=1, workload_tokens=48, workload_chat_prompts=2, first_second="off",
+    workload_repetitions=1, workload_tokens=48, workload_chat_prompts=2, first_second="off", burst_s=0.0,
     results="benchmarks/results/quick/bench.json", plots_dir="benchmarks/results/quick",
     docs="benchmarks/results/quick/benchmarks.md",
 )

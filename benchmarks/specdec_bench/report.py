@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specdec.cost_model import ForwardCost
+from specdec_bench import burst, vs_fixed_k
 from specdec_bench.analysis import PHASES, CostSummary, Summary, TargetCheck, W1Summary
 from specdec_bench.config import BENCH_COMPILE_BUDGET_S
 from specdec_bench.first_second import DRAFTING_SHARE, FIRST_SECOND, WAITED, FirstSecondSummary
@@ -61,6 +62,13 @@ def summary_table(summary: Summary) -> str:
     ]
     rows += [[f"{_target_name(t)} (target ≥ {t.minimum:g}×)", f"{_f(t.measured, 2, '×')} ({_met(t)})"]
              for t in summary.method_targets]
+    rows += [[f"adaptive K ÷ best fixed K, {v.where} (K={v.best_k}; target ≥ {vs_fixed_k.MARGIN:g}×)",
+              f"{_f(v.ratio, 3, '×')} ({'met' if v.met else 'missed'})"] for v in summary.vs_fixed_k]
+    if summary.burst is not None:
+        rows += [[f"{r.mode}: back to ≥ {burst.SHARE * 100:.0f} % of its speed after a {summary.burst.burst_s:g} s "
+                  f"CPU burst" + (f" (target ≤ {burst.TARGET_S:g} s)" if r.mode == "speculative" else ""),
+                  _seconds(r.recovery_s) + (f" ({'met' if r.met else 'missed'})" if r.mode == "speculative" else "")]
+                 for r in summary.burst.rows]
     return "\n".join(_table(["figure", "value"], rows))
 
 
@@ -143,6 +151,39 @@ def _first_second_section(results: BenchResults, summary: Summary) -> list[str]:
     ]
 
 
+def _planner_section(summary: Summary) -> list[str]:
+    """Adaptive K against fixed K (`--fixed-k`) and the CPU burst (`--burst-s`); none if neither ran."""
+    lines: list[str] = []
+    if summary.vs_fixed_k:
+        ks = sorted({k for v in summary.vs_fixed_k for k in v.by_k})
+        lines += [
+            "## Adaptive K against fixed K", "",
+            "Adaptive K's tok/s ÷ each fixed K's (K = 0 is plain): the median of the ratios of requests of one "
+            "prompt and repetition (W1, run back to back) or of one repetition's groups (concurrency); the best "
+            "fixed K in hindsight is the one adaptive K does worst against.", "",
+            *_table(["part", *(f"÷ K={k}" for k in ks), "best fixed K", "adaptive ÷ best"],
+                    [[v.where, *(_f(v.by_k.get(k, math.nan), 3) for k in ks), str(v.best_k), _f(v.ratio, 3, "×")]
+                     for v in summary.vs_fixed_k]), "",
+        ]
+    if summary.burst is not None:
+        lines += [
+            "## A CPU burst", "",
+            f"Single greedy requests, speculative in one pass and plain in the next: {burst.LEAD_S:g} s and "
+            f"{burst.MIN_BEFORE} requests or more steady, {summary.burst.burst_s:g} s with two busy processes "
+            f"taking both cores, {burst.TAIL_S:g} s after. "
+            f"Recovery: seconds from the burst's end to the first {burst.RUN} requests in a row whose median "
+            f"tok/s is ≥ {burst.SHARE * 100:.0f} % of the median before; *after* counts the requests from "
+            f"{burst.TARGET_S:g} s after the burst's end.", "",
+            *_table(["mode", "before tok/s", "during", "after", "after ÷ before", "recovery",
+                     "rounds drafting before / during / after", "failed"],
+                    [[r.mode, _spread(r.before), _spread(r.during), _spread(r.after),
+                      _f(r.after.median / r.before.median if r.before.n else math.nan, 3), _seconds(r.recovery_s),
+                      " / ".join(_f(d * 100, 0, " %") for d in r.drafting), str(r.failed)]
+                     for r in summary.burst.rows]), "",
+        ]
+    return lines
+
+
 #: How the page names the drafting methods (`DraftMethod` values).
 METHOD_NAMES = {"none": "plain", "model": "model draft", "ngram": "lookup alone (no draft service)", "auto": "auto"}
 
@@ -212,6 +253,11 @@ def _cost_rows(costs: CostSummary, batch: int) -> list[str]:
             _f(costs.s_batch_b, 3)]
 
 
+def _load(loadavg: Sequence[float] | None) -> str:
+    """The load averages a run ended with (runs before they were recorded: none)."""
+    return f"; load average as it ended (1 / 5 / 15 min) {' / '.join(map(str, loadavg))}" if loadavg else ""
+
+
 def _image(plot: Path, docs: Path, alt: str) -> str:
     return f"![{alt}]({Path(os.path.relpath(plot, docs.parent)).as_posix()})"
 
@@ -243,7 +289,8 @@ def render_page(results: BenchResults, summary: Summary, plots: dict[str, Path],
         f"{', ' + machine['hypervisor'] + ' guest' if machine.get('hypervisor') else ''}; "
         f"torch {machine.get('torch', '?')} ({machine.get('torch_threads', '?')} threads), "
         f"transformers {machine.get('transformers', '?')}, Python {machine.get('python', '?')}; "
-        f"git {machine.get('git', '?')}; {m.get('date', '')}, {_f(m.get('duration_s', math.nan), 0)} s.",
+        f"git {machine.get('git', '?')}; {m.get('date', '')}, {_f(m.get('duration_s', math.nan), 0)} s"
+        f"{_load(machine.get('loadavg'))}.",
         f"- Models: target `{costs.target_model}` ({costs.target_dtype}; "
         f"compiled: {', '.join(costs.target_compiled_steps) or 'none, eager'}), draft `{costs.draft_model}` "
         f"({costs.draft_dtype}{', ' + costs.draft_quantization if costs.draft_quantization else ''}; "
@@ -378,6 +425,7 @@ def render_page(results: BenchResults, summary: Summary, plots: dict[str, Path],
         "",
         *_method_section(results, summary),
         *_first_second_section(results, summary),
+        *_planner_section(summary),
         "## Round anatomy",
         "",
         "Share of round time per phase, summed over requests (`Completion.anatomy`): W1 plain (both "

@@ -22,6 +22,7 @@ import transformers
 
 from specdec.cost_model import ForwardCost
 from specdec.v1 import gateway_pb2
+from specdec_bench.burst import BurstRun
 from specdec_bench.first_second import FirstSecondRun
 from specdec_bench.peers import PeerRecord
 from specdec_bench.step_timing import StepPair
@@ -83,6 +84,8 @@ class BenchResults:
     #: Traffic from the first second (`specdec_bench.first_second`), with its own meta: `--first-second
     #: only` puts it into an earlier run's document.
     first_second: FirstSecondRun | None = None
+    #: The noisy-neighbour burst (`specdec_bench.burst`), when the run measured it.
+    burst: BurstRun | None = None
 
     def save(self, path: Path, summary: dict[str, Any] | None = None) -> None:
         """Write the document; `summary` (derived figures, for readers) is ignored by `load`."""
@@ -111,6 +114,7 @@ class BenchResults:
             step_pairs=[StepPair(**p) for p in raw.get("step_pairs", [])],  # absent from runs before it existed
             methods=[RunRecord(**r) for r in raw.get("methods", [])],  # likewise
             first_second=FirstSecondRun.from_dict(raw["first_second"]) if raw.get("first_second") else None,
+            burst=BurstRun.from_dict(raw["burst"]) if raw.get("burst") else None,
         )
 
 
@@ -149,6 +153,8 @@ def machine() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "threads_per_core": cpu.get("Thread(s) per core", ""),
         "hypervisor": cpu.get("Hypervisor vendor", ""),
+        #: 1, 5 and 15-minute load averages as the run ends: how crowded a shared machine was.
+        "loadavg": [round(load, 2) for load in os.getloadavg()],
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -22,6 +22,7 @@ from transformers.utils import logging as hf_logging
 
 from specdec.client import SpecdecClient
 from specdec_bench import analysis, plots, report
+from specdec_bench.burst_run import measure_burst
 from specdec_bench.config import BenchConfig
 from specdec_bench.first_second_run import measure_first_second
 from specdec_bench.peers import METHODS, run_peers
@@ -54,13 +55,14 @@ def resolve(path: str) -> Path:
 
 
 def _planned_runs(config: BenchConfig) -> int:
-    w1_runs = config.repetitions * config.prompts * 4  # greedy and sampled, plain and speculative
+    modes = 2 + len(config.fixed_k)  # plain, speculative and each fixed K
+    w1_runs = config.repetitions * config.prompts * 2 * modes  # greedy and sampled
     peer_runs = config.peer_repetitions * config.prompts * len(METHODS)
     sweep_runs = config.sweep_prompts * (config.max_k + 1) if config.max_k else 0
     workload_prompts = sum(len(w.prompts(config.workload_chat_prompts)) for w in Workload)
     method_runs = config.workload_repetitions * workload_prompts * len(DraftMethod)
     return (w1_runs + peer_runs + sweep_runs + method_runs
-            + 2 * config.concurrency_repetitions * len(config.concurrency))
+            + modes * config.concurrency_repetitions * len(config.concurrency))
 
 
 @dataclass
@@ -86,8 +88,7 @@ def measure(config: BenchConfig, command: str) -> BenchResults:
             laps.lap("start_services")
             with SpecdecClient(stack.address, timeout=REQUEST_TIMEOUT_S) as client:
                 costs = ServiceCosts.from_info(client.info())
-                if config.max_k > costs.max_speculative_tokens:
-                    config = dataclasses.replace(config, max_k=costs.max_speculative_tokens)
+                config = within_services(config, costs)
                 progress.set_description("warming up")
                 warm_up(client, config.max_k)
                 laps.lap("warm_up")
@@ -112,6 +113,8 @@ def measure(config: BenchConfig, command: str) -> BenchResults:
                 laps.lap("methods")
                 groups = concurrency_sweep(client, config, progress)
                 laps.lap("concurrency")
+                burst = measure_burst(client, config, progress) if config.burst_s else None
+                laps.lap("burst")
             services = {"target": dataclasses.asdict(stack.target_config),
                         "draft": dataclasses.asdict(stack.draft_config)}
         laps.lap("stop_services")
@@ -128,7 +131,17 @@ def measure(config: BenchConfig, command: str) -> BenchResults:
         "config": dataclasses.asdict(config),
         "services": services,
     }
-    return BenchResults(meta, costs, outcome.records, peers, sweep, groups, step_pairs, methods, first_second)
+    return BenchResults(meta, costs, outcome.records, peers, sweep, groups, step_pairs, methods, first_second, burst)
+
+
+def within_services(config: BenchConfig, costs: ServiceCosts) -> BenchConfig:
+    """`config` with the sweep's largest K and the fixed Ks cut to what the services accept."""
+    limit = costs.max_speculative_tokens
+    fixed = tuple(k for k in config.fixed_k if k <= limit)
+    if fixed != config.fixed_k:
+        print(f"--fixed-k: the services take at most K = {limit}; dropped "
+              f"{','.join(str(k) for k in config.fixed_k if k > limit)}", file=sys.stderr)
+    return dataclasses.replace(config, max_k=min(config.max_k, limit), fixed_k=fixed)
 
 
 def measure_methods(client: SpecdecClient, stack: Stack, config: BenchConfig, progress: Progress) -> list[RunRecord]:

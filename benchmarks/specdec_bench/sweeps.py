@@ -10,13 +10,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from specdec.client import GenerationResult, SpecdecClient
 from specdec.prompt_lookup import common_prefix_length
 from specdec_bench.config import BenchConfig
 from specdec_bench.stack import Stack
 from specdec_bench.workloads import PROMPTS, DraftMethod, RunRecord, Workload, mode_name, run_request
+
+T = TypeVar("T")
 
 
 class Progress(Protocol):
@@ -72,10 +74,16 @@ def warm_up(client: SpecdecClient, max_k: int) -> None:
         run_request(client, "warm-up", 0, k, max_new_tokens=8)
 
 
+def modes(config: BenchConfig) -> tuple[int | None, ...]:
+    """The Ks W1 and the concurrency sweep compare: plain (0), adaptive (None) and `config.fixed_k`."""
+    return (0, None, *config.fixed_k)
+
+
 def w1(
     client: SpecdecClient, config: BenchConfig, progress: Progress, between: Callable[[int], None] | None = None
 ) -> W1Outcome:
-    """Single requests: every prompt greedy and sampled, plain and speculative (adaptive K) side by side.
+    """Single requests: every prompt greedy and sampled, plain, speculative (adaptive K) and at each
+    fixed K side by side, the order rotating per prompt (`method_order`).
     `between(rep)` runs before each repetition, while the stack idles (the step-cost probes)."""
     outcome = W1Outcome(records=[])
     progress.set_description("W1 single request")
@@ -84,9 +92,8 @@ def w1(
             between(rep)
         for prompt in range(config.prompts):
             for temperature in (0.0, config.temperature):
-                order: tuple[int | None, ...] = (0, None) if (rep + prompt) % 2 == 0 else (None, 0)
                 tokens: dict[int | None, list[int]] = {}
-                for k in order:
+                for k in method_order(modes(config), rep + prompt):
                     record, result = run_request(
                         client, "w1", prompt, k, max_new_tokens=config.max_new_tokens, temperature=temperature,
                         seed=config.seed + prompt, repetition=rep,
@@ -95,7 +102,9 @@ def w1(
                     tokens[k] = result.token_ids
                     progress.update()
                 if temperature == 0.0:
-                    check_exact(prompt, "speculative", tokens[None], tokens[0])
+                    for k, output in tokens.items():
+                        if k != 0:
+                            check_exact(prompt, mode_name(k), output, tokens[0])
                     outcome.greedy_tokens.setdefault(prompt, tokens[0])
     return outcome
 
@@ -151,17 +160,18 @@ def run_group(
 
 
 def concurrency_sweep(client: SpecdecClient, config: BenchConfig, progress: Progress) -> list[ConcurrencyGroup]:
-    """`level` greedy requests at once (prompts cycled), plain and speculative (adaptive K) alternating.
+    """`level` greedy requests at once (prompts cycled), plain, speculative (adaptive K) and each
+    fixed K of `config.fixed_k` in turn.
 
-    Each level runs `concurrency_repetitions` times per mode, back to back and in alternating
-    order, so that a slow minute of a shared machine lands on both modes (the analysis
+    Each level runs `concurrency_repetitions` times per mode, back to back and in rotating
+    order, so that a slow minute of a shared machine lands on every mode (the analysis
     reports medians)."""
     groups: list[ConcurrencyGroup] = []
     turn = 0
     for level in config.concurrency:
         progress.set_description(f"concurrency {level}")
         for _ in range(config.concurrency_repetitions):
-            for k in (0, None) if turn % 2 == 0 else (None, 0):
+            for k in method_order(modes(config), turn):
                 groups.append(run_group(client, level, k, max_new_tokens=config.concurrency_tokens,
                                         prompts=PROMPTS[: config.prompts]))
                 progress.update()
@@ -177,9 +187,9 @@ def warm_up_methods(client: SpecdecClient, lookup_client: SpecdecClient) -> None
                     max_new_tokens=8, prompts=prompts, method=method)
 
 
-def method_order(methods: tuple[DraftMethod, ...], turn: int) -> tuple[DraftMethod, ...]:
-    """`methods` rotated by `turn`: over consecutive prompts each method takes each place in
-    turn, so a slow stretch of a shared machine does not land on one method."""
+def method_order(methods: tuple[T, ...], turn: int) -> tuple[T, ...]:
+    """`methods` (or modes) rotated by `turn`: over consecutive prompts each takes each place in
+    turn, so a slow stretch of a shared machine does not land on one of them."""
     shift = turn % len(methods)
     return methods[shift:] + methods[:shift]
 
