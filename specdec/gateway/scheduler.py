@@ -26,7 +26,7 @@ import grpc
 from specdec.errors import CapacityExhaustedError, ServiceStateError, SpecdecError
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.draft_sources import DraftSource
-from specdec.gateway.grammar.rounds import with_forced_tokens
+from specdec.gateway.grammar.rounds import first_masks, with_forced_tokens
 from specdec.gateway.model_clients import DraftAPI, TargetAPI
 from specdec.gateway.planner import DraftAvailability, Planner, RoundInputs
 from specdec.gateway.proposers import LookupDraft, LookupProposer
@@ -303,7 +303,7 @@ class Scheduler:
             await self._fail(admitted, error, release=False)
             return 0
         self.running.extend(admitted)  # they hold target slots now: a failure below releases them
-        masks = {s.slot_id: s.grammar.masks_along([])[0] for s in admitted if s.grammar is not None}
+        masks = await self.sampler.run(first_masks, admitted) if any(s.grammar is not None for s in admitted) else {}
         firsts = await self.sampler.run(first_tokens, admitted, logits, masks)
         logprobs = (await self.sampler.run(first_logprobs, admitted, logits, firsts, masks)
                     if any(s.logprobs is not None for s in admitted) else {})

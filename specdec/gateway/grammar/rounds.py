@@ -43,6 +43,11 @@ def with_forced_tokens(plan: RoundPlan, batch: list[Sequence], caps: dict[str, i
     )
 
 
+def first_masks(seqs: list[Sequence]) -> dict[str, TokenMasks]:
+    """The one-row mask of each structured-output request's next token after a Prefill."""
+    return {s.slot_id: s.grammar.masks_along([])[0] for s in seqs if s.grammar is not None}
+
+
 def constrain(
     seqs: list[Sequence], proposals: dict[str, Proposal], lookups: Collection[str]
 ) -> tuple[dict[str, Proposal], dict[str, TokenMasks]]:
