@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specdec.cost_model import CostTable
 from specdec.gateway.kv_handoff import KVHandoff
@@ -42,6 +42,8 @@ class ServiceChanges:
     #: The latest adopted Info of each service, where the gateway may fill the draft's cache
     #: from the target's (--kv-handoff); None where it may not.
     handoff_infos: dict[str, ModelInfo] | None = None
+    #: The model each service ran at its last adopted Info (`model_identity`), by service.
+    models: dict[str, tuple[object, ...]] = field(default_factory=dict)
 
     def __call__(self, name: str, info: ModelInfo) -> str | None:
         """Adopt `info` of service `name` ("target" or "draft"), or return why it is refused."""
@@ -52,7 +54,9 @@ class ServiceChanges:
             return reason
         costs = list(info.forward_costs)
         planner_costs = costs if name == "target" or self.adaptive_k else []
-        self.scheduler.planner.set_costs(name, planner_costs)
+        same_model = self.models.get(name) == model_identity(info)
+        self.models[name] = model_identity(info)
+        self.scheduler.planner.set_costs(name, planner_costs, same_model=same_model)
         table = CostTable(costs) if costs else None
         deadlines = self.scheduler.deadlines
         self.scheduler.deadlines = (
@@ -82,3 +86,9 @@ class ServiceChanges:
         if info.max_seq_len < self.max_seq_len:
             return f"its context holds {info.max_seq_len} tokens, the gateway promises {self.max_seq_len}"
         return None
+
+
+def model_identity(info: ModelInfo) -> tuple[object, ...]:
+    """What a service computes with: another model, quantization or layer count drafts
+    otherwise; a new cost table alone (a restart, costs timed again) does not."""
+    return info.model_id, info.quantization, info.kv_layout

@@ -11,12 +11,13 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import TypeVar
 
 import grpc
 import torch
 
+from specdec.cost_model import ForwardCost
 from specdec.errors import InvalidArgumentError
 from specdec.model.runtime import ModelRuntime, build_runtime
 from specdec.serving.config import AUTO, ModelServiceConfig
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 E = TypeVar("E", bound=ModelEngine)
 C = TypeVar("C", bound=ModelServiceConfig)
+T = TypeVar("T")
 
 
 class SlotServicer:
@@ -98,6 +100,9 @@ class SlotServicer:
 
 #: Seconds between tries to load a deferred graph while the KV pool has no room for its warm-up.
 GRAPH_RETRY_S = 1.0
+#: Seconds without a request before each forward of a cost table timed again: timed beside
+#: requests, it would price the machine as the other service's work left it.
+IDLE_BEFORE_TIMING_S = 1.0
 
 
 async def load_graphs_after_start(engine: ModelEngine, worker: ModelWorker) -> None:
@@ -111,6 +116,49 @@ async def load_graphs_after_start(engine: ModelEngine, worker: ModelWorker) -> N
     log.info("compiled steps loaded after start-up in %.1f s: %s%s", time.perf_counter() - started,
              ", ".join(engine.tuner.compiled_steps(engine.forward)) or "none",
              f" (measured: {', '.join(engine.tuner.loaded_detail)})" if engine.tuner.loaded_detail else "")
+    if engine.tuner.costs_outdated(engine.forward):
+        await time_costs_again(engine, worker)
+
+
+async def time_costs_again(engine: ModelEngine, worker: ModelWorker) -> None:
+    """Time the forward cost table again with the steps the service now serves, one forward
+    per model-worker call once no request came for `IDLE_BEFORE_TIMING_S` (a request arriving
+    meanwhile waits for at most one forward, and the timings are not those of a busy machine),
+    and publish it: the gateway adopts the new table from the next Info. Where the pool runs
+    out of room on the way, the old table stays."""
+    config, old = engine.config, engine.forward_costs
+    steps = engine.tuner.remeasure_costs(engine.forward, engine.cache, max_batch=config.max_slots,
+                                         max_tokens=config.max_speculative_tokens + 1)
+    started = time.perf_counter()
+    try:
+        while True:
+            while (idle := worker.idle_for()) < IDLE_BEFORE_TIMING_S:
+                await asyncio.sleep(IDLE_BEFORE_TIMING_S - idle)
+            if (done := await worker.run(_advance, steps))[0]:
+                break
+    except Exception:  # noqa: BLE001 - the table timed at start-up still holds
+        log.warning("forward costs not timed again after the compiled steps loaded", exc_info=True)
+        await worker.run(steps.close)
+        return
+    costs = done[1]
+    if costs:
+        engine.forward_costs = costs
+        log.info("forward costs timed again with the compiled steps in %.1f s: 1-token step %s ms, was %s ms",
+                 time.perf_counter() - started, _step_ms(costs), _step_ms(old))
+
+
+def _advance(steps: Generator[None, None, T]) -> tuple[bool, T | None]:
+    """One step of `steps`: (False, None), or (True, its value) once it has ended."""
+    try:
+        next(steps)
+    except StopIteration as stop:
+        return True, stop.value
+    return False, None
+
+
+def _step_ms(costs: Sequence[ForwardCost]) -> str:
+    steps = [c for c in costs if (c.batch_size, c.tokens) == (1, 1)]
+    return f"{min(steps, key=lambda c: c.context).seconds * 1e3:.1f}" if steps else "?"
 
 
 async def expire_leases_forever(engine: ModelEngine, worker: ModelWorker) -> None:

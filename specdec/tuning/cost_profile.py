@@ -11,11 +11,13 @@ its level online.
 from __future__ import annotations
 
 import logging
+import statistics
+from collections.abc import Generator
 
 from specdec.cost_model import ForwardCost
 from specdec.kv_cache.paged_cache import PagedKVCache
 from specdec.model.llama import PagedLlama
-from specdec.tuning.timing import interleaved_times, synchronizer
+from specdec.tuning.timing import interleaved_samples, interleaved_times, run_to_end, synchronizer
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +30,10 @@ CHUNK_WIDTHS = (1, 2, 3, 5, 9, 17)
 #: docs/performance.md#start-up-cost-profile).
 PREFILL_WIDTH = 64
 #: Largest forward the profile times (batch × tokens); the cost table extends past it linearly.
-MAX_ROWS = 64
+#: It reaches a K = 8 verify of 16 requests: extrapolated from the 2- and 3-token points, that
+#: verify came out 1.5× too dear and the planner drafted short at 16 requests
+#: (docs/performance.md#start-up-cost-profile).
+MAX_ROWS = 160
 #: Cached tokens each profiling slot holds before the timed forwards (a short chat prompt).
 CONTEXT_LEN = 48
 #: The context a few points are timed at again, so the gateway can price longer contexts
@@ -43,6 +48,8 @@ LONGEST_CONTEXT_LEN = CONTEXT_LEN + 2048
 _SLOT_PREFIX = "\x00profile-"  # never a gateway slot id: those are printable
 #: Timed passes over the whole grid (after one warm-up pass); each point reports its median.
 REPEATS = 5
+#: Timed 1-token steps of the check of a cached table (`step_seconds`).
+SPOT_REPEATS = 5
 
 
 def filler_prompt(vocab_size: int, length: int) -> list[int]:
@@ -59,14 +66,23 @@ def measure_forward_costs(
     tokens; and the narrowest and widest chunk of each batch size again at `LONG_CONTEXT_LEN`,
     of batch 1 also at `LONGEST_CONTEXT_LEN`.
 
-    The grid is timed in `repeats` interleaved passes (`interleaved_times`), not point by point:
-    on a shared machine the speed drifts over seconds, and the planner compares points (a
+    The grid is timed in `repeats` interleaved passes (`interleaved_samples`), not point by
+    point: on a shared machine the speed drifts over seconds, and the planner compares points (a
     (K+1)-token verify with a 1-token step, a draft step with a target step) and rescales
     their level online, so what must hold is their ratios.
 
     Uses (and afterwards frees) temporary slots in `cache`; grid points that do not fit the
     pool are skipped. Token ids are arbitrary: the cost does not depend on them.
     """
+    return run_to_end(forward_cost_steps(forward, cache, max_batch=max_batch, max_tokens=max_tokens, repeats=repeats))
+
+
+def forward_cost_steps(
+    forward: PagedLlama, cache: PagedKVCache, *, max_batch: int, max_tokens: int, repeats: int = REPEATS
+) -> Generator[None, None, list[ForwardCost]]:
+    """`measure_forward_costs` one timed forward at a time: yields after each, so a serving
+    process can time its table again between requests (`specdec.serving.model_service`). Its
+    temporary slots live until the generator ends or is closed."""
     grid = _grid(cache, max_batch, max_tokens)
     if not grid:
         log.warning("forward costs not measured: a KV pool of %d tokens is too small to profile", cache.capacity_tokens)
@@ -90,9 +106,25 @@ def measure_forward_costs(
 
         candidates = {(b, t, n): (lambda b=b, t=t: forward_of(b, t)) for b, t, n in grid}
         sync = synchronizer(forward.embed_tokens.weight.device)
-        times = interleaved_times(candidates, repeats=repeats, setup=setup, sync=sync)
-    costs = [ForwardCost(b, t, times[(b, t, n)], context=n) for b, t, n in grid]
-    return costs
+        samples = yield from interleaved_samples(candidates, repeats=repeats, setup=setup, sync=sync)
+    return [ForwardCost(b, t, statistics.median(samples[(b, t, n)]), context=n) for b, t, n in grid]
+
+
+def step_seconds(forward: PagedLlama, cache: PagedKVCache, repeats: int = SPOT_REPEATS) -> float | None:
+    """Median seconds of a 1-token step of one request with `CONTEXT_LEN` cached tokens, the
+    table's (1, 1) point (None when the pool has no room): a quick check of a cached table."""
+    if cache.blocks.free_tokens // 2 < CONTEXT_LEN + cache.block_size:
+        return None
+    with cache.temporary_slots(_SLOT_PREFIX, 1) as (slot,):
+        prompt = filler_prompt(forward.vocab_size, CONTEXT_LEN + 1)
+        forward.run(cache, [(slot, prompt[:CONTEXT_LEN])])
+
+        def step() -> None:
+            cache.blocks.truncate_to(slot, CONTEXT_LEN)
+            forward.run(cache, [(slot, prompt[CONTEXT_LEN:])])
+
+        sync = synchronizer(forward.embed_tokens.weight.device)
+        return interleaved_times({"step": step}, repeats=repeats, sync=sync)["step"]
 
 
 def _grid(cache: PagedKVCache, max_batch: int, max_tokens: int) -> list[tuple[int, int, int]]:

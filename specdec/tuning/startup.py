@@ -9,7 +9,7 @@ and `ModelInfo.tuning` report what it chose. The measurements live beside it (`k
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
 import torch
@@ -38,13 +38,16 @@ from specdec.tuning.compiled_layers import (
     shape_name,
     times_detail,
 )
-from specdec.tuning.cost_profile import measure_forward_costs
+from specdec.tuning.cost_profile import forward_cost_steps, measure_forward_costs, step_seconds
 from specdec.tuning.kernels import measure_dense, measure_head, measure_int4_kernels, measure_int4_wide
 from specdec.tuning.store import TuningKey, TuningStore, code_version, machine_fingerprint
 
 log = logging.getLogger(__name__)
 
 JSON = Any
+#: A cached cost table is timed again where this machine's 1-token step is this many times
+#: faster than the table says: tables timed beside a busy test run came out 4-17x too slow.
+STALE_TABLE_FACTOR = 1.5
 
 
 def _ms(times: Mapping[str, float]) -> str:
@@ -74,6 +77,8 @@ class StartupTuner:
         #: What `load_pending` timed, for the log.
         self.loaded_detail: list[str] = []
         self._steps: tuple[str, ...] | None = None
+        #: The compiled steps the forward cost table was timed with (`costs_outdated`).
+        self.costs_steps: tuple[str, ...] = ()
 
     @classmethod
     def for_service(
@@ -297,7 +302,9 @@ class StartupTuner:
         self, forward: PagedLlama, cache: PagedKVCache, *, max_batch: int, max_tokens: int, enabled: bool
     ) -> tuple[ForwardCost, ...]:
         """The forward cost table the gateway plans with: cached only when every other choice
-        was too (a newly measured choice may have changed what a forward costs)."""
+        was too (a newly measured choice may have changed what a forward costs), and while this
+        machine's 1-token step is not `STALE_TABLE_FACTOR` times faster than the table says
+        (then it was timed while something else ran, and would misprice every round)."""
         if not enabled:
             self.note("forward_costs", "not measured", "flag", "--no-measure-costs")
             return ()
@@ -306,14 +313,52 @@ class StartupTuner:
 
         def measure() -> tuple[list[list[float]], str]:
             costs = measure_forward_costs(forward, cache, max_batch=max_batch, max_tokens=max_tokens)
-            return [[c.batch_size, c.tokens, c.seconds, c.context] for c in costs], ""
+            self.costs_steps = compiled_step_names(forward)
+            return [[c.batch_size, c.tokens, c.seconds, c.context] for c in costs], stale
 
-        def valid(value: JSON) -> bool:
-            return isinstance(value, list) and all(isinstance(row, list) and len(row) == 4 for row in value)
+        stale = ""
 
-        rows, reason, _ = self.decide("forward_costs", measure, valid)
+        def current(value: JSON) -> bool:
+            nonlocal stale
+            if not isinstance(value, list) or not all(isinstance(row, list) and len(row) == 4 for row in value):
+                return False
+            cached_step, now = _step_of(value), step_seconds(forward, cache)
+            if cached_step is None or now is None or now * STALE_TABLE_FACTOR >= cached_step:
+                self.costs_steps = tuple(self._cached.get("forward_costs_steps") or ())
+                return True
+            stale = f"the cached table's 1-token step {cached_step * 1e3:.1f} ms, {now * 1e3:.1f} ms now"
+            return False
+
+        rows, reason, detail = self.decide("forward_costs", measure, current)
+        self.values["forward_costs_steps"] = list(self.costs_steps)
         costs = tuple(ForwardCost(int(b), int(t), float(s), context=int(n)) for b, t, s, n in rows)
-        step = next((c.seconds for c in costs if (c.batch_size, c.tokens) == (1, 1)), None)
-        self.note("forward_costs", f"{len(costs)} points", reason, f"1-token step {step * 1e3:.1f} ms" if step else "")
+        step = _step_of(rows)
+        self.note("forward_costs", f"{len(costs)} points", reason,
+                  "; ".join(filter(None, [f"1-token step {step * 1e3:.1f} ms" if step else "", detail])))
         return costs
 
+    def costs_outdated(self, forward: PagedLlama) -> bool:
+        """Whether the forward cost table was timed with other compiled steps than `forward`
+        serves now: its deferred graphs loaded since (a table timed eager prices a compiled
+        draft several times too dear)."""
+        return "forward_costs" in self.values and self.costs_steps != compiled_step_names(forward)
+
+    def remeasure_costs(
+        self, forward: PagedLlama, cache: PagedKVCache, *, max_batch: int, max_tokens: int
+    ) -> Generator[None, None, tuple[ForwardCost, ...]]:
+        """The table timed again, one forward per step (`forward_cost_steps`), and kept for the
+        next start with the steps it was timed with."""
+        costs = yield from forward_cost_steps(forward, cache, max_batch=max_batch, max_tokens=max_tokens)
+        if costs:
+            self.costs_steps = compiled_step_names(forward)
+            self.values["forward_costs"] = [[c.batch_size, c.tokens, c.seconds, c.context] for c in costs]
+            self.values["forward_costs_steps"] = list(self.costs_steps)
+            if self.store is not None and self.key is not None:
+                self.store.save(self.key, self.values)
+        return tuple(costs)
+
+
+def _step_of(rows: JSON) -> float | None:
+    """A cost table's 1-token step of one request at its shortest context (rows as stored)."""
+    steps = [row for row in rows if row[0] == 1 and row[1] == 1]
+    return float(min(steps, key=lambda row: row[3])[2]) if steps else None

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Generator, Hashable, Mapping
 from typing import TypeVar
 
 import torch
 
 K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
 Clock = Callable[[], float]
 
 
@@ -56,6 +57,22 @@ def interleaved_times(
     """Seconds of one call of each candidate over `repeats` interleaved rounds (their median, or
     `statistic`), after `warmup` untimed rounds (first-call allocation, packing, thread start).
     `setup(key)` runs untimed before each call (e.g. to roll a KV slot back)."""
+    samples = run_to_end(interleaved_samples(candidates, repeats=repeats, warmup=warmup, setup=setup, sync=sync,
+                                             clock=clock))
+    return {key: statistic(values) for key, values in samples.items()}
+
+
+def interleaved_samples(
+    candidates: Mapping[K, Callable[[], object]],
+    *,
+    repeats: int,
+    warmup: int = 1,
+    setup: Callable[[K], None] | None = None,
+    sync: Callable[[], None] = lambda: None,
+    clock: Clock = time.perf_counter,
+) -> Generator[None, None, dict[K, list[float]]]:
+    """`interleaved_times` one call at a time: yields after each call and returns every
+    candidate's timed samples, so a serving process can take its turns between requests."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     samples: dict[K, list[float]] = {key: [] for key in candidates}
@@ -69,4 +86,14 @@ def interleaved_times(
             sync()
             if timed_round >= warmup:
                 samples[key].append(clock() - started)
-    return {key: statistic(values) for key, values in samples.items()}
+            yield
+    return samples
+
+
+def run_to_end(steps: Generator[None, None, T]) -> T:
+    """Run a generator of steps (as `interleaved_samples`) to its end; returns its value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value

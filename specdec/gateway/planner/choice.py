@@ -59,18 +59,19 @@ def best_model_k(
     """Set the uniform K (each capped) of the model draft that maximises the batch's rate for
     the `drafting` requests; returns that rate."""
     best_rate, best_k = -1.0, 0
+    trace = []  # the rate of each K, for the debug log
     for k in range(max((caps[s.slot_id] for s in drafting), default=0) + 1):
         for s in drafting:
             choice.ks[s.slot_id] = min(k, caps[s.slot_id])
         rate = rates.rate(choice.ks, choice.on_lookup, plain_steps)
+        trace.append(round(rate, 1))
         if rate > best_rate:
             best_rate, best_k = rate, k
     for s in drafting:
         choice.ks[s.slot_id] = min(best_k, caps[s.slot_id])
     if log.isEnabledFor(logging.DEBUG):
-        log.debug("plan: batch %d, best uniform K %d at %.1f tok/s (plain %.1f), α_1 %s", len(rates.seqs), best_k,
-                  best_rate, rates.rate(dict.fromkeys(choice.ks, 0), frozenset(), plain_steps),
-                  [round(a[0], 2) for a in rates.alphas])
+        log.debug("plan: batch %d, best uniform K %d at %.1f tok/s (by K: %s), α_1 %s", len(rates.seqs), best_k,
+                  best_rate, trace, [round(a[0], 2) for a in rates.alphas])
     return best_rate
 
 

@@ -208,12 +208,12 @@ class Planner:
         self.costs.restarted(service)
         self.sources.restarted(service)
 
-    def set_costs(self, service: str, costs: Seq[ForwardCost]) -> None:
-        """A service came back changed (its Info), with these start-up costs: plan with them; a
-        changed draft's acceptance is learnt afresh too."""
+    def set_costs(self, service: str, costs: Seq[ForwardCost], *, same_model: bool = False) -> None:
+        """A service came back changed (its Info), with these forward costs: plan with them; a
+        draft that runs another model has its acceptance learnt afresh too."""
         self.costs.set_costs(service, costs)
         self.sources.restarted(service)
-        if service == "draft":
+        if service == "draft" and not same_model:
             self.acceptance.reset()
 
     def status(self) -> PlannerStatus:

@@ -166,6 +166,11 @@ class CostEstimates:
             unscaled = RoundCostModel(*self.at_context(plan.context))  # the EMAs track measured ÷ this
             predicted = unscaled.verify_seconds(ks, [report.steps_of(s.slot_id) for s in seqs])
             self.target_scale.observe_ratio(report.verify.compute_s, predicted, self.weight, now)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("costs: batch %d, K %s, verify %.1f ms measured ÷ %.1f ms unscaled (scale %.2f), "
+                          "propose %.1f ms (scale %.2f)", len(seqs), ks, 1e3 * report.verify.compute_s,
+                          1e3 * predicted, self.target_scale.value, 1e3 * report.propose.compute_s,
+                          self.draft_scale.value)
             if any(drafts):
                 self._observe_draft(plan, seqs, report, unscaled, drafts, now)
         self._observe_overhead(sum(drafts), sum(ks) - sum(drafts), report.overhead_s, now)

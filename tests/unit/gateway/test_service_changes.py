@@ -9,7 +9,7 @@ import torch
 
 from specdec.gateway.kv_handoff import KVHandoff
 from specdec.gateway.monitor import ServiceMonitor
-from specdec.gateway.service_changes import ServiceChanges
+from specdec.gateway.service_changes import ServiceChanges, model_identity
 from specdec.gateway.stats import GatewayStats
 from specdec.wire.items import KVLayout, ModelInfo
 from tests.support.fakes import FakeDraft, FakeTarget, model_info, scheduler
@@ -78,3 +78,24 @@ def test_a_service_back_with_other_weights_alone_is_a_change() -> None:
 
 async def _answer(info: ModelInfo) -> ModelInfo:
     return info
+
+
+def test_a_draft_with_a_new_cost_table_keeps_its_acceptance_and_another_model_does_not() -> None:
+    """Costs timed again (the draft's compiled steps loaded) or a restart of the same model leave
+    what the planner learnt of its tokens; another model, quantization or layer count drafts
+    other tokens, so its acceptance is learnt afresh."""
+    from specdec.cost_model import ForwardCost
+
+    watcher = changes()
+    planner = watcher.scheduler.planner
+    same = model_info()
+    watcher.models["draft"] = model_identity(same)
+    planner.acceptance.observe("slot", 8, 0, now=0.0)
+    judged = planner.acceptance.overall.alpha
+    retimed = dataclasses.replace(same, forward_costs=(ForwardCost(1, 1, 0.01), ForwardCost(1, 2, 0.012)))
+    assert watcher("draft", retimed) is None
+    assert planner.acceptance.measured and planner.acceptance.overall.alpha == judged
+    assert planner.costs.draft is not None and planner.costs.draft.step(1) == 0.01
+    fewer_layers = dataclasses.replace(retimed, kv_layout=KVLayout("weights", 2, 3, 64))
+    assert watcher("draft", fewer_layers) is None
+    assert not planner.acceptance.measured and planner.acceptance.overall.alpha == planner.acceptance.prior_alpha

@@ -87,6 +87,8 @@ def test_the_cost_table_is_reused_only_when_nothing_else_was_measured(
         return []
 
     monkeypatch.setattr(startup, "measure_forward_costs", measure)
+    monkeypatch.setattr(startup, "step_seconds", lambda forward, cache: 0.011)  # as fast as the table says
+    monkeypatch.setattr(startup, "compiled_step_names", lambda forward: ())
     tuner = _tuner(tmp_path)
     costs = tuner.forward_costs(object(), object(), max_batch=4, max_tokens=9, enabled=True)  # type: ignore[arg-type]
     assert [(c.batch_size, c.tokens, c.seconds, c.context) for c in costs] == [(1, 1, 0.01, 48), (1, 2, 0.012, 48)]
@@ -114,3 +116,60 @@ def test_the_attention_kernel_is_the_devices_default_unless_a_flag_names_one() -
         ("attention", "sdpa", "fixed"), ("attention", "gather", "flag"),
     ]
     assert tuner.choices[0].detail == "the default on cpu"
+
+
+def test_a_cached_cost_table_timed_on_a_busier_machine_is_timed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from specdec.cost_model import ForwardCost
+
+    TuningStore(tmp_path).save(KEY, {"forward_costs": [[1, 1, 0.2, 48], [1, 1, 0.3, 304]]})
+    monkeypatch.setattr(startup, "measure_forward_costs",
+                        lambda forward, cache, *, max_batch, max_tokens: [ForwardCost(1, 1, 0.02, 48)])
+    monkeypatch.setattr(startup, "compiled_step_names", lambda forward: ("batch 1-token steps",))
+    now = {"step": 0.19}  # within STALE_TABLE_FACTOR of the table: kept
+    monkeypatch.setattr(startup, "step_seconds", lambda forward, cache: now["step"])
+    tuner = _tuner(tmp_path)
+    costs = tuner.forward_costs(object(), object(), max_batch=4, max_tokens=9, enabled=True)  # type: ignore[arg-type]
+    assert costs[0].seconds == 0.2 and tuner.choices[-1].reason == "cached"
+
+    now["step"] = 0.2 / startup.STALE_TABLE_FACTOR / 2  # the machine is twice faster than that: timed again
+    tuner = _tuner(tmp_path)
+    costs = tuner.forward_costs(object(), object(), max_batch=4, max_tokens=9, enabled=True)  # type: ignore[arg-type]
+    assert [c.seconds for c in costs] == [0.02]
+    assert tuner.choices[-1].reason == "measured"
+    assert "cached table's 1-token step 200.0 ms, 66.7 ms now" in tuner.choices[-1].detail
+    assert tuner.costs_steps == ("batch 1-token steps",)
+    tuner.save()
+    assert TuningStore(tmp_path).load(KEY)["forward_costs_steps"] == ["batch 1-token steps"]
+
+
+def test_a_table_timed_before_the_compiled_steps_loaded_is_outdated_once_they_have(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from specdec.cost_model import ForwardCost
+
+    steps: dict[str, tuple[str, ...]] = {"names": ()}
+    monkeypatch.setattr(startup, "compiled_step_names", lambda forward: steps["names"])
+    monkeypatch.setattr(startup, "measure_forward_costs",
+                        lambda forward, cache, *, max_batch, max_tokens: [ForwardCost(1, 1, 0.08, 48)])
+
+    def timed_again(forward: object, cache: object, *, max_batch: int, max_tokens: int):  # type: ignore[no-untyped-def]
+        yield
+        return [ForwardCost(1, 1, 0.02, 48)]
+
+    monkeypatch.setattr(startup, "forward_cost_steps", timed_again)
+    tuner = _tuner(tmp_path)
+    tuner.forward_costs(object(), object(), max_batch=4, max_tokens=9, enabled=True)  # type: ignore[arg-type]
+    assert not tuner.costs_outdated(object())  # type: ignore[arg-type]
+    steps["names"] = ("batch 1-token steps",)  # the deferred graphs loaded
+    assert tuner.costs_outdated(object())  # type: ignore[arg-type]
+
+    remeasure = tuner.remeasure_costs(object(), object(), max_batch=4, max_tokens=9)  # type: ignore[arg-type]
+    next(remeasure)
+    with pytest.raises(StopIteration) as ended:
+        next(remeasure)
+    assert [c.seconds for c in ended.value.value] == [0.02]
+    assert not tuner.costs_outdated(object())  # type: ignore[arg-type]
+    saved = TuningStore(tmp_path).load(KEY)
+    assert saved["forward_costs"] == [[1, 1, 0.02, 48]] and saved["forward_costs_steps"] == ["batch 1-token steps"]

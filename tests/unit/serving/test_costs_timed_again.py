@@ -1,0 +1,56 @@
+"""A service times its forward cost table again once its compiled steps have loaded: one forward
+per worker call, only while no request came for a while, and publishes the new table."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Generator
+from types import SimpleNamespace
+
+from specdec.cost_model import ForwardCost
+from specdec.serving import model_service
+from specdec.serving.worker import ModelWorker
+
+
+def _engine(steps: list[str], fail: bool = False) -> SimpleNamespace:
+    def remeasure(forward: object, cache: object, *, max_batch: int, max_tokens: int
+                  ) -> Generator[None, None, tuple[ForwardCost, ...]]:
+        for i in range(3):
+            steps.append(f"forward {i}")
+            if fail and i == 1:
+                raise RuntimeError("no room in the pool")
+            yield
+        return (ForwardCost(1, 1, 0.02),)
+
+    config = SimpleNamespace(max_slots=4, max_speculative_tokens=8)
+    return SimpleNamespace(config=config, forward_costs=(ForwardCost(1, 1, 0.08),), forward=None, cache=None,
+                           tuner=SimpleNamespace(remeasure_costs=remeasure))
+
+
+def test_the_table_is_timed_again_between_requests_and_published(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(model_service, "IDLE_BEFORE_TIMING_S", 0.05)
+    steps: list[str] = []
+    engine, worker = _engine(steps), ModelWorker("test")
+
+    async def run() -> None:
+        worker.last_timed_at = time.perf_counter() + 0.1  # a request is still running
+        task = asyncio.create_task(model_service.time_costs_again(engine, worker))  # type: ignore[arg-type]
+        await asyncio.sleep(0.08)
+        assert steps == []  # nothing timed beside it
+        await task
+
+    asyncio.run(run())
+    worker.shutdown()
+    assert steps == ["forward 0", "forward 1", "forward 2"]
+    assert engine.forward_costs == (ForwardCost(1, 1, 0.02),)
+
+
+def test_a_table_that_cannot_be_timed_again_stays(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(model_service, "IDLE_BEFORE_TIMING_S", 0.0)
+    steps: list[str] = []
+    engine, worker = _engine(steps, fail=True), ModelWorker("test")
+    asyncio.run(model_service.time_costs_again(engine, worker))  # type: ignore[arg-type]
+    worker.shutdown()
+    assert steps == ["forward 0", "forward 1"]
+    assert engine.forward_costs == (ForwardCost(1, 1, 0.08),)
