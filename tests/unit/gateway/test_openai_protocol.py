@@ -108,7 +108,9 @@ def test_bad_sampling_and_logprobs_fields_name_themselves(body: dict[str, Any], 
 def test_chat_refusals() -> None:
     assert refusal({**CHAT, "model": "gpt-4o"}).status == 404
     assert refusal({**CHAT, "n": 3}).param == "n"
-    assert refusal({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}).param == "tools"
+    assert refusal({**CHAT, "functions": [{"name": "f"}]}).param == "functions"  # the deprecated form
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert refusal({"prompt": "hi", "tools": tools}, Endpoint.COMPLETIONS).param == "tools"
     assert refusal({**CHAT, "response_format": {"type": "yaml"}}).param == "response_format.type"
     assert refusal({**CHAT, "response_format": "json"}).param == "response_format"
     assert refusal({**CHAT, "speculation": {"k": 2}}).param == "speculation.k"
