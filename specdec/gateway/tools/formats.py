@@ -13,7 +13,7 @@ import json
 from collections.abc import Collection, Sequence
 from typing import Any, ClassVar, Protocol
 
-from specdec.gateway.tools.types import Tool, ToolCall
+from specdec.gateway.tools.types import COMPACT, Tool, ToolCall
 
 #: What a scanner hands on: text that is content, or a call it read.
 Piece = str | ToolCall
@@ -95,4 +95,4 @@ class ToolFormat(abc.ABC):
                 return None
         if not isinstance(arguments, dict):
             return None
-        return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False, separators=COMPACT))
