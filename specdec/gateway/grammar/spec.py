@@ -110,7 +110,7 @@ def _schema_text(text: str, where: str) -> str:
     """The schema as canonical JSON text (so equal schemas share a compiled grammar): a JSON object
     no deeper than MAX_SCHEMA_DEPTH."""
     _text(text, where)
-    if json_nesting(text) > MAX_SCHEMA_DEPTH:
+    if _nesting(text) > MAX_SCHEMA_DEPTH:
         raise InvalidArgumentError(f"{where}: nested deeper than {MAX_SCHEMA_DEPTH} levels")
     try:
         schema = json.loads(text)
@@ -127,7 +127,7 @@ def canonical_schema(schema: Any, where: str) -> str:
     return json.dumps(schema, separators=(",", ":"))
 
 
-def json_nesting(text: str) -> int:
+def _nesting(text: str) -> int:
     """The deepest bracket nesting of JSON text, strings skipped (counted without parsing, so
     a hostile body cannot recurse the parser)."""
     depth = deepest = 0

@@ -3,11 +3,10 @@ error naming its field as OpenAI does (`tools[0].function.name`, `tool_choice.fu
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
-from specdec.gateway.grammar.spec import MAX_SCHEMA_DEPTH, json_nesting
+from specdec.gateway.grammar.spec import MAX_SCHEMA_DEPTH
 from specdec.gateway.openai.errors import invalid_field
 from specdec.gateway.openai.fields import boolean, json_type
 from specdec.gateway.tools import AutoCalls, NamedCall, NoCalls, RequiredCalls, Tool, ToolChoice, ToolUse
@@ -75,7 +74,7 @@ def parameters_from_body(parameters: object, param: str) -> dict[str, Any]:
     if parameters.get("type", "object") != "object":
         raise invalid_field(where, f"must be the schema of an object (type object), got type "
                                    f"{parameters.get('type')!r}")
-    if json_nesting(json.dumps(parameters)) > MAX_SCHEMA_DEPTH:
+    if _depth(parameters) > MAX_SCHEMA_DEPTH:
         raise invalid_field(where, f"nested deeper than {MAX_SCHEMA_DEPTH} levels")
     return parameters
 
@@ -103,3 +102,16 @@ def tool_choice_from_body(value: object, tools: tuple[Tool, ...]) -> ToolChoice:
     if not tools and not isinstance(choice, NoCalls):
         raise invalid_field("tool_choice", "needs tools: the request has none")
     return choice
+
+
+def _depth(value: object) -> int:
+    """How deep objects and lists nest in parsed JSON (walked without recursion)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest

@@ -203,6 +203,13 @@ TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
 
 
+def nested(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {}
+    for _ in range(depth):
+        schema = {"not": schema}
+    return schema
+
+
 def test_tool_choices_become_prompts_and_grammars() -> None:
     auto = parse_request({**CHAT, "tools": [TOOL]}, Endpoint.CHAT, MODEL)
     system = auto.generate.chat.messages[0]
@@ -229,6 +236,8 @@ def test_tool_choices_become_prompts_and_grammars() -> None:
     ({"tools": [TOOL, TOOL]}, "tools[1].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "description": 3}}]}, "tools[0].function.description"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": nested(70)}}]},
+     "tools[0].function.parameters"),
     ({"tools": [TOOL], "tool_choice": "always"}, "tool_choice"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name"),
     ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),

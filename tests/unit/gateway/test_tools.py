@@ -9,8 +9,10 @@ from types import SimpleNamespace
 import pytest
 from transformers import PreTrainedTokenizerBase
 
+from specdec.gateway.config import TOOL_CALL_PARSERS
 from specdec.gateway.grammar import GrammarCompiler, JsonSchema, Lark
 from specdec.gateway.tools import (
+    PARSER_CHOICES,
     Answer,
     AutoCalls,
     CallDelta,
@@ -175,4 +177,5 @@ def test_the_format_follows_the_chat_template(tokenizer: PreTrainedTokenizerBase
     llama = SimpleNamespace(chat_template=LLAMA3_CHAT_TEMPLATE)
     assert choose_format(llama).name == "llama3_json"  # type: ignore[arg-type]
     assert choose_format(tokenizer, "llama3_json").name == "llama3_json"
+    assert TOOL_CALL_PARSERS == PARSER_CHOICES  # the flag's choices, kept apart from the tools package
     assert Tool("f").arguments_schema() == {"type": "object", "properties": {}, "additionalProperties": False}
