@@ -400,7 +400,7 @@ def test_forced_tool_calls_whole_and_streamed(client: openai.OpenAI, tool_choice
 
 def test_auto_and_none_answers_are_well_formed(client: openai.OpenAI) -> None:
     """SmolLM2 rarely calls a tool on its own: under `auto` the answer is content or valid calls."""
-    options: dict[str, Any] = dict(model="", messages=WEATHER_QUESTION, tools=TOOLS, max_tokens=24, temperature=0)
+    options: dict[str, Any] = dict(model="", messages=WEATHER_QUESTION, tools=TOOLS, max_tokens=16, temperature=0)
     whole = client.chat.completions.create(**options)  # tool_choice absent: auto
     choice = whole.choices[0]
     for call in choice.message.tool_calls or []:
