@@ -14,6 +14,9 @@ from specdec.stats import DEFAULT_PREFIX, check_metrics_prefix
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_REQUEST_BYTES
 
 PROBS_DTYPES = ("float32", "bfloat16")
+#: `--tool-call-parser` choices (`specdec.gateway.tools.family.PARSER_CHOICES`; not imported: the
+#: config stays light for the command line).
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
 #: `--speculation-method` choices (a request may also ask for "none").
 SPECULATION_METHODS = tuple(m.value for m in SpeculationMethod if m is not SpeculationMethod.NONE)
 DEFAULT_DECODE_STEPS = 4
@@ -114,6 +117,11 @@ class GatewayConfig(ServerSecurity):
     #: Same host, TLS settings, bearer token and request limits as the gRPC port (docs/openai.md).
     #: Off for the bare gateway, which deployments configure port by port; `specdec serve` turns it on.
     http_port: int = option(-1, "OpenAI-compatible HTTP port (-1 = off, 0 = any free port)")
+    #: The HTTP front's tools (docs/openai.md#tools); `auto` reads the family from the chat template.
+    tool_call_parser: str = option(
+        "auto", "how the model writes tool calls: hermes (<tool_call> tags, ChatML models), llama3_json (Llama "
+        "3.x JSON calls) or auto (from the chat template)", choices=TOOL_CALL_PARSERS, advanced=True,
+    )
     metrics_prefix: str = option(
         DEFAULT_PREFIX, "prefix of every metric name; 'vllm:' gives vLLM's names", advanced=True,
     )
@@ -191,6 +199,10 @@ class GatewayConfig(ServerSecurity):
             raise InvalidArgumentError("rpc_timeout_floor_s must be > 0 and rpc_timeout_factor >= 1")
         if not self.keepalive_s >= 0 or not self.keepalive_timeout_s > 0:  # also refuses NaN
             raise InvalidArgumentError("keepalive_s must be >= 0 and keepalive_timeout_s > 0")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise InvalidArgumentError(
+                f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}"
+            )
         if self.draft_probs_dtype not in PROBS_DTYPES:
             raise InvalidArgumentError(
                 f"draft_probs_dtype must be one of {PROBS_DTYPES}, got {self.draft_probs_dtype!r}"

@@ -32,8 +32,8 @@ from specdec.wire.items import sampling_from_pb
 #: acceptance uniforms come from the request's seed itself.
 DRAFT_STREAM = 1
 POSITION_STREAM = 2
-#: Roles the chat templates of the supported models render.
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+#: Roles the chat templates of the supported models render (`ipython`: Llama 3's tool results).
+CHAT_ROLES = ("system", "user", "assistant", "tool", "ipython")
 #: Stop strings are matched against the text of every round: bound their number and size.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -99,6 +99,12 @@ def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) ->
     check_stop_strings(list(request.stop))
     if request.max_new_tokens < 0:
         raise InvalidArgumentError(f"max_new_tokens: must be >= 0, got {request.max_new_tokens}")
+    room = policy.max_seq_len - len(prompt)
+    if request.refuse_past_context and request.max_new_tokens > room:
+        raise InvalidArgumentError(
+            f"max_new_tokens: {request.max_new_tokens} is more than the {room} tokens the context of "
+            f"{policy.max_seq_len} leaves after the prompt's {len(prompt)}"
+        )
     # The services count presence and frequency from the output's start: the prompt's end.
     sampling = dataclasses.replace(sampling_from_pb(request.sampling), penalty_start=len(prompt))
     check_logit_bias(sampling, policy.vocab_size)
@@ -118,9 +124,9 @@ def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) ->
         slot_id=policy.slot_prefix + uuid.uuid4().hex,
         prompt=prompt,
         sampling=sampling,
-        # Capped at what the sequence limit leaves: a request for 10**9 tokens is a request
-        # for as many as fit, not a claim on 10**9 tokens of anything.
-        max_new_tokens=min(request.max_new_tokens or policy.max_new_tokens_default, policy.max_seq_len - len(prompt)),
+        # Capped at what the sequence limit leaves (unless refused above): a request for 10**9
+        # tokens is a request for as many as fit, not a claim on 10**9 tokens of anything.
+        max_new_tokens=min(request.max_new_tokens or policy.max_new_tokens_default, room),
         num_speculative_tokens=k if speculate else 0,
         adaptive=adaptive,
         method=method,

@@ -40,6 +40,7 @@ from specdec.gateway.requests import RequestPolicy, method_to_pb
 from specdec.gateway.scheduler import PoolLimits, Scheduler
 from specdec.gateway.service_changes import ServiceChanges, model_identity
 from specdec.gateway.stats import GatewayStats
+from specdec.gateway.tools import ToolFormat, choose_format
 from specdec.model.loader import load_tokenizer
 from specdec.model.tokenizer_info import check_compatible, tokenizer_fingerprint
 from specdec.serving.errors import grpc_errors, grpc_stream_errors
@@ -130,9 +131,10 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
         await close()
         raise
     if config.http_port >= 0:
+        model = served_model(services, choose_format(tokenizer, config.tool_call_parser))
         try:
             http.append(await start_http(
-                OpenAIFront(state, generations, served_model(services)), host=config.host, port=config.http_port,
+                OpenAIFront(state, generations, model), host=config.host, port=config.http_port,
                 ssl_context=config.ssl_context(), token=config.token(),
             ))
         except BaseException:
@@ -145,10 +147,11 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
     return running
 
 
-def served_model(services: Services) -> ServedModel:
+def served_model(services: Services, tool_format: ToolFormat) -> ServedModel:
     """The target as the HTTP front names it: by its model name, or the id it was loaded from."""
     info = services.target_info
-    return ServedModel(info.model_name, frozenset({info.model_name, info.model_id}), services.max_seq_len)
+    return ServedModel(info.model_name, frozenset({info.model_name, info.model_id}), services.max_seq_len,
+                       tool_format)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,9 @@ import openai  # noqa: E402
 from openai.types.chat import ChatCompletionMessageParam  # noqa: E402
 
 from specdec.client import SpecdecClient
+from specdec.gateway.tools import AutoCalls, Message, Tool, ToolCall, ToolUse, render_messages
+from specdec.gateway.tools.hermes import Hermes
+from specdec.model.chat import encode_chat
 from specdec.model.runtime import ModelRuntime
 from tests.support.pki import Pki
 from tests.support.services import slow_down
@@ -185,6 +188,21 @@ def test_models_and_health(client: openai.OpenAI, stack: Stack, base_url: str, p
     assert asyncio.run(health()) == (200, {"status": "ok"})
 
 
+# Tools (docs/openai.md#tools). SmolLM2 is a ChatML model: the hermes format.
+WEATHER: dict[str, Any] = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK: dict[str, Any] = {"type": "function", "function": {
+    "name": "get_time", "description": "The time now in a time zone.",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 16}},
+                   "required": ["zone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, CLOCK]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+WEATHER_QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"),
@@ -194,7 +212,19 @@ def test_models_and_health(client: openai.OpenAI, stack: Stack, base_url: str, p
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"speculation": {"verification": "maybe"}}, "speculation.verification"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "strng"}}}}}], "tool_choice": "required"}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     "tool_choice.function.name"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": 3}}]}]},
+     "messages[0].tool_calls[0].function.name"),
+    ({"max_tokens": 10**6}, "max_tokens"),
+    ({"max_completion_tokens": 10**6}, "max_completion_tokens"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     ({"speculation": {"num_speculative_tokens": 99}}, "speculation.num_speculative_tokens"),
     ({"stop": ["x"] * 17}, "stop"),
@@ -322,3 +352,82 @@ def test_tls_is_required_when_configured(base_url: str) -> None:
 
     with pytest.raises(aiohttp.ClientError):
         asyncio.run(plaintext())
+
+
+def _valid_call(name: str, arguments: str) -> None:
+    """A call of one of TOOLS whose arguments satisfy its schema."""
+    schema = SCHEMAS[name]
+    value = json.loads(arguments)
+    assert isinstance(value, dict) and set(schema["required"]) <= set(value) <= set(schema["properties"]), value
+    for key, item in value.items():
+        rule = schema["properties"][key]
+        assert item in rule["enum"] if "enum" in rule else isinstance(item, str) and len(item) <= rule["maxLength"]
+
+
+def _streamed_calls(chunks: list[Any]) -> tuple[str, list[tuple[str, str, str]], list[str | None]]:
+    """Content, (id, name, arguments) per call, and the finish reasons of a streamed answer."""
+    content, calls, reasons = "", [], []
+    for chunk in chunks:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            if call.id is not None:  # a call's first delta names it
+                assert call.index == len(calls) and call.type == "function" and call.function
+                calls.append([call.id, call.function.name or "", ""])
+            calls[call.index][2] += call.function.arguments or "" if call.function else ""
+        reasons.append(chunk.choices[0].finish_reason)
+    return content, [(i, n, a) for i, n, a in calls], [r for r in reasons if r]
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_forced_tool_calls_whole_and_streamed(client: openai.OpenAI, tool_choice: Any) -> None:
+    """A named function and `required` are a grammar: always valid calls, streamed as OpenAI does."""
+    options: dict[str, Any] = dict(model="", messages=WEATHER_QUESTION, tools=TOOLS, tool_choice=tool_choice,
+                                   max_tokens=48, temperature=0, parallel_tool_calls=False)
+    reply = client.chat.completions.create(**options)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice.message
+    calls = choice.message.tool_calls or []
+    assert len(calls) == 1 and calls[0].id.startswith("call_") and calls[0].type == "function"
+    _valid_call(calls[0].function.name, calls[0].function.arguments)  # type: ignore[union-attr]
+    if isinstance(tool_choice, dict):
+        assert calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+    content, streamed, reasons = _streamed_calls(list(client.chat.completions.create(**options, stream=True)))
+    assert content == "" and reasons == ["tool_calls"]
+    assert [(name, arguments) for _, name, arguments in streamed] == [
+        (call.function.name, call.function.arguments) for call in calls]  # type: ignore[union-attr]
+
+
+def test_auto_and_none_answers_are_well_formed(client: openai.OpenAI) -> None:
+    """SmolLM2 rarely calls a tool on its own: under `auto` the answer is content or valid calls."""
+    options: dict[str, Any] = dict(model="", messages=WEATHER_QUESTION, tools=TOOLS, max_tokens=16, temperature=0)
+    whole = client.chat.completions.create(**options)  # tool_choice absent: auto
+    choice = whole.choices[0]
+    for call in choice.message.tool_calls or []:
+        _valid_call(call.function.name, call.function.arguments)  # type: ignore[union-attr]
+    assert choice.finish_reason == ("tool_calls" if choice.message.tool_calls else choice.finish_reason)
+    assert choice.message.tool_calls or isinstance(choice.message.content, str)
+    content, calls, reasons = _streamed_calls(list(client.chat.completions.create(**options, stream=True)))
+    assert (content or None, reasons) == (choice.message.content or None, [choice.finish_reason])
+    none = client.chat.completions.create(**{**options, "max_tokens": 4}, tool_choice="none")
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
+
+
+def test_a_tool_history_is_rendered_in_the_models_format(client: openai.OpenAI, stack: Stack) -> None:
+    """A call the assistant made and the tool's result reach the prompt as hermes writes them."""
+    history: list[ChatCompletionMessageParam] = [
+        *WEATHER_QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
+    reply = client.chat.completions.create(model="", messages=history, tools=TOOLS, max_tokens=1, temperature=0)
+    use = ToolUse(tuple(Tool(t["function"]["name"], t["function"]["description"], t["function"]["parameters"])
+                        for t in TOOLS), AutoCalls())
+    messages = [Message("user", "What is the weather in Paris?"),
+                Message("assistant", tool_calls=(ToolCall("get_weather", '{"city": "Paris", "unit": "celsius"}'),)),
+                Message("tool", '{"temperature": 21}', tool_call_id="call_1")]
+    rendered = render_messages(messages, use, Hermes())
+    assert "<tool_response>" in rendered[-1][1] and "<tool_call>" in rendered[-2][1]
+    prompt = encode_chat(stack.target.runtime.loaded.tokenizer, [{"role": r, "content": c} for r, c in rendered])
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt)

@@ -131,7 +131,7 @@ class OpenAIFront:
                     return await stream(request, generation, reply)
                 return await answer_whole(generation, reply)
         except SpecdecError as error:  # refused before it was queued: names the field when it can
-            param, message = in_openai_terms(str(error), endpoint)
+            param, message = in_openai_terms(str(error), endpoint, parsed.renames)
             raise from_status(grpc.StatusCode[error.status_code_name], message, param) from error
 
 

@@ -12,35 +12,28 @@ implement are refused unless they carry their no-op value, so nothing asked for 
 from __future__ import annotations
 
 import enum
+import functools
 import json
-import math
 import re
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.gateway.openai.errors import OpenAIError, invalid_field, not_supported
-from specdec.gateway.requests import METHOD_FROM_PB, VERIFICATION_FROM_PB
+from specdec.gateway.openai.fields import INT32_MAX, boolean, integer, json_type
+from specdec.gateway.openai.generation_fields import sampling_from_body, speculation_from_body, stop_from_body
+from specdec.gateway.openai.messages import chat_from_body
+from specdec.gateway.openai.tool_fields import tool_use_from_body
+from specdec.gateway.tools import NamedCall, NoCalls, OutputReader, ToolFormat, ToolUse, reader_for, structured_output
+from specdec.gateway.tools.hermes import Hermes
 from specdec.sampling.logprobs import MAX_TOP_LOGPROBS
-from specdec.v1 import common_pb2, gateway_pb2
+from specdec.v1 import gateway_pb2
 
-INT32_MAX = 2**31 - 1
-UINT64_MAX = 2**64 - 1
-#: OpenAI's default temperature (the gRPC API's unset temperature is greedy instead).
-DEFAULT_TEMPERATURE = 1.0
-#: OpenAI's newer role for system instructions; the chat templates know it as `system`.
-ROLE_ALIASES = {"developer": "system"}
-#: The extension's names ("auto", "drawn", ...) for the gRPC API's values, as `requests` reads them.
-SPECULATION_METHODS = {method.value: pb for pb, method in METHOD_FROM_PB.items() if method is not None}
-VERIFICATIONS = {verification.value: pb for pb, verification in VERIFICATION_FROM_PB.items()
-                 if verification is not None}
-SPECULATION_FIELDS = ("enabled", "num_speculative_tokens", "adaptive", "method", "verification")
 #: `logprobs_mode` (vLLM's names): the model's raw distribution, or the one after the
 #: request's transforms (`LogprobsOptions.processed`).
 LOGPROBS_MODES = {"raw_logprobs": False, "processed_logprobs": True}
 #: Fields of OpenAI's API this server does not implement, with their no-op values.
 UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "audio": (None,),
@@ -50,6 +43,10 @@ UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
 }
+
+
+#: A fresh reader of one answer's tool calls.
+ToolReaderFactory = Callable[[], OutputReader | None]
 
 
 class Endpoint(enum.Enum):
@@ -65,6 +62,8 @@ class ServedModel:
     name: str
     aliases: frozenset[str]
     max_model_len: int
+    #: How the model writes tool calls (`specdec.gateway.tools.choose_format`).
+    tool_format: ToolFormat = field(default_factory=Hermes)
 
 
 @dataclass(frozen=True)
@@ -74,6 +73,10 @@ class OpenAIRequest:
     stream: bool
     #: `stream_options.include_usage`: a last chunk with the usage and no choices.
     include_usage: bool
+    #: Makes the reader of the answer's tool calls (None: the answer is plain content).
+    tool_reader: ToolReaderFactory | None = None
+    #: gRPC field -> the body's field it came from, where it is not the usual one (`in_openai_terms`).
+    renames: Mapping[str, str] = field(default_factory=dict)
 
 
 def parse_request(body: object, endpoint: Endpoint, model: ServedModel) -> OpenAIRequest:
@@ -82,22 +85,49 @@ def parse_request(body: object, endpoint: Endpoint, model: ServedModel) -> OpenA
         raise OpenAIError(400, "the request body must be a JSON object")
     check_model(body, model)
     refuse_unsupported(body)
+    max_tokens_name, max_new_tokens = max_new_tokens_from_body(body, endpoint)
     request = gateway_pb2.GenerateRequest(
-        max_new_tokens=max_new_tokens_from_body(body, endpoint),
+        max_new_tokens=max_new_tokens,
         sampling=sampling_from_body(body),
         stop=stop_from_body(body),
         speculation=speculation_from_body(body.get("speculation")),
+        refuse_past_context=True,
     )
     if (logprobs := logprobs_from_body(body, endpoint)) is not None:
         request.logprobs.CopyFrom(logprobs)
     if (output := response_format_from_body(body)) is not None:
         request.structured_output.CopyFrom(output)
+    renames = {"max_new_tokens": max_tokens_name}
+    reader = None
     if endpoint is Endpoint.CHAT:
-        request.chat.CopyFrom(chat_from_body(body))
+        use = tool_use_from_body(body)
+        request.chat.CopyFrom(chat_from_body(body, use, model.tool_format))
+        if use is not None:
+            reader = apply_tool_choice(request, use, model.tool_format, renames)
     else:
+        for name in ("tools", "tool_choice"):
+            if body.get(name) not in (None, [], "none"):
+                raise not_supported(name, "tools are for /v1/chat/completions")
         request.prompt = prompt_from_body(body)
-    stream = _boolean(body, "stream") or False
-    return OpenAIRequest(endpoint, request, stream, include_usage_from_body(body, stream))
+    stream = boolean(body, "stream") or False
+    return OpenAIRequest(endpoint, request, stream, include_usage_from_body(body, stream), reader, renames)
+
+
+def apply_tool_choice(request: gateway_pb2.GenerateRequest, use: ToolUse, form: ToolFormat,
+                      renames: dict[str, str]) -> ToolReaderFactory | None:
+    """The grammar a forced call needs, set on `request`, and the reader of the answer's calls
+    (None under `none`). A `response_format` beside calls is a 400: an answer cannot be both."""
+    if isinstance(use.choice, NoCalls):
+        return None
+    if request.HasField("structured_output"):
+        raise invalid_field("response_format", "cannot be combined with tools unless tool_choice is none")
+    if (output := structured_output(use, form)) is not None:
+        request.structured_output.CopyFrom(output)
+        renames["structured_output.grammar"] = "tools"
+        if isinstance(use.choice, NamedCall):
+            index = [tool.name for tool in use.tools].index(use.choice.name)
+            renames["structured_output.json_schema"] = f"tools[{index}].function.parameters"
+    return functools.partial(reader_for, use, form)
 
 
 def check_model(body: dict[str, Any], model: ServedModel) -> None:
@@ -116,7 +146,7 @@ def refuse_unsupported(body: dict[str, Any]) -> None:
     for name, no_ops in UNSUPPORTED_FIELDS.items():
         if name in body and not _is_one_of(body[name], no_ops):
             raise not_supported(name)
-    n = _integer(body, "n")
+    n = integer(body, "n")
     if n is not None and n != 1:
         raise not_supported("n", f"only n = 1 is supported (one choice a request), got {n}")
 
@@ -125,56 +155,16 @@ def _is_one_of(value: object, no_ops: tuple[object, ...]) -> bool:
     return any(type(value) is type(no_op) and value == no_op for no_op in no_ops)
 
 
-def max_new_tokens_from_body(body: dict[str, Any], endpoint: Endpoint) -> int:
-    """`max_completion_tokens` (chat) or `max_tokens`; 0 (unset) is the gateway's default. Above
-    what the sequence limit leaves, the gateway generates as many as fit."""
+def max_new_tokens_from_body(body: dict[str, Any], endpoint: Endpoint) -> tuple[str, int]:
+    """The field given, `max_completion_tokens` (chat) or `max_tokens`, and its value; 0 (unset)
+    is the gateway's default. More than the context leaves after the prompt is refused (by the
+    gateway, which counts the prompt: `GenerateRequest.refuse_past_context`)."""
     names = ("max_completion_tokens", "max_tokens") if endpoint is Endpoint.CHAT else ("max_tokens",)
     for name in names:
-        value = _integer(body, name, low=1)
+        value = integer(body, name, low=1)
         if value is not None:
-            return min(value, INT32_MAX)
-    return 0
-
-
-def sampling_from_body(body: dict[str, Any]) -> common_pb2.SamplingParams:
-    """The sampling transforms; their ranges are checked by `SamplingParams`, but the wire reads
-    0 as "off" for top_p and repetition_penalty, so those are checked here."""
-    sampling = common_pb2.SamplingParams(temperature=DEFAULT_TEMPERATURE)
-    if (temperature := _number(body, "temperature")) is not None:
-        sampling.temperature = temperature
-    if (top_p := _number(body, "top_p")) is not None:
-        if not 0 < top_p <= 1:
-            raise invalid_field("top_p", f"must be in (0, 1], got {top_p}")
-        sampling.top_p = top_p
-    if (top_k := _integer(body, "top_k", low=-1)) is not None:
-        sampling.top_k = max(min(top_k, INT32_MAX), 0)  # -1 or 0: off (vLLM's and the gRPC API's "off")
-    if (penalty := _number(body, "repetition_penalty")) is not None:
-        if not penalty > 0:
-            raise invalid_field("repetition_penalty", f"must be > 0, got {penalty}")
-        sampling.repetition_penalty = penalty
-    if (seed := _integer(body, "seed", low=0, high=UINT64_MAX)) is not None:
-        sampling.seed = seed
-    for name in ("min_p", "presence_penalty", "frequency_penalty"):
-        if (value := _number(body, name)) is not None:
-            setattr(sampling, name, value)
-    sampling.logit_bias.update(logit_bias_from_body(body.get("logit_bias")))
-    return sampling
-
-
-def logit_bias_from_body(bias: object) -> dict[int, float]:
-    """OpenAI's `logit_bias`: token ids (JSON object keys, so strings) to a bias; the ranges and
-    the vocabulary are checked with the other sampling fields (`SamplingParams`, `requests`)."""
-    if bias is None:
-        return {}
-    if not isinstance(bias, dict):
-        raise invalid_field("logit_bias", "must be an object mapping token ids to biases")
-    out = {}
-    for key in bias:
-        if not (isinstance(key, str) and key.isdigit() and int(key) <= INT32_MAX):
-            raise invalid_field("logit_bias", f"keys must be token ids, got {key!r}")
-        if (value := _number(bias, key, "logit_bias.")) is not None:
-            out[int(key)] = value
-    return out
+            return name, min(value, INT32_MAX)
+    return "max_tokens", 0
 
 
 def logprobs_from_body(body: dict[str, Any], endpoint: Endpoint) -> gateway_pb2.LogprobsOptions | None:
@@ -182,13 +172,13 @@ def logprobs_from_body(body: dict[str, Any], endpoint: Endpoint) -> gateway_pb2.
     `top_logprobs`, completions' `logprobs` (the number of alternatives), and `logprobs_mode`.
     None when it asks for none."""
     if endpoint is Endpoint.CHAT:
-        top = _integer(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
-        if not _boolean(body, "logprobs"):
+        top = integer(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
+        if not boolean(body, "logprobs"):
             if top:
                 raise invalid_field("top_logprobs", "needs logprobs: true")
             return None
     else:
-        top = _integer(body, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
+        top = integer(body, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
         if top is None:
             return None
     mode = body.get("logprobs_mode", "raw_logprobs")
@@ -204,7 +194,7 @@ def response_format_from_body(body: dict[str, Any]) -> gateway_pb2.StructuredOut
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise invalid_field("response_format", f"must be an object, got {_json_type(value)}")
+        raise invalid_field("response_format", f"must be an object, got {json_type(value)}")
     kind = value.get("type")
     if kind == "text":
         return None
@@ -221,77 +211,11 @@ def response_format_from_body(body: dict[str, Any]) -> gateway_pb2.StructuredOut
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
         raise invalid_field("response_format.json_schema.name",
                             "must be 1 to 64 letters, digits, underscores or dashes")
-    _boolean(spec, "strict", "response_format.json_schema.")
+    boolean(spec, "strict", "response_format.json_schema.")
     schema = spec.get("schema", {})
     if not isinstance(schema, dict):
-        raise invalid_field("response_format.json_schema.schema", f"must be an object, got {_json_type(schema)}")
+        raise invalid_field("response_format.json_schema.schema", f"must be an object, got {json_type(schema)}")
     return gateway_pb2.StructuredOutput(json_schema=json.dumps(schema))
-
-
-def stop_from_body(body: dict[str, Any]) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return stop
-    raise invalid_field("stop", "must be a string or a list of strings")
-
-
-def speculation_from_body(options: object) -> gateway_pb2.SpeculationOptions:
-    """The `speculation` extension object (docs/openai.md); absent: the gateway's defaults."""
-    speculation = gateway_pb2.SpeculationOptions()
-    if options is None:
-        return speculation
-    if not isinstance(options, dict):
-        raise invalid_field("speculation", "must be an object")
-    for name in options:
-        if name not in SPECULATION_FIELDS:
-            raise invalid_field(f"speculation.{name}", f"unknown field; known: {', '.join(SPECULATION_FIELDS)}")
-    if (enabled := _boolean(options, "enabled", "speculation.")) is not None:
-        speculation.enabled = enabled
-    k = _integer(options, "num_speculative_tokens", "speculation.", low=0, high=INT32_MAX)
-    if k is not None:
-        speculation.num_speculative_tokens = k
-    if (adaptive := _boolean(options, "adaptive", "speculation.")) is not None:
-        speculation.adaptive = adaptive
-    for name, choices in (("method", SPECULATION_METHODS), ("verification", VERIFICATIONS)):
-        value = options.get(name)
-        if value is None:
-            continue
-        if value not in choices:
-            raise invalid_field(f"speculation.{name}", f"must be one of {', '.join(choices)}, got {value!r}")
-        setattr(speculation, name, choices[value])
-    return speculation
-
-
-def chat_from_body(body: dict[str, Any]) -> gateway_pb2.ChatMessages:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid_field("messages", "must be a non-empty list of messages")
-    chat = gateway_pb2.ChatMessages()
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise invalid_field(f"messages[{i}]", "must be an object with a role and a content")
-        role = message.get("role")
-        if not isinstance(role, str):
-            raise invalid_field(f"messages[{i}].role", "must be a string")
-        content = message_text(message.get("content"), f"messages[{i}].content")
-        chat.messages.add(role=ROLE_ALIASES.get(role, role), content=content)
-    return chat
-
-
-def message_text(content: object, param: str) -> str:
-    """A message's text: a string, or a list of text parts (joined)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
-        if len(texts) == len(content) and all(isinstance(text, str) for text in texts):
-            return "".join(str(text) for text in texts)
-        raise not_supported(param, "only text content parts are supported")
-    raise invalid_field(param, "must be a string or a list of text parts")
 
 
 def prompt_from_body(body: dict[str, Any]) -> str:
@@ -316,7 +240,7 @@ def include_usage_from_body(body: dict[str, Any], stream: bool) -> bool:
         raise invalid_field("stream_options", "is only allowed when stream is true")
     if not isinstance(options, dict):
         raise invalid_field("stream_options", "must be an object")
-    return _boolean(options, "include_usage", "stream_options.") or False
+    return boolean(options, "include_usage", "stream_options.") or False
 
 
 #: A field path at the start of a validation message of `requests` / `SamplingParams`:
@@ -324,55 +248,21 @@ def include_usage_from_body(body: dict[str, Any], stream: bool) -> bool:
 _FIELD_AT_START = re.compile(r"^([a-z_]+(?:\[\d+\])?(?:\.[a-z_]+(?:\[\d+\])?)*)(?::| must )")
 
 
-def in_openai_terms(message: str, endpoint: Endpoint) -> tuple[str | None, str]:
+def in_openai_terms(message: str, endpoint: Endpoint, renames: Mapping[str, str] | None = None,
+                    ) -> tuple[str | None, str]:
     """The OpenAI field a gRPC-side validation message names (None when it names none), and the
-    message naming it so (`chat.messages[0].role: ...` -> `messages[0].role: ...`)."""
+    message naming it so (`chat.messages[0].role: ...` -> `messages[0].role: ...`); `renames`
+    (the request's own, `OpenAIRequest.renames`) come first."""
     match = _FIELD_AT_START.match(message)
     if match is None:
         return None, message
     field = match.group(1)
-    if field in ("prompt", "input"):
+    if renames and field in renames:
+        param = renames[field]
+    elif field in ("prompt", "input"):
         param = "messages" if endpoint is Endpoint.CHAT else "prompt"
     else:
         param = {"max_new_tokens": "max_tokens", "structured_output.json_object": "response_format",
                  "structured_output.json_schema": "response_format.json_schema.schema",
                  }.get(field, field.removeprefix("chat."))
     return param, param + message[len(field):]
-
-
-def _json_type(value: object) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-             dict: "an object", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
-
-
-def _boolean(container: dict[str, Any], name: str, prefix: str = "") -> bool | None:
-    value = container.get(name)
-    if value is None or isinstance(value, bool):
-        return value
-    raise invalid_field(prefix + name, f"must be a boolean, got {_json_type(value)}")
-
-
-def _number(container: dict[str, Any], name: str, prefix: str = "") -> float | None:
-    value = container.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise invalid_field(prefix + name, f"must be a finite number, got {_json_type(value)}")
-    return float(value)
-
-
-def _integer(container: dict[str, Any], name: str, prefix: str = "", *, low: int = -INT32_MAX - 1,
-             high: int | None = None) -> int | None:
-    """An integer field in [low, high] (no upper bound when `high` is None: callers cap it)."""
-    value = container.get(name)
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)  # 16.0 is 16 to JSON
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid_field(prefix + name, f"must be an integer, got {_json_type(value)}")
-    if value < low or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise invalid_field(prefix + name, f"must be {bounds}, got {value}")
-    return value

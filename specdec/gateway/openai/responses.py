@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specdec.gateway.openai.protocol import Endpoint, OpenAIRequest
+from specdec.gateway.tools import CallDelta, Delta, ToolCall, read_whole
 from specdec.v1 import gateway_pb2
 
 FINISH_REASONS = {
@@ -105,6 +106,8 @@ class Reply:
 
     def __init__(self, request: OpenAIRequest, model: str, token_text: TokenText) -> None:
         self.endpoint = request.endpoint
+        #: Reads tool calls out of the answer (None: the answer is all content).
+        self.tools = request.tool_reader() if request.tool_reader is not None else None
         self.include_usage = request.include_usage
         self.model = model
         #: None when the request asked for no logprobs.
@@ -123,10 +126,14 @@ class Reply:
         and, with `include_usage`, a last chunk with the usage and no choices."""
         chunks = []
         if response.text or response.token_ids:
-            chunks.append(self._chunk(self._delta(response.text), None, self._logprobs_of(response)))
+            logprobs = self._logprobs_of(response)
+            for i, fields in enumerate(self._message_deltas(response.text)):
+                chunks.append(self._chunk(self._delta(fields), None, logprobs if i == 0 else None))
         if response.HasField("completion"):
             completion = response.completion
-            final = self._chunk(self._delta(None), FINISH_REASONS[completion.finish_reason])
+            if self.tools is not None:
+                chunks.extend(self._chunk(self._delta(fields), None) for fields in _merged(self.tools.finish()))
+            final = self._chunk(self._delta({}), self._finish_reason(completion))
             final["speculation"] = speculation_stats(completion)
             chunks.append(final)
             if self.include_usage:
@@ -147,12 +154,17 @@ class Reply:
             raise RuntimeError("the response has not finished")
         text = "".join(self.text)
         logprobs = None if self.logprobs is None else Logprobs.joined(self.logprob_parts) or self.logprobs.of([])
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
-                                  "finish_reason": FINISH_REASONS[self.completion.finish_reason]}
-        if self.endpoint is Endpoint.CHAT:
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs}
+        if self.tools is not None:
+            answer = read_whole(text, self.tools)
+            choice["message"] = {"role": "assistant", "content": answer.content}
+            if answer.tool_calls:
+                choice["message"]["tool_calls"] = [_call(call) for call in answer.tool_calls]
+        elif self.endpoint is Endpoint.CHAT:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
+        choice["finish_reason"] = self._finish_reason(self.completion)
         return {**self._envelope(self.endpoint.value), "choices": [choice], "usage": usage(self.completion),
                 "speculation": speculation_stats(self.completion)}
 
@@ -161,11 +173,24 @@ class Reply:
             kind = "chat.completion.chunk" if self.endpoint is Endpoint.CHAT else Endpoint.COMPLETIONS.value
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _delta(self, text: str | None) -> dict[str, Any]:
-        """A chat delta (`text` None: an empty one) or a completion's text."""
+    def _finish_reason(self, completion: gateway_pb2.Completion) -> str:
+        """An answer that made calls and ended by itself (not cut by length) ends with tool_calls."""
+        if self.tools is not None and self.tools.calls and completion.finish_reason == gateway_pb2.FINISH_REASON_STOP:
+            return "tool_calls"
+        return FINISH_REASONS[completion.finish_reason]
+
+    def _message_deltas(self, text: str) -> list[dict[str, Any]]:
+        """The delta fields of one streamed message's text: its content, or what the tool reader
+        made of it (an empty delta when it holds the text back)."""
+        if self.tools is None:
+            return [{"content": text}]
+        return _merged(self.tools.feed(text)) or [{}]
+
+    def _delta(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """A chat delta of `fields` (content, tool_calls; {}: an empty one) or a completion's text."""
         if self.endpoint is Endpoint.COMPLETIONS:
-            return {"text": text or ""}
-        delta: dict[str, Any] = {} if text is None else {"content": text}
+            return {"text": fields.get("content", "")}
+        delta = dict(fields)
         if not self._role_sent:
             delta["role"] = "assistant"
             self._role_sent = True
@@ -183,3 +208,29 @@ class Reply:
         if self.include_usage:
             chunk["usage"] = None  # OpenAI's chunks say so until the last one
         return chunk
+
+
+def _merged(deltas: list[Delta]) -> list[dict[str, Any]]:
+    """Delta fields of a reader's deltas: adjacent content joined, each piece of a call its own."""
+    fields: list[dict[str, Any]] = []
+    for delta in deltas:
+        if isinstance(delta, str):
+            if fields and "content" in fields[-1]:
+                fields[-1]["content"] += delta
+            else:
+                fields.append({"content": delta})
+        else:
+            fields.append({"tool_calls": [_call_delta(delta)]})
+    return fields
+
+
+def _call_delta(delta: CallDelta) -> dict[str, Any]:
+    """A streamed call piece: the first names the call (id, type, name), the rest only add arguments."""
+    if delta.call is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    return {"index": delta.index, **_call(delta.call), "function": {"name": delta.call.name,
+                                                                   "arguments": delta.arguments}}
+
+
+def _call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}

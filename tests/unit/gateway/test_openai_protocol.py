@@ -108,7 +108,9 @@ def test_bad_sampling_and_logprobs_fields_name_themselves(body: dict[str, Any], 
 def test_chat_refusals() -> None:
     assert refusal({**CHAT, "model": "gpt-4o"}).status == 404
     assert refusal({**CHAT, "n": 3}).param == "n"
-    assert refusal({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}).param == "tools"
+    assert refusal({**CHAT, "functions": [{"name": "f"}]}).param == "functions"  # the deprecated form
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert refusal({"prompt": "hi", "tools": tools}, Endpoint.COMPLETIONS).param == "tools"
     assert refusal({**CHAT, "response_format": {"type": "yaml"}}).param == "response_format.type"
     assert refusal({**CHAT, "response_format": "json"}).param == "response_format"
     assert refusal({**CHAT, "speculation": {"k": 2}}).param == "speculation.k"
@@ -195,3 +197,89 @@ def test_logprobs_take_each_endpoints_form() -> None:
     without.add(message)
     without.add(final)
     assert without.body()["choices"][0]["logprobs"] is None
+
+
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+
+
+def nested(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {}
+    for _ in range(depth):
+        schema = {"not": schema}
+    return schema
+
+
+def test_tool_choices_become_prompts_and_grammars() -> None:
+    auto = parse_request({**CHAT, "tools": [TOOL]}, Endpoint.CHAT, MODEL)
+    system = auto.generate.chat.messages[0]
+    assert system.role == "system" and '"get_time"' in system.content and "<tool_call>" in system.content
+    assert not auto.generate.HasField("structured_output") and auto.tool_reader is not None
+    named = parse_request({**CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {
+        "name": "get_time"}}}, Endpoint.CHAT, MODEL)
+    assert json.loads(named.generate.structured_output.json_schema)["required"] == ["zone"]
+    assert in_openai_terms("structured_output.json_schema: bad", Endpoint.CHAT, named.renames)[0] == \
+        "tools[0].function.parameters"
+    required = chat_request(tools=[TOOL], tool_choice="required")
+    assert required.structured_output.grammar.startswith('start: call ("\\n" call){0,7}')
+    assert "{0," not in chat_request(tools=[TOOL], tool_choice="required", parallel_tool_calls=False
+                                     ).structured_output.grammar
+    none = parse_request({**CHAT, "tools": [TOOL], "tool_choice": "none",
+                          "response_format": {"type": "json_object"}}, Endpoint.CHAT, MODEL)
+    assert none.tool_reader is None and [m.role for m in none.generate.chat.messages] == ["user"]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": {"name": "f"}}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"tools": [TOOL, TOOL]}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": 3}}]}, "tools[0].function.description"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": nested(70)}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [TOOL], "tool_choice": "always"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name"),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice.function.name"),
+    ({"tools": [TOOL], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"messages": [{"role": "tool", "content": "1", "tool_call_id": 7}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "assistant", "tool_calls": {}}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 1}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"tools": [TOOL], "messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+])
+def test_bad_tool_fields_name_themselves(body: dict[str, Any], param: str) -> None:
+    error = refusal({**CHAT, **body})
+    assert (error.status, error.param) == (400, param), error.message
+
+
+def test_max_tokens_past_the_context_is_refused_by_the_gateway_naming_the_field_given() -> None:
+    parsed = parse_request({**CHAT, "max_completion_tokens": 10**6}, Endpoint.CHAT, MODEL)
+    assert parsed.generate.refuse_past_context and parsed.generate.max_new_tokens == 10**6
+    message = "max_new_tokens: 1000000 is more than the 2040 tokens the context of 2048 leaves after the prompt's 8"
+    assert in_openai_terms(message, Endpoint.CHAT, parsed.renames)[1].startswith("max_completion_tokens: 1000000")
+    assert parse_request({"prompt": "a", "max_tokens": 5}, Endpoint.COMPLETIONS, MODEL).renames == {
+        "max_new_tokens": "max_tokens"}
+
+
+def test_tool_calls_stream_as_openai_deltas_and_end_with_tool_calls() -> None:
+    request = parse_request({**CHAT, "tools": [TOOL], "stream": True}, Endpoint.CHAT, MODEL)
+    reply, whole = Reply(request, "m", token_text), Reply(request, "m", token_text)
+    texts = ["Hi. <tool_", 'call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>', ""]
+    final = gateway_pb2.Completion(finish_reason=gateway_pb2.FINISH_REASON_STOP)
+    chunks = []
+    for i, text in enumerate(texts):
+        response = gateway_pb2.GenerateResponse(token_ids=[i], text=text,
+                                                completion=final if i == len(texts) - 1 else None)
+        chunks += reply.chunks(response)
+        whole.add(response)
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
+    call = deltas[1]["tool_calls"][0]
+    assert deltas[0] == {"role": "assistant", "content": "Hi. "} and deltas[2:] == [{}, {}]
+    assert call["index"] == 0 and call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"] == {"name": "get_time", "arguments": '{"zone":"UTC"}'}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    message = whole.body()["choices"][0]["message"]
+    assert message["content"] == "Hi. " and message["tool_calls"][0]["function"] == call["function"]
+    assert whole.body()["choices"][0]["finish_reason"] == "tool_calls"

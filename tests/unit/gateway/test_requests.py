@@ -16,6 +16,13 @@ def test_max_new_tokens_is_capped_at_what_the_sequence_limit_leaves() -> None:
     assert huge.max_new_tokens == 256 - 5  # the toy policy's max_seq_len minus the prompt
     small = new_sequence(gateway_pb2.GenerateRequest(prompt="hello", max_new_tokens=7), policy())
     assert small.max_new_tokens == 7
+    with pytest.raises(InvalidArgumentError, match="^max_new_tokens: 252 is more than the 251 tokens"):
+        new_sequence(gateway_pb2.GenerateRequest(prompt="hello", max_new_tokens=252, refuse_past_context=True),
+                     policy())
+    exact = gateway_pb2.GenerateRequest(prompt="hello", max_new_tokens=251, refuse_past_context=True)
+    assert new_sequence(exact, policy()).max_new_tokens == 251
+    assert new_sequence(gateway_pb2.GenerateRequest(prompt="hello", refuse_past_context=True), policy()
+                        ).max_new_tokens == 16  # unset: the default, capped as ever
 
 
 def test_slot_ids_carry_the_gateway_instance() -> None:
