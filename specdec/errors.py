@@ -58,3 +58,10 @@ class ServiceRefusedError(SpecdecError):
     the gateway serves nothing until it is compatible again or the gateway restarts."""
 
     status_code_name = "UNAVAILABLE"
+
+
+class DrainingError(SpecdecError):
+    """The server is stopping (SIGTERM): it finishes what it holds and takes nothing new. A
+    client retries on another instance."""
+
+    status_code_name = "UNAVAILABLE"

@@ -9,6 +9,7 @@ from specdec.errors import InvalidArgumentError
 from specdec.flags import option
 from specdec.gateway.draft_sources import SpeculationMethod
 from specdec.gateway.proposers import LookupSettings
+from specdec.serving.config import DEFAULT_DRAIN_TIMEOUT_S
 from specdec.serving.security import ServerSecurity
 from specdec.stats import DEFAULT_PREFIX, check_metrics_prefix
 from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_REQUEST_BYTES
@@ -134,6 +135,10 @@ class GatewayConfig(ServerSecurity):
     max_message_bytes: int = option(
         DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message exchanged with the model services", advanced=True,
     )
+    drain_timeout_s: float = option(
+        DEFAULT_DRAIN_TIMEOUT_S, "on SIGTERM: seconds in-flight requests get to finish while new ones are refused "
+        "(UNAVAILABLE, HTTP 503) and health says NOT_SERVING; then the rest are cancelled",
+    )
     #: Deadline of a call to a model service: factor x its expected compute, at least the floor.
     rpc_timeout_floor_s: float = option(
         10.0, "shortest deadline of a call to a model service, in seconds", advanced=True,
@@ -195,6 +200,8 @@ class GatewayConfig(ServerSecurity):
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.threads < 0:
             raise InvalidArgumentError(f"threads must be >= 0, got {self.threads}")
+        if not self.drain_timeout_s >= 0:  # also refuses NaN
+            raise InvalidArgumentError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.rpc_timeout_floor_s <= 0 or self.rpc_timeout_factor < 1:
             raise InvalidArgumentError("rpc_timeout_floor_s must be > 0 and rpc_timeout_factor >= 1")
         if not self.keepalive_s >= 0 or not self.keepalive_timeout_s > 0:  # also refuses NaN

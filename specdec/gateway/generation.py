@@ -8,13 +8,16 @@ messages, so validation, limits and the final `Completion` live in one place (`r
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
 
-from specdec.errors import ServiceRefusedError
+from specdec.errors import DrainingError, ServiceRefusedError
 from specdec.gateway.config import GatewayConfig
 from specdec.gateway.model_clients import DraftAPI, TargetAPI
 from specdec.gateway.monitor import ServiceMonitor
@@ -24,6 +27,8 @@ from specdec.gateway.sequence import Delta, FinishReason, Sequence
 from specdec.gateway.stats import GatewayStats
 from specdec.serving.worker import ModelWorker
 from specdec.v1 import gateway_pb2
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,11 +42,18 @@ class GatewayState:
     scheduler: Scheduler
     stats: GatewayStats
     monitor: ServiceMonitor
+    #: Stopping (SIGTERM): new requests are refused, health says so (`Generations.drain`).
+    draining: bool = False
 
     @property
     def target_available(self) -> bool:
         """The target answers its Info polls and serves what the gateway can use."""
         return self.monitor.available["target"] and "target" not in self.monitor.refused
+
+    @property
+    def serving(self) -> bool:
+        """Whether the gateway takes new requests: its target is available and it is not draining."""
+        return self.target_available and not self.draining
 
 
 class Generation:
@@ -82,21 +94,48 @@ class Generations:
         self.tokenizer_thread = ModelWorker("gateway-tokenizer")
         if state.policy.grammars is not None:  # the grammar tokenizer takes seconds: build it now
             self.tokenizer_thread.submit(state.policy.grammars.warm)
+        #: Generations between `start` and their end, and whether there are none.
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     @asynccontextmanager
     async def start(self, request: gateway_pb2.GenerateRequest) -> AsyncIterator[Generation]:
         """Validate and queue `request` (InvalidArgumentError, RESOURCE_EXHAUSTED when the queue is
         full, UNAVAILABLE when the target is refused); leaving the block before the request
         finished (the client cancelled or went away) cancels it and frees its slots."""
+        if self.state.draining:
+            raise DrainingError("the gateway is stopping and takes no new requests: retry on another instance")
         if (refused := self.state.monitor.refused.get("target")) is not None:
             raise ServiceRefusedError(f"the target service is refused: {refused}")
-        seq = await self.tokenizer_thread.run(new_sequence, request, self.state.policy)
-        self.state.scheduler.submit(seq)
+        self.in_flight += 1
+        self._idle.clear()
         try:
-            yield Generation(seq)
+            seq = await self.tokenizer_thread.run(new_sequence, request, self.state.policy)
+            self.state.scheduler.submit(seq)
+            try:
+                yield Generation(seq)
+            finally:
+                if not seq.done:
+                    self.state.scheduler.cancel(seq)
         finally:
-            if not seq.done:
-                self.state.scheduler.cancel(seq)
+            self.in_flight -= 1
+            if not self.in_flight:
+                self._idle.set()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests (UNAVAILABLE, HTTP 503) and wait up to `timeout_s` for those in
+        flight to end; the gateway's stop cancels any still running after it."""
+        self.state.draining = True
+        started = time.monotonic()
+        log.info("draining: %d requests in flight, up to %.0f s to finish; new ones are refused",
+                 self.in_flight, timeout_s)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            log.warning("drain: %d requests still running after %.0f s are cancelled", self.in_flight, timeout_s)
+        else:
+            log.info("drained in %.1f s", time.monotonic() - started)
 
     def shutdown(self) -> None:
         self.tokenizer_thread.shutdown()

@@ -142,6 +142,7 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
             raise
         running.http_port = http[0].port
     watch_services(config, services, monitor, scheduler, running)
+    running.finish_work = lambda: generations.drain(config.drain_timeout_s)
     if config.metrics_port >= 0:
         running.metrics_port = endpoint.serve(config.metrics_port, config.host)
     return running

@@ -25,6 +25,10 @@ from specdec.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
 
 #: The `--dtype` / `--quantization` value that leaves the choice to the device (`ModelServiceConfig.precision`).
 AUTO = "auto"
+#: On SIGTERM, how long a server waits for its work to end (`--drain-timeout-s`): a gateway for
+#: its streams, a model service for its slots. Kubernetes' `terminationGracePeriodSeconds` must
+#: exceed it (deploy/k8s/base).
+DEFAULT_DRAIN_TIMEOUT_S = 60.0
 MODEL_HELP = (
     "embedded name (smollm2-135m), random weights in a published architecture (random:llama-3.2-1b, "
     "random:llama-3.2-3b; seed 0, or another with :seed=N), .gguf file, local directory or hub id"
@@ -148,6 +152,10 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
     )
     metrics_port: int = option(-1, "Prometheus /metrics port (-1 = off, 0 = any free port)")
     metrics_prefix: str = option(DEFAULT_PREFIX, "prefix of every metric name", advanced=True)
+    drain_timeout_s: float = option(
+        DEFAULT_DRAIN_TIMEOUT_S, "on SIGTERM: seconds to wait for the gateways' slots to be released, taking no new "
+        "ones (then the server stops)",
+    )
     #: A gateway renews its lease every few seconds; one that stops (killed, partitioned)
     #: loses its slots this long after its last renewal.
     lease_ttl_s: float = option(
@@ -202,6 +210,8 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
         check_metrics_prefix(self.metrics_prefix)
         if not -1 <= self.metrics_port <= 65535:
             raise InvalidArgumentError(f"metrics_port must be in -1..65535, got {self.metrics_port}")
+        if not self.drain_timeout_s >= 0:  # also refuses NaN
+            raise InvalidArgumentError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if not self.lease_ttl_s > 0:
             raise InvalidArgumentError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
         if not self.min_ping_interval_s > 0:

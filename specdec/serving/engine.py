@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from specdec.cost_model import ForwardCost
-from specdec.errors import CapacityExhaustedError, InvalidArgumentError, SlotNotFoundError
+from specdec.errors import CapacityExhaustedError, DrainingError, InvalidArgumentError, SlotNotFoundError
 from specdec.model.cuda_graphs import StepGraphs
 from specdec.model.forward_batch import StepShape
 from specdec.model.loader import weights_fingerprint
@@ -51,6 +51,8 @@ class ModelEngine:
         self.prefix_cache_hits = 0
         #: Which gateway holds which slot; a silent gateway's slots expire (see `leases`).
         self.leases = LeaseTable(config.lease_ttl_s)
+        #: Stopping (SIGTERM): the slots held are served to their end, no new one is taken.
+        self.draining = False
         #: The start-up choices: the runtime's tuner (a fresh one, without a cache, when it has none).
         self.tuner = runtime.tuner if isinstance(runtime.tuner, StartupTuner) else StartupTuner()
         self.tuner.attention(self.forward, config.attention)
@@ -238,6 +240,8 @@ class ModelEngine:
             )
 
     def _check_new_slots(self, count: int) -> None:
+        if self.draining and count:
+            raise DrainingError("the service is stopping and takes no new slots: retry on another instance")
         if len(self.tokens) + count > self.config.max_slots:
             raise CapacityExhaustedError(
                 f"slots: {len(self.tokens)} of {self.config.max_slots} in use, {count} more requested"

@@ -77,6 +77,15 @@ class RunningServer:
         self.http_port: int | None = None
         self._on_stop = on_stop
         self._on_drain = on_drain
+        #: What a graceful stop waits for once NOT_SERVING (`drain`): the gateway's in-flight
+        #: requests, a model service's slots. Set by the server's owner.
+        self.finish_work: Callable[[], Awaitable[None]] | None = None
+
+    async def drain(self) -> None:
+        """Report NOT_SERVING, so balancers send nothing new, and wait for `finish_work`."""
+        await self.health.enter_graceful_shutdown()
+        if self.finish_work is not None:
+            await self.finish_work()
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Report NOT_SERVING, let in-flight RPCs finish for `grace` seconds, then release resources."""
@@ -132,11 +141,13 @@ async def start_server(
 
 
 async def serve_until_signal(running: RunningServer, grace: float = 5.0) -> None:
-    """Block until SIGINT or SIGTERM, then stop gracefully."""
+    """Block until SIGINT or SIGTERM, then drain (`RunningServer.drain`) and stop."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("signal received, stopping (grace %.1f s)", grace)
+    log.info("signal received, draining")
+    await running.drain()
+    log.info("stopping (grace %.1f s)", grace)
     await running.stop(grace)

@@ -161,6 +161,25 @@ def _step_ms(costs: Sequence[ForwardCost]) -> str:
     return f"{min(steps, key=lambda c: c.context).seconds * 1e3:.1f}" if steps else "?"
 
 
+#: Seconds between looks at the slots still held while a service drains.
+DRAIN_POLL_S = 0.25
+
+
+async def release_slots(engine: ModelEngine, timeout_s: float) -> None:
+    """A stopping service's drain: no new slot from now on (`DrainingError`: UNAVAILABLE), and
+    up to `timeout_s` for the gateways to release the slots they hold (their requests end, or
+    their leases expire)."""
+    engine.draining = True
+    started = time.monotonic()
+    log.info("draining: %d slots held, up to %.0f s for their gateways to release them", len(engine.tokens), timeout_s)
+    while engine.tokens and time.monotonic() - started < timeout_s:
+        await asyncio.sleep(DRAIN_POLL_S)
+    if engine.tokens:
+        log.warning("drain: %d slots still held after %.0f s are dropped", len(engine.tokens), timeout_s)
+    else:
+        log.info("drained in %.1f s", time.monotonic() - started)
+
+
 async def expire_leases_forever(engine: ModelEngine, worker: ModelWorker) -> None:
     """Free the slots of silent gateways, checking a few times per TTL (at least every second)."""
     interval = min(1.0, engine.leases.ttl_s / 4)
@@ -267,6 +286,7 @@ async def start_model_service(
     except BaseException:  # e.g. the port is taken
         await stop()
         raise
+    running.finish_work = lambda: release_slots(engine, config.drain_timeout_s)
     if config.metrics_port >= 0:
         running.metrics_port = endpoint.serve(config.metrics_port, config.host)
     return running

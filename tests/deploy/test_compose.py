@@ -173,3 +173,12 @@ def test_gpu_override_changes_only_image_device_and_gpus(compose_config: Compose
     gateway, gpu_gateway = default["services"]["gateway"], gpu["services"]["gateway"]
     assert {**gpu_gateway, "ports": None} == {**gateway, "ports": None}
     assert published(gpu_gateway) == published(gateway)
+
+
+def test_stop_waits_for_the_drain(default: dict[str, Any]) -> None:
+    """`docker compose stop` gives each service its drain (--drain-timeout-s) and the stop after it."""
+    from specdec.serving.config import DEFAULT_DRAIN_TIMEOUT_S
+
+    for name in ("target", "draft", "gateway"):
+        grace = default["services"][name]["stop_grace_period"]
+        assert grace.endswith("s") and int(grace[:-1]) >= DEFAULT_DRAIN_TIMEOUT_S + 10, name

@@ -238,3 +238,20 @@ def test_overlays_put_everything_in_one_namespace(rendered: tuple[str, Manifests
         return
     assert one(objects, "Namespace", "specdec")
     assert {o["metadata"].get("namespace") for o in objects if o["kind"] != "Namespace"} == {"specdec"}
+
+
+def test_the_grace_period_covers_the_drain(rendered: tuple[str, Manifests]) -> None:
+    """On SIGTERM a gateway drains its streams and a model service waits for its slots, for
+    --drain-timeout-s, then stops within 5 s: Kubernetes must not kill them before (the
+    gateway's preStop pause counts too)."""
+    from specdec.gateway.config import GatewayConfig
+    from specdec.serving.config import DEFAULT_DRAIN_TIMEOUT_S
+
+    _, objects = rendered
+    assert GatewayConfig.__dataclass_fields__["drain_timeout_s"].default == DEFAULT_DRAIN_TIMEOUT_S
+    for component in COMPONENTS:
+        pre_stop = container(objects, component).get("lifecycle", {}).get("preStop", {})
+        pause = pre_stop.get("sleep", {}).get("seconds", 0)
+        grace = pod_spec(objects, component)["terminationGracePeriodSeconds"]
+        assert grace >= pause + DEFAULT_DRAIN_TIMEOUT_S + 5 + 5, component
+    assert container(objects, "gateway")["lifecycle"]["preStop"]["sleep"]["seconds"] > 0

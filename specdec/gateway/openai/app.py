@@ -2,7 +2,7 @@
 
     POST /v1/chat/completions, POST /v1/completions   (stream: true -> server-sent events)
     GET  /v1/models
-    GET  /health                                       (200 while the target serves, else 503)
+    GET  /health                                       (200 while the target serves, else 503; 503 draining)
 
 Requests go through the same `Generations` as gRPC `Generate`, so a client that disconnects
 (the handler is cancelled) cancels its request and frees its slots the same way.
@@ -35,8 +35,10 @@ log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = b"data: [DONE]\n\n"
-#: Seconds in-flight requests get to finish when the gateway stops.
+#: Seconds in-flight requests get to finish when the gateway stops (after its drain).
 SHUTDOWN_GRACE_S = 5.0
+#: What a retryable refusal (429, 503) tells the client: another instance may take it at once.
+RETRY_AFTER = {"Retry-After": "1"}
 
 
 def dumps(body: object) -> str:
@@ -48,7 +50,9 @@ def sse_event(body: object) -> bytes:
 
 
 def error_response(error: OpenAIError) -> web.Response:
-    return web.json_response(error.body(), status=error.status, dumps=dumps)
+    """The error's body and status; a retryable one (429, 503) says when to retry."""
+    headers = RETRY_AFTER if error.status in (429, 503) else None
+    return web.json_response(error.body(), status=error.status, dumps=dumps, headers=headers)
 
 
 @web.middleware
@@ -119,8 +123,10 @@ class OpenAIFront:
         return web.json_response({"object": "list", "data": [card]}, dumps=dumps)
 
     async def health(self, request: web.Request) -> web.Response:
-        available = self.state.target_available
-        return web.json_response({"status": "ok" if available else "unavailable"}, status=200 if available else 503)
+        if self.state.serving:
+            return web.json_response({"status": "ok"})
+        status = "draining" if self.state.draining else "unavailable"
+        return web.json_response({"status": status}, status=503, headers=RETRY_AFTER)
 
     async def complete(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         parsed = parse_request(await read_json(request, self.max_request_bytes), endpoint, self.model)

@@ -45,7 +45,8 @@ class FakeGenerations:
 
 def serve(generations: FakeGenerations, check: Callable[[TestClient[Any, Any]], Awaitable[None]],
           target_available: bool = True) -> None:
-    state = SimpleNamespace(target_available=target_available, config=SimpleNamespace(max_request_bytes=4096),
+    state = SimpleNamespace(target_available=target_available, serving=target_available, draining=False,
+                            config=SimpleNamespace(max_request_bytes=4096),
                             policy=SimpleNamespace(tokenizer=None))  # no test here asks for logprobs
     front = OpenAIFront(state, generations, MODEL)  # type: ignore[arg-type]
 
