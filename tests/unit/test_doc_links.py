@@ -1,5 +1,7 @@
 """Every `<page>.md#<anchor>` reference in the code and the docs lands on a heading.
 
+So does every `](#anchor)` link within a Markdown page.
+
 Comments link to the docs by anchor (docs/performance.md#context-cost); a heading renamed
 or moved away breaks such a link silently. This collects each reference from the sources,
 the protos, the benchmarks and the docs, resolves the page as a relative link would (from
@@ -20,6 +22,7 @@ SUFFIXES = {".py", ".md", ".proto", ".toml", ".cpp", ".h", ".yaml", ".yml", ".sh
 SKIPPED = (REPO / "docs" / "history",)
 
 REFERENCE = re.compile(r"([A-Za-z0-9_./-]*\.md)#([A-Za-z0-9_-]+)")
+SAME_PAGE = re.compile(r"\]\(#([A-Za-z0-9_-]+)\)")
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
 FENCE = re.compile(r"^\s*(```|~~~)")
 
@@ -81,6 +84,8 @@ def references() -> list[tuple[str, Path, str]]:
                         continue  # a page of another project (e.g. a file name in an example)
                     page = (REPO / "docs" / Path(name).name).resolve()
                 found.append((where, page, anchor))
+            if source.suffix == ".md":
+                found.extend((where, source, anchor) for anchor in SAME_PAGE.findall(line))
     return found
 
 
