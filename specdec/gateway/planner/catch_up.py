@@ -117,6 +117,8 @@ class CatchUpPricer:
         """For each `waiting` request, the batch's best rate had its draft been caught up (its
         model draft at the best uniform K up to its cap, the others as chosen), where that beats
         the chosen rate: `charge_rent` charges the round against it."""
+        if not waiting:
+            return {}
         plain_steps = [steps.get(s.slot_id, 1) for s in rates.seqs] if steps else None
         chosen_rate = rates.rate(choice.ks, choice.on_lookup, plain_steps)
         caught_up = replace(rates, catch_ups=[CatchUp() if s.slot_id in waiting else c

@@ -23,6 +23,13 @@ T = TypeVar("T")
 
 #: Why a round speculated less than it could, as exported in the metrics.
 OFF_REASONS = ("not_paying", "batch", "draft_unavailable")
+#: The search for the best uniform K stops this many K past the best drafting K so far: from
+#: K = 1 on, the predicted rate rises to one peak and falls (tokens per round grow ever
+#: slower, a round's cost linearly; a catch-up adds the same to every round), and every K
+#: tried costs a rate prediction each round: trying all 17 took ~1.5 ms a round of a single
+#: request, 2-4 % of its step (docs/performance.md#adaptive-k-planner-rules). K = 0 pays no
+#: draft at all, so a catch-up can put K = 1-3 below it and K = 8 above.
+SEARCH_PATIENCE = 3
 
 
 def choose(
@@ -57,16 +64,21 @@ def best_model_k(
     plain_steps: list[int] | None,
 ) -> float:
     """Set the uniform K (each capped) of the model draft that maximises the batch's rate for
-    the `drafting` requests; returns that rate."""
+    the `drafting` requests (searched up to `SEARCH_PATIENCE` past the best); returns that rate."""
     best_rate, best_k = -1.0, 0
-    trace = []  # the rate of each K, for the debug log
+    peak_rate, peak_k = -1.0, 1  # the best drafting K: the search stops past it
+    trace = []  # the rate of each K tried, for the debug log
     for k in range(max((caps[s.slot_id] for s in drafting), default=0) + 1):
+        if k > peak_k + SEARCH_PATIENCE:
+            break
         for s in drafting:
             choice.ks[s.slot_id] = min(k, caps[s.slot_id])
         rate = rates.rate(choice.ks, choice.on_lookup, plain_steps)
         trace.append(round(rate, 1))
         if rate > best_rate:
             best_rate, best_k = rate, k
+        if k > 0 and rate > peak_rate:
+            peak_rate, peak_k = rate, k
     for s in drafting:
         choice.ks[s.slot_id] = min(best_k, caps[s.slot_id])
     if log.isEnabledFor(logging.DEBUG):

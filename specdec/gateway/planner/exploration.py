@@ -67,13 +67,18 @@ class SourceTrack:
     def next_probe_rounds(self) -> int:
         return max(0, self.interval - self.rounds_off) if self.state is not SourceState.DRAFTING else 0
 
+    def may_probe(self) -> bool:
+        """Whether a probe may run now, whatever it costs: one is under way, or the source has
+        been off long enough (`probe_due` then weighs its price)."""
+        return self.probe_rounds_left > 0 or (
+            self.state is SourceState.OFF and self.reason is not SwitchReason.DRAFT_FAILURE
+            and self.rounds_off >= self.interval)
+
     def probe_due(self, price_s: float) -> bool:
         """Whether a probe costing `price_s` may run now: off long enough, and within budget."""
         if self.probe_rounds_left > 0:
             return True
-        return (self.state is SourceState.OFF and self.reason is not SwitchReason.DRAFT_FAILURE
-                and self.rounds_off >= self.interval
-                and (not self.probed or price_s <= PROBE_BUDGET * self.since_probe_s))
+        return self.may_probe() and (not self.probed or price_s <= PROBE_BUDGET * self.since_probe_s)
 
     def start_probe(self, slot_id: str) -> None:
         if self.probe_rounds_left == 0:

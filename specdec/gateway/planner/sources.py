@@ -79,6 +79,8 @@ class SourceDecisions:
         """Draft with the source for one candidate, if its probe is due: the request it probed
         last round (a model probe lasts two), else the cheapest to probe of those decoding
         plainly, else of all."""
+        if not track.may_probe():
+            return  # (before pricing the candidates: a catch-up's price a request is not cheap at 16)
         if track.source is DraftSource.MODEL and not self.costs.warmup.steady and track.probe_rounds_left == 0:
             return  # what it would measure now is not learnt from
         ongoing = [s for s in candidates if s.slot_id == track.probe_slot and track.probe_rounds_left > 0]

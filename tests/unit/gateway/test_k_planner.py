@@ -549,3 +549,30 @@ def test_the_online_scale_does_not_chase_a_growing_context() -> None:
         planner.observe(plan, seqs, report)
         assert planner.costs.cost_model(context=length).draft.scale == pytest.approx(1.0)  # type: ignore[union-attr]
         assert planner.costs.cost_model(context=length).target.scale == pytest.approx(1.0)
+
+
+def test_the_search_for_k_stops_past_the_peak_but_not_at_a_catch_up_dip() -> None:
+    """The best uniform K is searched up to `SEARCH_PATIENCE` past the best drafting K: a draft
+    that never pays costs four predictions a round, not seventeen; one whose catch-up puts K = 1-3
+    below plain still finds K = 8 above it."""
+    from types import SimpleNamespace
+
+    from specdec.gateway.planner.choice import SEARCH_PATIENCE, best_model_k
+    from specdec.gateway.planner.rates import SourceChoice
+
+    def search(curve: list[float]) -> tuple[int, int]:
+        tried: list[int] = []
+
+        def rate(ks: dict[str, int], on_lookup: object, plain_steps: object) -> float:
+            tried.append(ks["s"])
+            return curve[ks["s"]]
+
+        rates = SimpleNamespace(rate=rate, seqs=[seq("s")], alphas=[[0.5]])
+        choice = SourceChoice({"s": 0})
+        best_model_k(rates, choice, [seq("s")], {"s": 16}, None)  # type: ignore[arg-type]
+        return choice.ks["s"], len(tried)
+
+    never_pays = [10.0] + [9.0 - k / 10 for k in range(1, 17)]
+    assert search(never_pays) == (0, 2 + SEARCH_PATIENCE)
+    dip_then_peak = [10.0, 6.0, 7.0, 8.0, 9.0, 10.5, 11.0, 11.5, 12.0, 11.8, 11.6, 11.4, 11.2, 11.0, 10.8, 10.6, 10.4]
+    assert search(dip_then_peak) == (8, 9 + SEARCH_PATIENCE)
