@@ -95,18 +95,21 @@ def run_structured_group(plan: Plan, mode: StructuredMode, prompts: Sequence[int
     return StructuredGroup(mode.value, len(prompts), slot, wall, records, round(grammar_drafts(port) - before))
 
 
-def learn_lengths(gateways: dict[StructuredMode, Gateway], max_new_tokens: int) -> Plan:
-    """Warm every mode up (each schema's first prompt, a few tokens) and run every prompt once
-    constrained plain: its answer's length is the unconstrained requests' budget (greedy
-    answers repeat)."""
+def warm_up_structured(gateways: dict[StructuredMode, Gateway], max_new_tokens: int) -> Plan:
+    """Warm every mode up (each schema's first prompt, a few tokens); run every prompt once
+    constrained plain, whose answer's length is the unconstrained requests' budget (greedy answers
+    repeat), and once through the second gateway, whose planner has seen nothing of the run yet."""
     warm = Plan(gateways, WARM_UP_TOKENS, {})
     for kind in SchemaKind:
         prompt = next(i for i, p in enumerate(STRUCTURED_PROMPTS) if p.kind is kind)
         for mode in StructuredMode:
             structured_request(warm, mode, prompt, repetition=-1, concurrency=1)
     full = Plan(gateways, max_new_tokens, {})
-    lengths = {prompt: structured_request(full, StructuredMode.PLAIN, prompt, repetition=-1, concurrency=1)
-               .run.completion_tokens for prompt in range(len(STRUCTURED_PROMPTS))}
+    lengths = {}
+    for prompt in range(len(STRUCTURED_PROMPTS)):
+        lengths[prompt] = structured_request(full, StructuredMode.PLAIN, prompt, repetition=-1,
+                                             concurrency=1).run.completion_tokens
+        structured_request(full, StructuredMode.NO_GRAMMAR_DRAFTS, prompt, repetition=-1, concurrency=1)
     return Plan(gateways, max_new_tokens, lengths)
 
 
@@ -136,7 +139,7 @@ def measure_structured(client: SpecdecClient, stack: Stack, config: BenchConfig,
         main, second = Gateway(client, stack.metrics_port), Gateway(other_client, other.ready.metrics_port)
         gateways = {mode: second if mode is StructuredMode.NO_GRAMMAR_DRAFTS else main for mode in StructuredMode}
         progress.set_description("structured: warming up")
-        plan = learn_lengths(gateways, config.structured_tokens)
+        plan = warm_up_structured(gateways, config.structured_tokens)
         groups = structured_groups(plan, config.structured_repetitions, progress)
     report_problems(groups)
     meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
