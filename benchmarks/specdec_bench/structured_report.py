@@ -30,7 +30,7 @@ def _ratio_name(r: RatioRow) -> str:
 def _target(r: RatioRow) -> str:
     if r.minimum is None:
         return "–"
-    mask = " (masks ≤ 5 % of a step)" if r.numerator == StructuredMode.PLAIN.value else ""
+    mask = f", masks ≤ {MASK_SHARE * 100:.0f} % of a step" if r.numerator == StructuredMode.PLAIN.value else ""
     return f"≥ {r.minimum:.3g}×{mask}"
 
 
