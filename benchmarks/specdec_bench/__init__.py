@@ -13,6 +13,9 @@ page. Modules, in the order a run uses them:
 - `peers`: transformers `generate`, plain and assisted, timed like ours;
 - `first_second_run`, `first_second`: traffic from the first second, on fresh stacks (after the
   rest, or alone with `--first-second only`), and its records and figures;
+- `structured_workload`, `structured_run`, `structured`, `structured_report`: the structured
+  workload (`--structured-repetitions`): its prompts, schemas and answer check, the measurement,
+  its records and figures, and its part of the page;
 - `results`: the JSON document of one run;
 - `spread`: median, extremes and quartiles of a sample;
 - `analysis`: every derived figure (speedups, α, c, s, S(K), efficiency) from the JSON alone;

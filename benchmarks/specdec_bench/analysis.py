@@ -35,6 +35,7 @@ from specdec_bench.peers import PeerRecord
 from specdec_bench.results import BenchResults
 from specdec_bench.spread import Spread, percentile
 from specdec_bench.step_timing import side_by_side_c
+from specdec_bench.structured import StructuredSummary, summarize_structured
 from specdec_bench.sweeps import ConcurrencyGroup
 from specdec_bench.vs_fixed_k import VsFixedK, vs_fixed_k
 from specdec_bench.workloads import DraftMethod, RunRecord, Workload
@@ -184,6 +185,8 @@ class Summary:
     vs_fixed_k: list[VsFixedK] = field(default_factory=list)
     #: The noisy-neighbour burst (None when the run did not measure it).
     burst: BurstSummary | None = None
+    #: The structured workload (None when the run did not measure it).
+    structured: StructuredSummary | None = None
 
     @property
     def headline_costs(self) -> CostSummary:
@@ -432,4 +435,10 @@ def summarize(results: BenchResults) -> Summary:
         first_second=summarize_first_second(results.first_second) if results.first_second is not None else None,
         vs_fixed_k=vs_fixed_k(results.w1, temperature, results.concurrency),
         burst=summarize_burst(results.burst) if results.burst is not None else None,
+        structured=summarize_structured(results.structured, _cpu(results.meta.get("machine", {})))
+        if results.structured is not None else None,
     )
+
+
+def _cpu(machine: dict[str, object]) -> str:
+    return f"{machine.get('cpu_model', '?')}, {machine.get('cpus', '?')} logical CPUs"

@@ -13,6 +13,7 @@ import typing
 from dataclasses import dataclass, field
 
 from specdec.errors import InvalidArgumentError
+from specdec_bench.structured_workload import STRUCTURED_PROMPTS
 from specdec_bench.workloads import PROMPTS
 
 #: Fewest prompts a run uses (W1 medians over fewer would say little).
@@ -56,6 +57,15 @@ class BenchConfig:
         "a CPU burst of this many seconds (two busy processes) amid greedy single requests, after the rest of "
         "the stack's measurements, one pass speculative and one plain (20 s before, 30 s after each): how soon "
         "each is back to its earlier speed (0 = skip)"))
+    structured_repetitions: int = field(default=0, metadata=_help(
+        f"repetitions of the structured workload ({len(STRUCTURED_PROMPTS)} prompts: extraction to a schema, tool "
+        "calls, an enum-heavy triage; greedy): each prompt alone and one group of 16 at once per repetition, "
+        "constrained speculative, constrained plain, constrained speculative without grammar drafts (a second "
+        "gateway, --no-grammar-drafts), unconstrained speculative and plain, interleaved; 2 gives 56 constrained "
+        "requests per mode, ~10 min on 2 cores (0 = skip)"))
+    structured_tokens: int = field(default=96, metadata=_help(
+        "most new tokens of a constrained request of the structured workload (an unconstrained one gets as many "
+        "as the prompt's constrained plain answer had)"))
     workload_repetitions: int = field(default=2, metadata=_help(
         "repetitions of the drafting-method comparison on the copy-heavy, long-context and chat workloads "
         "(methods interleaved per prompt; 0 = skip)"))
@@ -102,9 +112,9 @@ class BenchConfig:
         for name in ("max_new_tokens", "repetitions", "concurrency_tokens", "concurrency_repetitions", "cost_batch"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_new_tokens < 2 or self.concurrency_tokens < 2 or self.workload_tokens < 2:
+        if min(self.max_new_tokens, self.concurrency_tokens, self.workload_tokens, self.structured_tokens) < 2:
             raise InvalidArgumentError("decode speed needs at least 2 new tokens per request")
-        for name in ("peer_repetitions", "max_k", "workload_repetitions"):
+        for name in ("peer_repetitions", "max_k", "workload_repetitions", "structured_repetitions"):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.temperature <= 0:

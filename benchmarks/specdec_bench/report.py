@@ -14,6 +14,7 @@ from specdec_bench.config import BENCH_COMPILE_BUDGET_S
 from specdec_bench.first_second import DRAFTING_SHARE, FIRST_SECOND, WAITED, FirstSecondSummary
 from specdec_bench.results import BenchResults
 from specdec_bench.spread import Spread
+from specdec_bench.structured_report import structured_rows, structured_section
 
 
 def _f(value: float, digits: int = 2, suffix: str = "") -> str:
@@ -69,6 +70,8 @@ def summary_table(summary: Summary) -> str:
                   f"CPU burst" + (f" (target ≤ {burst.TARGET_S:g} s)" if r.mode == "speculative" else ""),
                   _seconds(r.recovery_s) + (f" ({'met' if r.met else 'missed'})" if r.mode == "speculative" else "")]
                  for r in summary.burst.rows]
+    if summary.structured is not None:
+        rows += structured_rows(summary.structured)
     return "\n".join(_table(["figure", "value"], rows))
 
 
@@ -426,6 +429,7 @@ def render_page(results: BenchResults, summary: Summary, plots: dict[str, Path],
         *_method_section(results, summary),
         *_first_second_section(results, summary),
         *_planner_section(summary),
+        *structured_section(results, summary.structured),
         "## Round anatomy",
         "",
         "Share of round time per phase, summed over requests (`Completion.anatomy`): W1 plain (both "

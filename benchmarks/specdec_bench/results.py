@@ -26,6 +26,7 @@ from specdec_bench.burst import BurstRun
 from specdec_bench.first_second import FirstSecondRun
 from specdec_bench.peers import PeerRecord
 from specdec_bench.step_timing import StepPair
+from specdec_bench.structured import StructuredRun
 from specdec_bench.sweeps import ConcurrencyGroup
 from specdec_bench.workloads import RunRecord
 
@@ -86,6 +87,8 @@ class BenchResults:
     first_second: FirstSecondRun | None = None
     #: The noisy-neighbour burst (`specdec_bench.burst`), when the run measured it.
     burst: BurstRun | None = None
+    #: The structured workload (`specdec_bench.structured`), when the run measured it.
+    structured: StructuredRun | None = None
 
     def save(self, path: Path, summary: dict[str, Any] | None = None) -> None:
         """Write the document; `summary` (derived figures, for readers) is ignored by `load`."""
@@ -115,6 +118,7 @@ class BenchResults:
             methods=[RunRecord(**r) for r in raw.get("methods", [])],  # likewise
             first_second=FirstSecondRun.from_dict(raw["first_second"]) if raw.get("first_second") else None,
             burst=BurstRun.from_dict(raw["burst"]) if raw.get("burst") else None,
+            structured=StructuredRun.from_dict(raw["structured"]) if raw.get("structured") else None,
         )
 
 

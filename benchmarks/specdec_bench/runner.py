@@ -29,6 +29,9 @@ from specdec_bench.peers import METHODS, run_peers
 from specdec_bench.results import BenchResults, ServiceCosts, machine
 from specdec_bench.stack import Stack, running_stack
 from specdec_bench.step_timing import StepPair, probe_steps
+from specdec_bench.structured import StructuredMode
+from specdec_bench.structured_run import measure_structured
+from specdec_bench.structured_workload import STRUCTURED_PROMPTS
 from specdec_bench.sweeps import (
     ExactnessError,
     Progress,
@@ -61,7 +64,8 @@ def _planned_runs(config: BenchConfig) -> int:
     sweep_runs = config.sweep_prompts * (config.max_k + 1) if config.max_k else 0
     workload_prompts = sum(len(w.prompts(config.workload_chat_prompts)) for w in Workload)
     method_runs = config.workload_repetitions * workload_prompts * len(DraftMethod)
-    return (w1_runs + peer_runs + sweep_runs + method_runs
+    structured_runs = config.structured_repetitions * (len(STRUCTURED_PROMPTS) + 1) * len(StructuredMode)
+    return (w1_runs + peer_runs + sweep_runs + method_runs + structured_runs
             + modes * config.concurrency_repetitions * len(config.concurrency))
 
 
@@ -113,6 +117,10 @@ def measure(config: BenchConfig, command: str) -> BenchResults:
                 laps.lap("methods")
                 groups = concurrency_sweep(client, config, progress)
                 laps.lap("concurrency")
+                structured = None
+                if config.structured_repetitions:
+                    structured = measure_structured(client, stack, config, progress)
+                laps.lap("structured")
                 burst = measure_burst(client, config, progress) if config.burst_s else None
                 laps.lap("burst")
             services = {"target": dataclasses.asdict(stack.target_config),
@@ -131,7 +139,8 @@ def measure(config: BenchConfig, command: str) -> BenchResults:
         "config": dataclasses.asdict(config),
         "services": services,
     }
-    return BenchResults(meta, costs, outcome.records, peers, sweep, groups, step_pairs, methods, first_second, burst)
+    return BenchResults(meta, costs, outcome.records, peers, sweep, groups, step_pairs, methods, first_second, burst,
+                        structured)
 
 
 def within_services(config: BenchConfig, costs: ServiceCosts) -> BenchConfig:

@@ -13,7 +13,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -42,6 +42,8 @@ class MetricsSnapshot:
     num_accepted_tokens: float
     #: Accepted draft tokens by position (0-based) in the draft.
     accepted_per_pos: dict[int, float]
+    #: Draft tokens proposed, by draft source (`specdec.gateway.draft_sources.DraftSource` values).
+    draft_tokens_by_source: dict[str, float] = field(default_factory=dict)
 
     def accepted_since(self, before: MetricsSnapshot, k: int) -> list[int]:
         """Accepted tokens per position 0..k-1 between `before` and this snapshot."""
@@ -73,24 +75,33 @@ class Stack:
 
     def metrics(self) -> MetricsSnapshot:
         """Scrape the gateway's /metrics endpoint."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as response:
-            text = response.read().decode()
-        values: dict[str, float] = {}
-        per_pos: dict[int, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                # The speculation counters are per draft source: summed here over the sources.
-                if sample.name == "specdec_spec_decode_num_accepted_tokens_per_pos_total":
-                    position = int(sample.labels["position"])
-                    per_pos[position] = per_pos.get(position, 0.0) + sample.value
-                elif set(sample.labels) <= {"model_name", "source"}:  # every series carries model_name
-                    values[sample.name] = values.get(sample.name, 0.0) + sample.value
-        return MetricsSnapshot(
-            num_drafts=values.get("specdec_spec_decode_num_drafts_total", 0.0),
-            num_draft_tokens=values.get("specdec_spec_decode_num_draft_tokens_total", 0.0),
-            num_accepted_tokens=values.get("specdec_spec_decode_num_accepted_tokens_total", 0.0),
-            accepted_per_pos=per_pos,
-        )
+        return scrape_metrics(self.metrics_port)
+
+
+def scrape_metrics(port: int) -> MetricsSnapshot:
+    """The speculation counters of the gateway whose Prometheus endpoint listens on `port`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    per_pos: dict[int, float] = {}
+    by_source: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            # The speculation counters are per draft source: summed here over the sources.
+            if sample.name == "specdec_spec_decode_num_accepted_tokens_per_pos_total":
+                position = int(sample.labels["position"])
+                per_pos[position] = per_pos.get(position, 0.0) + sample.value
+            elif set(sample.labels) <= {"model_name", "source"}:  # every series carries model_name
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+                if sample.name == "specdec_spec_decode_num_draft_tokens_total" and "source" in sample.labels:
+                    source = sample.labels["source"]
+                    by_source[source] = by_source.get(source, 0.0) + sample.value
+    return MetricsSnapshot(
+        num_drafts=values.get("specdec_spec_decode_num_drafts_total", 0.0),
+        num_draft_tokens=values.get("specdec_spec_decode_num_draft_tokens_total", 0.0),
+        num_accepted_tokens=values.get("specdec_spec_decode_num_accepted_tokens_total", 0.0),
+        accepted_per_pos=per_pos, draft_tokens_by_source=by_source,
+    )
 
 
 #: The harness measures the draft model (α, c and efficiency against Thm 3.8): requests draft
@@ -144,6 +155,20 @@ def running_stack(
     finally:
         for child in reversed(children):
             child.stop()
+
+
+@contextmanager
+def second_gateway(stack: Stack, gateway_args: str, *flags: str) -> Iterator[ServiceProcess]:
+    """Another gateway on the stack's target and draft, started as the stack's own with `flags`
+    after its flags (the later flag wins), its Prometheus endpoint on a free port; stopped on exit."""
+    child = start_service("specdec.gateway", [
+        "--target-address", stack.target.address, "--draft-address", stack.draft.address, "--metrics-port", "0",
+        *_QUIET, *MODEL_DRAFT, *NO_SUFFIX_CACHE, *shlex.split(gateway_args), *flags,
+    ])
+    try:
+        yield child.wait_ready(START_TIMEOUT_S)
+    finally:
+        child.stop()
 
 
 def pending_graphs(address: str, service: str) -> int:

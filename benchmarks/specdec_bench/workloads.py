@@ -8,6 +8,7 @@ so prefill and queueing stay out of it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -152,10 +153,14 @@ def run_request(
     concurrency: int = 1,
     prompts: tuple[str, ...] = PROMPTS,
     method: DraftMethod | None = None,
+    json_schema: Mapping[str, object] | None = None,
 ) -> tuple[RunRecord, GenerationResult]:
     """Send `prompts[prompt]` as a chat and return its record and the full result; `method`
-    None drafts with the gateway's default (`DraftMethod.PLAIN` goes with k = `method.k`)."""
+    None drafts with the gateway's default (`DraftMethod.PLAIN` goes with k = `method.k`);
+    `json_schema` constrains the answer."""
     options = speculation_options(k)
+    if json_schema is not None:
+        options["json_schema"] = json_schema
     if method is not None and method is not DraftMethod.PLAIN:
         options["method"] = method.value
     if temperature > 0:
