@@ -56,18 +56,23 @@ class TokenMasks:
 
     def allowed(self, vocab: int) -> torch.Tensor:
         """[rows, vocab] bool."""
+        return torch.from_numpy(self._bits(vocab)).view(torch.bool)
+
+    def _bits(self, vocab: int) -> np.ndarray:
+        """[rows, vocab] uint8 0/1."""
         # Little-endian words: byte b of word w holds tokens 32w + 8b .. +7, lowest bit first.
         packed = self.words.contiguous().numpy().view(np.uint8)  # [rows, 4W]
-        bits = np.unpackbits(packed, axis=-1, count=vocab, bitorder="little")  # [rows, vocab] 0/1
-        return torch.from_numpy(bits).view(torch.bool)
+        return np.unpackbits(packed, axis=-1, count=vocab, bitorder="little")
 
     def allows(self, row: int, token: int) -> bool:
         return bool((int(self.words[row, token // BITS]) >> (token % BITS)) & 1)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` [rows, vocab] with every token the row does not allow at -inf (a new tensor)."""
+        # `where` with a scalar: masked_fill with the negated mask took 2-3x as long on CPU
+        # (docs/performance.md#grammar-engine).
         allowed = self.allowed(logits.shape[-1]).to(logits.device)
-        return logits.masked_fill(~allowed, float("-inf"))
+        return torch.where(allowed, logits, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
     def check(self, rows: int, vocab: int, where: str) -> None:
         """INVALID_ARGUMENT unless there are `rows` rows wide enough for `vocab`, each allowing a token."""
@@ -75,7 +80,7 @@ class TokenMasks:
             raise InvalidArgumentError(f"{where}: {self.rows} mask rows for {rows} rows of logits")
         if self.words.shape[1] < words_for(vocab):
             raise InvalidArgumentError(f"{where}: {self.words.shape[1]} words a row cannot cover {vocab} tokens")
-        if not bool(self.allowed(vocab).any(dim=-1).all()):
+        if not self._bits(vocab).any(axis=-1).all():  # numpy's: torch's any over [16, 49152] took ms
             raise InvalidArgumentError(f"{where}: a mask row allows no token of the vocabulary")
 
     def to_bytes(self) -> bytes:

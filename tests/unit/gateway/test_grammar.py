@@ -118,8 +118,11 @@ def test_packed_masks_round_trip_and_apply() -> None:
     out = masks.apply(torch.zeros(2, 40))
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [0, 2]
     assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [35]
+    assert masks.apply(torch.zeros(2, 40, dtype=torch.bfloat16)).dtype == torch.bfloat16
     with pytest.raises(InvalidArgumentError, match="allows no token"):
         TokenMasks(torch.zeros(1, 2, dtype=torch.int32)).check(1, 40, "allowed")
+    with pytest.raises(InvalidArgumentError, match="allows no token"):  # token 45 lies past a vocabulary of 40
+        TokenMasks(torch.tensor([[0, 1 << 13]], dtype=torch.int32)).check(1, 40, "allowed")
     with pytest.raises(InvalidArgumentError, match="rows"):
         masks.check(3, 40, "allowed")
     with pytest.raises(InvalidArgumentError):
