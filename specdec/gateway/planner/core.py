@@ -8,9 +8,9 @@ lookup proposal replaces the model draft where it pays more (`lookups`), and a d
 is priced and, for a long prompt, rented (`catch_up`). K = 0 everywhere is plain decoding, so
 speculation switches itself off when it does not pay. Its inputs are the services' forward
 costs corrected online by what rounds measure (`costs`), and α per request and lookup kind
-(`acceptance`, `lookups`). No source stays off on an estimate nothing refreshes: each is probed on a bounded schedule
-(`exploration`), estimates age, and timings taken while a service warms up are not learnt
-from. The rules and their reasons: docs/architecture.md#adaptive-k.
+(`acceptance`, `lookups`). No source stays off on an estimate nothing refreshes: each is
+probed on a bounded schedule (`exploration`), estimates age, and timings taken while a service
+warms up are not learnt from. The rules and their reasons: docs/architecture.md#adaptive-k.
 """
 
 from __future__ import annotations
