@@ -102,8 +102,8 @@ class Generations:
     @asynccontextmanager
     async def start(self, request: gateway_pb2.GenerateRequest) -> AsyncIterator[Generation]:
         """Validate and queue `request` (InvalidArgumentError, RESOURCE_EXHAUSTED when the queue is
-        full, UNAVAILABLE when the target is refused); leaving the block before the request
-        finished (the client cancelled or went away) cancels it and frees its slots."""
+        full, UNAVAILABLE while draining or when the target is refused); leaving the block before
+        the request finished (the client cancelled or went away) cancels it and frees its slots."""
         if self.state.draining:
             raise DrainingError("the gateway is stopping and takes no new requests: retry on another instance")
         if (refused := self.state.monitor.refused.get("target")) is not None:
