@@ -11,7 +11,6 @@ so the model holds on whatever hardware they run.
 from __future__ import annotations
 
 import bisect
-import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass

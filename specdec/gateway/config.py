@@ -137,7 +137,7 @@ class GatewayConfig(ServerSecurity):
     )
     drain_timeout_s: float = option(
         DEFAULT_DRAIN_TIMEOUT_S, "on SIGTERM: seconds in-flight requests get to finish while new ones are refused "
-        "(UNAVAILABLE, HTTP 503) and health says NOT_SERVING; then the rest are cancelled",
+        "(UNAVAILABLE, HTTP 503) and health says NOT_SERVING; then the rest are cancelled", advanced=True,
     )
     #: Deadline of a call to a model service: factor x its expected compute, at least the floor.
     rpc_timeout_floor_s: float = option(

@@ -154,7 +154,7 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
     metrics_prefix: str = option(DEFAULT_PREFIX, "prefix of every metric name", advanced=True)
     drain_timeout_s: float = option(
         DEFAULT_DRAIN_TIMEOUT_S, "on SIGTERM: seconds to wait for the gateways' slots to be released, taking no new "
-        "ones (then the server stops)",
+        "ones (then the server stops)", advanced=True,
     )
     #: A gateway renews its lease every few seconds; one that stops (killed, partitioned)
     #: loses its slots this long after its last renewal.

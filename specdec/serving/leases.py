@@ -50,6 +50,11 @@ class LeaseTable:
     def num_holders(self) -> int:
         return len(self._holders)
 
+    def held_slots(self) -> int:
+        """Slots a holder owns (a gateway's, until it releases them or its lease expires)."""
+        with self._lock:
+            return len(self._owner)
+
     def check(self, lease: Lease | None) -> None:
         """StaleLeaseError when `lease` is an older incarnation than one already seen (no side effects)."""
         if lease is None:

@@ -168,14 +168,16 @@ DRAIN_POLL_S = 0.25
 async def release_slots(engine: ModelEngine, timeout_s: float) -> None:
     """A stopping service's drain: no new slot from now on (`DrainingError`: UNAVAILABLE), and
     up to `timeout_s` for the gateways to release the slots they hold (their requests end, or
-    their leases expire)."""
+    their leases expire). Slots made without a lease (tests, admin tools) are nobody's to
+    release: not waited for."""
     engine.draining = True
     started = time.monotonic()
-    log.info("draining: %d slots held, up to %.0f s for their gateways to release them", len(engine.tokens), timeout_s)
-    while engine.tokens and time.monotonic() - started < timeout_s:
+    held = engine.leases.held_slots
+    log.info("draining: %d slots held, up to %.0f s for their gateways to release them", held(), timeout_s)
+    while held() and time.monotonic() - started < timeout_s:
         await asyncio.sleep(DRAIN_POLL_S)
-    if engine.tokens:
-        log.warning("drain: %d slots still held after %.0f s are dropped", len(engine.tokens), timeout_s)
+    if held():
+        log.warning("drain: %d slots still held after %.0f s are dropped", held(), timeout_s)
     else:
         log.info("drained in %.1f s", time.monotonic() - started)
 

@@ -110,11 +110,15 @@ def test_a_draining_service_takes_no_new_slot_and_waits_for_those_held(
 ) -> None:
     target = start_target()
 
+    lease = common_pb2.Lease(holder="gateway-a", incarnation="1")
+
     def prefill(slot_id: str) -> None:
         item = target_pb2.PrefillItem(slot_id=slot_id, prompt_tokens=[1, 2, 3, 4])
-        target.stub.Prefill(target_pb2.PrefillRequest(items=[item]))
+        target.stub.Prefill(target_pb2.PrefillRequest(items=[item], lease=lease))
 
     prefill("held")
+    target.stub.Prefill(target_pb2.PrefillRequest(items=[  # nobody's slot: not waited for
+        target_pb2.PrefillItem(slot_id="admin", prompt_tokens=[1, 2])]))
     drained = asyncio.run_coroutine_threadsafe(target.running.drain(), service_loop.loop)
     assert eventually(lambda: target.health.Check(health_pb2.HealthCheckRequest()).status
                       == health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -125,4 +129,4 @@ def test_a_draining_service_takes_no_new_slot_and_waits_for_those_held(
     assert not drained.done()  # the held slot is still served, and waited for
     target.stub.Release(common_pb2.ReleaseRequest(slot_id="held"))
     drained.result(timeout=30)
-    assert not target.engine.tokens
+    assert list(target.engine.tokens) == ["admin"]
