@@ -80,7 +80,7 @@ class SourceDecisions:
         last round (a model probe lasts two), else the cheapest to probe of those decoding
         plainly, else of all."""
         if not track.may_probe():
-            return  # (before pricing the candidates: a catch-up's price a request is not cheap at 16)
+            return  # checked before the candidates are priced: a catch-up per request adds up at 16
         if track.source is DraftSource.MODEL and not self.costs.warmup.steady and track.probe_rounds_left == 0:
             return  # what it would measure now is not learnt from
         ongoing = [s for s in candidates if s.slot_id == track.probe_slot and track.probe_rounds_left > 0]
