@@ -34,7 +34,8 @@ class ModelWorker:
     def __init__(self, name: str, clock: Clock = time.perf_counter) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._clock = clock
-        #: When the last `run_timed` call (a client's request) ended, on `clock` (None: none yet).
+        #: When the last `run_timed` call (a client's request) ended, `time.monotonic` (None: none
+        #: yet); not on `clock`, which on a GPU waits for the device and would block the event loop.
         self.last_timed_at: float | None = None
 
     async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
@@ -53,14 +54,15 @@ class ModelWorker:
         def timed() -> tuple[R, float]:
             started = self._clock()
             result = work()
-            self.last_timed_at = self._clock()
-            return encode(result), self.last_timed_at - started
+            seconds = self._clock() - started
+            self.last_timed_at = time.monotonic()
+            return encode(result), seconds
 
         return await self.run(timed)
 
     def idle_for(self) -> float:
         """Seconds since the last `run_timed` call ended (infinite before any)."""
-        return float("inf") if self.last_timed_at is None else self._clock() - self.last_timed_at
+        return float("inf") if self.last_timed_at is None else time.monotonic() - self.last_timed_at
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

@@ -34,7 +34,7 @@ def test_the_table_is_timed_again_between_requests_and_published(monkeypatch) ->
     engine, worker = _engine(steps), ModelWorker("test")
 
     async def run() -> None:
-        worker.last_timed_at = time.perf_counter() + 0.1  # a request is still running
+        worker.last_timed_at = time.monotonic() + 0.1  # a request is still running
         task = asyncio.create_task(model_service.time_costs_again(engine, worker))  # type: ignore[arg-type]
         await asyncio.sleep(0.08)
         assert steps == []  # nothing timed beside it
