@@ -26,8 +26,8 @@ from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.model_clients import DraftAPI, TargetAPI
 from specdec.gateway.sequence import Sequence
 from specdec.model.choices import DTYPE_NAMES
-from specdec.wire.items import ModelInfo
 from specdec.wire.kv_transfer import ImportHeader, KVExport
+from specdec.wire.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,6 @@ from specdec.serving.security import bearer_token_interceptors
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.wire.items import (
     Lease,
-    ModelInfo,
     PrefillItem,
     Proposal,
     ProposeItem,
@@ -32,6 +31,7 @@ from specdec.wire.items import (
 from specdec.wire.keepalive import client_keepalive_options
 from specdec.wire.kv_transfer import ImportHeader, KVExport
 from specdec.wire.limits import message_size_options
+from specdec.wire.model_info import ModelInfo
 
 T = TypeVar("T")
 #: How long start-up waits for a service's first Info (it may still be loading its model).

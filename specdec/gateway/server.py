@@ -47,7 +47,8 @@ from specdec.serving.errors import grpc_errors, grpc_stream_errors
 from specdec.serving.grpc_server import RunningServer, start_server
 from specdec.serving.security import channel_credentials, read_token
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from specdec.wire.items import Lease, ModelInfo
+from specdec.wire.items import Lease
+from specdec.wire.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name

@@ -24,7 +24,7 @@ from specdec.cost_model import CostTable
 from specdec.gateway.kv_handoff import KVHandoff
 from specdec.gateway.scheduler import PoolLimits, Scheduler
 from specdec.model.tokenizer_info import TokenizerInfo, TokenizerMismatchError, check_compatible
-from specdec.wire.items import ModelInfo
+from specdec.wire.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
 

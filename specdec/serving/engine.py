@@ -26,8 +26,9 @@ from specdec.serving.config import ModelServiceConfig
 from specdec.serving.leases import LeaseTable
 from specdec.tuning.openmp import release_threads
 from specdec.tuning.startup import StartupTuner
-from specdec.wire.items import KVLayout, Lease, ModelInfo
+from specdec.wire.items import Lease
 from specdec.wire.kv_transfer import ImportHeader
+from specdec.wire.model_info import KVLayout, ModelInfo
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ from specdec.gateway.kv_handoff import KVHandoff
 from specdec.model.chat import encode_chat
 from specdec.model.loader import LoadedModel
 from specdec.model.runtime import ModelRuntime
-from specdec.wire.items import KVLayout, ModelInfo, ProposeItem
+from specdec.wire.items import ProposeItem
+from specdec.wire.model_info import KVLayout, ModelInfo
 from tests.support.fakes import model_info
 from tests.support.stacks import Stack, StartStack, chat, generate_all
 

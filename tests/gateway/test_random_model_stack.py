@@ -22,7 +22,7 @@ from specdec.target_server.config import TargetConfig
 from specdec.target_server.engine import TargetEngine
 from specdec.target_server.server import create_server as create_target_server
 from specdec.tuning import startup
-from specdec.wire.items import ModelInfo
+from specdec.wire.model_info import ModelInfo
 from tests.support.services import LoopThread
 from tests.support.stacks import chat
 

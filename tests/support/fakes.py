@@ -38,7 +38,6 @@ from specdec.wire.items import (
     DecodeMode,
     DrawnMode,
     LogitsMode,
-    ModelInfo,
     PrefillItem,
     Proposal,
     ProposeItem,
@@ -52,6 +51,7 @@ from specdec.wire.items import (
     VerifiedSampled,
     VerifyItem,
 )
+from specdec.wire.model_info import ModelInfo
 from tests.support.planner_rounds import still
 
 VOCAB = 40

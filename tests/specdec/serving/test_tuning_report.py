@@ -16,7 +16,7 @@ from specdec.serving.model_service import build_engine
 from specdec.target_server.config import TargetConfig
 from specdec.target_server.engine import TargetEngine
 from specdec.tuning import startup
-from specdec.wire.items import ModelInfo
+from specdec.wire.model_info import ModelInfo
 
 TABLE = [ForwardCost(1, 1, 0.02, context=48), ForwardCost(1, 2, 0.025, context=48)]
 

@@ -11,7 +11,7 @@ from specdec.gateway.kv_handoff import KVHandoff
 from specdec.gateway.monitor import ServiceMonitor
 from specdec.gateway.service_changes import ServiceChanges, model_identity
 from specdec.gateway.stats import GatewayStats
-from specdec.wire.items import KVLayout, ModelInfo
+from specdec.wire.model_info import KVLayout, ModelInfo
 from tests.support.fakes import FakeDraft, FakeTarget, model_info, scheduler
 
 

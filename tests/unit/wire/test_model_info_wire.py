@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from specdec.cost_model import ForwardCost
+from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.v1 import common_pb2
-from specdec.wire.items import ForwardCost, ModelInfo, TokenizerInfo
+from specdec.wire.model_info import ModelInfo
 
 
 def test_model_info_round_trips_through_protobuf() -> None:
