@@ -27,6 +27,7 @@ from specdec.serving.grpc_server import RunningServer, start_server
 from specdec.serving.metrics import ServiceStats, service_endpoint
 from specdec.serving.streams import Req, Resp, answer_each
 from specdec.serving.worker import ModelWorker, cancel_and_wait
+from specdec.tuning.cost_profile import one_token_step
 from specdec.tuning.heap import retain_freed_memory
 from specdec.tuning.inductor import use_compile_cache
 from specdec.tuning.openmp import proc_bind
@@ -157,8 +158,8 @@ def _advance(steps: Generator[None, None, T]) -> tuple[bool, T | None]:
 
 
 def _step_ms(costs: Sequence[ForwardCost]) -> str:
-    steps = [c for c in costs if (c.batch_size, c.tokens) == (1, 1)]
-    return f"{min(steps, key=lambda c: c.context).seconds * 1e3:.1f}" if steps else "?"
+    step = one_token_step(costs)
+    return "?" if step is None else f"{step * 1e3:.1f}"
 
 
 #: Seconds between looks at the slots still held while a service drains.

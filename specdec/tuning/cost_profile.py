@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 
 from specdec.cost_model import ForwardCost
 from specdec.kv_cache.paged_cache import PagedKVCache
@@ -108,6 +108,12 @@ def forward_cost_steps(
         sync = synchronizer(forward.embed_tokens.weight.device)
         samples = yield from interleaved_samples(candidates, repeats=repeats, setup=setup, sync=sync)
     return [ForwardCost(b, t, statistics.median(samples[(b, t, n)]), context=n) for b, t, n in grid]
+
+
+def one_token_step(costs: Sequence[ForwardCost]) -> float | None:
+    """A table's 1-token step of one request, at the shortest context it was timed at."""
+    steps = [c for c in costs if (c.batch_size, c.tokens) == (1, 1)]
+    return min(steps, key=lambda c: c.context).seconds if steps else None
 
 
 def step_seconds(forward: PagedLlama, cache: PagedKVCache, repeats: int = SPOT_REPEATS) -> float | None:

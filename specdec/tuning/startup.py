@@ -9,7 +9,7 @@ and `ModelInfo.tuning` report what it chose. The measurements live beside it (`k
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ from specdec.tuning.compiled_layers import (
     shape_name,
     times_detail,
 )
-from specdec.tuning.cost_profile import forward_cost_steps, measure_forward_costs, step_seconds
+from specdec.tuning.cost_profile import forward_cost_steps, measure_forward_costs, one_token_step, step_seconds
 from specdec.tuning.kernels import measure_dense, measure_head, measure_int4_kernels, measure_int4_wide
 from specdec.tuning.store import TuningKey, TuningStore, code_version, machine_fingerprint
 
@@ -77,8 +77,6 @@ class StartupTuner:
         #: What `load_pending` timed, for the log.
         self.loaded_detail: list[str] = []
         self._steps: tuple[str, ...] | None = None
-        #: The compiled steps the forward cost table was timed with (`costs_outdated`).
-        self.costs_steps: tuple[str, ...] = ()
 
     @classmethod
     def for_service(
@@ -310,32 +308,35 @@ class StartupTuner:
             return ()
         if self.measured:
             self._cached.pop("forward_costs", None)
+        stale = ""
 
         def measure() -> tuple[list[list[float]], str]:
             costs = measure_forward_costs(forward, cache, max_batch=max_batch, max_tokens=max_tokens)
-            self.costs_steps = compiled_step_names(forward)
-            return [[c.batch_size, c.tokens, c.seconds, c.context] for c in costs], stale
-
-        stale = ""
+            self.values["forward_costs_steps"] = list(compiled_step_names(forward))
+            return _rows(costs), stale
 
         def current(value: JSON) -> bool:
             nonlocal stale
             if not isinstance(value, list) or not all(isinstance(row, list) and len(row) == 4 for row in value):
                 return False
-            cached_step, now = _step_of(value), step_seconds(forward, cache)
+            cached_step, now = one_token_step(_table(value)), step_seconds(forward, cache)
             if cached_step is None or now is None or now * STALE_TABLE_FACTOR >= cached_step:
-                self.costs_steps = tuple(self._cached.get("forward_costs_steps") or ())
+                self.values["forward_costs_steps"] = list(self._cached.get("forward_costs_steps") or ())
                 return True
             stale = f"the cached table's 1-token step {cached_step * 1e3:.1f} ms, {now * 1e3:.1f} ms now"
             return False
 
         rows, reason, detail = self.decide("forward_costs", measure, current)
-        self.values["forward_costs_steps"] = list(self.costs_steps)
-        costs = tuple(ForwardCost(int(b), int(t), float(s), context=int(n)) for b, t, s, n in rows)
-        step = _step_of(rows)
+        costs = _table(rows)
+        step = one_token_step(costs)
         self.note("forward_costs", f"{len(costs)} points", reason,
                   "; ".join(filter(None, [f"1-token step {step * 1e3:.1f} ms" if step else "", detail])))
         return costs
+
+    @property
+    def costs_steps(self) -> tuple[str, ...]:
+        """The compiled steps the forward cost table was timed with (`costs_outdated`)."""
+        return tuple(self.values.get("forward_costs_steps") or ())
 
     def costs_outdated(self, forward: PagedLlama) -> bool:
         """Whether the forward cost table was timed with other compiled steps than `forward`
@@ -350,15 +351,17 @@ class StartupTuner:
         next start with the steps it was timed with."""
         costs = yield from forward_cost_steps(forward, cache, max_batch=max_batch, max_tokens=max_tokens)
         if costs:
-            self.costs_steps = compiled_step_names(forward)
-            self.values["forward_costs"] = [[c.batch_size, c.tokens, c.seconds, c.context] for c in costs]
-            self.values["forward_costs_steps"] = list(self.costs_steps)
+            self.values["forward_costs"] = _rows(costs)
+            self.values["forward_costs_steps"] = list(compiled_step_names(forward))
             if self.store is not None and self.key is not None:
                 self.store.save(self.key, self.values)
         return tuple(costs)
 
 
-def _step_of(rows: JSON) -> float | None:
-    """A cost table's 1-token step of one request at its shortest context (rows as stored)."""
-    steps = [row for row in rows if row[0] == 1 and row[1] == 1]
-    return float(min(steps, key=lambda row: row[3])[2]) if steps else None
+def _rows(costs: Sequence[ForwardCost]) -> list[list[float]]:
+    """A cost table as the tuning cache stores it."""
+    return [[c.batch_size, c.tokens, c.seconds, c.context] for c in costs]
+
+
+def _table(rows: JSON) -> tuple[ForwardCost, ...]:
+    return tuple(ForwardCost(int(b), int(t), float(s), context=int(n)) for b, t, s, n in rows)
