@@ -38,7 +38,7 @@ from specdec.gateway.planner import Planner
 from specdec.gateway.proposers import LookupProposer
 from specdec.gateway.requests import RequestPolicy, method_to_pb
 from specdec.gateway.scheduler import PoolLimits, Scheduler
-from specdec.gateway.service_changes import ServiceChanges, model_identity
+from specdec.gateway.service_changes import ServiceChanges
 from specdec.gateway.stats import GatewayStats
 from specdec.gateway.tools import ToolFormat, choose_format
 from specdec.model.loader import load_tokenizer
@@ -297,7 +297,6 @@ def watch_services(
     max_k = services.max_speculative_tokens
     monitor.on_change = ServiceChanges(
         scheduler, services.target_info.tokenizer, max_k, services.max_seq_len, config.adaptive_k,
-        dict(services.infos()) if config.kv_handoff else None,
-        {name: model_identity(info) for name, info in services.infos().items()},
+        config.kv_handoff, dict(services.infos()),
     )
     monitor.start()

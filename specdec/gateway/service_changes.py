@@ -39,11 +39,10 @@ class ServiceChanges:
     max_seq_len: int
     #: Whether the planner uses the draft's costs (adaptive K on).
     adaptive_k: bool
-    #: The latest adopted Info of each service, where the gateway may fill the draft's cache
-    #: from the target's (--kv-handoff); None where it may not.
-    handoff_infos: dict[str, ModelInfo] | None = None
-    #: The model each service ran at its last adopted Info (`model_identity`), by service.
-    models: dict[str, tuple[object, ...]] = field(default_factory=dict)
+    #: Whether the gateway may fill the draft's cache from the target's (--kv-handoff).
+    kv_handoff: bool = False
+    #: The latest adopted Info of each service (at first, the ones the gateway started with).
+    adopted: dict[str, ModelInfo] = field(default_factory=dict)
 
     def __call__(self, name: str, info: ModelInfo) -> str | None:
         """Adopt `info` of service `name` ("target" or "draft"), or return why it is refused."""
@@ -54,8 +53,9 @@ class ServiceChanges:
             return reason
         costs = list(info.forward_costs)
         planner_costs = costs if name == "target" or self.adaptive_k else []
-        same_model = self.models.get(name) == model_identity(info)
-        self.models[name] = model_identity(info)
+        before = self.adopted.get(name)
+        self.adopted[name] = info
+        same_model = before is not None and model_identity(before) == model_identity(info)
         self.scheduler.planner.set_costs(name, planner_costs, same_model=same_model)
         table = CostTable(costs) if costs else None
         deadlines = self.scheduler.deadlines
@@ -64,10 +64,8 @@ class ServiceChanges:
             else dataclasses.replace(deadlines, draft=table)
         )
         self.scheduler.set_pool(PoolLimits(name, info.total_kv_tokens, info.block_size, info.max_slots))
-        if self.handoff_infos is not None:
-            self.handoff_infos[name] = info
-            self.scheduler.planner.kv_handoff = KVHandoff.between(self.handoff_infos["target"],
-                                                                  self.handoff_infos.get("draft"))
+        if self.kv_handoff:
+            self.scheduler.planner.kv_handoff = KVHandoff.between(self.adopted["target"], self.adopted.get("draft"))
         log.info(
             "adopted the %s service's new Info: %s, %d KV tokens, %d slots, %s",
             name, info.model_name, info.total_kv_tokens, info.max_slots,

@@ -9,7 +9,7 @@ import torch
 
 from specdec.gateway.kv_handoff import KVHandoff
 from specdec.gateway.monitor import ServiceMonitor
-from specdec.gateway.service_changes import ServiceChanges, model_identity
+from specdec.gateway.service_changes import ServiceChanges
 from specdec.gateway.stats import GatewayStats
 from specdec.wire.model_info import KVLayout, ModelInfo
 from tests.support.fakes import FakeDraft, FakeTarget, model_info, scheduler
@@ -49,7 +49,7 @@ def test_the_kv_handoff_follows_the_services_layouts() -> None:
     own = dataclasses.replace(model_info(), kv_layout=KVLayout("weights", 30, 3, 64))
     other = dataclasses.replace(own, kv_layout=KVLayout("other weights", 30, 3, 64))
     watcher = changes()
-    watcher.handoff_infos = {"target": own, "draft": own}
+    watcher.kv_handoff, watcher.adopted = True, {"target": own, "draft": own}
     assert watcher("draft", other) is None and watcher.scheduler.planner.kv_handoff is None
     assert watcher("draft", own) is None
     assert watcher.scheduler.planner.kv_handoff == KVHandoff(30, torch.float32)
@@ -89,7 +89,7 @@ def test_a_draft_with_a_new_cost_table_keeps_its_acceptance_and_another_model_do
     watcher = changes()
     planner = watcher.scheduler.planner
     same = model_info()
-    watcher.models["draft"] = model_identity(same)
+    watcher.adopted["draft"] = same
     planner.acceptance.observe("slot", 8, 0, now=0.0)
     judged = planner.acceptance.overall.alpha
     retimed = dataclasses.replace(same, forward_costs=(ForwardCost(1, 1, 0.01), ForwardCost(1, 2, 0.012)))
