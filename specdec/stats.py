@@ -15,7 +15,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    ProcessCollector,
+    generate_latest,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -102,6 +108,10 @@ class _CallbackCollector(Collector):
         return self._collect()
 
 
+#: The content type of `MetricsEndpoint.exposition`.
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
 class MetricsEndpoint:
     """A registry with the process collector and a service's own collector, served over HTTP."""
 
@@ -110,6 +120,10 @@ class MetricsEndpoint:
         ProcessCollector(registry=self.registry)
         self.registry.register(_CallbackCollector(collect))
         self._http: WSGIServer | None = None
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus' text format, for a front that serves /metrics itself."""
+        return generate_latest(self.registry)
 
     def serve(self, port: int, host: str) -> int:
         """Start the /metrics HTTP endpoint; returns the bound port."""

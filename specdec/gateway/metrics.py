@@ -72,8 +72,14 @@ def gateway_families(stats: GatewayStats, prefix: str, model_name: str) -> Itera
     s = stats
     yield f.gauge("num_requests_running", "Requests decoding", [], _one(s.running))
     yield f.gauge("num_requests_waiting", "Requests queued for admission", [], _one(s.waiting))
-    yield f.gauge("kv_cache_usage_perc", "Fraction of the service's KV blocks in use (0..1), from its Info",
-                  ["service"], {(name,): v for name, v in s.kv_usage.items()})
+    # The target's pool alone, unlabelled: the one series per pod an endpoint picker reads.
+    yield f.gauge("kv_cache_usage_perc", "Fraction of the target's KV blocks in use (0..1), from its Info", [],
+                  _one(s.kv_usage["target"]))
+    yield f.gauge("spec_decode_draft_kv_cache_usage_perc", "Fraction of the draft's KV blocks in use (0..1), "
+                  "from its Info", [], _one(s.kv_usage["draft"]))
+    labels = sorted(s.target_cache)
+    yield f.gauge("cache_config_info", "The target's KV pool (value 1; the labels say it, as vLLM's)", labels,
+                  {tuple(s.target_cache[k] for k in labels): 1.0} if labels else {})
     yield f.counter("prompt_tokens", "Prompt tokens admitted", [], _one(s.prompt_tokens))
     yield f.counter("generation_tokens", "Completion tokens streamed", [], _one(s.generation_tokens))
     yield f.counter("request_success", "Finished requests by reason", ["finished_reason"],

@@ -101,6 +101,8 @@ class ServiceMonitor:
     def _record_kv(self, name: str, info: ModelInfo) -> None:
         if info.total_kv_tokens > 0:
             self.stats.kv_usage[name] = 1.0 - info.free_kv_tokens / info.total_kv_tokens
+        if name == "target":
+            self.stats.target_cache = cache_config(info)
 
     async def _set_available(self, name: str, available: bool, error: BaseException | None = None) -> None:
         if self.available[name] == available:
@@ -126,3 +128,11 @@ def _identity(info: ModelInfo) -> tuple[object, ...]:
         info.max_slots, info.max_speculative_tokens, info.dtype, info.device, info.quantization, info.forward_costs,
         info.kv_layout,
     )
+
+
+def cache_config(info: ModelInfo) -> dict[str, str]:
+    """The service's KV pool in the labels of vLLM's `cache_config_info` that routers read
+    (`num_gpu_blocks` × `block_size` = the pool's tokens, whatever the device)."""
+    blocks = info.total_kv_tokens // info.block_size if info.block_size else 0
+    return {"block_size": str(info.block_size), "num_gpu_blocks": str(blocks),
+            "kv_cache_size_tokens": str(info.total_kv_tokens), "cache_dtype": info.dtype, "device": info.device}

@@ -135,7 +135,7 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
         model = served_model(services, choose_format(tokenizer, config.tool_call_parser))
         try:
             http.append(await start_http(
-                OpenAIFront(state, generations, model), host=config.host, port=config.http_port,
+                OpenAIFront(state, generations, model, endpoint.exposition), host=config.host, port=config.http_port,
                 ssl_context=config.ssl_context(), token=config.token(),
             ))
         except BaseException:

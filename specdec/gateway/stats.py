@@ -36,6 +36,8 @@ class GatewayStats:
     waiting: int = 0
     #: Fraction of each service's KV blocks in use, from its Info.
     kv_usage: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SERVICES, 0.0))
+    #: The target's KV pool as vLLM's `cache_config_info` labels it (from its Info; empty before).
+    target_cache: dict[str, str] = field(default_factory=dict)
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in FinishReason})

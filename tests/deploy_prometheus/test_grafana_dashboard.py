@@ -192,6 +192,9 @@ _DEFAULT_VALUES = {  # labels whose values docs/metrics.md does not list in the 
     "position": ("0", "1", "2", "3"),
     "method": ("Prefill", "Verify", "Propose"),
     "code": ("UNAVAILABLE", "RESOURCE_EXHAUSTED"),
+    # cache_config_info: one pool's shape
+    "block_size": ("16",), "num_gpu_blocks": ("1024",), "kv_cache_size_tokens": ("16384",),
+    "cache_dtype": ("bfloat16",), "device": ("cpu",),
 }
 _SAMPLES = 41  # 10 minutes at 15 s
 

@@ -81,9 +81,30 @@ def test_speculation_counters_match_the_requests(start_stack: StartStack, int8_r
     for r in results:
         assert r.acceptance_rate == r.num_accepted_tokens / r.num_draft_tokens
     # KV usage comes from the services' own Info: back to zero once every slot is released.
-    usage = ("specdec_kv_cache_usage_perc", (("service", "target"),))
+    usage = ("specdec_kv_cache_usage_perc", ())
     emptied = eventually(lambda: _scrape(stack.gateway.metrics_port)[usage] == 0)
     assert emptied, "the gateway never saw the target's KV pool empty again"
+
+
+def test_http_port_serves_what_an_endpoint_picker_reads(start_stack: StartStack, int8_runtime: ModelRuntime) -> None:
+    """The inference-gateway contract under `--metrics-prefix vllm:`, on the port requests go to:
+    queue and running gauges, the target's KV usage as one series, and its pool's shape."""
+    stack = start_stack(int8_runtime, metrics_port=0, http_port=0, metrics_prefix="vllm:")
+    with stack.client() as client:
+        client.generate(STORY, max_new_tokens=4)
+    stack.wait_until_idle()
+    http, own = _scrape(stack.gateway.http_port, drop=()), _scrape(stack.gateway.metrics_port, drop=())
+    assert {name for name, _ in http} == {name for name, _ in own}  # one registry, two ports
+    model = (("model_name", "smollm2-135m"),)
+    assert http[("vllm:num_requests_waiting", model)] == 0
+    assert http[("vllm:num_requests_running", model)] == 0
+    assert [labels for name, labels in http if name == "vllm:kv_cache_usage_perc"] == [model]
+    assert ("vllm:spec_decode_draft_kv_cache_usage_perc", model) in http
+    cache = stack.target.cache
+    (config, value), = [(dict(labels), v) for (name, labels), v in http.items() if name == "vllm:cache_config_info"]
+    assert value == 1
+    assert int(config["block_size"]) == cache.block_size
+    assert int(config["num_gpu_blocks"]) == cache.blocks.num_blocks
 
 
 def test_model_services_export_rpc_batch_and_kv_metrics(start_stack: StartStack, int8_runtime: ModelRuntime) -> None:

@@ -181,11 +181,17 @@ def test_models_and_health(client: openai.OpenAI, stack: Stack, base_url: str, p
     models = client.models.list().data
     assert [m.id for m in models] == [stack.target.runtime.loaded.name]
 
-    async def health() -> tuple[int, Any]:  # open without the token, like gRPC health checks
-        async with aiohttp.ClientSession() as session, session.get(f"{base_url}/health", ssl=_ssl(pki)) as reply:
-            return reply.status, await reply.json()
+    async def health() -> tuple[int, Any, str]:  # open without the token, like gRPC health checks
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{base_url}/health", ssl=_ssl(pki)) as reply:
+                status, body = reply.status, await reply.json()
+            async with session.get(f"{base_url}/metrics", ssl=_ssl(pki)) as metrics:  # scrapers need none either
+                assert metrics.status == 200 and metrics.content_type == "text/plain"
+                return status, body, await metrics.text()
 
-    assert asyncio.run(health()) == (200, {"status": "ok"})
+    status, body, metrics = asyncio.run(health())
+    assert (status, body) == (200, {"status": "ok"})
+    assert "specdec_num_requests_waiting{" in metrics
 
 
 # Tools (docs/openai.md#tools). SmolLM2 is a ChatML model: the hermes format.

@@ -29,10 +29,12 @@ from specdec.gateway.generation import GatewayState, Generation, Generations
 from specdec.gateway.openai.errors import ErrorType, OpenAIError, from_exception, from_status
 from specdec.gateway.openai.protocol import Endpoint, ServedModel, in_openai_terms, parse_request
 from specdec.gateway.openai.responses import Reply, is_failure
+from specdec.stats import METRICS_CONTENT_TYPE
 
 log = logging.getLogger(__name__)
-#: Paths open without the bearer token (load balancers and probes), as gRPC health checks are.
-OPEN_PATHS = ("/health",)
+#: Paths open without the bearer token (load balancers, probes and scrapers), as gRPC health
+#: checks and the metrics port are.
+OPEN_PATHS = ("/health", "/metrics")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = b"data: [DONE]\n\n"
 #: Seconds in-flight requests get to finish when the gateway stops (after its drain).
@@ -90,8 +92,12 @@ def bearer_token_check(token: str) -> Middleware:
 class OpenAIFront:
     """The routes' handlers over the gateway's `Generations`."""
 
-    def __init__(self, state: GatewayState, generations: Generations, model: ServedModel) -> None:
+    def __init__(self, state: GatewayState, generations: Generations, model: ServedModel,
+                 metrics: Callable[[], bytes] | None = None) -> None:
         self.state = state
+        #: The gateway's metrics in Prometheus' text format, also served here as vLLM does: an
+        #: endpoint picker scrapes the port it routes to.
+        self.metrics = metrics
         self.generations = generations
         self.model = model
         self.created = int(time.time())
@@ -109,6 +115,8 @@ class OpenAIFront:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        if self.metrics is not None:
+            app.router.add_get("/metrics", self.metrics_page)
         return app
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -127,6 +135,10 @@ class OpenAIFront:
             return web.json_response({"status": "ok"})
         status = "draining" if self.state.draining else "unavailable"
         return web.json_response({"status": status}, status=503, headers=RETRY_AFTER)
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        assert self.metrics is not None
+        return web.Response(body=self.metrics(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def complete(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         parsed = parse_request(await read_json(request, self.max_request_bytes), endpoint, self.model)
