@@ -115,9 +115,9 @@ async def load_graphs_after_start(engine: ModelEngine, worker: SerialExecutor) -
     while await worker.run(engine.tuner.load_pending, engine.cache):
         await asyncio.sleep(GRAPH_RETRY_S if engine.cache.blocks.free_tokens < engine.cache.capacity_tokens // 2 else 0)
     log.info("compiled steps loaded after start-up in %.1f s: %s%s", time.perf_counter() - started,
-             ", ".join(engine.tuner.compiled_steps(engine.forward)) or "none",
+             ", ".join(engine.tuner.compiled_steps(engine.model)) or "none",
              f" (measured: {', '.join(engine.tuner.loaded_detail)})" if engine.tuner.loaded_detail else "")
-    if engine.tuner.costs_outdated(engine.forward):
+    if engine.tuner.costs_outdated(engine.model):
         await time_costs_again(engine, worker)
 
 
@@ -128,7 +128,7 @@ async def time_costs_again(engine: ModelEngine, worker: SerialExecutor) -> None:
     and publish it: the gateway adopts the new table from the next Info. Where the pool runs
     out of room on the way, the old table stays."""
     config, old = engine.config, engine.forward_costs
-    steps = engine.tuner.remeasure_costs(engine.forward, engine.cache, max_batch=config.max_slots,
+    steps = engine.tuner.remeasure_costs(engine.model, engine.cache, max_batch=config.max_slots,
                                          max_tokens=config.max_speculative_tokens + 1)
     started = time.perf_counter()
     try:

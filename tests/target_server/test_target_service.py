@@ -382,7 +382,7 @@ def test_a_chunked_prefill_that_fails_frees_its_slots(
     one-forward failure, and the next prefill is served."""
     target = start_target(prefill_chunk_tokens=8)
     start = target.info().free_kv_tokens
-    forward, calls = target.engine.forward.forward, []
+    forward, calls = target.engine.model.forward, []
 
     def failing(*args: object) -> torch.Tensor:
         calls.append(1)
@@ -390,7 +390,7 @@ def test_a_chunked_prefill_that_fails_frees_its_slots(
             raise RuntimeError("out of memory in chunk 3")
         return forward(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(target.engine.forward, "forward", failing)
+    monkeypatch.setattr(target.engine.model, "forward", failing)
     error = rpc_error(target.stub.Prefill, target_pb2.PrefillRequest(items=[
         target_pb2.PrefillItem(slot_id="a", prompt_tokens=prompts[2] * 3),
         target_pb2.PrefillItem(slot_id="b", prompt_tokens=prompts[0]),

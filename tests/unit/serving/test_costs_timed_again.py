@@ -24,7 +24,7 @@ def _engine(steps: list[str], fail: bool = False) -> SimpleNamespace:
         return (ForwardCost(1, 1, 0.02),)
 
     config = SimpleNamespace(max_slots=4, max_speculative_tokens=8)
-    return SimpleNamespace(config=config, forward_costs=(ForwardCost(1, 1, 0.08),), forward=None, cache=None,
+    return SimpleNamespace(config=config, forward_costs=(ForwardCost(1, 1, 0.08),), model=None, cache=None,
                            tuner=SimpleNamespace(remeasure_costs=remeasure))
 
 
