@@ -18,6 +18,7 @@ from specdec.cost_model import ForwardCost
 from specdec.errors import CapacityExhaustedError, DrainingError, InvalidArgumentError, SlotNotFoundError
 from specdec.model.cuda_graphs import StepGraphs
 from specdec.model.forward_batch import StepShape
+from specdec.model.llama import LogitRows
 from specdec.model.loader import weights_fingerprint
 from specdec.model.runtime import ModelRuntime
 from specdec.model.tokenizer_info import TokenizerInfo
@@ -296,7 +297,7 @@ class ModelEngine:
             max_blocks=-(-self.max_seq_len // self.cache.block_size), capture=True,
         )
 
-    def _forward(self, chunks: list[tuple[str, list[int]]], logits: str, prompt: bool) -> list[torch.Tensor]:
+    def _forward(self, chunks: list[tuple[str, list[int]]], logits: LogitRows, prompt: bool) -> list[torch.Tensor]:
         """The forwards of `_run`: verify and decode steps in `step_shape` when there is one, else
         in a bucket of `graphs` when there are graphs and the step fits one."""
         # Compiled layers installed after start-up (`model_service`) replace the graphs.
@@ -304,12 +305,14 @@ class ModelEngine:
         shape = None if prompt else self.step_shape or (graphs.shape_for(chunks) if graphs is not None else None)
         if shape is None:
             return self.model.compute(self.cache, chunks, logits=logits, prompt=prompt,
-                                        chunk_tokens=self.config.prefill_chunk_tokens)
+                                      chunk_tokens=self.config.prefill_chunk_tokens)
         run = graphs.run if graphs is not None else None
         rows = self.model.compute_fixed(self.cache, chunks, shape, run)  # [len(tokens), vocab] each
         return rows if logits == "all" else [chunk_rows[-1] for chunk_rows in rows]
 
-    def _run(self, chunks: list[tuple[str, list[int]]], logits: str, *, prompt: bool = True) -> list[torch.Tensor]:
+    def _run(
+        self, chunks: list[tuple[str, list[int]]], logits: LogitRows, *, prompt: bool = True
+    ) -> list[torch.Tensor]:
         """One batched forward that appends each chunk to its slot; all or nothing. `prompt`
         as in `PagedLlama.compute` (False for verify and decode steps)."""
         before = {slot_id: len(self.tokens[slot_id]) for slot_id, _ in chunks}
