@@ -100,7 +100,7 @@ class GatewayConfig(ServerSecurity):
         "a request that drafts by lookup takes one where calls cost little against a step)",
         advanced=True,
     )
-    max_new_tokens_default: int = option(256, "completion length of requests that set none", flag="max-new-tokens")
+    default_max_new_tokens: int = option(256, "completion length of requests that set none", flag="max-new-tokens")
     max_batch_size: int = option(16, "requests decoded together; more wait in the queue")
     max_queue: int = option(
         64, "requests waiting for admission; beyond this Generate answers RESOURCE_EXHAUSTED (HTTP: 429)",
@@ -192,7 +192,7 @@ class GatewayConfig(ServerSecurity):
         if self.num_speculative_tokens < 0:
             raise InvalidArgumentError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         positive = (
-            "decode_steps", "max_new_tokens_default", "max_batch_size", "max_queue", "max_request_bytes",
+            "decode_steps", "default_max_new_tokens", "max_batch_size", "max_queue", "max_request_bytes",
             "max_message_bytes",
         )
         for name in positive:

@@ -41,7 +41,7 @@ def flags_by_group(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
     TargetConfig(),
     DraftConfig(model="x.gguf", quantization="int8", measure_costs=False, threads=2, cpu_cores="0", num_layers=2),
     GatewayConfig(target_address="a:1", draft_address="b:2", adaptive_k=False, max_queue=3, num_speculative_tokens=6,
-                  max_new_tokens_default=9, draft_probs_dtype="bfloat16", metrics_port=0),
+                  default_max_new_tokens=9, draft_probs_dtype="bfloat16", metrics_port=0),
     GatewayConfig(target_address="a:1", speculative=False),
 ])
 def test_a_config_survives_its_own_flags(config: object) -> None:
