@@ -8,7 +8,7 @@ from pathlib import Path
 from specdec.errors import InvalidArgumentError
 from specdec.flags import option
 from specdec.gateway.draft_sources import SpeculationMethod
-from specdec.gateway.proposers import LookupSettings
+from specdec.gateway.proposers import DEFAULT_LOOKUP, LookupSettings
 from specdec.serving.config import DEFAULT_DRAIN_TIMEOUT_S
 from specdec.serving.security import ServerSecurity
 from specdec.stats import DEFAULT_PREFIX, check_metrics_prefix
@@ -66,8 +66,8 @@ class GatewayConfig(ServerSecurity):
     )
     #: Lookups match the last n tokens, n from the maximum down to the minimum
     #: (`specdec.gateway.proposers`); a longer match is likelier to continue alike.
-    ngram_min: int = option(1, "shortest n-gram a lookup matches", advanced=True)
-    ngram_max: int = option(4, "longest n-gram a lookup matches", advanced=True)
+    ngram_min: int = option(DEFAULT_LOOKUP.min_n, "shortest n-gram a lookup matches", advanced=True)
+    ngram_max: int = option(DEFAULT_LOOKUP.max_n, "longest n-gram a lookup matches", advanced=True)
     #: A lookup first, the model continuing (docs/architecture.md#drafting-without-a-draft-model).
     lookup_guesses: bool = option(
         True, "let the draft model check lookups as guesses: a request's lookup in its first forward, where that "
@@ -82,12 +82,13 @@ class GatewayConfig(ServerSecurity):
     )
     #: Prompt lookup through the edits an answer makes to what it copies (`proposers.edits`).
     lookup_edits: int = option(
-        16, "edits (renamed or reformatted tokens) a request's lookups learn from its answer and repeat "
-        "wherever it copies them again (0 = off)", advanced=True,
+        DEFAULT_LOOKUP.max_edits, "edits (renamed or reformatted tokens) a request's lookups learn from its answer "
+        "and repeat wherever it copies them again (0 = off)", advanced=True,
     )
     #: Memory of the cross-request suffix cache: recorded output tokens, the oldest evicted first.
     suffix_cache_tokens: int = option(
-        65536, "recent output tokens of all requests kept for suffix proposals (0 = off)", advanced=True,
+        DEFAULT_LOOKUP.suffix_cache_tokens, "recent output tokens of all requests kept for suffix proposals (0 = off)",
+        advanced=True,
     )
     #: K = 0 when speculation does not pay, e.g. in crowded rounds on a compute-bound target.
     adaptive_k: bool = option(
