@@ -25,7 +25,7 @@ DEFAULT_DECODE_STEPS = 4
 
 #: K when it is fixed (--no-adaptive-k) and not given: long enough for an accurate draft,
 #: short enough that a rejection early in the round wastes little.
-FIXED_K_DEFAULT = 8
+DEFAULT_FIXED_K = 8
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class GatewayConfig(ServerSecurity):
     #: choose (`k_for`).
     num_speculative_tokens: int = option(
         0, "draft tokens per round, K (the upper bound with --adaptive-k); 0: the services' largest K with "
-        f"--adaptive-k and their measured costs, else {FIXED_K_DEFAULT}",
+        f"--adaptive-k and their measured costs, else {DEFAULT_FIXED_K}",
     )
     #: Structured-output requests draft the tokens their grammar forces (`grammar.rounds`).
     grammar_drafts: bool = option(
@@ -223,10 +223,10 @@ class GatewayConfig(ServerSecurity):
         """K for requests that name none, where the services accept at most `services_max`: the
         flag's, or by default their largest under adaptive K with the services' costs known
         (the planner drafts only as long as pays, and long copies pay at the longest K), and
-        FIXED_K_DEFAULT where K stays fixed (no adaptive K, or no costs to adapt by)."""
+        DEFAULT_FIXED_K where K stays fixed (no adaptive K, or no costs to adapt by)."""
         if self.num_speculative_tokens:
             return self.num_speculative_tokens
-        return services_max if self.adaptive_k and costs_known else min(FIXED_K_DEFAULT, services_max)
+        return services_max if self.adaptive_k and costs_known else min(DEFAULT_FIXED_K, services_max)
 
     def lookup_settings(self) -> LookupSettings:
         return LookupSettings(self.ngram_min, self.ngram_max, self.suffix_cache_tokens, max_edits=self.lookup_edits)
