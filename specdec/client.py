@@ -111,8 +111,8 @@ def build_request(
     max_new_tokens: int = 0,
     temperature: float = 0.0,
     top_k: int = 0,
-    top_p: float = 1.0,
-    repetition_penalty: float = 1.0,
+    top_p: float | None = None,
+    repetition_penalty: float | None = None,
     min_p: float = 0.0,
     logit_bias: Mapping[int, float] | None = None,
     presence_penalty: float = 0.0,
@@ -146,9 +146,8 @@ def build_request(
     sampling = common_pb2.SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, min_p=min_p,
         logit_bias=dict(logit_bias or {}), presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        seed=seed,
     )
-    if seed is not None:
-        sampling.seed = seed
     speculation = speculation_options(speculative, num_speculative_tokens, adaptive, method, verification)
     request = gateway_pb2.GenerateRequest(
         max_new_tokens=max_new_tokens, sampling=sampling, stop=list(stop), speculation=speculation

@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 #: n-gram lengths matched, from the longest down.
 MIN_N, MAX_N = 1, 4
+#: Recent occurrences of the matched n-gram measured backward, each up to `MAX_MATCH_LEN` tokens.
+CANDIDATES, MAX_MATCH_LEN = 8, 64
 
 
 class LookupMatch(NamedTuple):
@@ -35,7 +37,10 @@ class LookupMatch(NamedTuple):
 class PromptLookupIndex:
     """The n-grams of one request's tokens, each pointing at its recent continuations."""
 
-    def __init__(self, min_n: int = MIN_N, max_n: int = MAX_N, *, candidates: int = 8, max_match_len: int = 64) -> None:
+    def __init__(
+        self, min_n: int = MIN_N, max_n: int = MAX_N, *, candidates: int = CANDIDATES,
+        max_match_len: int = MAX_MATCH_LEN,
+    ) -> None:
         self.min_n, self.max_n = min_n, max_n
         self.candidates, self.max_match_len = candidates, max(max_match_len, max_n)
         #: tables[n - min_n]: n-gram → index of the token that followed its latest occurrence.

@@ -122,7 +122,7 @@ def main() -> None:
           f"| torch {torch.__version__}, {torch.get_num_threads()} threads")
     retain_freed_memory()  # as the services do: a prefill's large tensors are not page-faulted in anew each time
     runtime = build_runtime("smollm2-135m", dtype="float32")
-    forward, model = runtime.forward, runtime.loaded.model
+    forward, model = runtime.model, runtime.loaded.model
     prompt = long_chat(runtime.loaded.tokenizer, args.tokens)
     print(f"prompt: {len(prompt)} tokens; verify: {K + 1} tokens")
     model.set_attn_implementation("sdpa")

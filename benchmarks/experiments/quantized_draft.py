@@ -29,21 +29,21 @@ PROMPTS = [
 
 def greedy_decode(runtime: ModelRuntime, prompt: list[int], n: int) -> tuple[list[int], float]:
     """Greedy continuation of `prompt` and the decode rate in tokens/s (prefill excluded)."""
-    cache = runtime.forward.new_cache(token_budget=len(prompt) + n + 16)
+    cache = runtime.model.new_cache(token_budget=len(prompt) + n + 16)
     cache.blocks.allocate("bench")
-    logits = runtime.forward.run(cache, [("bench", prompt)])[0]
+    logits = runtime.model.run(cache, [("bench", prompt)])[0]
     out = [int(logits.argmax())]
     start = time.perf_counter()
     while len(out) < n:
-        logits = runtime.forward.run(cache, [("bench", [out[-1]])])[0]
+        logits = runtime.model.run(cache, [("bench", [out[-1]])])[0]
         out.append(int(logits.argmax()))
     return out, (n - 1) / (time.perf_counter() - start)
 
 
 def agreement(draft: ModelRuntime, prompt: list[int], continuation: list[int]) -> float:
-    cache = draft.forward.new_cache(token_budget=len(prompt) + len(continuation) + 16)
+    cache = draft.model.new_cache(token_budget=len(prompt) + len(continuation) + 16)
     cache.blocks.allocate("alpha")
-    logits = draft.forward.run(cache, [("alpha", prompt + continuation[:-1])], logits="all")[0]
+    logits = draft.model.run(cache, [("alpha", prompt + continuation[:-1])], logits="all")[0]
     guesses = logits[len(prompt) - 1 :].argmax(-1)  # [len(continuation)]
     return float((guesses == torch.tensor(continuation)).float().mean())
 

@@ -6,6 +6,7 @@ and assisted generation on the same weights, fixed-K and concurrency sweeps, and
 the services measured themselves; then it writes a results JSON, PNG plots and a Markdown
 page. Modules, in the order a run uses them:
 
+- `command`: `specdec bench`, registered with the `specdec` command (entry point `specdec.commands`);
 - `config`: `BenchConfig` (full and `--quick` presets) and its command-line flags;
 - `stack`: start and stop the three services, read their Info and the gateway's metrics;
 - `workloads`: the chat prompts and one measured request (`RunRecord`);

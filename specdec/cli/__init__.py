@@ -1,7 +1,8 @@
-"""The command line: `specdec serve | generate | info | bench | health`, the process launcher and `make demo`.
+"""The command line: `specdec serve | generate | info | health`, the process launcher and `make demo`.
 
 The top layer: it may import the services and the shared library, and nothing imports it
-(except the benchmark harness, which drives the same launcher). `main` dispatches
+(except the benchmark harness, which drives the same launcher and adds `specdec bench`
+through an entry point, `main.COMMAND_GROUP`). `main` dispatches
 `specdec health`, `specdec generate` and `specdec info` before anything heavy is imported:
 health checks run the first every few seconds, and the others are clients, which need
 neither torch nor a model.

@@ -32,8 +32,8 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1] (default: 1, off)")
+    parser.add_argument("--repetition-penalty", type=float, default=None, help="> 0 (default: 1, off)")
     parser.add_argument("--min-p", type=float, default=0.0,
                         help="drop tokens below this share of the most likely one's probability; 0 = off")
     parser.add_argument("--presence-penalty", type=float, default=0.0,

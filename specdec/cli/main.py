@@ -1,6 +1,7 @@
 """The `specdec` command: `specdec serve` runs the trio, `specdec generate` streams from it,
-`specdec info` shows what its gateway reports (the planner's state included), `specdec bench`
-measures its speed (the harness in benchmarks/specdec_bench)."""
+`specdec info` shows what its gateway reports (the planner's state included). Installed packages
+add subcommands through the `specdec.commands` entry points: the benchmark harness
+(benchmarks/specdec_bench) adds `specdec bench`, which measures its speed."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import argparse
 import dataclasses
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 
 from specdec.cli.generate import add_generate_flags, generate
 from specdec.cli.health import add_health_flags, health
@@ -21,8 +23,6 @@ from specdec.gateway.config import GatewayConfig
 from specdec.serving.config import ModelServiceConfig
 from specdec.serving.logs import LOG_LEVELS, configure_logging
 from specdec.target_server.config import TargetConfig
-from specdec_bench.config import add_bench_flags
-from specdec_bench.config import config_from_args as bench_config_from_args
 
 #: `specdec serve` is the one-command way to try the server, so it answers OpenAI clients at
 #: once, on the port vLLM and SGLang use; `--http-port -1` turns it off.
@@ -31,6 +31,15 @@ SERVE_HTTP_PORT = 8000
 NO_DRAFT = "none"
 #: Each model service binds the gateway's host on a free port; the gateway finds them itself.
 _CHILD_SKIP = ("host", "port")
+#: Entry points that add subcommands: each names a `register(commands)` that adds its parser
+#: and sets the parser's `run` default, a `run(args, argv) -> exit status`.
+COMMAND_GROUP = "specdec.commands"
+#: What `specdec bench` needs where no installed package registers it.
+BENCH_MISSING = (
+    "specdec bench is the benchmark harness's command (benchmarks/specdec_bench), registered when the "
+    "package is installed from a checkout: pip install -e '.[bench]' (make setup)"
+)
+Command = Callable[[argparse.Namespace, Sequence[str]], int]
 
 
 #: Flags of the model services that `specdec serve` lists as advanced although their own
@@ -109,18 +118,9 @@ def _start(children: list[ServiceProcess], module: str, config: ModelServiceConf
     return children[-1].wait_ready()
 
 
-def bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    try:
-        config = bench_config_from_args(args)
-    except SpecdecError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    try:  # tqdm and matplotlib (the `bench` extra) load only when benchmarking
-        from specdec_bench.runner import run
-    except ModuleNotFoundError as error:
-        print(f"error: specdec bench needs {error.name}: pip install -e '.[bench]'", file=sys.stderr)
-        return 1
-    return run(config, argv)
+def _bench_missing(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    print(f"error: {BENCH_MISSING}", file=sys.stderr)
+    return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,22 +133,24 @@ def build_parser() -> argparse.ArgumentParser:
         "info", help="print what a running gateway reports: models, K, and the planner's draft sources",
     ))
     add_health_flags(commands.add_parser("health", help="check a service with grpc.health.v1; exit 0 when SERVING"))
-    add_bench_flags(commands.add_parser(
-        "bench", help="measure speed: starts the trio, writes results JSON, plots and docs/benchmarks.md",
-        description="Speed harness: W1 single requests (plain vs speculative), transformers' plain and assisted "
-        "generate, fixed-K and concurrency sweeps, the services' measured costs. The last line printed is "
-        "'speedup=… vs_hf_assisted=… efficiency=… alpha=… c=…'.",
-    ))
+    for entry in entry_points(group=COMMAND_GROUP):
+        entry.load()(commands)
+    if "bench" not in commands.choices:  # says how to get it, whatever flags follow (`main`)
+        commands.add_parser("bench", help="(not installed)", add_help=False).set_defaults(run=_bench_missing)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and getattr(args, "run", None) is not _bench_missing:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # as parse_args does
     configure_logging(args.log_level)
     if args.command == "serve":
         return serve(args)
-    if args.command == "bench":
-        return bench(args, sys.argv[1:] if argv is None else argv)
+    run: Command | None = getattr(args, "run", None)
+    if run is not None:
+        return run(args, sys.argv[1:] if argv is None else argv)
     if args.command == "health":
         return health(args)
     if args.command == "info":

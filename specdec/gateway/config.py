@@ -8,7 +8,7 @@ from pathlib import Path
 from specdec.errors import InvalidArgumentError
 from specdec.flags import option
 from specdec.gateway.draft_sources import SpeculationMethod
-from specdec.gateway.proposers import LookupSettings
+from specdec.gateway.proposers import DEFAULT_LOOKUP, LookupSettings
 from specdec.serving.config import DEFAULT_DRAIN_TIMEOUT_S
 from specdec.serving.security import ServerSecurity
 from specdec.stats import DEFAULT_PREFIX, check_metrics_prefix
@@ -25,7 +25,7 @@ DEFAULT_DECODE_STEPS = 4
 
 #: K when it is fixed (--no-adaptive-k) and not given: long enough for an accurate draft,
 #: short enough that a rejection early in the round wastes little.
-FIXED_K_DEFAULT = 8
+DEFAULT_FIXED_K = 8
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class GatewayConfig(ServerSecurity):
     #: choose (`k_for`).
     num_speculative_tokens: int = option(
         0, "draft tokens per round, K (the upper bound with --adaptive-k); 0: the services' largest K with "
-        f"--adaptive-k and their measured costs, else {FIXED_K_DEFAULT}",
+        f"--adaptive-k and their measured costs, else {DEFAULT_FIXED_K}",
     )
     #: Structured-output requests draft the tokens their grammar forces (`grammar.rounds`).
     grammar_drafts: bool = option(
@@ -66,8 +66,8 @@ class GatewayConfig(ServerSecurity):
     )
     #: Lookups match the last n tokens, n from the maximum down to the minimum
     #: (`specdec.gateway.proposers`); a longer match is likelier to continue alike.
-    ngram_min: int = option(1, "shortest n-gram a lookup matches", advanced=True)
-    ngram_max: int = option(4, "longest n-gram a lookup matches", advanced=True)
+    ngram_min: int = option(DEFAULT_LOOKUP.min_n, "shortest n-gram a lookup matches", advanced=True)
+    ngram_max: int = option(DEFAULT_LOOKUP.max_n, "longest n-gram a lookup matches", advanced=True)
     #: A lookup first, the model continuing (docs/architecture.md#drafting-without-a-draft-model).
     lookup_guesses: bool = option(
         True, "let the draft model check lookups as guesses: a request's lookup in its first forward, where that "
@@ -82,12 +82,13 @@ class GatewayConfig(ServerSecurity):
     )
     #: Prompt lookup through the edits an answer makes to what it copies (`proposers.edits`).
     lookup_edits: int = option(
-        16, "edits (renamed or reformatted tokens) a request's lookups learn from its answer and repeat "
-        "wherever it copies them again (0 = off)", advanced=True,
+        DEFAULT_LOOKUP.max_edits, "edits (renamed or reformatted tokens) a request's lookups learn from its answer "
+        "and repeat wherever it copies them again (0 = off)", advanced=True,
     )
     #: Memory of the cross-request suffix cache: recorded output tokens, the oldest evicted first.
     suffix_cache_tokens: int = option(
-        65536, "recent output tokens of all requests kept for suffix proposals (0 = off)", advanced=True,
+        DEFAULT_LOOKUP.suffix_cache_tokens, "recent output tokens of all requests kept for suffix proposals (0 = off)",
+        advanced=True,
     )
     #: K = 0 when speculation does not pay, e.g. in crowded rounds on a compute-bound target.
     adaptive_k: bool = option(
@@ -100,7 +101,7 @@ class GatewayConfig(ServerSecurity):
         "a request that drafts by lookup takes one where calls cost little against a step)",
         advanced=True,
     )
-    max_new_tokens_default: int = option(256, "completion length of requests that set none", flag="max-new-tokens")
+    default_max_new_tokens: int = option(256, "completion length of requests that set none", flag="max-new-tokens")
     max_batch_size: int = option(16, "requests decoded together; more wait in the queue")
     max_queue: int = option(
         64, "requests waiting for admission; beyond this Generate answers RESOURCE_EXHAUSTED (HTTP: 429)",
@@ -192,7 +193,7 @@ class GatewayConfig(ServerSecurity):
         if self.num_speculative_tokens < 0:
             raise InvalidArgumentError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         positive = (
-            "decode_steps", "max_new_tokens_default", "max_batch_size", "max_queue", "max_request_bytes",
+            "decode_steps", "default_max_new_tokens", "max_batch_size", "max_queue", "max_request_bytes",
             "max_message_bytes",
         )
         for name in positive:
@@ -222,10 +223,10 @@ class GatewayConfig(ServerSecurity):
         """K for requests that name none, where the services accept at most `services_max`: the
         flag's, or by default their largest under adaptive K with the services' costs known
         (the planner drafts only as long as pays, and long copies pay at the longest K), and
-        FIXED_K_DEFAULT where K stays fixed (no adaptive K, or no costs to adapt by)."""
+        DEFAULT_FIXED_K where K stays fixed (no adaptive K, or no costs to adapt by)."""
         if self.num_speculative_tokens:
             return self.num_speculative_tokens
-        return services_max if self.adaptive_k and costs_known else min(FIXED_K_DEFAULT, services_max)
+        return services_max if self.adaptive_k and costs_known else min(DEFAULT_FIXED_K, services_max)
 
     def lookup_settings(self) -> LookupSettings:
         return LookupSettings(self.ngram_min, self.ngram_max, self.suffix_cache_tokens, max_edits=self.lookup_edits)

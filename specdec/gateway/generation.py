@@ -25,7 +25,7 @@ from specdec.gateway.requests import RequestPolicy, completion_to_pb, new_sequen
 from specdec.gateway.scheduler import Scheduler
 from specdec.gateway.sequence import Delta, FinishReason, Sequence
 from specdec.gateway.stats import GatewayStats
-from specdec.serving.worker import ModelWorker
+from specdec.serving.serial_executor import SerialExecutor
 from specdec.v1 import gateway_pb2
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class Generations:
         #: Tokenization and chat rendering run here, off the event loop: a long prompt must not
         #: stall health checks and other streams. One thread, as the tokenizer is not made
         #: for concurrent use.
-        self.tokenizer_thread = ModelWorker("gateway-tokenizer")
+        self.tokenizer_thread = SerialExecutor("gateway-tokenizer")
         if state.policy.grammars is not None:  # the grammar tokenizer takes seconds: build it now
             self.tokenizer_thread.submit(state.policy.grammars.warm)
         #: Generations between `start` and their end, and whether there are none.

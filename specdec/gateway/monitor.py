@@ -18,7 +18,7 @@ import grpc
 
 from specdec.gateway.model_clients import DraftAPI, TargetAPI
 from specdec.gateway.stats import GatewayStats
-from specdec.serving.worker import cancel_and_wait
+from specdec.serving.serial_executor import cancel_and_wait
 from specdec.wire.model_info import ModelInfo
 
 log = logging.getLogger(__name__)

@@ -72,7 +72,7 @@ class RequestPolicy:
     speculative: bool
     num_speculative_tokens: int
     adaptive_k: bool
-    max_new_tokens_default: int
+    default_max_new_tokens: int
     #: Every slot id starts with it: this gateway's instance name and incarnation, so gateways
     #: sharing a service never clash and an operator can tell whose slots a service holds.
     slot_prefix: str = ""
@@ -126,7 +126,7 @@ def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) ->
         sampling=sampling,
         # Capped at what the sequence limit leaves (unless refused above): a request for 10**9
         # tokens is a request for as many as fit, not a claim on 10**9 tokens of anything.
-        max_new_tokens=min(request.max_new_tokens or policy.max_new_tokens_default, room),
+        max_new_tokens=min(request.max_new_tokens or policy.default_max_new_tokens, room),
         num_speculative_tokens=k if speculate else 0,
         adaptive=adaptive,
         method=method,

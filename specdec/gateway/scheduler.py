@@ -36,7 +36,7 @@ from specdec.gateway.speculative_step import first_tokens, plan_k, plan_steps, r
 from specdec.gateway.stats import GatewayStats
 from specdec.gateway.token_logprobs import first_logprobs
 from specdec.serving.errors import status_of
-from specdec.serving.worker import ModelWorker, cancel_and_wait
+from specdec.serving.serial_executor import SerialExecutor, cancel_and_wait
 from specdec.wire.items import PrefillItem
 
 log = logging.getLogger(__name__)
@@ -132,8 +132,8 @@ class Scheduler:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         #: Sampling and acceptance are tensor work: off the event loop, on one thread (see
-        #: `specdec.serving.worker`), which also keeps one OpenMP thread team per process.
-        self.sampler = ModelWorker("gateway-sampler")
+        #: `specdec.serving.serial_executor`), which also keeps one OpenMP thread team per process.
+        self.sampler = SerialExecutor("gateway-sampler")
 
     # -- public ------------------------------------------------------------------------
 

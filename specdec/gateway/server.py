@@ -68,7 +68,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             speculative_enabled=s.config.speculative,
             default_num_speculative_tokens=s.policy.num_speculative_tokens,
             max_speculative_tokens=s.policy.max_speculative_tokens,
-            max_new_tokens_default=s.config.max_new_tokens_default,
+            default_max_new_tokens=s.config.default_max_new_tokens,
             adaptive_k=s.config.adaptive_k and s.scheduler.planner.can_adapt,
             default_speculation_method=method_to_pb(s.policy.default_method),
             planner=planner_to_pb(s.stats.planner),
@@ -266,7 +266,7 @@ def new_policy(config: GatewayConfig, services: Services, tokenizer: PreTrainedT
         has_draft=services.draft is not None, speculative=config.speculative,
         num_speculative_tokens=config.k_for(services.max_speculative_tokens, services.costs_known),
         adaptive_k=config.adaptive_k,
-        max_new_tokens_default=config.max_new_tokens_default, slot_prefix=f"{lease.holder}/{lease.incarnation}/",
+        default_max_new_tokens=config.default_max_new_tokens, slot_prefix=f"{lease.holder}/{lease.incarnation}/",
         default_method=SpeculationMethod(config.speculation_method),
         grammars=GrammarCompiler(tokenizer, info.tokenizer.vocab_size, sorted(info.tokenizer.eos_token_ids)),
     )

@@ -35,7 +35,7 @@ from specdec.sampling.rejection_sampler import RejectionResult
 from specdec.sampling.sparse_probs import SparseRows
 from specdec.sampling.token_masks import TokenMasks
 from specdec.sampling.transforms import logits_to_probs
-from specdec.serving.worker import ModelWorker
+from specdec.serving.serial_executor import SerialExecutor
 from specdec.wire.items import (
     ArgmaxMode,
     DecodeMode,
@@ -233,7 +233,7 @@ def first_tokens(seqs: list[Sequence], logits: dict[str, torch.Tensor],
 
 
 async def run_round(
-    target: TargetAPI, draft: DraftAPI | None, seqs: list[Sequence], plan: RoundPlan, sampler: ModelWorker,
+    target: TargetAPI, draft: DraftAPI | None, seqs: list[Sequence], plan: RoundPlan, sampler: SerialExecutor,
     max_seq_len: int, deadlines: Deadlines, handoff: KVHandoff | None = None,
 ) -> RoundReport:
     """Fill the draft's cache from the target's where the plan says (`handoff`), then propose,

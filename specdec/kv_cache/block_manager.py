@@ -100,18 +100,12 @@ class BlockManager:
     def has_slot(self, slot_id: str) -> bool:
         return slot_id in self._tables
 
-    def slot_ids(self) -> list[str]:
-        return list(self._tables)
-
     def length(self, slot_id: str) -> int:
         self._table(slot_id)
         return self._lengths[slot_id]
 
     def block_table(self, slot_id: str) -> list[int]:
         return list(self._table(slot_id))
-
-    def refcount(self, block_id: int) -> int:
-        return self._refcount[block_id]
 
     def positions(self, slot_id: str, start: int = 0, end: int | None = None) -> list[int]:
         """Flat cache positions of tokens [start, end) of the slot (end defaults to its length)."""
@@ -131,9 +125,6 @@ class BlockManager:
         n = _count(num_new_tokens, "num_new_tokens")
         table = self._table(slot_id)
         return _ceil_div(self._lengths[slot_id] + n, self.block_size) - len(table)
-
-    def can_append(self, slot_id: str, num_new_tokens: int) -> bool:
-        return self.blocks_needed(slot_id, num_new_tokens) <= len(self._free)
 
     def allocate(self, slot_id: str, prefix: list[int] | None = None) -> None:
         """Register a slot: empty, or holding `prefix`, registered blocks that `cached_prefix`
@@ -185,9 +176,6 @@ class BlockManager:
             parent = next(self._next_id)
             self._block_of_key[key], self._registered_as[block_id] = block_id, (key, parent)
             self._registered[slot_id] = i + 1
-
-    def num_registered_blocks(self) -> int:
-        return len(self._registered_as)
 
     def append(self, slot_id: str, num_new_tokens: int) -> list[int]:
         """Grow the slot by n tokens; return their flat cache positions. All-or-nothing."""
@@ -256,35 +244,6 @@ class BlockManager:
         del self._tables[slot_id]
         del self._lengths[slot_id]
         del self._registered[slot_id]
-
-    def check_invariants(self) -> None:
-        """Raise RuntimeError if the bookkeeping is inconsistent (a bug, never bad input)."""
-        owners = [0] * self.num_blocks
-        for slot_id, table in self._tables.items():
-            length = self._lengths[slot_id]
-            if length < 0 or len(table) != _ceil_div(length, self.block_size):
-                raise RuntimeError(f"slot {slot_id!r}: {len(table)} blocks for {length} tokens")
-            if len(set(table)) != len(table):
-                raise RuntimeError(f"slot {slot_id!r} holds a block twice: {table}")
-            for block_id in table:
-                owners[block_id] += 1
-        free = set(self._free)
-        for block_id in range(self.num_blocks):
-            count = self._refcount[block_id]
-            if count != owners[block_id]:
-                raise RuntimeError(
-                    f"block {block_id}: refcount {count}, {owners[block_id]} owner(s)"
-                )
-            if (count == 0) != (block_id in free):
-                raise RuntimeError(f"block {block_id}: refcount {count}, free: {block_id in free}")
-        for key, block_id in self._block_of_key.items():
-            if block_id not in self._registered_as or self._registered_as[block_id][0] != key:
-                raise RuntimeError(f"block {block_id}: prefix-cache index disagrees")
-        if len(self._registered_as) != len(self._block_of_key):
-            raise RuntimeError("prefix-cache index disagrees")
-        for slot_id, registered in self._registered.items():
-            if any(block_id not in self._registered_as for block_id in self._tables[slot_id][:registered]):
-                raise RuntimeError(f"slot {slot_id!r}: a block counted as registered is not")
 
     def _table(self, slot_id: str) -> list[int]:
         try:

@@ -54,10 +54,10 @@ class StepGraphs:
     """
 
     def __init__(
-        self, forward: PagedLlama, cache: PagedKVCache, *, max_requests: int, max_tokens: int, max_blocks: int,
+        self, model: PagedLlama, cache: PagedKVCache, *, max_requests: int, max_tokens: int, max_blocks: int,
         capture: bool,
     ) -> None:
-        self.forward, self.cache = forward, cache
+        self.model, self.cache = model, cache
         self.limits = StepShape(max_requests, max_tokens, max_blocks)
         self.capture = capture
         self._steps: dict[StepShape, _Step] = {}
@@ -91,7 +91,7 @@ class StepGraphs:
         else:
             _copy_inputs(step.inputs, batch)
         if step.graph is None:
-            return self.forward.forward(step.inputs, self.cache, step.rows)
+            return self.model.forward(step.inputs, self.cache, step.rows)
         assert step.logits is not None
         step.graph.replay()
         return step.logits
@@ -106,11 +106,11 @@ class StepGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.forward.forward(batch, self.cache, rows)
+            self.model.forward(batch, self.cache, rows)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.forward.forward(batch, self.cache, rows)  # [R*T, vocab]
+            logits = self.model.forward(batch, self.cache, rows)  # [R*T, vocab]
         self._pool = graph.pool()
         log.info("captured a CUDA graph for steps of %d x %d tokens over %d blocks (%d graphs)",
                  *batch.input_ids.shape, batch.block_tables.shape[1], len(self._steps) + 1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,9 @@ from specdec.model.forward_batch import (
 from specdec.model.linear import DenseLinear, fastest_wide_kernel, fuse
 
 SUPPORTED_MODEL_TYPES = ("llama",)
+#: Which positions of each chunk a forward scores: its last token's (a prefill, a decode step) or
+#: every token's (a verify chunk, a draft that keeps each position's q).
+LogitRows = Literal["last", "all"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -148,8 +151,8 @@ class PagedLlama:
         )
 
     def run(
-        self, cache: PagedKVCache, chunks: list[tuple[str, list[int]]], logits: str = "last", *, prompt: bool = True,
-        chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+        self, cache: PagedKVCache, chunks: list[tuple[str, list[int]]], logits: LogitRows = "last", *,
+        prompt: bool = True, chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
     ) -> list[torch.Tensor]:
         """Append each (slot, tokens) chunk to its slot (all or nothing), then `compute` them.
 
@@ -161,8 +164,8 @@ class PagedLlama:
 
     @torch.inference_mode()
     def compute(
-        self, cache: PagedKVCache, chunks: list[tuple[str, list[int]]], logits: str = "last", *, prompt: bool = True,
-        chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+        self, cache: PagedKVCache, chunks: list[tuple[str, list[int]]], logits: LogitRows = "last", *,
+        prompt: bool = True, chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
     ) -> list[torch.Tensor]:
         """Batched forwards over chunks already appended to their slots; writes their K/V.
 
@@ -172,8 +175,6 @@ class PagedLlama:
         decode steps) lets wide inputs take the matmul kernel measured fastest; a prompt's keep
         the one whose rounding matches transformers' (`specdec.model.linear`).
         """
-        if logits not in ("last", "all"):
-            raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
         check_chunks(chunks)
         starts = [cache.blocks.length(slot_id) - len(tokens) for slot_id, tokens in chunks]
         out: list[list[torch.Tensor]] = [[] for _ in chunks]

@@ -44,14 +44,15 @@ class ModelRuntime:
     """What a service needs to run a model: weights, tokenizer and the paged forward."""
 
     loaded: LoadedModel
-    forward: PagedLlama
+    #: Our paged forward over `loaded.model`'s weights.
+    model: PagedLlama
     quantization: str
     #: What made the start-up choices (None: the untuned defaults).
     tuner: RuntimeTuner | None = None
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.forward.dtype
+        return self.model.dtype
 
 
 def build_runtime(
@@ -98,8 +99,8 @@ def build_runtime(
     head = loaded.model.lm_head
     if isinstance(head, Int8Linear) and tuner is not None:
         loaded.model.lm_head = tuner.output_head(head, DEFAULT_SHORTLIST, int4_kernel, prefer)
-    forward = PagedLlama(loaded.model)
+    paged = PagedLlama(loaded.model)
     if tuner is not None:
-        tuner.dense_kernels(forward)
-        tuner.int4_wide_kernels(forward)
-    return ModelRuntime(loaded=loaded, forward=forward, quantization=quantization, tuner=tuner)
+        tuner.dense_kernels(paged)
+        tuner.int4_wide_kernels(paged)
+    return ModelRuntime(loaded=loaded, model=paged, quantization=quantization, tuner=tuner)

@@ -18,6 +18,7 @@ from specdec.cost_model import ForwardCost
 from specdec.errors import CapacityExhaustedError, DrainingError, InvalidArgumentError, SlotNotFoundError
 from specdec.model.cuda_graphs import StepGraphs
 from specdec.model.forward_batch import StepShape
+from specdec.model.llama import LogitRows
 from specdec.model.loader import weights_fingerprint
 from specdec.model.runtime import ModelRuntime
 from specdec.model.tokenizer_info import TokenizerInfo
@@ -39,8 +40,8 @@ class ModelEngine:
     def __init__(self, runtime: ModelRuntime, config: ModelServiceConfig) -> None:
         self.runtime = runtime
         self.config = config
-        self.forward = runtime.forward
-        self.cache = self.forward.new_cache(token_budget=config.kv_token_budget, block_size=config.block_size)
+        self.model = runtime.model
+        self.cache = self.model.new_cache(token_budget=config.kv_token_budget, block_size=config.block_size)
         self.tokenizer_info = TokenizerInfo.of(runtime.loaded.model, runtime.loaded.tokenizer)
         model_limit = int(getattr(runtime.loaded.model.config, "max_position_embeddings", 0) or 0)
         limits = [self.cache.capacity_tokens] + [n for n in (config.max_seq_len, model_limit) if n > 0]
@@ -56,9 +57,9 @@ class ModelEngine:
         self.draining = False
         #: The start-up choices: the runtime's tuner (a fresh one, without a cache, when it has none).
         self.tuner = runtime.tuner if isinstance(runtime.tuner, StartupTuner) else StartupTuner()
-        self.tuner.attention(self.forward, config.attention)
+        self.tuner.attention(self.model, config.attention)
         self.tuner.note("prefill_chunk_tokens", config.prefill_chunk_tokens, "flag")
-        self.tuner.layer_path(self.forward, self.cache, config.compile, config.compile_budget_s, config.measure_costs)
+        self.tuner.layer_path(self.model, self.cache, config.compile, config.compile_budget_s, config.measure_costs)
         #: The one shape of every verify and decode forward, or None: each forward its own
         #: (`specdec.model.forward_batch.StepShape`; the target's --batch-invariant).
         self.step_shape: StepShape | None = None
@@ -66,7 +67,7 @@ class ModelEngine:
         self.graphs = self._step_graphs(config)
         #: Forward costs measured on this machine at start-up (empty when disabled).
         self.forward_costs: tuple[ForwardCost, ...] = self.tuner.forward_costs(
-            self.forward, self.cache, max_batch=config.max_slots, max_tokens=config.max_speculative_tokens + 1,
+            self.model, self.cache, max_batch=config.max_slots, max_tokens=config.max_speculative_tokens + 1,
             enabled=config.measure_costs,
         )
         _, _, kv_heads, head_dim = self.cache.kv[0].shape
@@ -79,7 +80,7 @@ class ModelEngine:
 
     @property
     def vocab_size(self) -> int:
-        return self.forward.vocab_size
+        return self.model.vocab_size
 
     def info(self) -> ModelInfo:
         return ModelInfo(
@@ -93,11 +94,11 @@ class ModelEngine:
             max_slots=self.config.max_slots,
             active_slots=len(self.tokens),
             max_speculative_tokens=self.config.max_speculative_tokens,
-            dtype=str(self.forward.dtype).removeprefix("torch."),
+            dtype=str(self.model.dtype).removeprefix("torch."),
             device=str(self.cache.device),
             quantization="" if self.runtime.quantization == "none" else self.runtime.quantization,
             forward_costs=self.forward_costs,
-            compiled_steps=self.tuner.compiled_steps(self.forward),
+            compiled_steps=self.tuner.compiled_steps(self.model),
             tuning=tuple(self.tuner.choices),
             pending_graphs=len(self.tuner.pending),
             kv_layout=self.kv_layout,
@@ -284,32 +285,34 @@ class ModelEngine:
     def _step_graphs(self, config: ModelServiceConfig) -> StepGraphs | None:
         """CUDA graphs of the steps where they run: on CUDA, over eager layers (a compiled layer
         runner makes its own), unless --no-cuda-graphs."""
-        device = self.forward.embed_tokens.weight.device
-        eager = self.forward.layer_runner == self.forward.eager_layers
+        device = self.model.embed_tokens.weight.device
+        eager = self.model.layer_runner == self.model.eager_layers
         wanted = config.cuda_graphs and device.type == "cuda" and eager
         why = "" if wanted or not config.cuda_graphs else (device.type if device.type != "cuda" else "compiled layers")
         self.tuner.note("cuda_graphs", wanted, "fixed" if config.cuda_graphs else "flag", why)
         if not wanted:
             return None
         return StepGraphs(
-            self.forward, self.cache, max_requests=config.max_slots, max_tokens=config.max_speculative_tokens + 1,
+            self.model, self.cache, max_requests=config.max_slots, max_tokens=config.max_speculative_tokens + 1,
             max_blocks=-(-self.max_seq_len // self.cache.block_size), capture=True,
         )
 
-    def _forward(self, chunks: list[tuple[str, list[int]]], logits: str, prompt: bool) -> list[torch.Tensor]:
+    def _forward(self, chunks: list[tuple[str, list[int]]], logits: LogitRows, prompt: bool) -> list[torch.Tensor]:
         """The forwards of `_run`: verify and decode steps in `step_shape` when there is one, else
         in a bucket of `graphs` when there are graphs and the step fits one."""
         # Compiled layers installed after start-up (`model_service`) replace the graphs.
-        graphs = self.graphs if self.forward.layer_runner == self.forward.eager_layers else None
+        graphs = self.graphs if self.model.layer_runner == self.model.eager_layers else None
         shape = None if prompt else self.step_shape or (graphs.shape_for(chunks) if graphs is not None else None)
         if shape is None:
-            return self.forward.compute(self.cache, chunks, logits=logits, prompt=prompt,
-                                        chunk_tokens=self.config.prefill_chunk_tokens)
+            return self.model.compute(self.cache, chunks, logits=logits, prompt=prompt,
+                                      chunk_tokens=self.config.prefill_chunk_tokens)
         run = graphs.run if graphs is not None else None
-        rows = self.forward.compute_fixed(self.cache, chunks, shape, run)  # [len(tokens), vocab] each
+        rows = self.model.compute_fixed(self.cache, chunks, shape, run)  # [len(tokens), vocab] each
         return rows if logits == "all" else [chunk_rows[-1] for chunk_rows in rows]
 
-    def _run(self, chunks: list[tuple[str, list[int]]], logits: str, *, prompt: bool = True) -> list[torch.Tensor]:
+    def _run(
+        self, chunks: list[tuple[str, list[int]]], logits: LogitRows, *, prompt: bool = True
+    ) -> list[torch.Tensor]:
         """One batched forward that appends each chunk to its slot; all or nothing. `prompt`
         as in `PagedLlama.compute` (False for verify and decode steps)."""
         before = {slot_id: len(self.tokens[slot_id]) for slot_id, _ in chunks}

@@ -69,7 +69,7 @@ class ServiceStats:
 
 def service_families(stats: ServiceStats, engine: ModelEngine, prefix: str) -> Iterator[Metric]:
     f = Families(prefix, {"model_name": engine.runtime.loaded.name, "service": stats.service})
-    forward = engine.forward
+    forward = engine.model
     yield f.gauge("service_model_info", "How the model runs (always 1): weights, compute dtype, device, and whether a "
                   "single request's decode step runs compiled decoder layers",
                   ["quantization", "dtype", "device", "decode_layers"],

@@ -25,8 +25,8 @@ from specdec.serving.engine import ModelEngine
 from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer, start_server
 from specdec.serving.metrics import ServiceStats, service_endpoint
+from specdec.serving.serial_executor import SerialExecutor, cancel_and_wait
 from specdec.serving.streams import Req, Resp, answer_each
-from specdec.serving.worker import ModelWorker, cancel_and_wait
 from specdec.tuning.cost_profile import one_token_step
 from specdec.tuning.heap import retain_freed_memory
 from specdec.tuning.inductor import use_compile_cache
@@ -47,7 +47,7 @@ T = TypeVar("T")
 class SlotServicer:
     """Info, Truncate and Release over an engine, run on the service's model worker."""
 
-    def __init__(self, engine: ModelEngine, worker: ModelWorker, stats: ServiceStats) -> None:
+    def __init__(self, engine: ModelEngine, worker: SerialExecutor, stats: ServiceStats) -> None:
         self.engine = engine
         self.worker = worker
         self.stats = stats
@@ -106,7 +106,7 @@ GRAPH_RETRY_S = 1.0
 IDLE_BEFORE_TIMING_S = 1.0
 
 
-async def load_graphs_after_start(engine: ModelEngine, worker: ModelWorker) -> None:
+async def load_graphs_after_start(engine: ModelEngine, worker: SerialExecutor) -> None:
     """Load the compiled graphs the start-up left for later (`StartupTuner.load_pending`), one
     per model-worker call: a request arriving meanwhile waits for at most one graph."""
     started = time.perf_counter()
@@ -115,20 +115,20 @@ async def load_graphs_after_start(engine: ModelEngine, worker: ModelWorker) -> N
     while await worker.run(engine.tuner.load_pending, engine.cache):
         await asyncio.sleep(GRAPH_RETRY_S if engine.cache.blocks.free_tokens < engine.cache.capacity_tokens // 2 else 0)
     log.info("compiled steps loaded after start-up in %.1f s: %s%s", time.perf_counter() - started,
-             ", ".join(engine.tuner.compiled_steps(engine.forward)) or "none",
+             ", ".join(engine.tuner.compiled_steps(engine.model)) or "none",
              f" (measured: {', '.join(engine.tuner.loaded_detail)})" if engine.tuner.loaded_detail else "")
-    if engine.tuner.costs_outdated(engine.forward):
+    if engine.tuner.costs_outdated(engine.model):
         await time_costs_again(engine, worker)
 
 
-async def time_costs_again(engine: ModelEngine, worker: ModelWorker) -> None:
+async def time_costs_again(engine: ModelEngine, worker: SerialExecutor) -> None:
     """Time the forward cost table again with the steps the service now serves, one forward
     per model-worker call once no request came for `IDLE_BEFORE_TIMING_S` (a request arriving
     meanwhile waits for at most one forward, and the timings are not those of a busy machine),
     and publish it: the gateway adopts the new table from the next Info. Where the pool runs
     out of room on the way, the old table stays."""
     config, old = engine.config, engine.forward_costs
-    steps = engine.tuner.remeasure_costs(engine.forward, engine.cache, max_batch=config.max_slots,
+    steps = engine.tuner.remeasure_costs(engine.model, engine.cache, max_batch=config.max_slots,
                                          max_tokens=config.max_speculative_tokens + 1)
     started = time.perf_counter()
     try:
@@ -183,7 +183,7 @@ async def release_slots(engine: ModelEngine, timeout_s: float) -> None:
         log.info("drained in %.1f s", time.monotonic() - started)
 
 
-async def expire_leases_forever(engine: ModelEngine, worker: ModelWorker) -> None:
+async def expire_leases_forever(engine: ModelEngine, worker: SerialExecutor) -> None:
     """Free the slots of silent gateways, checking a few times per TTL (at least every second)."""
     interval = min(1.0, engine.leases.ttl_s / 4)
     while True:
@@ -245,7 +245,7 @@ async def start_model_service(
     config: C,
     engine: E | None,
     engine_cls: Callable[[ModelRuntime, C], E],
-    make_servicer: Callable[[E, ModelWorker, ServiceStats], SlotServicer],
+    make_servicer: Callable[[E, SerialExecutor, ServiceStats], SlotServicer],
     add_servicer: Callable[[SlotServicer, grpc.aio.Server], None],
     service_name: str,
     work_methods: Sequence[str],
@@ -257,7 +257,7 @@ async def start_model_service(
     model) keeps its own thread team, which roughly halves small-kernel speed on 2 cores.
     Its compute times wait for the configured device.
     """
-    worker = ModelWorker(service_name.rsplit(".", 1)[-1], clock=device_clock(config.device))
+    worker = SerialExecutor(service_name.rsplit(".", 1)[-1], clock=device_clock(config.device))
     if engine is None:
         engine = await worker.run(build_engine, engine_cls, config)
     label = service_name.rsplit(".", 1)[-1].removesuffix("Service").lower()  # "target" / "draft"

@@ -47,7 +47,7 @@ class TargetEngine(ModelEngine):
         self.tuner.note("batch_invariant", config.batch_invariant, "flag")
         if config.batch_invariant:
             tokens, blocks = config.max_speculative_tokens + 1, -(-self.max_seq_len // self.cache.block_size)
-            invariant = self.forward.fixed_shape(config.invariant_batch, tokens, blocks)
+            invariant = self.model.fixed_shape(config.invariant_batch, tokens, blocks)
             # Where no width is position-invariant, the shape as asked: then only equal positions are bit-exact.
             self.step_shape = invariant or StepShape(config.invariant_batch, tokens, blocks)
             self.tuner.note("invariant_step_tokens", self.step_shape.tokens, "measured",

@@ -133,11 +133,11 @@ class CompiledLayers:
     the shape classes in `shapes`, eager for every other forward. Nothing is compiled until
     the first call of a shape with `compile_on_miss` set."""
 
-    def __init__(self, forward: PagedLlama, layers_per_call: int = 0) -> None:
-        self.forward = forward
-        self.layers_per_call = layers_per_call or layers_per_compiled_call(len(forward.layers))
+    def __init__(self, model: PagedLlama, layers_per_call: int = 0) -> None:
+        self.model = model
+        self.layers_per_call = layers_per_call or layers_per_compiled_call(len(model.layers))
         self.group: Callable[..., torch.Tensor] = torch.compile(
-            forward.layer_group, options=compile_options(forward.embed_tokens.weight.device)
+            model.layer_group, options=compile_options(model.embed_tokens.weight.device)
         )
         #: Shape classes (`shape_class`) whose layers run compiled.
         self.shapes: set[Shape] = set()
@@ -155,9 +155,9 @@ class CompiledLayers:
         and then runs with the full guard check, eager where no graph covers it."""
         if (shape_class(hidden.shape[0], hidden.shape[1]) not in self.shapes
                 or inputs.attention.layout is not ContextLayout.MASKED):  # a 1- or 2-token prompt
-            return self.forward.eager_layers(hidden, inputs, cache)
+            return self.model.eager_layers(hidden, inputs, cache)
         self._mark_dynamic(hidden, inputs, cache)
-        layers, step = self.forward.layers, self.layers_per_call
+        layers, step = self.model.layers, self.layers_per_call
         skip_guards = not self.compile_on_miss
         for start in range(0, len(layers), step):
             group = slice(start, start + step)
@@ -286,10 +286,10 @@ def load_graphs(
     `cache` has no room for the warm-up slots (try again later)."""
     if not _has_room(cache):
         return None
-    with _step_slots(runner.forward, cache) as step:
+    with _step_slots(runner.model, cache) as step:
         _build_graphs(runner, shapes, step, math.inf)
         built = [shape for shape in shapes if shape in runner.shapes]
-        return _time_both_paths(runner.forward, runner, built, step) if timed and built else {}
+        return _time_both_paths(runner.model, runner, built, step) if timed and built else {}
 
 
 def _has_room(cache: PagedKVCache) -> bool:
@@ -321,7 +321,7 @@ def _build_graphs(
     """Build the graph of each of `shapes` by running its warm-up steps while `budget_s` lasts,
     adding it to `runner.shapes`; return the seconds spent. A batch warms up at 2 and then 3
     requests, so that its graph takes any batch size."""
-    clock = device_clock(runner.forward.embed_tokens.weight.device)
+    clock = device_clock(runner.model.embed_tokens.weight.device)
     started = clock()
     runner.compile_on_miss = True
     try:

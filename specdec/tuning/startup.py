@@ -283,7 +283,7 @@ class StartupTuner:
             self.loaded_detail.append(times_detail(key, eager, compiled))
             if self.store is not None and self.key is not None:
                 self.store.save(self.key, self.values)
-        self._publish(self.runner.forward)
+        self._publish(self.runner.model)
         return bool(self.pending)
 
     def compiled_steps(self, forward: PagedLlama) -> tuple[str, ...]:

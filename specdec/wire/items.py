@@ -25,12 +25,12 @@ from specdec.wire.token_masks import token_masks_from_pb, token_masks_to_pb
 
 
 def sampling_from_pb(message: common_pb2.SamplingParams) -> SamplingParams:
-    """Proto defaults (0) mean "off" for top_p and repetition_penalty; validation names the field."""
+    """Unset top_p and repetition_penalty mean "off" (1); validation names the field."""
     return SamplingParams(
         temperature=message.temperature,
         top_k=message.top_k,
-        top_p=message.top_p or 1.0,
-        repetition_penalty=message.repetition_penalty or 1.0,
+        top_p=message.top_p if message.HasField("top_p") else 1.0,
+        repetition_penalty=message.repetition_penalty if message.HasField("repetition_penalty") else 1.0,
         seed=message.seed if message.HasField("seed") else None,
         min_p=message.min_p,
         logit_bias=tuple(message.logit_bias.items()),

@@ -46,10 +46,8 @@ def torch_dtype(wire: int) -> torch.dtype:
         raise InvalidArgumentError(f"unsupported tensor dtype {wire}") from None
 
 
-def encode_tensor(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> common_pb2.Tensor:
-    """Serialise `tensor` (any device), optionally cast to `dtype` first."""
-    if dtype is not None and tensor.dtype != dtype:
-        tensor = tensor.to(dtype)
+def encode_tensor(tensor: torch.Tensor) -> common_pb2.Tensor:
+    """Serialise `tensor` (any device) in its own dtype."""
     wire = wire_dtype(tensor.dtype)
     bits = tensor.detach().to("cpu").contiguous().view(_BITS_DTYPE[tensor.dtype]).numpy()
     if not _LITTLE_ENDIAN:

@@ -22,6 +22,7 @@ from specdec.sampling.sparse_probs import MIN_DRAFT_PROB
 from specdec.v1 import common_pb2, draft_pb2
 from specdec.wire import items as wire_items
 from specdec.wire.items import sparse_from_pb
+from tests.support.block_pool import check_pool
 from tests.support.services import Service, greedy_continuation, rpc_error
 
 GREEDY = common_pb2.SamplingParams(temperature=0.0)
@@ -206,7 +207,7 @@ def test_a_cached_prompt_drafts_what_a_computed_one_does(draft: Service, prompts
     assert draft.engine.prefix_cache_hits - hits == (len(prompt) - 1) // 16 * 16
     assert list(again.tokens) == list(first.tokens)
     torch.testing.assert_close(q_of(again), q_of(first), atol=5e-5, rtol=0)
-    draft.engine.cache.blocks.check_invariants()
+    check_pool(draft.engine.cache.blocks, draft.engine.tokens)
 
 
 def test_seeded_sampling_is_independent_of_the_batch(draft: Service, prompts: list[list[int]]) -> None:
@@ -289,7 +290,7 @@ def test_free_kv_tokens_drop_after_propose_and_release_returns_every_block(
         draft.stub.Release(common_pb2.ReleaseRequest(slot_id=f"s{i}"))
     end = draft.info()
     assert (end.free_kv_tokens, end.active_slots) == (start.free_kv_tokens, 0)
-    draft.engine.cache.blocks.check_invariants()
+    check_pool(draft.engine.cache.blocks, draft.engine.tokens)
     assert not draft.engine.generators  # per-slot generators are forgotten too
 
 

@@ -75,7 +75,7 @@ def test_the_proposal_is_the_drafts_own_whatever_the_guess(
             assert guessed.probs is None
         else:
             assert plain.probs is not None and guessed.probs is not None
-            vocab = fp32_runtime.forward.vocab_size
+            vocab = fp32_runtime.model.vocab_size
             torch.testing.assert_close(guessed.probs.distributions(vocab), plain.probs.distributions(vocab),
                                        atol=1e-5, rtol=1e-4)
 
@@ -154,7 +154,7 @@ def test_the_drafts_own_guesses_change_only_its_forwards(
     assert guessed.tokens == plain.tokens and guessed.cached_len == plain.cached_len
     if not sampling.is_greedy:
         assert plain.probs is not None and guessed.probs is not None
-        vocab = fp32_runtime.forward.vocab_size
+        vocab = fp32_runtime.model.vocab_size
         torch.testing.assert_close(guessed.probs.distributions(vocab), plain.probs.distributions(vocab),
                                    atol=1e-5, rtol=1e-4)
     # Every draw takes its row from a forward's first token or from a guessed one (saved).
@@ -238,7 +238,7 @@ def test_the_draft_stops_after_a_stop_token(
     valid = len(PROMPT) + 3
     assert stopped.cached_len == len(draft.tokens["s"]) == valid + j
     if not sampling.is_greedy:
-        assert stopped.probs is not None and len(stopped.probs.distributions(fp32_runtime.forward.vocab_size)) == j + 1
+        assert stopped.probs is not None and len(stopped.probs.distributions(fp32_runtime.model.vocab_size)) == j + 1
     # Accept all but the stop token and go on: the same as a draft that never stopped.
     after = draft.propose([ProposeItem("s", valid + j, [42], K, sampling)])[0]
     reference = engine(fp32_runtime)

@@ -158,7 +158,7 @@ generate_requests = st.builds(
 def test_fuzz_gateway_requests(start_stack: StartStack, int8_runtime: ModelRuntime) -> None:
     # Short sequences keep 10**9-token requests quick: the gateway caps them at max_seq_len.
     short = dict(kv_token_budget=512, max_seq_len=48)
-    stack = start_stack(int8_runtime, target=short, draft=short, max_new_tokens_default=3)
+    stack = start_stack(int8_runtime, target=short, draft=short, default_max_new_tokens=3)
     client = SpecdecClient(stack.address, timeout=60)
 
     @settings(FUZZ, max_examples=40)

@@ -329,7 +329,7 @@ def policy(
         tokenizer=ToyTokenizer(),  # type: ignore[arg-type]
         vocab_size=VOCAB, eos_token_ids=frozenset({EOS}), max_seq_len=256, max_speculative_tokens=8,
         has_draft=speculative if has_draft is None else has_draft, speculative=speculative,
-        num_speculative_tokens=k, adaptive_k=False, max_new_tokens_default=max_new_tokens, slot_prefix=slot_prefix,
+        num_speculative_tokens=k, adaptive_k=False, default_max_new_tokens=max_new_tokens, slot_prefix=slot_prefix,
         default_method=method,
     )
 

@@ -170,7 +170,7 @@ def service_loop() -> Iterator[LoopThread]:
 @pytest.fixture(scope="session")
 def fp32_runtime(smollm2: LoadedModel) -> ModelRuntime:
     """The session's fp32 SmolLM2 wrapped for the engines (the forward holds no state)."""
-    return ModelRuntime(loaded=smollm2, forward=PagedLlama(smollm2.model), quantization="none")
+    return ModelRuntime(loaded=smollm2, model=PagedLlama(smollm2.model), quantization="none")
 
 
 @pytest.fixture

@@ -31,6 +31,7 @@ from specdec.wire import items as wire_items
 from specdec.wire.items import DecodeMode, VerifiedDecode, VerifyItem, sampling_from_pb, sparse_from_pb, sparse_to_pb
 from specdec.wire.tensor_codec import decode_tensor, encode_tensor
 from specdec.wire.token_masks import token_masks_to_pb
+from tests.support.block_pool import check_pool
 from tests.support.services import Service, greedy_continuation, reference_logits, rpc_error
 
 #: Logit tolerance. Batched and single rows may run different fp32 kernels (oneDNN or BLAS,
@@ -339,7 +340,7 @@ def test_release_returns_every_block(target: Service, prompts: list[list[int]]) 
         release(target, f"s{i}")
     end = target.info()
     assert (end.free_kv_tokens, end.active_slots) == (start.free_kv_tokens, 0)
-    target.engine.cache.blocks.check_invariants()
+    check_pool(target.engine.cache.blocks, target.engine.tokens)
 
 
 def test_a_repeated_prompt_is_served_from_the_prefix_cache(
@@ -356,7 +357,7 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(
     release(target, "a")
     release(target, "b")
     assert target.info().free_kv_tokens == start
-    target.engine.cache.blocks.check_invariants()
+    check_pool(target.engine.cache.blocks, target.engine.tokens)
 
 
 def test_long_prompts_are_prefilled_in_chunks_with_the_same_logits(
@@ -382,7 +383,7 @@ def test_a_chunked_prefill_that_fails_frees_its_slots(
     one-forward failure, and the next prefill is served."""
     target = start_target(prefill_chunk_tokens=8)
     start = target.info().free_kv_tokens
-    forward, calls = target.engine.forward.forward, []
+    forward, calls = target.engine.model.forward, []
 
     def failing(*args: object) -> torch.Tensor:
         calls.append(1)
@@ -390,7 +391,7 @@ def test_a_chunked_prefill_that_fails_frees_its_slots(
             raise RuntimeError("out of memory in chunk 3")
         return forward(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(target.engine.forward, "forward", failing)
+    monkeypatch.setattr(target.engine.model, "forward", failing)
     error = rpc_error(target.stub.Prefill, target_pb2.PrefillRequest(items=[
         target_pb2.PrefillItem(slot_id="a", prompt_tokens=prompts[2] * 3),
         target_pb2.PrefillItem(slot_id="b", prompt_tokens=prompts[0]),
@@ -398,7 +399,7 @@ def test_a_chunked_prefill_that_fails_frees_its_slots(
     assert error.code() == grpc.StatusCode.INTERNAL and len(calls) == 3
     info = target.info()
     assert (info.active_slots, info.free_kv_tokens) == (0, start)
-    target.engine.cache.blocks.check_invariants()
+    check_pool(target.engine.cache.blocks, target.engine.tokens)
     prefill(target, {"a": prompts[0]})
 
 
@@ -416,7 +417,7 @@ def test_rolling_back_into_a_shared_block_copies_it(
     torch.testing.assert_close(logits["b"], reference_logits(smollm2, prompt[:20] + [900, 901, 902])[20:],
                                atol=ATOL, rtol=0)
     torch.testing.assert_close(logits["a"], reference_logits(smollm2, prompt + [77, 78])[n:], atol=ATOL, rtol=0)
-    target.engine.cache.blocks.check_invariants()
+    check_pool(target.engine.cache.blocks, target.engine.tokens)
     c = prefill(target, {"c": prompt})["c"]  # a's blocks are still the prompt's
     torch.testing.assert_close(c, reference_logits(smollm2, prompt)[-1], atol=ATOL, rtol=0)
 
@@ -427,7 +428,7 @@ def test_without_prefix_caching_every_prompt_is_computed(
     target = start_target(prefix_caching=False)
     prefill(target, {"a": prompts[2] * 3, "b": prompts[2] * 3})
     assert target.engine.prefix_cache_hits == 0
-    assert target.engine.cache.blocks.num_registered_blocks() == 0
+    assert target.engine.cache.blocks.cached_prefix(prompts[2] * 3) == []
 
 
 def test_many_slots_at_once(start_target: Callable[..., Service], smollm2: LoadedModel) -> None:

@@ -12,7 +12,7 @@ from specdec.cli.main import SERVE_HTTP_PORT, build_parser, serve_configs
 from specdec.draft_server.config import DraftConfig
 from specdec.errors import InvalidArgumentError
 from specdec.flags import add_flags, inherit, is_advanced, option, parse_config, to_argv
-from specdec.gateway.config import FIXED_K_DEFAULT, GatewayConfig
+from specdec.gateway.config import DEFAULT_FIXED_K, GatewayConfig
 from specdec.model.choices import DEFAULT_MODEL
 from specdec.serving.config import ModelServiceConfig
 from specdec.target_server.config import TargetConfig
@@ -41,7 +41,7 @@ def flags_by_group(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
     TargetConfig(),
     DraftConfig(model="x.gguf", quantization="int8", measure_costs=False, threads=2, cpu_cores="0", num_layers=2),
     GatewayConfig(target_address="a:1", draft_address="b:2", adaptive_k=False, max_queue=3, num_speculative_tokens=6,
-                  max_new_tokens_default=9, draft_probs_dtype="bfloat16", metrics_port=0),
+                  default_max_new_tokens=9, draft_probs_dtype="bfloat16", metrics_port=0),
     GatewayConfig(target_address="a:1", speculative=False),
 ])
 def test_a_config_survives_its_own_flags(config: object) -> None:
@@ -199,7 +199,7 @@ def test_serve_takes_the_log_level_after_the_command_too() -> None:
 def test_the_default_k_is_the_services_largest_under_adaptive_k_else_a_fixed_one() -> None:
     adaptive = GatewayConfig(target_address="a:1", draft_address="b:2")
     assert adaptive.num_speculative_tokens == 0 and adaptive.k_for(16) == 16 and adaptive.k_for(4) == 4
-    assert adaptive.k_for(16, costs_known=False) == FIXED_K_DEFAULT  # nothing to adapt by: K stays fixed
+    assert adaptive.k_for(16, costs_known=False) == DEFAULT_FIXED_K  # nothing to adapt by: K stays fixed
     fixed = GatewayConfig(target_address="a:1", draft_address="b:2", adaptive_k=False)
-    assert fixed.k_for(16) == FIXED_K_DEFAULT and fixed.k_for(4) == 4
+    assert fixed.k_for(16) == DEFAULT_FIXED_K and fixed.k_for(4) == 4
     assert GatewayConfig(target_address="a:1", num_speculative_tokens=6).k_for(16) == 6

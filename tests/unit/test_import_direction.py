@@ -1,9 +1,10 @@
-"""Dependencies point one way: shared library <- services <- command line.
+"""Dependencies point one way: shared library <- services <- command line <- benchmark harness.
 
 Walks every import statement (module level and inside functions) of the `specdec` package
 and the benchmark harness and fails on:
 - an upward import (the library importing a service or the command line, a service
-  importing the command line);
+  importing the command line, anything under `specdec` importing the harness: `specdec bench`
+  comes from the harness's entry point, `specdec.commands`);
 - one service importing another (they talk over gRPC only);
 - a cycle between the library's subpackages (e.g. `specdec.model` <-> `specdec.serving`).
 """
@@ -17,8 +18,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = {"specdec": ROOT / "specdec", "specdec_bench": ROOT / "benchmarks" / "specdec_bench"}
 SERVICES = ("specdec.gateway", "specdec.draft_server", "specdec.target_server")
-COMMAND_LINE = ("specdec.cli", "specdec_bench")
-LAYER_NAMES = {1: "library", 2: "service", 3: "command line"}
+COMMAND_LINE = ("specdec.cli",)
+HARNESS = ("specdec_bench",)
+LAYER_NAMES = {1: "library", 2: "service", 3: "command line", 4: "benchmark harness"}
 
 
 def _within(module: str, packages: tuple[str, ...]) -> str | None:
@@ -26,6 +28,8 @@ def _within(module: str, packages: tuple[str, ...]) -> str | None:
 
 
 def layer(module: str) -> int:
+    if _within(module, HARNESS):
+        return 4
     if _within(module, COMMAND_LINE):
         return 3
     if _within(module, SERVICES):
@@ -127,6 +131,8 @@ def test_the_checks_catch_what_they_are_for() -> None:
         "specdec.model.llama": {"specdec.gateway.scheduler"},  # library -> service
         "specdec.gateway.server": {"specdec.cli.main", "specdec.draft_server.engine"},  # upward, cross-service
         "specdec.cli.main": {"specdec.gateway.server", "specdec.model.llama"},  # fine
+        "specdec.cli.demo": {"specdec_bench.config"},  # the command line -> the harness
+        "specdec_bench.stack": {"specdec.cli.launcher"},  # fine
         "specdec.serving.engine": {"specdec.wire.items"},
         "specdec.wire.items": {"specdec.serving.engine"},  # a library cycle
     }
@@ -134,5 +140,6 @@ def test_the_checks_catch_what_they_are_for() -> None:
     assert "specdec.model.llama (library) imports specdec.gateway.scheduler (service)" in found
     assert "specdec.gateway.server (service) imports specdec.cli.main (command line)" in found
     assert "service specdec.gateway.server imports another service: specdec.draft_server.engine" in found
-    assert len(found) == 3
+    assert "specdec.cli.demo (command line) imports specdec_bench.config (benchmark harness)" in found
+    assert len(found) == 4
     assert library_cycles(graph) == [["specdec.serving", "specdec.wire", "specdec.serving"]]

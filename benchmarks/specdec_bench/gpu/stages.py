@@ -171,7 +171,7 @@ def step_speed(config: GpuCheckConfig, record: Record) -> None:
     """The target's 1-token step and (K+1)-token verify in-process, eager and from CUDA graphs,
     with the roofline fraction."""
     runtime = build_runtime(config.target_model, dtype=config.dtype, device=config.device)
-    forward = runtime.forward
+    forward = runtime.model
     device = forward.embed_tokens.weight.device
     weights = weight_bytes(runtime.loaded.model)
     record.put("model", {"name": runtime.loaded.name, "dtype": config.dtype, "weight_bytes": weights})

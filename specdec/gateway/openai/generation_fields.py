@@ -21,8 +21,8 @@ SPECULATION_FIELDS = ("enabled", "num_speculative_tokens", "adaptive", "method",
 
 
 def sampling_from_body(body: dict[str, Any]) -> common_pb2.SamplingParams:
-    """The sampling transforms; their ranges are checked by `SamplingParams`, but the wire reads
-    0 as "off" for top_p and repetition_penalty, so those are checked here."""
+    """The sampling transforms, their ranges checked by `SamplingParams` (top_p's and
+    repetition_penalty's here as well)."""
     sampling = common_pb2.SamplingParams(temperature=DEFAULT_TEMPERATURE)
     if (temperature := number(body, "temperature")) is not None:
         sampling.temperature = temperature

@@ -17,23 +17,24 @@ from specdec.errors import InvalidArgumentError
 from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.proposers.draft import LookupDraft
 from specdec.gateway.proposers.edits import EditedLookup
-from specdec.gateway.proposers.suffix_cache import SuffixCache
-from specdec.prompt_lookup import MAX_N, MIN_N, PromptLookupIndex
+from specdec.gateway.proposers.suffix_cache import MIN_SHARE, SuffixCache
+from specdec.prompt_lookup import CANDIDATES, MAX_MATCH_LEN, MAX_N, MIN_N, PromptLookupIndex
 
 
 @dataclass(frozen=True)
 class LookupSettings:
-    """n-gram lengths matched, and the suffix cache's size (0 turns it off)."""
+    """n-gram lengths matched, and the suffix cache's size (0 turns it off). Its defaults are the
+    gateway's flags' (`DEFAULT_LOOKUP`)."""
 
     min_n: int = MIN_N
     max_n: int = MAX_N
     suffix_cache_tokens: int = 65536
     #: A suffix proposal goes on while its next token holds this share of its context's counts.
-    suffix_min_share: float = 0.5
+    suffix_min_share: float = MIN_SHARE
     #: Prompt lookup measures this many recent occurrences of the matched n-gram backward ...
-    candidates: int = 8
+    candidates: int = CANDIDATES
     #: ... up to this many tokens, and copies from the one with the longest real match.
-    max_match_len: int = 64
+    max_match_len: int = MAX_MATCH_LEN
     #: Learn the edits an answer makes to what it copies (`proposers.edits`): at most this many
     #: rules a request (0 = off), each replacing at most `max_edit_tokens` tokens by as many.
     max_edits: int = 16
@@ -52,6 +53,10 @@ class LookupSettings:
                                        f"{self.max_edit_tokens}")
         if not 0.0 < self.suffix_min_share <= 1.0:
             raise InvalidArgumentError(f"suffix_min_share must lie in (0, 1], got {self.suffix_min_share}")
+
+
+#: The lookups of a gateway that sets nothing: its flags' defaults.
+DEFAULT_LOOKUP = LookupSettings()
 
 
 class LookupProposer:

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.proposers.draft import LookupDraft
 
+#: A proposal goes on while its next token holds this share of its context's counts.
+MIN_SHARE = 0.5
+
 
 @dataclass
 class _Continuations:
@@ -53,7 +56,7 @@ class _Continuations:
 class SuffixCache:
     """n-gram → continuation counts over the most recent `capacity` output tokens of all requests."""
 
-    def __init__(self, capacity: int, min_n: int, max_n: int, min_share: float = 0.5) -> None:
+    def __init__(self, capacity: int, min_n: int, max_n: int, min_share: float = MIN_SHARE) -> None:
         self.capacity, self.min_n, self.max_n, self.min_share = capacity, min_n, max_n, min_share
         #: tables[n - min_n]: context of n tokens → its continuations.
         self._tables: list[dict[tuple[int, ...], _Continuations]] = [{} for _ in range(min_n, max_n + 1)]

@@ -56,7 +56,7 @@ def _runner(forward: PagedLlama) -> CompiledLayers:
 
 def _use(runner: CompiledLayers, path: str) -> PagedLlama:
     """Run `runner`'s model on `path`, the compiled one for every shape class; returns the model."""
-    forward = runner.forward
+    forward = runner.model
     runner.shapes = set(SHAPES)
     forward.layer_runner = runner if path == "compiled" else forward.eager_layers
     return forward
@@ -169,7 +169,7 @@ def test_two_token_steps_run_their_own_graph_with_the_same_numbers(runner: Compi
 
 
 def test_further_shapes_wait_for_a_quick_first_graph(runner: CompiledLayers) -> None:
-    forward = runner.forward
+    forward = runner.model
     # A negative budget: the first graph always took too long.
     chosen = choose_layer_path(forward, forward.new_cache(token_budget=1024), "on", budget_s=-1.0, runner=runner)
     assert chosen.path == "compiled" and runner.shapes == {(1, 1)}
@@ -302,7 +302,7 @@ def test_auto_keeps_the_shapes_measured_faster(runner: CompiledLayers, monkeypat
         return {(path, shape): 1.0 if path == "compiled" and shape[1] == 1 else 2.0 for path, shape in candidates}
 
     monkeypatch.setattr(compiled_layers, "interleaved_times", pinned)
-    forward = runner.forward
+    forward = runner.model
     chosen = choose_layer_path(forward, forward.new_cache(token_budget=1024), "auto", budget_s=math.inf, runner=runner)
     assert chosen.measured and chosen.path == "compiled" and runner.shapes == {(1, 1), (2, 1)}
     assert chosen.decisions == {"1x1": True, "1x2": False, "2x1": True, "2x2": False, "1x3": False, "2x3": False}
@@ -314,7 +314,7 @@ def test_auto_reuses_known_decisions_without_timing(runner: CompiledLayers, monk
         raise AssertionError("timed although every decision was known")
 
     monkeypatch.setattr(compiled_layers, "interleaved_times", no_timing)
-    forward = runner.forward
+    forward = runner.model
     known = {"1x1": True, "1x2": False, "2x1": False, "2x2": True, "1x3": False, "2x3": False}
     chosen = choose_layer_path(forward, forward.new_cache(token_budget=1024), "auto", known=known, runner=runner)
     assert not chosen.measured and runner.shapes == {(1, 1), (2, 2)} and chosen.decisions == known
@@ -351,7 +351,7 @@ def test_cached_decisions_leave_the_graphs_for_after_start_up(runner: CompiledLa
                     device="cpu", threads=1, code="c", settings="")
     known = {"1x1": True, "1x2": False, "2x1": True, "2x2": False, "1x3": False, "2x3": False}
     TuningStore(tmp_path).save(key, {"compiled_steps": known})
-    forward = runner.forward
+    forward = runner.model
     cache = forward.new_cache(token_budget=1024)
     tuner = StartupTuner(TuningStore(tmp_path), key)
     tuner.runner = runner
@@ -380,7 +380,7 @@ def test_undecided_shapes_are_timed_after_start_up_and_their_decisions_saved(
         return {(path, shape): 1.0 if path == "compiled" and shape == (2, 1) else 2.0 for path, shape in candidates}
 
     monkeypatch.setattr(compiled_layers, "interleaved_times", pinned)
-    forward = runner.forward
+    forward = runner.model
     cache = forward.new_cache(token_budget=1024)
     tuner = StartupTuner(TuningStore(tmp_path), key)
     tuner.runner = runner

@@ -16,17 +16,22 @@ from specdec.errors import (
     SlotNotFoundError,
 )
 from specdec.kv_cache.block_manager import BlockManager
+from tests.support.block_pool import check_pool, holders
 
 pytestmark = pytest.mark.device_agnostic
 
 
+#: The slot ids the unit tests use.
+NAMES = "abcdx"
+
+
 def snapshot(bm: BlockManager) -> tuple:
     """Everything observable about a manager, to check that a failed call changed nothing."""
-    return (
-        bm.num_free_blocks,
-        {s: (bm.length(s), bm.block_table(s)) for s in bm.slot_ids()},
-        [bm.refcount(b) for b in range(bm.num_blocks)],
-    )
+    return bm.num_free_blocks, {s: (bm.length(s), bm.block_table(s)) for s in NAMES if bm.has_slot(s)}
+
+
+def can_append(bm: BlockManager, slot: str, n: int) -> bool:
+    return bm.blocks_needed(slot, n) <= bm.num_free_blocks
 
 
 # ---- construction ---------------------------------------------------------------------------
@@ -37,8 +42,8 @@ def test_fresh_manager_is_all_free() -> None:
     assert bm.num_blocks == 8 and bm.block_size == 4
     assert bm.num_free_blocks == 8
     assert bm.free_tokens == 32
-    assert bm.slot_ids() == []
-    bm.check_invariants()
+    assert snapshot(bm) == (8, {})
+    check_pool(bm, NAMES)
 
 
 def test_default_block_size_is_16() -> None:
@@ -53,18 +58,17 @@ def test_constructor_rejects_bad_sizes(num_blocks: object, block_size: object) -
         BlockManager(num_blocks, block_size)  # type: ignore[arg-type]
 
 
-# ---- allocate / has_slot / slot_ids ---------------------------------------------------------
+# ---- allocate / has_slot ---------------------------------------------------------------
 
 
 def test_allocate_registers_empty_slot() -> None:
     bm = BlockManager(4, 4)
     bm.allocate("a")
     assert bm.has_slot("a") and not bm.has_slot("b")
-    assert bm.slot_ids() == ["a"]
     assert bm.length("a") == 0
     assert bm.block_table("a") == []
     assert bm.num_free_blocks == 4
-    bm.check_invariants()
+    check_pool(bm, NAMES)
 
 
 def test_allocate_duplicate_raises_and_keeps_slot() -> None:
@@ -84,7 +88,6 @@ def test_allocate_duplicate_raises_and_keeps_slot() -> None:
         lambda bm: bm.block_table("x"),
         lambda bm: bm.positions("x"),
         lambda bm: bm.blocks_needed("x", 1),
-        lambda bm: bm.can_append("x", 1),
         lambda bm: bm.append("x", 1),
         lambda bm: bm.append_many([("a", 1), ("x", 1)]),
         lambda bm: bm.truncate_to("x", 0),
@@ -102,7 +105,7 @@ def test_unknown_slot_raises_not_found(call) -> None:
     assert snapshot(bm) == before
 
 
-# ---- append / blocks_needed / can_append ----------------------------------------------------
+# ---- append / blocks_needed -----------------------------------------------------------------
 
 
 def test_blocks_needed_counts_room_in_last_block() -> None:
@@ -130,9 +133,7 @@ def test_append_takes_blocks_in_fifo_order_and_returns_slot_mapping() -> None:
     assert bm.length("a") == 6 and bm.length("b") == 2
     assert bm.num_free_blocks == 5
     assert bm.free_tokens == 20
-    assert bm.refcount(0) == bm.refcount(1) == bm.refcount(2) == 1
-    assert bm.refcount(3) == 0
-    bm.check_invariants()
+    check_pool(bm, NAMES)
 
 
 def test_append_zero_tokens_is_noop() -> None:
@@ -140,17 +141,17 @@ def test_append_zero_tokens_is_noop() -> None:
     bm.allocate("a")
     assert bm.append("a", 0) == []
     assert bm.block_table("a") == []
-    bm.check_invariants()
+    check_pool(bm, NAMES)
 
 
 def test_append_exactly_fills_pool() -> None:
     bm = BlockManager(2, 4)
     bm.allocate("a")
-    assert bm.can_append("a", 8)
+    assert can_append(bm, "a", 8)
     assert bm.append("a", 8) == list(range(8))
     assert bm.num_free_blocks == 0
-    assert bm.can_append("a", 0)
-    assert not bm.can_append("a", 1)
+    assert can_append(bm, "a", 0)
+    assert not can_append(bm, "a", 1)
 
 
 def test_append_exhaustion_changes_nothing() -> None:
@@ -159,12 +160,12 @@ def test_append_exhaustion_changes_nothing() -> None:
     bm.allocate("b")
     bm.append("a", 6)
     before = snapshot(bm)
-    assert not bm.can_append("b", 5)
+    assert not can_append(bm, "b", 5)
     with pytest.raises(CapacityExhaustedError) as info:
         bm.append("b", 5)
     assert info.value.status_code_name == "RESOURCE_EXHAUSTED"
     assert snapshot(bm) == before
-    bm.check_invariants()
+    check_pool(bm, NAMES)
     # the room left in a's last block is still usable without new blocks
     assert bm.append("a", 2) == [6, 7]
     assert bm.length("a") == 8
@@ -174,7 +175,7 @@ def test_append_exhaustion_changes_nothing() -> None:
 def test_append_rejects_bad_counts(bad: object) -> None:
     bm = BlockManager(2, 4)
     bm.allocate("a")
-    for call in (bm.append, bm.blocks_needed, bm.can_append):
+    for call in (bm.append, bm.blocks_needed):
         with pytest.raises(InvalidArgumentError):
             call("a", bad)  # type: ignore[arg-type]
     assert bm.length("a") == 0
@@ -216,7 +217,7 @@ def test_block_table_is_a_copy() -> None:
     bm.append("a", 5)
     bm.block_table("a").append(99)
     assert bm.block_table("a") == [0, 1]
-    bm.check_invariants()
+    check_pool(bm, NAMES)
 
 
 # ---- truncate_to ----------------------------------------------------------------------------
@@ -230,8 +231,7 @@ def test_truncate_keeps_partial_last_block_and_frees_blocks_at_or_after() -> Non
     assert bm.length("a") == 5
     assert bm.block_table("a") == [0, 1]
     assert bm.num_free_blocks == 6
-    assert bm.refcount(2) == bm.refcount(3) == 0
-    bm.check_invariants()
+    check_pool(bm, NAMES)
     # the next append reuses the kept partial block first
     assert bm.append("a", 3) == [5, 6, 7]
     assert bm.block_table("a") == [0, 1]
@@ -246,7 +246,7 @@ def test_truncate_at_block_boundary_frees_block_starting_there() -> None:
     bm.truncate_to("a", 4)  # block 1 starts at 4: freed
     assert bm.block_table("a") == [0]
     assert bm.num_free_blocks == 7
-    bm.check_invariants()
+    check_pool(bm, NAMES)
 
 
 def test_truncate_to_zero_frees_all_blocks_but_keeps_slot() -> None:
@@ -258,7 +258,7 @@ def test_truncate_to_zero_frees_all_blocks_but_keeps_slot() -> None:
     assert bm.length("a") == 0
     assert bm.block_table("a") == []
     assert bm.num_free_blocks == 4
-    bm.check_invariants()
+    check_pool(bm, NAMES)
 
 
 def test_truncate_to_current_length_is_noop() -> None:
@@ -302,11 +302,10 @@ def test_free_returns_every_block_and_forgets_slot() -> None:
     bm.append("b", 3)
     bm.free("a")
     assert not bm.has_slot("a")
-    assert bm.slot_ids() == ["b"]
+    assert bm.has_slot("b")
     assert bm.num_free_blocks == 5
-    assert all(bm.refcount(b) == 0 for b in (0, 1, 2))
-    assert bm.block_table("b") == [3] and bm.refcount(3) == 1
-    bm.check_invariants()
+    assert bm.block_table("b") == [3]
+    check_pool(bm, NAMES)
     with pytest.raises(SlotNotFoundError):
         bm.free("a")
     bm.allocate("a")  # the id can be reused
@@ -317,7 +316,7 @@ def test_free_empty_slot() -> None:
     bm = BlockManager(2, 4)
     bm.allocate("a")
     bm.free("a")
-    assert bm.slot_ids() == [] and bm.num_free_blocks == 2
+    assert not bm.has_slot("a") and bm.num_free_blocks == 2
 
 
 # ---- append_many ----------------------------------------------------------------------------
@@ -333,7 +332,7 @@ def test_append_many_returns_positions_per_request() -> None:
     assert bm.block_table("a") == [0, 1]
     assert bm.block_table("b") == [2]
     assert bm.append_many([]) == []
-    bm.check_invariants()
+    check_pool(bm, NAMES)
 
 
 def test_append_many_is_all_or_nothing_on_exhaustion() -> None:
@@ -343,11 +342,11 @@ def test_append_many_is_all_or_nothing_on_exhaustion() -> None:
     bm.append("a", 2)
     before = snapshot(bm)
     # a alone fits (needs 1 more block), b alone fits (3 blocks), together they need 4 > 3
-    assert bm.can_append("a", 6) and bm.can_append("b", 9)
+    assert can_append(bm, "a", 6) and can_append(bm, "b", 9)
     with pytest.raises(CapacityExhaustedError):
         bm.append_many([("a", 6), ("b", 9)])
     assert snapshot(bm) == before
-    bm.check_invariants()
+    check_pool(bm, NAMES)
 
 
 def test_append_many_counts_repeated_slot_cumulatively() -> None:
@@ -387,22 +386,22 @@ def test_a_registered_prefix_is_shared_and_outlives_its_slot() -> None:
     bm = BlockManager(8, 4)
     tokens = list(range(10))
     table = registered(bm, "a", tokens)
-    assert bm.num_registered_blocks() == 2  # the partial third block is not
+    assert bm.cached_prefix(list(range(13))) == table[:2]  # the partial third block is not registered
     prefix = bm.cached_prefix(tokens[:8] + [50, 51])
     assert prefix == table[:2]
     bm.allocate("b", prefix)
-    assert (bm.length("b"), bm.refcount(table[0]), bm.num_free_blocks) == (8, 2, 5)
+    assert (bm.length("b"), holders(bm, "ab", table[0]), bm.num_free_blocks) == (8, 2, 5)
     bm.free("a")
     bm.free("b")
     assert bm.num_free_blocks == 8 and bm.cached_prefix(tokens) == table[:2]  # free, and still matchable
-    bm.check_invariants()
+    check_pool(bm, NAMES)
     bm.allocate("c", bm.cached_prefix(tokens))  # a hit takes its blocks out of the free list
     assert bm.num_free_blocks == 6
     bm.free("c")
     bm.allocate("d")
     bm.append("d", 4 * 8)  # every block handed out again: the old contents are gone
-    assert bm.cached_prefix(tokens) == [] and bm.num_registered_blocks() == 0
-    bm.check_invariants()
+    assert bm.cached_prefix(tokens) == []
+    check_pool(bm, NAMES)
 
 
 def test_a_prefix_match_is_whole_leading_blocks_and_leaves_the_last_token() -> None:
@@ -428,10 +427,10 @@ def test_truncating_into_a_shared_block_gives_the_slot_its_own_copy() -> None:
     copies = bm.truncate_to("b", 6)  # inside the shared second block
     new = bm.block_table("b")
     assert copies == [(table[1], new[1])] and new[0] == table[0] and new[1] not in table
-    assert bm.refcount(table[1]) == 1 and bm.block_table("a") == table
+    assert holders(bm, "ab", table[1]) == 1 and bm.block_table("a") == table
     assert bm.cached_prefix(tokens) == table[:2]  # a's block is still registered
     assert bm.truncate_to("b", 4) == []  # a block boundary: nothing is written into the shared block
-    bm.check_invariants()
+    check_pool(bm, NAMES)
 
 
 def test_truncating_into_an_own_registered_block_unregisters_it() -> None:
@@ -443,7 +442,7 @@ def test_truncating_into_an_own_registered_block_unregisters_it() -> None:
     bm.append("a", 2)
     bm.register_full_blocks("a", [*tokens[:6], 70, 71])
     assert bm.cached_prefix([*tokens[:6], 70, 71, 72]) == table[:2]
-    bm.check_invariants()
+    check_pool(bm, NAMES)
 
 
 def test_a_copy_needs_a_free_block_and_fails_without_changing_anything() -> None:
@@ -456,7 +455,7 @@ def test_a_copy_needs_a_free_block_and_fails_without_changing_anything() -> None
     with pytest.raises(CapacityExhaustedError):
         bm.truncate_to("b", 5)
     assert bm.length("b") == 8
-    bm.check_invariants()
+    check_pool(bm, NAMES)
 
 
 def test_the_same_content_registered_twice_keeps_the_first() -> None:
@@ -464,36 +463,10 @@ def test_the_same_content_registered_twice_keeps_the_first() -> None:
     tokens = list(range(9))
     first = registered(bm, "a", tokens)
     registered(bm, "b", tokens)  # computed again (e.g. in the same batch): not registered twice
-    assert bm.num_registered_blocks() == 2 and bm.cached_prefix(tokens) == first[:2]
+    assert bm.cached_prefix(tokens) == first[:2]
     with pytest.raises(InvalidArgumentError):
         bm.register_full_blocks("a", tokens[:5])  # not the slot's tokens
-    bm.check_invariants()
-
-
-# ---- check_invariants -----------------------------------------------------------------------
-
-
-def test_check_invariants_detects_corruption() -> None:
-    bm = BlockManager(4, 4)
-    bm.allocate("a")
-    bm.append("a", 5)
-    bm._free[0] = None  # a block both owned and free
-    with pytest.raises(RuntimeError):
-        bm.check_invariants()
-
-    bm = BlockManager(4, 4)
-    bm.allocate("a")
-    bm.append("a", 5)
-    bm._lengths["a"] = 9  # 2 blocks cannot hold 9 tokens
-    with pytest.raises(RuntimeError):
-        bm.check_invariants()
-
-    bm = BlockManager(4, 4)
-    bm.allocate("a")
-    bm.append("a", 5)
-    bm._free.popitem(last=False)  # a leaked block: neither free nor owned
-    with pytest.raises(RuntimeError):
-        bm.check_invariants()
+    check_pool(bm, NAMES)
 
 
 # ---- stateful property test -----------------------------------------------------------------
@@ -541,11 +514,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         new = dict(self.model, **{slot: self.model[slot] + n})
         if self.expected_free(new) < 0:
-            assert not self.bm.can_append(slot, n)
+            assert not can_append(self.bm, slot, n)
             with pytest.raises(CapacityExhaustedError):
                 self.bm.append(slot, n)
             return
-        assert self.bm.can_append(slot, n)
+        assert can_append(self.bm, slot, n)
         start = self.model[slot]
         got = self.bm.append(slot, n)
         assert len(got) == n
@@ -611,8 +584,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def agrees_with_model(self) -> None:
-        self.bm.check_invariants()
-        assert sorted(self.bm.slot_ids()) == sorted(self.model)
+        check_pool(self.bm, SLOTS)
+        assert [s for s in SLOTS if self.bm.has_slot(s)] == [s for s in SLOTS if s in self.model]
         for slot, n in self.model.items():
             assert self.bm.length(slot) == n
             assert len(self.bm.block_table(slot)) == ceil_div(n, BLOCK_SIZE)
@@ -620,7 +593,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.free_tokens == self.bm.num_free_blocks * BLOCK_SIZE
         owned = [b for s in self.model for b in self.bm.block_table(s)]
         assert len(owned) == len(set(owned))  # no block owned twice
-        assert all(self.bm.refcount(b) == 1 for b in owned)
         assert len(owned) + self.bm.num_free_blocks == NUM_BLOCKS  # nothing leaked
 
 
@@ -655,7 +627,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         table, bs = self.bm.block_table(slot), self.BLOCK
         for i in range(start, len(self.tokens[slot])):
             block = table[i // bs]
-            assert self.bm.refcount(block) == 1, "a shared block was written"
+            assert holders(self.bm, self.tokens, block) == 1, "a shared block was written"
             self.pool[(block, i % bs)] = tuple(self.tokens[slot][: i + 1])
 
     def grow(self, slot: str, new: list[int]) -> None:
@@ -711,7 +683,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_slot_reads_its_own_sequence(self) -> None:
-        self.bm.check_invariants()
+        check_pool(self.bm, SLOTS)
         for slot, tokens in self.tokens.items():
             table = self.bm.block_table(slot)
             for i in range(len(tokens)):

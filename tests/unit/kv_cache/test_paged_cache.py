@@ -8,6 +8,7 @@ import torch
 
 from specdec.kv_cache.paged_cache import PagedKVCache
 from specdec.model.forward_batch import build_forward_batch
+from tests.support.block_pool import check_pool
 
 pytestmark = pytest.mark.device_agnostic
 BLOCK = 4
@@ -47,4 +48,4 @@ def test_rolling_back_into_a_shared_block_copies_its_keys_and_values_on_the_devi
     assert own != shared and cache.blocks.block_table("a")[1] == shared
     for kv in cache.kv:
         assert torch.equal(kv[own * BLOCK : (own + 1) * BLOCK], kv[shared * BLOCK : (shared + 1) * BLOCK])
-    cache.blocks.check_invariants()
+    check_pool(cache.blocks, "ab")

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from specdec.cost_model import ForwardCost
 from specdec.serving import model_service
-from specdec.serving.worker import ModelWorker
+from specdec.serving.serial_executor import SerialExecutor
 
 
 def _engine(steps: list[str], fail: bool = False) -> SimpleNamespace:
@@ -24,14 +24,14 @@ def _engine(steps: list[str], fail: bool = False) -> SimpleNamespace:
         return (ForwardCost(1, 1, 0.02),)
 
     config = SimpleNamespace(max_slots=4, max_speculative_tokens=8)
-    return SimpleNamespace(config=config, forward_costs=(ForwardCost(1, 1, 0.08),), forward=None, cache=None,
+    return SimpleNamespace(config=config, forward_costs=(ForwardCost(1, 1, 0.08),), model=None, cache=None,
                            tuner=SimpleNamespace(remeasure_costs=remeasure))
 
 
 def test_the_table_is_timed_again_between_requests_and_published(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(model_service, "IDLE_BEFORE_TIMING_S", 0.05)
     steps: list[str] = []
-    engine, worker = _engine(steps), ModelWorker("test")
+    engine, worker = _engine(steps), SerialExecutor("test")
 
     async def run() -> None:
         worker.last_timed_at = time.monotonic() + 0.1  # a request is still running
@@ -49,7 +49,7 @@ def test_the_table_is_timed_again_between_requests_and_published(monkeypatch) ->
 def test_a_table_that_cannot_be_timed_again_stays(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(model_service, "IDLE_BEFORE_TIMING_S", 0.0)
     steps: list[str] = []
-    engine, worker = _engine(steps, fail=True), ModelWorker("test")
+    engine, worker = _engine(steps, fail=True), SerialExecutor("test")
     asyncio.run(model_service.time_costs_again(engine, worker))  # type: ignore[arg-type]
     worker.shutdown()
     assert steps == ["forward 0", "forward 1"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from specdec.client import build_request
 from specdec.errors import InvalidArgumentError
 from specdec.sampling.params import SamplingParams
 from specdec.v1 import common_pb2
@@ -22,6 +23,18 @@ def test_proto_defaults_leave_every_transform_off() -> None:
     params = sampling_from_pb(common_pb2.SamplingParams())
     assert params == SamplingParams(temperature=0.0)
     assert params.greedy_by_raw_argmax
+
+
+def test_top_p_and_repetition_penalty_are_off_when_unset_and_checked_when_set() -> None:
+    """Unset is 1 (off), as the client leaves them when not given; a 0 sent is out of range."""
+    omitted = build_request("hi", temperature=0.5).sampling
+    assert not omitted.HasField("top_p") and not omitted.HasField("repetition_penalty")
+    assert sampling_from_pb(omitted) == SamplingParams(temperature=0.5)
+    assert sampling_from_pb(common_pb2.SamplingParams(temperature=0.5)) == SamplingParams(temperature=0.5)
+    with pytest.raises(InvalidArgumentError, match="top_p"):
+        sampling_from_pb(common_pb2.SamplingParams(top_p=0.0))
+    with pytest.raises(InvalidArgumentError, match="repetition_penalty"):
+        sampling_from_pb(common_pb2.SamplingParams(repetition_penalty=0.0))
 
 
 def test_a_bad_field_from_the_wire_is_named() -> None:

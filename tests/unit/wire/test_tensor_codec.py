@@ -33,7 +33,7 @@ def test_full_llama3_vocab_row_bf16_and_fp32(device: torch.device) -> None:
     message = encode_tensor(logits)
     assert len(message.data) == LLAMA3_VOCAB * 4
     assert torch.equal(decode_tensor(message, device), logits)
-    compressed = encode_tensor(logits, dtype=torch.bfloat16)  # cast on the device, then copied
+    compressed = encode_tensor(logits.to(torch.bfloat16))
     assert len(compressed.data) == LLAMA3_VOCAB * 2
     assert torch.equal(decode_tensor(compressed, device), logits.to(torch.bfloat16))
 

@@ -1,5 +1,5 @@
-"""The model worker: work and encoding run on its thread; compute time is read on its clock,
-which waits for the device before it reads the time."""
+"""The serial executor (a service's model worker): work and encoding run on its thread; compute
+time is read on its clock, which waits for the device before it reads the time."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from specdec.serving.worker import ModelWorker
+from specdec.serving.serial_executor import SerialExecutor
 from specdec.tuning.timing import device_clock
 
 
@@ -30,7 +30,7 @@ def test_run_timed_times_the_work_alone_and_encodes_on_the_worker(monkeypatch: p
         events.append(f"encode on {threading.current_thread().name}")
         return str(2 * result)
 
-    worker = ModelWorker("test-worker", clock=device_clock("cuda", clock))
+    worker = SerialExecutor("test-worker", clock=device_clock("cuda", clock))
     try:
         encoded, seconds = asyncio.run(worker.run_timed(work, encode))
     finally:

@@ -1,10 +1,11 @@
-"""A dedicated thread for model work, so the asyncio event loop never blocks on torch.
+"""A serial executor: one dedicated thread, so the asyncio event loop never blocks on torch.
 
-All engine calls of a service go through one worker thread: the engine and its KV cache
-are touched by a single thread (no locks needed), while the event loop keeps answering
-health checks, Info and cancellations. A call's results are also encoded there
-(`run_timed`'s `encode`): the copy from the device to the host waits for the forward, and
-the event loop only sends the finished message.
+All engine calls of a model service go through one such thread (its model worker): the
+engine and its KV cache are touched by a single thread (no locks needed), while the event
+loop keeps answering health checks, Info and cancellations. A call's results are also
+encoded there (`run_timed`'s `encode`): the copy from the device to the host waits for the
+forward, and the event loop only sends the finished message. The gateway runs its sampler
+and its tokenizer on one each.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-class ModelWorker:
-    """Runs callables one at a time on a single named thread.
+class SerialExecutor:
+    """Runs callables one at a time, in order, on a single named thread.
 
     `clock` times `run_timed`'s work: for a model on an asynchronous device, one that waits
     for the device first (`specdec.tuning.timing.device_clock`), so that compute times count
