@@ -1,8 +1,10 @@
 """The gateway's one scheduler: admission between rounds, then batched rounds for all requests.
 
-A single asyncio task owns every `Sequence`. Each iteration it (1) retires cancelled
-requests, (2) admits waiting requests while both services have slot and KV room for them
-(one batched Prefill, first token sampled here), and (3) runs one speculation round —
+A single asyncio task owns every `Sequence`; each request's stream leaves through its
+`Sequence.events` (the front's `Generation`), so nothing here holds a client's queue. Each
+iteration it (1) retires cancelled requests, (2) admits waiting requests while both services
+have slot and KV room for them (one batched Prefill, first token sampled here), and (3) runs
+one speculation round —
 ONE batched Propose and ONE batched Verify — for every running request.
 
 KV blocks are counted on demand, as vLLM does: a request is admitted when its prompt and
@@ -145,8 +147,7 @@ class Scheduler:
         await cancel_and_wait(self._draft_watch)
         await cancel_and_wait(self._task)
         for seq in [*self.waiting, *self.running]:
-            seq.error_status = grpc.StatusCode.UNAVAILABLE
-            seq.finish(FinishReason.ERROR, "gateway shutting down")
+            seq.finish(FinishReason.ERROR, "gateway shutting down", grpc.StatusCode.UNAVAILABLE.name)
         await asyncio.gather(*(self._release(seq) for seq in self.running), return_exceptions=True)
         await asyncio.to_thread(self.sampler.shutdown)
 
@@ -390,10 +391,10 @@ class Scheduler:
         for seq in [s for s in self.running if s.cancelled]:
             await self._retire(seq, FinishReason.CANCELLED)
 
-    async def _retire(self, seq: Sequence, reason: FinishReason, error: str = "") -> None:
+    async def _retire(self, seq: Sequence, reason: FinishReason, error: str = "", status: str = "INTERNAL") -> None:
         if seq in self.running:
             self.running.remove(seq)
-        seq.finish(reason, error)
+        seq.finish(reason, error, status)
         self.planner.forget(seq)
         if self.lookup is not None:
             if reason in (FinishReason.STOP, FinishReason.LENGTH):  # a whole answer: later ones may reuse it
@@ -457,9 +458,8 @@ class Scheduler:
             status, message = grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
             log.exception("failing %d request(s)", len(seqs), exc_info=error)
         for seq in seqs:
-            seq.error_status = status
             if release:
-                await self._retire(seq, FinishReason.ERROR, message)
+                await self._retire(seq, FinishReason.ERROR, message, status.name)
             else:
-                seq.finish(FinishReason.ERROR, message)
+                seq.finish(FinishReason.ERROR, message, status.name)
                 self._record_finished(seq)
