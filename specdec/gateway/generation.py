@@ -19,7 +19,6 @@ import grpc
 
 from specdec.errors import DrainingError, ServiceRefusedError
 from specdec.gateway.config import GatewayConfig
-from specdec.gateway.model_clients import DraftAPI, TargetAPI
 from specdec.gateway.monitor import ServiceMonitor
 from specdec.gateway.requests import RequestPolicy, completion_to_pb, new_sequence, token_logprob_to_pb
 from specdec.gateway.scheduler import Scheduler
@@ -36,8 +35,6 @@ class GatewayState:
     """Everything the fronts need, built once at start-up."""
 
     config: GatewayConfig
-    target: TargetAPI
-    draft: DraftAPI | None
     policy: RequestPolicy
     scheduler: Scheduler
     stats: GatewayStats

@@ -106,7 +106,7 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
     scheduler = new_scheduler(config, services, stats)
     monitor = ServiceMonitor(services.clients(), services.infos(), stats)
     policy = new_policy(config, services, tokenizer)
-    state = GatewayState(config, services.target, services.draft, policy, scheduler, stats, monitor)
+    state = GatewayState(config, policy, scheduler, stats, monitor)
     generations = Generations(state)
     servicer = GatewayServicer(state, generations)
     scheduler.start()
