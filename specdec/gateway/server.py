@@ -225,7 +225,7 @@ def check_services(config: GatewayConfig, services: Services) -> PreTrainedToken
     limit = services.max_speculative_tokens
     if config.speculative and config.num_speculative_tokens > limit:
         raise InvalidArgumentError(f"num_speculative_tokens {config.num_speculative_tokens} exceeds the services' "
-                                   f"maximum {limit}")
+                                   f"maximum {limit}", field="num_speculative_tokens")
     return tokenizer
 
 

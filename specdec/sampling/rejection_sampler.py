@@ -65,11 +65,12 @@ def _check(
     k_max = k_plus_1 - 1
     if tuple(draft_tokens.shape) != (batch, k_max):
         raise InvalidArgumentError(
-            f"draft_tokens: expected shape {(batch, k_max)}, got {tuple(draft_tokens.shape)}"
+            f"draft_tokens: expected shape {(batch, k_max)}, got {tuple(draft_tokens.shape)}", field="draft_tokens"
         )
     ks = num_draft_tokens.tolist() if isinstance(num_draft_tokens, torch.Tensor) else list(num_draft_tokens)
     if len(ks) != batch or any(not 0 <= k <= k_max for k in ks):
-        raise InvalidArgumentError(f"num_draft_tokens: expected {batch} values in [0, {k_max}], got {ks}")
+        raise InvalidArgumentError(f"num_draft_tokens: expected {batch} values in [0, {k_max}], got {ks}",
+                                   field="num_draft_tokens")
     k_t = torch.tensor(ks, dtype=torch.int64, device=target.device)  # [batch]
     valid = torch.arange(k_max, device=target.device)[None, :] < k_t[:, None]  # [batch, k_max]
     return ks, valid
@@ -127,7 +128,7 @@ def _uniforms(ks: list[int], k_max: int, generators: Generators, device: torch.d
     if generators is None or isinstance(generators, torch.Generator):
         return torch.rand(len(ks), k_max, generator=generators, device=device)
     if len(generators) != len(ks):
-        raise InvalidArgumentError(f"generators: got {len(generators)} for {len(ks)} rows")
+        raise InvalidArgumentError(f"generators: got {len(generators)} for {len(ks)} rows", field="generators")
     rows = [
         torch.cat([torch.rand(k, generator=g, device=device), torch.ones(k_max - k, device=device)])
         for k, g in zip(ks, generators)
@@ -179,7 +180,7 @@ def rejection_sample(
     k_max = k_plus_1 - 1
     if tuple(draft_probs.shape) != (batch, k_max, vocab):
         raise InvalidArgumentError(
-            f"draft_probs: expected shape {(batch, k_max, vocab)}, got {tuple(draft_probs.shape)}"
+            f"draft_probs: expected shape {(batch, k_max, vocab)}, got {tuple(draft_probs.shape)}", field="draft_probs"
         )
     ks, valid = _check(target_probs, draft_tokens, num_draft_tokens)  # valid: [batch, k_max]
     device = target_probs.device
@@ -193,7 +194,7 @@ def rejection_sample(
         row_generators: Generators = generators
     else:
         if len(generators) != batch:
-            raise InvalidArgumentError(f"generators: got {len(generators)} for {batch} rows")
+            raise InvalidArgumentError(f"generators: got {len(generators)} for {batch} rows", field="generators")
         row_generators = [g for g, k in zip(generators, ks) for _ in range(k + 1)]
     candidates = torch.full((batch, k_plus_1), NO_TOKEN, dtype=torch.int64, device=device)  # [batch, k_max+1]
     candidates[reached] = draw_candidates(target_probs[reached], q[reached], row_generators)
