@@ -31,7 +31,6 @@ from specdec.gateway.sequence import Sequence, Verification
 from specdec.gateway.token_logprobs import round_logprobs
 from specdec.sampling.draws import drawn_tokens, position_generator, sample
 from specdec.sampling.logprobs import TokenLogprob
-from specdec.sampling.rejection_sampler import RejectionResult
 from specdec.sampling.sparse_probs import SparseRows
 from specdec.sampling.token_masks import TokenMasks
 from specdec.sampling.transforms import logits_to_probs
@@ -284,21 +283,22 @@ def lookup_proposals(seqs: list[Sequence], plan: RoundPlan) -> dict[str, Proposa
 
 def advance_all(
     seqs: list[Sequence], proposals: dict[str, Proposal], verified: dict[str, VerifiedChunk],
-    accepted: dict[str, RejectionResult], max_seq_len: int, lookups: Collection[str] = (),
+    accepted: dict[str, list[int]], max_seq_len: int, lookups: Collection[str] = (),
     logprobs: dict[str, list[TokenLogprob]] | None = None,
 ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """Advance every sequence past its new tokens and emit them (with their `logprobs`, for the
-    requests that asked); returns per slot the K drafted, the tokens accepted and the tokens
-    decoded plainly (1 for a drafting request). The draft model's cache moves only for the
-    requests it drafted for (not in `lookups`)."""
+    requests that asked): a drafting request's `accepted` tokens (its accepted draft tokens, then
+    one recovered or bonus token), a plain one's decoded tokens. Returns per slot the K drafted,
+    the tokens accepted and the tokens decoded plainly (1 for a drafting request). The draft
+    model's cache moves only for the requests it drafted for (not in `lookups`)."""
     logprobs = logprobs or {}
     ks, num_accepted, steps = {}, {}, {}
     for seq in seqs:
         slot = seq.slot_id
         if slot in accepted:
-            ks[slot], num_accepted[slot], steps[slot] = len(proposals[slot].tokens), accepted[slot].num_accepted[0], 1
+            ks[slot], num_accepted[slot], steps[slot] = len(proposals[slot].tokens), len(accepted[slot]) - 1, 1
             advance(seq, 0 if slot in lookups else ks[slot], num_accepted[slot])
-            seq.emit(accepted[slot].output_tokens[0], max_seq_len, logprobs.get(slot))
+            seq.emit(accepted[slot], max_seq_len, logprobs.get(slot))
         else:
             tokens = typing.cast(VerifiedDecode, verified[slot]).tokens  # `verify` checked the kind
             ks[slot], num_accepted[slot], steps[slot] = 0, 0, len(tokens)

@@ -14,7 +14,7 @@ from specdec.model.runtime import ModelRuntime
 from specdec.sampling.draws import drawn_tokens, pick_tokens, position_generator, sample
 from specdec.sampling.logprobs import RowLogprobs, answer_rows
 from specdec.sampling.params import SamplingParams
-from specdec.sampling.rejection_sampler import draw_candidates, token_probs
+from specdec.sampling.rejection_sampler import PLACEHOLDER_TOKEN_ID, draw_candidates, token_probs
 from specdec.sampling.transforms import chunk_logits_to_probs, logits_to_probs, stack_chunks
 from specdec.serving.engine import ModelEngine
 from specdec.target_server.config import TargetConfig
@@ -181,7 +181,8 @@ class TargetEngine(ModelEngine):
         k_max = max(len(item.tokens) for item, _ in scored) - 1
         vocab = scored[0][1].shape[-1]
         device = scored[0][1].device
-        drafts = torch.zeros(len(scored), k_max, dtype=torch.int64, device=device)  # [S, K_max]: 0 past each K
+        drafts = torch.full((len(scored), k_max), PLACEHOLDER_TOKEN_ID, dtype=torch.int64,
+                            device=device)  # [S, K_max]: the placeholder past each K, as the gateway pads
         for b, (item, _) in enumerate(scored):
             drafts[b, : len(item.tokens) - 1] = torch.tensor(item.tokens[1:], device=drafts.device)
         q = torch.cat([m.draft_probs.distributions(vocab, extra_rows=1, device=drafts.device) for m in modes])
