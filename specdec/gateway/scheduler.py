@@ -3,7 +3,7 @@
 A single asyncio task owns every `Sequence`; each request's stream leaves through its
 `Sequence.events` (the front's `Generation`), so nothing here holds a client's queue. Each
 iteration it (1) retires cancelled requests, (2) admits waiting requests while both services
-have slot and KV room for them (one batched Prefill, first token sampled here), and (3) runs
+have slot and KV room for them (one batched Prefill, then `first_tokens`), and (3) runs
 one speculation round —
 ONE batched Propose and ONE batched Verify — for every running request.
 
@@ -28,15 +28,15 @@ import grpc
 from specdec.errors import CapacityExhaustedError, ServiceStateError, SpecdecError
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.draft_sources import DraftSource
-from specdec.gateway.grammar.rounds import first_masks, with_forced_tokens
+from specdec.gateway.first_tokens import first_tokens_and_logprobs
+from specdec.gateway.grammar.rounds import with_forced_tokens
 from specdec.gateway.model_clients import DraftAPI, TargetAPI
 from specdec.gateway.planner import DraftAvailability, Planner, RoundInputs
 from specdec.gateway.proposers import LookupDraft, LookupProposer
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import FinishReason, Sequence
-from specdec.gateway.speculative_step import first_tokens, plan_k, plan_steps, run_round
+from specdec.gateway.speculative_step import plan_k, plan_steps, run_round
 from specdec.gateway.stats import GatewayStats
-from specdec.gateway.token_logprobs import first_logprobs
 from specdec.serving.errors import status_of
 from specdec.serving.worker import ModelWorker, cancel_and_wait
 from specdec.wire.items import PrefillItem
@@ -304,10 +304,7 @@ class Scheduler:
             await self._fail(admitted, error, release=False)
             return 0
         self.running.extend(admitted)  # they hold target slots now: a failure below releases them
-        masks = await self.sampler.run(first_masks, admitted) if any(s.grammar is not None for s in admitted) else {}
-        firsts = await self.sampler.run(first_tokens, admitted, logits, masks)
-        logprobs = (await self.sampler.run(first_logprobs, admitted, logits, firsts, masks)
-                    if any(s.logprobs is not None for s in admitted) else {})
+        firsts, logprobs = await self.sampler.run(first_tokens_and_logprobs, admitted, logits)
         for seq in admitted:
             count, last_at = seq.completion_tokens, seq.last_token_at
             if seq.preemptions == 0:

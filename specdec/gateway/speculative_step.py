@@ -17,10 +17,9 @@ import typing
 from collections.abc import Collection
 
 import grpc
-import torch
 
 from specdec.errors import InvalidArgumentError, ServiceStateError
-from specdec.gateway.acceptance import accept_all, masked
+from specdec.gateway.acceptance import accept_all
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.grammar.rounds import constrain
 from specdec.gateway.kv_handoff import KVHandoff, hand_off
@@ -29,11 +28,9 @@ from specdec.gateway.proposers import LookupDraft
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence, Verification
 from specdec.gateway.token_logprobs import round_logprobs
-from specdec.sampling.draws import drawn_tokens, position_generator, sample
 from specdec.sampling.logprobs import TokenLogprob
 from specdec.sampling.sparse_probs import SparseRows
 from specdec.sampling.token_masks import TokenMasks
-from specdec.sampling.transforms import logits_to_probs
 from specdec.serving.worker import ModelWorker
 from specdec.wire.items import (
     ArgmaxMode,
@@ -210,25 +207,6 @@ def advance(seq: Sequence, k: int, num_accepted: int) -> None:
     seq.target_valid = length + num_accepted
     if k > 0:
         seq.draft_valid = length + min(num_accepted, k - 1)
-
-
-def first_tokens(seqs: list[Sequence], logits: dict[str, torch.Tensor],
-                 masks: dict[str, TokenMasks] | None = None) -> dict[str, int]:
-    """The next token of each newly prefilled sequence, from its last-position logits (under its
-    grammar's one-row `masks`, if it has one): the first completion token, or, for a request
-    resuming after a preemption, the one after its tokens (whose penalty context is all of them)."""
-    masks = masks or {}
-    out = {}
-    for seq in seqs:
-        row = masked(logits[seq.slot_id][None], masks.get(seq.slot_id))  # [1, vocab]
-        probs = logits_to_probs(row, [seq.sampling], [seq.tokens])  # [1, vocab]
-        if seq.sampling.is_greedy:
-            out[seq.slot_id] = int(probs.argmax())
-            continue
-        # A seeded request's token at this position is the draw plain decoding makes there.
-        position = position_generator(seq.target_sampling, len(seq.tokens), "cpu")
-        out[seq.slot_id] = drawn_tokens(sample(probs, [position or seq.generator]))[0]
-    return out
 
 
 async def run_round(
