@@ -15,9 +15,24 @@ class SpecdecError(Exception):
 
 
 class InvalidArgumentError(SpecdecError, ValueError):
-    """Malformed input: the message names the offending field."""
+    """Malformed input. `field` is the offending field's path (`stop[3]`, `chat.messages[0].role`,
+    `temperature`) when the error is about one, and the message then starts with it. The rule:
+    a front reads the field from here, never from the message text, so rewording a message
+    cannot change the field a client is told about (`named`)."""
 
     status_code_name = "INVALID_ARGUMENT"
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def named(self, name: str) -> str:
+        """The message with its field called `name` (a front's own name for it); unchanged when
+        the message does not start with the field."""
+        message = str(self)
+        if self.field is None or not message.startswith(self.field):
+            return message
+        return name + message[len(self.field):]
 
 
 class SlotNotFoundError(SpecdecError, KeyError):

@@ -42,7 +42,8 @@ _METRIC_PREFIX = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 def check_metrics_prefix(prefix: str) -> None:
     if not _METRIC_PREFIX.fullmatch(prefix):
-        raise InvalidArgumentError(f"metrics_prefix: {prefix!r} cannot start a Prometheus metric name")
+        raise InvalidArgumentError(f"metrics_prefix: {prefix!r} cannot start a Prometheus metric name",
+                                   field="metrics_prefix")
 
 
 @dataclass

@@ -43,4 +43,5 @@ class DraftConfig(ModelServiceConfig):
         super().__post_init__()
         if self.lookup_guess_tokens < 0 or self.lookup_guess_min_match < 1:
             raise InvalidArgumentError(f"lookup_guess_tokens must be >= 0 and lookup_guess_min_match >= 1, got "
-                                       f"{self.lookup_guess_tokens} and {self.lookup_guess_min_match}")
+                                       f"{self.lookup_guess_tokens} and {self.lookup_guess_min_match}",
+                                       field="lookup_guess_tokens")

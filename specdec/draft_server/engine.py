@@ -139,23 +139,25 @@ class DraftEngine(ModelEngine):
             elif item.valid_len != 0:
                 raise InvalidArgumentError(
                     f"valid_len: slot {item.slot_id!r} is new to the draft, so valid_len must be 0 "
-                    f"(got {item.valid_len})"
+                    f"(got {item.valid_len})", field="valid_len"
                 )
             else:
                 new_slots.append(item.slot_id)
             if not item.new_tokens:
                 raise InvalidArgumentError(f"new_tokens: slot {item.slot_id!r} sent none "
-                                           "(at least the last accepted token is needed)")
+                                           "(at least the last accepted token is needed)", field="new_tokens")
             self._check_tokens("new_tokens", item.slot_id, item.new_tokens)
             self._check_tokens("guess_tokens", item.slot_id, item.guess_tokens)
             self._check_tokens("stop_token_ids", item.slot_id, item.stop_token_ids)
             if len(item.guess_tokens) > item.num_speculative_tokens:
                 raise InvalidArgumentError(f"guess_tokens: {len(item.guess_tokens)} for slot {item.slot_id!r}, more "
-                                           f"than its num_speculative_tokens ({item.num_speculative_tokens})")
+                                           f"than its num_speculative_tokens ({item.num_speculative_tokens})",
+                                           field="guess_tokens")
             self._check_sampling(item.slot_id, item.sampling)
             if not 1 <= item.num_speculative_tokens <= self.config.max_speculative_tokens:
                 raise InvalidArgumentError(f"num_speculative_tokens: {item.num_speculative_tokens} for slot "
-                                           f"{item.slot_id!r} is outside [1, {self.config.max_speculative_tokens}]")
+                                           f"{item.slot_id!r} is outside [1, {self.config.max_speculative_tokens}]",
+                                           field="num_speculative_tokens")
             self._check_length(item.slot_id, item.valid_len + len(item.new_tokens), "new_tokens")
             # The k-th drafted token is returned but not cached: its position must still fit.
             self._check_length(item.slot_id, item.valid_len + len(item.new_tokens) + item.num_speculative_tokens,

@@ -72,7 +72,7 @@ class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
         more)."""
         if len(header.tokens) > self.engine.max_seq_len:
             raise InvalidArgumentError(f"tokens: {len(header.tokens)} to import, past max_seq_len "
-                                       f"{self.engine.max_seq_len}")
+                                       f"{self.engine.max_seq_len}", field="tokens")
         return math.prod(self.engine.import_shape(header)) * 4
 
 
@@ -86,18 +86,19 @@ async def _import_parts(
     async for message in requests:
         if message.HasField("header"):
             if header is not None:
-                raise InvalidArgumentError("header: sent more than once")
+                raise InvalidArgumentError("header: sent more than once", field="header")
             header = ImportHeader.from_pb(message.header)
             budget = max_bytes(header)
         elif header is None:
-            raise InvalidArgumentError("header: must come first, before any piece")
+            raise InvalidArgumentError("header: must come first, before any piece", field="header")
         else:
             budget -= len(message.piece.kv.data)
             if budget < 0:
-                raise InvalidArgumentError(f"pieces: more bytes than {len(header.tokens)} tokens' keys and values")
+                raise InvalidArgumentError(f"pieces: more bytes than {len(header.tokens)} tokens' keys and values",
+                                           field="pieces")
             pieces.append(message.piece)
     if header is None:
-        raise InvalidArgumentError("header: none was sent")
+        raise InvalidArgumentError("header: none was sent", field="header")
     return header, pieces
 
 

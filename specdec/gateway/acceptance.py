@@ -7,8 +7,9 @@ logits, raw logits for a greedy request whose argmax a logit bias or a penalty m
 draft tokens), for a seeded sampled request its own draw at each position (kept while they
 equal the draft tokens, as argmax tokens are), and for an unseeded sampled request the K + 1
 candidates and p_i(t_i) that it drew and computed with the request's transforms. Each kind is
-judged in one batched call of `specdec.sampling.rejection_sampler`. Pure tensor work: it runs on
-the gateway's sampler thread.
+judged in one batched call of `specdec.sampling.rejection_sampler`, whose tensors become host
+lists once per call (`RejectionResult.token_lists`). Pure tensor work: it runs on the gateway's
+sampler thread.
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ import torch
 
 from specdec.errors import ServiceStateError
 from specdec.gateway.sequence import Sequence, Verification
-from specdec.sampling.rejection_sampler import RejectionResult, accept_candidates, greedy_accept, greedy_accept_argmax
+from specdec.sampling.rejection_sampler import (
+    PLACEHOLDER_TOKEN_ID,
+    accept_candidates,
+    greedy_accept,
+    greedy_accept_argmax,
+)
 from specdec.sampling.token_masks import TokenMasks
 from specdec.sampling.transforms import chunk_adjust_logits, stack_chunks
 from specdec.wire.items import (
@@ -32,42 +38,42 @@ from specdec.wire.items import (
 )
 
 C = TypeVar("C", VerifiedArgmax, VerifiedDrawn, VerifiedLogits, VerifiedSampled)
-#: Marks positions past a request's K in the padded [batch, K_max] tensors.
-PAD_TOKEN_ID = -1
 
 
 def accept_all(
     seqs: list[Sequence], verified: dict[str, VerifiedChunk], proposals: dict[str, Proposal],
     masks: dict[str, TokenMasks] | None = None,
-) -> dict[str, RejectionResult]:
-    """Judge every drafting request of the round (each has a proposal); one call per kind. The
-    target applied structured-output requests' grammar `masks` to all but raw logits: here."""
+) -> dict[str, list[int]]:
+    """Judge every drafting request of the round (each has a proposal); one call per kind. Per
+    slot: its accepted draft tokens, then one recovered or bonus token (so len - 1 were accepted).
+    The target applied structured-output requests' grammar `masks` to all but raw logits: here."""
     masks = masks or {}
     by_argmax = [s for s in seqs if s.sampling.is_greedy and s.sampling.greedy_by_raw_argmax]
     greedy = [s for s in seqs if s.sampling.is_greedy and not s.sampling.greedy_by_raw_argmax]
     drawn = [s for s in seqs if not s.sampling.is_greedy and s.verification is Verification.DRAWN]
     sampled = [s for s in seqs if not s.sampling.is_greedy and s.verification is Verification.REJECTION]
-    results: dict[str, RejectionResult] = {}
+    results: dict[str, list[int]] = {}
     # The target's argmax or its draw at each position: keep draft tokens while they equal it.
     matched = by_argmax + drawn
     if matched:
         best = [_answer(verified, s, VerifiedArgmax).tokens for s in by_argmax]
         best += [_answer(verified, s, VerifiedDrawn).tokens for s in drawn]
         tokens, ks = _padded_drafts(matched, proposals)  # [A, K_max]
-        results |= _split(matched, greedy_accept_argmax(_padded_rows(matched, best, ks), tokens, ks))
+        results |= _by_slot(matched, greedy_accept_argmax(_padded_rows(matched, best, ks), tokens, ks).token_lists())
     if greedy:
         logits = [masked(_answer(verified, s, VerifiedLogits).logits, masks.get(s.slot_id)) for s in greedy]
         tokens, ks = _padded_drafts(greedy, proposals)  # [G, K_max]
         scores = stack_chunks(logits, tokens.shape[1] + 1)  # [G, K_max+1, vocab]
         drafted = [proposals[s.slot_id].tokens for s in greedy]
         scores = chunk_adjust_logits(scores, [s.sampling for s in greedy], [s.tokens for s in greedy], drafted)
-        results |= _split(greedy, greedy_accept(scores, tokens, ks))
+        results |= _by_slot(greedy, greedy_accept(scores, tokens, ks).token_lists())
     if sampled:
         answers = [_answer(verified, s, VerifiedSampled) for s in sampled]
         tokens, ks = _padded_drafts(sampled, proposals)  # [S, K_max]
         candidates = _padded_rows(sampled, [a.candidates for a in answers], ks)  # [S, K_max+1]
         p, q = _padded_probs(sampled, answers, proposals, ks)  # [S, K_max] each
-        results |= _split(sampled, accept_candidates(p, q, tokens, ks, candidates, [s.generator for s in sampled]))
+        judged = accept_candidates(p, q, tokens, ks, candidates, [s.generator for s in sampled])
+        results |= _by_slot(sampled, judged.token_lists())
     return results
 
 
@@ -85,23 +91,23 @@ def _answer(verified: dict[str, VerifiedChunk], seq: Sequence, kind: type[C]) ->
 
 
 def _padded_drafts(seqs: list[Sequence], proposals: dict[str, Proposal]) -> tuple[torch.Tensor, list[int]]:
-    """Draft tokens [B, K_max] (PAD_TOKEN_ID past each row's K) and each row's K."""
+    """Draft tokens [B, K_max] (PLACEHOLDER_TOKEN_ID past each row's K) and each row's K."""
     drafted = [proposals[s.slot_id].tokens for s in seqs]
     ks = [len(d) for d in drafted]
     k_max = max(ks)
-    tokens = torch.tensor([d + [PAD_TOKEN_ID] * (k_max - len(d)) for d in drafted], dtype=torch.long)
+    tokens = torch.tensor([d + [PLACEHOLDER_TOKEN_ID] * (k_max - len(d)) for d in drafted], dtype=torch.long)
     return tokens.view(len(seqs), k_max), ks
 
 
 def _padded_rows(seqs: list[Sequence], rows: list[list[int]], ks: list[int]) -> torch.Tensor:
     """The target's K + 1 tokens per request (argmax tokens or candidates) as [B, K_max+1],
-    PAD_TOKEN_ID past each row's K + 1."""
+    PLACEHOLDER_TOKEN_ID past each row's K + 1."""
     width = max(ks) + 1
     for seq, k, row in zip(seqs, ks, rows):
         if len(row) != k + 1:
             raise ServiceStateError(f"the target sent {len(row)} tokens for slot {seq.slot_id}, "
                                     f"the gateway expected {k + 1}")
-    return torch.tensor([row + [PAD_TOKEN_ID] * (width - len(row)) for row in rows],
+    return torch.tensor([row + [PLACEHOLDER_TOKEN_ID] * (width - len(row)) for row in rows],
                         dtype=torch.long).view(len(rows), width)
 
 
@@ -122,5 +128,5 @@ def _padded_probs(
     return p, q
 
 
-def _split(seqs: list[Sequence], batch: RejectionResult) -> dict[str, RejectionResult]:
-    return {s.slot_id: RejectionResult([batch.output_tokens[b]], [batch.num_accepted[b]]) for b, s in enumerate(seqs)}
+def _by_slot(seqs: list[Sequence], rows: list[list[int]]) -> dict[str, list[int]]:
+    return {seq.slot_id: row for seq, row in zip(seqs, rows)}

@@ -175,45 +175,53 @@ class GatewayConfig(ServerSecurity):
     def __post_init__(self) -> None:
         self.check_security()
         if bool(self.service_tls_cert) != bool(self.service_tls_key):
-            raise InvalidArgumentError("service_tls_cert and service_tls_key go together: set both or neither")
+            raise InvalidArgumentError("service_tls_cert and service_tls_key go together: set both or neither",
+                                       field="service_tls_cert")
         for name in ("service_tls_ca", "service_tls_cert", "service_tls_key", "service_auth_token_file"):
             if getattr(self, name) and not Path(getattr(self, name)).is_file():
-                raise InvalidArgumentError(f"{name}: {getattr(self, name)!r} is not a readable file")
+                raise InvalidArgumentError(f"{name}: {getattr(self, name)!r} is not a readable file", field=name)
         if not self.target_address:
-            raise InvalidArgumentError("target_address is required")
+            raise InvalidArgumentError("target_address is required", field="target_address")
         if self.speculation_method not in SPECULATION_METHODS:
             raise InvalidArgumentError(
-                f"speculation_method must be one of {SPECULATION_METHODS}, got {self.speculation_method!r}"
+                f"speculation_method must be one of {SPECULATION_METHODS}, got {self.speculation_method!r}",
+                field="speculation_method"
             )
         if self.speculation_method == "model" and not self.draft_address:
-            raise InvalidArgumentError("speculation_method model needs a draft: set draft_address, or use auto / ngram")
+            raise InvalidArgumentError("speculation_method model needs a draft: set draft_address, or use auto / ngram",
+                                       field="speculation_method")
         if self.lookup_edits < 0:
-            raise InvalidArgumentError(f"lookup_edits must be >= 0, got {self.lookup_edits}")
+            raise InvalidArgumentError(f"lookup_edits must be >= 0, got {self.lookup_edits}", field="lookup_edits")
         self.lookup_settings()  # validates the n-gram lengths and the cache size
         if self.num_speculative_tokens < 0:
-            raise InvalidArgumentError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+            raise InvalidArgumentError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}",
+                                       field="num_speculative_tokens")
         positive = (
             "decode_steps", "default_max_new_tokens", "max_batch_size", "max_queue", "max_request_bytes",
             "max_message_bytes",
         )
         for name in positive:
             if getattr(self, name) <= 0:
-                raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}", field=name)
         if self.threads < 0:
-            raise InvalidArgumentError(f"threads must be >= 0, got {self.threads}")
+            raise InvalidArgumentError(f"threads must be >= 0, got {self.threads}", field="threads")
         if not self.drain_timeout_s >= 0:  # also refuses NaN
-            raise InvalidArgumentError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+            raise InvalidArgumentError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}",
+                                       field="drain_timeout_s")
         if self.rpc_timeout_floor_s <= 0 or self.rpc_timeout_factor < 1:
-            raise InvalidArgumentError("rpc_timeout_floor_s must be > 0 and rpc_timeout_factor >= 1")
+            raise InvalidArgumentError("rpc_timeout_floor_s must be > 0 and rpc_timeout_factor >= 1",
+                                       field="rpc_timeout_floor_s")
         if not self.keepalive_s >= 0 or not self.keepalive_timeout_s > 0:  # also refuses NaN
-            raise InvalidArgumentError("keepalive_s must be >= 0 and keepalive_timeout_s > 0")
+            raise InvalidArgumentError("keepalive_s must be >= 0 and keepalive_timeout_s > 0", field="keepalive_s")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise InvalidArgumentError(
-                f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}"
+                f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}",
+                field="tool_call_parser"
             )
         if self.draft_probs_dtype not in PROBS_DTYPES:
             raise InvalidArgumentError(
-                f"draft_probs_dtype must be one of {PROBS_DTYPES}, got {self.draft_probs_dtype!r}"
+                f"draft_probs_dtype must be one of {PROBS_DTYPES}, got {self.draft_probs_dtype!r}",
+                field="draft_probs_dtype"
             )
         check_metrics_prefix(self.metrics_prefix)
         if not 0 <= self.port <= 65535 or not -1 <= self.metrics_port <= 65535 or not -1 <= self.http_port <= 65535:

@@ -19,11 +19,10 @@ import grpc
 
 from specdec.errors import DrainingError, ServiceRefusedError
 from specdec.gateway.config import GatewayConfig
-from specdec.gateway.model_clients import DraftAPI, TargetAPI
 from specdec.gateway.monitor import ServiceMonitor
 from specdec.gateway.requests import RequestPolicy, completion_to_pb, new_sequence, token_logprob_to_pb
 from specdec.gateway.scheduler import Scheduler
-from specdec.gateway.sequence import Delta, FinishReason, Sequence
+from specdec.gateway.sequence import Delta, Finished, FinishReason, Sequence
 from specdec.gateway.stats import GatewayStats
 from specdec.serving.serial_executor import SerialExecutor
 from specdec.v1 import gateway_pb2
@@ -36,8 +35,6 @@ class GatewayState:
     """Everything the fronts need, built once at start-up."""
 
     config: GatewayConfig
-    target: TargetAPI
-    draft: DraftAPI | None
     policy: RequestPolicy
     scheduler: Scheduler
     stats: GatewayStats
@@ -57,15 +54,31 @@ class GatewayState:
 
 
 class Generation:
-    """One queued request: its responses as they come, and how it failed if it did."""
+    """One queued request: its responses as they come, and how it failed if it did.
+
+    It hears the scheduler through `StreamEvents` (it sets itself as the sequence's `events`)
+    and keeps what only a front needs: the queue its handler awaits and the gRPC status of a
+    failure. Both calls come from the scheduler's task, on the event loop."""
 
     def __init__(self, seq: Sequence) -> None:
         self.seq = seq
+        #: What the scheduler streamed and the handler has not read yet; `Finished` comes last.
+        self.outbox: asyncio.Queue[Delta | Finished] = asyncio.Queue()
+        #: The status a failed request ends with (UNAVAILABLE when the target went down).
+        self.error_status = grpc.StatusCode.INTERNAL
+        seq.events = self
+
+    def delta(self, delta: Delta) -> None:
+        self.outbox.put_nowait(delta)
+
+    def finished(self, finished: Finished) -> None:
+        self.error_status = grpc.StatusCode[finished.status]
+        self.outbox.put_nowait(finished)
 
     async def responses(self) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """A message per `Delta`, then the final one carrying the `Completion`."""
         while True:
-            event = await self.seq.outbox.get()
+            event = await self.outbox.get()
             if isinstance(event, Delta):
                 yield gateway_pb2.GenerateResponse(token_ids=event.tokens, text=event.text,
                                                    logprobs=[token_logprob_to_pb(t) for t in event.logprobs])
@@ -76,11 +89,6 @@ class Generation:
     @property
     def failed(self) -> bool:
         return self.seq.finish_reason is FinishReason.ERROR
-
-    @property
-    def error_status(self) -> grpc.StatusCode:
-        """The status a failed request ends with (UNAVAILABLE when the target went down)."""
-        return self.seq.error_status
 
 
 class Generations:
@@ -112,9 +120,10 @@ class Generations:
         self._idle.clear()
         try:
             seq = await self.tokenizer_thread.run(new_sequence, request, self.state.policy)
+            generation = Generation(seq)  # listens before the scheduler can emit
             self.state.scheduler.submit(seq)
             try:
-                yield Generation(seq)
+                yield generation
             finally:
                 if not seq.done:
                     self.state.scheduler.cancel(seq)

@@ -91,19 +91,20 @@ def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) ->
         for i, message in enumerate(request.chat.messages):
             if message.role not in CHAT_ROLES:
                 raise InvalidArgumentError(f"chat.messages[{i}].role: {message.role!r} is not one of "
-                                           f"{', '.join(CHAT_ROLES)}")
+                                           f"{', '.join(CHAT_ROLES)}", field=f"chat.messages[{i}].role")
         prompt = encode_chat(policy.tokenizer, [{"role": m.role, "content": m.content} for m in request.chat.messages])
     else:
-        raise InvalidArgumentError("input: set either prompt or chat")
+        raise InvalidArgumentError("input: set either prompt or chat", field="input")
     check_prompt(prompt, policy.max_seq_len, policy.vocab_size)
     check_stop_strings(list(request.stop))
     if request.max_new_tokens < 0:
-        raise InvalidArgumentError(f"max_new_tokens: must be >= 0, got {request.max_new_tokens}")
+        raise InvalidArgumentError(f"max_new_tokens: must be >= 0, got {request.max_new_tokens}",
+                                   field="max_new_tokens")
     room = policy.max_seq_len - len(prompt)
     if request.refuse_past_context and request.max_new_tokens > room:
         raise InvalidArgumentError(
             f"max_new_tokens: {request.max_new_tokens} is more than the {room} tokens the context of "
-            f"{policy.max_seq_len} leaves after the prompt's {len(prompt)}"
+            f"{policy.max_seq_len} leaves after the prompt's {len(prompt)}", field="max_new_tokens"
         )
     # The services count presence and frequency from the output's start: the prompt's end.
     sampling = dataclasses.replace(sampling_from_pb(request.sampling), penalty_start=len(prompt))
@@ -118,7 +119,8 @@ def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) ->
     adaptive = spec.adaptive if spec.HasField("adaptive") else policy.adaptive_k and not k_given
     if speculate and not 1 <= k <= policy.max_speculative_tokens:
         raise InvalidArgumentError(
-            f"speculation.num_speculative_tokens: {k} is outside [1, {policy.max_speculative_tokens}]"
+            f"speculation.num_speculative_tokens: {k} is outside [1, {policy.max_speculative_tokens}]",
+            field="speculation.num_speculative_tokens"
         )
     return Sequence(
         slot_id=policy.slot_prefix + uuid.uuid4().hex,
@@ -148,7 +150,7 @@ def request_grammar(request: gateway_pb2.GenerateRequest, policy: RequestPolicy)
         return None
     output = structured_output_from_pb(request.structured_output, "structured_output")
     if policy.grammars is None:
-        raise InvalidArgumentError("structured_output: this gateway serves no grammars")
+        raise InvalidArgumentError("structured_output: this gateway serves no grammars", field="structured_output")
     return policy.grammars.compile(output, f"structured_output.{request.structured_output.WhichOneof('kind')}")
 
 
@@ -161,18 +163,19 @@ def speculation_method(spec: gateway_pb2.SpeculationOptions, policy: RequestPoli
     """What the request may draft with: its `method`, else the gateway's default, NONE when
     speculation is off for it (`enabled`, or the gateway's default)."""
     if spec.method not in METHOD_FROM_PB:
-        raise InvalidArgumentError(f"speculation.method: unknown value {spec.method}")
+        raise InvalidArgumentError(f"speculation.method: unknown value {spec.method}", field="speculation.method")
     asked = METHOD_FROM_PB[spec.method]
     # Naming a method opts in on a gateway that does not speculate by default.
     enabled = spec.enabled if spec.HasField("enabled") else policy.speculative or asked is not None
     if not enabled:
         if asked not in (None, SpeculationMethod.NONE):
-            raise InvalidArgumentError(f"speculation.method: {asked.value} contradicts enabled = false")
+            raise InvalidArgumentError(f"speculation.method: {asked.value} contradicts enabled = false",
+                                       field="speculation.method")
         return SpeculationMethod.NONE
     method = asked if asked is not None else policy.default_method
     if method is SpeculationMethod.MODEL and not policy.has_draft:
         raise InvalidArgumentError("speculation.method: this gateway runs without a draft model; "
-                                   "use ngram (lookups) or auto")
+                                   "use ngram (lookups) or auto", field="speculation.method")
     return method
 
 
@@ -180,7 +183,8 @@ def verification_of(spec: gateway_pb2.SpeculationOptions, sampling: SamplingPara
     """How the request's draft tokens are judged: as it asks, else DRAWN when it is seeded (its
     tokens then depend on its seed alone) and REJECTION otherwise."""
     if spec.verification not in VERIFICATION_FROM_PB:
-        raise InvalidArgumentError(f"speculation.verification: unknown value {spec.verification}")
+        raise InvalidArgumentError(f"speculation.verification: unknown value {spec.verification}",
+                                   field="speculation.verification")
     asked = VERIFICATION_FROM_PB[spec.verification]
     if asked is not None:
         return asked
@@ -199,24 +203,26 @@ def _reseeded(sampling: SamplingParams, stream: int) -> SamplingParams:
 
 def check_stop_strings(stop: list[str]) -> None:
     if len(stop) > MAX_STOP_STRINGS:
-        raise InvalidArgumentError(f"stop: {len(stop)} strings, at most {MAX_STOP_STRINGS} are allowed")
+        raise InvalidArgumentError(f"stop: {len(stop)} strings, at most {MAX_STOP_STRINGS} are allowed", field="stop")
     for i, text in enumerate(stop):
         if not text:
-            raise InvalidArgumentError(f"stop[{i}]: must not be empty")
+            raise InvalidArgumentError(f"stop[{i}]: must not be empty", field=f"stop[{i}]")
         if len(text) > MAX_STOP_CHARS:
-            raise InvalidArgumentError(f"stop[{i}]: {len(text)} characters, at most {MAX_STOP_CHARS} are allowed")
+            raise InvalidArgumentError(f"stop[{i}]: {len(text)} characters, at most {MAX_STOP_CHARS} are allowed",
+                                       field=f"stop[{i}]")
 
 
 def check_prompt(prompt: list[int], max_seq_len: int, vocab_size: int) -> None:
     """Reject prompts the services would refuse, before they can fail a whole Prefill batch."""
     if not prompt:
-        raise InvalidArgumentError("prompt: the prompt encodes to no tokens")
+        raise InvalidArgumentError("prompt: the prompt encodes to no tokens", field="prompt")
     if len(prompt) >= max_seq_len:
         raise InvalidArgumentError(
-            f"prompt: {len(prompt)} tokens leave no room to generate within max_seq_len {max_seq_len}"
+            f"prompt: {len(prompt)} tokens leave no room to generate within max_seq_len {max_seq_len}", field="prompt"
         )
     if max(prompt) >= vocab_size:
-        raise InvalidArgumentError(f"prompt: token id {max(prompt)} is outside the target's vocabulary of {vocab_size}")
+        raise InvalidArgumentError(f"prompt: token id {max(prompt)} is outside the target's vocabulary of {vocab_size}",
+                                   field="prompt")
 
 
 def check_logit_bias(sampling: SamplingParams, vocab_size: int) -> None:
@@ -224,7 +230,8 @@ def check_logit_bias(sampling: SamplingParams, vocab_size: int) -> None:
     bad = [token for token, _ in sampling.logit_bias if token >= vocab_size]
     if bad:
         raise InvalidArgumentError(
-            f"sampling.logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+            f"sampling.logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+            field="sampling.logit_bias")
 
 
 def completion_to_pb(seq: Sequence, error: str) -> gateway_pb2.Completion:

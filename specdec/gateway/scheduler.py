@@ -1,8 +1,10 @@
 """The gateway's one scheduler: admission between rounds, then batched rounds for all requests.
 
-A single asyncio task owns every `Sequence`. Each iteration it (1) retires cancelled
-requests, (2) admits waiting requests while both services have slot and KV room for them
-(one batched Prefill, first token sampled here), and (3) runs one speculation round —
+A single asyncio task owns every `Sequence`; each request's stream leaves through its
+`Sequence.events` (the front's `Generation`), so nothing here holds a client's queue. Each
+iteration it (1) retires cancelled requests, (2) admits waiting requests while both services
+have slot and KV room for them (one batched Prefill, then `first_tokens`), and (3) runs
+one speculation round —
 ONE batched Propose and ONE batched Verify — for every running request.
 
 KV blocks are counted on demand, as vLLM does: a request is admitted when its prompt and
@@ -26,15 +28,15 @@ import grpc
 from specdec.errors import CapacityExhaustedError, ServiceStateError, SpecdecError
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.draft_sources import DraftSource
-from specdec.gateway.grammar.rounds import first_masks, with_forced_tokens
+from specdec.gateway.first_tokens import first_tokens_and_logprobs
+from specdec.gateway.grammar.rounds import with_forced_tokens
 from specdec.gateway.model_clients import DraftAPI, TargetAPI
 from specdec.gateway.planner import DraftAvailability, Planner, RoundInputs
 from specdec.gateway.proposers import LookupDraft, LookupProposer
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import FinishReason, Sequence
-from specdec.gateway.speculative_step import first_tokens, plan_k, plan_steps, run_round
+from specdec.gateway.speculative_step import plan_k, plan_steps, run_round
 from specdec.gateway.stats import GatewayStats
-from specdec.gateway.token_logprobs import first_logprobs
 from specdec.serving.errors import status_of
 from specdec.serving.serial_executor import SerialExecutor, cancel_and_wait
 from specdec.wire.items import PrefillItem
@@ -145,8 +147,7 @@ class Scheduler:
         await cancel_and_wait(self._draft_watch)
         await cancel_and_wait(self._task)
         for seq in [*self.waiting, *self.running]:
-            seq.error_status = grpc.StatusCode.UNAVAILABLE
-            seq.finish(FinishReason.ERROR, "gateway shutting down")
+            seq.finish(FinishReason.ERROR, "gateway shutting down", grpc.StatusCode.UNAVAILABLE.name)
         await asyncio.gather(*(self._release(seq) for seq in self.running), return_exceptions=True)
         await asyncio.to_thread(self.sampler.shutdown)
 
@@ -303,10 +304,7 @@ class Scheduler:
             await self._fail(admitted, error, release=False)
             return 0
         self.running.extend(admitted)  # they hold target slots now: a failure below releases them
-        masks = await self.sampler.run(first_masks, admitted) if any(s.grammar is not None for s in admitted) else {}
-        firsts = await self.sampler.run(first_tokens, admitted, logits, masks)
-        logprobs = (await self.sampler.run(first_logprobs, admitted, logits, firsts, masks)
-                    if any(s.logprobs is not None for s in admitted) else {})
+        firsts, logprobs = await self.sampler.run(first_tokens_and_logprobs, admitted, logits)
         for seq in admitted:
             count, last_at = seq.completion_tokens, seq.last_token_at
             if seq.preemptions == 0:
@@ -390,10 +388,10 @@ class Scheduler:
         for seq in [s for s in self.running if s.cancelled]:
             await self._retire(seq, FinishReason.CANCELLED)
 
-    async def _retire(self, seq: Sequence, reason: FinishReason, error: str = "") -> None:
+    async def _retire(self, seq: Sequence, reason: FinishReason, error: str = "", status: str = "INTERNAL") -> None:
         if seq in self.running:
             self.running.remove(seq)
-        seq.finish(reason, error)
+        seq.finish(reason, error, status)
         self.planner.forget(seq)
         if self.lookup is not None:
             if reason in (FinishReason.STOP, FinishReason.LENGTH):  # a whole answer: later ones may reuse it
@@ -457,9 +455,8 @@ class Scheduler:
             status, message = grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
             log.exception("failing %d request(s)", len(seqs), exc_info=error)
         for seq in seqs:
-            seq.error_status = status
             if release:
-                await self._retire(seq, FinishReason.ERROR, message)
+                await self._retire(seq, FinishReason.ERROR, message, status.name)
             else:
-                seq.finish(FinishReason.ERROR, message)
+                seq.finish(FinishReason.ERROR, message, status.name)
                 self._record_finished(seq)

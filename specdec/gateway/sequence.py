@@ -1,13 +1,13 @@
-"""One request's state inside the gateway: tokens, cache bookkeeping, stop rules, stats, outbox."""
+"""One request's state inside the gateway: tokens, cache bookkeeping, stop rules, stats, and
+the narrow interface its stream leaves through (`StreamEvents`)."""
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
-import grpc
 import torch
 
 from specdec.gateway.detokenizer import StopStringDetokenizer
@@ -53,6 +53,21 @@ class Finished:
 
     reason: FinishReason
     error: str = ""
+    #: Name of the `grpc.StatusCode` member a failed stream ends with (as
+    #: `SpecdecError.status_code_name`): the front maps it, so scheduler state holds no gRPC type.
+    status: str = "INTERNAL"
+
+
+class StreamEvents(Protocol):
+    """Where a request's stream goes: the front serving it (`generation.Generation`) implements
+    this. The rule: the scheduler reports through these two calls and never holds a queue or a
+    status, so its state is plain data a test can drive without an event loop."""
+
+    def delta(self, delta: Delta) -> None:
+        """Tokens and text a round (or the prefill) emitted."""
+
+    def finished(self, finished: Finished) -> None:
+        """The end of the stream (once per `Sequence.finish`)."""
 
 
 @dataclass
@@ -120,7 +135,7 @@ class RoundAnatomy:
 
 @dataclass(eq=False)
 class Sequence:
-    """A request being served. Owned by the scheduler task; the RPC handler reads `outbox`.
+    """A request being served. Owned by the scheduler task; it streams through `events`.
 
     Compared by identity: two requests are never the same request, and the scheduler's list
     lookups (`in`, `remove`) stay cheap instead of comparing every field.
@@ -161,10 +176,10 @@ class Sequence:
     grammar: RequestGrammar | None = None
     counts: SpeculationCounts = field(default_factory=SpeculationCounts)
     anatomy: RoundAnatomy = field(default_factory=RoundAnatomy)
-    outbox: asyncio.Queue[Delta | Finished] = field(default_factory=asyncio.Queue)
+    #: The front streaming this request (`Generation` sets itself); None: nobody listens
+    #: (planner simulations and tests that read the state alone).
+    events: StreamEvents | None = None
     finish_reason: FinishReason | None = None
-    #: gRPC status the stream ends with after a FINISH_REASON_ERROR message.
-    error_status: grpc.StatusCode = grpc.StatusCode.INTERNAL
     cancelled: bool = False
     #: Times the scheduler freed this request's slots to make room (it resumes from `tokens`).
     preemptions: int = 0
@@ -216,8 +231,8 @@ class Sequence:
               or len(self.tokens) >= max_seq_len):
             self.finish_reason = FinishReason.LENGTH
             text += self.detokenizer.finish()
-        if update.tokens or text:
-            self.outbox.put_nowait(Delta(update.tokens, text, (logprobs or [])[: len(update.tokens)]))
+        if (update.tokens or text) and self.events is not None:
+            self.events.delta(Delta(update.tokens, text, (logprobs or [])[: len(update.tokens)]))
 
     def preempt(self) -> None:
         """Forget both services' caches (their slots were freed): the next admission
@@ -227,9 +242,11 @@ class Sequence:
         self.target_valid = self.draft_valid = 0
         self.has_draft_slot = False
 
-    def finish(self, reason: FinishReason, error: str = "") -> None:
-        """End the stream (idempotent for the reason already set)."""
+    def finish(self, reason: FinishReason, error: str = "", status: str = "INTERNAL") -> None:
+        """End the stream (idempotent for the reason already set); `status` names the gRPC
+        status of a failure (`Finished.status`)."""
         if self.finish_reason is None:
             self.finish_reason = reason
         self.finished_at = time.perf_counter()
-        self.outbox.put_nowait(Finished(self.finish_reason, error))
+        if self.events is not None:
+            self.events.finished(Finished(self.finish_reason, error, status))

@@ -106,7 +106,7 @@ async def create_gateway(config: GatewayConfig) -> RunningServer:
     scheduler = new_scheduler(config, services, stats)
     monitor = ServiceMonitor(services.clients(), services.infos(), stats)
     policy = new_policy(config, services, tokenizer)
-    state = GatewayState(config, services.target, services.draft, policy, scheduler, stats, monitor)
+    state = GatewayState(config, policy, scheduler, stats, monitor)
     generations = Generations(state)
     servicer = GatewayServicer(state, generations)
     scheduler.start()
@@ -225,7 +225,7 @@ def check_services(config: GatewayConfig, services: Services) -> PreTrainedToken
     limit = services.max_speculative_tokens
     if config.speculative and config.num_speculative_tokens > limit:
         raise InvalidArgumentError(f"num_speculative_tokens {config.num_speculative_tokens} exceeds the services' "
-                                   f"maximum {limit}")
+                                   f"maximum {limit}", field="num_speculative_tokens")
     return tokenizer
 
 

@@ -17,10 +17,9 @@ import typing
 from collections.abc import Collection
 
 import grpc
-import torch
 
 from specdec.errors import InvalidArgumentError, ServiceStateError
-from specdec.gateway.acceptance import accept_all, masked
+from specdec.gateway.acceptance import accept_all
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.grammar.rounds import constrain
 from specdec.gateway.kv_handoff import KVHandoff, hand_off
@@ -29,12 +28,9 @@ from specdec.gateway.proposers import LookupDraft
 from specdec.gateway.rounds import RoundPlan, RoundReport
 from specdec.gateway.sequence import Sequence, Verification
 from specdec.gateway.token_logprobs import round_logprobs
-from specdec.sampling.draws import drawn_tokens, position_generator, sample
 from specdec.sampling.logprobs import TokenLogprob
-from specdec.sampling.rejection_sampler import RejectionResult
 from specdec.sampling.sparse_probs import SparseRows
 from specdec.sampling.token_masks import TokenMasks
-from specdec.sampling.transforms import logits_to_probs
 from specdec.serving.serial_executor import SerialExecutor
 from specdec.wire.items import (
     ArgmaxMode,
@@ -213,25 +209,6 @@ def advance(seq: Sequence, k: int, num_accepted: int) -> None:
         seq.draft_valid = length + min(num_accepted, k - 1)
 
 
-def first_tokens(seqs: list[Sequence], logits: dict[str, torch.Tensor],
-                 masks: dict[str, TokenMasks] | None = None) -> dict[str, int]:
-    """The next token of each newly prefilled sequence, from its last-position logits (under its
-    grammar's one-row `masks`, if it has one): the first completion token, or, for a request
-    resuming after a preemption, the one after its tokens (whose penalty context is all of them)."""
-    masks = masks or {}
-    out = {}
-    for seq in seqs:
-        row = masked(logits[seq.slot_id][None], masks.get(seq.slot_id))  # [1, vocab]
-        probs = logits_to_probs(row, [seq.sampling], [seq.tokens])  # [1, vocab]
-        if seq.sampling.is_greedy:
-            out[seq.slot_id] = int(probs.argmax())
-            continue
-        # A seeded request's token at this position is the draw plain decoding makes there.
-        position = position_generator(seq.target_sampling, len(seq.tokens), "cpu")
-        out[seq.slot_id] = drawn_tokens(sample(probs, [position or seq.generator]))[0]
-    return out
-
-
 async def run_round(
     target: TargetAPI, draft: DraftAPI | None, seqs: list[Sequence], plan: RoundPlan, sampler: SerialExecutor,
     max_seq_len: int, deadlines: Deadlines, handoff: KVHandoff | None = None,
@@ -284,21 +261,22 @@ def lookup_proposals(seqs: list[Sequence], plan: RoundPlan) -> dict[str, Proposa
 
 def advance_all(
     seqs: list[Sequence], proposals: dict[str, Proposal], verified: dict[str, VerifiedChunk],
-    accepted: dict[str, RejectionResult], max_seq_len: int, lookups: Collection[str] = (),
+    accepted: dict[str, list[int]], max_seq_len: int, lookups: Collection[str] = (),
     logprobs: dict[str, list[TokenLogprob]] | None = None,
 ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """Advance every sequence past its new tokens and emit them (with their `logprobs`, for the
-    requests that asked); returns per slot the K drafted, the tokens accepted and the tokens
-    decoded plainly (1 for a drafting request). The draft model's cache moves only for the
-    requests it drafted for (not in `lookups`)."""
+    requests that asked): a drafting request's `accepted` tokens (its accepted draft tokens, then
+    one recovered or bonus token), a plain one's decoded tokens. Returns per slot the K drafted,
+    the tokens accepted and the tokens decoded plainly (1 for a drafting request). The draft
+    model's cache moves only for the requests it drafted for (not in `lookups`)."""
     logprobs = logprobs or {}
     ks, num_accepted, steps = {}, {}, {}
     for seq in seqs:
         slot = seq.slot_id
         if slot in accepted:
-            ks[slot], num_accepted[slot], steps[slot] = len(proposals[slot].tokens), accepted[slot].num_accepted[0], 1
+            ks[slot], num_accepted[slot], steps[slot] = len(proposals[slot].tokens), len(accepted[slot]) - 1, 1
             advance(seq, 0 if slot in lookups else ks[slot], num_accepted[slot])
-            seq.emit(accepted[slot].output_tokens[0], max_seq_len, logprobs.get(slot))
+            seq.emit(accepted[slot], max_seq_len, logprobs.get(slot))
         else:
             tokens = typing.cast(VerifiedDecode, verified[slot]).tokens  # `verify` checked the kind
             ks[slot], num_accepted[slot], steps[slot] = 0, 0, len(tokens)

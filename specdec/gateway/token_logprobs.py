@@ -19,7 +19,6 @@ from specdec.errors import ServiceStateError
 from specdec.gateway.acceptance import masked
 from specdec.gateway.sequence import Sequence
 from specdec.sampling.logprobs import LogprobsRequest, RowLogprobs, TokenLogprob, answer_rows
-from specdec.sampling.rejection_sampler import RejectionResult
 from specdec.sampling.token_masks import TokenMasks
 from specdec.wire.items import Proposal, VerifiedChunk, VerifiedDecode, VerifiedLogits
 
@@ -40,11 +39,12 @@ def first_logprobs(seqs: list[Sequence], logits: dict[str, torch.Tensor], firsts
 
 def round_logprobs(
     seqs: list[Sequence], proposals: dict[str, Proposal], verified: dict[str, VerifiedChunk],
-    accepted: dict[str, RejectionResult], masks: dict[str, TokenMasks] | None = None,
+    accepted: dict[str, list[int]], masks: dict[str, TokenMasks] | None = None,
 ) -> dict[str, list[TokenLogprob]]:
     """The logprobs of the tokens this round emits, per sequence that asks (before `advance_all`
     moves the sequences): from the target's rows, or from its logits for a Logits answer (under
-    the request's grammar `masks` for transformed logprobs, raw ones being the model's own)."""
+    the request's grammar `masks` for transformed logprobs, raw ones being the model's own).
+    `accepted` holds each drafting request's emitted tokens (`acceptance.accept_all`)."""
     masks = masks or {}
     out: dict[str, list[TokenLogprob]] = {}
     from_logits: list[tuple[Sequence, LogprobsRequest, VerifiedLogits, list[int], int]] = []
@@ -55,7 +55,8 @@ def round_logprobs(
         if isinstance(chunk, VerifiedDecode):
             out[slot] = _checked(seq, chunk.logprobs, request, len(chunk.tokens), 0).emitted(chunk.tokens, 0)
             continue
-        tokens, num_accepted = accepted[slot].output_tokens[0], accepted[slot].num_accepted[0]
+        tokens = accepted[slot]
+        num_accepted = len(tokens) - 1  # the last is the recovered or bonus token
         if isinstance(chunk, VerifiedLogits):
             from_logits.append((seq, request, chunk, tokens, num_accepted))
             continue

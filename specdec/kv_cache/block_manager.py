@@ -44,14 +44,14 @@ from specdec.errors import (
 def _count(value: object, name: str) -> int:
     """A non-negative integer argument, or InvalidArgumentError (numpy ints accepted, bools not)."""
     if isinstance(value, bool):
-        raise InvalidArgumentError(f"{name} must be an integer, got bool")
+        raise InvalidArgumentError(f"{name} must be an integer, got bool", field=name)
     try:
         n = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         kind = type(value).__name__
-        raise InvalidArgumentError(f"{name} must be an integer, got {kind}") from None
+        raise InvalidArgumentError(f"{name} must be an integer, got {kind}", field=name) from None
     if n < 0:
-        raise InvalidArgumentError(f"{name} must be >= 0, got {n}")
+        raise InvalidArgumentError(f"{name} must be >= 0, got {n}", field=name)
     return n
 
 

@@ -54,9 +54,9 @@ class PagedKVCache:
     ) -> PagedKVCache:
         """A pool holding at least `token_budget` tokens for a Llama-style `config`."""
         if token_budget <= 0:
-            raise InvalidArgumentError(f"token_budget must be > 0, got {token_budget}")
+            raise InvalidArgumentError(f"token_budget must be > 0, got {token_budget}", field="token_budget")
         if block_size <= 0:
-            raise InvalidArgumentError(f"block_size must be > 0, got {block_size}")
+            raise InvalidArgumentError(f"block_size must be > 0, got {block_size}", field="block_size")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(
             num_layers=config.num_hidden_layers,

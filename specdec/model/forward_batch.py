@@ -171,7 +171,7 @@ def chunk_rounds(chunks: list[Chunk], starts: list[int], max_tokens: int) -> lis
     has one, the pieces that end their chunk first. A round's attention sees the pieces
     before it in the cache, so the rounds give the one-forward results in bounded memory."""
     if max_tokens <= 0:
-        raise InvalidArgumentError(f"max_tokens must be > 0, got {max_tokens}")
+        raise InvalidArgumentError(f"max_tokens must be > 0, got {max_tokens}", field="max_tokens")
     check_chunks(chunks)
     rounds: list[list[Piece]] = []
     for r in range(-(-max(len(tokens) for _, tokens in chunks) // max_tokens)):

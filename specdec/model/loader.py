@@ -129,7 +129,7 @@ def load_model(
     elif name_or_path.endswith(".gguf"):
         gguf = Path(name_or_path)
         if not gguf.is_file():
-            raise InvalidArgumentError(f"model: GGUF file {gguf} does not exist")
+            raise InvalidArgumentError(f"model: GGUF file {gguf} does not exist", field="model")
         source = _safetensors_from_gguf(gguf, cache_dir)
     elif Path(name_or_path).is_dir():
         source = Path(name_or_path)
@@ -163,7 +163,7 @@ def keep_first_layers(loaded: LoadedModel, num_layers: int) -> None:
     """
     layers = loaded.model.model.layers
     if not 1 <= num_layers <= len(layers):
-        raise InvalidArgumentError(f"num_layers must be in [1, {len(layers)}], got {num_layers}")
+        raise InvalidArgumentError(f"num_layers must be in [1, {len(layers)}], got {num_layers}", field="num_layers")
     loaded.model.model.layers = layers[:num_layers]
     loaded.model.config.num_hidden_layers = num_layers
     loaded.name = f"{loaded.name} (first {num_layers} layers)"

@@ -112,11 +112,11 @@ class RandomModelSpec:
         if match is None or match[1] not in ARCHITECTURES:
             raise InvalidArgumentError(
                 f"model {name!r}: expected random:<architecture>[:seed=<n>] with an architecture of "
-                f"{sorted(ARCHITECTURES)}"
+                f"{sorted(ARCHITECTURES)}", field="model"
             )
         seed = int(match[2] or 0)
         if seed > _MAX_SEED:
-            raise InvalidArgumentError(f"model {name!r}: the seed must be at most {_MAX_SEED}")
+            raise InvalidArgumentError(f"model {name!r}: the seed must be at most {_MAX_SEED}", field="model")
         return cls(match[1], seed)
 
     @property
@@ -141,7 +141,8 @@ def build_random_model(
     """
     if not 0 <= num_layers <= architecture.num_hidden_layers:
         raise InvalidArgumentError(
-            f"num_layers must be in [1, {architecture.num_hidden_layers}] (or 0: all), got {num_layers}"
+            f"num_layers must be in [1, {architecture.num_hidden_layers}] (or 0: all), got {num_layers}",
+            field="num_layers"
         )
     config = architecture.config(num_layers)
     with torch.device("meta"):

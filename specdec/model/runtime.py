@@ -78,9 +78,10 @@ def build_runtime(
     and `quantize_int4`), so the embedded default draft is `quantization="int4", dtype="bfloat16"`.
     """
     if dtype not in DTYPES:
-        raise InvalidArgumentError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise InvalidArgumentError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}", field="dtype")
     if quantization not in QUANTIZATIONS:
-        raise InvalidArgumentError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+        raise InvalidArgumentError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}",
+                                   field="quantization")
     loaded = load_model(model, dtype=DTYPES[dtype], device=device, num_layers=num_layers)
     if quantization == "int8":
         quantize_int8(loaded.model)

@@ -104,7 +104,7 @@ def sample(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
         uniforms = torch.rand(n, dtype=torch.float64, device=probs.device, generator=generators)  # [n]
     else:
         if len(generators) != n:
-            raise InvalidArgumentError(f"generators: got {len(generators)} for {n} rows")
+            raise InvalidArgumentError(f"generators: got {len(generators)} for {n} rows", field="generators")
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=probs.device)
         uniforms = torch.cat([

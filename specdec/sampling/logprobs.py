@@ -36,7 +36,8 @@ class LogprobsOptions:
 
     def __post_init__(self) -> None:
         if not 0 <= self.top <= MAX_TOP_LOGPROBS:
-            raise InvalidArgumentError(f"logprobs.top_logprobs: {self.top} is outside [0, {MAX_TOP_LOGPROBS}]")
+            raise InvalidArgumentError(f"logprobs.top_logprobs: {self.top} is outside [0, {MAX_TOP_LOGPROBS}]",
+                                       field="logprobs.top_logprobs")
 
     def request_for(self, sampling: SamplingParams) -> LogprobsRequest:
         """What to ask the target (or compute here) for a request sampled with `sampling`."""

@@ -61,29 +61,33 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not (_is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
-            raise InvalidArgumentError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise InvalidArgumentError(f"temperature must be a finite number >= 0, got {self.temperature!r}",
+                                       field="temperature")
         if not (_is_int(self.top_k) and self.top_k >= 0):
-            raise InvalidArgumentError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+            raise InvalidArgumentError(f"top_k must be an integer >= 0, got {self.top_k!r}", field="top_k")
         if not (_is_real(self.top_p) and 0 < self.top_p <= 1):
-            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p!r}", field="top_p")
         if not (
             _is_real(self.repetition_penalty)
             and math.isfinite(self.repetition_penalty)
             and self.repetition_penalty > 0
         ):
             raise InvalidArgumentError(
-                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}",
+                field="repetition_penalty"
             )
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < _MAX_SEED):
-            raise InvalidArgumentError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
+            raise InvalidArgumentError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}",
+                                       field="seed")
         if not (_is_real(self.min_p) and 0 <= self.min_p <= 1):
-            raise InvalidArgumentError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise InvalidArgumentError(f"min_p must be in [0, 1], got {self.min_p!r}", field="min_p")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (_is_real(value) and -MAX_OUTPUT_PENALTY <= value <= MAX_OUTPUT_PENALTY):
-                raise InvalidArgumentError(f"{name} must be in [-2, 2], got {value!r}")
+                raise InvalidArgumentError(f"{name} must be in [-2, 2], got {value!r}", field=name)
         if not (_is_int(self.penalty_start) and self.penalty_start >= 0):
-            raise InvalidArgumentError(f"penalty_start must be an integer >= 0, got {self.penalty_start!r}")
+            raise InvalidArgumentError(f"penalty_start must be an integer >= 0, got {self.penalty_start!r}",
+                                       field="penalty_start")
         # Frozen: the normalized form replaces the given one, as __init__ would have stored it.
         object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
 
@@ -114,16 +118,17 @@ def _checked_bias(given: LogitBias | Mapping[int, float]) -> LogitBias:
     pairs = list(given.items()) if isinstance(given, Mapping) else list(given)
     for pair in pairs:
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-            raise InvalidArgumentError(f"logit_bias must hold (token id, bias) pairs, got {pair!r}")
+            raise InvalidArgumentError(f"logit_bias must hold (token id, bias) pairs, got {pair!r}", field="logit_bias")
         token, bias = pair
         if not (_is_int(token) and token >= 0):
-            raise InvalidArgumentError(f"logit_bias: token id {token!r} must be an integer >= 0")
+            raise InvalidArgumentError(f"logit_bias: token id {token!r} must be an integer >= 0", field="logit_bias")
         if not (_is_real(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
-            raise InvalidArgumentError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias!r}")
+            raise InvalidArgumentError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias!r}",
+                                       field="logit_bias")
     pairs.sort()
     for (a, _), (b, _) in zip(pairs, pairs[1:]):
         if a == b:
-            raise InvalidArgumentError(f"logit_bias: token id {a} appears more than once")
+            raise InvalidArgumentError(f"logit_bias: token id {a} appears more than once", field="logit_bias")
     return tuple((int(token), float(bias)) for token, bias in pairs)
 
 

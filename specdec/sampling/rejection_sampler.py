@@ -18,6 +18,10 @@ distributed exactly as the target would have sampled it — provided q is the ve
 distribution the draft sampled from and p carries the request's sampling transforms.
 With k = 0 the round is plain sampling from p_1.
 
+Results are batch tensors (`RejectionResult`: [batch, k_max+1] tokens, [batch] accepted counts)
+padded with the one `PLACEHOLDER_TOKEN_ID`, which the gateway and the target also pad their draft
+tokens with; callers convert them to lists once, at the edge.
+
 Greedy requests use `greedy_accept` (accept while argmax(p_i) == t_i, then the target's
 argmax), which draws no random numbers. Feeding greedy rows' one-hot p (see
 `transforms.logits_to_probs`) to `rejection_sample` gives the same tokens.
@@ -44,17 +48,34 @@ from dataclasses import dataclass
 import torch
 
 from specdec.errors import InvalidArgumentError
-from specdec.sampling.draws import NO_TOKEN, Generators, check_drawn, sample
+from specdec.sampling.draws import Generators, drawn_tokens, sample
+
+#: Fills positions without a token in the sampler's padded tensors: draft tokens past a row's K
+#: (the gateway's and the target's alike) and a round's output past its emitted tokens. The rule:
+#: one negative id, never a vocabulary id, so a padded position that leaked into a gather or the
+#: output would fail loudly (or read as no token) instead of passing for token 0.
+PLACEHOLDER_TOKEN_ID = -1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors: compare `token_lists()` or the tensors themselves
 class RejectionResult:
-    """Outcome of one speculation round for each request of the batch."""
+    """Outcome of one speculation round for the whole batch, as tensors: the caller converts them
+    to host lists once (`token_lists`), not once per request."""
 
-    #: Per request: the accepted draft tokens, then exactly one recovered or bonus token.
-    output_tokens: list[list[int]]
-    #: Per request: how many draft tokens were accepted (len(output_tokens[b]) - 1).
-    num_accepted: list[int]
+    #: [batch, k_max+1] int64: row b's num_accepted[b] accepted draft tokens, then exactly one
+    #: recovered or bonus token, then PLACEHOLDER_TOKEN_ID.
+    output_tokens: torch.Tensor
+    #: [batch] int64: how many draft tokens each row accepted.
+    num_accepted: torch.Tensor
+
+    def token_lists(self) -> list[list[int]]:
+        """Each row's emitted tokens (accepted, then recovered or bonus) as a host list; the
+        placeholders dropped. One device-to-host copy for the batch."""
+        return [row[: n + 1] for row, n in zip(self.output_tokens.tolist(), self.num_accepted.tolist())]
+
+    def last_tokens(self) -> torch.Tensor:
+        """[batch] int64: each row's recovered or bonus token."""
+        return self.output_tokens.gather(1, self.num_accepted[:, None]).squeeze(1)
 
 
 def _check(
@@ -65,22 +86,29 @@ def _check(
     k_max = k_plus_1 - 1
     if tuple(draft_tokens.shape) != (batch, k_max):
         raise InvalidArgumentError(
-            f"draft_tokens: expected shape {(batch, k_max)}, got {tuple(draft_tokens.shape)}"
+            f"draft_tokens: expected shape {(batch, k_max)}, got {tuple(draft_tokens.shape)}", field="draft_tokens"
         )
     ks = num_draft_tokens.tolist() if isinstance(num_draft_tokens, torch.Tensor) else list(num_draft_tokens)
     if len(ks) != batch or any(not 0 <= k <= k_max for k in ks):
-        raise InvalidArgumentError(f"num_draft_tokens: expected {batch} values in [0, {k_max}], got {ks}")
+        raise InvalidArgumentError(f"num_draft_tokens: expected {batch} values in [0, {k_max}], got {ks}",
+                                   field="num_draft_tokens")
     k_t = torch.tensor(ks, dtype=torch.int64, device=target.device)  # [batch]
     valid = torch.arange(k_max, device=target.device)[None, :] < k_t[:, None]  # [batch, k_max]
     return ks, valid
 
 
-def _result(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, last: torch.Tensor) -> RejectionResult:
-    drafted, accepted, final = draft_tokens.tolist(), num_accepted.tolist(), last.tolist()
-    return RejectionResult(
-        output_tokens=[row[:n] + [t] for row, n, t in zip(drafted, accepted, final)],
-        num_accepted=accepted,
-    )
+def _result(
+    draft_tokens: torch.Tensor,  # [batch, k_max] int64
+    num_accepted: torch.Tensor,  # [batch] int64
+    last: torch.Tensor,  # [batch] int64: the recovered or bonus token
+) -> RejectionResult:
+    """The accepted prefix of each row's draft, its `last` token after it, placeholders past that."""
+    batch, k_max = draft_tokens.shape
+    placeholders = draft_tokens.new_full((batch, 1), PLACEHOLDER_TOKEN_ID)  # [batch, 1]
+    padded = torch.cat([draft_tokens, placeholders], dim=1)  # [batch, k_max+1]
+    positions = torch.arange(k_max + 1, device=draft_tokens.device)[None, :]  # [1, k_max+1]
+    output = torch.where(positions < num_accepted[:, None], padded, PLACEHOLDER_TOKEN_ID)  # [batch, k_max+1]
+    return RejectionResult(output.scatter(1, num_accepted[:, None], last[:, None]), num_accepted)
 
 
 def acceptance_probs(
@@ -97,9 +125,12 @@ def acceptance_probs(
 
 
 def token_probs(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """probs [batch, >= k, vocab] at tokens [batch, k] (valid ids) → [batch, k] float32."""
+    """probs [batch, >= k, vocab] at tokens [batch, k] (ids, or PLACEHOLDER_TOKEN_ID past a
+    row's K) → [batch, k] float32. A placeholder reads token 0's probability: past its K no
+    row is judged, and a gather needs an index in range."""
     k = tokens.shape[1]
-    return probs[:, :k].gather(-1, tokens[..., None]).squeeze(-1).float()
+    index = tokens.clamp(min=0)[..., None]  # [batch, k, 1]
+    return probs[:, :k].gather(-1, index).squeeze(-1).float()
 
 
 def residual_weights(
@@ -127,7 +158,7 @@ def _uniforms(ks: list[int], k_max: int, generators: Generators, device: torch.d
     if generators is None or isinstance(generators, torch.Generator):
         return torch.rand(len(ks), k_max, generator=generators, device=device)
     if len(generators) != len(ks):
-        raise InvalidArgumentError(f"generators: got {len(generators)} for {len(ks)} rows")
+        raise InvalidArgumentError(f"generators: got {len(generators)} for {len(ks)} rows", field="generators")
     rows = [
         torch.cat([torch.rand(k, generator=g, device=device), torch.ones(k_max - k, device=device)])
         for k, g in zip(ks, generators)
@@ -149,7 +180,7 @@ def draw_candidates(
 def accept_candidates(
     target_token_probs: torch.Tensor,  # [batch, k_max] p_i(t_i), anything past each row's k
     draft_token_probs: torch.Tensor,  # [batch, k_max] q_i(t_i), anything past each row's k
-    draft_tokens: torch.Tensor,  # [batch, k_max] int, padded past each row's k
+    draft_tokens: torch.Tensor,  # [batch, k_max] int, PLACEHOLDER_TOKEN_ID (or anything) past each row's k
     num_draft_tokens: Sequence[int] | torch.Tensor,  # [batch] k per row, 0 <= k <= k_max
     candidates: torch.Tensor,  # [batch, k_max+1] int: `draw_candidates` at positions 1..k+1, anything past
     generators: Generators = None,
@@ -158,7 +189,8 @@ def accept_candidates(
     emit the candidate of the first unaccepted position (recovered, or the bonus)."""
     ks, valid = _check(candidates, draft_tokens, num_draft_tokens)  # valid: [batch, k_max]
     device = candidates.device
-    tokens = torch.where(valid, draft_tokens.to(device=device, dtype=torch.int64), 0)  # [batch, k_max]
+    drafted = draft_tokens.to(device=device, dtype=torch.int64)  # [batch, k_max]
+    tokens = torch.where(valid, drafted, PLACEHOLDER_TOKEN_ID)  # [batch, k_max]
     uniforms = _uniforms(ks, tokens.shape[1], generators, device)  # [batch, k_max]
     accepted = (uniforms < acceptance_probs(target_token_probs, draft_token_probs)) & valid  # [batch, k_max]
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [batch]
@@ -169,7 +201,7 @@ def accept_candidates(
 def rejection_sample(
     target_probs: torch.Tensor,  # [batch, k_max+1, vocab] p, request's transforms applied
     draft_probs: torch.Tensor,  # [batch, k_max, vocab] the exact q each draft token was sampled from
-    draft_tokens: torch.Tensor,  # [batch, k_max] int, padded past each row's k
+    draft_tokens: torch.Tensor,  # [batch, k_max] int, PLACEHOLDER_TOKEN_ID (or anything) past each row's k
     num_draft_tokens: Sequence[int] | torch.Tensor,  # [batch] k per row, 0 <= k <= k_max
     generators: Generators = None,
 ) -> RejectionResult:
@@ -179,11 +211,12 @@ def rejection_sample(
     k_max = k_plus_1 - 1
     if tuple(draft_probs.shape) != (batch, k_max, vocab):
         raise InvalidArgumentError(
-            f"draft_probs: expected shape {(batch, k_max, vocab)}, got {tuple(draft_probs.shape)}"
+            f"draft_probs: expected shape {(batch, k_max, vocab)}, got {tuple(draft_probs.shape)}", field="draft_probs"
         )
     ks, valid = _check(target_probs, draft_tokens, num_draft_tokens)  # valid: [batch, k_max]
     device = target_probs.device
-    tokens = torch.where(valid, draft_tokens.to(device=device, dtype=torch.int64), 0)  # [batch, k_max]
+    drafted = draft_tokens.to(device=device, dtype=torch.int64)  # [batch, k_max]
+    tokens = torch.where(valid, drafted, PLACEHOLDER_TOKEN_ID)  # [batch, k_max]
     q = torch.cat([draft_probs.to(target_probs.dtype), target_probs.new_zeros(batch, 1, vocab)],
                   dim=1)  # [batch, k_max+1, vocab]
     q[:, :k_max].masked_fill_(~valid[..., None], 0.0)  # each row's bonus position has no q
@@ -193,20 +226,21 @@ def rejection_sample(
         row_generators: Generators = generators
     else:
         if len(generators) != batch:
-            raise InvalidArgumentError(f"generators: got {len(generators)} for {batch} rows")
+            raise InvalidArgumentError(f"generators: got {len(generators)} for {batch} rows", field="generators")
         row_generators = [g for g, k in zip(generators, ks) for _ in range(k + 1)]
-    candidates = torch.full((batch, k_plus_1), NO_TOKEN, dtype=torch.int64, device=device)  # [batch, k_max+1]
+    candidates = torch.full((batch, k_plus_1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64,
+                            device=device)  # [batch, k_max+1]: never reached past each row's K + 1
     candidates[reached] = draw_candidates(target_probs[reached], q[reached], row_generators)
     result = accept_candidates(
         token_probs(target_probs, tokens), token_probs(draft_probs, tokens), tokens, ks, candidates, generators
     )
-    check_drawn([row[-1] for row in result.output_tokens])  # the round's recovered or bonus draws
+    drawn_tokens(result.last_tokens())  # the round's recovered or bonus draws
     return result
 
 
 def greedy_accept(
     target_logits: torch.Tensor,  # [batch, k_max+1, vocab] (penalized logits, or probs: only argmax matters)
-    draft_tokens: torch.Tensor,  # [batch, k_max] int, padded past each row's k
+    draft_tokens: torch.Tensor,  # [batch, k_max] int, PLACEHOLDER_TOKEN_ID (or anything) past each row's k
     num_draft_tokens: Sequence[int] | torch.Tensor,  # [batch]
 ) -> RejectionResult:
     """Greedy round: accept t_i while argmax(target_i) == t_i, then emit the target's
@@ -220,7 +254,7 @@ def greedy_accept(
 
 def greedy_accept_argmax(
     target_argmax: torch.Tensor,  # [batch, k_max+1] int: argmax of the target's logits at each position
-    draft_tokens: torch.Tensor,  # [batch, k_max] int, padded past each row's k
+    draft_tokens: torch.Tensor,  # [batch, k_max] int, PLACEHOLDER_TOKEN_ID (or anything) past each row's k
     num_draft_tokens: Sequence[int] | torch.Tensor,  # [batch]
 ) -> RejectionResult:
     """`greedy_accept` from the target's argmax tokens instead of its logits (the target

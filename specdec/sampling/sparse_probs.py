@@ -104,18 +104,18 @@ class SparseRows:
         if any(n < 1 for n in self.lengths) or sum(self.lengths) != nnz or self.values.shape != (nnz,):
             raise InvalidArgumentError(
                 f"{field}: row lengths {list(self.lengths)} (each at least 1) must add up to the {nnz} token ids "
-                f"and the {self.values.numel()} values"
+                f"and the {self.values.numel()} values", field=field
             )
         if nnz and (int(self.token_ids.min()) < 0 or int(self.token_ids.max()) >= vocab):
-            raise InvalidArgumentError(f"{field}: token ids must lie in [0, {vocab})")
+            raise InvalidArgumentError(f"{field}: token ids must lie in [0, {vocab})", field=field)
         values = self.values.float()
         if not bool(torch.isfinite(values).all()) or bool((values < 0).any()):
-            raise InvalidArgumentError(f"{field}: values must be finite and non-negative")
+            raise InvalidArgumentError(f"{field}: values must be finite and non-negative", field=field)
         rows = self._row_index()
         if torch.unique(rows * vocab + self.token_ids).numel() != nnz:
-            raise InvalidArgumentError(f"{field}: a token appears twice in one row")
+            raise InvalidArgumentError(f"{field}: a token appears twice in one row", field=field)
         if bool((self._row_sums(rows, values) <= 0).any()):
-            raise InvalidArgumentError(f"{field}: every row needs a positive sum")
+            raise InvalidArgumentError(f"{field}: every row needs a positive sum", field=field)
 
     def check_drafted(self, tokens: list[int], vocab: int, field: str) -> None:
         """Raise InvalidArgumentError, naming `field`, unless these rows are a q the draft can
@@ -124,6 +124,8 @@ class SparseRows:
         target what the gateway forwards."""
         self.validate(vocab, field)
         if self.num_rows != len(tokens):
-            raise InvalidArgumentError(f"{field}: {self.num_rows} rows of q for {len(tokens)} draft tokens")
+            raise InvalidArgumentError(f"{field}: {self.num_rows} rows of q for {len(tokens)} draft tokens",
+                                       field=field)
         if bool((self.probs_of(tokens) <= 0).any()):
-            raise InvalidArgumentError(f"{field}: a draft token has probability 0 in the q it was drawn from")
+            raise InvalidArgumentError(f"{field}: a draft token has probability 0 in the q it was drawn from",
+                                       field=field)

@@ -77,11 +77,12 @@ class TokenMasks:
     def check(self, rows: int, vocab: int, where: str) -> None:
         """INVALID_ARGUMENT unless there are `rows` rows wide enough for `vocab`, each allowing a token."""
         if self.rows != rows:
-            raise InvalidArgumentError(f"{where}: {self.rows} mask rows for {rows} rows of logits")
+            raise InvalidArgumentError(f"{where}: {self.rows} mask rows for {rows} rows of logits", field=where)
         if self.words.shape[1] < words_for(vocab):
-            raise InvalidArgumentError(f"{where}: {self.words.shape[1]} words a row cannot cover {vocab} tokens")
+            raise InvalidArgumentError(f"{where}: {self.words.shape[1]} words a row cannot cover {vocab} tokens",
+                                       field=where)
         if not self._bits(vocab).any(axis=-1).all():  # numpy's: torch's any over [16, 49152] took ms
-            raise InvalidArgumentError(f"{where}: a mask row allows no token of the vocabulary")
+            raise InvalidArgumentError(f"{where}: a mask row allows no token of the vocabulary", field=where)
 
     def to_bytes(self) -> bytes:
         return self.words.contiguous().numpy().astype("<i4").tobytes()
@@ -89,6 +90,7 @@ class TokenMasks:
     @classmethod
     def from_bytes(cls, data: bytes, rows: int, words_per_row: int) -> TokenMasks:
         if rows < 0 or words_per_row <= 0 or len(data) != 4 * rows * words_per_row:
-            raise InvalidArgumentError(f"allowed: {len(data)} bytes for {rows} rows of {words_per_row} words")
+            raise InvalidArgumentError(f"allowed: {len(data)} bytes for {rows} rows of {words_per_row} words",
+                                       field="allowed")
         words = torch.frombuffer(bytearray(data), dtype=torch.int32) if data else torch.zeros(0, dtype=torch.int32)
         return cls(words.view(rows, words_per_row))

@@ -101,7 +101,7 @@ def _as_tensors(
 ) -> SamplingTensors:
     st = params if isinstance(params, SamplingTensors) else SamplingTensors.from_params(params, device)
     if len(st) != n:
-        raise InvalidArgumentError(f"params: got {len(st)} rows for {n} logit rows")
+        raise InvalidArgumentError(f"params: got {len(st)} rows for {n} logit rows", field="params")
     return st
 
 
@@ -109,7 +109,7 @@ def _pad_ids(ids: Context, device: torch.device) -> torch.Tensor:
     """Context as an int64 tensor [n, L] padded with -1."""
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 2:
-            raise InvalidArgumentError(f"context: expected a 2-D tensor, got shape {tuple(ids.shape)}")
+            raise InvalidArgumentError(f"context: expected a 2-D tensor, got shape {tuple(ids.shape)}", field="context")
         return ids.to(device=device, dtype=torch.int64)
     width = max((len(row) for row in ids), default=0)
     padded = [list(row) + [PAD_ID] * (width - len(row)) for row in ids]
@@ -128,7 +128,7 @@ def _context_mask(context: Context, n: int, vocab: int, device: torch.device) ->
     """
     ids = _pad_ids(context, device)  # [n, L]
     if ids.shape[0] != n:
-        raise InvalidArgumentError(f"context: got {ids.shape[0]} rows for {n} logit rows")
+        raise InvalidArgumentError(f"context: got {ids.shape[0]} rows for {n} logit rows", field="context")
     mask = torch.zeros(n, vocab + 1, dtype=torch.bool, device=device)  # [n, vocab+1]
     return mask.scatter_(1, _in_vocab(ids, vocab), True)
 
@@ -137,7 +137,8 @@ def _chunk_ids(chunk_tokens: Context | None, batch: int, vocab: int, device: tor
     """The chunk's tokens [batch, L], padding and out-of-vocab ids moved to the spare column."""
     chunk = _pad_ids(chunk_tokens if chunk_tokens is not None else [[] for _ in range(batch)], device)  # [batch, L]
     if chunk.shape[0] != batch:
-        raise InvalidArgumentError(f"chunk_tokens: got {chunk.shape[0]} rows for {batch} logit rows")
+        raise InvalidArgumentError(f"chunk_tokens: got {chunk.shape[0]} rows for {batch} logit rows",
+                                   field="chunk_tokens")
     return _in_vocab(chunk, vocab)
 
 
@@ -208,7 +209,7 @@ def _rows_of(context: Context, rows: tuple[int, ...], n: int) -> Context:
     """The context of `rows` only (of a context of n rows)."""
     count = context.shape[0] if isinstance(context, torch.Tensor) else len(context)
     if count != n:
-        raise InvalidArgumentError(f"context: got {count} rows for {n} logit rows")
+        raise InvalidArgumentError(f"context: got {count} rows for {n} logit rows", field="context")
     if isinstance(context, torch.Tensor):
         return context.index_select(0, torch.tensor(rows, dtype=torch.int64, device=context.device))
     return [context[r] for r in rows]
@@ -275,7 +276,8 @@ def _add_bias(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     vocab = x.shape[-1]
     rows, ids, values = zip(*[(r, token, bias) for r in st.bias_rows for token, bias in st.params[r].logit_bias])
     if max(ids) >= vocab:
-        raise InvalidArgumentError(f"logit_bias: token id {max(ids)} is outside the vocabulary [0, {vocab})")
+        raise InvalidArgumentError(f"logit_bias: token id {max(ids)} is outside the vocabulary [0, {vocab})",
+                                   field="logit_bias")
     device = x.device
     row_index, id_index = torch.tensor(rows, device=device), torch.tensor(ids, device=device)  # [b] each
     bias = torch.tensor(values, dtype=torch.float32, device=device)  # [b]

@@ -182,42 +182,48 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
     def __post_init__(self) -> None:
         self.check_security()
         if self.dtype not in (AUTO, *DTYPE_NAMES):
-            raise InvalidArgumentError(f"dtype must be {AUTO!r} or one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
+            raise InvalidArgumentError(f"dtype must be {AUTO!r} or one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}",
+                                       field="dtype")
         if self.quantization not in (AUTO, *QUANTIZATIONS):
             raise InvalidArgumentError(
-                f"quantization must be {AUTO!r} or one of {QUANTIZATIONS}, got {self.quantization!r}"
+                f"quantization must be {AUTO!r} or one of {QUANTIZATIONS}, got {self.quantization!r}",
+                field="quantization"
             )
         _check_device(self.device)
         if self.attention != "auto" and self.attention not in {kernel.value for kernel in AttentionKernel}:
             raise InvalidArgumentError(f"attention must be auto or one of {[k.value for k in AttentionKernel]}, "
-                                       f"got {self.attention!r}")
+                                       f"got {self.attention!r}", field="attention")
         if self.compile not in COMPILE_MODES:
-            raise InvalidArgumentError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
+            raise InvalidArgumentError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}", field="compile")
         if not 0 <= self.port <= 65535:
-            raise InvalidArgumentError(f"port must be in 0..65535, got {self.port}")
+            raise InvalidArgumentError(f"port must be in 0..65535, got {self.port}", field="port")
         positive = ("group_size", "max_slots", "kv_token_budget", "block_size", "max_speculative_tokens",
                     "prefill_chunk_tokens")
         for name in (*positive, "max_message_bytes"):
             if getattr(self, name) <= 0:
-                raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}", field=name)
         if self.num_layers < 0:
-            raise InvalidArgumentError(f"num_layers must be >= 0, got {self.num_layers}")
+            raise InvalidArgumentError(f"num_layers must be >= 0, got {self.num_layers}", field="num_layers")
         if self.threads < 0:
-            raise InvalidArgumentError(f"threads must be >= 0, got {self.threads}")
+            raise InvalidArgumentError(f"threads must be >= 0, got {self.threads}", field="threads")
         if not self.compile_budget_s >= 0:  # also refuses NaN
-            raise InvalidArgumentError(f"compile_budget_s must be >= 0, got {self.compile_budget_s}")
+            raise InvalidArgumentError(f"compile_budget_s must be >= 0, got {self.compile_budget_s}",
+                                       field="compile_budget_s")
         parse_cores(self.cpu_cores)
         check_metrics_prefix(self.metrics_prefix)
         if not -1 <= self.metrics_port <= 65535:
-            raise InvalidArgumentError(f"metrics_port must be in -1..65535, got {self.metrics_port}")
+            raise InvalidArgumentError(f"metrics_port must be in -1..65535, got {self.metrics_port}",
+                                       field="metrics_port")
         if not self.drain_timeout_s >= 0:  # also refuses NaN
-            raise InvalidArgumentError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+            raise InvalidArgumentError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}",
+                                       field="drain_timeout_s")
         if not self.lease_ttl_s > 0:
-            raise InvalidArgumentError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+            raise InvalidArgumentError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}", field="lease_ttl_s")
         if not self.min_ping_interval_s > 0:
-            raise InvalidArgumentError(f"min_ping_interval_s must be > 0, got {self.min_ping_interval_s}")
+            raise InvalidArgumentError(f"min_ping_interval_s must be > 0, got {self.min_ping_interval_s}",
+                                       field="min_ping_interval_s")
         if self.max_seq_len < 0:
-            raise InvalidArgumentError(f"max_seq_len must be >= 0, got {self.max_seq_len}")
+            raise InvalidArgumentError(f"max_seq_len must be >= 0, got {self.max_seq_len}", field="max_seq_len")
 
 
 def _check_device(device: str) -> None:
@@ -228,4 +234,5 @@ def _check_device(device: str) -> None:
     try:
         torch.device(device)
     except RuntimeError as error:
-        raise InvalidArgumentError(f"device {device!r} is not a torch device (cpu, cuda, cuda:0, ...)") from error
+        raise InvalidArgumentError(f"device {device!r} is not a torch device (cpu, cuda, cuda:0, ...)",
+                                   field="device") from error

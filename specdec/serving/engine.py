@@ -112,7 +112,8 @@ class ModelEngine:
             raise InvalidArgumentError(f"start, end: [{start}, {end}) is outside [0, {cached}] "
                                        f"(cached length of slot {slot_id!r})")
         if not 1 <= num_layers <= len(self.cache.kv):
-            raise InvalidArgumentError(f"num_layers: {num_layers} is outside [1, {len(self.cache.kv)}]")
+            raise InvalidArgumentError(f"num_layers: {num_layers} is outside [1, {len(self.cache.kv)}]",
+                                       field="num_layers")
         rows = torch.tensor(self.cache.blocks.positions(slot_id, start, end), device=self.cache.device)
         return torch.stack([pool.index_select(0, rows) for pool in self.cache.kv[:num_layers]]).to("cpu", dtype)
 
@@ -155,18 +156,18 @@ class ModelEngine:
         """Validate an import's header without changing anything; returns whether its slot is new."""
         slot_id = header.slot_id
         if not slot_id:
-            raise InvalidArgumentError("slot_id: must not be empty")
+            raise InvalidArgumentError("slot_id: must not be empty", field="slot_id")
         new = slot_id not in self.tokens
         if new and header.valid_len != 0:
             raise InvalidArgumentError(f"valid_len: slot {slot_id!r} is new here, so valid_len must be 0 "
-                                       f"(got {header.valid_len})")
+                                       f"(got {header.valid_len})", field="valid_len")
         if new:
             self.leases.check(header.lease)
             self._check_new_slots(1)
         else:
             self._check_rollback(slot_id, header.valid_len, "valid_len")
         if not header.tokens:
-            raise InvalidArgumentError(f"tokens: slot {slot_id!r} sent none to import")
+            raise InvalidArgumentError(f"tokens: slot {slot_id!r} sent none to import", field="tokens")
         self._check_tokens("tokens", slot_id, header.tokens)
         self._check_length(slot_id, header.valid_len + len(header.tokens))
         return new
@@ -201,7 +202,7 @@ class ModelEngine:
 
     def _require_slot(self, slot_id: str) -> list[int]:
         if not slot_id:  # the same answer as an empty id inside a Prefill or Propose batch
-            raise InvalidArgumentError("slot_id: must not be empty")
+            raise InvalidArgumentError("slot_id: must not be empty", field="slot_id")
         try:
             return self.tokens[slot_id]
         except KeyError:
@@ -210,18 +211,20 @@ class ModelEngine:
     @staticmethod
     def _check_batch(slot_ids: Sequence[str]) -> None:
         if not slot_ids:
-            raise InvalidArgumentError("items: batch is empty")
+            raise InvalidArgumentError("items: batch is empty", field="items")
         if any(not slot_id for slot_id in slot_ids):
-            raise InvalidArgumentError("slot_id: must not be empty")
+            raise InvalidArgumentError("slot_id: must not be empty", field="slot_id")
         duplicates = [slot for slot, n in Counter(slot_ids).items() if n > 1]
         if duplicates:
-            raise InvalidArgumentError(f"slot_id: {duplicates[0]!r} appears more than once in the batch")
+            raise InvalidArgumentError(f"slot_id: {duplicates[0]!r} appears more than once in the batch",
+                                       field="slot_id")
 
     def _check_tokens(self, field: str, slot_id: str, tokens: Iterable[int]) -> None:
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidArgumentError(
-                f"{field}: token id {bad[0]} of slot {slot_id!r} is outside the vocabulary [0, {self.vocab_size})"
+                f"{field}: token id {bad[0]} of slot {slot_id!r} is outside the vocabulary [0, {self.vocab_size})",
+                field=field
             )
 
     def _check_sampling(self, slot_id: str, params: SamplingParams) -> None:
@@ -232,13 +235,14 @@ class ModelEngine:
         cached = len(self._require_slot(slot_id))
         if not 0 <= valid_len <= cached:
             raise InvalidArgumentError(
-                f"{field}: {valid_len} is outside [0, {cached}] (cached length of slot {slot_id!r})"
+                f"{field}: {valid_len} is outside [0, {cached}] (cached length of slot {slot_id!r})", field=field
             )
 
     def _check_length(self, slot_id: str, total: int, field: str = "tokens") -> None:
         if total > self.max_seq_len:
             raise InvalidArgumentError(
-                f"{field}: slot {slot_id!r} would reach {total} tokens, past max_seq_len {self.max_seq_len}"
+                f"{field}: slot {slot_id!r} would reach {total} tokens, past max_seq_len {self.max_seq_len}",
+                field=field
             )
 
     def _check_new_slots(self, count: int) -> None:

@@ -91,7 +91,7 @@ class SlotServicer:
     ) -> common_pb2.RenewLeaseResponse:
         lease = Lease.from_pb(request.lease)
         if lease is None or not lease.holder or not lease.incarnation:
-            raise InvalidArgumentError("lease: holder and incarnation must both be set")
+            raise InvalidArgumentError("lease: holder and incarnation must both be set", field="lease")
         # Recorded here on the event loop, at once: a renewal must not wait behind a long batch.
         stale = self.engine.leases.renew(lease)
         if stale:  # rare: the holder restarted; its old slots are freed on the worker

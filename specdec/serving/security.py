@@ -46,9 +46,9 @@ class ServerSecurity:
     def check_security(self) -> None:
         """InvalidArgumentError naming the flag when the settings are incomplete or a file is missing."""
         if bool(self.tls_cert) != bool(self.tls_key):
-            raise InvalidArgumentError("tls_cert and tls_key go together: set both or neither")
+            raise InvalidArgumentError("tls_cert and tls_key go together: set both or neither", field="tls_cert")
         if self.tls_client_ca and not self.tls_cert:
-            raise InvalidArgumentError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+            raise InvalidArgumentError("tls_client_ca (mutual TLS) needs tls_cert and tls_key", field="tls_client_ca")
         for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file"):
             _check_file(name, getattr(self, name))
 
@@ -79,7 +79,7 @@ class ServerSecurity:
 
 def _check_file(name: str, path: str) -> None:
     if path and not Path(path).is_file():
-        raise InvalidArgumentError(f"{name}: {path!r} is not a readable file")
+        raise InvalidArgumentError(f"{name}: {path!r} is not a readable file", field=name)
 
 
 def _read(path: str) -> bytes:
@@ -91,7 +91,7 @@ def read_token(path: str = "") -> str:
     if path:
         token = Path(path).read_text().strip()
         if not token:
-            raise InvalidArgumentError(f"auth_token_file: {path!r} is empty")
+            raise InvalidArgumentError(f"auth_token_file: {path!r} is empty", field="auth_token_file")
         return token
     return os.environ.get(TOKEN_ENV, "").strip()
 

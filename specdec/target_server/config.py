@@ -29,4 +29,5 @@ class TargetConfig(ModelServiceConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.invariant_batch <= 0:
-            raise InvalidArgumentError(f"invariant_batch must be > 0, got {self.invariant_batch}")
+            raise InvalidArgumentError(f"invariant_batch must be > 0, got {self.invariant_batch}",
+                                       field="invariant_batch")

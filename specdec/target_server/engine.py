@@ -14,7 +14,7 @@ from specdec.model.runtime import ModelRuntime
 from specdec.sampling.draws import drawn_tokens, pick_tokens, position_generator, sample
 from specdec.sampling.logprobs import RowLogprobs, answer_rows
 from specdec.sampling.params import SamplingParams
-from specdec.sampling.rejection_sampler import draw_candidates, token_probs
+from specdec.sampling.rejection_sampler import PLACEHOLDER_TOKEN_ID, draw_candidates, token_probs
 from specdec.sampling.transforms import chunk_logits_to_probs, logits_to_probs, stack_chunks
 from specdec.serving.engine import ModelEngine
 from specdec.target_server.config import TargetConfig
@@ -62,7 +62,8 @@ class TargetEngine(ModelEngine):
             if item.slot_id in self.tokens:
                 raise SlotExistsError(f"slot_id: slot {item.slot_id!r} already exists")
             if not item.prompt_tokens:
-                raise InvalidArgumentError(f"prompt_tokens: slot {item.slot_id!r} has an empty prompt")
+                raise InvalidArgumentError(f"prompt_tokens: slot {item.slot_id!r} has an empty prompt",
+                                           field="prompt_tokens")
             self._check_tokens("prompt_tokens", item.slot_id, item.prompt_tokens)
             self._check_length(item.slot_id, len(item.prompt_tokens), "prompt_tokens")
         self._check_new_slots(len(items))
@@ -110,39 +111,46 @@ class TargetEngine(ModelEngine):
     def _check_verify_item(self, item: VerifyItem) -> None:
         self._check_rollback(item.slot_id, item.valid_len, "valid_len")
         if not item.tokens:
-            raise InvalidArgumentError(f"tokens: slot {item.slot_id!r} sent no tokens (need [g, t1..tK])")
+            raise InvalidArgumentError(f"tokens: slot {item.slot_id!r} sent no tokens (need [g, t1..tK])",
+                                       field="tokens")
         k = len(item.tokens) - 1
         limit = self.config.max_speculative_tokens
         if k > limit:
             raise InvalidArgumentError(
-                f"tokens: slot {item.slot_id!r} sent K={k} draft tokens, above max_speculative_tokens {limit}"
+                f"tokens: slot {item.slot_id!r} sent K={k} draft tokens, above max_speculative_tokens {limit}",
+                field="tokens"
             )
         self._check_tokens("tokens", item.slot_id, item.tokens)
         match item.mode:
             case SampledMode(sampling=sampling, draft_probs=draft_probs):
                 self._check_sampling(item.slot_id, sampling)
                 if k == 0:
-                    raise InvalidArgumentError(f"mode: slot {item.slot_id!r} is sampled with no draft tokens")
+                    raise InvalidArgumentError(f"mode: slot {item.slot_id!r} is sampled with no draft tokens",
+                                               field="mode")
                 draft_probs.check_drafted(list(item.tokens[1:]), self.vocab_size,
                                           f"draft_probs of slot {item.slot_id!r}")
             case DrawnMode(sampling=sampling):
                 self._check_sampling(item.slot_id, sampling)
                 if k == 0:
-                    raise InvalidArgumentError(f"mode: slot {item.slot_id!r} is drawn with no draft tokens")
+                    raise InvalidArgumentError(f"mode: slot {item.slot_id!r} is drawn with no draft tokens",
+                                               field="mode")
             case DecodeMode(steps=steps, sampling=sampling):
                 if sampling is not None:
                     self._check_sampling(item.slot_id, sampling)
                 if k > 0:
-                    raise InvalidArgumentError(f"mode: slot {item.slot_id!r} decodes on after {k} draft tokens")
+                    raise InvalidArgumentError(f"mode: slot {item.slot_id!r} decodes on after {k} draft tokens",
+                                               field="mode")
                 if not 1 <= steps <= limit + 1:
                     raise InvalidArgumentError(
-                        f"steps: {steps} for slot {item.slot_id!r}, need 1 to max_speculative_tokens + 1 = {limit + 1}"
+                        f"steps: {steps} for slot {item.slot_id!r}, need 1 to max_speculative_tokens + 1 = {limit + 1}",
+                        field="steps"
                     )
         if item.allowed is not None:
             rows = 1 if isinstance(item.mode, DecodeMode) else len(item.tokens)
             if isinstance(item.mode, DecodeMode) and item.mode.steps != 1:
                 raise InvalidArgumentError(f"steps: slot {item.slot_id!r} decodes {item.mode.steps} steps under a "
-                                           "grammar mask, which covers one (the gateway advances the grammar)")
+                                           "grammar mask, which covers one (the gateway advances the grammar)",
+                                           field="steps")
             item.allowed.check(rows, self.vocab_size, f"allowed of slot {item.slot_id!r}")
         self._check_length(item.slot_id, item.cached_len_after)
 
@@ -173,7 +181,8 @@ class TargetEngine(ModelEngine):
         k_max = max(len(item.tokens) for item, _ in scored) - 1
         vocab = scored[0][1].shape[-1]
         device = scored[0][1].device
-        drafts = torch.zeros(len(scored), k_max, dtype=torch.int64, device=device)  # [S, K_max]: 0 past each K
+        drafts = torch.full((len(scored), k_max), PLACEHOLDER_TOKEN_ID, dtype=torch.int64,
+                            device=device)  # [S, K_max]: the placeholder past each K, as the gateway pads
         for b, (item, _) in enumerate(scored):
             drafts[b, : len(item.tokens) - 1] = torch.tensor(item.tokens[1:], device=drafts.device)
         q = torch.cat([m.draft_probs.distributions(vocab, extra_rows=1, device=drafts.device) for m in modes])

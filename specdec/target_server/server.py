@@ -57,7 +57,8 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
     ) -> target_pb2.VerifyResponse:
         """`remaining`: seconds left of the call's gRPC deadline; without one, the request's timeout_s."""
         if not math.isfinite(request.timeout_s) or request.timeout_s < 0:
-            raise InvalidArgumentError(f"timeout_s must be a finite number of seconds >= 0, got {request.timeout_s}")
+            raise InvalidArgumentError(f"timeout_s must be a finite number of seconds >= 0, got {request.timeout_s}",
+                                       field="timeout_s")
         items = [VerifyItem.from_pb(item) for item in request.items]
         if remaining is None and request.timeout_s > 0:
             remaining = request.timeout_s

@@ -53,9 +53,10 @@ def parse_cores(spec: str) -> set[int]:
         try:
             first, last = int(low), int(high or low)
         except ValueError:
-            raise InvalidArgumentError(f"cpu_cores: {part!r} is not a core number or range") from None
+            raise InvalidArgumentError(f"cpu_cores: {part!r} is not a core number or range",
+                                       field="cpu_cores") from None
         if not 0 <= first <= last:
-            raise InvalidArgumentError(f"cpu_cores: {part!r} is not a valid range")
+            raise InvalidArgumentError(f"cpu_cores: {part!r} is not a valid range", field="cpu_cores")
         cores.update(range(first, last + 1))
     return cores
 

@@ -113,7 +113,8 @@ def logprobs_request_from_pb(message: target_pb2.LogprobsRequest, present: bool)
     if not present:
         return None
     if not 0 <= message.top <= MAX_TOP_LOGPROBS:
-        raise InvalidArgumentError(f"logprobs.top: {message.top} is outside [0, {MAX_TOP_LOGPROBS}]")
+        raise InvalidArgumentError(f"logprobs.top: {message.top} is outside [0, {MAX_TOP_LOGPROBS}]",
+                                   field="logprobs.top")
     transforms = sampling_from_pb(message.transforms) if message.HasField("transforms") else None
     return LogprobsRequest(message.top, transforms)
 
@@ -226,7 +227,7 @@ def verify_mode_from_pb(message: target_pb2.VerifyMode) -> VerifyMode:
             drawn = message.drawn
             return DrawnMode(sampling_from_pb(drawn.sampling),
                              logprobs_request_from_pb(drawn.logprobs, drawn.HasField("logprobs")))
-    raise InvalidArgumentError(f"mode: unknown Verify mode {message.WhichOneof('mode')!r}")
+    raise InvalidArgumentError(f"mode: unknown Verify mode {message.WhichOneof('mode')!r}", field="mode")
 
 
 @dataclass(frozen=True)

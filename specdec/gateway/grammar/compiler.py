@@ -60,7 +60,7 @@ class GrammarCompiler:
         try:
             text = output.grammar()
         except (ValueError, TypeError) as error:
-            raise InvalidArgumentError(f"{field}: {error}") from None
+            raise InvalidArgumentError(f"{field}: {error}", field=field) from None
         template = self._template(text, field)
         return RequestGrammar(template.deep_copy(), self.vocab_size, self.eos_token_ids)
 
@@ -74,10 +74,10 @@ class GrammarCompiler:
         limits = _limits()
         error = llguidance.LLMatcher.validate_grammar(text, tokenizer, limits=limits)
         if error:
-            raise InvalidArgumentError(f"{field}: {_first_lines(error)}")
+            raise InvalidArgumentError(f"{field}: {_first_lines(error)}", field=field)
         template = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=limits)
         if template.is_error():
-            raise InvalidArgumentError(f"{field}: {_first_lines(template.get_error())}")
+            raise InvalidArgumentError(f"{field}: {_first_lines(template.get_error())}", field=field)
         with self._lock:
             self._templates[text] = template
             while len(self._templates) > CACHE_ENTRIES:

@@ -90,19 +90,20 @@ def structured_output_from_pb(message: gateway_pb2.StructuredOutput, field: str)
         case "choice":
             options = tuple(message.choice.options)
             if not options or len(options) > MAX_CHOICES or not all(options):
-                raise InvalidArgumentError(f"{where}: give 1 to {MAX_CHOICES} options, none empty")
+                raise InvalidArgumentError(f"{where}: give 1 to {MAX_CHOICES} options, none empty", field=where)
             _text("".join(options), where)
             return Choice(options)
         case "grammar":
             return Lark(_text(message.grammar, where))
-    raise InvalidArgumentError(f"{field}: set one of json_schema, json_object, regex, choice, grammar")
+    raise InvalidArgumentError(f"{field}: set one of json_schema, json_object, regex, choice, grammar", field=field)
 
 
 def _text(text: str, where: str) -> str:
     if not text:
-        raise InvalidArgumentError(f"{where}: empty")
+        raise InvalidArgumentError(f"{where}: empty", field=where)
     if len(text) > MAX_GRAMMAR_CHARS:
-        raise InvalidArgumentError(f"{where}: {len(text)} characters, above the limit of {MAX_GRAMMAR_CHARS}")
+        raise InvalidArgumentError(f"{where}: {len(text)} characters, above the limit of {MAX_GRAMMAR_CHARS}",
+                                   field=where)
     return text
 
 
@@ -111,11 +112,11 @@ def _schema_text(text: str, where: str) -> str:
     no deeper than MAX_SCHEMA_DEPTH."""
     _text(text, where)
     if _nesting(text) > MAX_SCHEMA_DEPTH:
-        raise InvalidArgumentError(f"{where}: nested deeper than {MAX_SCHEMA_DEPTH} levels")
+        raise InvalidArgumentError(f"{where}: nested deeper than {MAX_SCHEMA_DEPTH} levels", field=where)
     try:
         schema = json.loads(text)
     except ValueError as error:
-        raise InvalidArgumentError(f"{where}: not JSON ({error})") from None
+        raise InvalidArgumentError(f"{where}: not JSON ({error})", field=where) from None
     return canonical_schema(schema, where)
 
 
@@ -123,7 +124,7 @@ def canonical_schema(schema: Any, where: str) -> str:
     """A parsed schema as the JSON text compiled and cached: compact, its keys in the order given
     (the order of `properties` is the order of the answer's keys)."""
     if not isinstance(schema, dict | bool):
-        raise InvalidArgumentError(f"{where}: a schema is a JSON object, got {type(schema).__name__}")
+        raise InvalidArgumentError(f"{where}: a schema is a JSON object, got {type(schema).__name__}", field=where)
     return json.dumps(schema, separators=(",", ":"))
 
 

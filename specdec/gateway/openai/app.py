@@ -27,7 +27,7 @@ from aiohttp.typedefs import Handler, Middleware
 from specdec.errors import SpecdecError
 from specdec.gateway.generation import GatewayState, Generation, Generations
 from specdec.gateway.openai.errors import ErrorType, OpenAIError, from_exception, from_status
-from specdec.gateway.openai.protocol import Endpoint, ServedModel, in_openai_terms, parse_request
+from specdec.gateway.openai.protocol import Endpoint, ServedModel, in_body_terms, parse_request
 from specdec.gateway.openai.responses import Reply, is_failure
 from specdec.stats import METRICS_CONTENT_TYPE
 
@@ -149,7 +149,7 @@ class OpenAIFront:
                     return await stream(request, generation, reply)
                 return await answer_whole(generation, reply)
         except SpecdecError as error:  # refused before it was queued: names the field when it can
-            param, message = in_openai_terms(str(error), endpoint, parsed.renames)
+            param, message = in_body_terms(error, endpoint, parsed.renames)
             raise from_status(grpc.StatusCode[error.status_code_name], message, param) from error
 
 

@@ -3,7 +3,7 @@
 This module checks only what JSON can get wrong that protobuf cannot (types, and values the
 wire reads as "unset", such as `top_p: 0`); everything else (roles, lengths, stop strings, the
 speculation options, sampling ranges) is validated once, by `requests.new_sequence`, for both
-fronts, and `in_openai_terms` names the OpenAI field its errors point at.
+fronts, and `in_body_terms` names the OpenAI field its errors point at (`InvalidArgumentError.field`).
 
 Unknown fields are ignored, as OpenAI-compatible servers do; known fields this server does not
 implement are refused unless they carry their no-op value, so nothing asked for is dropped.
@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec.errors import InvalidArgumentError, SpecdecError
 from specdec.gateway.openai.errors import OpenAIError, invalid_field, not_supported
 from specdec.gateway.openai.fields import INT32_MAX, boolean, integer, json_type
 from specdec.gateway.openai.generation_fields import sampling_from_body, speculation_from_body, stop_from_body
@@ -75,7 +76,7 @@ class OpenAIRequest:
     include_usage: bool
     #: Makes the reader of the answer's tool calls (None: the answer is plain content).
     tool_reader: ToolReaderFactory | None = None
-    #: gRPC field -> the body's field it came from, where it is not the usual one (`in_openai_terms`).
+    #: gRPC field -> the body's field it came from, where it is not the usual one (`body_field`).
     renames: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -243,26 +244,28 @@ def include_usage_from_body(body: dict[str, Any], stream: bool) -> bool:
     return boolean(options, "include_usage", "stream_options.") or False
 
 
-#: A field path at the start of a validation message of `requests` / `SamplingParams`:
-#: `stop[3]: ...`, `chat.messages[0].role: ...`, `temperature must be ...`.
-_FIELD_AT_START = re.compile(r"^([a-z_]+(?:\[\d+\])?(?:\.[a-z_]+(?:\[\d+\])?)*)(?::| must )")
+#: A `GenerateRequest` field -> the body's field, where the names differ on every request.
+_BODY_FIELDS = {"max_new_tokens": "max_tokens", "structured_output.json_object": "response_format",
+                "structured_output.json_schema": "response_format.json_schema.schema"}
 
 
-def in_openai_terms(message: str, endpoint: Endpoint, renames: Mapping[str, str] | None = None,
-                    ) -> tuple[str | None, str]:
-    """The OpenAI field a gRPC-side validation message names (None when it names none), and the
-    message naming it so (`chat.messages[0].role: ...` -> `messages[0].role: ...`); `renames`
-    (the request's own, `OpenAIRequest.renames`) come first."""
-    match = _FIELD_AT_START.match(message)
-    if match is None:
-        return None, message
-    field = match.group(1)
+def body_field(field: str, endpoint: Endpoint, renames: Mapping[str, str] | None = None) -> str:
+    """The body's name for the `GenerateRequest` field an error is about
+    (`InvalidArgumentError.field`): the request's own `renames` first (`OpenAIRequest.renames`),
+    then the endpoint's prompt, then `_BODY_FIELDS`; a chat field drops its `chat.` prefix
+    (`chat.messages[0].role` -> `messages[0].role`)."""
     if renames and field in renames:
-        param = renames[field]
-    elif field in ("prompt", "input"):
-        param = "messages" if endpoint is Endpoint.CHAT else "prompt"
-    else:
-        param = {"max_new_tokens": "max_tokens", "structured_output.json_object": "response_format",
-                 "structured_output.json_schema": "response_format.json_schema.schema",
-                 }.get(field, field.removeprefix("chat."))
-    return param, param + message[len(field):]
+        return renames[field]
+    if field in ("prompt", "input"):
+        return "messages" if endpoint is Endpoint.CHAT else "prompt"
+    return _BODY_FIELDS.get(field, field.removeprefix("chat."))
+
+
+def in_body_terms(error: SpecdecError, endpoint: Endpoint, renames: Mapping[str, str] | None = None,
+                  ) -> tuple[str | None, str]:
+    """The body field a refusal is about (None when it is about none) and its message naming it
+    so; read from the error's `field`, never parsed out of its message."""
+    if not isinstance(error, InvalidArgumentError) or error.field is None:
+        return None, str(error)
+    param = body_field(error.field, endpoint, renames)
+    return param, error.named(param)

@@ -44,15 +44,17 @@ class LookupSettings:
         if not 1 <= self.min_n <= self.max_n:
             raise InvalidArgumentError(f"n-gram lengths must satisfy 1 <= min <= max, got {self.min_n}..{self.max_n}")
         if self.suffix_cache_tokens < 0:
-            raise InvalidArgumentError(f"suffix_cache_tokens must be >= 0, got {self.suffix_cache_tokens}")
+            raise InvalidArgumentError(f"suffix_cache_tokens must be >= 0, got {self.suffix_cache_tokens}",
+                                       field="suffix_cache_tokens")
         if self.candidates < 1 or self.max_match_len < self.max_n:
             raise InvalidArgumentError(f"lookup candidates must be >= 1 and max_match_len >= max_n, got "
                                        f"{self.candidates} and {self.max_match_len}")
         if self.max_edits < 0 or self.max_edit_tokens < 1:
             raise InvalidArgumentError(f"max_edits must be >= 0 and max_edit_tokens >= 1, got {self.max_edits} and "
-                                       f"{self.max_edit_tokens}")
+                                       f"{self.max_edit_tokens}", field="max_edits")
         if not 0.0 < self.suffix_min_share <= 1.0:
-            raise InvalidArgumentError(f"suffix_min_share must lie in (0, 1], got {self.suffix_min_share}")
+            raise InvalidArgumentError(f"suffix_min_share must lie in (0, 1], got {self.suffix_min_share}",
+                                       field="suffix_min_share")
 
 
 #: The lookups of a gateway that sets nothing: its flags' defaults.

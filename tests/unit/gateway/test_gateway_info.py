@@ -81,8 +81,7 @@ def _info(*, with_draft: bool, status: PlannerStatus | None) -> gateway_pb2.Gate
         clients = {"target": target, **({"draft": draft} if draft else {})}
         monitor = ServiceMonitor(clients, infos, sched.stats)  # type: ignore[arg-type]
         config = GatewayConfig(target_address="-", draft_address="-" if with_draft else "")
-        state = GatewayState(config, target, draft, policy(speculative=with_draft), sched,  # type: ignore[arg-type]
-                             sched.stats, monitor)
+        state = GatewayState(config, policy(speculative=with_draft), sched, sched.stats, monitor)
         generations = Generations(state)
         try:
             servicer = GatewayServicer(state, generations)

@@ -11,7 +11,6 @@ import pytest
 from specdec.gateway.draft_sources import DraftSource, SpeculationMethod
 from specdec.gateway.planner import LOOKUP_PLAIN_STREAK, Planner
 from specdec.gateway.proposers import LookupDraft, LookupProposer, LookupSettings
-from specdec.gateway.requests import new_sequence
 from specdec.gateway.scheduler import Scheduler
 from specdec.gateway.sequence import FinishReason, Sequence
 from specdec.v1 import common_pb2, gateway_pb2
@@ -19,7 +18,7 @@ from specdec.wire.items import SampledMode
 from tests.support.fakes import FakeDraft, FakeTarget, greedy_reference, policy
 from tests.support.planner_rounds import still
 from tests.unit.gateway.test_k_planner import TARGET
-from tests.unit.gateway.test_scheduler import drain, prompt_ids, request, run
+from tests.unit.gateway.test_scheduler import drain, new_sequence, prompt_ids, request, run
 
 
 def run_with_lookups(test: Callable[[Scheduler], Awaitable[None]], target: FakeTarget, draft: FakeDraft | None) -> None:

@@ -8,9 +8,11 @@ from typing import Any
 import grpc
 import pytest
 
+from specdec.errors import CapacityExhaustedError, InvalidArgumentError
 from specdec.gateway.openai.errors import OpenAIError, from_status
-from specdec.gateway.openai.protocol import Endpoint, ServedModel, in_openai_terms, parse_request
+from specdec.gateway.openai.protocol import Endpoint, ServedModel, in_body_terms, parse_request
 from specdec.gateway.openai.responses import Reply
+from specdec.sampling.params import SamplingParams
 from specdec.v1 import gateway_pb2
 
 MODEL = ServedModel("smollm2-135m", frozenset({"smollm2-135m", "/models/smollm2.gguf"}), 2048)
@@ -129,18 +131,23 @@ def test_response_formats_become_structured_output() -> None:
     request = chat_request(response_format={"type": "json_schema",
                                             "json_schema": {"name": "A", "schema": schema, "strict": True}})
     assert json.loads(request.structured_output.json_schema) == schema
-    assert in_openai_terms("structured_output.json_schema: Invalid type", Endpoint.CHAT)[0] == \
-        "response_format.json_schema.schema"
+    invalid = InvalidArgumentError("structured_output.json_schema: Invalid type", field="structured_output.json_schema")
+    assert in_body_terms(invalid, Endpoint.CHAT)[0] == "response_format.json_schema.schema"
 
 
-def test_grpc_side_messages_in_openai_terms() -> None:
-    assert in_openai_terms("chat.messages[2].role: 'x' is not one of system", Endpoint.CHAT) == (
-        "messages[2].role", "messages[2].role: 'x' is not one of system")
-    assert in_openai_terms("prompt: 9000 tokens leave no room", Endpoint.CHAT)[0] == "messages"
-    assert in_openai_terms("prompt: 9000 tokens leave no room", Endpoint.COMPLETIONS)[0] == "prompt"
-    assert in_openai_terms("temperature must be a finite number >= 0", Endpoint.CHAT)[0] == "temperature"
-    assert in_openai_terms("admission queue is full (64 waiting)", Endpoint.CHAT) == (
-        None, "admission queue is full (64 waiting)")
+def test_grpc_side_errors_in_openai_terms() -> None:
+    role = InvalidArgumentError("chat.messages[2].role: 'x' is not one of system", field="chat.messages[2].role")
+    assert in_body_terms(role, Endpoint.CHAT) == ("messages[2].role", "messages[2].role: 'x' is not one of system")
+    prompt = InvalidArgumentError("prompt: 9000 tokens leave no room", field="prompt")
+    assert in_body_terms(prompt, Endpoint.CHAT)[0] == "messages"
+    assert in_body_terms(prompt, Endpoint.COMPLETIONS)[0] == "prompt"
+    with pytest.raises(InvalidArgumentError) as refused:
+        SamplingParams(temperature=-1.0)
+    assert in_body_terms(refused.value, Endpoint.CHAT)[0] == "temperature"
+    # The field comes from the error, never from its text: a message that looks like a field names none.
+    assert in_body_terms(CapacityExhaustedError("queue: full (64 waiting)"), Endpoint.CHAT) == (
+        None, "queue: full (64 waiting)")
+    assert in_body_terms(InvalidArgumentError("stop: too many"), Endpoint.CHAT) == (None, "stop: too many")
 
 
 @pytest.mark.parametrize(("status", "http_status"), [
@@ -218,8 +225,8 @@ def test_tool_choices_become_prompts_and_grammars() -> None:
     named = parse_request({**CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {
         "name": "get_time"}}}, Endpoint.CHAT, MODEL)
     assert json.loads(named.generate.structured_output.json_schema)["required"] == ["zone"]
-    assert in_openai_terms("structured_output.json_schema: bad", Endpoint.CHAT, named.renames)[0] == \
-        "tools[0].function.parameters"
+    bad = InvalidArgumentError("structured_output.json_schema: bad", field="structured_output.json_schema")
+    assert in_body_terms(bad, Endpoint.CHAT, named.renames)[0] == "tools[0].function.parameters"
     required = chat_request(tools=[TOOL], tool_choice="required")
     assert required.structured_output.grammar.startswith('start: call ("\\n" call){0,7}')
     assert "{0," not in chat_request(tools=[TOOL], tool_choice="required", parallel_tool_calls=False
@@ -258,7 +265,8 @@ def test_max_tokens_past_the_context_is_refused_by_the_gateway_naming_the_field_
     parsed = parse_request({**CHAT, "max_completion_tokens": 10**6}, Endpoint.CHAT, MODEL)
     assert parsed.generate.refuse_past_context and parsed.generate.max_new_tokens == 10**6
     message = "max_new_tokens: 1000000 is more than the 2040 tokens the context of 2048 leaves after the prompt's 8"
-    assert in_openai_terms(message, Endpoint.CHAT, parsed.renames)[1].startswith("max_completion_tokens: 1000000")
+    refused = InvalidArgumentError(message, field="max_new_tokens")
+    assert in_body_terms(refused, Endpoint.CHAT, parsed.renames)[1].startswith("max_completion_tokens: 1000000")
     assert parse_request({"prompt": "a", "max_tokens": 5}, Endpoint.COMPLETIONS, MODEL).renames == {
         "max_new_tokens": "max_tokens"}
 

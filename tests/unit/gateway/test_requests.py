@@ -75,3 +75,19 @@ def test_a_logit_bias_outside_the_vocabulary_is_an_invalid_argument() -> None:
     sampling = common_pb2.SamplingParams(logit_bias={3: 1.0, VOCAB: 1.0})
     with pytest.raises(InvalidArgumentError, match=f"sampling.logit_bias: token id {VOCAB} is outside the vocabulary"):
         new_sequence(gateway_pb2.GenerateRequest(prompt="hello", sampling=sampling), policy())
+
+
+@pytest.mark.parametrize(("request_", "field"), [
+    (gateway_pb2.GenerateRequest(prompt="hello", max_new_tokens=-1), "max_new_tokens"),
+    (gateway_pb2.GenerateRequest(), "input"),
+    (gateway_pb2.GenerateRequest(prompt="hello", stop=["ok", ""]), "stop[1]"),
+    (gateway_pb2.GenerateRequest(chat=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="robot")])),
+     "chat.messages[0].role"),
+    (gateway_pb2.GenerateRequest(prompt="hello", sampling=common_pb2.SamplingParams(temperature=-1.0)), "temperature"),
+])
+def test_a_refusal_carries_the_field_it_is_about(request_: gateway_pb2.GenerateRequest, field: str) -> None:
+    """Fronts read the field from the error (the OpenAI front renames it), and the message starts with it."""
+    with pytest.raises(InvalidArgumentError) as refused:
+        new_sequence(request_, policy())
+    assert refused.value.field == field and str(refused.value).startswith(field)
+    assert refused.value.named("renamed").startswith("renamed")

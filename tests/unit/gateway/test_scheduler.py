@@ -13,7 +13,9 @@ import grpc
 import pytest
 
 from specdec.errors import CapacityExhaustedError
-from specdec.gateway.requests import new_sequence
+from specdec.gateway import requests
+from specdec.gateway.generation import Generation
+from specdec.gateway.requests import RequestPolicy
 from specdec.gateway.scheduler import Scheduler
 from specdec.gateway.sequence import Delta, Finished, FinishReason, Sequence
 from specdec.gateway.speculative_step import advance
@@ -41,6 +43,17 @@ def request(prompt: str = PROMPT, max_new_tokens: int = 12, **speculation: Any) 
     )
 
 
+def new_sequence(req: gateway_pb2.GenerateRequest, request_policy: RequestPolicy) -> Sequence:
+    """A request as `Generations.start` queues it: its `Generation` hears its stream."""
+    seq = requests.new_sequence(req, request_policy)
+    Generation(seq)
+    return seq
+
+
+def generation(seq: Sequence) -> Generation:
+    return typing.cast(Generation, seq.events)
+
+
 async def drain(seq: Sequence, timeout: float = 10.0) -> tuple[list[int], Finished]:
     """The request's streamed tokens and its final event."""
     tokens, _, finished = await drain_text(seq, timeout)
@@ -51,7 +64,7 @@ async def drain_text(seq: Sequence, timeout: float = 10.0) -> tuple[list[int], s
     tokens: list[int] = []
     text = ""
     while True:
-        event = await asyncio.wait_for(seq.outbox.get(), timeout)
+        event = await asyncio.wait_for(generation(seq).outbox.get(), timeout)
         if isinstance(event, Delta):
             tokens.extend(event.tokens)
             text += event.text
@@ -361,7 +374,7 @@ def test_a_failing_target_ends_the_requests_with_its_status_and_releases_them() 
         target.fail_verify = rpc_error(grpc.StatusCode.UNAVAILABLE, "target down")
         sched.submit(seq)
         _, finished = await drain(seq)
-        assert finished.reason == FinishReason.ERROR and seq.error_status == grpc.StatusCode.UNAVAILABLE
+        assert finished.reason == FinishReason.ERROR and generation(seq).error_status == grpc.StatusCode.UNAVAILABLE
         assert "UNAVAILABLE" in finished.error and "target down" not in finished.error  # details stay in the log
         await until(lambda: bool(draft.released))
         assert draft.released == [seq.slot_id]
@@ -564,7 +577,8 @@ def test_a_hung_target_ends_its_requests_with_deadline_exceeded_and_frees_them()
         seq = new_sequence(request(max_new_tokens=20), policy())
         sched.submit(seq)
         _, finished = await drain(seq)
-        assert finished.reason == FinishReason.ERROR and seq.error_status == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert finished.reason == FinishReason.ERROR
+        assert generation(seq).error_status == grpc.StatusCode.DEADLINE_EXCEEDED
         await until(lambda: not target.slots and bool(draft.released))
         assert draft.released == [seq.slot_id]
 

@@ -12,7 +12,6 @@ from specdec.gateway.sequence import Sequence
 from specdec.gateway.token_logprobs import round_logprobs
 from specdec.sampling.logprobs import LogprobsRequest, RowLogprobs, TokenLogprob
 from specdec.sampling.params import SamplingParams
-from specdec.sampling.rejection_sampler import RejectionResult
 from specdec.wire.items import Proposal, VerifiedArgmax, VerifiedDecode
 
 ROWS = RowLogprobs(drafted=[-0.1, -0.2, -0.3], answered=[-1.0, -2.0, -3.0, -4.0],
@@ -33,7 +32,7 @@ def test_accepted_draft_tokens_then_the_rows_answer() -> None:
     proposals = {"spec": Proposal("spec", [7, 8, 9], None, 3), "none": Proposal("none", [7], None, 3)}
     verified = {"spec": VerifiedArgmax("spec", 7, [7, 5, 6, 4], ROWS), "plain": VerifiedDecode("plain", 5, [3, 4],
                 RowLogprobs([], [-1.0, -2.0], [[(3, -1.0)], [(4, -2.0)]])), "none": VerifiedArgmax("none", 5, [7, 1])}
-    accepted = {"spec": RejectionResult([[7, 5]], [1]), "none": RejectionResult([[7, 1]], [1])}
+    accepted = {"spec": [7, 5], "none": [7, 1]}
     out = round_logprobs(seqs, proposals, verified, accepted)
     assert out == {
         "spec": [TokenLogprob(7, -0.1, ((10, -0.05),)), TokenLogprob(5, -2.0, ((11, -0.05),))],
@@ -48,4 +47,4 @@ def test_rows_that_do_not_fit_the_question_fail_the_round(rows: RowLogprobs | No
     with pytest.raises(ServiceStateError, match="malformed logprobs"):
         round_logprobs([seq("spec")], {"spec": Proposal("spec", [7, 8, 9], None, 3)},
                        {"spec": VerifiedArgmax("spec", 7, [7, 5, 6, 4], rows)},
-                       {"spec": RejectionResult([[7, 5]], [1])})
+                       {"spec": [7, 5]})

@@ -13,6 +13,7 @@ from specdec.errors import InvalidArgumentError
 from specdec.sampling.draws import make_generator
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.rejection_sampler import (
+    PLACEHOLDER_TOKEN_ID,
     RejectionResult,
     accept_candidates,
     acceptance_probs,
@@ -50,7 +51,7 @@ def test_perfect_match_accepts_all_and_adds_bonus(device: torch.device) -> None:
     tokens = torch.tensor([[1, 2, 3], [7, 0, 4]])
     result = rejection_sample(p.to(device), q.to(device), tokens.to(device), [k, k],
                               [make_generator(1, device), make_generator(2, device)])
-    assert result == RejectionResult(output_tokens=[[1, 2, 3, 5], [7, 0, 4, 2]], num_accepted=[3, 3])
+    assert result.token_lists() == [[1, 2, 3, 5], [7, 0, 4, 2]] and result.num_accepted.tolist() == [3, 3]
 
 
 def test_early_mismatch_stops_with_recovered_token(device: torch.device) -> None:
@@ -63,7 +64,7 @@ def test_early_mismatch_stops_with_recovered_token(device: torch.device) -> None
     p, q, tokens = p.to(device), q.to(device), torch.tensor([[2, 3, 1]], device=device)
     for seed in range(5):
         result = rejection_sample(p, q, tokens, [3], [make_generator(seed, device)])
-        assert result.output_tokens == [[2, 4]] and result.num_accepted == [1]
+        assert result.token_lists() == [[2, 4]] and result.num_accepted.tolist() == [1]
 
 
 def test_rejected_first_token_never_reemits_it(device: torch.device) -> None:
@@ -71,7 +72,7 @@ def test_rejected_first_token_never_reemits_it(device: torch.device) -> None:
     q = one_hot(0, vocab)[None, None].to(device)  # the draft is sure of 0 ...
     p = torch.stack([torch.tensor([0.5, 0.5, 0.0, 0.0]), random_probs(vocab, seed=0)])[None].to(device)  # target is not
     tokens = torch.tensor([[0]], device=device)
-    outputs = [rejection_sample(p, q, tokens, [1], None).output_tokens[0] for _ in range(200)]
+    outputs = [rejection_sample(p, q, tokens, [1], None).token_lists()[0] for _ in range(200)]
     assert {tuple(o) for o in outputs} <= {(0, 0), (0, 1), (0, 2), (0, 3), (1,)}
     assert any(o == [1] for o in outputs) and any(len(o) == 2 for o in outputs)
 
@@ -87,17 +88,17 @@ def test_per_request_k_including_zero_and_padding(device: torch.device) -> None:
     tokens = torch.tensor([[-1, -1, -1], [4, 0, -1], [1, 1, 1]])
     result = rejection_sample(p.to(device), q.to(device), tokens.to(device), torch.tensor([0, 2, 3]),
                               torch.Generator(device).manual_seed(0))
-    assert result.num_accepted == [0, 2, 3]
-    assert result.output_tokens[0] == [2]
-    assert result.output_tokens[1] == [4, 0, 1]
-    assert result.output_tokens[2][:3] == [1, 1, 1] and len(result.output_tokens[2]) == 4
+    assert result.num_accepted.tolist() == [0, 2, 3]
+    assert result.token_lists()[0] == [2]
+    assert result.token_lists()[1] == [4, 0, 1]
+    assert result.token_lists()[2][:3] == [1, 1, 1] and len(result.token_lists()[2]) == 4
 
 
 def test_k_max_zero_batch_is_plain_sampling(device: torch.device) -> None:
     p = torch.stack([one_hot(3, 6), one_hot(1, 6)])[:, None].to(device)  # [2, 1, vocab]
     no_drafts = torch.empty(2, 0, dtype=torch.long, device=device)  # [2, 0]
     result = rejection_sample(p, torch.empty(2, 0, 6, device=device), no_drafts, [0, 0], None)
-    assert result == RejectionResult(output_tokens=[[3], [1]], num_accepted=[0, 0])
+    assert result.token_lists() == [[3], [1]] and result.num_accepted.tolist() == [0, 0]
 
 
 def test_seeded_rows_reproducible_and_independent_of_batch(device: torch.device) -> None:
@@ -111,7 +112,7 @@ def test_seeded_rows_reproducible_and_independent_of_batch(device: torch.device)
 
     def batched() -> list[list[list[int]]]:
         gens = [make_generator(s, device) for s in seeds]
-        return [rejection_sample(p, q, tokens, ks, gens).output_tokens for _ in range(10)]
+        return [rejection_sample(p, q, tokens, ks, gens).token_lists() for _ in range(10)]
 
     first = batched()
     assert first == batched()
@@ -120,7 +121,7 @@ def test_seeded_rows_reproducible_and_independent_of_batch(device: torch.device)
         gen = [make_generator(seed, device)]
         row_p, row_q, row_tokens = p[row : row + 1, : k + 1], q[row : row + 1, :k], tokens[row : row + 1, :k]
         alone = [
-            rejection_sample(row_p, row_q, row_tokens, [k], gen).output_tokens[0]
+            rejection_sample(row_p, row_q, row_tokens, [k], gen).token_lists()[0]
             for _ in range(10)
         ]
         assert alone == [r[row] for r in first]
@@ -158,9 +159,14 @@ def test_greedy_accept_cases(device: torch.device) -> None:
     logits = (torch.nn.functional.one_hot(best, vocab).float() * 3 + random_probs(3, 4, vocab, seed=0)).to(device)
     tokens = torch.tensor([[3, 1, 4], [5, 9, 6], [0, 0, 0]], device=device)
     result = greedy_accept(logits, tokens, [3, 3, 0])
-    assert result.output_tokens == [[3, 1, 4, 1], [5, 2], [2]]  # all + bonus, mismatch at 2, k=0
-    assert result.num_accepted == [3, 1, 0]
-    assert greedy_accept(logits, tokens, [2, 1, 0]).output_tokens == [[3, 1, 4], [5, 2], [2]]
+    assert result.token_lists() == [[3, 1, 4, 1], [5, 2], [2]]  # all + bonus, mismatch at 2, k=0
+    assert result.num_accepted.tolist() == [3, 1, 0]
+    assert greedy_accept(logits, tokens, [2, 1, 0]).token_lists() == [[3, 1, 4], [5, 2], [2]]
+    # The result is one padded batch: [B, K_max+1] tokens, placeholders past each row's output.
+    placeholder = PLACEHOLDER_TOKEN_ID
+    assert result.output_tokens.tolist() == [[3, 1, 4, 1], [5, 2, placeholder, placeholder],
+                                             [2, placeholder, placeholder, placeholder]]
+    assert tuple(result.num_accepted.shape) == (3,) and result.last_tokens().tolist() == [1, 2, 2]
 
 
 def test_one_hot_greedy_probs_through_rejection_sampler_equal_greedy_accept(device: torch.device) -> None:
@@ -177,7 +183,8 @@ def test_one_hot_greedy_probs_through_rejection_sampler_equal_greedy_accept(devi
     ks = [i % (k + 1) for i in range(16)]
     logits, p, q, tokens = logits.to(device), p.to(device), q.to(device), tokens.to(device)
     expected = greedy_accept(logits, tokens, ks)
-    assert rejection_sample(p, q, tokens, ks, torch.Generator(device).manual_seed(5)) == expected
+    assert rejection_sample(p, q, tokens, ks, torch.Generator(device).manual_seed(5)).token_lists() == \
+        expected.token_lists()
 
 
 # ---------------------------------------------------------------- exactness
@@ -287,9 +294,9 @@ def simulate(
         tokens = tokens.masked_fill(padding, -1)
         result = (split_round(target, draft, tokens, ks, gen, target_gen) if split
                   else rejection_sample(target, draft, tokens, ks, gen))
-        for row_emitted, new in zip(emitted, result.output_tokens):
+        for row_emitted, new in zip(emitted, result.token_lists()):
             row_emitted.extend(new)
-        state = torch.tensor([new[-1] for new in result.output_tokens], device=device)
+        state = result.last_tokens()
     return torch.tensor([e[:n] for e in emitted])
 
 
@@ -353,8 +360,8 @@ def test_chi_square_bonus_and_per_row_generators(device: torch.device) -> None:
     tokens = torch.multinomial(q[:, 0], k, replacement=True, generator=torch.Generator().manual_seed(32))
     gens = [make_generator(seed, device) for seed in range(rows)]
     result = rejection_sample(target.to(device), q.to(device), tokens.to(device), [k] * rows, gens)
-    assert result.num_accepted == [k] * rows
-    counts = torch.bincount(torch.tensor([o[-1] for o in result.output_tokens]), minlength=vocab).double()
+    assert result.num_accepted.tolist() == [k] * rows
+    counts = torch.bincount(torch.tensor([o[-1] for o in result.token_lists()]), minlength=vocab).double()
     assert chi_square_p_value(counts, bonus.double() * rows / bonus.double().sum()) > P_VALUE_FLOOR
 
 
@@ -367,8 +374,8 @@ def test_greedy_accept_from_argmax_tokens_equals_greedy_accept_from_logits(devic
     ks = [4, 3, 0, 4, 1, 2]
     logits, best, tokens = logits.to(device), best.to(device), tokens.to(device)
     want = greedy_accept(logits, tokens, ks)
-    assert greedy_accept_argmax(best, tokens, ks) == want
-    assert greedy_accept_argmax(best.int(), tokens, ks) == want  # as decoded from the wire's int32
+    for got in (greedy_accept_argmax(best, tokens, ks), greedy_accept_argmax(best.int(), tokens, ks)):  # int32: wire
+        assert torch.equal(got.output_tokens, want.output_tokens) and torch.equal(got.num_accepted, want.num_accepted)
 
 
 def test_a_bad_target_row_fails_the_round_with_a_clear_error(device: torch.device) -> None:
@@ -382,7 +389,7 @@ def test_a_bad_target_row_fails_the_round_with_a_clear_error(device: torch.devic
     with pytest.raises(InvalidArgumentError, match="no distribution to draw from"):
         rejection_sample(broken.to(device), q.to(device), tokens.to(device), [2, 2], [make_generator(0, device)] * 2)
     result = rejection_sample(p.to(device), q.to(device), tokens.to(device), [2, 2], [make_generator(0, device)] * 2)
-    assert all(0 <= t < 5 for row in result.output_tokens for t in row)
+    assert all(0 <= t < 5 for row in result.token_lists() for t in row)
 
 
 # ---------------------------------------------------------------- deterministic drafts (lookups)

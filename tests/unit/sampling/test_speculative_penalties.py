@@ -150,7 +150,7 @@ def simulate(rows: int, k: int, n: int, seed: int, device: torch.device) -> list
         q_drafts = torch.stack(q, dim=1)  # [rows, k, vocab]
         result = accept_candidates(token_probs(p, drafted), token_probs(q_drafts, drafted), drafted, [k] * rows,
                                    candidates, gen)
-        for history, new in zip(histories, result.output_tokens):
+        for history, new in zip(histories, result.token_lists()):
             history.extend(new)
     return [tuple(h[len(PROMPT) : len(PROMPT) + n]) for h in histories]
 
