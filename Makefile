@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-done
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(PROTOS:protos/%.proto=%_pb2.py)
 
-.PHONY: setup system-deps protos test test-fast lint demo bench bench-quick soak gpu-carry gpu-check clean
+.PHONY: setup system-deps protos test test-fast lint demo bench bench-quick soak balancer gpu-carry gpu-check clean
 
 setup: $(STAMP) protos
 
@@ -26,11 +26,13 @@ protos: $(STUBS)
 specdec/v1/%_pb2.py: protos/specdec/v1/%.proto $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. $<
 
-# Debian packages the tests drive: a real Prometheus (and promtool), and docker-compose to
-# validate the compose file. Installed with apt-get as root (or through sudo) when missing.
-SYSTEM_PACKAGES := prometheus docker-compose
+# Debian packages the tests drive: a real Prometheus (and promtool), docker-compose to
+# validate the compose file, and HAProxy in front of two gateways. Installed with apt-get as
+# root (or through sudo) when missing.
+SYSTEM_PACKAGES := prometheus docker-compose haproxy
 system-deps:
-	@if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! command -v docker-compose >/dev/null; then \
+	@if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! command -v docker-compose >/dev/null \
+		|| ! { command -v haproxy || test -x /usr/sbin/haproxy; } >/dev/null; then \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $(SYSTEM_PACKAGES); \
 	fi
@@ -66,6 +68,11 @@ bench-quick: setup
 # (not part of the tests, which run a short version); prints its figures, exits 1 on a failed check.
 soak: setup
 	$(PY) -m specdec_bench.soak
+
+# Two gateways behind HAProxy under 16 streams of 200 tokens: what clients lose when one drains
+# and when the target is killed and restarted (docs/deployment.md#behind-a-load-balancer).
+balancer: setup system-deps
+	$(PY) -m specdec_bench.balancer
 
 # The GPU check (docs/gpu.md). Here, where pip works: what the GPU machine lacks, into a
 # git-ignored folder under 64 MiB (wheels, the generated stubs, the Llama-3.2 tokenizer).

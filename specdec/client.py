@@ -29,6 +29,16 @@ METHODS = {
     "ngram": gateway_pb2.SPECULATION_METHOD_NGRAM, "none": gateway_pb2.SPECULATION_METHOD_NONE,
 }
 VERIFICATIONS = {"rejection": gateway_pb2.VERIFICATION_REJECTION, "drawn": gateway_pb2.VERIFICATION_DRAWN}
+#: gRPC retries a call that failed UNAVAILABLE before any response: a draining gateway refuses
+#: so, having generated nothing, and a balancer sends the retry to another one. A stream that
+#: has sent a token is never retried (gRPC commits a call at its first response).
+RETRY_POLICY = {"maxAttempts": 5, "initialBackoff": "0.2s", "maxBackoff": "2s", "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"]}
+CHANNEL_OPTIONS = [
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", json.dumps({"methodConfig": [{"name": [{"service": "specdec.v1.Gateway"}],
+                                                          "retryPolicy": RETRY_POLICY}]})),
+]
 
 
 @dataclass(frozen=True)
@@ -217,6 +227,7 @@ class SpecdecClient:
 
     TLS when `tls_ca` (the CA of the gateway's certificate) is given, mutual TLS with
     `tls_cert` / `tls_key` too; `token` is sent as a bearer token (default: `$SPECDEC_AUTH_TOKEN`).
+    A request refused before its first token (UNAVAILABLE) is retried (`RETRY_POLICY`).
     """
 
     def __init__(
@@ -224,7 +235,8 @@ class SpecdecClient:
         tls_ca: str = "", tls_cert: str = "", tls_key: str = "", token: str | None = None,
     ) -> None:
         credentials = channel_credentials(tls_ca, tls_cert, tls_key)
-        self.channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+        self.channel = (grpc.secure_channel(address, credentials, CHANNEL_OPTIONS) if credentials
+                        else grpc.insecure_channel(address, CHANNEL_OPTIONS))
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
         self.timeout = timeout
         self.metadata = bearer_metadata(read_token() if token is None else token) or None

@@ -14,36 +14,17 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.cli.launcher import ServiceProcess, start_service
 from specdec.client import build_request
 from specdec.v1 import common_pb2, gateway_pb2_grpc, target_pb2
-from tests.support.services import LoopThread, Service, StartService, eventually, slow_down
+from tests.support.services import LoopThread, StartGateway, StartService, eventually, slow_down
 
 STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
 TOKENS = 32
-
-
-@pytest.fixture
-def gateway() -> Iterator[Callable[[Service, Service], ServiceProcess]]:
-    started: list[ServiceProcess] = []
-
-    def start(target: Service, draft: Service) -> ServiceProcess:
-        process = start_service("specdec.gateway", [
-            "--target", f"127.0.0.1:{target.port}", "--draft", f"127.0.0.1:{draft.port}", "--http-port", "0",
-            "--drain-timeout-s", "120", "--log-level", "WARNING",
-        ])
-        started.append(process)
-        return process.wait_ready(timeout=300)
-
-    yield start
-    for process in started:
-        process.stop(grace=2.0)
 
 
 def _streams(address: str, count: int) -> tuple[list[threading.Thread], list[list[int]], list[BaseException]]:
@@ -77,12 +58,12 @@ def _refused(address: str) -> grpc.StatusCode:
 
 
 def test_a_gateway_on_sigterm_finishes_its_streams_and_refuses_new_requests(
-    start_target: StartService, start_draft: StartService, gateway: Callable[[Service, Service], ServiceProcess],
+    start_target: StartService, start_draft: StartService, start_gateway: StartGateway,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     target, draft = start_target(), start_draft()
     slow_down(monkeypatch, target.engine, "verify", 0.05)  # the streams take seconds on any machine
-    process = gateway(target, draft)
+    process = start_gateway(target, draft)
     threads, tokens, errors = _streams(process.address, 2)
     assert eventually(lambda: len(target.engine.tokens) == 2 and all(tokens)), "the streams never started"
     process.process.send_signal(signal.SIGTERM)

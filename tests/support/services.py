@@ -16,13 +16,14 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2_grpc
 
+from specdec.cli.launcher import ServiceProcess, start_service
 from specdec.draft_server.config import DraftConfig
 from specdec.draft_server.engine import DraftEngine
 from specdec.draft_server.server import create_server as create_draft_server
@@ -185,6 +186,31 @@ def start_draft(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterato
     """`start_draft(**config_overrides)` -> a running fp32 draft server (stopped at teardown)."""
     yield from _service_factory(service_loop, functools.partial(draft_server, fp32_runtime),
                                 draft_pb2_grpc.DraftServiceStub)
+
+
+class StartGateway(Protocol):
+    """`start_gateway(target, draft, *flags)` -> a gateway child process on those services, with
+    an HTTP port and a 120-s drain (flags after these win), ready; stopped at teardown."""
+
+    def __call__(self, target: Service, draft: Service, *flags: str) -> ServiceProcess: ...
+
+
+@pytest.fixture
+def start_gateway() -> Iterator[StartGateway]:
+    """Gateways as child processes, so that a test can send them real signals."""
+    started: list[ServiceProcess] = []
+
+    def start(target: Service, draft: Service, *flags: str) -> ServiceProcess:
+        process = start_service("specdec.gateway", [
+            "--target", f"127.0.0.1:{target.port}", "--draft", f"127.0.0.1:{draft.port}", "--http-port", "0",
+            "--drain-timeout-s", "120", "--log-level", "WARNING", *flags,
+        ])
+        started.append(process)
+        return process.wait_ready(timeout=300)
+
+    yield start
+    for process in started:
+        process.stop(grace=2.0)
 
 
 @pytest.fixture
