@@ -22,7 +22,7 @@ from specdec.cost_model import ForwardCost
 from specdec.gateway.detokenizer import StopStringDetokenizer
 from specdec.gateway.planner import Planner, RoundInputs
 from specdec.gateway.proposers import LookupDraft, LookupProposer, LookupSettings
-from specdec.gateway.sequence import Sequence
+from specdec.gateway.request import Request
 from specdec.model.choices import DEFAULT_MODEL
 from specdec.model.loader import load_tokenizer
 from specdec.sampling.params import SamplingParams
@@ -42,14 +42,14 @@ def corpus_tokens() -> list[int]:
     return list(tokenizer(text)["input_ids"])
 
 
-def new_request(slot: str, prompt: list[int]) -> Sequence:
+def new_request(slot: str, prompt: list[int]) -> Request:
     greedy = SamplingParams()
-    return Sequence(slot_id=slot, prompt=prompt, sampling=greedy, max_new_tokens=4096, num_speculative_tokens=K,
+    return Request(slot_id=slot, prompt=prompt, sampling=greedy, max_new_tokens=4096, num_speculative_tokens=K,
                     detokenizer=StopStringDetokenizer.__new__(StopStringDetokenizer), generator=None,  # type: ignore[arg-type]
                     draft_sampling=greedy, target_sampling=greedy, adaptive=True)
 
 
-def grow(seq: Sequence, rng: random.Random) -> None:
+def grow(seq: Request, rng: random.Random) -> None:
     """One round's tokens: half the time a quote of the prompt, else random tokens."""
     n = rng.randint(1, K + 1)
     if rng.random() < 0.5:

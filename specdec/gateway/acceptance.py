@@ -19,7 +19,7 @@ from typing import TypeVar
 import torch
 
 from specdec.errors import ServiceStateError
-from specdec.gateway.sequence import Sequence, Verification
+from specdec.gateway.request import Request, Verification
 from specdec.sampling.rejection_sampler import (
     PLACEHOLDER_TOKEN_ID,
     accept_candidates,
@@ -41,7 +41,7 @@ C = TypeVar("C", VerifiedArgmax, VerifiedDrawn, VerifiedLogits, VerifiedSampled)
 
 
 def accept_all(
-    seqs: list[Sequence], verified: dict[str, VerifiedChunk], proposals: dict[str, Proposal],
+    seqs: list[Request], verified: dict[str, VerifiedChunk], proposals: dict[str, Proposal],
     masks: dict[str, TokenMasks] | None = None,
 ) -> dict[str, list[int]]:
     """Judge every drafting request of the round (each has a proposal); one call per kind. Per
@@ -82,7 +82,7 @@ def masked(logits: torch.Tensor, masks: TokenMasks | None) -> torch.Tensor:
     return logits if masks is None else masks.apply(logits)
 
 
-def _answer(verified: dict[str, VerifiedChunk], seq: Sequence, kind: type[C]) -> C:
+def _answer(verified: dict[str, VerifiedChunk], seq: Request, kind: type[C]) -> C:
     chunk = verified[seq.slot_id]
     if not isinstance(chunk, kind):
         raise ServiceStateError(f"the target answered slot {seq.slot_id} with {type(chunk).__name__}, "
@@ -90,7 +90,7 @@ def _answer(verified: dict[str, VerifiedChunk], seq: Sequence, kind: type[C]) ->
     return chunk
 
 
-def _padded_drafts(seqs: list[Sequence], proposals: dict[str, Proposal]) -> tuple[torch.Tensor, list[int]]:
+def _padded_drafts(seqs: list[Request], proposals: dict[str, Proposal]) -> tuple[torch.Tensor, list[int]]:
     """Draft tokens [B, K_max] (PLACEHOLDER_TOKEN_ID past each row's K) and each row's K."""
     drafted = [proposals[s.slot_id].tokens for s in seqs]
     ks = [len(d) for d in drafted]
@@ -99,7 +99,7 @@ def _padded_drafts(seqs: list[Sequence], proposals: dict[str, Proposal]) -> tupl
     return tokens.view(len(seqs), k_max), ks
 
 
-def _padded_rows(seqs: list[Sequence], rows: list[list[int]], ks: list[int]) -> torch.Tensor:
+def _padded_rows(seqs: list[Request], rows: list[list[int]], ks: list[int]) -> torch.Tensor:
     """The target's K + 1 tokens per request (argmax tokens or candidates) as [B, K_max+1],
     PLACEHOLDER_TOKEN_ID past each row's K + 1."""
     width = max(ks) + 1
@@ -112,7 +112,7 @@ def _padded_rows(seqs: list[Sequence], rows: list[list[int]], ks: list[int]) -> 
 
 
 def _padded_probs(
-    seqs: list[Sequence], answers: list[VerifiedSampled], proposals: dict[str, Proposal], ks: list[int]
+    seqs: list[Request], answers: list[VerifiedSampled], proposals: dict[str, Proposal], ks: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A sampled round's p_i(t_i) (from the target) and q_i(t_i) (from the draft's q), each
     [B, K_max], 1.0 past each row's K (never judged)."""
@@ -128,5 +128,5 @@ def _padded_probs(
     return p, q
 
 
-def _by_slot(seqs: list[Sequence], rows: list[list[int]]) -> dict[str, list[int]]:
+def _by_slot(seqs: list[Request], rows: list[list[int]]) -> dict[str, list[int]]:
     return {seq.slot_id: row for seq, row in zip(seqs, rows)}

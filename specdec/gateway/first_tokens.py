@@ -10,7 +10,7 @@ import torch
 
 from specdec.gateway.acceptance import masked
 from specdec.gateway.grammar.rounds import first_masks
-from specdec.gateway.sequence import Sequence
+from specdec.gateway.request import Request
 from specdec.gateway.token_logprobs import first_logprobs
 from specdec.sampling.draws import drawn_tokens, position_generator, sample
 from specdec.sampling.logprobs import TokenLogprob
@@ -18,7 +18,7 @@ from specdec.sampling.token_masks import TokenMasks
 from specdec.sampling.transforms import logits_to_probs
 
 
-def first_tokens(seqs: list[Sequence], logits: dict[str, torch.Tensor],
+def first_tokens(seqs: list[Request], logits: dict[str, torch.Tensor],
                  masks: dict[str, TokenMasks] | None = None) -> dict[str, int]:
     """The next token of each newly prefilled sequence, from its last-position logits [vocab]
     (under its grammar's one-row `masks`, if it has one). The penalty context of a resumed
@@ -38,7 +38,7 @@ def first_tokens(seqs: list[Sequence], logits: dict[str, torch.Tensor],
 
 
 def first_tokens_and_logprobs(
-    seqs: list[Sequence], logits: dict[str, torch.Tensor]
+    seqs: list[Request], logits: dict[str, torch.Tensor]
 ) -> tuple[dict[str, int], dict[str, list[TokenLogprob]]]:
     """`first_tokens` under each structured-output request's grammar, and the logprobs of the
     tokens for the requests that ask. Tensor work: the scheduler runs it on its sampler thread."""

@@ -3,7 +3,7 @@ HTTP routes): validate it, queue it, stream its responses, and free its slots wh
 goes away before the end.
 
 Both fronts describe a request as a `GenerateRequest` and read the same `GenerateResponse`
-messages, so validation, limits and the final `Completion` live in one place (`requests`).
+messages, so validation, limits and the final `Completion` live in one place (`intake`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import grpc
 
 from specdec.errors import DrainingError, ServiceRefusedError
 from specdec.gateway.config import GatewayConfig
+from specdec.gateway.intake import RequestPolicy, completion_to_pb, new_request, token_logprob_to_pb
 from specdec.gateway.monitor import ServiceMonitor
-from specdec.gateway.requests import RequestPolicy, completion_to_pb, new_sequence, token_logprob_to_pb
+from specdec.gateway.request import Delta, Finished, FinishReason, Request
 from specdec.gateway.scheduler import Scheduler
-from specdec.gateway.sequence import Delta, Finished, FinishReason, Sequence
 from specdec.gateway.stats import GatewayStats
 from specdec.serving.serial_executor import SerialExecutor
 from specdec.v1 import gateway_pb2
@@ -60,7 +60,7 @@ class Generation:
     and keeps what only a front needs: the queue its handler awaits and the gRPC status of a
     failure. Both calls come from the scheduler's task, on the event loop."""
 
-    def __init__(self, seq: Sequence) -> None:
+    def __init__(self, seq: Request) -> None:
         self.seq = seq
         #: What the scheduler streamed and the handler has not read yet; `Finished` comes last.
         self.outbox: asyncio.Queue[Delta | Finished] = asyncio.Queue()
@@ -119,7 +119,7 @@ class Generations:
         self.in_flight += 1
         self._idle.clear()
         try:
-            seq = await self.tokenizer_thread.run(new_sequence, request, self.state.policy)
+            seq = await self.tokenizer_thread.run(new_request, request, self.state.policy)
             generation = Generation(seq)  # listens before the scheduler can emit
             self.state.scheduler.submit(seq)
             try:

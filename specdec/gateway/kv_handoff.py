@@ -24,7 +24,7 @@ import torch
 from specdec.errors import ServiceStateError
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.model_clients import DraftAPI, TargetAPI
-from specdec.gateway.sequence import Sequence
+from specdec.gateway.request import Request
 from specdec.model.choices import DTYPE_NAMES
 from specdec.wire.kv_transfer import ImportHeader, KVExport
 from specdec.wire.model_info import ModelInfo
@@ -85,7 +85,7 @@ class HandoffCost:
 
 
 async def hand_off(
-    target: TargetAPI, draft: DraftAPI, seqs: list[Sequence], handoff: KVHandoff, deadlines: Deadlines
+    target: TargetAPI, draft: DraftAPI, seqs: list[Request], handoff: KVHandoff, deadlines: Deadlines
 ) -> dict[str, tuple[int, float]]:
     """Fill the draft's cache of each of `seqs` with the target's keys and values up to what
     the target holds; returns the tokens moved and the seconds it took, per request that took

@@ -1,7 +1,7 @@
 """The gateway's one scheduler: admission between rounds, then batched rounds for all requests.
 
-A single asyncio task owns every `Sequence`; each request's stream leaves through its
-`Sequence.events` (the front's `Generation`), so nothing here holds a client's queue. Each
+A single asyncio task owns every `Request`; each request's stream leaves through its
+`Request.events` (the front's `Generation`), so nothing here holds a client's queue. Each
 iteration it (1) retires cancelled requests, (2) admits waiting requests while both services
 have slot and KV room for them (one batched Prefill, then `first_tokens`), and (3) runs
 one speculation round —
@@ -33,8 +33,8 @@ from specdec.gateway.grammar.rounds import with_forced_tokens
 from specdec.gateway.model_clients import DraftAPI, TargetAPI
 from specdec.gateway.planner import DraftAvailability, Planner, RoundInputs
 from specdec.gateway.proposers import LookupDraft, LookupProposer
+from specdec.gateway.request import FinishReason, Request
 from specdec.gateway.rounds import RoundPlan, RoundReport
-from specdec.gateway.sequence import FinishReason, Sequence
 from specdec.gateway.speculative_step import plan_k, plan_steps, run_round
 from specdec.gateway.stats import GatewayStats
 from specdec.serving.errors import status_of
@@ -68,7 +68,7 @@ class PoolLimits:
         return -(-tokens // self.block_size)
 
 
-def kv_tokens_for_round(seq: Sequence, max_seq_len: int, decode_steps: int = 1) -> int:
+def kv_tokens_for_round(seq: Request, max_seq_len: int, decode_steps: int = 1) -> int:
     """Most KV tokens the request holds in either service after its next round: its
     tokens, the K draft tokens verified after them (or all but the last of a multi-step
     round's tokens), and the token that round emits."""
@@ -128,9 +128,9 @@ class Scheduler:
             if pool.blocks_for(max_seq_len) > pool.num_blocks:
                 raise ValueError(f"the {pool.name} pool ({pool.total_kv_tokens} tokens) cannot hold "
                                  f"max_seq_len {max_seq_len}")
-        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.waiting: collections.deque[Request] = collections.deque()
         #: In admission order: the last one is the first to be preempted.
-        self.running: list[Sequence] = []
+        self.running: list[Request] = []
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         #: Sampling and acceptance are tensor work: off the event loop, on one thread (see
@@ -151,7 +151,7 @@ class Scheduler:
         await asyncio.gather(*(self._release(seq) for seq in self.running), return_exceptions=True)
         await asyncio.to_thread(self.sampler.shutdown)
 
-    def submit(self, seq: Sequence) -> None:
+    def submit(self, seq: Request) -> None:
         """Queue a request (validated by the caller). RESOURCE_EXHAUSTED when the queue is full."""
         if len(self.waiting) >= self.max_queue:
             raise CapacityExhaustedError(f"admission queue is full ({self.max_queue} waiting)")
@@ -159,7 +159,7 @@ class Scheduler:
         self.stats.waiting = len(self.waiting)
         self._wakeup.set()
 
-    def cancel(self, seq: Sequence) -> None:
+    def cancel(self, seq: Request) -> None:
         """Called from the RPC handler when the client goes away (cancelled, or its deadline
         passed). A waiting request leaves the queue at once; a running one is retired
         between rounds, which frees its slots in both services."""
@@ -227,7 +227,7 @@ class Scheduler:
             if seq.done:
                 await self._retire(seq, seq.finish_reason)  # type: ignore[arg-type]
 
-    def _plan(self, batch: list[Sequence]) -> RoundPlan:
+    def _plan(self, batch: list[Request]) -> RoundPlan:
         """The planner's plan for the round, from the batch's facts: each request's room for draft
         tokens and plain steps (one a round while a waiting request could join at the next
         round; more when the batch or a pool is full and throughput counts), its lookup
@@ -248,7 +248,7 @@ class Scheduler:
             return DraftAvailability.NONE
         return DraftAvailability.DOWN if self.draft_degraded or self.draft_refused else DraftAvailability.READY
 
-    def _lookups(self, batch: list[Sequence], caps: dict[str, int]) -> dict[str, LookupDraft]:
+    def _lookups(self, batch: list[Request], caps: dict[str, int]) -> dict[str, LookupDraft]:
         """This round's lookup proposal of each request that allows lookups and has one."""
         if self.lookup is None:
             return {}
@@ -261,7 +261,7 @@ class Scheduler:
         return out
 
     def _record_round(
-        self, batch: list[Sequence], report: RoundReport, before: dict[str, tuple[int, float | None]]
+        self, batch: list[Request], report: RoundReport, before: dict[str, tuple[int, float | None]]
     ) -> None:
         phases = report.phases()
         self.stats.record_phases(phases, report)
@@ -278,7 +278,7 @@ class Scheduler:
     async def _admit(self) -> int:
         """Admit waiting requests that fit, in FIFO order, with one batched Prefill; returns
         how many were admitted."""
-        admitted: list[Sequence] = []
+        admitted: list[Request] = []
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             seq = self.waiting[0]
             if seq.cancelled:
@@ -349,13 +349,13 @@ class Scheduler:
         """Whether the first waiting request would be admitted now."""
         return bool(self.waiting) and self._admits(self.waiting[0], [])
 
-    def _admits(self, seq: Sequence, admitted: list[Sequence]) -> bool:
+    def _admits(self, seq: Request, admitted: list[Request]) -> bool:
         """Whether `seq` joins the batch after `admitted`: the batch has room, and so have the
         pools (with a spare block per running request, so that it is not preempted at once)."""
         before = len(self.running) + len(admitted)
         return before < self.max_batch_size and self._fits([*self.running, *admitted, seq], headroom=before)
 
-    def _fits(self, seqs: list[Sequence], headroom: int = 0) -> bool:
+    def _fits(self, seqs: list[Request], headroom: int = 0) -> bool:
         """Whether every pool holds the next round of all `seqs` (and `headroom` spare blocks:
         at admission, one per running request, so that a newcomer is not preempted at once)."""
         return all(
@@ -370,7 +370,7 @@ class Scheduler:
         while len(self.running) > 1 and not self._fits(self.running):
             await self._preempt(self.running[-1])
 
-    async def _preempt(self, seq: Sequence) -> None:
+    async def _preempt(self, seq: Request) -> None:
         """Free the request's slots in both services and queue it first, to resume from its tokens."""
         self.running.remove(seq)
         self.planner.forget(seq)
@@ -388,7 +388,7 @@ class Scheduler:
         for seq in [s for s in self.running if s.cancelled]:
             await self._retire(seq, FinishReason.CANCELLED)
 
-    async def _retire(self, seq: Sequence, reason: FinishReason, error: str = "", status: str = "INTERNAL") -> None:
+    async def _retire(self, seq: Request, reason: FinishReason, error: str = "", status: str = "INTERNAL") -> None:
         if seq in self.running:
             self.running.remove(seq)
         seq.finish(reason, error, status)
@@ -403,11 +403,11 @@ class Scheduler:
         self._record_finished(seq)
         await self._release(seq)
 
-    def _record_finished(self, seq: Sequence) -> None:
+    def _record_finished(self, seq: Request) -> None:
         self.stats.running = len(self.running)
         self.stats.record_finished(seq)
 
-    async def _release(self, seq: Sequence) -> None:
+    async def _release(self, seq: Request) -> None:
         """Free the request's slots in both services; a slot already gone is fine, and a
         Release that fails is tried again in the background."""
         services = ["target"] + (["draft"] if self.draft is not None and seq.has_draft_slot else [])
@@ -439,7 +439,7 @@ class Scheduler:
                     if await self._release_slot(service, slot_id):
                         log.info("slot %s released from the %s on a retry", slot_id, service)
 
-    async def _fail(self, seqs: list[Sequence], error: Exception, *, release: bool = True) -> None:
+    async def _fail(self, seqs: list[Request], error: Exception, *, release: bool = True) -> None:
         if isinstance(error, grpc.aio.AioRpcError):
             status = error.code()
             log.error("failing %d request(s): %s from the target: %s", len(seqs), status.name, error.details())

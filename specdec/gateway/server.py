@@ -28,6 +28,7 @@ from specdec.gateway.draft_sources import SpeculationMethod
 from specdec.gateway.generation import GatewayState, Generations
 from specdec.gateway.grammar import GrammarCompiler
 from specdec.gateway.info import planner_to_pb
+from specdec.gateway.intake import RequestPolicy, method_to_pb
 from specdec.gateway.kv_handoff import KVHandoff
 from specdec.gateway.metrics import gateway_endpoint
 from specdec.gateway.model_clients import INFO_TIMEOUT_S, DraftAPI, DraftClient, ServiceLink, TargetAPI, TargetClient
@@ -36,7 +37,6 @@ from specdec.gateway.openai.app import HttpServer, OpenAIFront, start_http
 from specdec.gateway.openai.protocol import ServedModel
 from specdec.gateway.planner import Planner
 from specdec.gateway.proposers import LookupProposer
-from specdec.gateway.requests import RequestPolicy, method_to_pb
 from specdec.gateway.scheduler import PoolLimits, Scheduler
 from specdec.gateway.service_changes import ServiceChanges
 from specdec.gateway.stats import GatewayStats

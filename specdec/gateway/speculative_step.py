@@ -25,8 +25,8 @@ from specdec.gateway.grammar.rounds import constrain
 from specdec.gateway.kv_handoff import KVHandoff, hand_off
 from specdec.gateway.model_clients import DraftAPI, TargetAPI, Timed
 from specdec.gateway.proposers import LookupDraft
+from specdec.gateway.request import Request, Verification
 from specdec.gateway.rounds import RoundPlan, RoundReport
-from specdec.gateway.sequence import Sequence, Verification
 from specdec.gateway.token_logprobs import round_logprobs
 from specdec.sampling.logprobs import TokenLogprob
 from specdec.sampling.sparse_probs import SparseRows
@@ -49,14 +49,14 @@ from specdec.wire.items import (
 log = logging.getLogger(__name__)
 
 
-def plan_k(seq: Sequence, max_seq_len: int) -> int:
+def plan_k(seq: Request, max_seq_len: int) -> int:
     """Draft length for this round: the request's K, shrunk so that the K+1 tokens a round
     may emit fit both max_seq_len and max_new_tokens (0 = plain decoding)."""
     room = min(max_seq_len - len(seq.tokens), seq.max_new_tokens - seq.completion_tokens) - 1
     return max(0, min(seq.num_speculative_tokens, room))
 
 
-def plan_steps(seq: Sequence, max_seq_len: int, limit: int) -> int:
+def plan_steps(seq: Request, max_seq_len: int, limit: int) -> int:
     """Tokens a plain round may decode for this request in one Verify (multi-step plain
     decoding, the target choosing each token and feeding it on): up to `limit`, never more
     than the request may still emit."""
@@ -67,7 +67,7 @@ def plan_steps(seq: Sequence, max_seq_len: int, limit: int) -> int:
 
 
 async def propose(
-    draft: DraftAPI | None, seqs: list[Sequence], ks: dict[str, int], deadlines: Deadlines,
+    draft: DraftAPI | None, seqs: list[Request], ks: dict[str, int], deadlines: Deadlines,
     guesses: dict[str, LookupDraft] | None = None, self_guessing: Collection[str] = (),
 ) -> Timed[dict[str, Proposal]]:
     """One batched Propose for every sequence with K >= 1, with its lookup guess if it has one,
@@ -128,7 +128,7 @@ def _check_q(proposal: Proposal) -> None:
 
 
 async def verify(
-    target: TargetAPI, seqs: list[Sequence], proposals: dict[str, Proposal], plan: RoundPlan, deadlines: Deadlines,
+    target: TargetAPI, seqs: list[Request], proposals: dict[str, Proposal], plan: RoundPlan, deadlines: Deadlines,
     masks: dict[str, TokenMasks] | None = None,
 ) -> Timed[dict[str, VerifiedChunk]]:
     """One batched Verify of [pending tokens, t1..tK] after each sequence's valid prefix, each
@@ -152,7 +152,7 @@ async def verify(
     return verified
 
 
-def verify_item(seq: Sequence, proposal: Proposal | None, plan: RoundPlan,
+def verify_item(seq: Request, proposal: Proposal | None, plan: RoundPlan,
                 masks: TokenMasks | None = None) -> VerifyItem:
     """The tokens the target has not cached yet (the pending token g), then the draft's."""
     drafted = proposal.tokens if proposal is not None else []
@@ -160,7 +160,7 @@ def verify_item(seq: Sequence, proposal: Proposal | None, plan: RoundPlan,
                       verify_mode(seq, proposal, plan), masks)
 
 
-def verify_mode(seq: Sequence, proposal: Proposal | None, plan: RoundPlan) -> VerifyMode:
+def verify_mode(seq: Request, proposal: Proposal | None, plan: RoundPlan) -> VerifyMode:
     """How the target answers `seq`: a request without a proposal decodes plainly on the
     target; a drafting one is judged here from the argmax (greedy, untransformed), the logits
     (greedy with a logit bias or a penalty), the target's own draws (sampled and seeded: the tokens plain
@@ -191,13 +191,13 @@ def _check_cached(service: str, slot_id: str, cached_len: int, expected: int) ->
         )
 
 
-def advance_steps(seq: Sequence, steps: int) -> None:
+def advance_steps(seq: Request, steps: int) -> None:
     """After a multi-step plain round: the target cached the pending token and all but the
     last of the `steps` tokens it decoded (before emitting them)."""
     seq.target_valid = len(seq.tokens) + steps - 1
 
 
-def advance(seq: Sequence, k: int, num_accepted: int) -> None:
+def advance(seq: Request, k: int, num_accepted: int) -> None:
     """Move the valid cache lengths past the accepted tokens (before emitting them).
 
     The target cached [pending..., t1..tK]: everything up to t_n is valid. The draft cached
@@ -210,7 +210,7 @@ def advance(seq: Sequence, k: int, num_accepted: int) -> None:
 
 
 async def run_round(
-    target: TargetAPI, draft: DraftAPI | None, seqs: list[Sequence], plan: RoundPlan, sampler: SerialExecutor,
+    target: TargetAPI, draft: DraftAPI | None, seqs: list[Request], plan: RoundPlan, sampler: SerialExecutor,
     max_seq_len: int, deadlines: Deadlines, handoff: KVHandoff | None = None,
 ) -> RoundReport:
     """Fill the draft's cache from the target's where the plan says (`handoff`), then propose,
@@ -247,7 +247,7 @@ async def run_round(
     )
 
 
-def lookup_proposals(seqs: list[Sequence], plan: RoundPlan) -> dict[str, Proposal]:
+def lookup_proposals(seqs: list[Request], plan: RoundPlan) -> dict[str, Proposal]:
     """The plan's lookup drafts as proposals: a sampled request's q is one-hot on each token (a
     deterministic draft), a greedy one needs none. The draft model's cache is not involved."""
     out = {}
@@ -260,7 +260,7 @@ def lookup_proposals(seqs: list[Sequence], plan: RoundPlan) -> dict[str, Proposa
 
 
 def advance_all(
-    seqs: list[Sequence], proposals: dict[str, Proposal], verified: dict[str, VerifiedChunk],
+    seqs: list[Request], proposals: dict[str, Proposal], verified: dict[str, VerifiedChunk],
     accepted: dict[str, list[int]], max_seq_len: int, lookups: Collection[str] = (),
     logprobs: dict[str, list[TokenLogprob]] | None = None,
 ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
@@ -286,7 +286,7 @@ def advance_all(
 
 
 async def propose_or_plain(
-    draft: DraftAPI | None, seqs: list[Sequence], plan: RoundPlan, deadlines: Deadlines
+    draft: DraftAPI | None, seqs: list[Request], plan: RoundPlan, deadlines: Deadlines
 ) -> tuple[Timed[dict[str, Proposal]], bool]:
     """The round's proposals, and whether Propose failed: the draft only ever speeds things
     up, so without it the round is plain decoding (no proposals), with the very same output.

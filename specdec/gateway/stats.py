@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from specdec.gateway.draft_sources import DRAFT_SOURCES, DraftSource
 from specdec.gateway.planner import OFF_REASONS, PlannerStatus
+from specdec.gateway.request import ROUND_PHASES, FinishReason, Request
 from specdec.gateway.rounds import RoundReport
-from specdec.gateway.sequence import ROUND_PHASES, FinishReason, Sequence
 from specdec.stats import BATCH_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS, Distribution
 
 RPC_METHODS = ("Prefill", "Verify", "Propose")
@@ -110,7 +110,7 @@ class GatewayStats:
             for _ in range(count):
                 self.inter_token_latency.observe(gap_s / count)
 
-    def record_finished(self, seq: Sequence) -> None:
+    def record_finished(self, seq: Request) -> None:
         """A request's final message went out: its counts and its timeline."""
         assert seq.finish_reason is not None and seq.finished_at is not None
         self.finished[seq.finish_reason.value] += 1

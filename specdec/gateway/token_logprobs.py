@@ -1,4 +1,4 @@
-"""The logprobs of each emitted token, for the requests that ask (`Sequence.logprobs`).
+"""The logprobs of each emitted token, for the requests that ask (`Request.logprobs`).
 
 Every one is the target's own row at the token's position, conditioned on the accepted prefix:
 * the first token (and a resumed request's next one): the Prefill logits, here;
@@ -17,13 +17,13 @@ import torch
 
 from specdec.errors import ServiceStateError
 from specdec.gateway.acceptance import masked
-from specdec.gateway.sequence import Sequence
+from specdec.gateway.request import Request
 from specdec.sampling.logprobs import LogprobsRequest, RowLogprobs, TokenLogprob, answer_rows
 from specdec.sampling.token_masks import TokenMasks
 from specdec.wire.items import Proposal, VerifiedChunk, VerifiedDecode, VerifiedLogits
 
 
-def first_logprobs(seqs: list[Sequence], logits: dict[str, torch.Tensor], firsts: dict[str, int],
+def first_logprobs(seqs: list[Request], logits: dict[str, torch.Tensor], firsts: dict[str, int],
                    masks: dict[str, TokenMasks] | None = None) -> dict[str, list[TokenLogprob]]:
     """The first token's logprobs of each sequence that asks, from its Prefill logits [vocab]
     (under its grammar's one-row `masks` for transformed logprobs)."""
@@ -38,7 +38,7 @@ def first_logprobs(seqs: list[Sequence], logits: dict[str, torch.Tensor], firsts
 
 
 def round_logprobs(
-    seqs: list[Sequence], proposals: dict[str, Proposal], verified: dict[str, VerifiedChunk],
+    seqs: list[Request], proposals: dict[str, Proposal], verified: dict[str, VerifiedChunk],
     accepted: dict[str, list[int]], masks: dict[str, TokenMasks] | None = None,
 ) -> dict[str, list[TokenLogprob]]:
     """The logprobs of the tokens this round emits, per sequence that asks (before `advance_all`
@@ -47,7 +47,7 @@ def round_logprobs(
     `accepted` holds each drafting request's emitted tokens (`acceptance.accept_all`)."""
     masks = masks or {}
     out: dict[str, list[TokenLogprob]] = {}
-    from_logits: list[tuple[Sequence, LogprobsRequest, VerifiedLogits, list[int], int]] = []
+    from_logits: list[tuple[Request, LogprobsRequest, VerifiedLogits, list[int], int]] = []
     for seq in seqs:
         slot, request, chunk = seq.slot_id, seq.logprobs, verified[seq.slot_id]
         if request is None:
@@ -76,7 +76,7 @@ def _processed(logits: torch.Tensor, request: LogprobsRequest, masks: TokenMasks
     return logits if request.transforms is None else masked(logits, masks)
 
 
-def _checked(seq: Sequence, rows: RowLogprobs | None, request: LogprobsRequest, n_rows: int,
+def _checked(seq: Request, rows: RowLogprobs | None, request: LogprobsRequest, n_rows: int,
              k: int) -> RowLogprobs:
     """The target's rows, if they are what the gateway asked for: else continuing would emit
     tokens without (or with misplaced) logprobs."""

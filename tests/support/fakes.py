@@ -20,10 +20,10 @@ import torch
 from specdec.cost_model import ForwardCost
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.draft_sources import SpeculationMethod
+from specdec.gateway.intake import RequestPolicy
 from specdec.gateway.model_clients import Timed
 from specdec.gateway.planner import Planner
 from specdec.gateway.proposers import LookupProposer
-from specdec.gateway.requests import RequestPolicy
 from specdec.gateway.scheduler import PoolLimits, Scheduler
 from specdec.gateway.stats import GatewayStats
 from specdec.model.tokenizer_info import TokenizerInfo
@@ -311,7 +311,7 @@ class FakeDraft:
 
 
 class ToyTokenizer:
-    """Characters 'a'.. map to token ids 0..; enough for `new_sequence` and the detokenizer."""
+    """Characters 'a'.. map to token ids 0..; enough for `new_request` and the detokenizer."""
 
     def __call__(self, text: str) -> dict[str, list[int]]:
         return {"input_ids": [ord(c) - ord("a") for c in text]}

@@ -8,7 +8,7 @@ from collections.abc import Collection
 from specdec.gateway.draft_sources import SpeculationMethod
 from specdec.gateway.planner import DraftAvailability, RoundInputs
 from specdec.gateway.proposers import LookupDraft
-from specdec.gateway.sequence import Sequence
+from specdec.gateway.request import Request
 
 
 def method_for(model: bool, lookup: bool) -> SpeculationMethod:
@@ -18,7 +18,7 @@ def method_for(model: bool, lookup: bool) -> SpeculationMethod:
 
 
 def round_inputs(
-    seqs: list[Sequence], caps: dict[str, int], adaptive: dict[str, bool] | None = None,
+    seqs: list[Request], caps: dict[str, int], adaptive: dict[str, bool] | None = None,
     steps: dict[str, int] | None = None, *, lookups: dict[str, LookupDraft] | None = None,
     model_allowed: Collection[str] | None = None, lookup_allowed: Collection[str] = (),
     draft: DraftAvailability = DraftAvailability.READY,

@@ -10,7 +10,7 @@ What it models:
   verify pads every request to the round's widest K + 1;
 * the model draft's 1-token step seconds by batch size (step j over the requests with K >= j),
   and a per-token cost of a catch-up (the tokens a request's draft has not seen,
-  `Sequence.draft_pending`, fed in its first step);
+  `Request.draft_pending`, fed in its first step);
 * a round overhead outside both services, plus a Propose overhead in rounds that draft;
 * slowdowns of either service and the draft's acceptance α, each a function of sim time;
 * B requests at all times, each with a prompt and `max_new_tokens` (a finished one is replaced
@@ -43,8 +43,8 @@ from specdec.gateway.detokenizer import StopStringDetokenizer
 from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.model_clients import Timed
 from specdec.gateway.planner import Planner, SourceState
+from specdec.gateway.request import Request
 from specdec.gateway.rounds import RoundPlan, RoundReport
-from specdec.gateway.sequence import Sequence
 from specdec.gateway.speculative_step import advance
 from specdec.sampling.params import SamplingParams
 from tests.support.planner_rounds import round_inputs
@@ -111,15 +111,15 @@ class Event:
     after it): to the planner, and to the batch's requests."""
 
     at: float
-    action: Callable[[Planner, list[Sequence]], None]
+    action: Callable[[Planner, list[Request]], None]
 
 
-def note_draft(pending_graphs: int) -> Callable[[Planner, list[Sequence]], None]:
+def note_draft(pending_graphs: int) -> Callable[[Planner, list[Request]], None]:
     """The draft's Info says it has `pending_graphs` compiled graphs to load."""
     return lambda planner, batch: planner.note_service("draft", pending_graphs)
 
 
-def restart_draft(planner: Planner, batch: list[Sequence]) -> None:
+def restart_draft(planner: Planner, batch: list[Request]) -> None:
     """The draft restarted: it holds none of the requests' tokens any more."""
     for s in batch:
         s.draft_valid = 0
@@ -201,9 +201,9 @@ class Run:
         return next((i for i, r in enumerate(candidates) if r.state is SourceState.DRAFTING), None)
 
 
-def new_request(slot_id: str, prompt_len: int, max_new_tokens: int, adaptive: bool) -> Sequence:
+def new_request(slot_id: str, prompt_len: int, max_new_tokens: int, adaptive: bool) -> Request:
     greedy = SamplingParams()
-    return Sequence(
+    return Request(
         slot_id=slot_id, prompt=list(range(prompt_len)), sampling=greedy, max_new_tokens=max_new_tokens,
         num_speculative_tokens=MAX_K, detokenizer=StopStringDetokenizer.__new__(StopStringDetokenizer),
         generator=torch.Generator(), draft_sampling=greedy, target_sampling=greedy, adaptive=adaptive,
@@ -303,7 +303,7 @@ class Simulation:
                 self.planner.forget(s)
                 self.batch[i] = self._fresh()
 
-    def _fresh(self) -> Sequence:
+    def _fresh(self) -> Request:
         self.started += 1
         return new_request(f"r{self.started}", self.prompt_len, self.max_new_tokens, self.policy.adaptive)
 

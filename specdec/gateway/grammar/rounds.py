@@ -19,13 +19,13 @@ import torch
 
 from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.proposers import LookupDraft
+from specdec.gateway.request import Request, Verification
 from specdec.gateway.rounds import RoundPlan
-from specdec.gateway.sequence import Sequence, Verification
 from specdec.sampling.token_masks import TokenMasks
 from specdec.wire.items import Proposal
 
 
-def with_forced_tokens(plan: RoundPlan, batch: list[Sequence], caps: dict[str, int]) -> RoundPlan:
+def with_forced_tokens(plan: RoundPlan, batch: list[Request], caps: dict[str, int]) -> RoundPlan:
     """`plan` with each structured-output request that the grammar forces on drafting the forced
     tokens (up to its cap) instead of what was planned: they cost no draft step, and the target,
     whose p the mask makes certain of them, accepts them all. The round then drafts, so no request
@@ -43,13 +43,13 @@ def with_forced_tokens(plan: RoundPlan, batch: list[Sequence], caps: dict[str, i
     )
 
 
-def first_masks(seqs: list[Sequence]) -> dict[str, TokenMasks]:
+def first_masks(seqs: list[Request]) -> dict[str, TokenMasks]:
     """The one-row mask of each structured-output request's next token after a Prefill."""
     return {s.slot_id: s.grammar.masks_along([])[0] for s in seqs if s.grammar is not None}
 
 
 def constrain(
-    seqs: list[Sequence], proposals: dict[str, Proposal], lookups: Collection[str]
+    seqs: list[Request], proposals: dict[str, Proposal], lookups: Collection[str]
 ) -> tuple[dict[str, Proposal], dict[str, TokenMasks]]:
     """The round's proposals, cut where a grammar refuses a draft token (a request whose draft is
     cut to nothing decodes plainly), and the masks of each structured-output request's rows."""
@@ -76,7 +76,7 @@ def constrain(
     return kept, masks
 
 
-def _keeps_refused(seq: Sequence, lookup: bool) -> bool:
+def _keeps_refused(seq: Request, lookup: bool) -> bool:
     return not seq.sampling.is_greedy and seq.verification is Verification.REJECTION and not lookup
 
 

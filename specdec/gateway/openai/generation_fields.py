@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from specdec.gateway.intake import METHOD_FROM_PB, VERIFICATION_FROM_PB
 from specdec.gateway.openai.errors import invalid_field
 from specdec.gateway.openai.fields import INT32_MAX, boolean, integer, number
-from specdec.gateway.requests import METHOD_FROM_PB, VERIFICATION_FROM_PB
 from specdec.v1 import common_pb2, gateway_pb2
 
 UINT64_MAX = 2**64 - 1
 #: OpenAI's default temperature (the gRPC API's unset temperature is greedy instead).
 DEFAULT_TEMPERATURE = 1.0
-#: The extension's names ("auto", "drawn", ...) for the gRPC API's values, as `requests` reads them.
+#: The extension's names ("auto", "drawn", ...) for the gRPC API's values, as `intake` reads them.
 SPECULATION_METHODS = {method.value: pb for pb, method in METHOD_FROM_PB.items() if method is not None}
 VERIFICATIONS = {verification.value: pb for pb, verification in VERIFICATION_FROM_PB.items()
                  if verification is not None}
@@ -47,7 +47,7 @@ def sampling_from_body(body: dict[str, Any]) -> common_pb2.SamplingParams:
 
 def logit_bias_from_body(bias: object) -> dict[int, float]:
     """OpenAI's `logit_bias`: token ids (JSON object keys, so strings) to a bias; the ranges and
-    the vocabulary are checked with the other sampling fields (`SamplingParams`, `requests`)."""
+    the vocabulary are checked with the other sampling fields (`SamplingParams`, `intake`)."""
     if bias is None:
         return {}
     if not isinstance(bias, dict):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from specdec.gateway.intake import CHAT_ROLES
 from specdec.gateway.openai.errors import invalid_field, not_supported
 from specdec.gateway.openai.fields import json_type
-from specdec.gateway.requests import CHAT_ROLES
 from specdec.gateway.tools import Message, ToolCall, ToolFormat, ToolUse, render_messages
 from specdec.gateway.tools.types import new_call_id
 from specdec.v1 import gateway_pb2

@@ -2,7 +2,7 @@
 
 This module checks only what JSON can get wrong that protobuf cannot (types, and values the
 wire reads as "unset", such as `top_p: 0`); everything else (roles, lengths, stop strings, the
-speculation options, sampling ranges) is validated once, by `requests.new_sequence`, for both
+speculation options, sampling ranges) is validated once, by `requests.new_request`, for both
 fronts, and `in_body_terms` names the OpenAI field its errors point at (`InvalidArgumentError.field`).
 
 Unknown fields are ignored, as OpenAI-compatible servers do; known fields this server does not

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from specdec.gateway.planner.estimates import AcceptanceEstimate, SelfGuessEstimate
 from specdec.gateway.planner.rates import SelfGuessRates
+from specdec.gateway.request import Request
 from specdec.gateway.rounds import RoundPlan, RoundReport
-from specdec.gateway.sequence import Sequence
 
 #: What the estimate a probe re-measures keeps of its past: as many outcomes as this.
 PROBE_PRIOR_OUTCOMES = 2
@@ -49,7 +49,7 @@ class ModelAcceptance:
             if estimate is not None:
                 estimate.seen = min(estimate.seen, PROBE_PRIOR_OUTCOMES)
 
-    def alphas(self, seq: Sequence) -> list[float]:
+    def alphas(self, seq: Request) -> list[float]:
         estimate = self._requests.get(seq.slot_id)
         return estimate.alphas if estimate is not None else self.overall.alphas
 
@@ -71,7 +71,7 @@ class ModelAcceptance:
                 self._self_guesses.setdefault(slot, SelfGuessEstimate()).observe(k, saved, fed, weight, now)
                 self._all_self_guesses.observe(k, saved, fed, self.global_weight, now)
 
-    def self_guess_rates(self, seq: Sequence) -> SelfGuessRates:
+    def self_guess_rates(self, seq: Request) -> SelfGuessRates:
         """What guesses are expected to do in the request's model rounds while its draft guesses
         on its own: its own estimate, else the one over all requests."""
         return self._self_guesses.get(seq.slot_id, self._all_self_guesses).rates

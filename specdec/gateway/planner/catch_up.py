@@ -17,8 +17,8 @@ from specdec.cost_model import CostTable, RoundCostModel
 from specdec.gateway.kv_handoff import HandoffCost, KVHandoff
 from specdec.gateway.planner.costs import CostEstimates, catch_up_class
 from specdec.gateway.planner.rates import CatchUp, RatePredictor, SourceChoice
+from specdec.gateway.request import Request
 from specdec.gateway.rounds import RoundPlan, RoundReport
-from specdec.gateway.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +32,14 @@ MAX_ROUND_FEED = 2
 RENT_FROM_ROUNDS = 8
 
 
-def round_feed(seq: Sequence) -> int:
+def round_feed(seq: Request) -> int:
     """Tokens the draft's first step takes for `seq`: the 1-2 it has not seen after a round, or
     1 when it must catch up on more (`CatchUpPricer.catch_up` prices the rest)."""
     pending = seq.draft_pending
     return pending if 1 <= pending <= MAX_ROUND_FEED else 1
 
 
-def catch_up_forward(seq: Sequence, draft: CostTable) -> tuple[float, float]:
+def catch_up_forward(seq: Request, draft: CostTable) -> tuple[float, float]:
     """The table's seconds for the forward that feeds the draft what it has not seen of `seq`:
     up to its widest measured chunk, and the rest. Its queries read only the context the draft
     holds (a prompt's catch-up reads nothing but itself). Past the widest chunk the table
@@ -60,31 +60,31 @@ class CatchUpPricer:
     #: Seconds of the rounds each request spent waiting to pay its draft's catch-up (`renting`).
     rent: dict[str, float] = field(default_factory=dict)
 
-    def catch_up(self, seq: Sequence, model: RoundCostModel) -> CatchUp:
+    def catch_up(self, seq: Request, model: RoundCostModel) -> CatchUp:
         """What feeding the draft the tokens it has not seen costs beyond a normal step."""
         if model.draft is None or seq.draft_pending <= MAX_ROUND_FEED:
             return CatchUp()
         extra = self.seconds(seq) - model.draft.step(1)
         return CatchUp(max(0.0, extra), seq.max_new_tokens - seq.completion_tokens)
 
-    def seconds(self, seq: Sequence) -> float:
+    def seconds(self, seq: Request) -> float:
         """The cheaper of the draft's own forward and, where the target's cache can fill the
         draft's, a handoff of all but the newest token and a step that feeds that one."""
         computed = self.computed_seconds(seq)
         return min(computed, self.handed_off_seconds(seq)) if self.kv_handoff is not None else computed
 
-    def hands_off(self, seq: Sequence) -> bool:
+    def hands_off(self, seq: Request) -> bool:
         """Whether the catch-up is cheaper handed off than computed; without the draft's costs to
         weigh it by (a fixed K), always: a copy beat the draft's forward at every length measured."""
         if self.kv_handoff is None:
             return False
         return self.costs.draft is None or self.handed_off_seconds(seq) < self.computed_seconds(seq)
 
-    def handed_off_seconds(self, seq: Sequence) -> float:
+    def handed_off_seconds(self, seq: Request) -> float:
         assert self.costs.draft is not None
         return self.handoff_cost.seconds(seq.draft_pending - 1) + self.costs.draft.step(1)
 
-    def computed_seconds(self, seq: Sequence) -> float:
+    def computed_seconds(self, seq: Request) -> float:
         """The draft's forward over what it has not seen of `seq`: the table's seconds, their part
         past its widest chunk corrected by what catch-ups measured. The table as measured, not
         scaled by the draft's steps since: a catch-up runs eager, as the table's wide chunks did,
@@ -102,7 +102,7 @@ class CatchUpPricer:
         nearest = min(scales, key=lambda c: (abs(c - length_class), c > length_class))
         return scales[nearest].value
 
-    def renting(self, candidates: list[tuple[Sequence, CatchUp]], round_s: float) -> set[str]:
+    def renting(self, candidates: list[tuple[Request, CatchUp]], round_s: float) -> set[str]:
         """The `candidates` (requests that may also look up) whose catch-up waits this round: each
         pays one only once waiting has cost it as much as the catch-up itself (the ski-rental
         rule: at most twice the better of the two choices made in hindsight). A catch-up of at
@@ -134,7 +134,7 @@ class CatchUpPricer:
                 out[slot] = best_rate
         return out
 
-    def observe(self, plan: RoundPlan, seqs: list[Sequence], report: RoundReport) -> None:
+    def observe(self, plan: RoundPlan, seqs: list[Request], report: RoundReport) -> None:
         """Learn what handoffs cost, and charge each waiting request what its wait cost the round:
         the round's time past the time its tokens would have taken with that request's draft
         caught up. A round whose lookups beat the caught-up draft costs nothing, so a catch-up
@@ -148,7 +148,7 @@ class CatchUpPricer:
             self.rent[slot] = self.rent.get(slot, 0.0) + max(0.0, report.total_s - emitted / rate)
             log.debug("catch-up of %s waits: %.2f s rented", slot, self.rent[slot])
 
-    def split(self, catching: list[Sequence]) -> tuple[float, float]:
+    def split(self, catching: list[Request]) -> tuple[float, float]:
         """The table's seconds of the `catching` requests' catch-ups, within and beyond its widest chunk."""
         within, beyond = 0.0, 0.0
         if self.costs.draft is not None:

@@ -16,7 +16,7 @@ from specdec.gateway.planner.lookups import take_lookups
 from specdec.gateway.planner.rates import CatchUp, RatePredictor, SourceChoice
 from specdec.gateway.planner.status import SwitchReason
 from specdec.gateway.proposers import LookupDraft
-from specdec.gateway.sequence import Sequence
+from specdec.gateway.request import Request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,7 +33,7 @@ SEARCH_PATIENCE = 3
 
 
 def choose(
-    rates: RatePredictor, choice: SourceChoice, flexible: list[Sequence], caps: dict[str, int],
+    rates: RatePredictor, choice: SourceChoice, flexible: list[Request], caps: dict[str, int],
     steps: dict[str, int], lookups: dict[str, LookupDraft], model_ok: set[str],
 ) -> str | None:
     """Set the flexible requests' K and source in `choice` (see the module docstring). Returns
@@ -60,7 +60,7 @@ def choose(
 
 
 def best_model_k(
-    rates: RatePredictor, choice: SourceChoice, drafting: list[Sequence], caps: dict[str, int],
+    rates: RatePredictor, choice: SourceChoice, drafting: list[Request], caps: dict[str, int],
     plain_steps: list[int] | None,
 ) -> float:
     """Set the uniform K (each capped) of the model draft that maximises the batch's rate for
@@ -87,7 +87,7 @@ def best_model_k(
     return best_rate
 
 
-def off_cause(source: DraftSource, rates: RatePredictor, choice: SourceChoice, candidates: list[Sequence],
+def off_cause(source: DraftSource, rates: RatePredictor, choice: SourceChoice, candidates: list[Request],
               caps: dict[str, int]) -> SwitchReason:
     """Which estimate keeps `source` off for the `candidates`: even a draft that is always
     accepted and caught up does not pay (COST alone, LOAD where it would pay for the first
@@ -120,7 +120,7 @@ def _alone(rates: RatePredictor, i: int) -> RatePredictor:
                    self_guesses=pick(rates.self_guesses))
 
 
-def _would_pay(rates: RatePredictor, source: DraftSource, choice: SourceChoice, candidates: list[Sequence],
+def _would_pay(rates: RatePredictor, source: DraftSource, choice: SourceChoice, candidates: list[Request],
                caps: dict[str, int]) -> bool:
     """Whether drafting with `source` at some uniform K for the `candidates` beats the batch's
     rate with them plain, the rest as `choice` has them."""

@@ -16,8 +16,7 @@ warms up are not learnt from. The rules and their reasons: docs/architecture.md#
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from specdec.cost_model import ForwardCost, RoundCostModel
@@ -34,8 +33,8 @@ from specdec.gateway.planner.rates import RatePredictor, SelfGuessRates, SourceC
 from specdec.gateway.planner.sources import SourceDecisions
 from specdec.gateway.planner.status import PlannerStatus
 from specdec.gateway.proposers import LookupDraft
+from specdec.gateway.request import Request
 from specdec.gateway.rounds import RoundPlan, RoundReport
-from specdec.gateway.sequence import Sequence
 
 
 @dataclass
@@ -54,9 +53,9 @@ class Planner:
     """Plans K and draft source per request and round; see the module docstring."""
 
     def __init__(
-        self, target_costs: Seq[ForwardCost], draft_costs: Seq[ForwardCost], settings: PlannerSettings | None = None,
-        *, uses_draft: bool = True, guesses: bool = True, kv_handoff: KVHandoff | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        self, target_costs: Sequence[ForwardCost], draft_costs: Sequence[ForwardCost],
+        settings: PlannerSettings | None = None, *, uses_draft: bool = True, guesses: bool = True,
+        kv_handoff: KVHandoff | None = None, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = s = settings or PlannerSettings()
         #: Whether this gateway has a draft model, and lets it guess with lookups (`RoundPlan.guesses`).
@@ -103,7 +102,7 @@ class Planner:
         return self._round_plan(inputs, choice, steps, guesses, looking_up if self.guesses else set(),
                                 off_reason, decision.caught_up_rates if decision else {})
 
-    def _decide(self, inputs: RoundInputs, choice: SourceChoice, flexible: list[Sequence], steps: dict[str, int],
+    def _decide(self, inputs: RoundInputs, choice: SourceChoice, flexible: list[Request], steps: dict[str, int],
                 looking_up: set[str]) -> Decision:
         """Choose for the `flexible` requests from the predicted rates, renting catch-ups and
         probing requests kept at K = 0 (`RequestProbes`)."""
@@ -125,7 +124,7 @@ class Planner:
         decision.guesses = best_guesses(rates, choice, lookups) if self.guesses else {}
         self.sources.chosen(inputs, flexible, choice, rates, steps, waiting)
 
-        def worth_probing(s: Sequence) -> bool:
+        def worth_probing(s: Request) -> bool:
             return self._probe_affordable(s, model, plain_round, len(batch)) and rates.probe_could_pay(
                 s, choice.ks, caps, choice.on_lookup)
 
@@ -133,7 +132,7 @@ class Planner:
             self.request_probes.schedule([s for s in flexible if s.slot_id in model_ok], choice.ks, caps, worth_probing)
         return decision
 
-    def _probe_affordable(self, seq: Sequence, model: RoundCostModel, plain_round: float, batch_size: int) -> bool:
+    def _probe_affordable(self, seq: Request, model: RoundCostModel, plain_round: float, batch_size: int) -> bool:
         """A request's probe, its catch-up included, may cost at most `probe_budget` of its
         remaining plain decoding, shared with the batch (a catch-up stalls every stream in its
         round). The first probe of all is always affordable: the prior α alone must not keep a
@@ -179,7 +178,7 @@ class Planner:
             caught_up_rates=caught_up_rates, handoffs=handoffs,
         )
 
-    def observe(self, plan: RoundPlan, seqs: list[Sequence], report: RoundReport) -> None:
+    def observe(self, plan: RoundPlan, seqs: list[Request], report: RoundReport) -> None:
         """Learn from a finished round of `plan`: acceptance per request and lookup kind, costs,
         catch-ups, and how long each source has been off."""
         now = self.clock()
@@ -208,7 +207,7 @@ class Planner:
         self.costs.restarted(service)
         self.sources.restarted(service)
 
-    def set_costs(self, service: str, costs: Seq[ForwardCost], *, same_model: bool = False) -> None:
+    def set_costs(self, service: str, costs: Sequence[ForwardCost], *, same_model: bool = False) -> None:
         """A service came back changed (its Info), with these forward costs: plan with them; a
         draft that runs another model has its acceptance learnt afresh too."""
         self.costs.set_costs(service, costs)
@@ -219,7 +218,7 @@ class Planner:
     def status(self) -> PlannerStatus:
         return self.sources.status()
 
-    def forget(self, seq: Sequence) -> None:
+    def forget(self, seq: Request) -> None:
         """Drop a finished request's state."""
         self.acceptance.forget(seq.slot_id)
         self.lookups.forget(seq.slot_id)

@@ -10,13 +10,13 @@ until the next sample.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdec.cost_model import VERIFY_MAX_TOKENS, CostTable, ForwardCost, RoundCostModel
 from specdec.gateway.planner.estimates import DraftOverhead, Scale
+from specdec.gateway.request import Request
 from specdec.gateway.rounds import RoundPlan, RoundReport
-from specdec.gateway.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,8 @@ class Warmup:
 class CostEstimates:
     """The cost tables, their online scales and the round overheads (see the module docstring)."""
 
-    target_costs: Seq[ForwardCost]
-    draft_costs: Seq[ForwardCost]
+    target_costs: Sequence[ForwardCost]
+    draft_costs: Sequence[ForwardCost]
     #: EMA weight per round of the scales and overheads.
     weight: float = 0.1
     #: A plain round's seconds outside the services' compute (RPCs, acceptance).
@@ -92,7 +92,7 @@ class CostEstimates:
         self.target = CostTable(self.target_costs) if self.target_costs else None
         self.draft = CostTable(self.draft_costs) if self.draft_costs else None
 
-    def set_costs(self, service: str, costs: Seq[ForwardCost]) -> None:
+    def set_costs(self, service: str, costs: Sequence[ForwardCost]) -> None:
         """A service came back with other start-up costs: plan with them, measured afresh."""
         table = CostTable(costs) if costs else None
         if service == "target":
@@ -154,7 +154,7 @@ class CostEstimates:
             return float("nan")
         return self.draft.step(1) * self.draft_scale.value / (self.target.step(1) * self.target_scale.value)
 
-    def observe(self, plan: RoundPlan, seqs: list[Sequence], report: RoundReport, now: float) -> None:
+    def observe(self, plan: RoundPlan, seqs: list[Request], report: RoundReport, now: float) -> None:
         """Learn the scales and overheads from a finished round, unless a service warms up."""
         steady = self.warmup.steady
         self.warmup.round_done()
@@ -175,7 +175,7 @@ class CostEstimates:
                 self._observe_draft(plan, seqs, report, unscaled, drafts, now)
         self._observe_overhead(sum(drafts), sum(ks) - sum(drafts), report.overhead_s, now)
 
-    def _observe_draft(self, plan: RoundPlan, seqs: list[Sequence], report: RoundReport, unscaled: RoundCostModel,
+    def _observe_draft(self, plan: RoundPlan, seqs: list[Request], report: RoundReport, unscaled: RoundCostModel,
                        drafts: list[int], now: float) -> None:
         """The draft's scale from a round whose catch-ups (if any) are verify-sized, priced as the
         first forward's width: a draft that falls a plain round behind after every drafted round

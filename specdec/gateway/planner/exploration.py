@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.planner.status import PLANNED_SOURCES, SourceState, SwitchReason
-from specdec.gateway.sequence import Sequence
+from specdec.gateway.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +151,8 @@ class RequestProbes:
     _interval: dict[str, int] = field(default_factory=dict)
     _probing: set[str] = field(default_factory=set)
 
-    def schedule(self, candidates: list[Sequence], ks: dict[str, int], caps: dict[str, int],
-                 worth_probing: Callable[[Sequence], bool]) -> str | None:
+    def schedule(self, candidates: list[Request], ks: dict[str, int], caps: dict[str, int],
+                 worth_probing: Callable[[Request], bool]) -> str | None:
         """Count rounds off per request; of those past their interval, the one off longest that
         is worth probing drafts `probe_k` tokens (set in `ks`). Returns its slot, if any."""
         due = []

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from specdec.errors import InvalidArgumentError
 from specdec.gateway.proposers import LookupDraft
-from specdec.gateway.sequence import Sequence
+from specdec.gateway.request import Request
 
 #: A request that may draft by lookup decodes one token a plain round until this many plain
 #: rounds in a row (docs/performance.md#plain-rounds-of-requests-that-look-up): a copy's
@@ -63,7 +63,7 @@ class PlannerSettings:
 class RoundInputs:
     """One round's batch as the scheduler sees it."""
 
-    batch: list[Sequence]
+    batch: list[Request]
     #: The most draft tokens each request may take (its K within its room; 0: plain only).
     caps: dict[str, int]
     #: The most tokens a plain round may decode for each request (its room within the

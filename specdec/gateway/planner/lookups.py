@@ -18,8 +18,8 @@ from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.planner.estimates import AcceptanceEstimate, LookupTrust
 from specdec.gateway.planner.rates import RatePredictor, SourceChoice, lookup_length
 from specdec.gateway.proposers import LookupDraft, match_class
+from specdec.gateway.request import Request
 from specdec.gateway.rounds import RoundPlan
-from specdec.gateway.sequence import Sequence
 
 #: The most a request's trust may raise a lookup's α: a sure copy can still part.
 MAX_LOOKUP_ALPHA = 0.99
@@ -53,7 +53,7 @@ class LookupEstimates:
             alphas.pop()
         return alphas
 
-    def request_alphas(self, seqs: list[Sequence], lookups: dict[str, LookupDraft]) -> list[list[float]]:
+    def request_alphas(self, seqs: list[Request], lookups: dict[str, LookupDraft]) -> list[list[float]]:
         """α of each request's lookup proposal ([0.0] where it has none)."""
         return [self.alphas(lookups[s.slot_id], self.trust(s)) if s.slot_id in lookups else [0.0] for s in seqs]
 
@@ -77,12 +77,12 @@ class LookupEstimates:
                 trust.observe(estimate.alpha, j < num_accepted)
             estimate.observe(1, 1 if j < num_accepted else 0, now)
 
-    def trust(self, seq: Sequence) -> float:
+    def trust(self, seq: Request) -> float:
         """How far the request's lookups fare above (> 1) or below their kinds' α (`LookupTrust`)."""
         trust = self._trust.get(seq.slot_id)
         return trust.factor if trust is not None else 1.0
 
-    def judge_offered(self, plan: RoundPlan, seqs: list[Sequence], now: float) -> None:
+    def judge_offered(self, plan: RoundPlan, seqs: list[Request], now: float) -> None:
         """Learn from the lookups the round did not verify as if it had: each emitted token has
         the target's distribution given the ones before it, so it equals a lookup's token with
         probability p(t), which is exactly the chance that verifying the one-hot draft would keep
@@ -102,7 +102,7 @@ class LookupEstimates:
 
 
 def take_lookups(
-    rates: RatePredictor, choice: SourceChoice, candidates: list[Sequence], caps: dict[str, int],
+    rates: RatePredictor, choice: SourceChoice, candidates: list[Request], caps: dict[str, int],
     lookups: dict[str, LookupDraft], best_rate: float,
 ) -> float:
     """Switch each candidate to its lookup proposal, as many tokens of it as pay
@@ -125,7 +125,7 @@ def take_lookups(
 
 
 def guess_cuts(
-    model: RoundCostModel, seqs: list[Sequence], caps: dict[str, int], lookups: dict[str, LookupDraft],
+    model: RoundCostModel, seqs: list[Request], caps: dict[str, int], lookups: dict[str, LookupDraft],
     lookup_alphas: list[list[float]], model_ok: set[str],
 ) -> list[int]:
     """How many tokens of its lookup each request could give the draft model as a guess: as

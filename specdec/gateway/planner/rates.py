@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from specdec.cost_model import RoundCostModel, expected_tokens
 from specdec.gateway.proposers import LookupDraft
-from specdec.gateway.sequence import Sequence
+from specdec.gateway.request import Request
 
 #: Rounds at most over which a draft catch-up is spread: its payback is an estimate (a
 #: request may stop early), and a crowd of fresh requests all catching up at once stalls
@@ -50,7 +50,7 @@ class SourceChoice:
 
 
 def fixed_choice(
-    seqs: list[Sequence], caps: dict[str, int], lookups: dict[str, LookupDraft], model_ok: set[str]
+    seqs: list[Request], caps: dict[str, int], lookups: dict[str, LookupDraft], model_ok: set[str]
 ) -> SourceChoice:
     """What a request whose K is not the planner's to choose gets: its lookup proposal when the
     draft model may not draft for it or the proposal fills its K (then the model has nothing
@@ -66,7 +66,7 @@ def fixed_choice(
 
 
 def fixed_guesses(
-    seqs: list[Sequence], choice: SourceChoice, caps: dict[str, int], lookups: dict[str, LookupDraft]
+    seqs: list[Request], choice: SourceChoice, caps: dict[str, int], lookups: dict[str, LookupDraft]
 ) -> dict[str, LookupDraft]:
     """Without costs to price a guess by: every request the model drafts for gives the draft its
     whole lookup as a guess (at most K - 1 tokens: the K-th is never fed), unless the draft has
@@ -108,7 +108,7 @@ class RatePredictor:
     request's α of the model draft and of its lookup proposal, its catch-up and round feed."""
 
     model: RoundCostModel
-    seqs: list[Sequence]
+    seqs: list[Request]
     alphas: list[list[float]]
     catch_ups: list[CatchUp]
     feeds: list[int]
@@ -159,7 +159,7 @@ class RatePredictor:
         target = self.model.target
         return (target.seconds(batch, 2) - target.seconds(batch, 1)) / batch + self.model.lookup_token_overhead_s
 
-    def probe_could_pay(self, seq: Sequence, ks: dict[str, int], caps: dict[str, int],
+    def probe_could_pay(self, seq: Request, ks: dict[str, int], caps: dict[str, int],
                         on_lookup: Collection[str] = frozenset()) -> bool:
         """Whether the model drafting for `seq` would raise the batch's rate if its draft were
         always accepted. If not, the batch's size or the draft's cost keeps it off, not its

@@ -16,7 +16,7 @@ from specdec.gateway.planner.inputs import RoundInputs
 from specdec.gateway.planner.lookups import LookupEstimates
 from specdec.gateway.planner.rates import RatePredictor, SourceChoice
 from specdec.gateway.planner.status import PlannerStatus, SourceState, SourceStatus, SwitchReason
-from specdec.gateway.sequence import Sequence
+from specdec.gateway.request import Request
 
 
 @dataclass
@@ -28,7 +28,7 @@ class SourceDecisions:
     catch_ups: CatchUpPricer
     #: This round's candidates per source (adaptive requests that could draft with it), and
     #: whether it drafted for one of them on its merits.
-    _candidates: dict[DraftSource, list[Sequence]] = field(default_factory=dict)
+    _candidates: dict[DraftSource, list[Request]] = field(default_factory=dict)
     _merit: dict[DraftSource, bool] = field(default_factory=dict)
     _rates: RatePredictor | None = None
     _renting: set[str] = field(default_factory=set)
@@ -36,7 +36,7 @@ class SourceDecisions:
     #: Decoding seconds since any source last drafted on its merits.
     off_s: float = 0.0
 
-    def chosen(self, inputs: RoundInputs, flexible: list[Sequence], choice: SourceChoice, rates: RatePredictor,
+    def chosen(self, inputs: RoundInputs, flexible: list[Request], choice: SourceChoice, rates: RatePredictor,
                steps: dict[str, int], renting: set[str]) -> None:
         """Record the planner's choice on the estimates alone (before any probe). Requests
         `renting` (waiting before a long catch-up) are candidates, but a probe skips them."""
@@ -55,7 +55,7 @@ class SourceDecisions:
         self.expected_speedup = rates.rate(choice.ks, choice.on_lookup, plain_steps) / plain if plain > 0 else 1.0
 
     @staticmethod
-    def _source_of(seq: Sequence, choice: SourceChoice, inputs: RoundInputs) -> DraftSource:
+    def _source_of(seq: Request, choice: SourceChoice, inputs: RoundInputs) -> DraftSource:
         return inputs.lookups[seq.slot_id].source if seq.slot_id in choice.on_lookup else DraftSource.MODEL
 
     def track(self, inputs: RoundInputs, choice: SourceChoice) -> None:
@@ -71,11 +71,11 @@ class SourceDecisions:
             if not self._merit[source] and not self._drafts(source, candidates, choice, inputs):
                 self._probe(track, candidates, choice, inputs)
 
-    def _drafts(self, source: DraftSource, candidates: list[Sequence], choice: SourceChoice,
+    def _drafts(self, source: DraftSource, candidates: list[Request], choice: SourceChoice,
                 inputs: RoundInputs) -> bool:
         return any(choice.ks[s.slot_id] > 0 and self._source_of(s, choice, inputs) is source for s in candidates)
 
-    def _probe(self, track: SourceTrack, candidates: list[Sequence], choice: SourceChoice, inputs: RoundInputs) -> None:
+    def _probe(self, track: SourceTrack, candidates: list[Request], choice: SourceChoice, inputs: RoundInputs) -> None:
         """Draft with the source for one candidate, if its probe is due: the request it probed
         last round (a model probe lasts two), else the cheapest to probe of those decoding
         plainly, else of all."""
@@ -102,7 +102,7 @@ class SourceDecisions:
             choice.set(slot, min(PROBE_K, cap, len(inputs.lookups[slot].tokens)), lookup=True)
         track.start_probe(slot)
 
-    def _price(self, source: DraftSource, seq: Sequence) -> float:
+    def _price(self, source: DraftSource, seq: Request) -> float:
         """What probing `source` on `seq` costs by the start-up tables (not their online scales,
         which may be what the probe is to correct): its catch-up and the probe's draft steps.
         A lookup's probe costs a few verified tokens: nothing to budget."""
@@ -116,7 +116,7 @@ class SourceDecisions:
         track = self.tracks.get(source)
         return track is not None and track.state is SourceState.DRAFTING
 
-    def draft_down(self, batch: list[Sequence]) -> None:
+    def draft_down(self, batch: list[Request]) -> None:
         """The draft cannot be called this round, with requests that would draft with it."""
         track = self.tracks.get(DraftSource.MODEL)
         if track is not None and any(s.adaptive for s in batch):

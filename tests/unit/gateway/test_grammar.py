@@ -14,8 +14,8 @@ from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.grammar import Choice, GrammarCompiler, JsonSchema, Regex, structured_output_from_pb
 from specdec.gateway.grammar.rounds import constrain, with_forced_tokens
 from specdec.gateway.proposers import LookupDraft
+from specdec.gateway.request import Request, Verification
 from specdec.gateway.rounds import RoundPlan
-from specdec.gateway.sequence import Sequence, Verification
 from specdec.model.choices import DEFAULT_MODEL
 from specdec.model.loader import load_tokenizer
 from specdec.sampling.params import SamplingParams
@@ -38,9 +38,9 @@ def compiler(tokenizer: PreTrainedTokenizerBase) -> GrammarCompiler:
     return GrammarCompiler(tokenizer, VOCAB, [EOS])
 
 
-def sequence(temperature: float = 0.0, verification: Verification = Verification.REJECTION) -> Sequence:
+def sequence(temperature: float = 0.0, verification: Verification = Verification.REJECTION) -> Request:
     sampling = SamplingParams(temperature=temperature)
-    return Sequence(
+    return Request(
         slot_id="s", prompt=[1, 2, 3], sampling=sampling, max_new_tokens=100, num_speculative_tokens=3,
         detokenizer=StopStringDetokenizer.__new__(StopStringDetokenizer), generator=torch.Generator(),
         draft_sampling=sampling, target_sampling=sampling, verification=verification,

@@ -17,8 +17,8 @@ from specdec.gateway.planner.catch_up import catch_up_forward
 from specdec.gateway.planner.estimates import AcceptanceEstimate, DraftOverhead
 from specdec.gateway.planner.exploration import FIRST_PROBE_ROUNDS, MODEL_PROBE_ROUNDS
 from specdec.gateway.planner.rates import RatePredictor
+from specdec.gateway.request import Request
 from specdec.gateway.rounds import RoundPlan, RoundReport
-from specdec.gateway.sequence import Sequence
 from specdec.sampling.params import SamplingParams
 from tests.support.planner_rounds import round_inputs, still
 
@@ -31,16 +31,16 @@ def draft_costs(c: float) -> list[ForwardCost]:
     return [ForwardCost(b, 1, 0.040 * c * (1 + 0.05 * (b - 1))) for b in (1, 4, 16)]
 
 
-def seq(slot: str) -> Sequence:
+def seq(slot: str) -> Request:
     greedy = SamplingParams()
-    return Sequence(
+    return Request(
         slot_id=slot, prompt=[1, 2, 3], sampling=greedy, max_new_tokens=100, num_speculative_tokens=8,
         detokenizer=StopStringDetokenizer.__new__(StopStringDetokenizer), generator=torch.Generator(),
         draft_sampling=greedy, target_sampling=greedy, adaptive=True,
     )
 
 
-def feed(planner: Planner, seqs: list[Sequence], alpha: dict[str, float], rounds: int) -> RoundPlan:
+def feed(planner: Planner, seqs: list[Request], alpha: dict[str, float], rounds: int) -> RoundPlan:
     """Run `rounds` planned rounds where request r accepts each draft token with prob alpha[r];
     returns the last round's plan."""
     rng = torch.Generator().manual_seed(0)
@@ -302,7 +302,7 @@ def test_a_request_that_may_look_up_rents_before_it_buys_a_long_catch_up() -> No
     model = planner.costs.cost_model(1000)
     plain_round = model.round_seconds([0])
 
-    def plan(s: Sequence) -> int:
+    def plan(s: Request) -> int:
         """Plan `s` alone; a plain round takes as long as predicted."""
         lookup_allowed = () if s is model_only else (s.slot_id,)
         plan = planner.plan(round_inputs([s], {s.slot_id: 8}, {s.slot_id: True}, lookup_allowed=lookup_allowed))
@@ -337,10 +337,10 @@ def test_a_catch_up_slower_than_its_price_is_priced_higher_next_time() -> None:
     first.tokens, first.max_new_tokens, short.tokens = list(range(1000)), 1000, list(range(60))
     shorter.tokens, shorter.max_new_tokens = list(range(200)), 1000
 
-    def price(s: Sequence) -> float:
+    def price(s: Request) -> float:
         return planner.catch_ups.seconds(s)
 
-    def run(s: Sequence, times_beyond: float) -> RoundPlan:
+    def run(s: Request, times_beyond: float) -> RoundPlan:
         """Plan `s` alone and report its catch-up as `times_beyond` × its part past the table."""
         plan = planner.plan(round_inputs([s], {s.slot_id: 2}, {s.slot_id: True}))
         assert plan.ks[s.slot_id] == 2 and plan.catching_up and 0 < plan.catch_up_beyond_s < plan.catch_up_s
@@ -433,7 +433,7 @@ def test_a_request_not_worth_probing_is_asked_again_after_as_many_rounds_as_the_
     asked: list[str] = []
     could_pay = RatePredictor.probe_could_pay
 
-    def counting(self: RatePredictor, s: Sequence, ks: dict[str, int], caps: dict[str, int], *args: Any) -> bool:
+    def counting(self: RatePredictor, s: Request, ks: dict[str, int], caps: dict[str, int], *args: Any) -> bool:
         asked.append(s.slot_id)
         return could_pay(self, s, ks, caps, *args)
 

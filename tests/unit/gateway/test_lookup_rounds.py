@@ -11,14 +11,14 @@ import pytest
 from specdec.gateway.draft_sources import DraftSource, SpeculationMethod
 from specdec.gateway.planner import LOOKUP_PLAIN_STREAK, Planner
 from specdec.gateway.proposers import LookupDraft, LookupProposer, LookupSettings
+from specdec.gateway.request import FinishReason, Request
 from specdec.gateway.scheduler import Scheduler
-from specdec.gateway.sequence import FinishReason, Sequence
 from specdec.v1 import common_pb2, gateway_pb2
 from specdec.wire.items import SampledMode
 from tests.support.fakes import FakeDraft, FakeTarget, greedy_reference, policy
 from tests.support.planner_rounds import still
 from tests.unit.gateway.test_k_planner import TARGET
-from tests.unit.gateway.test_scheduler import drain, new_sequence, prompt_ids, request, run
+from tests.unit.gateway.test_scheduler import drain, new_request, prompt_ids, request, run
 
 
 def run_with_lookups(test: Callable[[Scheduler], Awaitable[None]], target: FakeTarget, draft: FakeDraft | None) -> None:
@@ -27,12 +27,12 @@ def run_with_lookups(test: Callable[[Scheduler], Awaitable[None]], target: FakeT
 
 async def generate(sched: Scheduler, method: SpeculationMethod, max_new_tokens: int,
                    sampling: common_pb2.SamplingParams | None = None,
-                   verification: gateway_pb2.Verification = gateway_pb2.VERIFICATION_UNSPECIFIED) -> Sequence:
+                   verification: gateway_pb2.Verification = gateway_pb2.VERIFICATION_UNSPECIFIED) -> Request:
     req = request(max_new_tokens=max_new_tokens)
     req.speculation.verification = verification
     if sampling is not None:
         req.sampling.CopyFrom(sampling)
-    seq = new_sequence(req, policy(has_draft=sched.draft is not None, method=method))
+    seq = new_request(req, policy(has_draft=sched.draft is not None, method=method))
     sched.submit(seq)
     tokens, finished = await drain(seq)
     assert finished.reason == FinishReason.LENGTH and tokens == seq.tokens[len(seq.prompt):]
@@ -72,7 +72,7 @@ def test_a_request_that_looks_up_decodes_one_step_a_plain_round_where_calls_are_
         for overhead_s, lookup_steps in ((0.001, 1), (0.010, 4)):
             sched.planner.costs.overhead_s = overhead_s
             for method, steps in ((SpeculationMethod.NGRAM, lookup_steps), (SpeculationMethod.NONE, 4)):
-                seq = new_sequence(request(max_new_tokens=50), policy(has_draft=False, method=method))
+                seq = new_request(request(max_new_tokens=50), policy(has_draft=False, method=method))
                 assert sched._plan([seq]).steps == {seq.slot_id: steps}
 
     run(test, FakeTarget(), None, lookup=NoMatches(LookupSettings()), decode_steps=4)
@@ -82,7 +82,7 @@ def test_a_request_whose_lookups_have_not_drafted_for_a_while_takes_multi_step_r
     async def test(sched: Scheduler) -> None:
         sched.planner = Planner(TARGET, [], clock=still)
         sched.planner.costs.overhead_s = 0.001
-        seq = new_sequence(request(max_new_tokens=50), policy(has_draft=False, method=SpeculationMethod.NGRAM))
+        seq = new_request(request(max_new_tokens=50), policy(has_draft=False, method=SpeculationMethod.NGRAM))
         for _ in range(LOOKUP_PLAIN_STREAK - 1):
             seq.counts.record(0, 0)
         assert sched._plan([seq]).steps == {seq.slot_id: 1}

@@ -11,15 +11,15 @@ from specdec.gateway.planner import DraftAvailability, Planner, SourceState, Swi
 from specdec.gateway.planner.costs import WARMUP_ROUNDS
 from specdec.gateway.planner.estimates import staleness_weight
 from specdec.gateway.planner.exploration import MAX_PROBE_ROUNDS
+from specdec.gateway.request import Request
 from specdec.gateway.rounds import RoundReport
-from specdec.gateway.sequence import Sequence
 from tests.support.planner_rounds import round_inputs, still
 from tests.unit.gateway.test_k_planner import TARGET, draft_costs, seq
 
 ROUND_S = 0.04
 
 
-def caught_up(slot: str) -> Sequence:
+def caught_up(slot: str) -> Request:
     """A request whose draft has seen all but its last token, and a long way to go."""
     s = seq(slot)
     s.max_new_tokens = 100_000
@@ -27,7 +27,7 @@ def caught_up(slot: str) -> Sequence:
     return s
 
 
-def run(planner: Planner, s: Sequence, rounds: int, accepted: int = 0, token_s: float = 0.004,
+def run(planner: Planner, s: Request, rounds: int, accepted: int = 0, token_s: float = 0.004,
         draft: DraftAvailability = DraftAvailability.READY) -> list[int]:
     """Plan and observe `rounds` rounds of `s` alone, each draft accepting `accepted` tokens and
     its Propose taking `token_s` a draft token (the table's step by default); returns each round's K."""

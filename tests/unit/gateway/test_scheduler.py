@@ -13,11 +13,11 @@ import grpc
 import pytest
 
 from specdec.errors import CapacityExhaustedError
-from specdec.gateway import requests
+from specdec.gateway import intake
 from specdec.gateway.generation import Generation
-from specdec.gateway.requests import RequestPolicy
+from specdec.gateway.intake import RequestPolicy
+from specdec.gateway.request import Delta, Finished, FinishReason, Request
 from specdec.gateway.scheduler import Scheduler
-from specdec.gateway.sequence import Delta, Finished, FinishReason, Sequence
 from specdec.gateway.speculative_step import advance
 from specdec.v1 import common_pb2, gateway_pb2
 from specdec.wire.items import ArgmaxMode, DecodeMode, DrawnMode, LogitsMode, SampledMode, VerifyItem
@@ -43,24 +43,24 @@ def request(prompt: str = PROMPT, max_new_tokens: int = 12, **speculation: Any) 
     )
 
 
-def new_sequence(req: gateway_pb2.GenerateRequest, request_policy: RequestPolicy) -> Sequence:
+def new_request(req: gateway_pb2.GenerateRequest, request_policy: RequestPolicy) -> Request:
     """A request as `Generations.start` queues it: its `Generation` hears its stream."""
-    seq = requests.new_sequence(req, request_policy)
+    seq = intake.new_request(req, request_policy)
     Generation(seq)
     return seq
 
 
-def generation(seq: Sequence) -> Generation:
+def generation(seq: Request) -> Generation:
     return typing.cast(Generation, seq.events)
 
 
-async def drain(seq: Sequence, timeout: float = 10.0) -> tuple[list[int], Finished]:
+async def drain(seq: Request, timeout: float = 10.0) -> tuple[list[int], Finished]:
     """The request's streamed tokens and its final event."""
     tokens, _, finished = await drain_text(seq, timeout)
     return tokens, finished
 
 
-async def drain_text(seq: Sequence, timeout: float = 10.0) -> tuple[list[int], str, Finished]:
+async def drain_text(seq: Request, timeout: float = 10.0) -> tuple[list[int], str, Finished]:
     tokens: list[int] = []
     text = ""
     while True:
@@ -94,7 +94,7 @@ def test_speculative_output_is_the_targets_greedy_output(wrong_at: set[int]) -> 
     target, draft = FakeTarget(), FakeDraft(wrong_at=wrong_at)
 
     async def test(sched: Scheduler) -> None:
-        seq = new_sequence(request(), policy())
+        seq = new_request(request(), policy())
         sched.submit(seq)
         tokens, finished = await drain(seq)
         assert tokens == greedy_reference(prompt_ids(), 12)
@@ -120,7 +120,7 @@ def test_cache_lengths_advance_past_the_accepted_tokens_only() -> None:
     target, draft = FakeTarget(), FakeDraft(wrong_at={3})
 
     async def test(sched: Scheduler) -> None:
-        seq = new_sequence(request(max_new_tokens=40), policy())
+        seq = new_request(request(max_new_tokens=40), policy())
         sched.submit(seq)
         await drain(seq)
         first, second = draft.calls[0][0], draft.calls[1][0]
@@ -137,7 +137,7 @@ def test_cache_lengths_advance_past_the_accepted_tokens_only() -> None:
 
 
 def test_advance_rule() -> None:
-    seq = new_sequence(request(), policy())
+    seq = new_request(request(), policy())
     n = len(seq.tokens)
     advance(seq, k=4, num_accepted=4)
     assert (seq.target_valid, seq.draft_valid) == (n + 4, n + 3)
@@ -150,7 +150,7 @@ def test_max_new_tokens_is_exact_even_when_a_round_accepts_more() -> None:
 
     async def test(sched: Scheduler) -> None:
         for n in (1, 2, 3, 7):
-            seq = new_sequence(request(max_new_tokens=n), policy())
+            seq = new_request(request(max_new_tokens=n), policy())
             sched.submit(seq)
             tokens, finished = await drain(seq)
             assert tokens == greedy_reference(prompt_ids(), n) and finished.reason == FinishReason.LENGTH
@@ -163,11 +163,11 @@ def test_eos_stops_the_stream_and_is_not_emitted() -> None:
     counting_up = "h" + chr(ord("a") + 35)  # ... 35 -> 36, 37, 38, EOS
 
     async def test(sched: Scheduler) -> None:
-        seq = new_sequence(request(prompt=counting_up), policy())
+        seq = new_request(request(prompt=counting_up), policy())
         sched.submit(seq)
         tokens, finished = await drain(seq)
         assert tokens == [36, 37, 38] and finished.reason == FinishReason.STOP
-        seq = new_sequence(request(prompt="h" + chr(ord("a") + 38)), policy())  # EOS comes first
+        seq = new_request(request(prompt="h" + chr(ord("a") + 38)), policy())  # EOS comes first
         sched.submit(seq)
         tokens, finished = await drain(seq)
         assert tokens == [] and finished.reason == FinishReason.STOP and seq.completion_tokens == 0
@@ -182,7 +182,7 @@ def test_the_draft_stops_drafting_at_eos() -> None:
     counting_up = "h" + chr(ord("a") + 33)  # ... 33 -> 34, 35, 36, 37, 38, EOS
 
     async def test(sched: Scheduler) -> None:
-        seq = new_sequence(request(prompt=counting_up, num_speculative_tokens=8), policy())
+        seq = new_request(request(prompt=counting_up, num_speculative_tokens=8), policy())
         sched.submit(seq)
         tokens, finished = await drain(seq)
         assert tokens == [34, 35, 36, 37, 38] and finished.reason == FinishReason.STOP
@@ -197,7 +197,7 @@ def test_a_draft_sending_too_few_tokens_costs_speculation_not_the_request() -> N
     target, draft = FakeTarget(), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
-        seq = new_sequence(request(max_new_tokens=30), policy())
+        seq = new_request(request(max_new_tokens=30), policy())
         draft.fault_on_call, draft.fault = 2, "short"
         sched.submit(seq)
         tokens, finished = await drain(seq)
@@ -216,7 +216,7 @@ def test_stop_string_ends_the_stream_before_it() -> None:
     async def test(sched: Scheduler) -> None:
         req = request()
         req.stop.append(stop)
-        seq = new_sequence(req, policy())
+        seq = new_request(req, policy())
         sched.submit(seq)
         tokens, text, finished = await drain_text(seq)
         assert finished.reason == FinishReason.STOP
@@ -234,7 +234,7 @@ def test_a_full_pool_preempts_the_newest_request_which_resumes_with_the_same_out
     target, draft = FakeTarget(), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
-        first, second = (new_sequence(request(max_new_tokens=20), policy()) for _ in range(2))
+        first, second = (new_request(request(max_new_tokens=20), policy()) for _ in range(2))
         second_id = second.slot_id
         sched.submit(first)
         sched.submit(second)
@@ -261,10 +261,10 @@ def test_huge_requests_cannot_starve_short_ones() -> None:
     target, draft = FakeTarget(), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
-        huge = [new_sequence(request(max_new_tokens=10**9), policy()) for _ in range(2)]
+        huge = [new_request(request(max_new_tokens=10**9), policy()) for _ in range(2)]
         for seq in huge:
             sched.submit(seq)
-        short = [new_sequence(request(max_new_tokens=8), policy()) for _ in range(6)]
+        short = [new_request(request(max_new_tokens=8), policy()) for _ in range(6)]
         for seq in short:
             sched.submit(seq)
             tokens, finished = await drain(seq)
@@ -282,11 +282,11 @@ def test_a_full_queue_is_refused() -> None:
     target, draft = FakeTarget(), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
-        blockers = [new_sequence(request(max_new_tokens=20), policy()) for _ in range(2)]
+        blockers = [new_request(request(max_new_tokens=20), policy()) for _ in range(2)]
         for seq in blockers:  # submitted without yielding to the scheduler: both wait
             sched.submit(seq)
         with pytest.raises(CapacityExhaustedError, match="admission queue is full"):
-            sched.submit(new_sequence(request(), policy()))
+            sched.submit(new_request(request(), policy()))
         for seq in blockers:
             await drain(seq)
 
@@ -298,7 +298,7 @@ def test_cancelling_a_running_request_frees_its_slots_in_both_services() -> None
     target, draft = FakeTarget(verify_delay_s=0.01), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
-        seq = new_sequence(request(max_new_tokens=200), policy())
+        seq = new_request(request(max_new_tokens=200), policy())
         sched.submit(seq)
         while not draft.calls:
             await asyncio.sleep(0.001)
@@ -316,7 +316,7 @@ def test_a_cancelled_waiting_request_never_reaches_the_services() -> None:
     target, draft = FakeTarget(), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
-        running, waiting = (new_sequence(request(max_new_tokens=20), policy()) for _ in range(2))
+        running, waiting = (new_request(request(max_new_tokens=20), policy()) for _ in range(2))
         sched.submit(running)
         sched.submit(waiting)
         sched.cancel(waiting)
@@ -334,7 +334,7 @@ def test_a_failing_draft_leaves_the_output_unchanged(failure: str) -> None:
     target, draft = FakeTarget(), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
-        seq = new_sequence(request(max_new_tokens=30), policy())
+        seq = new_request(request(max_new_tokens=30), policy())
         draft.fault_on_call = calls_before = 2
         draft.fault = rpc_error(grpc.StatusCode.UNAVAILABLE, "draft down") if failure == "unavailable" else 1
         sched.submit(seq)
@@ -355,7 +355,7 @@ def test_a_draft_sending_a_malformed_q_costs_speculation_not_the_request() -> No
     async def test(sched: Scheduler) -> None:
         req = request(max_new_tokens=30)
         req.sampling.CopyFrom(common_pb2.SamplingParams(temperature=0.7, seed=3))
-        seq = new_sequence(req, policy())
+        seq = new_request(req, policy())
         draft.fault_on_call, draft.fault = 2, "bad_q"
         sched.submit(seq)
         tokens, finished = await drain(seq)
@@ -370,7 +370,7 @@ def test_a_failing_target_ends_the_requests_with_its_status_and_releases_them() 
     target, draft = FakeTarget(), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
-        seq = new_sequence(request(max_new_tokens=50), policy())
+        seq = new_request(request(max_new_tokens=50), policy())
         target.fail_verify = rpc_error(grpc.StatusCode.UNAVAILABLE, "target down")
         sched.submit(seq)
         _, finished = await drain(seq)
@@ -388,7 +388,7 @@ def test_a_call_cancelled_under_the_round_fails_its_requests_not_the_scheduler()
     target, draft = FakeTarget(), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
-        first, second = (new_sequence(request(max_new_tokens=20), policy()) for _ in range(2))
+        first, second = (new_request(request(max_new_tokens=20), policy()) for _ in range(2))
         target.fail_verify = asyncio.CancelledError()
         sched.submit(first)
         _, finished = await drain(first)
@@ -405,7 +405,7 @@ def test_plain_requests_never_call_the_draft() -> None:
     target, draft = FakeTarget(), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
-        seq = new_sequence(request(enabled=False), policy())
+        seq = new_request(request(enabled=False), policy())
         sched.submit(seq)
         tokens, _ = await drain(seq)
         assert tokens == greedy_reference(prompt_ids(), 12)
@@ -421,19 +421,19 @@ def test_plain_greedy_rounds_decode_several_tokens_a_verify_and_stop_where_one_s
     counting_up = "h" + chr(ord("a") + 33)  # ... 33 -> 34, 35, 36, 37, 38, EOS
 
     async def test(sched: Scheduler) -> None:
-        seq = new_sequence(request(max_new_tokens=10, enabled=False), policy())
+        seq = new_request(request(max_new_tokens=10, enabled=False), policy())
         sched.submit(seq)
         tokens, finished = await drain(seq)
         assert tokens == greedy_reference(prompt_ids(), 10) and finished.reason == FinishReason.LENGTH
         # The first token comes from the prefill; then 4 + 4 + 1.
         assert [steps(item) for batch in target.verify_batches for item in batch] == [4, 4, 1]
         assert sched.stats.emitted_tokens == 9
-        seq = new_sequence(request(counting_up, max_new_tokens=20, enabled=False), policy())
+        seq = new_request(request(counting_up, max_new_tokens=20, enabled=False), policy())
         sched.submit(seq)
         tokens, finished = await drain(seq)
         assert tokens == [34, 35, 36, 37, 38] and finished.reason == FinishReason.STOP
         assert draft.calls == []
-        seq = new_sequence(request(max_new_tokens=10), policy())  # speculating: one step a round
+        seq = new_request(request(max_new_tokens=10), policy())  # speculating: one step a round
         sched.submit(seq)
         assert (await drain(seq))[0] == greedy_reference(prompt_ids(), 10) and draft.calls
         assert {steps(i) for b in target.verify_batches for i in b if i.slot_id == seq.slot_id} == {1}
@@ -448,7 +448,7 @@ def test_a_full_batch_decodes_multi_step_with_a_queue() -> None:
     target, draft = FakeTarget(), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
-        first, second = (new_sequence(request(max_new_tokens=9, enabled=False), policy()) for _ in range(2))
+        first, second = (new_request(request(max_new_tokens=9, enabled=False), policy()) for _ in range(2))
         sched.submit(first)
         sched.submit(second)  # max_batch_size 1: it waits until the first is done
         for seq in (first, second):
@@ -464,7 +464,7 @@ def test_a_multi_step_round_the_target_cut_short_emits_what_it_decoded() -> None
     target, draft = FakeTarget(max_decoded=2), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
-        seq = new_sequence(request(max_new_tokens=9, enabled=False), policy())
+        seq = new_request(request(max_new_tokens=9, enabled=False), policy())
         sched.submit(seq)
         assert (await drain(seq))[0] == greedy_reference(prompt_ids(), 9)
         assert steps_of(target, seq) == [4, 4, 4, 2]  # 8 tokens after the first, 2 a call
@@ -488,7 +488,7 @@ def test_plain_sampled_and_penalised_requests_have_the_target_choose_their_token
         for name, sampling in modes.items():
             req = request(max_new_tokens=9, enabled=False)
             req.sampling.CopyFrom(sampling)
-            seqs[name] = new_sequence(req, policy())
+            seqs[name] = new_request(req, policy())
             sched.submit(seqs[name])
         outputs = {name: (await drain(seq))[0] for name, seq in seqs.items()}
         for name, seq in seqs.items():
@@ -511,14 +511,14 @@ def test_a_round_decodes_one_step_while_a_waiting_request_could_join() -> None:
     target, draft = FakeTarget(prefill_gate=asyncio.Event()), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
-        first = new_sequence(request(enabled=False), policy())
+        first = new_request(request(enabled=False), policy())
         sched.submit(first)
         await until(lambda: len(target.prefills_started) == 1)  # inside first's Prefill
-        second = new_sequence(request(enabled=False), policy())
+        second = new_request(request(enabled=False), policy())
         sched.submit(second)  # admitted right after it, in a second Prefill
         target.open_gate()
         await until(lambda: len(target.prefills_started) == 2)  # inside second's Prefill
-        late = new_sequence(request(enabled=False), policy())
+        late = new_request(request(enabled=False), policy())
         sched.submit(late)
         target.open_gate(for_good=True)
         for seq in (first, second, late):
@@ -535,7 +535,7 @@ def steps(item: VerifyItem) -> int:
     return item.mode.steps if isinstance(item.mode, DecodeMode) else 1
 
 
-def steps_of(target: FakeTarget, seq: Sequence) -> list[int]:
+def steps_of(target: FakeTarget, seq: Request) -> list[int]:
     """The steps of each Verify item the request sent."""
     return [steps(item) for batch in target.verify_batches for item in batch if item.slot_id == seq.slot_id]
 
@@ -548,7 +548,7 @@ def test_a_hung_draft_costs_one_deadline_then_rounds_run_plain_until_its_health_
     target, draft = FakeTarget(), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
-        seq = new_sequence(request(max_new_tokens=60), policy())
+        seq = new_request(request(max_new_tokens=60), policy())
         sched.submit(seq)
         while len(draft.calls) < 2:
             await asyncio.sleep(0.001)
@@ -574,7 +574,7 @@ def test_a_hung_target_ends_its_requests_with_deadline_exceeded_and_frees_them()
     target, draft = FakeTarget(verify_delay_s=10.0), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
-        seq = new_sequence(request(max_new_tokens=20), policy())
+        seq = new_request(request(max_new_tokens=20), policy())
         sched.submit(seq)
         _, finished = await drain(seq)
         assert finished.reason == FinishReason.ERROR
@@ -592,7 +592,7 @@ def test_a_failed_release_is_retried_until_the_slot_is_freed(monkeypatch: pytest
     target, draft = FakeTarget(failing_releases=2), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
-        seq = new_sequence(request(max_new_tokens=6), policy())
+        seq = new_request(request(max_new_tokens=6), policy())
         sched.submit(seq)
         await drain(seq)
         await until(lambda: not target.slots)
@@ -622,7 +622,7 @@ def test_each_kind_of_request_asks_for_the_verify_mode_it_needs() -> None:
             req.sampling.CopyFrom(sampling)
             if name == "sampled":
                 req.speculation.verification = gateway_pb2.VERIFICATION_REJECTION
-            seqs[name] = new_sequence(req, policy())
+            seqs[name] = new_request(req, policy())
             sched.submit(seqs[name])
         outputs = {name: (await drain(seq))[0] for name, seq in seqs.items()}
         assert outputs["plain"] == greedy_reference(prompt_ids(), 12)
@@ -643,10 +643,10 @@ def test_requests_that_arrive_during_a_prefill_join_the_first_round() -> None:
     target, draft = FakeTarget(prefill_gate=asyncio.Event()), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
-        first = new_sequence(request(), policy())
+        first = new_request(request(), policy())
         sched.submit(first)
         await until(lambda: len(target.prefills_started) == 1)  # the scheduler is inside first's Prefill now
-        later = [new_sequence(request(), policy()) for _ in range(2)]
+        later = [new_request(request(), policy()) for _ in range(2)]
         for seq in later:
             sched.submit(seq)
         target.open_gate(for_good=True)

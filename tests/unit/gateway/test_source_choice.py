@@ -12,8 +12,8 @@ from specdec.gateway.model_clients import Timed
 from specdec.gateway.planner import Planner, PlannerSettings
 from specdec.gateway.planner.rates import lookup_length
 from specdec.gateway.proposers import LookupDraft
+from specdec.gateway.request import Request
 from specdec.gateway.rounds import RoundPlan, RoundReport
-from specdec.gateway.sequence import Sequence
 from tests.support.planner_rounds import round_inputs, still
 from tests.unit.gateway.test_k_planner import TARGET, draft_costs, seq
 
@@ -24,7 +24,7 @@ def copy(n: int = 8, match_len: int = 4, source: DraftSource = DraftSource.PROMP
     return LookupDraft(tuple(range(100, 100 + n)), source, match_len)
 
 
-def run_rounds(planner: Planner, seqs: list[Sequence], lookups: dict[str, LookupDraft], alpha: dict[str, float],
+def run_rounds(planner: Planner, seqs: list[Request], lookups: dict[str, LookupDraft], alpha: dict[str, float],
                rounds: int, lookup_alpha: dict[str, float] | None = None, timed: bool = False,
                **plan_options: object) -> RoundPlan:
     """Plan and observe `rounds` rounds in which request r's model draft agrees with the target
@@ -58,7 +58,7 @@ def run_rounds(planner: Planner, seqs: list[Sequence], lookups: dict[str, Lookup
     return plan
 
 
-def predicted_times(planner: Planner, plan: RoundPlan, seqs: list[Sequence]) -> tuple[Timed[None], Timed[None]]:
+def predicted_times(planner: Planner, plan: RoundPlan, seqs: list[Request]) -> tuple[Timed[None], Timed[None]]:
     """Propose and Verify of `plan` taking what the planner predicts (wall = compute)."""
     model = planner.costs.cost_model(plan.context)
     ks = [plan.ks[s.slot_id] for s in seqs]
@@ -227,7 +227,7 @@ def test_guessed_tokens_widen_the_drafts_first_forward_and_save_steps() -> None:
     assert two == pytest.approx(draft.seconds(2, 8) + 7 * draft.step(1))
 
 
-def guessing_rounds(planner: Planner, a: Sequence, share: float, rounds: int = 20) -> RoundPlan:
+def guessing_rounds(planner: Planner, a: Request, share: float, rounds: int = 20) -> RoundPlan:
     """Rounds in which request a's model draft is right at α 0.95 and the draft's own lookup
     guesses save `share` of the steps after its first forward."""
     plan = RoundPlan({})

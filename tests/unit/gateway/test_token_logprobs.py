@@ -8,7 +8,7 @@ import torch
 
 from specdec.errors import ServiceStateError
 from specdec.gateway.detokenizer import StopStringDetokenizer
-from specdec.gateway.sequence import Sequence
+from specdec.gateway.request import Request
 from specdec.gateway.token_logprobs import round_logprobs
 from specdec.sampling.logprobs import LogprobsRequest, RowLogprobs, TokenLogprob
 from specdec.sampling.params import SamplingParams
@@ -18,9 +18,9 @@ ROWS = RowLogprobs(drafted=[-0.1, -0.2, -0.3], answered=[-1.0, -2.0, -3.0, -4.0]
                    top=[[(10 + i, -0.05)] for i in range(4)])
 
 
-def seq(slot: str, top: int | None = 1) -> Sequence:
+def seq(slot: str, top: int | None = 1) -> Request:
     greedy = SamplingParams(temperature=0.0)
-    return Sequence(
+    return Request(
         slot_id=slot, prompt=[1, 2, 3], sampling=greedy, max_new_tokens=100, num_speculative_tokens=3,
         detokenizer=StopStringDetokenizer.__new__(StopStringDetokenizer), generator=torch.Generator(),
         draft_sampling=greedy, target_sampling=greedy, logprobs=None if top is None else LogprobsRequest(top),

@@ -1,5 +1,5 @@
-"""The public API at the gateway's edge: a validated `Sequence` from a `GenerateRequest`,
-and the final `Completion` message from a finished `Sequence`.
+"""The public API at the gateway's edge: a validated `Request` from a `GenerateRequest`,
+and the final `Completion` message from a finished `Request`.
 
 Everything a client can get wrong is checked here, before the request reaches the
 scheduler, and answered with INVALID_ARGUMENT naming the field.
@@ -17,7 +17,7 @@ from specdec.errors import InvalidArgumentError
 from specdec.gateway.detokenizer import StopStringDetokenizer
 from specdec.gateway.draft_sources import SpeculationMethod
 from specdec.gateway.grammar import GrammarCompiler, RequestGrammar, structured_output_from_pb
-from specdec.gateway.sequence import FinishReason, Sequence, Verification
+from specdec.gateway.request import FinishReason, Request, Verification
 from specdec.model.chat import encode_chat
 from specdec.sampling.draws import make_generator
 from specdec.sampling.logprobs import LogprobsOptions, TokenLogprob
@@ -82,7 +82,7 @@ class RequestPolicy:
     grammars: GrammarCompiler | None = None
 
 
-def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) -> Sequence:
+def new_request(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) -> Request:
     """The request as the scheduler serves it; InvalidArgumentError names the bad field."""
     which = request.WhichOneof("input")
     if which == "prompt":
@@ -122,7 +122,7 @@ def new_sequence(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) ->
             f"speculation.num_speculative_tokens: {k} is outside [1, {policy.max_speculative_tokens}]",
             field="speculation.num_speculative_tokens"
         )
-    return Sequence(
+    return Request(
         slot_id=policy.slot_prefix + uuid.uuid4().hex,
         prompt=prompt,
         sampling=sampling,
@@ -234,7 +234,7 @@ def check_logit_bias(sampling: SamplingParams, vocab_size: int) -> None:
             field="sampling.logit_bias")
 
 
-def completion_to_pb(seq: Sequence, error: str) -> gateway_pb2.Completion:
+def completion_to_pb(seq: Request, error: str) -> gateway_pb2.Completion:
     """The final message of a stream: why it ended, usage, speculation statistics, timings."""
     ttft = (seq.first_token_at or seq.finished_at or seq.created_at) - seq.created_at
     total = (seq.finished_at or seq.created_at) - seq.created_at

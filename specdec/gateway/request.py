@@ -67,7 +67,7 @@ class StreamEvents(Protocol):
         """Tokens and text a round (or the prefill) emitted."""
 
     def finished(self, finished: Finished) -> None:
-        """The end of the stream (once per `Sequence.finish`)."""
+        """The end of the stream (once per `Request.finish`)."""
 
 
 @dataclass
@@ -134,7 +134,7 @@ class RoundAnatomy:
 
 
 @dataclass(eq=False)
-class Sequence:
+class Request:
     """A request being served. Owned by the scheduler task; it streams through `events`.
 
     Compared by identity: two requests are never the same request, and the scheduler's list
