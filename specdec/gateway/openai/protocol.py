@@ -1,8 +1,8 @@
 """An OpenAI request body as the gateway's `GenerateRequest` (docs/openai.md lists the fields).
 
-This module checks only what JSON can get wrong that protobuf cannot (types, and values the
-wire reads as "unset", such as `top_p: 0`); everything else (roles, lengths, stop strings, the
-speculation options, sampling ranges) is validated once, by `requests.new_request`, for both
+This module checks only what JSON can get wrong that protobuf cannot (types, and a value out
+of a field's range before it is converted); everything else (roles, lengths, stop strings, the
+speculation options, sampling ranges) is validated once, by `intake.new_request`, for both
 fronts, and `in_body_terms` names the OpenAI field its errors point at (`InvalidArgumentError.field`).
 
 Unknown fields are ignored, as OpenAI-compatible servers do; known fields this server does not
