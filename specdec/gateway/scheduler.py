@@ -124,6 +124,10 @@ class Scheduler:
         #: background until freed, since the lease of a live gateway never lets them expire.
         self.unreleased: dict[str, set[str]] = {"target": set(), "draft": set()}
         self._release_retry: asyncio.Task[None] | None = None
+        #: Finished requests whose Release is under way, by slot id: a stop that cancels the
+        #: loop meanwhile (a drain ends as the last stream's final message goes out, before
+        #: its Release returns) releases them again rather than leave them to lease expiry.
+        self._releasing: dict[str, Request] = {}
         for pool in pools:  # one request alone always fits, so preemption always makes progress
             if pool.blocks_for(max_seq_len) > pool.num_blocks:
                 raise ValueError(f"the {pool.name} pool ({pool.total_kv_tokens} tokens) cannot hold "
@@ -148,7 +152,8 @@ class Scheduler:
         await cancel_and_wait(self._task)
         for seq in [*self.waiting, *self.running]:
             seq.finish(FinishReason.ERROR, "gateway shutting down", grpc.StatusCode.UNAVAILABLE.name)
-        await asyncio.gather(*(self._release(seq) for seq in self.running), return_exceptions=True)
+        held = {**self._releasing, **{seq.slot_id: seq for seq in self.running}}
+        await asyncio.gather(*(self._release(seq) for seq in held.values()), return_exceptions=True)
         await asyncio.to_thread(self.sampler.shutdown)
 
     def submit(self, seq: Request) -> None:
@@ -411,7 +416,9 @@ class Scheduler:
         """Free the request's slots in both services; a slot already gone is fine, and a
         Release that fails is tried again in the background."""
         services = ["target"] + (["draft"] if self.draft is not None and seq.has_draft_slot else [])
+        self._releasing[seq.slot_id] = seq
         await asyncio.gather(*(self._release_slot(name, seq.slot_id) for name in services))
+        self._releasing.pop(seq.slot_id, None)  # not on a cancellation: `stop` releases it then
 
     async def _release_slot(self, service: str, slot_id: str) -> bool:
         """True once the slot is gone from `service` (freed now, or not there)."""

@@ -138,6 +138,8 @@ class FakeTarget:
     verify_delay_s: float = 0.0
     #: Seconds every Prefill takes.
     prefill_delay_s: float = 0.0
+    #: Seconds every Release takes.
+    release_delay_s: float = 0.0
     #: Slot ids of every Prefill, recorded as it starts.
     prefills_started: list[list[str]] = field(default_factory=list)
     #: When given, a Prefill waits for this event after it started (`open_gate` lets the
@@ -219,6 +221,7 @@ class FakeTarget:
                 return VerifiedLogits(item.slot_id, len(cache), rows)
 
     async def release(self, slot_id: str, timeout: float) -> None:
+        await asyncio.sleep(self.release_delay_s)
         if self.failing_releases > 0:
             self.failing_releases -= 1
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")

@@ -312,6 +312,24 @@ def test_cancelling_a_running_request_frees_its_slots_in_both_services() -> None
     run(test, target, draft)
 
 
+def test_a_stop_during_a_finished_requests_release_still_releases_it() -> None:
+    """A drain ends as the last final message goes out, before that request's Release has
+    returned: the stop that follows must free its slots, not leave them to lease expiry."""
+    target, draft = FakeTarget(release_delay_s=0.2), FakeDraft()
+
+    async def main() -> None:
+        sched = scheduler(target, draft)
+        sched.start()
+        seq = new_request(request(max_new_tokens=4), policy())
+        sched.submit(seq)
+        _, finished = await drain(seq)
+        assert finished.reason == FinishReason.LENGTH and not target.released  # its Release is under way
+        await sched.stop()
+        assert target.released == [seq.slot_id] and seq.slot_id in draft.released  # (the draft's twice: harmless)
+
+    asyncio.run(main())
+
+
 def test_a_cancelled_waiting_request_never_reaches_the_services() -> None:
     target, draft = FakeTarget(), FakeDraft()
 
