@@ -183,6 +183,9 @@ class Request:
     cancelled: bool = False
     #: Times the scheduler freed this request's slots to make room (it resumes from `tokens`).
     preemptions: int = 0
+    #: When (monotonic) the target failed this request in a way a restart explains, until a
+    #: Prefill puts it on the target again (`gateway.target_outage`).
+    target_lost_at: float | None = None
     created_at: float = field(default_factory=time.perf_counter)
     #: Left the admission queue: both services had room and the Prefill was sent.
     admitted_at: float | None = None

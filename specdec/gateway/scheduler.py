@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import grpc
 
 from specdec.errors import CapacityExhaustedError, ServiceStateError, SpecdecError
+from specdec.gateway import target_outage
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.first_tokens import first_tokens_and_logprobs
@@ -35,16 +37,17 @@ from specdec.gateway.planner import DraftAvailability, Planner, RoundInputs
 from specdec.gateway.proposers import LookupDraft, LookupProposer
 from specdec.gateway.request import FinishReason, Request
 from specdec.gateway.rounds import RoundPlan, RoundReport
+from specdec.gateway.slot_releases import SlotReleases
 from specdec.gateway.speculative_step import plan_k, plan_steps, run_round
 from specdec.gateway.stats import GatewayStats
+from specdec.gateway.target_outage import TargetOutage, explained_by_restart
 from specdec.serving.errors import status_of
 from specdec.serving.serial_executor import SerialExecutor, cancel_and_wait
 from specdec.wire.items import PrefillItem
 
 log = logging.getLogger(__name__)
-#: How often a degraded draft's health is checked, and failed Releases are tried again.
+#: How often a degraded draft's health is checked.
 DRAFT_RECHECK_S = 1.0
-RELEASE_RETRY_S = 1.0
 #: Codes of a call that did not reach the service's own logic (their details name addresses).
 _TRANSPORT_FAILURES = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
@@ -120,14 +123,8 @@ class Scheduler:
         #: `service_changes`): no speculation until it is compatible again.
         self.draft_refused = False
         self._draft_watch: asyncio.Task[None] | None = None
-        #: Slots whose Release failed (service down or slow), by service name: retried in the
-        #: background until freed, since the lease of a live gateway never lets them expire.
-        self.unreleased: dict[str, set[str]] = {"target": set(), "draft": set()}
-        self._release_retry: asyncio.Task[None] | None = None
-        #: Finished requests whose Release is under way, by slot id: a stop that cancels the
-        #: loop meanwhile (a drain ends as the last stream's final message goes out, before
-        #: its Release returns) releases them again rather than leave them to lease expiry.
-        self._releasing: dict[str, Request] = {}
+        self.releases = SlotReleases(target, draft, lambda: self.deadlines.control())
+        self.outage = TargetOutage()
         for pool in pools:  # one request alone always fits, so preemption always makes progress
             if pool.blocks_for(max_seq_len) > pool.num_blocks:
                 raise ValueError(f"the {pool.name} pool ({pool.total_kv_tokens} tokens) cannot hold "
@@ -147,12 +144,12 @@ class Scheduler:
         self._task = asyncio.create_task(self._loop(), name="specdec-scheduler")
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._release_retry)
+        await self.releases.stop()
         await cancel_and_wait(self._draft_watch)
         await cancel_and_wait(self._task)
         for seq in [*self.waiting, *self.running]:
             seq.finish(FinishReason.ERROR, "gateway shutting down", grpc.StatusCode.UNAVAILABLE.name)
-        held = {**self._releasing, **{seq.slot_id: seq for seq in self.running}}
+        held = {seq.slot_id: seq for seq in [*self.releases.pending(), *self.running]}
         await asyncio.gather(*(self._release(seq) for seq in held.values()), return_exceptions=True)
         await asyncio.to_thread(self.sampler.shutdown)
 
@@ -199,6 +196,9 @@ class Scheduler:
             self._wakeup.clear()
             if not self.waiting:
                 await self._wakeup.wait()
+            elif self.outage.down:  # tried again after RETRY_S, or when its Info answers (`wake`)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), target_outage.RETRY_S)
             return
         await self._round()
 
@@ -211,7 +211,10 @@ class Scheduler:
             report = await run_round(self.target, self.draft, batch, plan, self.sampler, self.max_seq_len,
                                      self.deadlines, self.planner.kv_handoff)
         except Exception as error:  # noqa: BLE001 - a failed round fails its requests, not the gateway
-            await self._fail(batch, error)
+            if isinstance(error, grpc.aio.AioRpcError) and explained_by_restart(error):
+                await self._lost_target(batch, error)
+            else:
+                await self._fail(batch, error)
             return
         except asyncio.CancelledError:
             if _stopping():
@@ -220,6 +223,7 @@ class Scheduler:
             # the CancelledError would end the scheduler and leave every stream waiting.
             await self._fail(batch, ServiceStateError("a call to a model service was cancelled"))
             return
+        self.outage.resumed(batch)
         if report.draft_failed:
             self.stats.draft_failures += 1
             self.stats.off_rounds["draft_unavailable"] += 1
@@ -283,6 +287,13 @@ class Scheduler:
     async def _admit(self) -> int:
         """Admit waiting requests that fit, in FIFO order, with one batched Prefill; returns
         how many were admitted."""
+        for seq in self.outage.expired(list(self.waiting)):
+            self.waiting.remove(seq)
+            seq.finish(FinishReason.ERROR, f"the target service answered {self.outage.code.name} and did not come "
+                       f"back within {target_outage.RESUME_WITHIN_S:.0f} s", grpc.StatusCode.UNAVAILABLE.name)
+            self._record_finished(seq)
+        if not self.outage.may_try():
+            return 0
         admitted: list[Request] = []
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             seq = self.waiting[0]
@@ -306,8 +317,14 @@ class Scheduler:
             self.stats.rpc_latency["Prefill"].observe(prefilled.wall_s)
             logits = {slot: chunk.logits for slot, chunk in prefilled.value.items()}
         except Exception as error:  # noqa: BLE001
-            await self._fail(admitted, error, release=False)
+            if isinstance(error, grpc.aio.AioRpcError) and explained_by_restart(error):
+                self.outage.lost(admitted, error.code())
+                self.waiting.extendleft(reversed(admitted))  # first again, in their order
+                self.stats.waiting = len(self.waiting)
+            else:
+                await self._fail(admitted, error, release=False)
             return 0
+        self.outage.answered()
         self.running.extend(admitted)  # they hold target slots now: a failure below releases them
         firsts, logprobs = await self.sampler.run(first_tokens_and_logprobs, admitted, logits)
         for seq in admitted:
@@ -377,17 +394,36 @@ class Scheduler:
 
     async def _preempt(self, seq: Request) -> None:
         """Free the request's slots in both services and queue it first, to resume from its tokens."""
-        self.running.remove(seq)
-        self.planner.forget(seq)
-        if self.lookup is not None:
-            self.lookup.forget(seq.slot_id)  # the slot id changes: the index is rebuilt under the new one
-        await self._release(seq)
         log.info("preempted %s at %d tokens to make room in the KV pools", seq.slot_id, len(seq.tokens))
-        seq.preempt()
+        await self._requeue([seq])
         self.stats.preemptions += 1
-        self.stats.running = len(self.running)
-        self.waiting.appendleft(seq)
-        self.stats.waiting = len(self.waiting)
+
+    async def _lost_target(self, seqs: list[Request], error: grpc.aio.AioRpcError) -> None:
+        """The target failed the round in a way a restart explains: the requests wait for it at
+        the head of the queue, to resume from their tokens (`gateway.target_outage`)."""
+        log.warning("the target failed a round (%s): %d request(s) wait up to %.0f s for it, to resume from "
+                    "their tokens", error.code().name, len(seqs), target_outage.RESUME_WITHIN_S)
+        self.outage.lost(seqs, error.code())
+        await self._requeue(seqs)
+
+    async def _requeue(self, seqs: list[Request]) -> None:
+        """Free the requests' slots (those still there) and queue them first, in their order,
+        under fresh slot ids: the next admission prefills their prompt and generated tokens."""
+        for seq in seqs:
+            if seq in self.running:
+                self.running.remove(seq)
+            self.planner.forget(seq)
+            if self.lookup is not None:
+                self.lookup.forget(seq.slot_id)  # the slot id changes: the index is rebuilt under the new one
+        await asyncio.gather(*(self._release(seq) for seq in seqs))
+        for seq in reversed(seqs):
+            seq.preempt()
+            self.waiting.appendleft(seq)
+        self.stats.running, self.stats.waiting = len(self.running), len(self.waiting)
+
+    def wake(self) -> None:
+        """Try admission now (the target answers its Info again)."""
+        self._wakeup.set()
 
     async def _retire_cancelled(self) -> None:
         for seq in [s for s in self.running if s.cancelled]:
@@ -413,38 +449,7 @@ class Scheduler:
         self.stats.record_finished(seq)
 
     async def _release(self, seq: Request) -> None:
-        """Free the request's slots in both services; a slot already gone is fine, and a
-        Release that fails is tried again in the background."""
-        services = ["target"] + (["draft"] if self.draft is not None and seq.has_draft_slot else [])
-        self._releasing[seq.slot_id] = seq
-        await asyncio.gather(*(self._release_slot(name, seq.slot_id) for name in services))
-        self._releasing.pop(seq.slot_id, None)  # not on a cancellation: `stop` releases it then
-
-    async def _release_slot(self, service: str, slot_id: str) -> bool:
-        """True once the slot is gone from `service` (freed now, or not there)."""
-        client = self.target if service == "target" else self.draft
-        assert client is not None
-        try:
-            await client.release(slot_id, self.deadlines.control())
-        except grpc.aio.AioRpcError as error:
-            if error.code() != grpc.StatusCode.NOT_FOUND:
-                if slot_id not in self.unreleased[service]:
-                    log.warning("release of slot %s in the %s failed (%s); retrying in the background",
-                                slot_id, service, error.code().name)
-                self.unreleased[service].add(slot_id)
-                if self._release_retry is None or self._release_retry.done():
-                    self._release_retry = asyncio.create_task(self._retry_releases(), name="specdec-release-retry")
-                return False
-        self.unreleased[service].discard(slot_id)
-        return True
-
-    async def _retry_releases(self) -> None:
-        while any(self.unreleased.values()):
-            await asyncio.sleep(RELEASE_RETRY_S)
-            for service, slots in self.unreleased.items():
-                for slot_id in list(slots):
-                    if await self._release_slot(service, slot_id):
-                        log.info("slot %s released from the %s on a retry", slot_id, service)
+        await self.releases.release(seq)
 
     async def _fail(self, seqs: list[Request], error: Exception, *, release: bool = True) -> None:
         if isinstance(error, grpc.aio.AioRpcError):

@@ -282,6 +282,8 @@ def watch_services(
         status = health_pb2.HealthCheckResponse.SERVING if available else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             await running.health.set(name, status)
+        if available:
+            scheduler.wake()  # requests that lost the target resume now, not at the next retry
 
     monitor.on_target = report_target
     planner = scheduler.planner

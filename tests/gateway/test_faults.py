@@ -65,9 +65,34 @@ def test_losing_the_draft_mid_stream_falls_back_to_plain_decoding(
     assert eventually(lambda: not stack.target.tokens), "the target slot was not released"
 
 
+def test_a_target_restart_mid_stream_costs_the_request_only_time(
+    start_stack: StartStack, int8_runtime: ModelRuntime, service_loop: LoopThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The target goes away mid-stream and comes back on its port: the request waits for it and
+    resumes from its tokens (a Prefill of them), with the output it would have had."""
+    stack = start_stack(int8_runtime)
+    with stack.client() as client:
+        expected = client.generate(STORY, max_new_tokens=60, speculative=False).token_ids
+    slow_down(monkeypatch, stack.target, "verify", 0.05)  # the restart lands mid-stream
+    port, tokens, restarted = stack.servers[0].port, [], False
+    with stack.client() as client:
+        for response in client.stub.Generate(build_request(STORY, max_new_tokens=60, num_speculative_tokens=4),
+                                             timeout=120):
+            tokens.extend(response.token_ids)
+            if len(tokens) >= 10 and not restarted:
+                _kill(stack, 0, service_loop)
+                config = dataclasses.replace(stack.target.config, port=port)
+                stack.servers.insert(0, service_loop.run(create_target_server(config, stack.target)))
+                restarted = True
+    assert restarted and tokens == expected
+    stack.wait_until_idle()
+
+
 def test_losing_the_target_fails_the_stream_and_frees_the_draft_slot(
     start_stack: StartStack, int8_runtime: ModelRuntime, service_loop: LoopThread, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A target that does not come back within `RESUME_WITHIN_S` (2 s here) fails its requests."""
+    monkeypatch.setattr("specdec.gateway.target_outage.RESUME_WITHIN_S", 2.0)
     stack = start_stack(int8_runtime, http_port=0)
     assert _http_health(stack) == (200, {"status": "ok"})
     slow_down(monkeypatch, stack.target, "verify", 0.1)  # 200 tokens take seconds: the kill lands mid-stream

@@ -385,15 +385,16 @@ def test_a_draft_sending_a_malformed_q_costs_speculation_not_the_request() -> No
 
 
 def test_a_failing_target_ends_the_requests_with_its_status_and_releases_them() -> None:
+    """A failure no restart explains (tests/unit/gateway/test_target_outage.py has those)."""
     target, draft = FakeTarget(), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
         seq = new_request(request(max_new_tokens=50), policy())
-        target.fail_verify = rpc_error(grpc.StatusCode.UNAVAILABLE, "target down")
+        target.fail_verify = rpc_error(grpc.StatusCode.UNKNOWN, "stream reset at 10.0.0.7")
         sched.submit(seq)
         _, finished = await drain(seq)
-        assert finished.reason == FinishReason.ERROR and generation(seq).error_status == grpc.StatusCode.UNAVAILABLE
-        assert "UNAVAILABLE" in finished.error and "target down" not in finished.error  # details stay in the log
+        assert finished.reason == FinishReason.ERROR and generation(seq).error_status == grpc.StatusCode.UNKNOWN
+        assert "UNKNOWN" in finished.error and "10.0.0.7" not in finished.error  # details stay in the log
         await until(lambda: bool(draft.released))
         assert draft.released == [seq.slot_id]
 
@@ -588,17 +589,23 @@ def test_a_hung_draft_costs_one_deadline_then_rounds_run_plain_until_its_health_
     assert len(draft.calls) > 2, "speculation never resumed"
 
 
-def test_a_hung_target_ends_its_requests_with_deadline_exceeded_and_frees_them() -> None:
+def test_a_hung_target_ends_its_requests_unavailable_and_frees_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each round misses its deadline; the request is prefilled again (a restart would explain
+    the hang) until it has waited `RESUME_WITHIN_S`, then fails UNAVAILABLE, naming the hang."""
+    monkeypatch.setattr("specdec.gateway.target_outage.RESUME_WITHIN_S", 0.5)
+    monkeypatch.setattr("specdec.gateway.target_outage.RETRY_S", 0.02)
     target, draft = FakeTarget(verify_delay_s=10.0), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
         seq = new_request(request(max_new_tokens=20), policy())
         sched.submit(seq)
         _, finished = await drain(seq)
-        assert finished.reason == FinishReason.ERROR
-        assert generation(seq).error_status == grpc.StatusCode.DEADLINE_EXCEEDED
-        await until(lambda: not target.slots and bool(draft.released))
-        assert draft.released == [seq.slot_id]
+        assert finished.reason == FinishReason.ERROR and "DEADLINE_EXCEEDED and did not come back" in finished.error
+        assert generation(seq).error_status == grpc.StatusCode.UNAVAILABLE
+        assert len(target.prefills_started) >= 2  # it was tried again
+        await until(lambda: not target.slots and not draft.slots and bool(draft.released))
 
     run(test, target, draft, deadline_s=0.1)
 
@@ -606,7 +613,7 @@ def test_a_hung_target_ends_its_requests_with_deadline_exceeded_and_frees_them()
 def test_a_failed_release_is_retried_until_the_slot_is_freed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A live gateway keeps renewing its lease, so a slot whose Release failed would never
     expire: the scheduler tries again in the background."""
-    monkeypatch.setattr("specdec.gateway.scheduler.RELEASE_RETRY_S", 0.01)
+    monkeypatch.setattr("specdec.gateway.slot_releases.RELEASE_RETRY_S", 0.01)
     target, draft = FakeTarget(failing_releases=2), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
@@ -615,7 +622,7 @@ def test_a_failed_release_is_retried_until_the_slot_is_freed(monkeypatch: pytest
         await drain(seq)
         await until(lambda: not target.slots)
         assert target.released == [seq.slot_id]
-        assert sched.unreleased == {"target": set(), "draft": set()}
+        assert sched.releases.unreleased == {"target": set(), "draft": set()}
 
     run(test, target, draft)
 
