@@ -135,7 +135,8 @@ class Outcome:
     prompt: int
     sent: float
     tokens: list[int] = field(default_factory=list)
-    first_token: float | None = None
+    #: When each response with tokens arrived.
+    arrivals: list[float] = field(default_factory=list)
     ended: float = 0.0
     error: str | None = None
 
@@ -161,8 +162,8 @@ class Load:
                 turn += 1
                 try:
                     for response in client.stream(chat(PROMPTS[outcome.prompt]), max_new_tokens=self.tokens):
-                        if response.token_ids and outcome.first_token is None:
-                            outcome.first_token = time.monotonic()
+                        if response.token_ids:
+                            outcome.arrivals.append(time.monotonic())
                         outcome.tokens.extend(response.token_ids)
                 except grpc.RpcError as error:
                     outcome.error = error.code().name
@@ -224,9 +225,9 @@ def restart_phase(lb: str, stack: Stack, streams: int, tokens: int, expected: li
     time.sleep(warm_s)
     outcomes = load.stop()
     restarted.stop()
-    firsts = [o.first_token for o in outcomes if o.first_token is not None and o.first_token > serving]
+    after = [t for o in outcomes for t in o.arrivals if t > serving]
     return {**summary(outcomes, expected), "target_down_s": round(serving - killed, 1),
-            "first_token_after_serving_s": round(min(firsts) - serving, 1) if firsts else None}
+            "first_token_after_serving_s": round(min(after) - serving, 1) if after else None}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -234,14 +235,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--streams", type=int, default=16, help="clients sending at once")
     parser.add_argument("--tokens", type=int, default=200, help="new tokens per request")
     parser.add_argument("--warm-s", type=float, default=20.0, help="load before the SIGTERM or the kill")
+    parser.add_argument("--phases", default="drain,restart", help="which phases run, comma-separated")
     args = parser.parse_args(argv)
+    phases = set(args.phases.split(","))
     with running_stack(gateway_args=GATEWAY_ARGS) as stack, second_gateway(stack, GATEWAY_ARGS) as other:
         with running_haproxy([Backend.of(stack.gateway), Backend.of(other)]) as lb:
             expected = references(lb, args.tokens)
-            drain = drain_phase(lb, stack.gateway, args.streams, args.tokens, expected, args.warm_s)
-            print(json.dumps({"phase": "drain", "cpu": cpu_model(), **vars(args), **drain}), flush=True)
-            restart = restart_phase(lb, stack, args.streams, args.tokens, expected, args.warm_s)
-            print(json.dumps({"phase": "target_restart", **restart}), flush=True)
+            if "drain" in phases:
+                drain = drain_phase(lb, stack.gateway, args.streams, args.tokens, expected, args.warm_s)
+                print(json.dumps({"phase": "drain", "cpu": cpu_model(), **vars(args), **drain}), flush=True)
+            if "restart" in phases:
+                restart = restart_phase(lb, stack, args.streams, args.tokens, expected, args.warm_s)
+                print(json.dumps({"phase": "target_restart", "cpu": cpu_model(), **restart}), flush=True)
 
 
 if __name__ == "__main__":
