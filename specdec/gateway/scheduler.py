@@ -318,9 +318,10 @@ class Scheduler:
             logits = {slot: chunk.logits for slot, chunk in prefilled.value.items()}
         except Exception as error:  # noqa: BLE001
             if isinstance(error, grpc.aio.AioRpcError) and explained_by_restart(error):
+                # First again, in their order, under fresh slot ids: a Prefill that timed out may
+                # have made its slots all the same (they are released, best effort).
                 self.outage.lost(admitted, error.code())
-                self.waiting.extendleft(reversed(admitted))  # first again, in their order
-                self.stats.waiting = len(self.waiting)
+                await self._requeue(admitted)
             else:
                 await self._fail(admitted, error, release=False)
             return 0
