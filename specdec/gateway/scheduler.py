@@ -211,7 +211,7 @@ class Scheduler:
             report = await run_round(self.target, self.draft, batch, plan, self.sampler, self.max_seq_len,
                                      self.deadlines, self.planner.kv_handoff)
         except Exception as error:  # noqa: BLE001 - a failed round fails its requests, not the gateway
-            if isinstance(error, grpc.aio.AioRpcError) and explained_by_restart(error):
+            if explained_by_restart(error):
                 await self._lost_target(batch, error)
             else:
                 await self._fail(batch, error)
@@ -317,7 +317,7 @@ class Scheduler:
             self.stats.rpc_latency["Prefill"].observe(prefilled.wall_s)
             logits = {slot: chunk.logits for slot, chunk in prefilled.value.items()}
         except Exception as error:  # noqa: BLE001
-            if isinstance(error, grpc.aio.AioRpcError) and explained_by_restart(error):
+            if explained_by_restart(error):
                 # First again, in their order, under fresh slot ids: a Prefill that timed out may
                 # have made its slots all the same (they are released, best effort).
                 self.outage.lost(admitted, error.code())

@@ -15,20 +15,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import grpc
 
 from specdec.gateway.request import Request
 
-#: The longest a request waits for its target to come back: a restart that loads its model
-#: and tunes from a warm cache takes ~10-30 s on a CPU, a cold GPU start minutes.
+#: The longest a request waits for its target to come back: a restarted target loads its
+#: model and checks its costs first (tens of seconds on a CPU; a cold GPU start, minutes).
 RESUME_WITHIN_S = 120.0
 #: How often admission tries a target that is down.
 RETRY_S = 1.0
 _RESTART_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
-def explained_by_restart(error: BaseException) -> bool:
+def explained_by_restart(error: BaseException) -> TypeGuard[grpc.aio.AioRpcError]:
     """Whether the target's failure is one a restart explains (see the module docstring)."""
     return isinstance(error, grpc.aio.AioRpcError) and error.code() in _RESTART_CODES
 
