@@ -220,11 +220,14 @@ def restart_phase(lb: str, stack: Stack, streams: int, tokens: int, expected: li
     killed = time.monotonic()
     stack.target.process.kill()
     stack.target.process.wait()
-    restarted = start_service("specdec.target_server", QUIET, port=port).wait_ready(900)
-    serving = time.monotonic()
-    time.sleep(warm_s)
-    outcomes = load.stop()
-    restarted.stop()
+    restarted = start_service("specdec.target_server", QUIET, port=port)
+    try:
+        restarted.wait_ready(900)
+        serving = time.monotonic()
+        time.sleep(warm_s)
+        outcomes = load.stop()
+    finally:
+        restarted.stop()
     after = [t for o in outcomes for t in o.arrivals if t > serving]
     return {**summary(outcomes, expected), "target_down_s": round(serving - killed, 1),
             "first_token_after_serving_s": round(min(after) - serving, 1) if after else None}
