@@ -287,7 +287,7 @@ class Scheduler:
     async def _admit(self) -> int:
         """Admit waiting requests that fit, in FIFO order, with one batched Prefill; returns
         how many were admitted."""
-        for seq in self.outage.expired(list(self.waiting)):
+        for seq in self.outage.expired(self.waiting):
             self.waiting.remove(seq)
             seq.finish(FinishReason.ERROR, f"the target service answered {self.outage.code.name} and did not come "
                        f"back within {target_outage.RESUME_WITHIN_S:.0f} s", grpc.StatusCode.UNAVAILABLE.name)

@@ -14,6 +14,7 @@ for a hung target), so none waits forever.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeGuard
 
@@ -68,8 +69,11 @@ class TargetOutage:
         for seq in seqs:
             seq.target_lost_at = None
 
-    @staticmethod
-    def expired(waiting: list[Request]) -> list[Request]:
-        """The waiting requests that have been without their target for `RESUME_WITHIN_S`."""
+    def expired(self, waiting: Iterable[Request]) -> list[Request]:
+        """While the target is down: the waiting requests that have been without it for
+        `RESUME_WITHIN_S`. Once it answers, a request still queued waits for room like any
+        other (and nothing is scanned)."""
+        if not self.down:
+            return []
         deadline = time.monotonic() - RESUME_WITHIN_S
         return [s for s in waiting if s.target_lost_at is not None and s.target_lost_at <= deadline]

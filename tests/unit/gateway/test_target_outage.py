@@ -12,6 +12,7 @@ import pytest
 
 from specdec.gateway.request import FinishReason
 from specdec.gateway.scheduler import Scheduler
+from specdec.gateway.target_outage import TargetOutage
 from specdec.wire.items import PrefillItem, VerifyItem
 from tests.support.fakes import FakeDraft, FakeTarget, greedy_reference, policy, rpc_error
 from tests.unit.gateway.test_scheduler import drain, generation, new_request, prompt_ids, request, run
@@ -82,3 +83,16 @@ def test_requests_fail_unavailable_when_the_target_stays_away(monkeypatch: pytes
         assert not sched.waiting and not sched.running
 
     run(test, target, draft)
+
+
+def test_a_request_queued_after_its_target_came_back_waits_for_room_not_a_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The bound applies while the target is down: once a Prefill succeeded, a request the
+    outage left in the queue (waiting for KV room) is not failed for having lost it earlier."""
+    monkeypatch.setattr("specdec.gateway.target_outage.RESUME_WITHIN_S", 0.0)
+    outage, seq = TargetOutage(), new_request(request(), policy())
+    outage.lost([seq], grpc.StatusCode.UNAVAILABLE)
+    assert outage.expired([seq]) == [seq]
+    outage.answered()
+    assert outage.expired([seq]) == []
