@@ -150,7 +150,7 @@ class Scheduler:
         for seq in [*self.waiting, *self.running]:
             seq.finish(FinishReason.ERROR, "gateway shutting down", grpc.StatusCode.UNAVAILABLE.name)
         held = {seq.slot_id: seq for seq in [*self.releases.pending(), *self.running]}
-        await asyncio.gather(*(self._release(seq) for seq in held.values()), return_exceptions=True)
+        await asyncio.gather(*(self.releases.release(seq) for seq in held.values()), return_exceptions=True)
         await asyncio.to_thread(self.sampler.shutdown)
 
     def submit(self, seq: Request) -> None:
@@ -416,7 +416,7 @@ class Scheduler:
             self.planner.forget(seq)
             if self.lookup is not None:
                 self.lookup.forget(seq.slot_id)  # the slot id changes: the index is rebuilt under the new one
-        await asyncio.gather(*(self._release(seq) for seq in seqs))
+        await asyncio.gather(*(self.releases.release(seq) for seq in seqs))
         for seq in reversed(seqs):
             seq.preempt()
             self.waiting.appendleft(seq)
@@ -443,14 +443,11 @@ class Scheduler:
         # Count the request before the first await: its client cannot read the final
         # message (and scrape) before these counters include it.
         self._record_finished(seq)
-        await self._release(seq)
+        await self.releases.release(seq)
 
     def _record_finished(self, seq: Request) -> None:
         self.stats.running = len(self.running)
         self.stats.record_finished(seq)
-
-    async def _release(self, seq: Request) -> None:
-        await self.releases.release(seq)
 
     async def _fail(self, seqs: list[Request], error: Exception, *, release: bool = True) -> None:
         if isinstance(error, grpc.aio.AioRpcError):

@@ -17,6 +17,7 @@ import grpc
 
 from specdec.gateway.model_clients import DraftAPI, TargetAPI
 from specdec.gateway.request import Request
+from specdec.serving.serial_executor import cancel_and_wait
 
 log = logging.getLogger(__name__)
 #: How often failed Releases are tried again.
@@ -46,9 +47,7 @@ class SlotReleases:
         return list(self._releasing.values())
 
     async def stop(self) -> None:
-        if self._retry is not None:
-            self._retry.cancel()
-            await asyncio.gather(self._retry, return_exceptions=True)
+        await cancel_and_wait(self._retry)
 
     async def _release_slot(self, service: str, slot_id: str) -> bool:
         """True once the slot is gone from `service` (freed now, or not there)."""
