@@ -16,8 +16,9 @@ from transformers import PreTrainedTokenizerBase
 from specdec.errors import InvalidArgumentError
 from specdec.gateway.detokenizer import StopStringDetokenizer
 from specdec.gateway.draft_sources import SpeculationMethod
-from specdec.gateway.grammar import GrammarCompiler, RequestGrammar, structured_output_from_pb
+from specdec.gateway.grammar import grammar_text, structured_output_from_pb
 from specdec.gateway.request import FinishReason, Request, Verification
+from specdec.grammar import GrammarCompiler, RequestGrammar
 from specdec.model.chat import encode_chat
 from specdec.sampling.draws import make_generator
 from specdec.sampling.logprobs import LogprobsOptions, TokenLogprob
@@ -151,7 +152,8 @@ def request_grammar(request: gateway_pb2.GenerateRequest, policy: RequestPolicy)
     output = structured_output_from_pb(request.structured_output, "structured_output")
     if policy.grammars is None:
         raise InvalidArgumentError("structured_output: this gateway serves no grammars", field="structured_output")
-    return policy.grammars.compile(output, f"structured_output.{request.structured_output.WhichOneof('kind')}")
+    field = f"structured_output.{request.structured_output.WhichOneof('kind')}"
+    return policy.grammars.compile(grammar_text(output, field), field)
 
 
 def logprobs_options(request: gateway_pb2.GenerateRequest) -> LogprobsOptions:

@@ -12,7 +12,7 @@ import torch
 
 from specdec.gateway.detokenizer import StopStringDetokenizer
 from specdec.gateway.draft_sources import DraftSource, SpeculationMethod
-from specdec.gateway.grammar import RequestGrammar
+from specdec.grammar import RequestGrammar
 from specdec.sampling.logprobs import LogprobsRequest, TokenLogprob
 from specdec.sampling.params import SamplingParams
 

@@ -26,7 +26,6 @@ from specdec.gateway.config import GatewayConfig
 from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.draft_sources import SpeculationMethod
 from specdec.gateway.generation import GatewayState, Generations
-from specdec.gateway.grammar import GrammarCompiler
 from specdec.gateway.info import planner_to_pb
 from specdec.gateway.intake import RequestPolicy, method_to_pb
 from specdec.gateway.kv_handoff import KVHandoff
@@ -41,6 +40,7 @@ from specdec.gateway.scheduler import PoolLimits, Scheduler
 from specdec.gateway.service_changes import ServiceChanges
 from specdec.gateway.stats import GatewayStats
 from specdec.gateway.tools import ToolFormat, choose_format
+from specdec.grammar import GrammarCompiler
 from specdec.model.loader import load_tokenizer
 from specdec.model.tokenizer_info import check_compatible, tokenizer_fingerprint
 from specdec.serving.errors import grpc_errors, grpc_stream_errors

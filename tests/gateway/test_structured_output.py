@@ -21,7 +21,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 
-from specdec.gateway.grammar import Choice, GrammarCompiler, JsonObject, JsonSchema, Regex, StructuredOutput
+from specdec.gateway.grammar import Choice, JsonObject, JsonSchema, Regex, StructuredOutput
+from specdec.grammar import GrammarCompiler
 from specdec.model.chat import encode_chat
 from specdec.model.loader import LoadedModel
 from tests.support.marginals import marginal_p_value
@@ -59,7 +60,7 @@ class GrammarMask(LogitsProcessor):
     token consumed before the next row is masked."""
 
     def __init__(self, compiler: GrammarCompiler, output: StructuredOutput, prompt_len: int) -> None:
-        self.grammar, self.prompt_len = compiler.compile(output, "test"), prompt_len
+        self.grammar, self.prompt_len = compiler.compile(output.grammar(), "test"), prompt_len
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         generated = input_ids[0, self.prompt_len:].tolist()
@@ -166,7 +167,7 @@ def test_sampled_structured_output_follows_the_masked_distribution(
 def _masked_second_token(loaded: LoadedModel, compiler: GrammarCompiler, output: StructuredOutput,
                          prompt: list[int]) -> dict[int, float]:
     """P(t2) = Σ_t1 p(t1) p(t2 | t1), each p the model's softmax under the grammar's mask."""
-    grammar = compiler.compile(output, "test")
+    grammar = compiler.compile(output.grammar(), "test")
 
     def probs(ids: list[int]) -> torch.Tensor:  # [vocab]
         with torch.inference_mode():

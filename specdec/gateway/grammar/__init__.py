@@ -1,7 +1,6 @@
-"""Structured output: what a request's completion must match (`spec`), compiled once per
-grammar (`compiler`), and each request's walk through its grammar (`state`)."""
+"""Structured output at the gateway: what a request's completion must match (`spec`, turned into
+grammar text that `specdec.grammar` compiles and walks) and its part in each round (`rounds`)."""
 
-from specdec.gateway.grammar.compiler import GrammarCompiler
 from specdec.gateway.grammar.spec import (
     Choice,
     JsonObject,
@@ -9,11 +8,11 @@ from specdec.gateway.grammar.spec import (
     Lark,
     Regex,
     StructuredOutput,
+    grammar_text,
     structured_output_from_pb,
 )
-from specdec.gateway.grammar.state import RequestGrammar
 
 __all__ = [
-    "Choice", "GrammarCompiler", "JsonObject", "JsonSchema", "Lark", "Regex", "RequestGrammar",
-    "StructuredOutput", "structured_output_from_pb",
+    "Choice", "JsonObject", "JsonSchema", "Lark", "Regex", "StructuredOutput", "grammar_text",
+    "structured_output_from_pb",
 ]

@@ -76,6 +76,15 @@ class Lark:
 StructuredOutput = JsonSchema | JsonObject | Regex | Choice | Lark
 
 
+def grammar_text(output: StructuredOutput, field: str) -> str:
+    """`output` as llguidance's grammar text; INVALID_ARGUMENT naming `field` where llguidance
+    cannot translate it (a schema it does not read)."""
+    try:
+        return output.grammar()
+    except (ValueError, TypeError) as error:
+        raise InvalidArgumentError(f"{field}: {error}", field=field) from None
+
+
 def structured_output_from_pb(message: gateway_pb2.StructuredOutput, field: str) -> StructuredOutput:
     """The request's kind, checked (INVALID_ARGUMENT naming `field`.<kind>)."""
     kind = message.WhichOneof("kind")

@@ -11,11 +11,12 @@ from transformers import PreTrainedTokenizerBase
 from specdec.errors import InvalidArgumentError
 from specdec.gateway.detokenizer import StopStringDetokenizer
 from specdec.gateway.draft_sources import DraftSource
-from specdec.gateway.grammar import Choice, GrammarCompiler, JsonSchema, Regex, structured_output_from_pb
+from specdec.gateway.grammar import Choice, JsonSchema, Regex, structured_output_from_pb
 from specdec.gateway.grammar.rounds import constrain, with_forced_tokens
 from specdec.gateway.proposers import LookupDraft
 from specdec.gateway.request import Request, Verification
 from specdec.gateway.rounds import RoundPlan
+from specdec.grammar import GrammarCompiler
 from specdec.model.choices import DEFAULT_MODEL
 from specdec.model.loader import load_tokenizer
 from specdec.sampling.params import SamplingParams
@@ -53,7 +54,7 @@ def _ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 
 def test_masks_along_a_draft_stop_at_the_first_refused_token(compiler: GrammarCompiler,
                                                                tokenizer: PreTrainedTokenizerBase) -> None:
-    grammar = compiler.compile(Regex(r"[0-9]{4}"), "regex")
+    grammar = compiler.compile(Regex(r"[0-9]{4}").grammar(), "regex")
     digits = _ids(tokenizer, "2")
     letter = _ids(tokenizer, "x")
     masks, legal = grammar.masks_along(digits * 2 + letter + digits)
@@ -65,7 +66,7 @@ def test_masks_along_a_draft_stop_at_the_first_refused_token(compiler: GrammarCo
 
 def test_a_stop_token_ends_the_walk_and_completes_the_grammar(compiler: GrammarCompiler,
                                                               tokenizer: PreTrainedTokenizerBase) -> None:
-    grammar = compiler.compile(Choice(("yes", "no")), "choice")
+    grammar = compiler.compile(Choice(("yes", "no")).grammar(), "choice")
     yes = _ids(tokenizer, "yes")
     masks, legal = grammar.masks_along(yes + [EOS, EOS])
     assert legal == len(yes) + 1 and masks.rows == legal + 1
@@ -86,7 +87,7 @@ def test_a_round_cuts_a_draft_where_its_grammar_refuses_a_token(
     verification: Verification, lookup: bool, kept: int,
 ) -> None:
     seq = sequence(temperature=temperature, verification=verification)
-    seq.grammar = compiler.compile(Regex(r"[0-9]+"), "regex")
+    seq.grammar = compiler.compile(Regex(r"[0-9]+").grammar(), "regex")
     drafted = _ids(tokenizer, "7") + _ids(tokenizer, "x") + _ids(tokenizer, "8")
     probs = SparseRows.one_hot(drafted) if temperature else None
     proposals, masks = constrain([seq], {seq.slot_id: Proposal(seq.slot_id, drafted, probs, 0)},
@@ -100,7 +101,7 @@ def test_a_round_cuts_a_draft_where_its_grammar_refuses_a_token(
 def test_a_draft_refused_at_its_first_token_leaves_a_plain_round(compiler: GrammarCompiler,
                                                                  tokenizer: PreTrainedTokenizerBase) -> None:
     seq = sequence()
-    seq.grammar = compiler.compile(Regex(r"[0-9]+"), "regex")
+    seq.grammar = compiler.compile(Regex(r"[0-9]+").grammar(), "regex")
     proposals, masks = constrain([seq], {seq.slot_id: Proposal(seq.slot_id, _ids(tokenizer, "x"), None, 0)}, [])
     assert proposals == {} and masks[seq.slot_id].rows == 1
 
@@ -148,12 +149,23 @@ def test_schemas_that_differ_in_blanks_share_one_compiled_grammar(compiler: Gram
     spaced = gateway_pb2.StructuredOutput(json_schema='{"type": "object",  "required": []}')
     tight = gateway_pb2.StructuredOutput(json_schema=json.dumps({"type": "object", "required": []},
                                                                 separators=(",", ":")))
-    before = compiler.cached()
+    before, _ = compiler.cached()
     for message in (spaced, tight):
         output = structured_output_from_pb(message, "structured_output")
         assert isinstance(output, JsonSchema)
-        compiler.compile(output, "structured_output.json_schema")
-    assert compiler.cached() == before + 1
+        compiler.compile(output.grammar(), "structured_output.json_schema")
+    assert compiler.cached()[0] == before + 1
+
+
+def test_the_cache_keeps_to_its_bytes_of_grammar_text(tokenizer: PreTrainedTokenizerBase) -> None:
+    texts = [Regex("[0-9]{%d}" % n).grammar() for n in range(1, 6)]
+    small = GrammarCompiler(tokenizer, 49152, [tokenizer.eos_token_id], max_bytes=2 * max(map(len, texts)))
+    for text in texts:
+        small.compile(text, "regex")
+    entries, size = small.cached()
+    assert entries == 2 and size == sum(map(len, texts[-2:]))  # the least recently used went first
+    small.compile(texts[-1], "regex")  # a hit compiles nothing and keeps the count
+    assert small.cached() == (entries, size)
 
 
 def test_the_answer_keeps_the_schemas_property_order(compiler: GrammarCompiler,
@@ -161,7 +173,7 @@ def test_the_answer_keeps_the_schemas_property_order(compiler: GrammarCompiler,
     schema = {"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}},
               "required": ["zeta", "alpha"], "additionalProperties": False}
     message = gateway_pb2.StructuredOutput(json_schema=json.dumps(schema))
-    grammar = compiler.compile(structured_output_from_pb(message, "structured_output"), "structured_output")
+    grammar = compiler.compile(structured_output_from_pb(message, "structured_output").grammar(), "structured_output")
     answer = _ids(tokenizer, '{"zeta":1,"alpha":2}')
     assert grammar.masks_along(answer)[1] == len(answer)
 
@@ -170,7 +182,7 @@ def test_forced_tokens_replace_the_planned_draft_up_to_the_cap(compiler: Grammar
                                                                tokenizer: PreTrainedTokenizerBase) -> None:
     seq, free = sequence(), sequence()
     free.slot_id = "free"
-    seq.grammar = compiler.compile(Regex(r"hello world [0-9]"), "regex")
+    seq.grammar = compiler.compile(Regex(r"hello world [0-9]").grammar(), "regex")
     plan = RoundPlan(ks={"s": 4, "free": 4}, steps={}, guesses={"s": LookupDraft((1, 2), DraftSource.SUFFIX, 2)})
     forced = with_forced_tokens(plan, [seq, free], {"s": 2, "free": 4})
     draft = forced.lookups["s"]

@@ -10,7 +10,7 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from specdec.gateway.config import TOOL_CALL_PARSERS
-from specdec.gateway.grammar import GrammarCompiler, JsonSchema, Lark
+from specdec.gateway.grammar import JsonSchema, Lark
 from specdec.gateway.tools import (
     PARSER_CHOICES,
     Answer,
@@ -32,6 +32,7 @@ from specdec.gateway.tools import (
 )
 from specdec.gateway.tools.hermes import Hermes
 from specdec.gateway.tools.llama3_json import Llama3Json
+from specdec.grammar import GrammarCompiler
 from specdec.model.choices import DEFAULT_MODEL
 from specdec.model.loader import load_tokenizer
 from specdec.model.random_models import LLAMA3_CHAT_TEMPLATE
@@ -162,14 +163,14 @@ def test_required_grammars_take_calls_of_the_tools_only(tokenizer: PreTrainedTok
     assert output is not None and output.WhichOneof("kind") == "grammar"
     compiler = GrammarCompiler(tokenizer, 49152, [2])
     for text, allowed in ((answer, True), (refused, False)):
-        matcher = compiler.compile(Lark(output.grammar), "tools").matcher
+        matcher = compiler.compile(Lark(output.grammar).grammar(), "tools").matcher
         consumed = all(matcher.consume_token(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"])
         assert (consumed and matcher.is_accepting()) == allowed
     reader = reader_for(ToolUse(AUTO.tools, RequiredCalls()), form)
     assert reader is not None and [c.name for c in read_whole(answer, reader).tool_calls] == ["get_weather", "get_time"]
     named = structured_output(ToolUse(AUTO.tools, NamedCall("get_weather")), form)
     assert named is not None and json.loads(named.json_schema) == {"type": "object", **WEATHER.parameters}
-    compiler.compile(JsonSchema(named.json_schema), "tools[0].function.parameters")
+    compiler.compile(JsonSchema(named.json_schema).grammar(), "tools[0].function.parameters")
 
 
 def test_the_format_follows_the_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:

@@ -92,7 +92,8 @@ def test_the_workload_has_three_kinds_and_enough_requests_at_the_recommended_rep
 
 
 def test_every_schema_compiles_for_the_gateway_and_its_example_walks_the_grammar() -> None:
-    from specdec.gateway.grammar import GrammarCompiler, JsonSchema
+    from specdec.gateway.grammar import JsonSchema
+    from specdec.grammar import GrammarCompiler
     from specdec.model.choices import DEFAULT_MODEL
     from specdec.model.loader import load_tokenizer
 
@@ -100,7 +101,7 @@ def test_every_schema_compiles_for_the_gateway_and_its_example_walks_the_grammar
     compiler = GrammarCompiler(tokenizer, 49152, [tokenizer.eos_token_id])
     assert {json.dumps(p.schema) for p in STRUCTURED_PROMPTS} == {json.dumps(s) for s, _ in EXAMPLES}
     for schema, value in EXAMPLES:
-        grammar = compiler.compile(JsonSchema(json.dumps(schema)), "json_schema")
+        grammar = compiler.compile(JsonSchema(json.dumps(schema)).grammar(), "json_schema")
         # The gateway's JSON is compact (`JSON_DEFAULTS`): no optional whitespace.
         tokens = list(tokenizer(json.dumps(value, separators=(",", ":")), add_special_tokens=False)["input_ids"])
         _, legal = grammar.masks_along([*tokens, tokenizer.eos_token_id])

@@ -14,10 +14,12 @@ from specdec.sampling.token_masks import TokenMasks, words_for
 
 
 class RequestGrammar:
-    """An llguidance matcher that has consumed exactly the request's emitted tokens."""
+    """An llguidance matcher that has consumed exactly the request's emitted tokens, and the
+    grammar `text` it was compiled from."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, stop_token_ids: Collection[int]) -> None:
-        self.matcher = matcher
+    def __init__(self, matcher: llguidance.LLMatcher, text: str, vocab_size: int,
+                 stop_token_ids: Collection[int]) -> None:
+        self.matcher, self.text = matcher, text
         self.words = words_for(vocab_size)  # the logits' width; the tokenizer's may be wider
         self.stop_token_ids = frozenset(stop_token_ids)
 

@@ -1,5 +1,6 @@
-"""Grammars compiled once, for the gateway's tokenizer: llguidance matchers kept as templates
-(bounded, least recently used dropped first), each request walking its own copy."""
+"""Grammars compiled once per tokenizer: llguidance matchers kept as templates (bounded in
+number and in grammar bytes, least recently used dropped first), each request walking its own
+copy."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ import llguidance.hf
 from transformers import PreTrainedTokenizerBase
 
 from specdec.errors import InvalidArgumentError
-from specdec.gateway.grammar.spec import StructuredOutput
-from specdec.gateway.grammar.state import RequestGrammar
+from specdec.grammar.state import RequestGrammar
 
 log = logging.getLogger(__name__)
 
-#: Compiled grammars kept: a template is small (its lexer and tables are built lazily as
-#: requests walk it), and a service sees few distinct schemas at a time.
+#: Compiled grammars kept: at most this many, and at most this many bytes of grammar text. A
+#: template's memory grows with its grammar (its lexer and tables are built lazily as requests
+#: walk it), so the text's size bounds it where a count alone would let 256 large schemas pile up.
 CACHE_ENTRIES = 256
+CACHE_BYTES = 16 * 1024 * 1024
 #: llguidance's bounds on one grammar's size and on the lexer work per token: a hostile grammar
 #: is refused, or fails its request, instead of stalling the thread that masks every request.
 def _limits() -> llguidance.LLParserLimits:
@@ -31,14 +33,17 @@ def _limits() -> llguidance.LLParserLimits:
 
 
 class GrammarCompiler:
-    """Compiles `StructuredOutput`s for one tokenizer whose logits are `vocab_size` wide and whose
-    requests end at `eos_token_ids`. Thread-safe; compiling runs on the caller's thread (the
-    gateway's tokenizer thread, off the event loop)."""
+    """Compiles llguidance grammar texts for one tokenizer whose logits are `vocab_size` wide and
+    whose requests end at `eos_token_ids`. Thread-safe; compiling runs on the caller's thread (the
+    gateway's tokenizer thread, the draft's executor: off any event loop)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: Sequence[int],
+                 max_entries: int = CACHE_ENTRIES, max_bytes: int = CACHE_BYTES) -> None:
         self.hf_tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, list(eos_token_ids)
+        self.max_entries, self.max_bytes = max_entries, max_bytes
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._templates: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()
+        self._bytes = 0  # the cached grammars' text
         self._lock = threading.Lock()
 
     @property
@@ -54,15 +59,11 @@ class GrammarCompiler:
     def warm(self) -> None:
         self.tokenizer  # noqa: B018 - builds it
 
-    def compile(self, output: StructuredOutput, field: str) -> RequestGrammar:
-        """A fresh walk through `output`'s grammar; INVALID_ARGUMENT naming `field` when llguidance
-        refuses it (bad syntax, an unsupported schema feature, a limit)."""
-        try:
-            text = output.grammar()
-        except (ValueError, TypeError) as error:
-            raise InvalidArgumentError(f"{field}: {error}", field=field) from None
+    def compile(self, text: str, field: str) -> RequestGrammar:
+        """A fresh walk through the grammar `text` (llguidance's grammar format); INVALID_ARGUMENT
+        naming `field` when llguidance refuses it (bad syntax, an unsupported schema feature, a limit)."""
         template = self._template(text, field)
-        return RequestGrammar(template.deep_copy(), self.vocab_size, self.eos_token_ids)
+        return RequestGrammar(template.deep_copy(), text, self.vocab_size, self.eos_token_ids)
 
     def _template(self, text: str, field: str) -> llguidance.LLMatcher:
         with self._lock:
@@ -79,13 +80,18 @@ class GrammarCompiler:
         if template.is_error():
             raise InvalidArgumentError(f"{field}: {_first_lines(template.get_error())}", field=field)
         with self._lock:
-            self._templates[text] = template
-            while len(self._templates) > CACHE_ENTRIES:
-                self._templates.popitem(last=False)
+            if text not in self._templates:
+                self._templates[text] = template
+                self._bytes += len(text)
+            while len(self._templates) > self.max_entries or (self._bytes > self.max_bytes and len(self._templates) > 1):
+                dropped, _ = self._templates.popitem(last=False)
+                self._bytes -= len(dropped)
         return template
 
-    def cached(self) -> int:
-        return len(self._templates)
+    def cached(self) -> tuple[int, int]:
+        """Grammars cached, and the bytes of their text."""
+        with self._lock:
+            return len(self._templates), self._bytes
 
 
 @functools.lru_cache(maxsize=4)
