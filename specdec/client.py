@@ -79,6 +79,8 @@ class GenerationResult:
     #: Model-drafted rounds that checked a lookup's guess, and the draft tokens the guesses gave.
     num_guided_rounds: int = 0
     num_guessed_tokens: int = 0
+    #: Draft tokens a grammar forced: drafted with no draft step, kept for certain.
+    num_forced_tokens: int = 0
     time_to_first_token_s: float = 0.0
     tokens_per_s: float = 0.0
     total_s: float = 0.0
@@ -107,6 +109,7 @@ class GenerationResult:
             "num_lookup_accepted_tokens": self.num_lookup_accepted_tokens,
             "num_guided_rounds": self.num_guided_rounds,
             "num_guessed_tokens": self.num_guessed_tokens,
+            "num_forced_tokens": self.num_forced_tokens,
             "time_to_first_token_s": round(self.time_to_first_token_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 2),
             **({"logprobs": [{"token_id": t.token_id, "logprob": t.logprob,
@@ -299,6 +302,7 @@ def apply_completion(result: GenerationResult, completion: gateway_pb2.Completio
     result.num_lookup_accepted_tokens = completion.speculation.num_lookup_accepted_tokens
     result.num_guided_rounds = completion.speculation.num_guided_rounds
     result.num_guessed_tokens = completion.speculation.num_guessed_tokens
+    result.num_forced_tokens = completion.speculation.num_forced_tokens
     result.time_to_first_token_s = completion.timings.time_to_first_token_s
     result.tokens_per_s = completion.timings.tokens_per_s
     result.total_s = completion.timings.total_s

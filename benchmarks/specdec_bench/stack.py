@@ -44,6 +44,8 @@ class MetricsSnapshot:
     accepted_per_pos: dict[int, float]
     #: Draft tokens proposed, by draft source (`specdec.gateway.draft_sources.DraftSource` values).
     draft_tokens_by_source: dict[str, float] = field(default_factory=dict)
+    #: Draft tokens grammars forced (`spec_decode_num_forced_tokens`).
+    forced_tokens: float = 0.0
 
     def accepted_since(self, before: MetricsSnapshot, k: int) -> list[int]:
         """Accepted tokens per position 0..k-1 between `before` and this snapshot."""
@@ -101,6 +103,7 @@ def scrape_metrics(port: int) -> MetricsSnapshot:
         num_draft_tokens=values.get("specdec_spec_decode_num_draft_tokens_total", 0.0),
         num_accepted_tokens=values.get("specdec_spec_decode_num_accepted_tokens_total", 0.0),
         accepted_per_pos=per_pos, draft_tokens_by_source=by_source,
+        forced_tokens=values.get("specdec_spec_decode_num_forced_tokens_total", 0.0),
     )
 
 

@@ -93,7 +93,7 @@ class StructuredGroup:
     slot: int
     wall_s: float
     requests: list[StructuredRecord] = field(default_factory=list)
-    #: Draft tokens the grammar forced (source `grammar`), from the gateway's metrics around the group.
+    #: Draft tokens the grammar forced (`spec_decode_num_forced_tokens`), from the gateway's metrics around the group.
     grammar_draft_tokens: int | None = None
 
     @classmethod

@@ -81,8 +81,8 @@ def _description(meta: dict[str, Any]) -> str:
         "that lengths, contexts and batch shapes match. Alone, tok/s is the gateway's decode `tokens_per_s`; at "
         f"{GROUP_SIZE}, all completion tokens ÷ the group's wall time. Ratios are medians over the slots (a prompt "
         "alone, or a group, run once per mode back to back) of the two modes' ratio. Forced-token share: draft "
-        "tokens of source `grammar` (`specdec_spec_decode_num_draft_tokens_total{source=\"grammar\"}`, read "
-        "around each group; all are kept) ÷ completion tokens."
+        "tokens the grammar forced (`specdec_spec_decode_num_forced_tokens_total`, read around each group: the "
+        "grammar's own drafts and the draft model's forced guesses; all are kept) ÷ completion tokens."
     )
 
 

@@ -76,23 +76,23 @@ def structured_request(plan: Plan, mode: StructuredMode, prompt: int, *, repetit
                             digest(result.token_ids))
 
 
-def grammar_drafts(port: int) -> float:
-    return scrape_metrics(port).draft_tokens_by_source.get("grammar", 0.0)
+def forced_tokens(port: int) -> float:
+    return scrape_metrics(port).forced_tokens
 
 
 def run_structured_group(plan: Plan, mode: StructuredMode, prompts: Sequence[int], *, slot: int,
                          repetition: int) -> StructuredGroup:
-    """`prompts` sent at once in `mode` (one prompt: a single request), the gateway's grammar
-    draft counter read around them."""
+    """`prompts` sent at once in `mode` (one prompt: a single request), the gateway's forced-token
+    counter read around them."""
     port = plan.gateways[mode].metrics_port
-    before = grammar_drafts(port)
+    before = forced_tokens(port)
     with ThreadPoolExecutor(len(prompts)) as pool:
         started = time.perf_counter()
         futures = [pool.submit(structured_request, plan, mode, p, repetition=repetition, concurrency=len(prompts))
                    for p in prompts]
         records = [future.result() for future in futures]
         wall = time.perf_counter() - started
-    return StructuredGroup(mode.value, len(prompts), slot, wall, records, round(grammar_drafts(port) - before))
+    return StructuredGroup(mode.value, len(prompts), slot, wall, records, round(forced_tokens(port) - before))
 
 
 def warm_up_structured(gateways: dict[StructuredMode, Gateway], max_new_tokens: int) -> Plan:

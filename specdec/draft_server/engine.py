@@ -10,15 +10,21 @@ are sampled from q, the request's transformed distribution, with a per-slot gene
 (seeded once per slot), so a seeded request drafts the same tokens whatever it is batched
 with. q is cut to the tokens that carry its mass (`sparse_probs.cut_tail`) and rounded to
 the wire dtype before the token is drawn from it, so acceptance judges each token against
-exactly the distribution it was drawn from.
+exactly the distribution it was drawn from. A structured-output request's rows are masked by its
+grammar before anything else (`grammars`), and the tokens its grammar forces are its guess.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 
 from specdec.draft_server.config import DraftConfig
+from specdec.draft_server.grammars import DraftGrammars, SlotGrammar, masked
 from specdec.errors import InvalidArgumentError
+from specdec.grammar import GrammarCompiler
 from specdec.model.runtime import ModelRuntime
 from specdec.prompt_lookup import PromptLookupIndex
 from specdec.sampling.draws import drawn_tokens, make_generator, pick_tokens, position_generator
@@ -39,11 +45,15 @@ class DraftEngine(ModelEngine):
         #: The n-grams of each slot's accepted tokens, for its own guesses (`lookup_guesses`).
         self.lookups: dict[str, PromptLookupIndex] = {}
         self.guess_tokens, self.guess_min_match = config.lookup_guess_tokens, config.lookup_guess_min_match
+        #: Structured-output slots' grammars, walked with the draft's own tokenizer.
+        self.grammars = DraftGrammars(GrammarCompiler(runtime.loaded.tokenizer, self.tokenizer_info.vocab_size,
+                                                      self.tokenizer_info.eos_token_ids))
 
     def release(self, slot_id: str) -> None:
         super().release(slot_id)
         self.generators.pop(slot_id, None)
         self.lookups.pop(slot_id, None)
+        self.grammars.release(slot_id)
 
     def propose(
         self, items: list[ProposeItem], probs_dtype: torch.dtype = torch.float32, lease: Lease | None = None
@@ -52,6 +62,7 @@ class DraftEngine(ModelEngine):
         guesses that fit, then draft k tokens each."""
         new_slots = self._validate(items)
         self.leases.check(lease)
+        accepted = [self.tokens.get(item.slot_id, [])[: item.valid_len] + item.new_tokens for item in items]
         # A new slot's new_tokens are its whole prompt (valid_len 0): it feeds what the prefix cache lacks.
         feeds = {item.slot_id: list(item.new_tokens) for item in items}
         feeds.update(self._allocate({slot_id: feeds[slot_id] for slot_id in new_slots}, lease))
@@ -62,28 +73,36 @@ class DraftEngine(ModelEngine):
             for item in items:
                 if item.slot_id not in new_slots:
                     self._rollback(item.slot_id, item.valid_len)
-            guesses = [self._fed_guess(item, feeds[item.slot_id], len(items)) for item in items]
-            logits = self._feed([(item.slot_id, feeds[item.slot_id] + guess) for item, guess in zip(items, guesses)],
-                                [1 + len(guess) for guess in guesses])
-            proposals = self._draft(items, logits, guesses, probs_dtype)
+            walks = [self.grammars.walk(item.slot_id, item.grammar, tokens, item.valid_len, item.stop_token_ids)
+                     for item, tokens in zip(items, accepted)]
+            guesses = [self._fed_guess(item, feeds[item.slot_id], len(items), walk)
+                       for item, walk in zip(items, walks)]
+            logits = self._feed([(item.slot_id, feeds[item.slot_id] + guess.tokens)
+                                 for item, guess in zip(items, guesses)],
+                                [1 + len(guess.tokens) for guess in guesses])
+            proposals = self._draft(items, logits, guesses, walks, probs_dtype)
         except BaseException:
             self._free_quietly(new_slots)
             raise
+        finally:
+            self.grammars.end_drafts()
         self._hand_over()  # the target verifies next
         return proposals
 
-    def _fed_guess(self, item: ProposeItem, feed: list[int], batch: int) -> list[int]:
-        """The guessed tokens fed with `feed`: the item's guess, else with `lookup_guesses` the
-        draft's own over the accepted text (which it indexes here); all but the K-th (the last
-        drafted token is never fed), and none after a prompt-sized feed (`_is_short`), whose
-        forward would have to score every position."""
+    def _fed_guess(self, item: ProposeItem, feed: list[int], batch: int, walk: SlotGrammar | None) -> Guess:
+        """The guessed tokens fed with `feed`: the tokens the grammar forces, else the item's
+        guess, else with `lookup_guesses` the draft's own over the accepted text (which it
+        indexes here); all but the K-th (the last drafted token is never fed), and none after a
+        prompt-sized feed (`_is_short`), whose forward would have to score every position."""
         if item.lookup_guesses:
             self._index(item.slot_id, self.tokens[item.slot_id] + feed)
         if not self._is_short(len(feed)):
-            return []
+            return Guess([])
+        if walk is not None and (forced := walk.forced(item.num_speculative_tokens - 1)):
+            return Guess(forced, forced=True)
         if item.guess_tokens:
-            return item.guess_tokens[: item.num_speculative_tokens - 1]
-        return self._own_guess(item, feed, min(self.guess_tokens // batch, item.num_speculative_tokens - 1))
+            return Guess(item.guess_tokens[: item.num_speculative_tokens - 1], own=False)
+        return Guess(self._own_guess(item, feed, min(self.guess_tokens // batch, item.num_speculative_tokens - 1)))
 
     def _index(self, slot_id: str, accepted: list[int]) -> None:
         """Index the slot's accepted tokens (they only grow: `_rollback` drops an index it cuts)."""
@@ -154,6 +173,8 @@ class DraftEngine(ModelEngine):
                                            f"than its num_speculative_tokens ({item.num_speculative_tokens})",
                                            field="guess_tokens")
             self._check_sampling(item.slot_id, item.sampling)
+            if item.grammar is not None:
+                _check_grammar(item)
             if not 1 <= item.num_speculative_tokens <= self.config.max_speculative_tokens:
                 raise InvalidArgumentError(f"num_speculative_tokens: {item.num_speculative_tokens} for slot "
                                            f"{item.slot_id!r} is outside [1, {self.config.max_speculative_tokens}]",
@@ -166,18 +187,22 @@ class DraftEngine(ModelEngine):
         return new_slots
 
     def _draft(
-        self, items: list[ProposeItem], logits: list[torch.Tensor], guesses: list[list[int]], probs_dtype: torch.dtype
+        self, items: list[ProposeItem], logits: list[torch.Tensor], guesses: list[Guess],
+        walks: list[SlotGrammar | None], probs_dtype: torch.dtype,
     ) -> list[Proposal]:
         """K draws per item, one batched step at a time. `logits[i]` holds item i's next-token
         logits after its feed and after each of its fed guessed tokens ([1 + len(guesses[i]), vocab]):
         while the drawn tokens equal the guess the next row is already there, and the first draw
         that differs drops the rest of the guess from the cache and is fed as usual, with a
         guess of the draft's own where the item allows one (`_step_guesses`). An item stops at
-        its first drawn stop token, which like a K-th token is not fed."""
+        its first drawn stop token, which like a K-th token is not fed. A structured-output
+        item's `walks` entry masks its draws and moves past each drawn token."""
         drafted: list[list[int]] = [[] for _ in items]
         q_rows: list[list[torch.Tensor]] = [[] for _ in items]
-        saved = [0] * len(items)
-        own_fed = [0 if item.guess_tokens else len(guess) for item, guess in zip(items, guesses)]
+        saved, forced = [0] * len(items), [0] * len(items)  # steps the guesses saved: lookups', grammars'
+        own_fed, forced_fed = [0] * len(items), [0] * len(items)
+        for i, guess in enumerate(guesses):
+            guess.count(i, own_fed, forced_fed)
         pending = {i: list(rows.unbind(0)) for i, rows in enumerate(logits)}  # item -> its next rows, [vocab] each
         unchecked = dict(enumerate(guesses))  # item -> its fed guessed tokens not drawn yet, one a pending row
         limits = [item.num_speculative_tokens for item in items]  # cut to the step of a drawn stop token
@@ -187,8 +212,8 @@ class DraftEngine(ModelEngine):
             if not rows:
                 break
             positions = [len(self.tokens[items[i].slot_id]) - len(pending[i]) + 1 for i in rows]
-            tokens, probs = self._draw(items, rows, positions, torch.stack([pending[i].pop(0) for i in rows]),
-                                       probs_dtype)
+            step_logits = masked(torch.stack([pending[i].pop(0) for i in rows]), [walks[i] for i in rows])
+            tokens, probs = self._draw(items, rows, positions, step_logits, probs_dtype)
             feed = []
             for n, (i, token) in enumerate(zip(rows, tokens)):
                 drafted[i].append(token)
@@ -196,21 +221,23 @@ class DraftEngine(ModelEngine):
                     q_rows[i].append(probs[n])
                 if token in stops[i]:
                     limits[i] = step + 1
-                if unchecked[i] and token == unchecked[i][0] and limits[i] > step + 1:
-                    unchecked[i] = unchecked[i][1:]  # the guess holds: its next row is this token's successor
-                    saved[i] += 1
+                if (walk := walks[i]) is not None and limits[i] > step + 1:
+                    walk.draw(token, items[i].stop_token_ids)
+                if unchecked[i].tokens and token == unchecked[i].tokens[0] and limits[i] > step + 1:
+                    unchecked[i] = unchecked[i].rest()  # the guess holds: its next row is this token's successor
+                    (forced if unchecked[i].forced else saved)[i] += 1
                     continue
-                if unchecked[i]:  # the guess parted here, or the item stops: its tokens from here on go
+                if unchecked[i].tokens:  # the guess parted here, or the item stops: its tokens from here on go
                     self._rollback(items[i].slot_id, positions[n])
-                    pending[i], unchecked[i] = [], []
+                    pending[i], unchecked[i] = [], Guess([])
                 if limits[i] > step + 1:  # the last drafted token is not fed
                     feed.append(i)
             if feed:
-                unchecked.update(self._step_guesses(items, feed, drafted, step))
+                unchecked.update(self._step_guesses(items, feed, drafted, step, walks))
                 for i in feed:
-                    own_fed[i] += len(unchecked[i])
-                every = any(unchecked[i] for i in feed)
-                chunks = [(items[i].slot_id, [drafted[i][-1], *unchecked[i]]) for i in feed]
+                    unchecked[i].count(i, own_fed, forced_fed)
+                every = any(unchecked[i].tokens for i in feed)
+                chunks = [(items[i].slot_id, [drafted[i][-1], *unchecked[i].tokens]) for i in feed]
                 out = self._run(chunks, logits="all" if every else "last", prompt=False)
                 pending.update((i, list(rows.unbind(0)) if every else [rows]) for i, rows in zip(feed, out))
         return [
@@ -221,19 +248,28 @@ class DraftEngine(ModelEngine):
                 cached_len=len(self.tokens[item.slot_id]),
                 saved_steps=saved[i],
                 own_guess_tokens=own_fed[i],
+                forced_steps=forced[i],
+                forced_tokens=forced_fed[i],
             )
             for i, item in enumerate(items)
         ]
 
     def _step_guesses(
-        self, items: list[ProposeItem], feed: list[int], drafted: list[list[int]], step: int
-    ) -> dict[int, list[int]]:
-        """The draft's own guess for each item of `feed` after its latest drawn token: at most
-        the draws it has left but one, and at most `lookup_guess_tokens` // len(feed), since the
-        step's forward pads every row to the widest."""
+        self, items: list[ProposeItem], feed: list[int], drafted: list[list[int]], step: int,
+        walks: list[SlotGrammar | None],
+    ) -> dict[int, Guess]:
+        """The draft's own guess for each item of `feed` after its latest drawn token (the tokens
+        its grammar forces, else its lookup's): at most the draws it has left but one, and at
+        most `lookup_guess_tokens` // len(feed), since the step's forward pads every row to the widest."""
         share = self.guess_tokens // len(feed)
-        return {i: self._own_guess(items[i], drafted[i][-1:], min(share, items[i].num_speculative_tokens - step - 2))
-                for i in feed}
+        guesses = {}
+        for i in feed:
+            limit = min(share, items[i].num_speculative_tokens - step - 2)
+            walk = walks[i]
+            forced = walk.forced(limit) if walk is not None else []
+            own = [] if forced else self._own_guess(items[i], drafted[i][-1:], limit)
+            guesses[i] = Guess(forced, forced=True) if forced else Guess(own)
+        return guesses
 
     def _draw(
         self, items: list[ProposeItem], rows: list[int], positions: list[int], step_logits: torch.Tensor,
@@ -258,3 +294,33 @@ class DraftEngine(ModelEngine):
         generators = [position_generator(p, position, probs.device) or self.generators.get(items[i].slot_id)
                       for i, p, position in zip(rows, params, positions)]
         return drawn_tokens(pick_tokens(probs, params, generators)), probs
+
+
+@dataclass(frozen=True)
+class Guess:
+    """Tokens fed as a guess at the next draws: the draft's own (its lookup's), the gateway's
+    (`ProposeItem.guess_tokens`, not `own`) or the ones a grammar forces (`forced`)."""
+
+    tokens: list[int]
+    own: bool = True
+    forced: bool = False
+
+    def rest(self) -> Guess:
+        return dataclasses.replace(self, tokens=self.tokens[1:])
+
+    def count(self, item: int, own_fed: list[int], forced_fed: list[int]) -> None:
+        """Add the tokens fed to the item's tally of its kind (the gateway's guesses are not counted)."""
+        if self.forced:
+            forced_fed[item] += len(self.tokens)
+        elif self.own:
+            own_fed[item] += len(self.tokens)
+
+
+def _check_grammar(item: ProposeItem) -> None:
+    """A grammar needs its text, and an answer that starts within the slot's tokens after the feed."""
+    assert item.grammar is not None
+    if not item.grammar.text:
+        raise InvalidArgumentError(f"grammar.text: empty for slot {item.slot_id!r}", field="grammar.text")
+    if not 0 <= item.grammar.start <= item.valid_len + len(item.new_tokens):
+        raise InvalidArgumentError(f"grammar.start: {item.grammar.start} for slot {item.slot_id!r} is outside "
+                                   f"[0, {item.valid_len + len(item.new_tokens)}]", field="grammar.start")

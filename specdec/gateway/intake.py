@@ -257,6 +257,7 @@ def completion_to_pb(seq: Request, error: str) -> gateway_pb2.Completion:
             num_lookup_accepted_tokens=seq.counts.lookup_accepted_tokens,
             num_guided_rounds=seq.counts.guided_rounds,
             num_guessed_tokens=seq.counts.guessed_tokens,
+            num_forced_tokens=seq.counts.forced_tokens,
         ),
         timings=gateway_pb2.Timings(time_to_first_token_s=ttft, total_s=total, tokens_per_s=rate),
         error_message=error,

@@ -110,6 +110,9 @@ def gateway_families(stats: GatewayStats, prefix: str, model_name: str) -> Itera
                     "draft source", ["position", "source"],
                     {(str(i), source.value): n for source, counts in s.accepted_per_position.items()
                      for i, n in enumerate(counts)})
+    yield f.counter("spec_decode_num_forced_tokens", "Draft tokens a structured-output request's grammar forced "
+                    "(drafted with no draft step, kept for certain: the grammar's own drafts and the draft model's "
+                    "forced guesses)", [], _one(s.forced_tokens))
     yield f.counter("spec_decode_num_emitted_tokens", "Tokens emitted by rounds (accepted + recovered or bonus; "
                     "every token of a multi-step plain round)", [], _one(s.emitted_tokens))
     yield f.gauge("speculation_enabled", "1 while the draft is usable; 0 from a failed or late Propose until its "

@@ -84,10 +84,13 @@ class SpeculationCounts:
     #: step), and the draft tokens the guesses gave.
     guided_rounds: int = 0
     guessed_tokens: int = 0
+    #: Draft tokens the grammar forced (`SpeculationStats.num_forced_tokens`).
+    forced_tokens: int = 0
     #: Plain rounds since the request last drafted.
     plain_streak: int = 0
 
-    def record(self, k: int, num_accepted: int, source: DraftSource | None = None, guessed: int = 0) -> None:
+    def record(self, k: int, num_accepted: int, source: DraftSource | None = None, guessed: int = 0,
+               forced: int = 0) -> None:
         if k == 0:
             self.plain_rounds += 1
             self.plain_streak += 1
@@ -96,6 +99,7 @@ class SpeculationCounts:
         self.plain_streak = 0
         self.draft_tokens += k
         self.accepted_tokens += num_accepted
+        self.forced_tokens += forced
         if source is not None and source.is_lookup:
             self.lookup_rounds += 1
             self.lookup_draft_tokens += k

@@ -56,6 +56,9 @@ class RoundPlan:
     #: Requests whose draft cache the target's fills before the Propose (`CatchUpPricer.hands_off`):
     #: the draft has fallen behind by more than a round's tokens, and a copy costs less than its forward.
     handoffs: frozenset[str] = frozenset()
+    #: Structured-output requests draft the tokens their grammar forces (`grammar.rounds`), and
+    #: the model draft guesses them.
+    grammar_drafts: bool = True
 
     @property
     def drafts(self) -> bool:
@@ -107,6 +110,9 @@ class RoundReport:
     guessed: dict[str, int] = field(default_factory=dict)
     #: Tokens of the draft's own lookup guesses fed per slot (`Proposal.own_guess_tokens`).
     own_guess_tokens: dict[str, int] = field(default_factory=dict)
+    #: Per model-drafted slot whose grammar forced tokens: the draft steps they saved and the
+    #: tokens fed (`Proposal.forced_steps`, `forced_tokens`).
+    forced: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: The round's KV handoffs (`RoundPlan.handoffs`) that succeeded: tokens moved and seconds, per slot.
     handoffs: dict[str, tuple[int, float]] = field(default_factory=dict)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -249,7 +250,8 @@ class Scheduler:
         ))
         if plan.off_reason is not None:
             self.stats.off_rounds[plan.off_reason] += 1
-        return with_forced_tokens(plan, batch, caps) if self.grammar_drafts else plan
+        return with_forced_tokens(plan, batch, caps) if self.grammar_drafts else dataclasses.replace(
+            plan, grammar_drafts=False)
 
     @property
     def _draft_availability(self) -> DraftAvailability:
@@ -277,9 +279,10 @@ class Scheduler:
         for seq in batch:
             k, accepted = report.ks[seq.slot_id], report.num_accepted[seq.slot_id]
             source = report.sources.get(seq.slot_id, DraftSource.MODEL)
-            seq.counts.record(k, accepted, source, report.guessed.get(seq.slot_id, 0))
+            forced = k if source is DraftSource.GRAMMAR else report.forced.get(seq.slot_id, (0, 0))[0]
+            seq.counts.record(k, accepted, source, report.guessed.get(seq.slot_id, 0), forced)
             seq.anatomy.add(phases)
-            self.stats.record_round(k, accepted, report.steps_of(seq.slot_id), source)
+            self.stats.record_round(k, accepted, report.steps_of(seq.slot_id), source, forced)
             count, last_at = before[seq.slot_id]
             if seq.completion_tokens > count and seq.last_token_at is not None and last_at is not None:
                 self.stats.record_tokens(seq.completion_tokens - count, seq.last_token_at - last_at)

@@ -35,6 +35,7 @@ from specdec.serving.serial_executor import SerialExecutor
 from specdec.wire.items import (
     ArgmaxMode,
     DecodeMode,
+    DraftGrammar,
     DrawnMode,
     LogitsMode,
     Proposal,
@@ -68,10 +69,12 @@ def plan_steps(seq: Request, max_seq_len: int, limit: int) -> int:
 
 async def propose(
     draft: DraftAPI | None, seqs: list[Request], ks: dict[str, int], deadlines: Deadlines,
-    guesses: dict[str, LookupDraft] | None = None, self_guessing: Collection[str] = (),
+    guesses: dict[str, LookupDraft] | None = None, self_guessing: Collection[str] = (), grammar_guesses: bool = True,
 ) -> Timed[dict[str, Proposal]]:
     """One batched Propose for every sequence with K >= 1, with its lookup guess if it has one,
-    letting the draft guess on its own for those in `self_guessing`."""
+    letting the draft guess on its own for those in `self_guessing`; a structured-output request's
+    grammar goes with it (the draft masks its draws, and guesses the forced tokens where
+    `grammar_guesses`)."""
     speculating = [s for s in seqs if ks[s.slot_id] > 0]
     if not speculating:
         return Timed({}, 0.0, 0.0)
@@ -82,7 +85,7 @@ async def propose(
         seq.has_draft_slot = True  # from now on the draft may hold a slot: release it at the end
     items = [ProposeItem(s.slot_id, s.draft_valid, s.tokens[s.draft_valid :], ks[s.slot_id], s.draft_sampling,
                          list(guess.tokens) if (guess := guesses.get(s.slot_id)) is not None else [],
-                         s.slot_id in self_guessing, s.stop_token_ids)
+                         s.slot_id in self_guessing, s.stop_token_ids, _draft_grammar(s, grammar_guesses))
              for s in speculating]
     timeout = deadlines.propose(
         len(items), max(len(i.new_tokens) + len(i.guess_tokens) for i in items),
@@ -98,6 +101,13 @@ async def propose(
         if not item.sampling.is_greedy:
             _check_q(proposal)
     return proposed
+
+
+def _draft_grammar(seq: Request, forced_guesses: bool) -> DraftGrammar | None:
+    """The request's grammar as the draft walks it: from the answer's first token on."""
+    if seq.grammar is None:
+        return None
+    return DraftGrammar(seq.grammar.text, len(seq.prompt), forced_guesses)
 
 
 def _check_drafted(item: ProposeItem, tokens: list[int]) -> None:
@@ -243,6 +253,7 @@ async def run_round(
         total_s=time.perf_counter() - started, draft_failed=draft_failed, steps=steps, sources=sources,
         guessed=guessed,
         own_guess_tokens={slot: p.own_guess_tokens for slot, p in proposed.value.items() if p.own_guess_tokens},
+        forced={slot: (p.forced_steps, p.forced_tokens) for slot, p in proposed.value.items() if p.forced_tokens},
         handoffs=handed,
     )
 
@@ -294,7 +305,8 @@ async def propose_or_plain(
     draft's cache whatever it kept."""
     started = time.perf_counter()
     try:
-        return await propose(draft, seqs, plan.model_ks, deadlines, plan.guesses, plan.self_guessing), False
+        return await propose(draft, seqs, plan.model_ks, deadlines, plan.guesses, plan.self_guessing,
+                             plan.grammar_drafts), False
     except (grpc.aio.AioRpcError, ServiceStateError) as error:
         reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else str(error)
         log.warning("Propose failed (%s); this round decodes without speculation", reason)

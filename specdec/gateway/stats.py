@@ -56,6 +56,8 @@ class GatewayStats:
     draft_tokens: dict[DraftSource, int] = field(default_factory=lambda: dict.fromkeys(DRAFT_SOURCES, 0))
     accepted_tokens: dict[DraftSource, int] = field(default_factory=lambda: dict.fromkeys(DRAFT_SOURCES, 0))
     emitted_tokens: int = 0
+    #: Draft tokens a grammar forced (no draft step each): grammar drafts and forced guesses.
+    forced_tokens: int = 0
     accepted_per_position: dict[DraftSource, list[int]] = field(default_factory=dict)
     #: 0 while the draft is degraded (a failed or late Propose, until its health check passes).
     speculation_enabled: int = 1
@@ -77,12 +79,14 @@ class GatewayStats:
         if not self.accepted_per_position:
             self.accepted_per_position = {source: [0] * self.max_speculative_tokens for source in DRAFT_SOURCES}
 
-    def record_round(self, k: int, num_accepted: int, steps: int = 1, source: DraftSource = DraftSource.MODEL) -> None:
-        """One request's part in a round: K drafted by `source`, `num_accepted` of them kept (or,
-        plain, `steps` tokens decoded in one call)."""
+    def record_round(self, k: int, num_accepted: int, steps: int = 1, source: DraftSource = DraftSource.MODEL,
+                     forced: int = 0) -> None:
+        """One request's part in a round: K drafted by `source` (`forced` of them forced by its
+        grammar), `num_accepted` of them kept (or, plain, `steps` tokens decoded in one call)."""
         self.emitted_tokens += num_accepted + steps
         if k == 0:
             return
+        self.forced_tokens += forced
         self.drafts[source] += 1
         self.draft_tokens[source] += k
         self.accepted_tokens[source] += num_accepted

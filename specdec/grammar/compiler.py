@@ -83,7 +83,8 @@ class GrammarCompiler:
             if text not in self._templates:
                 self._templates[text] = template
                 self._bytes += len(text)
-            while len(self._templates) > self.max_entries or (self._bytes > self.max_bytes and len(self._templates) > 1):
+            while len(self._templates) > max(1, self.max_entries) or (len(self._templates) > 1
+                                                                      and self._bytes > self.max_bytes):
                 dropped, _ = self._templates.popitem(last=False)
                 self._bytes -= len(dropped)
         return template

@@ -65,6 +65,12 @@ class RequestGrammar:
             if token in stop_token_ids:
                 return
 
+    def rollback(self, tokens: int) -> None:
+        """Undo the last `tokens` tokens consumed."""
+        if tokens and not self.matcher.rollback(tokens):
+            self._check()
+            raise ServiceStateError(f"the grammar could not roll back {tokens} tokens")
+
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar allows alone from here (its only continuation), possibly none."""
         return list(self.matcher.compute_ff_tokens())

@@ -265,6 +265,24 @@ class VerifyItem:
 
 
 @dataclass(frozen=True)
+class DraftGrammar:
+    """A structured-output request's grammar as the draft walks it: llguidance grammar `text`,
+    read from sequence position `start` (the answer's first token) on, its forced tokens fed as
+    guesses where `forced_guesses`."""
+
+    text: str
+    start: int
+    forced_guesses: bool = True
+
+    def to_pb(self) -> draft_pb2.DraftGrammar:
+        return draft_pb2.DraftGrammar(text=self.text, start=self.start, forced_guesses=self.forced_guesses)
+
+    @classmethod
+    def from_pb(cls, message: draft_pb2.DraftGrammar) -> DraftGrammar:
+        return cls(message.text, message.start, message.forced_guesses)
+
+
+@dataclass(frozen=True)
 class ProposeItem:
     """Draft Propose: roll back to `valid_len`, feed `new_tokens`, draft K tokens (checking
     `guess_tokens`, a lookup's guess at them, in the same forward), or fewer, ending at the
@@ -280,12 +298,15 @@ class ProposeItem:
     lookup_guesses: bool = False
     #: Tokens that end the request: no draft token after one could be kept.
     stop_token_ids: tuple[int, ...] = ()
+    #: A structured-output request's grammar: every draw is masked by it.
+    grammar: DraftGrammar | None = None
 
     def to_pb(self) -> draft_pb2.ProposeItem:
         return draft_pb2.ProposeItem(
             slot_id=self.slot_id, valid_len=self.valid_len, new_tokens=self.new_tokens,
             num_speculative_tokens=self.num_speculative_tokens, sampling=sampling_to_pb(self.sampling),
             guess_tokens=self.guess_tokens, lookup_guesses=self.lookup_guesses, stop_token_ids=self.stop_token_ids,
+            grammar=self.grammar.to_pb() if self.grammar is not None else None,
         )
 
     @classmethod
@@ -294,6 +315,7 @@ class ProposeItem:
             message.slot_id, message.valid_len, list(message.new_tokens), message.num_speculative_tokens,
             sampling_from_pb(message.sampling), list(message.guess_tokens), message.lookup_guesses,
             tuple(message.stop_token_ids),
+            DraftGrammar.from_pb(message.grammar) if message.HasField("grammar") else None,
         )
 
 
@@ -422,16 +444,19 @@ class Proposal:
     saved_steps: int = 0
     #: Tokens of the draft's own lookup guesses it fed, each a token of width on a forward.
     own_guess_tokens: int = 0
+    #: Draws a grammar's forced tokens gave (steps saved), and the forced tokens fed (width).
+    forced_steps: int = 0
+    forced_tokens: int = 0
 
     def to_pb(self) -> draft_pb2.ProposeResult:
         return draft_pb2.ProposeResult(
             slot_id=self.slot_id, tokens=self.tokens, cached_len=self.cached_len,
             probs=sparse_to_pb(self.probs) if self.probs is not None else None, saved_steps=self.saved_steps,
-            own_guess_tokens=self.own_guess_tokens,
+            own_guess_tokens=self.own_guess_tokens, forced_steps=self.forced_steps, forced_tokens=self.forced_tokens,
         )
 
     @classmethod
     def from_pb(cls, message: draft_pb2.ProposeResult) -> Proposal:
         probs = sparse_from_pb(message.probs) if message.HasField("probs") else None
         return cls(message.slot_id, list(message.tokens), probs, message.cached_len, message.saved_steps,
-                   message.own_guess_tokens)
+                   message.own_guess_tokens, message.forced_steps, message.forced_tokens)

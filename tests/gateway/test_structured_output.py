@@ -110,9 +110,9 @@ def test_greedy_structured_output_is_plain_decoding_under_the_grammar(
         assert plain.token_ids == expected[case], f"plain decoding left transformers' answer on {prompt!r}"
         assert speculative.token_ids == expected[case], f"speculation changed the answer on {prompt!r}"
         if isinstance(CASES[case][2], JsonSchema):  # punctuation and enum values are forced: free drafts, all kept
-            assert speculative.num_lookup_draft_tokens > 0
+            assert speculative.num_forced_tokens > 0
             assert speculative.num_lookup_accepted_tokens == speculative.num_lookup_draft_tokens
-            assert plain.num_lookup_draft_tokens == 0  # a request that asks for no speculation gets none
+            assert plain.num_draft_tokens == plain.num_forced_tokens == 0  # no speculation asked, none given
         # Free JSON leaves the 135M model room to ramble past the token budget; the others end.
         if not isinstance(CASES[case][2], JsonObject) or speculative.finish_reason == "stop":
             assert speculative.finish_reason == "stop" and valid(speculative.text), speculative.text

@@ -1,6 +1,6 @@
-"""A round of structured-output requests: where the grammar allows one continuation alone, it is
-the request's draft (`with_forced_tokens`); each verify row gets the grammar's mask, and a draft
-is cut where the grammar refuses one of its tokens (`constrain`).
+"""A round of structured-output requests: where the grammar allows one continuation alone, it
+starts the request's draft (`with_forced_tokens`); each verify row gets the grammar's mask, and a
+draft is cut where the grammar refuses one of its tokens (`constrain`).
 
 Cutting keeps the output exact: a greedy request, a seeded one (kept while it equals the
 target's own draws) and a lookup's draft (q one-hot: a refused token is rejected for certain,
@@ -27,18 +27,26 @@ from specdec.wire.items import Proposal
 
 def with_forced_tokens(plan: RoundPlan, batch: list[Request], caps: dict[str, int]) -> RoundPlan:
     """`plan` with each structured-output request that the grammar forces on drafting the forced
-    tokens (up to its cap) instead of what was planned: they cost no draft step, and the target,
-    whose p the mask makes certain of them, accepts them all. The round then drafts, so no request
-    takes several plain steps in it."""
-    forced = {}
+    tokens first. They cost no draft step, and the target, whose p the mask makes certain of
+    them, accepts them all. A request the model drafts for drafts that many tokens more (up to
+    its cap): its draft walks the same grammar, guesses them (in place of a lookup's guess) and
+    draws them without a step each, so the planned K follow them. Any other (plain, or drafting
+    a lookup) drafts the forced tokens alone (up to its cap), with no Propose. The round then
+    drafts, so no request takes several plain steps in it."""
+    forced, longer = {}, {}
     for seq in batch:
-        if seq.grammar is not None and caps[seq.slot_id] > 0 and (tokens := seq.grammar.forced_tokens()):
-            forced[seq.slot_id] = LookupDraft(tuple(tokens[: caps[seq.slot_id]]), DraftSource.GRAMMAR, len(tokens))
-    if not forced:
+        slot, cap = seq.slot_id, caps[seq.slot_id]
+        if seq.grammar is None or cap <= 0 or not (tokens := seq.grammar.forced_tokens()):
+            continue
+        if (k := plan.model_ks.get(slot, 0)) > 0:
+            longer[slot] = min(cap, k + len(tokens))
+        else:
+            forced[slot] = LookupDraft(tuple(tokens[:cap]), DraftSource.GRAMMAR, len(tokens))
+    if not forced and not longer:
         return plan
     return dataclasses.replace(
-        plan, ks=plan.ks | {slot: len(draft.tokens) for slot, draft in forced.items()}, steps={},
-        lookups=plan.lookups | forced, guesses={s: g for s, g in plan.guesses.items() if s not in forced},
+        plan, ks=plan.ks | longer | {slot: len(draft.tokens) for slot, draft in forced.items()}, steps={},
+        lookups=plan.lookups | forced, guesses={s: g for s, g in plan.guesses.items() if s not in forced | longer},
         self_guessing=plan.self_guessing - set(forced),
     )
 

@@ -53,6 +53,7 @@ def speculation_stats(completion: gateway_pb2.Completion) -> dict[str, float | i
         "num_lookup_accepted_tokens": stats.num_lookup_accepted_tokens,
         "num_guided_drafts": stats.num_guided_rounds,
         "num_guessed_tokens": stats.num_guessed_tokens,
+        "num_forced_tokens": stats.num_forced_tokens,
     }
 
 

@@ -187,9 +187,11 @@ class CostEstimates:
         within = plan.catch_up_tokens <= VERIFY_MAX_TOKENS
         feeds = [(plan.catch_up_feeds.get(s.slot_id, 0) if within else 0) or plan.feeds.get(s.slot_id, 1) + guess
                  for s, guess in zip(seqs, guesses)]
-        saved = ([float(report.guessed.get(s.slot_id, 0)) for s in seqs]
-                 if any(guesses) or any(report.guessed.values()) else None)
-        widened = [float(report.own_guess_tokens.get(s.slot_id, 0)) for s in seqs]
+        # A grammar's forced tokens, fed as guesses, save steps and widen forwards as a lookup's do.
+        forced = [report.forced.get(s.slot_id, (0, 0)) for s in seqs]
+        saved = ([float(report.guessed.get(s.slot_id, 0) + steps) for s, (steps, _) in zip(seqs, forced)]
+                 if any(guesses) or any(report.guessed.values()) or report.forced else None)
+        widened = [float(report.own_guess_tokens.get(s.slot_id, 0) + fed) for s, (_, fed) in zip(seqs, forced)]
         predicted = unscaled.draft_seconds(drafts, feeds, saved, widened if any(widened) else None)
         if within:
             self.draft_scale.observe_ratio(report.propose.compute_s, predicted, self.weight, now)

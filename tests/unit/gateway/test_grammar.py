@@ -158,7 +158,7 @@ def test_schemas_that_differ_in_blanks_share_one_compiled_grammar(compiler: Gram
 
 
 def test_the_cache_keeps_to_its_bytes_of_grammar_text(tokenizer: PreTrainedTokenizerBase) -> None:
-    texts = [Regex("[0-9]{%d}" % n).grammar() for n in range(1, 6)]
+    texts = [Regex(f"[0-9]{{{n}}}").grammar() for n in range(1, 6)]
     small = GrammarCompiler(tokenizer, 49152, [tokenizer.eos_token_id], max_bytes=2 * max(map(len, texts)))
     for text in texts:
         small.compile(text, "regex")
@@ -178,17 +178,31 @@ def test_the_answer_keeps_the_schemas_property_order(compiler: GrammarCompiler,
     assert grammar.masks_along(answer)[1] == len(answer)
 
 
-def test_forced_tokens_replace_the_planned_draft_up_to_the_cap(compiler: GrammarCompiler,
-                                                               tokenizer: PreTrainedTokenizerBase) -> None:
+def test_forced_tokens_replace_a_plain_or_lookup_round_up_to_the_cap(compiler: GrammarCompiler,
+                                                                    tokenizer: PreTrainedTokenizerBase) -> None:
     seq, free = sequence(), sequence()
     free.slot_id = "free"
     seq.grammar = compiler.compile(Regex(r"hello world [0-9]").grammar(), "regex")
-    plan = RoundPlan(ks={"s": 4, "free": 4}, steps={}, guesses={"s": LookupDraft((1, 2), DraftSource.SUFFIX, 2)})
-    forced = with_forced_tokens(plan, [seq, free], {"s": 2, "free": 4})
-    draft = forced.lookups["s"]
-    assert draft.source is DraftSource.GRAMMAR and len(draft.tokens) == forced.ks["s"] == 2
-    assert tokenizer.decode(list(draft.tokens)) == "hello world"[: len(tokenizer.decode(list(draft.tokens)))]
-    assert forced.ks["free"] == 4 and "free" not in forced.lookups and "s" not in forced.guesses
-    assert forced.model_ks == {"s": 0, "free": 4}
+    lookup = LookupDraft((1, 2), DraftSource.SUFFIX, 2)
+    for plan in (RoundPlan(ks={"s": 0, "free": 4}, steps={"s": 3}),
+                 RoundPlan(ks={"s": 2, "free": 4}, lookups={"s": lookup})):
+        forced = with_forced_tokens(plan, [seq, free], {"s": 2, "free": 4})
+        draft = forced.lookups["s"]
+        assert draft.source is DraftSource.GRAMMAR and len(draft.tokens) == forced.ks["s"] == 2
+        assert tokenizer.decode(list(draft.tokens)) == "hello world"[: len(tokenizer.decode(list(draft.tokens)))]
+        assert forced.ks["free"] == 4 and "free" not in forced.lookups and forced.steps == {}
+        assert forced.model_ks == {"s": 0, "free": 4}
     seq.grammar.advance(list(tokenizer("hello world ", add_special_tokens=False)["input_ids"]), {EOS})
     assert with_forced_tokens(plan, [seq, free], {"s": 2, "free": 4}) is plan  # a digit: a choice, nothing forced
+
+
+def test_forced_tokens_lengthen_a_model_draft_which_guesses_them(compiler: GrammarCompiler,
+                                                                 tokenizer: PreTrainedTokenizerBase) -> None:
+    seq = sequence()
+    seq.grammar = compiler.compile(Regex(r"hello world [0-9]").grammar(), "regex")
+    forced_count = len(seq.grammar.forced_tokens())
+    plan = RoundPlan(ks={"s": 3}, guesses={"s": LookupDraft((1, 2), DraftSource.SUFFIX, 2)})
+    longer = with_forced_tokens(plan, [seq], {"s": 16})
+    assert longer.ks == longer.model_ks == {"s": 3 + forced_count} and not longer.lookups
+    assert not longer.guesses  # the draft feeds the forced tokens in its place
+    assert with_forced_tokens(plan, [seq], {"s": 4}).ks == {"s": 4}  # the cap holds
