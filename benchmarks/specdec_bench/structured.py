@@ -11,8 +11,9 @@ outputs are compared request by request within a slot. Alone, tok/s is the gatew
 Unconstrained requests get as many new tokens as the same prompt's constrained plain answer
 had (`StructuredRecord.max_new_tokens`): a free answer would run longer, and the comparison
 of equal lengths keeps the context and, at 16, the batch's shape alike. The mask's cost is
-read from outside as constrained plain ÷ unconstrained plain: masks are computed by the
-gateway and applied by the target, and neither reports its time apart.
+read from outside as constrained plain ÷ unconstrained plain, both one token a target call
+(`structured_run.SECOND_GATEWAY`): masks are computed by the gateway and applied by the
+target, and neither reports its time apart.
 """
 
 from __future__ import annotations

@@ -90,7 +90,8 @@ def _findings(summary: StructuredSummary) -> list[str]:
     levels = sorted(summary.identical)
     return [
         "- **Mask cost**, read from outside (the gateway walks the grammar and the target applies the masks, and "
-        "neither reports that time apart): unconstrained plain ÷ constrained plain − 1, "
+        "neither reports that time apart): unconstrained plain ÷ constrained plain − 1, both one token a target "
+        "call, "
         + ", ".join(f"{_f(mask_share(summary, level) * 100, 1, ' %')} of a decode step at {_requests(level)}"
                     for level in levels)
         + f" (target ≤ {MASK_SHARE * 100:.0f} % at {GROUP_SIZE}). A request without a grammar is not measured "

@@ -1,9 +1,11 @@
 """Measure the structured workload (`specdec_bench.structured` has the records and figures).
 
 Runs on the stack the rest of the run measured, with a second gateway on the same target and
-draft started with `--no-grammar-drafts` for the scenario only (idle while the first serves,
-stopped at its end). Each repetition runs every prompt alone in every mode, then one group of
-`GROUP_SIZE` prompts at once per mode; the modes' order rotates from slot to slot.
+draft started with `--no-grammar-drafts --decode-steps 1` for the scenario only (idle while the
+first serves, stopped at its end): it serves the speculative requests without grammar drafts
+and the unconstrained plain ones, one token a target call as a grammar's plain rounds take.
+Each repetition runs every prompt alone in every mode, then one group of `GROUP_SIZE` prompts
+at once per mode; the modes' order rotates from slot to slot.
 """
 
 from __future__ import annotations
@@ -32,8 +34,11 @@ from specdec_bench.structured_workload import STRUCTURED_PROMPTS, SchemaKind, an
 from specdec_bench.sweeps import Progress, method_order
 from specdec_bench.workloads import REQUEST_TIMEOUT_S, run_request
 
-#: The second gateway's flag: forced tokens are not drafted.
-NO_GRAMMAR_DRAFTS = "--no-grammar-drafts"
+#: The second gateway's flags: forced tokens are not drafted, and plain rounds decode one token
+#: a call, as a constrained request's do (the mask covers one step), so that unconstrained ÷
+#: constrained plain is the grammar's cost alone.
+SECOND_GATEWAY = ("--no-grammar-drafts", "--decode-steps", "1")
+SECOND_MODES = (StructuredMode.NO_GRAMMAR_DRAFTS, StructuredMode.FREE_PLAIN)
 #: New tokens of a warm-up request.
 WARM_UP_TOKENS = 8
 
@@ -130,21 +135,21 @@ def structured_groups(plan: Plan, repetitions: int, progress: Progress) -> list[
 
 
 def measure_structured(client: SpecdecClient, stack: Stack, config: BenchConfig, progress: Progress) -> StructuredRun:
-    """The scenario on `stack` (whose gateway `client` talks to) and a second gateway without grammar drafts."""
-    progress.set_description("structured: starting a gateway with --no-grammar-drafts")
-    with second_gateway(stack, config.gateway_args, NO_GRAMMAR_DRAFTS) as other, \
+    """The scenario on `stack` (whose gateway `client` talks to) and a second gateway (`SECOND_GATEWAY`)."""
+    progress.set_description(f"structured: starting a gateway with {' '.join(SECOND_GATEWAY)}")
+    with second_gateway(stack, config.gateway_args, *SECOND_GATEWAY) as other, \
             SpecdecClient(other.address, timeout=REQUEST_TIMEOUT_S) as other_client:
         if other.ready is None or other.ready.metrics_port is None:
             raise RuntimeError(f"the second gateway's ready line names no metrics port: {other.ready}")
         main, second = Gateway(client, stack.metrics_port), Gateway(other_client, other.ready.metrics_port)
-        gateways = {mode: second if mode is StructuredMode.NO_GRAMMAR_DRAFTS else main for mode in StructuredMode}
+        gateways = {mode: second if mode in SECOND_MODES else main for mode in StructuredMode}
         progress.set_description("structured: warming up")
         plan = warm_up_structured(gateways, config.structured_tokens)
         groups = structured_groups(plan, config.structured_repetitions, progress)
     report_problems(groups)
     meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "repetitions": config.structured_repetitions, "max_new_tokens": config.structured_tokens,
-            "prompts": len(STRUCTURED_PROMPTS), "group_size": GROUP_SIZE, "second_gateway": NO_GRAMMAR_DRAFTS,
+            "prompts": len(STRUCTURED_PROMPTS), "group_size": GROUP_SIZE, "second_gateway": " ".join(SECOND_GATEWAY),
             "gateway_args": config.gateway_args, "lengths": plan.lengths}
     return StructuredRun(meta, groups)
 
