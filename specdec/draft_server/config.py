@@ -30,8 +30,9 @@ class DraftConfig(ModelServiceConfig):
     compile: str = inherit(ModelServiceConfig, "compile", "auto")
     port: int = inherit(ModelServiceConfig, "port", 50051)
     lookup_guess_tokens: int = option(
-        8, "most tokens one drafting step feeds as guesses from the draft's own lookup, shared by the step's "
-        "requests (a guess widens every row of the batched forward); 0 turns the draft's own lookups off",
+        8, "most tokens one drafting step feeds as guesses from the draft's own lookup or a grammar's forced "
+        "tokens, shared by the step's requests (a guess widens every row of the batched forward); 0 turns the "
+        "draft's own lookups off, and forced tokens after its first forward",
         advanced=True,
     )
     lookup_guess_min_match: int = option(

@@ -17,6 +17,7 @@ grammar before anything else (`grammars`), and the tokens its grammar forces are
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -99,9 +100,9 @@ class DraftEngine(ModelEngine):
         if not self._is_short(len(feed)):
             return Guess([])
         if walk is not None and (forced := walk.forced(item.num_speculative_tokens - 1)):
-            return Guess(forced, forced=True)
+            return Guess(forced, GuessKind.FORCED)
         if item.guess_tokens:
-            return Guess(item.guess_tokens[: item.num_speculative_tokens - 1], own=False)
+            return Guess(item.guess_tokens[: item.num_speculative_tokens - 1], GuessKind.GATEWAY)
         return Guess(self._own_guess(item, feed, min(self.guess_tokens // batch, item.num_speculative_tokens - 1)))
 
     def _index(self, slot_id: str, accepted: list[int]) -> None:
@@ -225,7 +226,7 @@ class DraftEngine(ModelEngine):
                     walk.draw(token, items[i].stop_token_ids)
                 if unchecked[i].tokens and token == unchecked[i].tokens[0] and limits[i] > step + 1:
                     unchecked[i] = unchecked[i].rest()  # the guess holds: its next row is this token's successor
-                    (forced if unchecked[i].forced else saved)[i] += 1
+                    (forced if unchecked[i].kind is GuessKind.FORCED else saved)[i] += 1
                     continue
                 if unchecked[i].tokens:  # the guess parted here, or the item stops: its tokens from here on go
                     self._rollback(items[i].slot_id, positions[n])
@@ -268,7 +269,7 @@ class DraftEngine(ModelEngine):
             walk = walks[i]
             forced = walk.forced(limit) if walk is not None else []
             own = [] if forced else self._own_guess(items[i], drafted[i][-1:], limit)
-            guesses[i] = Guess(forced, forced=True) if forced else Guess(own)
+            guesses[i] = Guess(forced, GuessKind.FORCED) if forced else Guess(own)
         return guesses
 
     def _draw(
@@ -296,23 +297,30 @@ class DraftEngine(ModelEngine):
         return drawn_tokens(pick_tokens(probs, params, generators)), probs
 
 
+class GuessKind(enum.Enum):
+    """Where a guess comes from: the draft's own lookup, the gateway's (`ProposeItem.guess_tokens`),
+    or the tokens a grammar forces (certain: each is drawn)."""
+
+    OWN = "own"
+    GATEWAY = "gateway"
+    FORCED = "forced"
+
+
 @dataclass(frozen=True)
 class Guess:
-    """Tokens fed as a guess at the next draws: the draft's own (its lookup's), the gateway's
-    (`ProposeItem.guess_tokens`, not `own`) or the ones a grammar forces (`forced`)."""
+    """Tokens fed as a guess at the next draws."""
 
     tokens: list[int]
-    own: bool = True
-    forced: bool = False
+    kind: GuessKind = GuessKind.OWN
 
     def rest(self) -> Guess:
         return dataclasses.replace(self, tokens=self.tokens[1:])
 
     def count(self, item: int, own_fed: list[int], forced_fed: list[int]) -> None:
         """Add the tokens fed to the item's tally of its kind (the gateway's guesses are not counted)."""
-        if self.forced:
+        if self.kind is GuessKind.FORCED:
             forced_fed[item] += len(self.tokens)
-        elif self.own:
+        elif self.kind is GuessKind.OWN:
             own_fed[item] += len(self.tokens)
 
 

@@ -250,8 +250,9 @@ class Scheduler:
         ))
         if plan.off_reason is not None:
             self.stats.off_rounds[plan.off_reason] += 1
-        return with_forced_tokens(plan, batch, caps) if self.grammar_drafts else dataclasses.replace(
-            plan, grammar_drafts=False)
+        if not self.grammar_drafts:
+            return dataclasses.replace(plan, grammar_drafts=False)
+        return with_forced_tokens(plan, batch, caps, self.planner.costs.forced_prefix_pays)
 
     @property
     def _draft_availability(self) -> DraftAvailability:

@@ -13,7 +13,7 @@ output's distribution p); only the tokens after it go, and its bonus row is neve
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -24,21 +24,28 @@ from specdec.gateway.rounds import RoundPlan
 from specdec.sampling.token_masks import TokenMasks
 from specdec.wire.items import Proposal
 
+#: Whether feeding this many forced tokens ahead of a k-token model draft pays in a batch of
+#: this size (`CostEstimates.forced_prefix_pays`): (batch_size, forced, k) -> bool.
+PrefixPays = Callable[[int, int, int], bool]
 
-def with_forced_tokens(plan: RoundPlan, batch: list[Request], caps: dict[str, int]) -> RoundPlan:
+
+def with_forced_tokens(plan: RoundPlan, batch: list[Request], caps: dict[str, int],
+                       prefix_pays: PrefixPays) -> RoundPlan:
     """`plan` with each structured-output request that the grammar forces on drafting the forced
     tokens first. They cost no draft step, and the target, whose p the mask makes certain of
     them, accepts them all. A request the model drafts for drafts that many tokens more (up to
-    its cap): its draft walks the same grammar, guesses them (in place of a lookup's guess) and
-    draws them without a step each, so the planned K follow them. Any other (plain, or drafting
-    a lookup) drafts the forced tokens alone (up to its cap), with no Propose. The round then
-    drafts, so no request takes several plain steps in it."""
+    its cap) where the wider first draft forward pays (`prefix_pays`): its draft walks the same
+    grammar, guesses them (in place of a lookup's guess) and draws them without a step each, so
+    the planned K follow them. Any other (plain, drafting a lookup, or where the width does not
+    pay) drafts the forced tokens alone (up to its cap), with no Propose. The round then drafts,
+    so no request takes several plain steps in it."""
     forced, longer = {}, {}
+    drafting = sum(1 for k in plan.model_ks.values() if k > 0)
     for seq in batch:
         slot, cap = seq.slot_id, caps[seq.slot_id]
         if seq.grammar is None or cap <= 0 or not (tokens := seq.grammar.forced_tokens()):
             continue
-        if (k := plan.model_ks.get(slot, 0)) > 0:
+        if (k := plan.model_ks.get(slot, 0)) > 0 and prefix_pays(drafting, len(tokens), k):
             longer[slot] = min(cap, k + len(tokens))
         else:
             forced[slot] = LookupDraft(tuple(tokens[:cap]), DraftSource.GRAMMAR, len(tokens))

@@ -148,6 +148,18 @@ class CostEstimates:
             return False
         return self.overhead_s <= CHEAP_CALL_SHARE * self.target.step(batch_size) * self.target_scale.value
 
+    def forced_prefix_pays(self, batch_size: int, forced: int, k: int) -> bool:
+        """Whether `forced` certain tokens fed ahead of a request's k-token model draft widen the
+        draft's batched first forward (every row padded to the widest) by no more than the
+        request's share of the Propose, as the draft's table prices them: on a GPU, or alone,
+        width is nearly free; on a CPU at batch 16 it is not, and the forced tokens then make the
+        request's draft alone (`grammar.rounds.with_forced_tokens`). Unpriced: only alone."""
+        if self.draft is None:
+            return batch_size == 1
+        first = self.draft.seconds(batch_size, 2)  # a round's usual feed: the bonus token, maybe one more
+        wider = self.draft.seconds(batch_size, 2 + forced) - first
+        return batch_size * wider <= first + max(0, k - 1) * self.draft.step(batch_size)
+
     def draft_cost_ratio(self) -> float:
         """The draft's 1-token step ÷ the target's at batch 1, as priced now (NaN without both)."""
         if self.target is None or self.draft is None:

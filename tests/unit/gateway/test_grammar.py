@@ -12,7 +12,8 @@ from specdec.errors import InvalidArgumentError
 from specdec.gateway.detokenizer import StopStringDetokenizer
 from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.grammar import Choice, JsonSchema, Regex, structured_output_from_pb
-from specdec.gateway.grammar.rounds import constrain, with_forced_tokens
+from specdec.gateway.grammar.rounds import PrefixPays, constrain, with_forced_tokens
+from specdec.gateway.planner.costs import CostEstimates
 from specdec.gateway.proposers import LookupDraft
 from specdec.gateway.request import Request, Verification
 from specdec.gateway.rounds import RoundPlan
@@ -24,6 +25,8 @@ from specdec.sampling.sparse_probs import SparseRows
 from specdec.sampling.token_masks import TokenMasks
 from specdec.v1 import gateway_pb2
 from specdec.wire.items import Proposal
+from tests.unit.gateway.test_k_planner import TARGET
+from tests.unit.gateway.test_source_choice import wide_draft_costs
 
 EOS = 2
 VOCAB = 49152
@@ -37,6 +40,11 @@ def tokenizer() -> PreTrainedTokenizerBase:
 @pytest.fixture(scope="module")
 def compiler(tokenizer: PreTrainedTokenizerBase) -> GrammarCompiler:
     return GrammarCompiler(tokenizer, VOCAB, [EOS])
+
+
+def always_pays(batch: int, forced: int, k: int) -> bool:
+    """Every forced prefix pays (`CostEstimates.forced_prefix_pays` is tested on its own)."""
+    return True
 
 
 def sequence(temperature: float = 0.0, verification: Verification = Verification.REJECTION) -> Request:
@@ -186,23 +194,34 @@ def test_forced_tokens_replace_a_plain_or_lookup_round_up_to_the_cap(compiler: G
     lookup = LookupDraft((1, 2), DraftSource.SUFFIX, 2)
     for plan in (RoundPlan(ks={"s": 0, "free": 4}, steps={"s": 3}),
                  RoundPlan(ks={"s": 2, "free": 4}, lookups={"s": lookup})):
-        forced = with_forced_tokens(plan, [seq, free], {"s": 2, "free": 4})
+        forced = with_forced_tokens(plan, [seq, free], {"s": 2, "free": 4}, always_pays)
         draft = forced.lookups["s"]
         assert draft.source is DraftSource.GRAMMAR and len(draft.tokens) == forced.ks["s"] == 2
         assert tokenizer.decode(list(draft.tokens)) == "hello world"[: len(tokenizer.decode(list(draft.tokens)))]
         assert forced.ks["free"] == 4 and "free" not in forced.lookups and forced.steps == {}
         assert forced.model_ks == {"s": 0, "free": 4}
     seq.grammar.advance(list(tokenizer("hello world ", add_special_tokens=False)["input_ids"]), {EOS})
-    assert with_forced_tokens(plan, [seq, free], {"s": 2, "free": 4}) is plan  # a digit: a choice, nothing forced
+    assert with_forced_tokens(plan, [seq, free], {"s": 2, "free": 4}, always_pays) is plan  # a digit: nothing forced
 
 
-def test_forced_tokens_lengthen_a_model_draft_which_guesses_them(compiler: GrammarCompiler,
-                                                                 tokenizer: PreTrainedTokenizerBase) -> None:
+def test_forced_tokens_lengthen_a_model_draft_which_guesses_them(compiler: GrammarCompiler) -> None:
     seq = sequence()
     seq.grammar = compiler.compile(Regex(r"hello world [0-9]").grammar(), "regex")
     forced_count = len(seq.grammar.forced_tokens())
     plan = RoundPlan(ks={"s": 3}, guesses={"s": LookupDraft((1, 2), DraftSource.SUFFIX, 2)})
-    longer = with_forced_tokens(plan, [seq], {"s": 16})
+    longer = with_forced_tokens(plan, [seq], {"s": 16}, always_pays)
     assert longer.ks == longer.model_ks == {"s": 3 + forced_count} and not longer.lookups
     assert not longer.guesses  # the draft feeds the forced tokens in its place
-    assert with_forced_tokens(plan, [seq], {"s": 4}).ks == {"s": 4}  # the cap holds
+    assert with_forced_tokens(plan, [seq], {"s": 4}, always_pays).ks == {"s": 4}  # the cap holds
+    never: PrefixPays = lambda batch, forced, k: False  # noqa: E731
+    alone = with_forced_tokens(plan, [seq], {"s": 16}, never)
+    assert alone.lookups["s"].source is DraftSource.GRAMMAR and alone.model_ks == {"s": 0}
+
+
+def test_a_forced_prefix_widens_the_draft_where_its_table_says_the_width_is_cheap() -> None:
+    # A CPU-like draft: each token of width adds 15 % of a step, padded over the whole batch.
+    costs = CostEstimates(TARGET, wide_draft_costs(0.25))
+    assert costs.forced_prefix_pays(1, 6, 4)
+    assert not costs.forced_prefix_pays(16, 6, 4)  # 16 rows padded to 8 tokens for one request's 6
+    assert CostEstimates(TARGET, []).forced_prefix_pays(1, 6, 4)  # unpriced: alone only
+    assert not CostEstimates(TARGET, []).forced_prefix_pays(2, 6, 4)
