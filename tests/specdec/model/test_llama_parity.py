@@ -15,6 +15,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import gc
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -42,10 +44,19 @@ PROMPTS = [
 MIRRORED_CONFIGS = ("llama-3.2-1b", "llama-3.2-3b")
 
 
-@functools.cache  # ~1-1.6 GB each: build once per session
+@functools.cache  # ~1-1.6 GB each: built once, let go when the module ends (`_release_models`)
 def _mirrored_llama(name: str, device: torch.device) -> PreTrainedModel:
     """The mirrored config `name` with its random weights, in fp32 on `device`."""
     return _random_llama(name).to(device)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_models() -> Iterator[None]:
+    """The worker that ran this module keeps running others: it holds none of its gigabytes."""
+    yield
+    _mirrored_llama.cache_clear()
+    _fp32_references.cache_clear()
+    gc.collect()
 
 
 def _random_llama(name: str) -> PreTrainedModel:
