@@ -16,7 +16,7 @@ DRAFT = [1174, 323, 279, 4062]
 
 
 @pytest.fixture(scope="module")
-def engine() -> TargetEngine:
+def engine(every_core: int) -> TargetEngine:
     runtime = build_runtime("random:llama-3.2-1b:seed=5", num_layers=1)
     config = TargetConfig(
         batch_invariant=True, invariant_batch=2, max_speculative_tokens=4, kv_token_budget=256,

@@ -18,6 +18,8 @@ from specdec.model.llama import PagedLlama
 SHAPE = StepShape(requests=2, tokens=5, blocks=8)
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84]
 DRAFT = [7, 11, 13, 17, 19]
+#: On every core even under xdist: the invariance must hold for the multi-threaded kernels.
+pytestmark = pytest.mark.usefixtures("every_core")
 
 
 def _model(device: torch.device, dtype: torch.dtype, kernel: AttentionKernel) -> PagedLlama:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import gc
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -42,10 +44,19 @@ PROMPTS = [
 MIRRORED_CONFIGS = ("llama-3.2-1b", "llama-3.2-3b")
 
 
-@functools.cache  # ~1-1.6 GB each: build once per session
+@functools.cache  # ~1-1.6 GB each: built once, let go when the module ends (`_release_models`)
 def _mirrored_llama(name: str, device: torch.device) -> PreTrainedModel:
     """The mirrored config `name` with its random weights, in fp32 on `device`."""
     return _random_llama(name).to(device)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_models() -> Iterator[None]:
+    """The worker that ran this module keeps running others: it holds none of its gigabytes."""
+    yield
+    _mirrored_llama.cache_clear()
+    _fp32_references.cache_clear()
+    gc.collect()
 
 
 def _random_llama(name: str) -> PreTrainedModel:
@@ -79,14 +90,15 @@ def _reference_logits(model: PreTrainedModel, tokens: list[int]) -> torch.Tensor
 
 
 def _check_parity(model: PreTrainedModel, prompts: list[list[int]], generated: list[list[int]], *,
-                  reference: PreTrainedModel | None = None, atol: float = TOLERANCE) -> None:
+                  refs: list[torch.Tensor] | None = None, atol: float = TOLERANCE) -> None:
     """prompt prefill (batched), verify chunk after rollback (batched), decode step by step:
-    each within `atol` of `reference`'s logits (transformers' forward of `model` itself, unless
-    given)."""
+    each within `atol` of the reference logits `refs` of each prompt + continuation
+    (transformers' forward of `model` itself, unless given)."""
     runner = PagedLlama(model)
     cache = runner.new_cache(token_budget=1024, block_size=16)
     full = [p + g for p, g in zip(prompts, generated)]
-    refs = [_reference_logits(reference or model, seq) for seq in full]
+    if refs is None:
+        refs = [_reference_logits(model, seq) for seq in full]
     slots = [f"r{i}" for i in range(len(full))]
     for slot in slots:
         cache.blocks.allocate(slot)
@@ -116,6 +128,7 @@ def _check_parity(model: PreTrainedModel, prompts: list[list[int]], generated: l
     assert cache.blocks.num_free_blocks == cache.blocks.num_blocks
 
 
+@functools.cache  # the same case for every test (the tokenizer takes seconds to load)
 def _llama32_case() -> tuple[list[list[int]], list[list[int]]]:
     """The prompts in the real Llama-3.2 tokenizer, and 8 random continuation tokens each."""
     tokenizer = load_tokenizer("llama-3.2")
@@ -126,23 +139,31 @@ def _llama32_case() -> tuple[list[list[int]], list[list[int]]]:
     return prompts, generated
 
 
+@functools.cache  # both tests of a config compare with them: one forward each per session
+def _fp32_references(name: str, device: torch.device) -> list[torch.Tensor]:
+    """transformers' fp32 logits of the mirrored config `name` over each prompt + continuation
+    of `_llama32_case`."""
+    prompts, generated = _llama32_case()
+    return [_reference_logits(_mirrored_llama(name, device), p + g) for p, g in zip(prompts, generated)]
+
+
 @pytest.mark.device_agnostic
 @pytest.mark.parametrize("name", MIRRORED_CONFIGS)
 def test_mirrored_llama32_configs_match_transformers(name: str, device: torch.device) -> None:
-    _check_parity(_mirrored_llama(name, device), *_llama32_case())
+    _check_parity(_mirrored_llama(name, device), *_llama32_case(), refs=_fp32_references(name, device))
 
 
 @pytest.mark.device_agnostic
 @pytest.mark.parametrize("name", MIRRORED_CONFIGS)
 def test_mirrored_llama32_configs_in_bf16_stay_as_close_to_fp32_as_transformers(name: str,
                                                                                device: torch.device) -> None:
-    fp32 = _mirrored_llama(name, device)
-    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    bf16 = copy.deepcopy(_mirrored_llama(name, device)).to(torch.bfloat16)
     prompts, generated = _llama32_case()
     full = [p + g for p, g in zip(prompts, generated)]
-    theirs = max(float((_reference_logits(bf16, seq) - _reference_logits(fp32, seq)).abs().max()) for seq in full)
+    fp32_refs = _fp32_references(name, device)
+    theirs = max(float((_reference_logits(bf16, seq) - ref).abs().max()) for seq, ref in zip(full, fp32_refs))
     assert 0 < theirs < 1, f"transformers' own bf16 error {theirs} is no yardstick"
-    _check_parity(bf16, prompts, generated, reference=fp32, atol=BF16_SLACK * theirs)
+    _check_parity(bf16, prompts, generated, refs=fp32_refs, atol=BF16_SLACK * theirs)
 
 
 @pytest.mark.device_agnostic
