@@ -72,11 +72,11 @@ def test_a_target_restart_mid_stream_costs_the_request_only_time(
     resumes from its tokens (a Prefill of them), with the output it would have had."""
     stack = start_stack(int8_runtime)
     with stack.client() as client:
-        expected = client.generate(STORY, max_new_tokens=60, speculative=False).token_ids
+        expected = client.generate(STORY, max_new_tokens=32, speculative=False).token_ids
     slow_down(monkeypatch, stack.target, "verify", 0.05)  # the restart lands mid-stream
     port, tokens, restarted = stack.servers[0].port, [], False
     with stack.client() as client:
-        for response in client.stub.Generate(build_request(STORY, max_new_tokens=60, num_speculative_tokens=4),
+        for response in client.stub.Generate(build_request(STORY, max_new_tokens=32, num_speculative_tokens=4),
                                              timeout=120):
             tokens.extend(response.token_ids)
             if len(tokens) >= 10 and not restarted:

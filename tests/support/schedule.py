@@ -7,60 +7,57 @@ Handed out longest first, the short files at the end fill the gaps instead: the 
 about when half the total work is done.
 
 `COST_S` is what each long file took one worker, in seconds, on a busy 2-core machine (the
-full suite with `--durations=0`); a file not listed counts as short and keeps xdist's order
+full suite with `--durations=0` and empty caches); a file not listed counts as short and keeps xdist's order
 among the other short ones. A stale figure only makes the run slower, never wrong.
 """
 
 from __future__ import annotations
 
 from xdist.scheduler import LoadFileScheduling
+from xdist.workermanage import WorkerController
 
 #: Seconds of one worker per file (the long ones), measured with `-n 2 --dist loadfile` on 2 cores.
 COST_S: dict[str, float] = {
-    "tests/gateway/test_sampling.py": 440,
-    "tests/gateway/test_structured_output.py": 300,
-    "tests/specdec/model/test_llama_parity.py": 180,
-    "tests/gateway/test_cli.py": 180,
-    "tests/gateway/test_soak.py": 170,
-    "tests/draft_server/test_guesses.py": 150,
-    "tests/gateway/test_faults.py": 150,
-    "tests/gateway/test_openai_front.py": 130,
-    "tests/gateway/test_streaming.py": 120,
-    "tests/target_server/test_target_service.py": 120,
-    "tests/gateway/test_fuzz.py": 105,
-    "tests/gateway/test_greedy_parity.py": 105,
-    "tests/gateway/test_logprobs.py": 105,
-    "tests/specdec/serving/test_service_processes.py": 95,
-    "tests/gateway/test_kv_handoff.py": 95,
-    "tests/gateway/test_balancer.py": 90,
-    "tests/gateway/test_leases.py": 75,
-    "tests/draft_server/test_draft_service.py": 70,
-    "tests/gateway/test_lookup_drafting.py": 65,
-    "tests/gateway/test_admission.py": 60,
-    "tests/gateway/test_adaptive_from_the_first_second.py": 55,
-    "tests/gateway/test_errors.py": 50,
-    "tests/specdec/model/test_quantize_int4.py": 45,
-    "tests/gateway/test_drain.py": 45,
-    "tests/gateway/test_prometheus_e2e.py": 40,
-    "tests/gateway/test_random_model_stack.py": 35,
-    "tests/specdec/tuning/test_compiled_layers.py": 30,
-    "tests/gateway/test_metrics.py": 30,
-    "tests/specdec/tuning/test_openmp_binding.py": 25,
-    "tests/target_server/test_streamed_rpcs.py": 25,
-    "tests/specdec/model/test_random_models.py": 15,
-    "tests/target_server/test_batch_invariant.py": 15,
-    "tests/specdec/serving/test_tuning_report.py": 15,
-    "tests/specdec/model/test_forward_batch.py": 15,
+    "tests/gateway/test_sampling.py": 250,
+    "tests/gateway/test_structured_output.py": 170,
+    "tests/gateway/test_soak.py": 110,
+    "tests/gateway/test_cli.py": 105,
+    "tests/gateway/test_faults.py": 95,
+    "tests/gateway/test_kv_handoff.py": 85,
+    "tests/specdec/model/test_llama_parity.py": 85,
+    "tests/gateway/test_greedy_parity.py": 85,
+    "tests/draft_server/test_guesses.py": 80,
+    "tests/specdec/tuning/test_compiled_layers.py": 80,
+    "tests/gateway/test_fuzz.py": 80,
+    "tests/gateway/test_streaming.py": 70,
+    "tests/gateway/test_openai_front.py": 70,
+    "tests/target_server/test_target_service.py": 50,
+    "tests/gateway/test_errors.py": 45,
+    "tests/draft_server/test_draft_service.py": 45,
+    "tests/gateway/test_leases.py": 40,
+    "tests/specdec/serving/test_service_processes.py": 40,
+    "tests/gateway/test_balancer.py": 40,
+    "tests/gateway/test_logprobs.py": 35,
+    "tests/gateway/test_lookup_drafting.py": 35,
+    "tests/gateway/test_admission.py": 35,
+    "tests/gateway/test_adaptive_from_the_first_second.py": 30,
+    "tests/specdec/model/test_quantize_int4.py": 25,
+    "tests/gateway/test_drain.py": 20,
+    "tests/gateway/test_prometheus_e2e.py": 20,
+    "tests/gateway/test_random_model_stack.py": 20,
+    "tests/gateway/test_metrics.py": 15,
+    "tests/specdec/tuning/test_openmp_binding.py": 15,
     "tests/target_server/test_keepalive.py": 15,
-    "tests/draft_server/test_kv_import.py": 10,
+    "tests/target_server/test_batch_invariant.py": 15,
     "tests/gateway/test_security.py": 10,
+    "tests/target_server/test_streamed_rpcs.py": 10,
 }
 
 
 class LongestFileFirst(LoadFileScheduling):
     """`--dist loadfile`, each worker given the longest file still waiting (by `COST_S`)."""
 
-    def _assign_work_unit(self, node) -> None:  # type: ignore[no-untyped-def]  # xdist's own signature
+    def _assign_work_unit(self, node: WorkerController) -> None:
         # `max` keeps the first of equals: the unlisted files stay in xdist's order.
         longest = max(self.workqueue, key=lambda scope: COST_S.get(scope, 0.0))
         self.workqueue.move_to_end(longest, last=False)
