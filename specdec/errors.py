@@ -6,12 +6,22 @@ small table instead of guessing from messages. Engines raise these; servicers ma
 
 from __future__ import annotations
 
+#: Trailing metadata key of a refusal for want of room (`CapacityExhaustedError`); its value
+#: names what is full. Nothing was changed, so the same call can succeed once room frees up:
+#: a gateway that shares a model service with other gateways reads it as "queue or preempt,
+#: do not fail" (`specdec.gateway.pool_contention`).
+CAPACITY_TRAILER = "specdec-capacity"
+
 
 class SpecdecError(Exception):
     """Base class of every error an engine raises on purpose (never for bugs)."""
 
     #: Name of the `grpc.StatusCode` member this error maps to.
     status_code_name: str = "INTERNAL"
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Metadata the status carries beside its message (none by default)."""
+        return ()
 
 
 class InvalidArgumentError(SpecdecError, ValueError):
@@ -51,9 +61,17 @@ class SlotExistsError(SpecdecError):
 
 
 class CapacityExhaustedError(SpecdecError):
-    """The KV pool (or slot table) has no room for the request."""
+    """No room for the request now: `resource` ("kv_blocks", "slots", "queue") is full, and
+    nothing was changed. Retryable: its status carries `CAPACITY_TRAILER`."""
 
     status_code_name = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, *, resource: str) -> None:
+        super().__init__(message)
+        self.resource = resource
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((CAPACITY_TRAILER, self.resource),)
 
 
 class ServiceStateError(SpecdecError):

@@ -123,6 +123,11 @@ def gateway_families(stats: GatewayStats, prefix: str, model_name: str) -> Itera
                     "by reason", ["reason"], {(reason,): n for reason, n in s.off_rounds.items()})
     yield f.counter("num_preemptions", "Requests preempted to make room in a KV pool (they resume later)", [],
                     _one(s.preemptions))
+    yield f.counter("num_pool_refusals", "Calls a model service refused for want of KV blocks or slots (pools "
+                    "shared with other gateways): queued or preempted, never failed", ["service"],
+                    {(name,): n for name, n in s.pool_refusals.items()})
+    yield f.gauge("admission_limit", "Requests the gateway runs at once: its max batch size, lower for a while "
+                  "after a shared pool refused it room", [], _one(s.admission_limit))
     yield f.counter("spec_decode_draft_failures", "Rounds whose Propose failed and ran as plain decoding", [],
                     _one(s.draft_failures))
     yield f.counter("spec_decode_kv_handoff_tokens", "Tokens whose keys and values the target's cache copied into "

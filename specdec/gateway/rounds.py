@@ -3,11 +3,24 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from specdec.gateway.draft_sources import DraftSource
 from specdec.gateway.model_clients import Timed
 from specdec.gateway.proposers import LookupDraft
+
+
+class ProposeOutcome(enum.Enum):
+    """How a round's Propose went."""
+
+    #: Answered, or not needed.
+    ANSWERED = "answered"
+    #: Failed or missed its deadline: the round decoded plainly and the draft is suspect.
+    FAILED = "failed"
+    #: Refused for room (a draft pool shared with other gateways): the round decoded plainly,
+    #: and the draft is fine (`specdec.gateway.pool_contention`).
+    NO_ROOM = "no_room"
 
 
 @dataclass(frozen=True)
@@ -99,8 +112,8 @@ class RoundReport:
     accept_s: float
     #: The whole round, wall clock.
     total_s: float
-    #: Propose failed and the round ran as plain decoding.
-    draft_failed: bool = False
+    #: Whether Propose was answered; when not, the round ran as plain decoding.
+    propose_outcome: ProposeOutcome = ProposeOutcome.ANSWERED
     #: Tokens the target decoded per slot in a plain round (1 in any other round).
     steps: dict[str, int] = field(default_factory=dict)
     #: Where each drafting slot's tokens came from (slots with K = 0 are absent).

@@ -12,7 +12,9 @@ one round fit, and it grows a round at a time. When a round would not fit a pool
 most recently admitted request is preempted — its slots are freed in both services and
 it goes back to the head of the queue with the tokens it has, to be prefilled again
 (prompt + generated so far) when room returns. A request asking for 10**9 tokens can
-therefore never hold blocks it has not used yet, and short requests keep flowing.
+therefore never hold blocks it has not used yet, and short requests keep flowing. Pools
+shared with other gateways can refuse a call for room all the same: that queues or
+preempts as well, and lowers the batch limit for a while (`gateway.pools`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import contextlib
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 
 import grpc
 
@@ -35,9 +36,10 @@ from specdec.gateway.first_tokens import first_tokens_and_logprobs
 from specdec.gateway.grammar.rounds import with_forced_tokens
 from specdec.gateway.model_clients import DraftAPI, TargetAPI
 from specdec.gateway.planner import DraftAvailability, Planner, RoundInputs
+from specdec.gateway.pools import PoolContention, PoolLimits, kv_tokens_for_round, refused_for_room
 from specdec.gateway.proposers import LookupDraft, LookupProposer
 from specdec.gateway.request import FinishReason, Request
-from specdec.gateway.rounds import RoundPlan, RoundReport
+from specdec.gateway.rounds import ProposeOutcome, RoundPlan, RoundReport
 from specdec.gateway.slot_releases import SlotReleases
 from specdec.gateway.speculative_step import plan_k, plan_steps, run_round
 from specdec.gateway.stats import GatewayStats
@@ -53,30 +55,6 @@ DRAFT_RECHECK_S = 1.0
 _TRANSPORT_FAILURES = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
 })
-
-
-@dataclass(frozen=True)
-class PoolLimits:
-    """What one model service can hold, read from its Info at start-up."""
-
-    name: str
-    total_kv_tokens: int
-    block_size: int
-    max_slots: int
-
-    @property
-    def num_blocks(self) -> int:
-        return self.total_kv_tokens // self.block_size
-
-    def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
-
-def kv_tokens_for_round(seq: Request, max_seq_len: int, decode_steps: int = 1) -> int:
-    """Most KV tokens the request holds in either service after its next round: its
-    tokens, the K draft tokens verified after them (or all but the last of a multi-step
-    round's tokens), and the token that round emits."""
-    return min(len(seq.tokens) + max(seq.num_speculative_tokens, decode_steps - 1) + 1, max_seq_len)
 
 
 def _stopping() -> bool:
@@ -126,6 +104,8 @@ class Scheduler:
         self._draft_watch: asyncio.Task[None] | None = None
         self.releases = SlotReleases(target, draft, lambda: self.deadlines.control())
         self.outage = TargetOutage()
+        #: The batch limit while pools shared with other gateways refuse this one room.
+        self.contention = PoolContention(max_batch_size, stats)
         for pool in pools:  # one request alone always fits, so preemption always makes progress
             if pool.blocks_for(max_seq_len) > pool.num_blocks:
                 raise ValueError(f"the {pool.name} pool ({pool.total_kv_tokens} tokens) cannot hold "
@@ -157,7 +137,7 @@ class Scheduler:
     def submit(self, seq: Request) -> None:
         """Queue a request (validated by the caller). RESOURCE_EXHAUSTED when the queue is full."""
         if len(self.waiting) >= self.max_queue:
-            raise CapacityExhaustedError(f"admission queue is full ({self.max_queue} waiting)")
+            raise CapacityExhaustedError(f"admission queue is full ({self.max_queue} waiting)", resource="queue")
         self.waiting.append(seq)
         self.stats.waiting = len(self.waiting)
         self._wakeup.set()
@@ -200,6 +180,9 @@ class Scheduler:
             elif self.outage.down:  # tried again after RETRY_S, or when its Info answers (`wake`)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wakeup.wait(), target_outage.RETRY_S)
+            elif not self.contention.may_try():  # refused for room with nothing held: back off
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), self.contention.wait_s())
             return
         await self._round()
 
@@ -212,7 +195,10 @@ class Scheduler:
             report = await run_round(self.target, self.draft, batch, plan, self.sampler, self.max_seq_len,
                                      self.deadlines, self.planner.kv_handoff)
         except Exception as error:  # noqa: BLE001 - a failed round fails its requests, not the gateway
-            if explained_by_restart(error):
+            if refused_for_room(error):
+                self.contention.refused("target", "Verify", len(batch))
+                await self._preempt(self.running[-1])  # the target changed nothing: the others retry
+            elif explained_by_restart(error):
                 await self._lost_target(batch, error)
             else:
                 await self._fail(batch, error)
@@ -225,10 +211,12 @@ class Scheduler:
             await self._fail(batch, ServiceStateError("a call to a model service was cancelled"))
             return
         self.outage.resumed(batch)
-        if report.draft_failed:
+        if report.propose_outcome is ProposeOutcome.FAILED:
             self.stats.draft_failures += 1
             self.stats.off_rounds["draft_unavailable"] += 1
             self._degrade_draft()
+        elif report.propose_outcome is ProposeOutcome.NO_ROOM:
+            self.contention.refused("draft", "Propose", len(batch))
         self.stats.kv_handoff_tokens += report.handoff_tokens
         self.planner.observe(plan, batch, report)
         self.stats.planner = self.planner.status()
@@ -296,7 +284,7 @@ class Scheduler:
             seq.finish(FinishReason.ERROR, f"the target service answered {self.outage.code.name} and did not come "
                        f"back within {target_outage.RESUME_WITHIN_S:.0f} s", grpc.StatusCode.UNAVAILABLE.name)
             self._record_finished(seq)
-        if not self.outage.may_try():
+        if not self.outage.may_try() or not self.contention.may_try():
             return 0
         admitted: list[Request] = []
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
@@ -321,7 +309,11 @@ class Scheduler:
             self.stats.rpc_latency["Prefill"].observe(prefilled.wall_s)
             logits = {slot: chunk.logits for slot, chunk in prefilled.value.items()}
         except Exception as error:  # noqa: BLE001
-            if explained_by_restart(error):
+            if refused_for_room(error):  # it made no slot: the requests wait at the head of the queue
+                self.contention.refused("target", "Prefill", len(self.running))
+                self.waiting.extendleft(reversed(admitted))
+                self.stats.waiting = len(self.waiting)
+            elif explained_by_restart(error):
                 # First again, in their order, under fresh slot ids: a Prefill that timed out may
                 # have made its slots all the same (they are released, best effort).
                 self.outage.lost(admitted, error.code())
@@ -330,6 +322,7 @@ class Scheduler:
                 await self._fail(admitted, error, release=False)
             return 0
         self.outage.answered()
+        self.contention.admitted()
         self.running.extend(admitted)  # they hold target slots now: a failure below releases them
         firsts, logprobs = await self.sampler.run(first_tokens_and_logprobs, admitted, logits)
         for seq in admitted:
@@ -380,7 +373,7 @@ class Scheduler:
         """Whether `seq` joins the batch after `admitted`: the batch has room, and so have the
         pools (with a spare block per running request, so that it is not preempted at once)."""
         before = len(self.running) + len(admitted)
-        return before < self.max_batch_size and self._fits([*self.running, *admitted, seq], headroom=before)
+        return before < self.contention.current_limit() and self._fits([*self.running, *admitted, seq], headroom=before)
 
     def _fits(self, seqs: list[Request], headroom: int = 0) -> bool:
         """Whether every pool holds the next round of all `seqs` (and `headroom` spare blocks:
@@ -393,8 +386,10 @@ class Scheduler:
         )
 
     async def _make_room(self) -> None:
-        """Preempt the most recently admitted requests until the next round fits every pool."""
-        while len(self.running) > 1 and not self._fits(self.running):
+        """Preempt the most recently admitted requests until the next round fits every pool and
+        the batch limit (`contention`), keeping one."""
+        while len(self.running) > 1 and (len(self.running) > self.contention.current_limit()
+                                         or not self._fits(self.running)):
             await self._preempt(self.running[-1])
 
     async def _preempt(self, seq: Request) -> None:

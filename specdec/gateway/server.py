@@ -35,8 +35,9 @@ from specdec.gateway.monitor import ServiceMonitor
 from specdec.gateway.openai.app import HttpServer, OpenAIFront, start_http
 from specdec.gateway.openai.protocol import ServedModel
 from specdec.gateway.planner import Planner
+from specdec.gateway.pools import PoolLimits
 from specdec.gateway.proposers import LookupProposer
-from specdec.gateway.scheduler import PoolLimits, Scheduler
+from specdec.gateway.scheduler import Scheduler
 from specdec.gateway.service_changes import ServiceChanges
 from specdec.gateway.stats import GatewayStats
 from specdec.gateway.tools import ToolFormat, choose_format

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 from specdec.cost_model import CostTable
 from specdec.gateway.kv_handoff import KVHandoff
-from specdec.gateway.scheduler import PoolLimits, Scheduler
+from specdec.gateway.pools import PoolLimits
+from specdec.gateway.scheduler import Scheduler
 from specdec.model.tokenizer_info import TokenizerInfo, TokenizerMismatchError, check_compatible
 from specdec.wire.model_info import ModelInfo
 

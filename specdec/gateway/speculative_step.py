@@ -24,9 +24,10 @@ from specdec.gateway.deadlines import Deadlines
 from specdec.gateway.grammar.rounds import constrain
 from specdec.gateway.kv_handoff import KVHandoff, hand_off
 from specdec.gateway.model_clients import DraftAPI, TargetAPI, Timed
+from specdec.gateway.pools import refused_for_room
 from specdec.gateway.proposers import LookupDraft
 from specdec.gateway.request import Request, Verification
-from specdec.gateway.rounds import RoundPlan, RoundReport
+from specdec.gateway.rounds import ProposeOutcome, RoundPlan, RoundReport
 from specdec.gateway.token_logprobs import round_logprobs
 from specdec.sampling.logprobs import TokenLogprob
 from specdec.sampling.sparse_probs import SparseRows
@@ -231,7 +232,7 @@ async def run_round(
     handed = {}
     if plan.handoffs and handoff is not None and draft is not None:
         handed = await hand_off(target, draft, [s for s in seqs if s.slot_id in plan.handoffs], handoff, deadlines)
-    proposed, draft_failed = await propose_or_plain(draft, seqs, plan, deadlines)
+    proposed, propose_outcome = await propose_or_plain(draft, seqs, plan, deadlines)
     proposals: dict[str, Proposal] = proposed.value | lookup_proposals(seqs, plan)
     masks: dict[str, TokenMasks] = {}
     if any(s.grammar is not None for s in seqs):  # grammar walks take ms: off the event loop
@@ -250,7 +251,7 @@ async def run_round(
     return RoundReport(
         ks, num_accepted, propose=Timed(None, proposed.compute_s, proposed.wall_s),
         verify=Timed(None, verified.compute_s, verified.wall_s), accept_s=accept_s,
-        total_s=time.perf_counter() - started, draft_failed=draft_failed, steps=steps, sources=sources,
+        total_s=time.perf_counter() - started, propose_outcome=propose_outcome, steps=steps, sources=sources,
         guessed=guessed,
         own_guess_tokens={slot: p.own_guess_tokens for slot, p in proposed.value.items() if p.own_guess_tokens},
         forced={slot: (p.forced_steps, p.forced_tokens) for slot, p in proposed.value.items() if p.forced_tokens},
@@ -298,18 +299,21 @@ def advance_all(
 
 async def propose_or_plain(
     draft: DraftAPI | None, seqs: list[Request], plan: RoundPlan, deadlines: Deadlines
-) -> tuple[Timed[dict[str, Proposal]], bool]:
-    """The round's proposals, and whether Propose failed: the draft only ever speeds things
-    up, so without it the round is plain decoding (no proposals), with the very same output.
-    The next Propose then resends each whole sequence (valid_len 0), which rebuilds the
-    draft's cache whatever it kept."""
+) -> tuple[Timed[dict[str, Proposal]], ProposeOutcome]:
+    """The round's proposals, and how Propose went: the draft only ever speeds things up, so
+    without it the round is plain decoding (no proposals), with the very same output. After a
+    failure the next Propose resends each whole sequence (valid_len 0), which rebuilds the
+    draft's cache whatever it kept; a refusal for room leaves every slot at its valid prefix."""
     started = time.perf_counter()
     try:
         return await propose(draft, seqs, plan.model_ks, deadlines, plan.guesses, plan.self_guessing,
-                             plan.grammar_drafts), False
+                             plan.grammar_drafts), ProposeOutcome.ANSWERED
     except (grpc.aio.AioRpcError, ServiceStateError) as error:
+        failed: Timed[dict[str, Proposal]] = Timed({}, 0.0, time.perf_counter() - started)
+        if refused_for_room(error):
+            return failed, ProposeOutcome.NO_ROOM
         reason = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else str(error)
         log.warning("Propose failed (%s); this round decodes without speculation", reason)
         for seq in seqs:
             seq.draft_valid = 0
-        return Timed({}, 0.0, time.perf_counter() - started), True
+        return failed, ProposeOutcome.FAILED

@@ -69,6 +69,10 @@ class GatewayStats:
     kv_handoff_tokens: int = 0
     #: Requests whose slots were freed to make room in a KV pool (they resume later).
     preemptions: int = 0
+    #: Calls a model service refused for want of KV blocks or slots, by service (`gateway.pools`).
+    pool_refusals: dict[str, int] = field(default_factory=lambda: {"target": 0, "draft": 0})
+    #: Requests the gateway runs at once: its max batch size, lower while shared pools refuse it room.
+    admission_limit: int = 0
     round_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ROUND_PHASES, 0.0))
     rpc_latency: dict[str, Distribution] = field(default_factory=lambda: {m: _latency() for m in RPC_METHODS})
     batch_size: Distribution = field(default_factory=lambda: Distribution(BATCH_BUCKETS))

@@ -182,7 +182,7 @@ class BlockManager:
         needed = self.blocks_needed(slot_id, num_new_tokens)
         if needed > len(self._free):
             raise CapacityExhaustedError(
-                f"slot {slot_id!r} needs {needed} more KV blocks, {len(self._free)} free"
+                f"KV pool: slot {slot_id!r} needs {needed} more blocks, {len(self._free)} free", resource="kv_blocks"
             )
         return self._append_unchecked(slot_id, operator.index(num_new_tokens))
 
@@ -198,8 +198,8 @@ class BlockManager:
         needed = sum(self.blocks_needed(s, n) for s, n in pending.items())
         if needed > len(self._free):
             raise CapacityExhaustedError(
-                f"batch of {len(requests)} appends needs {needed} more KV blocks, "
-                f"{len(self._free)} free"
+                f"KV pool: a batch of {len(requests)} appends needs {needed} more blocks, {len(self._free)} free",
+                resource="kv_blocks",
             )
         return [self._append_unchecked(s, operator.index(n)) for s, n in requests]
 
@@ -223,7 +223,8 @@ class BlockManager:
         partial = new_len % self.block_size != 0
         if partial and self._refcount[table[keep - 1]] > 1:
             if not self._free:
-                raise CapacityExhaustedError(f"slot {slot_id!r} needs a free KV block to roll back into a shared one")
+                raise CapacityExhaustedError(f"KV pool: slot {slot_id!r} needs a free block to roll back into a "
+                                             "shared one", resource="kv_blocks")
             source, copy = table[keep - 1], self._take_free()
             self._release(source)
             table[keep - 1] = copy

@@ -250,7 +250,8 @@ class ModelEngine:
             raise DrainingError("the service is stopping and takes no new slots: retry on another instance")
         if len(self.tokens) + count > self.config.max_slots:
             raise CapacityExhaustedError(
-                f"slots: {len(self.tokens)} of {self.config.max_slots} in use, {count} more requested"
+                f"slots: {len(self.tokens)} of {self.config.max_slots} in use, {count} more requested",
+                resource="slots",
             )
 
     # -- mutation -----------------------------------------------------------------------

@@ -34,7 +34,8 @@ async def _abort(context: grpc.aio.ServicerContext, error: Exception, method: st
         log.exception("%s failed", method, exc_info=error)
     else:
         log.info("%s: %s: %s", method, code.name, message)
-    await context.abort(code, message)
+    trailers = error.trailing_metadata() if isinstance(error, SpecdecError) else ()
+    await context.abort(code, message, trailing_metadata=trailers)
 
 
 class RpcObserver(Protocol):

@@ -23,8 +23,9 @@ from specdec.gateway.draft_sources import SpeculationMethod
 from specdec.gateway.intake import RequestPolicy
 from specdec.gateway.model_clients import Timed
 from specdec.gateway.planner import Planner
+from specdec.gateway.pools import PoolLimits
 from specdec.gateway.proposers import LookupProposer
-from specdec.gateway.scheduler import PoolLimits, Scheduler
+from specdec.gateway.scheduler import Scheduler
 from specdec.gateway.stats import GatewayStats
 from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.prompt_lookup import common_prefix_length

@@ -62,7 +62,10 @@ class Stack:
     target: TargetEngine
     draft: DraftEngine | None
     gateway: RunningServer
+    #: The target's server, then the draft's if any.
     servers: list[RunningServer] = field(default_factory=list)
+    #: Gateways beside `gateway` on the same target and draft (`StartStack.add_gateway`).
+    more_gateways: list[RunningServer] = field(default_factory=list)
 
     @property
     def address(self) -> str:
@@ -96,6 +99,9 @@ class StartStack(Protocol):
 
     def stop(self, stack: Stack) -> None:
         """Stop a stack now and let its memory go (a test whose stack no later test shares)."""
+
+    def add_gateway(self, stack: Stack, **gateway: Any) -> RunningServer:
+        """Another gateway on `stack`'s target and draft (stopped with the stack, before them)."""
 
 
 #: `hf_greedy(prompt_ids, n)`: the target's greedy continuation by transformers.
@@ -167,26 +173,36 @@ class _StackStarter:
             draft_engine, draft_start = draft_server(draft_runtime, **{**POOL, **(draft or {})})
             draft_engine.forward_costs = tuple(draft_costs) or draft_engine.forward_costs
             servers.append(service_loop.run(draft_start))
-        config = GatewayConfig(
-            target_address=f"127.0.0.1:{servers[0].port}",
-            draft_address=f"127.0.0.1:{servers[1].port}" if draft_engine else "",
-            port=0,
-            # A fixed K by default, so tests exercise batched rounds at every batch size and the
-            # reject path of the weak draft; the adaptive planner has tests of its own. With a
-            # draft, requests draft with it unless they ask for lookups (tests of their own).
-            **{"speculative": draft_engine is not None, "adaptive_k": False,
-               "speculation_method": "model" if draft_engine is not None else "auto", **gateway},
-        )
-        gateway_server = service_loop.run(create_gateway(config))
+        gateway_server = service_loop.run(create_gateway(_gateway_config(servers, gateway)))
         stack = Stack(target_engine, draft_engine, gateway_server, servers)
         self.stacks.append(stack)
         return stack
 
+    def add_gateway(self, stack: Stack, **gateway: Any) -> RunningServer:
+        server = self.service_loop.run(create_gateway(_gateway_config(stack.servers, gateway)))
+        stack.more_gateways.append(server)
+        return server
+
     def stop(self, stack: Stack) -> None:
-        for server in [stack.gateway, *stack.servers]:
+        for server in [*stack.more_gateways, stack.gateway, *stack.servers]:
             self.service_loop.run(server.stop(grace=1.0))
         self.stacks.remove(stack)
         gc.collect()
+
+
+def _gateway_config(services: list[RunningServer], gateway: dict[str, Any]) -> GatewayConfig:
+    """A gateway on `services` (the target's server, then the draft's if any) with `gateway`'s options."""
+    has_draft = len(services) > 1
+    return GatewayConfig(
+        target_address=f"127.0.0.1:{services[0].port}",
+        draft_address=f"127.0.0.1:{services[1].port}" if has_draft else "",
+        port=0,
+        # A fixed K by default, so tests exercise batched rounds at every batch size and the
+        # reject path of the weak draft; the adaptive planner has tests of its own. With a
+        # draft, requests draft with it unless they ask for lookups (tests of their own).
+        **{"speculative": has_draft, "adaptive_k": False,
+           "speculation_method": "model" if has_draft else "auto", **gateway},
+    )
 
 
 @pytest.fixture(scope="session")

@@ -145,7 +145,7 @@ def test_grpc_side_errors_in_openai_terms() -> None:
         SamplingParams(temperature=-1.0)
     assert in_body_terms(refused.value, Endpoint.CHAT)[0] == "temperature"
     # The field comes from the error, never from its text: a message that looks like a field names none.
-    assert in_body_terms(CapacityExhaustedError("queue: full (64 waiting)"), Endpoint.CHAT) == (
+    assert in_body_terms(CapacityExhaustedError("queue: full (64 waiting)", resource="queue"), Endpoint.CHAT) == (
         None, "queue: full (64 waiting)")
     assert in_body_terms(InvalidArgumentError("stop: too many"), Endpoint.CHAT) == (None, "stop: too many")
 

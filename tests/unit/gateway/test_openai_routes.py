@@ -72,7 +72,7 @@ def test_a_full_queue_is_a_429() -> None:
         error = (await reply.json())["error"]
         assert error["type"] == "rate_limit_error" and "queue is full" in error["message"]
 
-    serve(FakeGenerations([], CapacityExhaustedError("admission queue is full (1 waiting)")), check)
+    serve(FakeGenerations([], CapacityExhaustedError("admission queue is full (1 waiting)", resource="queue")), check)
 
 
 def test_a_target_down_before_the_first_token_is_a_503_even_when_streaming() -> None:

@@ -113,7 +113,7 @@ def test_bad_flag_choice_is_a_usage_error() -> None:
         (InvalidArgumentError("k: too big"), grpc.StatusCode.INVALID_ARGUMENT),
         (SlotNotFoundError("slot 'x' not found"), grpc.StatusCode.NOT_FOUND),
         (SlotExistsError("slot_id: slot 'x' already exists"), grpc.StatusCode.ALREADY_EXISTS),
-        (CapacityExhaustedError("no blocks"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (CapacityExhaustedError("no blocks", resource="kv_blocks"), grpc.StatusCode.RESOURCE_EXHAUSTED),
     ],
 )
 def test_engine_errors_map_to_their_status_with_their_message(error: Exception, code: grpc.StatusCode) -> None:

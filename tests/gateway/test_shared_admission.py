@@ -1,0 +1,50 @@
+"""Two gateways on one target/draft pair whose pools hold one gateway's full batch, on the real
+stack: each gateway admits as if the pools were its own, the services refuse what does not fit
+(RESOURCE_EXHAUSTED with the capacity trailer), and the gateways queue or preempt instead of
+failing — every answer is the target's greedy output, and no slot is left behind."""
+
+from __future__ import annotations
+
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from specdec.client import SpecdecClient
+from specdec.model.runtime import ModelRuntime
+from tests.support.stacks import StartStack
+
+# Greedy keeps counting: no early EOS, so every request grows to its full length.
+PROMPTS = [", ".join(str(n) for n in range(start, start + 4)) + "," for start in (1, 11, 21, 31, 41, 51)]
+NEW_TOKENS = 40
+# 12 blocks of 16: one gateway's 3 requests (prompt + 40 tokens + a round: 4 blocks each at the
+# end) fit, two gateways' 6 do not.
+POOL = dict(kv_token_budget=12 * 16, block_size=16)
+
+
+def _refusals(metrics_port: int | None) -> float:
+    assert metrics_port is not None
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "specdec_num_pool_refusals_total")
+
+
+def test_two_gateways_share_pools_that_hold_one_batch_and_lose_nothing(
+    start_stack: StartStack, int8_runtime: ModelRuntime
+) -> None:
+    options: dict[str, Any] = dict(max_batch_size=3, num_speculative_tokens=4, metrics_port=0)
+    stack = start_stack(int8_runtime, target=POOL, draft=POOL, **options)
+    other = start_stack.add_gateway(stack, **options)
+    with stack.client() as first, SpecdecClient(f"127.0.0.1:{other.port}", timeout=120) as second:
+        references = [first.generate(p, max_new_tokens=NEW_TOKENS, speculative=False) for p in PROMPTS]
+        clients = [first, second] * 3
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            futures = [pool.submit(client.generate, prompt, max_new_tokens=NEW_TOKENS)
+                       for client, prompt in zip(clients, PROMPTS)]
+            results = [future.result() for future in futures]  # an error reaching a client raises here
+    assert [(r.token_ids, r.finish_reason) for r in results] == [(r.token_ids, r.finish_reason) for r in references]
+    assert _refusals(stack.gateway.metrics_port) + _refusals(other.metrics_port) > 0  # the pools were contended
+    stack.wait_until_idle()
+    for engine in stack.engines():
+        assert engine.cache.blocks.free_tokens == engine.cache.capacity_tokens

@@ -1,0 +1,166 @@
+"""Pools shared with other gateways (`specdec.gateway.pools`): a model service that refuses a
+call for room makes the gateway queue or preempt, never fail a request, and the gateway's
+lowered batch limit rises again once the others leave. Fakes whose pools another gateway
+fills; the real two-gateway stack is tests/gateway/test_shared_admission.py."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from specdec.errors import CAPACITY_TRAILER
+from specdec.gateway import pools
+from specdec.gateway.pools import PoolContention, refused_for_room
+from specdec.gateway.request import FinishReason
+from specdec.gateway.scheduler import Scheduler
+from specdec.gateway.stats import GatewayStats
+from specdec.wire.items import PrefillItem, ProposeItem, VerifyItem
+from tests.support.fakes import FakeDraft, FakeTarget, greedy_reference, policy, rpc_error
+from tests.unit.gateway.test_scheduler import drain, new_request, prompt_ids, request, run
+
+BLOCK = 16
+
+
+def no_room(what: str = "kv_blocks") -> grpc.aio.AioRpcError:
+    """A model service's refusal for room, as `specdec.serving.errors` sends it."""
+    trailers = grpc.aio.Metadata((CAPACITY_TRAILER, what))
+    return grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), trailers,
+                                "KV pool: a batch of 2 appends needs 3 more blocks, 1 free")
+
+
+@dataclass
+class SharedPool:
+    """A pool of `blocks` that another gateway holds `others` of."""
+
+    blocks: int
+    others: int = 0
+    refusals: int = 0
+
+    def check(self, slots: dict[str, list[int]], grown: dict[str, int]) -> None:
+        """Refuse (changing nothing) unless every slot, at its `grown` length where given, fits."""
+        lengths = {slot: len(tokens) for slot, tokens in slots.items()} | grown
+        if sum(-(-n // BLOCK) for n in lengths.values()) + self.others > self.blocks:
+            self.refusals += 1
+            raise no_room()
+
+
+@dataclass
+class SharedTarget(FakeTarget):
+    pool: SharedPool = field(default_factory=lambda: SharedPool(10**6))
+
+    async def prefill(self, items: list[PrefillItem], timeout: float):  # type: ignore[no-untyped-def]
+        self.pool.check(self.slots, {item.slot_id: len(item.prompt_tokens) for item in items})
+        return await super().prefill(items, timeout)
+
+    async def verify(self, items: list[VerifyItem], timeout: float):  # type: ignore[no-untyped-def]
+        self.pool.check(self.slots, {item.slot_id: item.valid_len + len(item.tokens) for item in items})
+        return await super().verify(items, timeout)
+
+
+@dataclass
+class SharedDraft(FakeDraft):
+    pool: SharedPool = field(default_factory=lambda: SharedPool(10**6))
+
+    async def propose(self, items: list[ProposeItem], timeout: float):  # type: ignore[no-untyped-def]
+        grown = {item.slot_id: item.valid_len + len(item.new_tokens) + item.num_speculative_tokens for item in items}
+        self.pool.check(self.slots, grown)
+        return await super().propose(items, timeout)
+
+
+@pytest.fixture(autouse=True)
+def quick_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pools, "PROBE_S", 0.05)
+    monkeypatch.setattr(pools, "FIRST_BACKOFF_S", 0.01)
+
+
+async def all_finish(sched: Scheduler, n: int, max_new_tokens: int = 40) -> None:
+    """Submit `n` requests at once; each must end LENGTH with the target's greedy output."""
+    seqs = [new_request(request(max_new_tokens=max_new_tokens), policy()) for _ in range(n)]
+    for seq in seqs:
+        sched.submit(seq)
+    for tokens, finished in await asyncio.gather(*(drain(seq, timeout=30) for seq in seqs)):
+        assert finished.reason == FinishReason.LENGTH, finished
+        assert tokens == greedy_reference(prompt_ids(), max_new_tokens)
+
+
+def test_a_target_pool_filled_by_another_gateway_queues_and_preempts_without_failing_a_request() -> None:
+    # 4 requests of 5 + 40 tokens need 3 blocks each at the end; the other gateway leaves 7.
+    target, draft = SharedTarget(pool=SharedPool(blocks=12, others=5)), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        await all_finish(sched, 4)
+        assert target.pool.refusals > 0 and sched.stats.pool_refusals["target"] == target.pool.refusals
+        assert sched.stats.preemptions > 0 and sched.stats.admission_limit < 8
+        assert sched.stats.speculation_enabled == 1  # a refusal for room is no failure of the services
+        target.pool.others = 0  # the other gateway left: the limit climbs back to the batch size
+        await asyncio.sleep(10 * pools.PROBE_S)
+        assert sched.contention.current_limit() == 8
+        await all_finish(sched, 8, max_new_tokens=8)
+
+    run(test, target, draft)
+
+
+def test_a_gateway_holding_nothing_backs_off_until_the_other_gateway_leaves() -> None:
+    target, draft = SharedTarget(pool=SharedPool(blocks=8, others=8)), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        seq = new_request(request(max_new_tokens=10), policy())
+        sched.submit(seq)
+        await asyncio.sleep(0.3)
+        tries = target.pool.refusals
+        assert 3 <= tries <= 30  # retried on a doubling backoff, not spinning
+        assert not seq.done and not target.prefilled
+        target.pool.others = 0
+        tokens, finished = await drain(seq)
+        assert finished.reason == FinishReason.LENGTH and tokens == greedy_reference(prompt_ids(), 10)
+
+    run(test, target, draft)
+
+
+def test_a_full_draft_pool_costs_speculation_and_preempts_not_the_draft_itself() -> None:
+    target, draft = FakeTarget(), SharedDraft(pool=SharedPool(blocks=10, others=4))
+
+    async def test(sched: Scheduler) -> None:
+        await all_finish(sched, 4)
+        assert draft.pool.refusals > 0 and sched.stats.pool_refusals["draft"] == draft.pool.refusals
+        assert sched.stats.draft_failures == 0 and sched.stats.speculation_enabled == 1
+        assert sched.stats.preemptions > 0
+
+    run(test, target, draft)
+
+
+def test_a_resource_exhausted_that_is_not_a_refusal_for_room_still_fails() -> None:
+    """gRPC's own RESOURCE_EXHAUSTED (a message over the size limit) would fail again on a retry."""
+    too_big = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (5000 vs. 4096)")
+    assert not refused_for_room(too_big) and refused_for_room(no_room())
+    target = FakeTarget(fail_verify=too_big)
+
+    async def test(sched: Scheduler) -> None:
+        seq = new_request(request(max_new_tokens=10), policy())
+        sched.submit(seq)
+        _, finished = await drain(seq)
+        assert finished.reason == FinishReason.ERROR and sched.stats.pool_refusals == {"target": 0, "draft": 0}
+
+    run(test, target, FakeDraft())
+
+
+def test_the_limit_drops_on_refusals_and_rises_one_a_probe() -> None:
+    now = [0.0]
+    stats = GatewayStats(8)
+    contention = PoolContention(8, stats, clock=lambda: now[0])
+    contention.refused("target", "Verify", 6)
+    assert contention.current_limit() == stats.admission_limit == 5 and contention.may_try()
+    contention.refused("draft", "Propose", 1)  # never below one
+    contention.refused("target", "Prefill", 3)  # a Prefill refusal keeps what is held: never raises the limit
+    assert contention.current_limit() == 1 and stats.pool_refusals == {"target": 2, "draft": 1}
+    now[0] += 1.5 * pools.PROBE_S
+    assert contention.current_limit() == contention.current_limit() == 2  # one step per probe
+    now[0] += 0.5 * pools.PROBE_S
+    assert contention.current_limit() == 3
+    now[0] += 10 * pools.PROBE_S
+    assert contention.current_limit() == stats.admission_limit == 8  # up to the batch size, no further
+    contention.refused("target", "Prefill", 0)  # holding nothing: back off
+    assert not contention.may_try() and 0 < contention.wait_s() <= 1.5 * pools.FIRST_BACKOFF_S
