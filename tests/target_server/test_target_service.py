@@ -16,6 +16,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
+from specdec.errors import CAPACITY_TRAILER
 from specdec.model.loader import LoadedModel
 from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.sampling.draws import make_generator, pick_tokens
@@ -540,6 +541,7 @@ def test_kv_pool_full_is_resource_exhausted_and_frees_nothing_of_others(
     )
     error = rpc_error(service.stub.Prefill, request)
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert dict(error.trailing_metadata())[CAPACITY_TRAILER] == "kv_blocks"  # retryable: a gateway queues
     info = service.info()
     assert (info.free_kv_tokens, info.active_slots) == (32, 1)
     prefill(service, {"b": b})  # the pool is now full
@@ -571,6 +573,7 @@ def test_slot_table_full_is_resource_exhausted(start_target: Callable[..., Servi
     )
     error = rpc_error(service.stub.Prefill, request)
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "slots" in error.details()
+    assert dict(error.trailing_metadata())[CAPACITY_TRAILER] == "slots"
     assert service.info().active_slots == 1
 
 
