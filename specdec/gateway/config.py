@@ -33,7 +33,9 @@ class GatewayConfig(ServerSecurity):
     """Where the model services are, how the gateway speculates and how much it admits; its own
     TLS and token settings come from `ServerSecurity`, those toward the services are `service_*`."""
 
-    target_address: str = option("", "target service address, host:port (required)", aliases=["--target"])
+    target_address: str = option(
+        "", "target service address, host:port (required); a gRPC address list (ipv4:host:port,host:port) "
+        "fails over: requests resume on the next that answers", aliases=["--target"])
     draft_address: str = option(
         "", "draft service address, host:port; empty runs without a draft model (lookup drafting only)",
         aliases=["--draft"],

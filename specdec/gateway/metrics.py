@@ -123,6 +123,9 @@ def gateway_families(stats: GatewayStats, prefix: str, model_name: str) -> Itera
                     "by reason", ["reason"], {(reason,): n for reason, n in s.off_rounds.items()})
     yield f.counter("num_preemptions", "Requests preempted to make room in a KV pool (they resume later)", [],
                     _one(s.preemptions))
+    yield f.histogram("request_resume_seconds", "Requests that lost their target and resumed from their tokens on "
+                      "the one that answered: seconds from the loss to their first good round", [],
+                      {(): s.resume_time})
     yield f.counter("num_pool_refusals", "Calls a model service refused for want of KV blocks or slots (pools "
                     "shared with other gateways): queued or preempted, never failed", ["service"],
                     {(name,): n for name, n in s.pool_refusals.items()})

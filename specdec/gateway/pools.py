@@ -100,7 +100,8 @@ class PoolContention:
         if holding == 0 or (holding == 1 and call == "Verify"):
             self._backoff_s = min(LAST_BACKOFF_S, max(FIRST_BACKOFF_S, 2 * self._backoff_s))
             self._retry_at = self.clock() + self._backoff_s * random.uniform(0.5, 1.5)
-        log.warning("the %s refused a %s for room (shared with other gateways): admission limit %d -> %d",
+        # INFO, not WARNING: gateways sharing a pair meet this in normal operation (the counter alerts).
+        log.info("the %s refused a %s for room (shared with other gateways): admission limit %d -> %d",
                     service, call, self.limit, min(limit, self.limit))
         self.limit = self.stats.admission_limit = min(limit, self.limit)
         self._last_change = self.clock()

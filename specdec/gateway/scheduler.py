@@ -210,7 +210,8 @@ class Scheduler:
             # the CancelledError would end the scheduler and leave every stream waiting.
             await self._fail(batch, ServiceStateError("a call to a model service was cancelled"))
             return
-        self.outage.resumed(batch)
+        for wait_s in self.outage.resumed(batch):
+            self.stats.resume_time.observe(wait_s)
         if report.propose_outcome is ProposeOutcome.FAILED:
             self.stats.draft_failures += 1
             self.stats.off_rounds["draft_unavailable"] += 1

@@ -69,6 +69,8 @@ class GatewayStats:
     kv_handoff_tokens: int = 0
     #: Requests whose slots were freed to make room in a KV pool (they resume later).
     preemptions: int = 0
+    #: Seconds from a request losing its target to its first good round after (`target_outage`).
+    resume_time: Distribution = field(default_factory=_latency)
     #: Calls a model service refused for want of KV blocks or slots, by service (`gateway.pools`).
     pool_refusals: dict[str, int] = field(default_factory=lambda: {"target": 0, "draft": 0})
     #: Requests the gateway runs at once: its max batch size, lower while shared pools refuse it room.

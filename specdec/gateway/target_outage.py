@@ -65,9 +65,15 @@ class TargetOutage:
         self.down = False
 
     @staticmethod
-    def resumed(seqs: list[Request]) -> None:
+    def resumed(seqs: list[Request]) -> list[float]:
+        """A round of `seqs` succeeded: those that had lost their target are back on one. Returns
+        how long each of those was without it (to its first good round)."""
+        now, waits = time.monotonic(), []
         for seq in seqs:
-            seq.target_lost_at = None
+            if seq.target_lost_at is not None:
+                waits.append(now - seq.target_lost_at)
+                seq.target_lost_at = None
+        return waits
 
     def expired(self, waiting: Iterable[Request]) -> list[Request]:
         """While the target is down: the waiting requests that have been without it for

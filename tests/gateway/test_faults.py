@@ -13,15 +13,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.client import build_request
+from specdec.client import SpecdecClient, build_request
 from specdec.cost_model import ForwardCost
 from specdec.draft_server.server import create_server as create_draft_server
 from specdec.gateway.model_clients import INFO_TIMEOUT_S
 from specdec.model.runtime import ModelRuntime
 from specdec.target_server.server import create_server as create_target_server
 from specdec.v1 import gateway_pb2
-from tests.support.services import LoopThread, eventually, slow_down
-from tests.support.stacks import DRAFT_COSTS, TARGET_COSTS, Stack, StartStack
+from tests.support.services import LoopThread, eventually, slow_down, target_server
+from tests.support.stacks import DRAFT_COSTS, POOL, TARGET_COSTS, Stack, StartStack
 
 MONITOR_INTERVAL_S = 2.0  # the gateway's default Info poll
 STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
@@ -86,6 +86,37 @@ def test_a_target_restart_mid_stream_costs_the_request_only_time(
                 restarted = True
     assert restarted and tokens == expected
     stack.wait_until_idle()
+
+
+def test_a_target_that_dies_mid_stream_hands_the_request_to_the_next_address_it_was_given(
+    start_stack: StartStack, int8_runtime: ModelRuntime, fp32_runtime: ModelRuntime, service_loop: LoopThread,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A gateway given two target addresses (a gRPC address list: pick_first connects to the first
+    that answers) resumes a request whose target dies mid-stream on the second, from its tokens,
+    with the output it would have had."""
+    stack = start_stack(int8_runtime)
+    spare_engine, spare_start = target_server(fp32_runtime, **POOL)
+    spare = service_loop.run(spare_start)
+    try:
+        addresses = f"ipv4:127.0.0.1:{stack.servers[0].port},127.0.0.1:{spare.port}"
+        gateway = start_stack.add_gateway(stack, target_address=addresses)
+        with SpecdecClient(f"127.0.0.1:{gateway.port}", timeout=120) as client:
+            reference = client.generate(STORY, max_new_tokens=32, speculative=False)
+            assert spare_engine.prefix_cache_queries == 0  # the first address served it
+            slow_down(monkeypatch, stack.target, "verify", 0.05)  # the kill lands mid-stream
+            tokens: list[int] = []
+            for response in client.stub.Generate(build_request(STORY, max_new_tokens=32, num_speculative_tokens=4),
+                                                 timeout=120):
+                tokens.extend(response.token_ids)
+                if len(tokens) >= 10 and len(stack.servers) == 2:
+                    _kill(stack, 0, service_loop)
+        assert len(stack.servers) == 1 and tokens == reference.token_ids
+        # Prefilled there with the tokens it had generated.
+        assert spare_engine.prefix_cache_queries >= reference.prompt_tokens + 10
+        assert eventually(lambda: not spare_engine.tokens), "the resumed request's slot was not released"
+    finally:
+        service_loop.run(spare.stop(grace=0))
 
 
 def test_losing_the_target_fails_the_stream_and_frees_the_draft_slot(

@@ -65,6 +65,7 @@ def test_a_target_restart_costs_the_request_a_prefill_not_its_output(down_prefil
         assert resumed != first and target.prefilled[resumed][:len(prompt_ids())] == prompt_ids()
         assert len(target.prefilled[resumed]) > len(prompt_ids())  # its generated tokens came along
         assert target.refused_prefills == down_prefills and seq.target_lost_at is None
+        assert sched.stats.resume_time.count == 1 and sched.stats.resume_time.total > 0  # counted once
 
     run(test, target, draft)
 

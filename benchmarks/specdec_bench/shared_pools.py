@@ -1,0 +1,109 @@
+"""Two gateways on one target/draft pair whose KV pools hold one gateway's full batch: what
+clients see, and the throughput beside one gateway alone at the same total concurrency.
+
+    python -m specdec_bench.shared_pools                  # 16 streams, batches of 8, 96 tokens
+    python -m specdec_bench.shared_pools --streams 8 --batch 4 --rounds 1
+
+Each gateway admits as if the pools were its own; the services refuse what their real free
+blocks cannot hold, and the gateways queue or preempt (docs/deployment.md#shared-pools).
+Alternating rounds, each `streams` greedy requests at once: all on one gateway, then split
+evenly over two. Counted: requests that failed (a RESOURCE_EXHAUSTED reaching a client is
+one), whether every answer equals the one-gateway answer for its prompt, aggregate decode
+throughput (completion tokens ÷ the round's wall time), and the refusals and preemptions the
+gateways counted (their `/metrics`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from specdec.client import GenerationResult, SpecdecClient
+from specdec_bench.results import cpu_model
+from specdec_bench.stack import running_stack, second_gateway
+from specdec_bench.workloads import PROMPTS, chat
+
+COUNTERS = ("specdec_num_pool_refusals_total", "specdec_num_preemptions_total")
+
+
+def _counters(metrics_port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in out:
+                out[sample.name] += sample.value
+    return out
+
+
+def _round(addresses: list[str], prompts: list[str], tokens: int) -> tuple[float, list[GenerationResult | str]]:
+    """All `prompts` at once, spread over `addresses` in turn: wall seconds, and each answer or its error."""
+    def one(i: int) -> GenerationResult | str:
+        with SpecdecClient(addresses[i % len(addresses)], timeout=600) as client:
+            try:
+                return client.generate(chat(prompts[i]), max_new_tokens=tokens)
+            except grpc.RpcError as error:
+                return f"{error.code().name}: {error.details()}"
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(one, range(len(prompts))))
+    return time.perf_counter() - started, results
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=16, help="requests at once, in all")
+    parser.add_argument("--batch", type=int, default=8, help="each gateway's --max-batch-size")
+    parser.add_argument("--tokens", type=int, default=96, help="new tokens per request")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of each layout, alternating")
+    args = parser.parse_args(argv)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.streams)]
+    # One gateway's full batch: `batch` requests of a chat prompt (under 64 tokens) and `tokens`
+    # more, with a round's room; rounded up to whole blocks of 16.
+    budget = args.batch * -(-(64 + args.tokens + 16) // 16) * 16
+    pool = f"--kv-token-budget {budget}"
+    gateway_args = f"--max-batch-size {args.batch} --max-queue {args.streams}"
+    rates: dict[str, list[float]] = {"one gateway": [], "two gateways": []}
+    lost: dict[str, int] = dict.fromkeys(rates, 0)
+    answers: dict[str, list[int]] = {}
+    unequal = 0
+    with running_stack(target_args=pool, draft_args=pool, gateway_args=gateway_args) as stack, \
+            second_gateway(stack, gateway_args) as other:
+        assert other.ready is not None and other.ready.metrics_port is not None
+        ports = [stack.metrics_port, other.ready.metrics_port]
+        before = [_counters(port) for port in ports]
+        layouts = {"one gateway": [stack.gateway.address], "two gateways": [stack.gateway.address, other.address]}
+        for _ in range(args.rounds):
+            for name, addresses in layouts.items():
+                wall, results = _round(addresses, prompts, args.tokens)
+                done = [r for r in results if isinstance(r, GenerationResult)]
+                lost[name] += len(results) - len(done)
+                rates[name].append(sum(r.completion_tokens for r in done) / wall)
+                for prompt, result in zip(prompts, results):
+                    if isinstance(result, GenerationResult):
+                        unequal += answers.setdefault(prompt, result.token_ids) != result.token_ids
+                    else:
+                        print(f"{name}: lost a request: {result}")
+        after = [_counters(port) for port in ports]
+    counted = {name: sum(a[name] - b[name] for a, b in zip(after, before)) for name in COUNTERS}
+    summary = {
+        "cpu": cpu_model(), "streams": args.streams, "batch": args.batch, "tokens": args.tokens,
+        "kv_token_budget": budget, "rounds": args.rounds, "lost": lost, "unequal_answers": unequal,
+        "tok_per_s": {name: statistics.median(v) for name, v in rates.items()},
+        "two_over_one": statistics.median(b / a for a, b in zip(rates["one gateway"], rates["two gateways"])),
+        "pool_refusals": counted[COUNTERS[0]], "preemptions": counted[COUNTERS[1]],
+    }
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
