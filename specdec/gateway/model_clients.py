@@ -28,7 +28,7 @@ from specdec.wire.items import (
     VerifyItem,
     verified_from_pb,
 )
-from specdec.wire.keepalive import client_keepalive_options
+from specdec.wire.keepalive import client_keepalive_options, client_reconnect_options
 from specdec.wire.kv_transfer import ImportHeader, KVExport
 from specdec.wire.limits import message_size_options
 from specdec.wire.model_info import ModelInfo
@@ -91,7 +91,7 @@ class ServiceLink:
     keepalive_timeout_s: float = 5.0
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        options = (message_size_options(self.max_message_bytes)
+        options = (message_size_options(self.max_message_bytes) + client_reconnect_options()
                    + client_keepalive_options(self.keepalive_s, self.keepalive_timeout_s))
         interceptors = bearer_token_interceptors(self.token) if self.token else None
         if self.credentials is not None:

@@ -1,4 +1,4 @@
-"""HTTP/2 keepalive between the gateway and the model services.
+"""HTTP/2 keepalive and reconnection between the gateway and the model services.
 
 A service that vanishes without closing its connections (a failed node, a partition) leaves
 TCP "established" for minutes, and every call on it waits out its deadline. With keepalive the
@@ -9,14 +9,32 @@ A gRPC server closes the connection of a client that pings more often than its p
 (GOAWAY "too_many_pings"), so the services state the interval they accept and the gateway must
 not ping more often.
 
+A channel whose service went away tries to reconnect with a growing backoff: gRPC's default
+grows it 1.6x a try up to 120 s, so a target that was down for a minute came back to a gateway
+that did not try it again for many seconds more, while its requests waited. The gateway's
+channels retry at most `RECONNECT_MAX_S` apart; a refused connection costs next to nothing.
+
 A plain module with no gRPC import, like `specdec.wire.limits`.
 """
 
 from __future__ import annotations
 
+#: The longest a gateway's channel waits between tries to reach a service that went away.
+RECONNECT_MAX_S = 1.0
+
 
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
+
+
+def client_reconnect_options(max_backoff_s: float = RECONNECT_MAX_S) -> list[tuple[str, int]]:
+    """Channel options that try a lost service again after 0.1 s, then at most `max_backoff_s` apart."""
+    first = min(0.1, max_backoff_s)
+    return [
+        ("grpc.initial_reconnect_backoff_ms", _ms(first)),
+        ("grpc.min_reconnect_backoff_ms", _ms(first)),
+        ("grpc.max_reconnect_backoff_ms", _ms(max_backoff_s)),
+    ]
 
 
 def client_keepalive_options(interval_s: float, timeout_s: float) -> list[tuple[str, int]]:
