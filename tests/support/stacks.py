@@ -193,16 +193,16 @@ class _StackStarter:
 def _gateway_config(services: list[RunningServer], gateway: dict[str, Any]) -> GatewayConfig:
     """A gateway on `services` (the target's server, then the draft's if any) with `gateway`'s options."""
     has_draft = len(services) > 1
-    return GatewayConfig(
-        target_address=f"127.0.0.1:{services[0].port}",
-        draft_address=f"127.0.0.1:{services[1].port}" if has_draft else "",
-        port=0,
+    return GatewayConfig(**{
+        "target_address": f"127.0.0.1:{services[0].port}",
+        "draft_address": f"127.0.0.1:{services[1].port}" if has_draft else "",
+        "port": 0,
         # A fixed K by default, so tests exercise batched rounds at every batch size and the
         # reject path of the weak draft; the adaptive planner has tests of its own. With a
         # draft, requests draft with it unless they ask for lookups (tests of their own).
-        **{"speculative": has_draft, "adaptive_k": False,
-           "speculation_method": "model" if has_draft else "auto", **gateway},
-    )
+        "speculative": has_draft, "adaptive_k": False, "speculation_method": "model" if has_draft else "auto",
+        **gateway,
+    })
 
 
 @pytest.fixture(scope="session")
