@@ -101,6 +101,10 @@ class SlotServicer:
 
 #: Seconds between tries to load a deferred graph while the KV pool has no room for its warm-up.
 GRAPH_RETRY_S = 1.0
+#: Seconds without a request (counted from start-up too) before each deferred graph loads: a
+#: graph takes seconds to build (~20 s on a 2-core CPU) and a request arriving meanwhile waits
+#: for it, so requests go first, such as those a restarted service's gateways send it at once.
+IDLE_BEFORE_LOADING_S = 3.0
 #: Seconds without a request before each forward of a cost table timed again: timed beside
 #: requests, it would price the machine as the other service's work left it.
 IDLE_BEFORE_TIMING_S = 1.0
@@ -108,11 +112,17 @@ IDLE_BEFORE_TIMING_S = 1.0
 
 async def load_graphs_after_start(engine: ModelEngine, worker: SerialExecutor) -> None:
     """Load the compiled graphs the start-up left for later (`StartupTuner.load_pending`), one
-    per model-worker call: a request arriving meanwhile waits for at most one graph."""
+    per model-worker call once no request came for `IDLE_BEFORE_LOADING_S`: a request arriving
+    meanwhile waits for at most one graph. Under steady load the steps stay eager until a pause."""
     started = time.perf_counter()
     if not engine.tuner.pending:
         return
-    while await worker.run(engine.tuner.load_pending, engine.cache):
+    since = time.monotonic()
+    while True:
+        while (idle := min(worker.idle_for(), time.monotonic() - since)) < IDLE_BEFORE_LOADING_S:
+            await asyncio.sleep(IDLE_BEFORE_LOADING_S - idle)
+        if not await worker.run(engine.tuner.load_pending, engine.cache):
+            break
         await asyncio.sleep(GRAPH_RETRY_S if engine.cache.blocks.free_tokens < engine.cache.capacity_tokens // 2 else 0)
     log.info("compiled steps loaded after start-up in %.1f s: %s%s", time.perf_counter() - started,
              ", ".join(engine.tuner.compiled_steps(engine.model)) or "none",

@@ -54,3 +54,33 @@ def test_a_table_that_cannot_be_timed_again_stays(monkeypatch) -> None:  # type:
     worker.shutdown()
     assert steps == ["forward 0", "forward 1"]
     assert engine.forward_costs == (ForwardCost(1, 1, 0.08),)
+
+
+def test_deferred_graphs_load_only_after_a_pause_in_requests(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Each graph takes seconds and a request would wait behind it: none loads within
+    `IDLE_BEFORE_LOADING_S` of start-up or of the last request."""
+    monkeypatch.setattr(model_service, "IDLE_BEFORE_LOADING_S", 0.2)
+    loaded: list[str] = []
+    pending = ["single", "batch"]
+
+    def load_pending(cache: object) -> bool:
+        loaded.append(pending.pop(0))
+        return bool(pending)
+
+    tuner = SimpleNamespace(pending=pending, load_pending=load_pending, compiled_steps=lambda model: (),
+                            loaded_detail=[], costs_outdated=lambda model: False)
+    cache = SimpleNamespace(blocks=SimpleNamespace(free_tokens=100), capacity_tokens=100)
+    engine, worker = SimpleNamespace(tuner=tuner, cache=cache, model=None), SerialExecutor("test")
+
+    async def run() -> None:
+        task = asyncio.create_task(model_service.load_graphs_after_start(engine, worker))  # type: ignore[arg-type]
+        await asyncio.sleep(0.1)
+        assert loaded == []  # too soon after start-up
+        worker.last_timed_at = time.monotonic() + 0.2  # requests keep coming for a while
+        await asyncio.sleep(0.3)
+        assert loaded == []
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(run())
+    worker.shutdown()
+    assert loaded == ["single", "batch"]
