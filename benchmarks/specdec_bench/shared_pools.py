@@ -3,6 +3,7 @@ clients see, and the throughput beside one gateway alone at the same total concu
 
     python -m specdec_bench.shared_pools                  # 16 streams, batches of 8, 96 tokens
     python -m specdec_bench.shared_pools --streams 8 --batch 4 --rounds 1
+    python -m specdec_bench.shared_pools --pools-hold 2    # pools for both: what two gateways cost alone
 
 Each gateway admits as if the pools were its own; the services refuse what their real free
 blocks cannot hold, and the gateways queue or preempt (docs/deployment.md#shared-pools).
@@ -65,11 +66,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=8, help="each gateway's --max-batch-size")
     parser.add_argument("--tokens", type=int, default=96, help="new tokens per request")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of each layout, alternating")
+    parser.add_argument("--pools-hold", type=int, default=1,
+                        help="how many gateways' full batches the pools hold (2: the gateways never contend)")
     args = parser.parse_args(argv)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.streams)]
     # One gateway's full batch: `batch` requests of a chat prompt (under 64 tokens) and `tokens`
     # more, with a round's room; rounded up to whole blocks of 16.
-    budget = args.batch * -(-(64 + args.tokens + 16) // 16) * 16
+    budget = args.pools_hold * args.batch * -(-(64 + args.tokens + 16) // 16) * 16
     pool = f"--kv-token-budget {budget}"
     gateway_args = f"--max-batch-size {args.batch} --max-queue {args.streams}"
     rates: dict[str, list[float]] = {"one gateway": [], "two gateways": []}
@@ -97,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     counted = {name: sum(a[name] - b[name] for a, b in zip(after, before)) for name in COUNTERS}
     summary = {
         "cpu": cpu_model(), "streams": args.streams, "batch": args.batch, "tokens": args.tokens,
-        "kv_token_budget": budget, "rounds": args.rounds, "lost": lost, "unequal_answers": unequal,
+        "kv_token_budget": budget, "pools_hold": args.pools_hold, "rounds": args.rounds, "lost": lost, "unequal_answers": unequal,
         "tok_per_s": {name: statistics.median(v) for name, v in rates.items()},
         "two_over_one": statistics.median(b / a for a, b in zip(rates["one gateway"], rates["two gateways"])),
         "pool_refusals": counted[COUNTERS[0]], "preemptions": counted[COUNTERS[1]],
