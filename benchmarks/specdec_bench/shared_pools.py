@@ -100,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     counted = {name: sum(a[name] - b[name] for a, b in zip(after, before)) for name in COUNTERS}
     summary = {
         "cpu": cpu_model(), "streams": args.streams, "batch": args.batch, "tokens": args.tokens,
-        "kv_token_budget": budget, "pools_hold": args.pools_hold, "rounds": args.rounds, "lost": lost, "unequal_answers": unequal,
+        "kv_token_budget": budget, "pools_hold": args.pools_hold, "rounds": args.rounds,
+        "lost": lost, "unequal_answers": unequal,
         "tok_per_s": {name: statistics.median(v) for name, v in rates.items()},
         "two_over_one": statistics.median(b / a for a, b in zip(rates["one gateway"], rates["two gateways"])),
         "pool_refusals": counted[COUNTERS[0]], "preemptions": counted[COUNTERS[1]],
