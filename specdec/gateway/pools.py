@@ -102,7 +102,7 @@ class PoolContention:
             self._retry_at = self.clock() + self._backoff_s * random.uniform(0.5, 1.5)
         # INFO, not WARNING: gateways sharing a pair meet this in normal operation (the counter alerts).
         log.info("the %s refused a %s for room (shared with other gateways): admission limit %d -> %d",
-                    service, call, self.limit, min(limit, self.limit))
+                 service, call, self.limit, min(limit, self.limit))
         self.limit = self.stats.admission_limit = min(limit, self.limit)
         self._last_change = self.clock()
 
