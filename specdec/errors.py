@@ -9,7 +9,7 @@ from __future__ import annotations
 #: Trailing metadata key of a refusal for want of room (`CapacityExhaustedError`); its value
 #: names what is full. Nothing was changed, so the same call can succeed once room frees up:
 #: a gateway that shares a model service with other gateways reads it as "queue or preempt,
-#: do not fail" (`specdec.gateway.pool_contention`).
+#: do not fail" (`specdec.gateway.pools`).
 CAPACITY_TRAILER = "specdec-capacity"
 
 

@@ -19,7 +19,7 @@ class ProposeOutcome(enum.Enum):
     #: Failed or missed its deadline: the round decoded plainly and the draft is suspect.
     FAILED = "failed"
     #: Refused for room (a draft pool shared with other gateways): the round decoded plainly,
-    #: and the draft is fine (`specdec.gateway.pool_contention`).
+    #: and the draft is fine (`specdec.gateway.pools`).
     NO_ROOM = "no_room"
 
 

@@ -303,7 +303,8 @@ async def propose_or_plain(
     """The round's proposals, and how Propose went: the draft only ever speeds things up, so
     without it the round is plain decoding (no proposals), with the very same output. After a
     failure the next Propose resends each whole sequence (valid_len 0), which rebuilds the
-    draft's cache whatever it kept; a refusal for room leaves every slot at its valid prefix."""
+    draft's cache whatever it kept; after a refusal for room each slot still holds its valid
+    prefix (`draft_valid` stands: the draft only rolls back to it and appends)."""
     started = time.perf_counter()
     try:
         return await propose(draft, seqs, plan.model_ks, deadlines, plan.guesses, plan.self_guessing,

@@ -102,8 +102,9 @@ class SlotServicer:
 #: Seconds between tries to load a deferred graph while the KV pool has no room for its warm-up.
 GRAPH_RETRY_S = 1.0
 #: Seconds without a request (counted from start-up too) before each deferred graph loads: a
-#: graph takes seconds to build (~20 s on a 2-core CPU) and a request arriving meanwhile waits
-#: for it, so requests go first, such as those a restarted service's gateways send it at once.
+#: graph takes seconds to build and a request arriving meanwhile waits for it, so requests go
+#: first, such as those a restarted service's gateways send it at once
+#: (docs/deployment.md#behind-a-load-balancer).
 IDLE_BEFORE_LOADING_S = 3.0
 #: Seconds without a request before each forward of a cost table timed again: timed beside
 #: requests, it would price the machine as the other service's work left it.
