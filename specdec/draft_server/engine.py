@@ -268,8 +268,8 @@ class DraftEngine(ModelEngine):
             limit = min(share, items[i].num_speculative_tokens - step - 2)
             walk = walks[i]
             forced = walk.forced(limit) if walk is not None else []
-            own = [] if forced else self._own_guess(items[i], drafted[i][-1:], limit)
-            guesses[i] = Guess(forced, GuessKind.FORCED) if forced else Guess(own)
+            guesses[i] = (Guess(forced, GuessKind.FORCED) if forced
+                          else Guess(self._own_guess(items[i], drafted[i][-1:], limit)))
         return guesses
 
     def _draw(

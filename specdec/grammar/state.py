@@ -48,8 +48,7 @@ class RequestGrammar:
                 raise ServiceStateError(f"the grammar allowed token {token} and then refused it")
             consumed += 1
             rows.append(self.row())
-        if consumed:
-            self.matcher.rollback(consumed)
+        self.rollback(consumed)
         self._check()
         return TokenMasks.stack(rows), legal
 
