@@ -18,6 +18,7 @@ from specdec.serving.model_service import SlotServicer, start_model_service
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.wire.items import Lease, Proposal, ProposeItem
 from specdec.wire.kv_transfer import ImportHeader, assemble_pieces
+from specdec.wire.model_info import PoolRoom
 from specdec.wire.tensor_codec import torch_dtype
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -43,8 +44,10 @@ class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
         items = [ProposeItem.from_pb(item) for item in request.items]
         probs_dtype = torch_dtype(request.probs_dtype or common_pb2.DTYPE_FLOAT32)
         lease = Lease.from_pb(request.lease)
+        slots = [item.slot_id for item in items]
         response, compute_s = await self.worker.run_timed(
-            functools.partial(self.engine.propose, items, probs_dtype, lease), _propose_response
+            functools.partial(self.engine.propose, items, probs_dtype, lease),
+            lambda proposals: _propose_response(proposals, self.engine.room(slots)),
         )
         fed_and_drafted = sum(len(i.new_tokens) + i.num_speculative_tokens for i in items)
         self.stats.record_work("Propose", compute_s, len(items), fed_and_drafted)
@@ -102,8 +105,9 @@ async def _import_parts(
     return header, pieces
 
 
-def _propose_response(proposals: list[Proposal]) -> draft_pb2.ProposeResponse:
-    return draft_pb2.ProposeResponse(results=[p.to_pb() for p in proposals])
+def _propose_response(proposals: list[Proposal], room: PoolRoom) -> draft_pb2.ProposeResponse:
+    """`room`: taken on the worker right after the call, so that it counts the call's slots."""
+    return draft_pb2.ProposeResponse(results=[p.to_pb() for p in proposals], room=room.to_pb())
 
 
 async def create_server(config: DraftConfig, engine: DraftEngine | None = None) -> RunningServer:

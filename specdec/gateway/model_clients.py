@@ -31,7 +31,7 @@ from specdec.wire.items import (
 from specdec.wire.keepalive import client_keepalive_options, client_reconnect_options
 from specdec.wire.kv_transfer import ImportHeader, KVExport
 from specdec.wire.limits import message_size_options
-from specdec.wire.model_info import ModelInfo
+from specdec.wire.model_info import ModelInfo, PoolRoom
 
 T = TypeVar("T")
 #: How long start-up waits for a service's first Info (it may still be loading its model).
@@ -41,11 +41,13 @@ INFO_TIMEOUT_S = 120.0
 @dataclass(frozen=True)
 class Timed(Generic[T]):
     """A model service's reply with its two costs: compute on the service, and the call's
-    wall time as the gateway saw it (compute + queueing + (de)serialisation + transport)."""
+    wall time as the gateway saw it (compute + queueing + (de)serialisation + transport);
+    and the service's room after the call (None: it reports none, a service before the field)."""
 
     value: T
     compute_s: float
     wall_s: float
+    room: PoolRoom | None = None
 
 
 class TargetAPI(Protocol):
@@ -158,7 +160,7 @@ class TargetClient(_ServiceClient[target_pb2_grpc.TargetServiceStub]):
         request = target_pb2.PrefillRequest(items=[item.to_pb() for item in items], lease=self.lease.to_pb())
         response = await self.stub.Prefill(request, timeout=timeout, wait_for_ready=True)
         results = {r.slot_id: ScoredChunk.from_pb(r) for r in response.results}
-        return Timed(results, response.compute_s, time.perf_counter() - started)
+        return Timed(results, response.compute_s, time.perf_counter() - started, PoolRoom.of(response))
 
     async def verify(self, items: list[VerifyItem], timeout: float) -> Timed[dict[str, VerifiedChunk]]:
         """The answer of each item's mode, per slot."""
@@ -166,7 +168,7 @@ class TargetClient(_ServiceClient[target_pb2_grpc.TargetServiceStub]):
         request = target_pb2.VerifyRequest(items=[item.to_pb() for item in items], timeout_s=timeout)
         response = await self._verify(request, timeout)
         results = {r.slot_id: verified_from_pb(r) for r in response.results}
-        return Timed(results, response.compute_s, time.perf_counter() - started)
+        return Timed(results, response.compute_s, time.perf_counter() - started, PoolRoom.of(response))
 
     async def export_kv(self, export: KVExport, timeout: float) -> list[common_pb2.KVPiece]:
         """The keys and values of `export`, every piece the target sends. Received whole before
@@ -194,7 +196,7 @@ class DraftClient(_ServiceClient[draft_pb2_grpc.DraftServiceStub]):
         )
         response = await self._propose(request, timeout)
         results = {r.slot_id: Proposal.from_pb(r) for r in response.results}
-        return Timed(results, response.compute_s, time.perf_counter() - started)
+        return Timed(results, response.compute_s, time.perf_counter() - started, PoolRoom.of(response))
 
     async def import_kv(self, header: ImportHeader, pieces: list[common_pb2.KVPiece], timeout: float) -> Timed[int]:
         """Import `pieces` into the slot `header` names, a new one held under this client's

@@ -105,7 +105,8 @@ class RoundReport:
 
     ks: dict[str, int]
     num_accepted: dict[str, int]
-    #: Propose and Verify: compute inside the service, and wall time seen by the gateway.
+    #: Propose and Verify: compute inside the service, wall time seen by the gateway, and the
+    #: room each service reported.
     propose: Timed[None]
     verify: Timed[None]
     #: The gateway's acceptance step (rejection sampling / greedy matching) for the batch.

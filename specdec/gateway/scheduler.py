@@ -13,8 +13,8 @@ most recently admitted request is preempted — its slots are freed in both serv
 it goes back to the head of the queue with the tokens it has, to be prefilled again
 (prompt + generated so far) when room returns. A request asking for 10**9 tokens can
 therefore never hold blocks it has not used yet, and short requests keep flowing. Pools
-shared with other gateways can refuse a call for room all the same: that queues or
-preempts as well, and lowers the batch limit for a while (`gateway.pools`).
+shared with other gateways hold what their services last reported free as well, and
+can refuse a call for room all the same: that queues or preempts too (`gateway.pools`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from specdec.gateway.first_tokens import first_tokens_and_logprobs
 from specdec.gateway.grammar.rounds import with_forced_tokens
 from specdec.gateway.model_clients import DraftAPI, TargetAPI
 from specdec.gateway.planner import DraftAvailability, Planner, RoundInputs
-from specdec.gateway.pools import PoolContention, PoolLimits, kv_tokens_for_round, refused_for_room
+from specdec.gateway.pools import PoolContention, PoolLimits, PoolRooms, refused_for_room, round_blocks
 from specdec.gateway.proposers import LookupDraft, LookupProposer
 from specdec.gateway.request import FinishReason, Request
 from specdec.gateway.rounds import ProposeOutcome, RoundPlan, RoundReport
@@ -47,6 +47,7 @@ from specdec.gateway.target_outage import TargetOutage, explained_by_restart
 from specdec.serving.errors import status_of
 from specdec.serving.serial_executor import SerialExecutor, cancel_and_wait
 from specdec.wire.items import PrefillItem
+from specdec.wire.model_info import PoolRoom
 
 log = logging.getLogger(__name__)
 #: How often a degraded draft's health is checked.
@@ -106,6 +107,8 @@ class Scheduler:
         self.outage = TargetOutage()
         #: The batch limit while pools shared with other gateways refuse this one room.
         self.contention = PoolContention(max_batch_size, stats)
+        #: The room each service last reported: admission and preemption keep within it.
+        self.rooms = PoolRooms()
         for pool in pools:  # one request alone always fits, so preemption always makes progress
             if pool.blocks_for(max_seq_len) > pool.num_blocks:
                 raise ValueError(f"the {pool.name} pool ({pool.total_kv_tokens} tokens) cannot hold "
@@ -183,6 +186,9 @@ class Scheduler:
             elif not self.contention.may_try():  # refused for room with nothing held: back off
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wakeup.wait(), self.contention.wait_s())
+            elif not self._queue_head_fits():  # a service's fresh word of no room: until it ages
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), self.rooms.fresh_for_s())
             return
         await self._round()
 
@@ -196,7 +202,7 @@ class Scheduler:
                                      self.deadlines, self.planner.kv_handoff)
         except Exception as error:  # noqa: BLE001 - a failed round fails its requests, not the gateway
             if refused_for_room(error):
-                self.contention.refused("target", "Verify", len(batch))
+                self._refused("target", "Verify", batch, kept=batch[:-1])
                 await self._preempt(self.running[-1])  # the target changed nothing: the others retry
             elif explained_by_restart(error):
                 await self._lost_target(batch, error)
@@ -216,8 +222,9 @@ class Scheduler:
             self.stats.draft_failures += 1
             self.stats.off_rounds["draft_unavailable"] += 1
             self._degrade_draft()
-        elif report.propose_outcome is ProposeOutcome.NO_ROOM:
-            self.contention.refused("draft", "Propose", len(batch))
+        elif report.propose_outcome is ProposeOutcome.NO_ROOM:  # the next round preempts the newest
+            self._refused("draft", "Propose", batch, kept=batch[:-1])
+        self._saw_rooms(target=report.verify.room, draft=report.propose.room)
         self.stats.kv_handoff_tokens += report.handoff_tokens
         self.planner.observe(plan, batch, report)
         self.stats.planner = self.planner.status()
@@ -311,7 +318,7 @@ class Scheduler:
             logits = {slot: chunk.logits for slot, chunk in prefilled.value.items()}
         except Exception as error:  # noqa: BLE001
             if refused_for_room(error):  # it made no slot: the requests wait at the head of the queue
-                self.contention.refused("target", "Prefill", len(self.running))
+                self._refused("target", "Prefill", self.running, kept=self.running)
                 self.waiting.extendleft(reversed(admitted))
                 self.stats.waiting = len(self.waiting)
             elif explained_by_restart(error):
@@ -324,6 +331,7 @@ class Scheduler:
             return 0
         self.outage.answered()
         self.contention.admitted()
+        self._saw_rooms(target=prefilled.room)
         self.running.extend(admitted)  # they hold target slots now: a failure below releases them
         firsts, logprobs = await self.sampler.run(first_tokens_and_logprobs, admitted, logits)
         for seq in admitted:
@@ -364,7 +372,21 @@ class Scheduler:
         """A service came back with another KV pool or slot count: admit against it from now on
         (the next round preempts what no longer fits)."""
         self.pools = [pool if old.name == pool.name else old for old in self.pools]
+        self.rooms.forget(pool.name)
         self._wakeup.set()
+
+    def _saw_rooms(self, **rooms: PoolRoom | None) -> None:
+        """The room each service reported with its last response, by pool name."""
+        for pool in self.pools:
+            self.rooms.seen(pool, rooms.get(pool.name))
+
+    def _refused(self, service: str, call: str, held: list[Request], kept: list[Request]) -> None:
+        """`service` refused `call` for room while the gateway held `held` there; it keeps
+        `kept`, whose next round is all it may hold there until the service's next response."""
+        pool = next(p for p in self.pools if p.name == service)
+        blocks = round_blocks(pool, kept, self.max_seq_len, self.decode_steps)
+        reported = self.rooms.refused(service, blocks, len(kept))
+        self.contention.refused(service, call, len(held), room_reported=reported)
 
     def _queue_head_fits(self) -> bool:
         """Whether the first waiting request would be admitted now."""
@@ -378,13 +400,9 @@ class Scheduler:
 
     def _fits(self, seqs: list[Request], headroom: int = 0) -> bool:
         """Whether every pool holds the next round of all `seqs` (and `headroom` spare blocks:
-        at admission, one per running request, so that a newcomer is not preempted at once)."""
-        return all(
-            len(seqs) <= pool.max_slots
-            and sum(pool.blocks_for(kv_tokens_for_round(s, self.max_seq_len, self.decode_steps)) for s in seqs)
-            + headroom <= pool.num_blocks
-            for pool in self.pools
-        )
+        at admission, one per running request, so that a newcomer is not preempted at once),
+        within the room its service last reported (`PoolRooms`)."""
+        return self.rooms.fits(self.pools, seqs, headroom, self.max_seq_len, self.decode_steps)
 
     async def _make_room(self) -> None:
         """Preempt the most recently admitted requests until the next round fits every pool and

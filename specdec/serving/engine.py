@@ -29,7 +29,7 @@ from specdec.tuning.openmp import release_threads
 from specdec.tuning.startup import StartupTuner
 from specdec.wire.items import Lease
 from specdec.wire.kv_transfer import ImportHeader
-from specdec.wire.model_info import KVLayout, ModelInfo
+from specdec.wire.model_info import KVLayout, ModelInfo, PoolRoom
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,15 @@ class ModelEngine:
             pending_graphs=len(self.tuner.pending),
             kv_layout=self.kv_layout,
         )
+
+    def room(self, slot_ids: Sequence[str]) -> PoolRoom:
+        """The pool's room now (after a call on `slot_ids`): free blocks and slots, and the
+        blocks and slots of the lease holder that owns the first of `slot_ids`."""
+        blocks = self.cache.blocks
+        held = [slot for slot in self.leases.slots_held_with(slot_ids[0]) if blocks.has_slot(slot)] if slot_ids else []
+        held_blocks = len({block for slot in held for block in blocks.block_table(slot)})  # a shared prefix counts once
+        free_slots = max(0, self.config.max_slots - len(self.tokens))
+        return PoolRoom(blocks.num_free_blocks, free_slots, held_blocks, len(held))
 
     def export_kv(self, slot_id: str, start: int, end: int, num_layers: int, dtype: torch.dtype) -> torch.Tensor:
         """The keys and values the slot holds for positions [start, end) of its first

@@ -55,6 +55,15 @@ class LeaseTable:
         with self._lock:
             return len(self._owner)
 
+    def slots_held_with(self, slot_id: str) -> list[str]:
+        """Every slot the holder of `slot_id` owns, `slot_id` among them (none for a slot
+        created without a lease): what one gateway holds, whatever its calls' batches."""
+        with self._lock:
+            owner = self._owner.get(slot_id)
+            if owner is None:
+                return []
+            return [slot for slot, lease in self._owner.items() if lease.holder == owner.holder]
+
     def check(self, lease: Lease | None) -> None:
         """StaleLeaseError when `lease` is an older incarnation than one already seen (no side effects)."""
         if lease is None:

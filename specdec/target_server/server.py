@@ -19,6 +19,7 @@ from specdec.target_server.engine import TargetEngine
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.wire.items import Lease, PrefillItem, ScoredChunk, VerifiedChunk, VerifyItem, verified_to_pb
 from specdec.wire.kv_transfer import split_pieces
+from specdec.wire.model_info import PoolRoom
 from specdec.wire.tensor_codec import torch_dtype
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
@@ -34,8 +35,10 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
         self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.PrefillResponse:
         items = [PrefillItem.from_pb(item) for item in request.items]
+        slots = [item.slot_id for item in items]
         response, compute_s = await self.worker.run_timed(
-            functools.partial(self.engine.prefill, items, Lease.from_pb(request.lease)), _prefill_response
+            functools.partial(self.engine.prefill, items, Lease.from_pb(request.lease)),
+            lambda results: _prefill_response(results, self.engine.room(slots)),
         )
         self.stats.record_work("Prefill", compute_s, len(items), sum(len(i.prompt_tokens) for i in items))
         response.compute_s = compute_s
@@ -63,8 +66,10 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
         if remaining is None and request.timeout_s > 0:
             remaining = request.timeout_s
         deadline = time.monotonic() + remaining if remaining is not None else None
+        slots = [item.slot_id for item in items]
         response, compute_s = await self.worker.run_timed(
-            functools.partial(self.engine.verify, items, deadline), _verify_response
+            functools.partial(self.engine.verify, items, deadline),
+            lambda results: _verify_response(results, self.engine.room(slots)),
         )
         self.stats.record_work("Verify", compute_s, len(items), sum(len(i.tokens) for i in items))
         response.compute_s = compute_s
@@ -83,12 +88,13 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
             yield piece
 
 
-def _prefill_response(results: list[ScoredChunk]) -> target_pb2.PrefillResponse:
-    return target_pb2.PrefillResponse(results=[r.to_pb() for r in results])
+def _prefill_response(results: list[ScoredChunk], room: PoolRoom) -> target_pb2.PrefillResponse:
+    """`room`: taken on the worker right after the call, so that it counts the call's slots."""
+    return target_pb2.PrefillResponse(results=[r.to_pb() for r in results], room=room.to_pb())
 
 
-def _verify_response(results: list[VerifiedChunk]) -> target_pb2.VerifyResponse:
-    return target_pb2.VerifyResponse(results=[verified_to_pb(r) for r in results])
+def _verify_response(results: list[VerifiedChunk], room: PoolRoom) -> target_pb2.VerifyResponse:
+    return target_pb2.VerifyResponse(results=[verified_to_pb(r) for r in results], room=room.to_pb())
 
 
 async def create_server(config: TargetConfig, engine: TargetEngine | None = None) -> RunningServer:

@@ -1,5 +1,6 @@
-"""What a model service says of itself through its Info rpc (`ModelInfo`), and what its keys
-and values are computed from (`KVLayout`), with `to_pb` / `from_pb` as in `specdec.wire.items`."""
+"""What a model service says of itself through its Info rpc (`ModelInfo`), what its keys
+and values are computed from (`KVLayout`), and the room in its pool after each call
+(`PoolRoom`), with `to_pb` / `from_pb` as in `specdec.wire.items`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 from specdec.cost_model import ForwardCost
 from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.tuning.choices import TuningChoice
-from specdec.v1 import common_pb2
+from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,30 @@ class KVLayout:
     @classmethod
     def from_pb(cls, message: common_pb2.KVLayout) -> KVLayout:
         return cls(message.weights, message.num_layers, message.num_kv_heads, message.head_dim)
+
+
+@dataclass(frozen=True)
+class PoolRoom:
+    """A service's KV blocks and slots after a Prefill, Verify or Propose (`common.proto`
+    PoolRoom): those free, and those the caller's lease holder holds."""
+
+    free_blocks: int
+    free_slots: int
+    held_blocks: int
+    held_slots: int
+
+    def to_pb(self) -> common_pb2.PoolRoom:
+        return common_pb2.PoolRoom(free_blocks=self.free_blocks, free_slots=self.free_slots,
+                                   held_blocks=self.held_blocks, held_slots=self.held_slots)
+
+    @classmethod
+    def of(cls, response: target_pb2.PrefillResponse | target_pb2.VerifyResponse | draft_pb2.ProposeResponse,
+           ) -> PoolRoom | None:
+        """The room a response reports; None from a service before the field."""
+        if not response.HasField("room"):
+            return None
+        room = response.room
+        return cls(room.free_blocks, room.free_slots, room.held_blocks, room.held_slots)
 
 
 @dataclass(frozen=True)
