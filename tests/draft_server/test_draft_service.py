@@ -294,6 +294,17 @@ def test_free_kv_tokens_drop_after_propose_and_release_returns_every_block(
     assert not draft.engine.generators  # per-slot generators are forgotten too
 
 
+def test_propose_reports_the_pools_room_and_what_the_callers_holder_holds(draft: Service) -> None:
+    lease = common_pb2.Lease(holder="gw-a", incarnation="1")
+    blocks = draft.info().total_kv_tokens // 16
+    request = draft_pb2.ProposeRequest(items=[item("a", list(range(300, 320)), 4), item("b", [5, 6], 2)], lease=lease)
+    room = draft.stub.Propose(request).room
+    assert (room.held_blocks, room.held_slots, room.free_slots) == (3, 2, 32 - 2)  # 23 and 3 tokens cached
+    assert room.free_blocks + room.held_blocks == blocks
+    for slot in ("a", "b"):
+        draft.stub.Release(common_pb2.ReleaseRequest(slot_id=slot))
+
+
 def test_many_slots_at_once(start_draft: Callable[..., Service], smollm2: LoadedModel) -> None:
     service = start_draft(max_slots=24, kv_token_budget=24 * 32)
     slots = {f"m{i:02d}": [(7 * i + j) % 4000 + 10 for j in range(3 + i % 9)] for i in range(24)}

@@ -104,6 +104,25 @@ def test_free_kv_tokens_drop_after_prefill_and_return_after_release(target: Serv
     assert (info.free_kv_tokens, info.active_slots) == (start, 0)
 
 
+
+def test_prefill_and_verify_report_the_pools_room_and_what_the_callers_holder_holds(target: Service) -> None:
+    mine, other = common_pb2.Lease(holder="gw-a", incarnation="1"), common_pb2.Lease(holder="gw-b", incarnation="1")
+    blocks = target.info().total_kv_tokens // 16
+    target.stub.Prefill(target_pb2.PrefillRequest(
+        items=[target_pb2.PrefillItem(slot_id="theirs", prompt_tokens=list(range(300, 305)))], lease=other))
+    room = target.stub.Prefill(target_pb2.PrefillRequest(
+        items=[target_pb2.PrefillItem(slot_id="mine", prompt_tokens=list(range(400, 420)))], lease=mine)).room
+    assert (room.held_blocks, room.held_slots, room.free_slots) == (2, 1, 32 - 2)
+    assert room.free_blocks + room.held_blocks == blocks - 1  # the other holder's one block
+    verify(target, [("mine", 20, list(range(7, 16)))])
+    verify(target, [("mine", 29, list(range(7, 16)))])  # 38 tokens: a third block
+    room = target.stub.Verify(target_pb2.VerifyRequest(
+        items=[target_pb2.VerifyItem(slot_id="theirs", valid_len=5, tokens=[9])])).room
+    assert (room.held_blocks, room.held_slots, room.free_blocks) == (1, 1, blocks - 4)  # the holder of `theirs`
+    release(target, "mine")
+    release(target, "theirs")
+
+
 # -- Prefill and Verify against the in-process forward -----------------------------------
 
 
