@@ -141,6 +141,13 @@ class PoolContention:
             log.info("no refusal for room in %.1f s: admission limit raised to %d", steps * PROBE_S, self.limit)
         return self.limit
 
+    def lift(self) -> None:
+        """Every service reports its room now: the limit goes back to the batch size (the
+        reports keep the gateway within the pools from here on)."""
+        if self.limit < self.max_batch_size:
+            log.info("every model service reports its room: admission limit %d -> %d", self.limit, self.max_batch_size)
+            self.limit = self.stats.admission_limit = self.max_batch_size
+
     def may_try(self) -> bool:
         """Whether a Prefill may be sent now (not within a backoff)."""
         return self.clock() >= self._retry_at
@@ -187,7 +194,7 @@ class PoolRooms:
         if shared != (pool.name in self._shared):
             self._shared.symmetric_difference_update({pool.name})
             log.info("the %s's pool is %s", pool.name, f"shared: {others} of {pool.num_blocks} blocks held by "
-                     "other gateways" if shared else "no longer shared: no other gateway holds any of it")
+                     "others" if shared else "no longer shared: no other holder has any of it")
 
     def refused(self, service: str, held_blocks: int, held_slots: int) -> bool:
         """`service` refused a call for room: until its next response, the gateway may hold

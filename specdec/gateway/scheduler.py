@@ -379,6 +379,8 @@ class Scheduler:
         """The room each service reported with its last response, by pool name."""
         for pool in self.pools:
             self.rooms.seen(pool, rooms.get(pool.name))
+        if self.rooms.reporting.issuperset(pool.name for pool in self.pools):
+            self.contention.lift()
 
     def _refused(self, service: str, call: str, held: list[Request], kept: list[Request]) -> None:
         """`service` refused `call` for room while the gateway held `held` there; it keeps

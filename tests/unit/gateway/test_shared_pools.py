@@ -1,27 +1,33 @@
 """Pools shared with other gateways (`specdec.gateway.pools`): a model service that refuses a
 call for room makes the gateway queue or preempt, never fail a request, and the gateway's
-lowered batch limit rises again once the others leave. Fakes whose pools another gateway
-fills; the real two-gateway stack is tests/gateway/test_shared_admission.py."""
+lowered batch limit rises again once the others leave; a service that reports its room with
+every call is admitted and preempted against, while the report is fresh. Fakes whose pools
+another gateway fills; the real two-gateway stack is tests/gateway/test_shared_admission.py."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 import pytest
 
 from specdec.errors import CAPACITY_TRAILER
 from specdec.gateway import pools
-from specdec.gateway.pools import PoolContention, refused_for_room
+from specdec.gateway.model_clients import Timed
+from specdec.gateway.pools import PoolContention, PoolLimits, PoolRooms, refused_for_room
 from specdec.gateway.request import FinishReason
 from specdec.gateway.scheduler import Scheduler
 from specdec.gateway.stats import GatewayStats
 from specdec.wire.items import PrefillItem, ProposeItem, VerifyItem
+from specdec.wire.model_info import PoolRoom
 from tests.support.fakes import FakeDraft, FakeTarget, greedy_reference, policy, rpc_error, until
 from tests.unit.gateway.test_scheduler import drain, new_request, prompt_ids, request, run
 
 BLOCK = 16
+T = TypeVar("T")
 
 
 def no_room(what: str = "kv_blocks") -> grpc.aio.AioRpcError:
@@ -46,28 +52,40 @@ class SharedPool:
             self.refusals += 1
             raise no_room()
 
+    def room(self, slots: dict[str, list[int]]) -> PoolRoom:
+        """What a service reports after a call: the free blocks and slots, and the caller's."""
+        held = sum(-(-len(tokens) // BLOCK) for tokens in slots.values())
+        return PoolRoom(max(0, self.blocks - held - self.others), 64 - len(slots), held, len(slots))
+
 
 @dataclass
 class SharedTarget(FakeTarget):
     pool: SharedPool = field(default_factory=lambda: SharedPool(10**6))
+    #: Every response reports the pool's room (False: a service from before the report).
+    reports_room: bool = False
 
     async def prefill(self, items: list[PrefillItem], timeout: float):  # type: ignore[no-untyped-def]
         self.pool.check(self.slots, {item.slot_id: len(item.prompt_tokens) for item in items})
-        return await super().prefill(items, timeout)
+        return self._with_room(await super().prefill(items, timeout))
 
     async def verify(self, items: list[VerifyItem], timeout: float):  # type: ignore[no-untyped-def]
         self.pool.check(self.slots, {item.slot_id: item.valid_len + len(item.tokens) for item in items})
-        return await super().verify(items, timeout)
+        return self._with_room(await super().verify(items, timeout))
+
+    def _with_room(self, timed: Timed[T]) -> Timed[T]:
+        return dataclasses.replace(timed, room=self.pool.room(self.slots)) if self.reports_room else timed
 
 
 @dataclass
 class SharedDraft(FakeDraft):
     pool: SharedPool = field(default_factory=lambda: SharedPool(10**6))
+    reports_room: bool = False
 
     async def propose(self, items: list[ProposeItem], timeout: float):  # type: ignore[no-untyped-def]
         grown = {item.slot_id: item.valid_len + len(item.new_tokens) + item.num_speculative_tokens for item in items}
         self.pool.check(self.slots, grown)
-        return await super().propose(items, timeout)
+        timed = await super().propose(items, timeout)
+        return dataclasses.replace(timed, room=self.pool.room(self.slots)) if self.reports_room else timed
 
 
 @pytest.fixture(autouse=True)
@@ -165,3 +183,113 @@ def test_the_limit_drops_on_refusals_and_rises_one_a_probe() -> None:
     assert contention.current_limit() == stats.admission_limit == 8  # up to the batch size, no further
     contention.refused("target", "Prefill", 0)  # holding nothing: back off
     assert not contention.may_try() and 0 < contention.wait_s() <= 1.5 * pools.FIRST_BACKOFF_S
+
+
+def test_a_pool_that_reports_little_room_preempts_before_the_round_instead_of_being_refused() -> None:
+    # As the first test's pool, but every response says how much is free: nothing is refused.
+    target, draft = SharedTarget(pool=SharedPool(blocks=12, others=5), reports_room=True), FakeDraft()
+
+    async def test(sched: Scheduler) -> None:
+        await all_finish(sched, 4)
+        assert target.pool.refusals == 0 and sched.stats.preemptions > 0
+        assert sched.stats.admission_limit == 8
+
+    run(test, target, draft)
+
+
+def test_a_refusal_from_a_pool_that_reports_its_room_preempts_without_lowering_the_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(pools, "PROBE_S", 60.0)  # a lowered limit would stay lowered
+    target = SharedTarget(pool=SharedPool(blocks=14), reports_room=True)
+
+    async def test(sched: Scheduler) -> None:
+        async def another_gateway_arrives() -> None:  # after a response said the pool was free
+            await until(lambda: len(target.verify_batches) >= 3)
+            target.pool.others = 10
+
+        arrives = asyncio.create_task(another_gateway_arrives())
+        await all_finish(sched, 4)
+        await arrives
+        assert target.pool.refusals >= 1 and sched.stats.pool_refusals["target"] == target.pool.refusals
+        assert sched.stats.preemptions > 0 and sched.stats.admission_limit == 8
+
+    run(test, target, FakeDraft())
+
+
+def test_the_first_report_of_room_lifts_a_limit_learned_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pools, "PROBE_S", 60.0)
+    target = SharedTarget(pool=SharedPool(blocks=8, others=8), reports_room=True)
+    draft = SharedDraft(reports_room=True)
+
+    async def test(sched: Scheduler) -> None:
+        seq = new_request(request(max_new_tokens=10), policy())
+        sched.submit(seq)
+        await until(lambda: target.pool.refusals >= 1)  # not known to report yet: the limit drops
+        assert sched.stats.admission_limit == 1
+        target.pool.others = 0
+        tokens, finished = await drain(seq)
+        assert finished.reason == FinishReason.LENGTH and tokens == greedy_reference(prompt_ids(), 10)
+        assert sched.stats.admission_limit == 8 and sched.rooms.reporting == {"target", "draft"}
+
+    run(test, target, draft)
+
+
+def test_a_fresh_report_bounds_what_the_gateway_may_hold_and_a_stale_one_is_ignored() -> None:
+    now = [0.0]
+    rooms, pool = PoolRooms(clock=lambda: now[0]), PoolLimits("target", 100 * BLOCK, BLOCK, 10)
+    assert rooms.capacity(pool) == (100, 10) and rooms.fresh_for_s() == 0.0  # no word yet: the whole pool
+    rooms.seen(pool, PoolRoom(free_blocks=30, free_slots=4, held_blocks=20, held_slots=2))
+    assert rooms.capacity(pool) == (50, 6)
+    rooms.seen(pool, None)  # no report (an older service, or no call): the last one stands
+    now[0] += 0.5 * pools.ROOM_FRESH_S
+    assert rooms.capacity(pool) == (50, 6) and rooms.fresh_for_s() == pytest.approx(0.5 * pools.ROOM_FRESH_S)
+    now[0] += pools.ROOM_FRESH_S
+    assert rooms.capacity(pool) == (100, 10) and rooms.fresh_for_s() == 0.0
+    rooms.seen(pool, PoolRoom(free_blocks=500, free_slots=50, held_blocks=0, held_slots=0))
+    assert rooms.capacity(pool) == (100, 10)  # never past the pool's own size
+
+
+def test_a_refusal_marks_the_pool_full_until_the_next_report() -> None:
+    now = [0.0]
+    rooms, pool = PoolRooms(clock=lambda: now[0]), PoolLimits("target", 100 * BLOCK, BLOCK, 10)
+    assert not rooms.refused("target", 3, 1) and rooms.capacity(pool) == (100, 10)  # not known to report
+    rooms.seen(pool, PoolRoom(free_blocks=30, free_slots=4, held_blocks=20, held_slots=2))
+    assert rooms.refused("target", 12, 1) and rooms.capacity(pool) == (12, 1)
+    rooms.seen(pool, PoolRoom(free_blocks=8, free_slots=4, held_blocks=20, held_slots=2))
+    assert rooms.capacity(pool) == (28, 6)
+    rooms.refused("target", 12, 1)
+    now[0] += 2 * pools.ROOM_FRESH_S  # a mark ages out as a report does
+    assert rooms.capacity(pool) == (100, 10)
+    rooms.forget("target")  # the service came back with another pool
+    assert not rooms.reporting
+
+
+def test_a_draft_pool_that_reports_little_room_is_not_refused_either() -> None:
+    draft = SharedDraft(pool=SharedPool(blocks=10, others=4), reports_room=True)
+
+    async def test(sched: Scheduler) -> None:
+        await all_finish(sched, 4)
+        assert draft.pool.refusals == 0 and sched.stats.preemptions > 0
+        assert sched.stats.speculation_enabled == 1 and sched.stats.draft_failures == 0
+
+    run(test, FakeTarget(), draft)
+
+
+def test_a_gateway_left_holding_nothing_waits_for_its_word_of_no_room_to_age(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pools, "ROOM_FRESH_S", 0.3)
+    target = SharedTarget(pool=SharedPool(blocks=8), reports_room=True)
+
+    async def test(sched: Scheduler) -> None:
+        seq = new_request(request(max_new_tokens=100), policy())
+        sched.submit(seq)
+        await until(lambda: len(target.verify_batches) >= 2)
+        target.pool.others = 8  # another gateway takes the whole pool: the Verify is refused, the request preempted
+        await until(lambda: target.pool.refusals >= 1)
+        await asyncio.sleep(0.1)
+        assert target.pool.refusals == 1 and not seq.done  # waits, neither retrying at once nor failing
+        target.pool.others = 0
+        tokens, finished = await drain(seq)
+        assert finished.reason == FinishReason.LENGTH and tokens == greedy_reference(prompt_ids(), 100)
+
+    run(test, target, FakeDraft())
