@@ -27,8 +27,9 @@ lowers the gateway's own batch limit to what it held after that step, so it does
 straight back into the pool that just refused it; the limit rises by one every `PROBE_S`
 without a refusal, so a gateway learns when the others have left (a limit learned from
 refusals alone would keep its first mistake). A gateway that holds nothing and is refused
-a Prefill waits an exponential, jittered backoff before trying again: it has no release of
-its own to wait for. Every change is logged and counted (`num_pool_refusals`,
+a Prefill waits an exponential, jittered backoff before trying again (and, from a service
+that reports its room, until the mark of no room ages): it has no release of its own to
+wait for, and no response to bring news. Every change is logged and counted (`num_pool_refusals`,
 `admission_limit`).
 """
 

@@ -119,8 +119,11 @@ def test_prefill_and_verify_report_the_pools_room_and_what_the_callers_holder_ho
     room = target.stub.Verify(target_pb2.VerifyRequest(
         items=[target_pb2.VerifyItem(slot_id="theirs", valid_len=5, tokens=[9])])).room
     assert (room.held_blocks, room.held_slots, room.free_blocks) == (1, 1, blocks - 4)  # the holder of `theirs`
-    release(target, "mine")
-    release(target, "theirs")
+    room = target.stub.Prefill(target_pb2.PrefillRequest(
+        items=[target_pb2.PrefillItem(slot_id="again", prompt_tokens=list(range(400, 420)))], lease=mine)).room
+    assert (room.held_blocks, room.held_slots) == (3 + 1, 2)  # the cached first block counts once
+    for slot in ("mine", "theirs", "again"):
+        release(target, slot)
 
 
 # -- Prefill and Verify against the in-process forward -----------------------------------

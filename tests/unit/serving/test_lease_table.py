@@ -57,3 +57,12 @@ def test_slots_without_a_lease_never_expire() -> None:
     assert table.claim(["mine"], None) == []
     clock.now += 1000
     assert table.expired() == [] and table.num_holders == 0
+
+
+def test_the_slots_held_with_a_slot_are_its_holders() -> None:
+    table = LeaseTable(ttl_s=30.0, clock=Clock())
+    table.claim(["a1", "a2"], Lease("gw-a", "1"))
+    table.claim(["b1"], Lease("gw-b", "1"))
+    table.claim(["nobody"], None)
+    assert sorted(table.slots_held_with("a2")) == ["a1", "a2"] and table.slots_held_with("b1") == ["b1"]
+    assert table.slots_held_with("nobody") == [] and table.slots_held_with("gone") == []
