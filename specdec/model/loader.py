@@ -24,12 +24,16 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from specdec.errors import InvalidArgumentError
 from specdec.model.random_models import RandomModelSpec, build_random_model, with_llama3_chat_template
+
+if TYPE_CHECKING:
+    from transformers import AutoModelForCausalLM, PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +140,7 @@ def load_model(
     else:
         source = name_or_path  # hub id: never used in tests or CI (no hub is reachable there)
     tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    model = _auto_model().from_pretrained(source, dtype=dtype)
     # transformers types `to` through a decorator that loses its signature.
     model.to(device).eval()  # type: ignore[arg-type]
     model.requires_grad_(False)
@@ -144,6 +148,14 @@ def load_model(
     if num_layers:
         keep_first_layers(loaded, num_layers)
     return loaded
+
+
+def _auto_model() -> type[AutoModelForCausalLM]:
+    """transformers' model classes, imported on the first load: importing them costs a process
+    several seconds, and a gateway, which loads only a tokenizer, never needs them."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM
 
 
 def _random_model(
@@ -214,7 +226,7 @@ def _safetensors_from_gguf(gguf: Path, cache_dir: Path | str | None) -> Path:
         return target
     log.info("converting %s to safetensors in %s (first load only)", gguf, target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = _auto_model().from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # transformers dequantizes GGUF weights on load, yet keeps the GGUF "quantizer" and its
     # config around, which refuses to save and would make the saved directory look

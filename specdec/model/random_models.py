@@ -16,12 +16,16 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from specdec.errors import InvalidArgumentError
+
+if TYPE_CHECKING:  # imported where used: they pull in transformers' modelling code, which a gateway never needs
+    from transformers import LlamaConfig, LlamaForCausalLM
 
 RANDOM_PREFIX = "random:"
 #: `random:<architecture>` or `random:<architecture>:seed=<n>`.
@@ -72,6 +76,8 @@ class RandomArchitecture:
 
     def config(self, num_layers: int = 0) -> LlamaConfig:
         """The `transformers` config, with only the first `num_layers` decoder layers (0 = all)."""
+        from transformers import LlamaConfig
+
         return LlamaConfig(
             vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_hidden_layers=num_layers or self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
@@ -144,6 +150,8 @@ def build_random_model(
             f"num_layers must be in [1, {architecture.num_hidden_layers}] (or 0: all), got {num_layers}",
             field="num_layers"
         )
+    from transformers import LlamaForCausalLM
+
     config = architecture.config(num_layers)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from specdec.errors import SpecdecError
+
+if TYPE_CHECKING:  # the model classes' import is heavy, and a gateway only reads tokenizers
+    from transformers import PreTrainedModel
 
 
 class TokenizerMismatchError(SpecdecError):

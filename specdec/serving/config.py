@@ -141,6 +141,11 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
         True, "reuse the start-up measurements (kernels, compiled steps, forward costs) cached for the same machine, "
         "torch, model, weights, dtype, code and flags; off: measure at every start", advanced=True,
     )
+    tune_kernels: bool = option(
+        True, "time the kernel candidates at start-up (int4 kernel, output head, dense and wide-input kernels), or "
+        "reuse their cached timings; off: each takes its untuned default, the same on every machine, and the start "
+        "skips the timing", advanced=True,
+    )
     threads: int = option(0, "intra-op threads of the forward pass (0 = one per core)", advanced=True)
     release_threads: bool = option(
         True, "after a call that hands the cores to the other service (a Propose; a Verify of draft tokens), let the "

@@ -8,6 +8,7 @@ service adds its own work rpcs (Prefill / Verify, or Propose) on top.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -244,8 +245,11 @@ def build_engine(engine_cls: Callable[[ModelRuntime, C], E], config: C) -> E:
     runtime = build_runtime(
         config.model, dtype=precision.dtype, device=config.device,
         quantization=precision.quantization, num_layers=config.num_layers, group_size=config.group_size,
-        int4_kernel=config.int4_kernel, tuner=tuner,
+        int4_kernel=config.int4_kernel, tuner=tuner if config.tune_kernels else None,
     )
+    if not config.tune_kernels:  # the later choices (compiled layers, costs) are still the tuner's
+        tuner.note("kernels", "untuned defaults", "flag")
+        runtime = dataclasses.replace(runtime, tuner=tuner)
     engine = engine_cls(runtime, config)
     tuner.save()
     log.info("%s", tuner.line())

@@ -132,9 +132,11 @@ def test_serve_help_lists_the_everyday_flags_before_the_advanced_ones() -> None:
 def test_serve_runs_the_trio_and_stops_it_on_sigterm() -> None:
     serve = subprocess.Popen(
         # Without the start-up cost profiles (~10 s each; covered by test_faults and
-        # test_streaming): without costs K cannot adapt, so every round drafts.
+        # test_streaming): without costs K cannot adapt, so every round drafts. Untuned
+        # kernels: the same choice on every machine, and no timing at start-up.
         [*CLI, "serve", "--port", "0", "--metrics-port", "0", "--target-kv-token-budget", "2048",
-         "--draft-kv-token-budget", "2048", "--no-target-measure-costs", "--no-draft-measure-costs"],
+         "--draft-kv-token-budget", "2048", "--no-target-measure-costs", "--no-draft-measure-costs",
+         "--no-target-tune-kernels", "--no-draft-tune-kernels"],
         stdout=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:

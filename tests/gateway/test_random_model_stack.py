@@ -30,7 +30,7 @@ MODEL = "random:llama-3.2-1b:seed=3"
 #: One layer, a small pool, nothing timed or cached at start-up: cheap and the same on any machine.
 SERVICE: dict[str, Any] = dict(
     model=MODEL, num_layers=1, port=0, kv_token_budget=512, max_slots=4, max_speculative_tokens=4,
-    measure_costs=False, compile="off", tuning_cache=False,
+    measure_costs=False, compile="off", tuning_cache=False, tune_kernels=False,
 )
 
 

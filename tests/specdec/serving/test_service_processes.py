@@ -35,7 +35,7 @@ STARTUP_TIMEOUT_S = 240.0  # two model loads sharing two busy cores
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # Nothing timed at start-up and no tuning cache read: start-up takes as long on any machine.
 FLAGS = ["--port", "0", "--kv-token-budget", "256", "--max-slots", "4", "--max-speculative-tokens", "4",
-         "--compile", "off", "--no-measure-costs", "--no-tuning-cache"]
+         "--compile", "off", "--no-measure-costs", "--no-tuning-cache", "--no-tune-kernels"]
 
 
 class ServiceProcess:
