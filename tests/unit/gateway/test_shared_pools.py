@@ -185,8 +185,12 @@ def test_the_limit_drops_on_refusals_and_rises_one_a_probe() -> None:
     assert not contention.may_try() and 0 < contention.wait_s() <= 1.5 * pools.FIRST_BACKOFF_S
 
 
-def test_a_pool_that_reports_little_room_preempts_before_the_round_instead_of_being_refused() -> None:
+def test_a_pool_that_reports_little_room_preempts_before_the_round_instead_of_being_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # As the first test's pool, but every response says how much is free: nothing is refused.
+    # Reports never age here, so a slow round on a busy machine cannot outlive one.
+    monkeypatch.setattr(pools, "ROOM_FRESH_S", 600.0)
     target, draft = SharedTarget(pool=SharedPool(blocks=12, others=5), reports_room=True), FakeDraft()
 
     async def test(sched: Scheduler) -> None:
@@ -265,7 +269,8 @@ def test_a_refusal_marks_the_pool_full_until_the_next_report() -> None:
     assert not rooms.reporting
 
 
-def test_a_draft_pool_that_reports_little_room_is_not_refused_either() -> None:
+def test_a_draft_pool_that_reports_little_room_is_not_refused_either(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pools, "ROOM_FRESH_S", 600.0)  # reports never age: no round outlives one
     draft = SharedDraft(pool=SharedPool(blocks=10, others=4), reports_room=True)
 
     async def test(sched: Scheduler) -> None:
@@ -277,7 +282,8 @@ def test_a_draft_pool_that_reports_little_room_is_not_refused_either() -> None:
 
 
 def test_a_gateway_left_holding_nothing_waits_for_its_word_of_no_room_to_age(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pools, "ROOM_FRESH_S", 0.6)  # well past the wait below, on a loaded machine too
+    # Far past the 0.1 s looked at below, even on a loaded machine; the test then waits it out.
+    monkeypatch.setattr(pools, "ROOM_FRESH_S", 3.0)
     target = SharedTarget(pool=SharedPool(blocks=8), reports_room=True)
 
     async def test(sched: Scheduler) -> None:
