@@ -4,14 +4,17 @@ clients see, and the throughput beside one gateway alone at the same total concu
     python -m specdec_bench.shared_pools                  # 16 streams, batches of 8, 96 tokens
     python -m specdec_bench.shared_pools --streams 8 --batch 4 --rounds 1
     python -m specdec_bench.shared_pools --pools-hold 2    # pools for both: what two gateways cost alone
+    python -m specdec_bench.shared_pools --k 4             # K pinned: the planners out of the comparison
 
 Each gateway admits as if the pools were its own; the services refuse what their real free
 blocks cannot hold, and the gateways queue or preempt (docs/deployment.md#shared-pools).
 Alternating rounds, each `streams` greedy requests at once: all on one gateway, then split
 evenly over two. Counted: requests that failed (a RESOURCE_EXHAUSTED reaching a client is
 one), whether every answer equals the one-gateway answer for its prompt, aggregate decode
-throughput (completion tokens ÷ the round's wall time), and the refusals and preemptions the
-gateways counted (their `/metrics`).
+throughput (completion tokens ÷ the round's wall time), the refusals and preemptions the
+gateways counted, and per layout how the planners speculated: mean K of the speculating
+requests' rounds, the share of rounds a request could have drafted in but did not, and the
+acceptance rate (all from the gateways' `/metrics`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,11 @@ from specdec_bench.results import cpu_model
 from specdec_bench.stack import running_stack, second_gateway
 from specdec_bench.workloads import PROMPTS, chat
 
-COUNTERS = ("specdec_num_pool_refusals_total", "specdec_num_preemptions_total")
+COUNTERS = (
+    "specdec_num_pool_refusals_total", "specdec_num_preemptions_total", "specdec_spec_decode_num_drafts_total",
+    "specdec_spec_decode_num_draft_tokens_total", "specdec_spec_decode_num_accepted_tokens_total",
+    "specdec_spec_decode_off_rounds_total",
+)
 
 
 def _counters(metrics_port: int) -> dict[str, float]:
@@ -43,6 +50,25 @@ def _counters(metrics_port: int) -> dict[str, float]:
             if sample.name in out:
                 out[sample.name] += sample.value
     return out
+
+
+def _gateways_counters(ports: list[int]) -> dict[str, float]:
+    """`COUNTERS` summed over the gateways at `ports`."""
+    each = [_counters(port) for port in ports]
+    return {name: sum(c[name] for c in each) for name in COUNTERS}
+
+
+def _speculation(counted: dict[str, float]) -> dict[str, float]:
+    """How the planners speculated over the counted rounds (NaN where nothing was counted)."""
+    drafts = counted["specdec_spec_decode_num_drafts_total"]
+    tokens = counted["specdec_spec_decode_num_draft_tokens_total"]
+    off = counted["specdec_spec_decode_off_rounds_total"]
+    nan = float("nan")
+    return {
+        "mean_k": tokens / drafts if drafts else nan,
+        "off_share": off / (off + drafts) if off + drafts else nan,
+        "acceptance": counted["specdec_spec_decode_num_accepted_tokens_total"] / tokens if tokens else nan,
+    }
 
 
 def _round(addresses: list[str], prompts: list[str], tokens: int) -> tuple[float, list[GenerationResult | str]]:
@@ -68,26 +94,36 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of each layout, alternating")
     parser.add_argument("--pools-hold", type=int, default=1,
                         help="how many gateways' full batches the pools hold (2: the gateways never contend)")
+    parser.add_argument("--k", type=int, default=0,
+                        help="pin K on both gateways (--no-adaptive-k); 0 leaves it to their planners")
+    parser.add_argument("--service-args", default="",
+                        help="more flags for both model services, e.g. '--threads 1'")
     args = parser.parse_args(argv)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.streams)]
     # One gateway's full batch: `batch` requests of a chat prompt (under 64 tokens) and `tokens`
     # more, with a round's room; rounded up to whole blocks of 16.
     budget = args.pools_hold * args.batch * -(-(64 + args.tokens + 16) // 16) * 16
-    pool = f"--kv-token-budget {budget}"
+    pool = f"--kv-token-budget {budget} {args.service_args}"
     gateway_args = f"--max-batch-size {args.batch} --max-queue {args.streams}"
+    if args.k:
+        gateway_args += f" --no-adaptive-k --num-speculative-tokens {args.k}"
     rates: dict[str, list[float]] = {"one gateway": [], "two gateways": []}
     lost: dict[str, int] = dict.fromkeys(rates, 0)
+    counted = {name: dict.fromkeys(COUNTERS, 0.0) for name in rates}
     answers: dict[str, list[int]] = {}
     unequal = 0
     with running_stack(target_args=pool, draft_args=pool, gateway_args=gateway_args) as stack, \
             second_gateway(stack, gateway_args) as other:
         assert other.ready is not None and other.ready.metrics_port is not None
         ports = [stack.metrics_port, other.ready.metrics_port]
-        before = [_counters(port) for port in ports]
         layouts = {"one gateway": [stack.gateway.address], "two gateways": [stack.gateway.address, other.address]}
         for _ in range(args.rounds):
             for name, addresses in layouts.items():
+                before = _gateways_counters(ports)
                 wall, results = _round(addresses, prompts, args.tokens)
+                after = _gateways_counters(ports)
+                for counter in COUNTERS:
+                    counted[name][counter] += after[counter] - before[counter]
                 done = [r for r in results if isinstance(r, GenerationResult)]
                 lost[name] += len(results) - len(done)
                 rates[name].append(sum(r.completion_tokens for r in done) / wall)
@@ -96,15 +132,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                         unequal += answers.setdefault(prompt, result.token_ids) != result.token_ids
                     else:
                         print(f"{name}: lost a request: {result}")
-        after = [_counters(port) for port in ports]
-    counted = {name: sum(a[name] - b[name] for a, b in zip(after, before)) for name in COUNTERS}
     summary = {
         "cpu": cpu_model(), "streams": args.streams, "batch": args.batch, "tokens": args.tokens,
         "kv_token_budget": budget, "pools_hold": args.pools_hold, "rounds": args.rounds,
         "lost": lost, "unequal_answers": unequal,
         "tok_per_s": {name: statistics.median(v) for name, v in rates.items()},
         "two_over_one": statistics.median(b / a for a, b in zip(rates["one gateway"], rates["two gateways"])),
-        "pool_refusals": counted[COUNTERS[0]], "preemptions": counted[COUNTERS[1]],
+        "pool_refusals": sum(c[COUNTERS[0]] for c in counted.values()),
+        "preemptions": sum(c[COUNTERS[1]] for c in counted.values()),
+        "speculation": {name: _speculation(c) for name, c in counted.items()}, "k": args.k or "adaptive",
+        "service_args": args.service_args,
     }
     print(json.dumps(summary, indent=2))
 
