@@ -1,5 +1,6 @@
-"""Shared fixtures: the embedded model is loaded once per test session, and the device of the
-device-agnostic tests.
+"""Shared fixtures: the suite's target (a cut of the embedded model, tests/support/models.py)
+and the whole embedded model, each loaded once per test session where used, and the device of
+the device-agnostic tests.
 
 The first load converts the embedded GGUF to safetensors in the specdec cache
 (`$SPECDEC_CACHE_DIR`, default `~/.cache/specdec`); later sessions reuse it. The fixtures of
@@ -26,6 +27,7 @@ import torch
 
 from specdec.model.choices import DEFAULT_MODEL
 from specdec.model.loader import LoadedModel, load_model
+from tests.support.models import suite_model
 
 pytest_plugins = ["tests.support.services", "tests.support.stacks", "tests.support.pki"]
 DEVICE_AGNOSTIC = "device_agnostic"
@@ -92,7 +94,13 @@ def device(pytestconfig: pytest.Config) -> torch.device:
 
 
 @pytest.fixture(scope="session")
-def smollm2() -> LoadedModel:
-    """The embedded SmolLM2-135M-Instruct target in fp32 on the CPU."""
+def target_model() -> LoadedModel:
+    """The suite's target (tests/support/models.py: a third of SmolLM2's decoder layers) in fp32."""
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    return suite_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    """The whole embedded SmolLM2-135M-Instruct in fp32 on the CPU, for tests of its text or its loading."""
     return load_model(DEFAULT_MODEL, dtype=torch.float32, device="cpu")

@@ -18,12 +18,13 @@ from grpc_health.v1 import health_pb2
 
 from specdec.draft_server.server import SERVICE_NAME
 from specdec.model.loader import LoadedModel
+from specdec.model.runtime import ModelRuntime
 from specdec.sampling.sparse_probs import MIN_DRAFT_PROB
 from specdec.v1 import common_pb2, draft_pb2
 from specdec.wire import items as wire_items
 from specdec.wire.items import sparse_from_pb
 from tests.support.block_pool import check_pool
-from tests.support.services import Service, greedy_continuation, rpc_error
+from tests.support.services import Service, StartService, greedy_continuation, rpc_error
 
 GREEDY = common_pb2.SamplingParams(temperature=0.0)
 
@@ -78,10 +79,10 @@ def q_of(result: draft_pb2.ProposeResult) -> torch.Tensor:
 # -- Info ---------------------------------------------------------------------------------
 
 
-def test_info(draft: Service, smollm2: LoadedModel) -> None:
+def test_info(draft: Service, target_model: LoadedModel) -> None:
     info = draft.info()
-    assert info.model_name == smollm2.name
-    assert info.vocab_size == smollm2.model.config.vocab_size == VOCAB
+    assert info.model_name == target_model.name
+    assert info.vocab_size == target_model.model.config.vocab_size == VOCAB
     assert info.eos_token_ids and len(info.tokenizer_fingerprint) == 64
     assert (info.dtype, info.device, info.quantization) == ("float32", "cpu", "")
     assert (info.block_size, info.max_speculative_tokens, info.max_slots) == (16, 8, 32)
@@ -92,11 +93,11 @@ def test_info(draft: Service, smollm2: LoadedModel) -> None:
 
 
 def test_greedy_propose_equals_the_models_greedy_continuation(
-    draft: Service, smollm2: LoadedModel, prompts: list[list[int]]
+    draft: Service, target_model: LoadedModel, prompts: list[list[int]]
 ) -> None:
     prompt = prompts[0]
     result = propose(draft, item("s", prompt, k=6))["s"]
-    assert list(result.tokens) == greedy_continuation(smollm2, prompt, 6)
+    assert list(result.tokens) == greedy_continuation(target_model, prompt, 6)
     assert not result.HasField("probs")  # greedy requests omit q
 
 
@@ -112,9 +113,11 @@ def test_a_guess_over_the_wire_leaves_the_proposal_as_it_is(draft: Service, prom
         assert result.saved_steps == saved, slot
 
 
-def test_the_drafts_own_guesses_over_the_wire(draft: Service) -> None:
-    """`lookup_guesses` travels: on a text that repeats, the draft guesses from its own
-    earlier tokens, draws the same tokens and reports the steps it saved."""
+def test_the_drafts_own_guesses_over_the_wire(start_draft: StartService, full_fp32_runtime: ModelRuntime) -> None:
+    """`lookup_guesses` travels: on a text that repeats, the draft (the whole model, which
+    copies it) guesses from its own earlier tokens, draws the same tokens and reports the steps
+    it saved."""
+    draft = start_draft(full_fp32_runtime)
     text = [504, 3575, 282, 4649, 314, 260, 1345, 28] * 4
     results = {}
     for slot, own in (("plain", False), ("own", True)):
@@ -127,7 +130,7 @@ def test_the_drafts_own_guesses_over_the_wire(draft: Service) -> None:
 
 
 def test_next_round_rolls_back_and_feeds_the_accepted_tokens(
-    draft: Service, smollm2: LoadedModel, prompts: list[list[int]]
+    draft: Service, target_model: LoadedModel, prompts: list[list[int]]
 ) -> None:
     """Round 2 keeps 2 of 4 drafted tokens plus a corrected one; round 3 keeps all plus a bonus."""
     prompt = prompts[1]
@@ -137,42 +140,42 @@ def test_next_round_rolls_back_and_feeds_the_accepted_tokens(
     assert correction != first[2]
     second = list(propose(draft, item("s", [correction], k=4, valid_len=n + 2))["s"].tokens)
     context = prompt + first[:2] + [correction]
-    assert second == greedy_continuation(smollm2, context, 4)
+    assert second == greedy_continuation(target_model, context, 4)
     # All 4 accepted: the draft cached 3 of them; feed the 4th and a bonus token.
     bonus = 321
     third = propose(draft, item("s", [second[3], bonus], k=3, valid_len=len(context) + 3))["s"]
     context = context + second + [bonus]
-    assert list(third.tokens) == greedy_continuation(smollm2, context, 3)
+    assert list(third.tokens) == greedy_continuation(target_model, context, 3)
 
 
 def test_lazy_prefill_of_new_slots_at_different_lengths_equals_each_alone(
-    draft: Service, smollm2: LoadedModel, prompts: list[list[int]]
+    draft: Service, target_model: LoadedModel, prompts: list[list[int]]
 ) -> None:
     ks = [4, 2, 6]
     batched = propose(draft, *[item(f"b{i}", p, k) for i, (p, k) in enumerate(zip(prompts, ks))])
     for i, (prompt, k) in enumerate(zip(prompts, ks)):
         alone = propose(draft, item(f"a{i}", prompt, k))[f"a{i}"]
-        assert list(batched[f"b{i}"].tokens) == list(alone.tokens) == greedy_continuation(smollm2, prompt, k)
+        assert list(batched[f"b{i}"].tokens) == list(alone.tokens) == greedy_continuation(target_model, prompt, k)
 
 
 def test_a_long_prompt_is_fed_in_chunks_with_the_same_drafts(
-    start_draft: Callable[..., Service], smollm2: LoadedModel, prompts: list[list[int]]
+    start_draft: Callable[..., Service], target_model: LoadedModel, prompts: list[list[int]]
 ) -> None:
     draft = start_draft(prefill_chunk_tokens=8)
     prompt = prompts[2] * 2  # 38 tokens: five chunks
     result = propose(draft, item("s", prompt, k=4), item("t", prompts[0], k=2))
-    assert list(result["s"].tokens) == greedy_continuation(smollm2, prompt, 4)
-    assert list(result["t"].tokens) == greedy_continuation(smollm2, prompts[0], 2)
+    assert list(result["s"].tokens) == greedy_continuation(target_model, prompt, 4)
+    assert list(result["t"].tokens) == greedy_continuation(target_model, prompts[0], 2)
 
 
-def test_truncate_rpc_then_propose(draft: Service, smollm2: LoadedModel, prompts: list[list[int]]) -> None:
+def test_truncate_rpc_then_propose(draft: Service, target_model: LoadedModel, prompts: list[list[int]]) -> None:
     prompt = prompts[2]
     n = len(prompt)
     first = propose(draft, item("s", prompt, k=4))["s"]
     reply = draft.stub.Truncate(common_pb2.TruncateRequest(slot_id="s", new_len=n - 3))
     assert reply.cached_len == n - 3
     again = propose(draft, item("s", prompt[n - 3 :], k=4, valid_len=n - 3))["s"]
-    assert list(again.tokens) == list(first.tokens) == greedy_continuation(smollm2, prompt, 4)
+    assert list(again.tokens) == list(first.tokens) == greedy_continuation(target_model, prompt, 4)
 
 
 # -- sampled drafting -----------------------------------------------------------------------
@@ -224,12 +227,12 @@ def test_seeded_sampling_is_independent_of_the_batch(draft: Service, prompts: li
 
 
 def test_q_rows_are_the_distributions_the_tokens_were_drawn_from(
-    draft: Service, smollm2: LoadedModel, prompts: list[list[int]]
+    draft: Service, target_model: LoadedModel, prompts: list[list[int]]
 ) -> None:
     k = 6
     result = propose(draft, item("s", prompts[0], k, sampling=sampled(5, repetition_penalty=1.3)))["s"]
     q = q_of(result)
-    assert q.dtype == torch.float32 and q.shape == (k, smollm2.model.config.vocab_size)
+    assert q.dtype == torch.float32 and q.shape == (k, target_model.model.config.vocab_size)
     assert (q >= 0).all()
     # Rows sum to 1 less the tail cut below MIN_DRAFT_PROB: at most 50 tokens of it (top_k = 50).
     assert ((q.sum(dim=-1) <= 1 + 1e-5) & (q.sum(dim=-1) >= 1 - 50 * MIN_DRAFT_PROB - 1e-5)).all()
@@ -252,12 +255,12 @@ def test_q_keeps_only_the_tokens_that_carry_its_mass(draft: Service, prompts: li
         assert row[token] > 0
 
 
-def test_bf16_probs_dtype_returns_bf16_q(draft: Service, smollm2: LoadedModel, prompts: list[list[int]]) -> None:
+def test_bf16_probs_dtype_returns_bf16_q(draft: Service, target_model: LoadedModel, prompts: list[list[int]]) -> None:
     k = 4
     result = propose(draft, item("s", prompts[1], k, sampling=sampled(9)), probs_dtype=common_pb2.DTYPE_BFLOAT16)["s"]
     assert result.probs.values.dtype == common_pb2.DTYPE_BFLOAT16
     q = q_of(result)
-    assert q.dtype == torch.bfloat16 and q.shape == (k, smollm2.model.config.vocab_size)
+    assert q.dtype == torch.bfloat16 and q.shape == (k, target_model.model.config.vocab_size)
     assert (q >= 0).all()
     torch.testing.assert_close(q.float().sum(dim=-1), torch.ones(k), atol=2e-2, rtol=0)
     for row, token in zip(q, result.tokens):
@@ -265,12 +268,12 @@ def test_bf16_probs_dtype_returns_bf16_q(draft: Service, smollm2: LoadedModel, p
 
 
 def test_greedy_and_sampled_requests_in_one_batch(
-    draft: Service, smollm2: LoadedModel, prompts: list[list[int]]
+    draft: Service, target_model: LoadedModel, prompts: list[list[int]]
 ) -> None:
     results = propose(draft, item("g", prompts[0], 3), item("r", prompts[1], 5, sampling=sampled(None)))
-    assert list(results["g"].tokens) == greedy_continuation(smollm2, prompts[0], 3)
+    assert list(results["g"].tokens) == greedy_continuation(target_model, prompts[0], 3)
     assert not results["g"].HasField("probs")
-    assert q_of(results["r"]).shape == (5, smollm2.model.config.vocab_size)
+    assert q_of(results["r"]).shape == (5, target_model.model.config.vocab_size)
 
 
 # -- capacity and concurrency ----------------------------------------------------------------
@@ -305,7 +308,7 @@ def test_propose_reports_the_pools_room_and_what_the_callers_holder_holds(draft:
         draft.stub.Release(common_pb2.ReleaseRequest(slot_id=slot))
 
 
-def test_many_slots_at_once(start_draft: Callable[..., Service], smollm2: LoadedModel) -> None:
+def test_many_slots_at_once(start_draft: Callable[..., Service], target_model: LoadedModel) -> None:
     service = start_draft(max_slots=24, kv_token_budget=24 * 32)
     slots = {f"m{i:02d}": [(7 * i + j) % 4000 + 10 for j in range(3 + i % 9)] for i in range(24)}
     results = propose(service, *[
@@ -313,7 +316,7 @@ def test_many_slots_at_once(start_draft: Callable[..., Service], smollm2: Loaded
     ])
     assert service.info().active_slots == 24
     for slot in ("m01", "m11"):  # greedy ones, spot-checked
-        assert list(results[slot].tokens) == greedy_continuation(smollm2, slots[slot], 3)
+        assert list(results[slot].tokens) == greedy_continuation(target_model, slots[slot], 3)
     for slot in slots:
         service.stub.Release(common_pb2.ReleaseRequest(slot_id=slot))
     info = service.info()
@@ -403,7 +406,7 @@ def test_invalid_arguments_name_the_field(start_draft: Callable[..., Service]) -
 
 
 def test_failed_batch_frees_nothing_of_other_requests(
-    draft: Service, smollm2: LoadedModel, prompts: list[list[int]]
+    draft: Service, target_model: LoadedModel, prompts: list[list[int]]
 ) -> None:
     prompt = prompts[0]
     n = len(prompt)
@@ -420,10 +423,10 @@ def test_failed_batch_frees_nothing_of_other_requests(
     assert rpc_error(draft.stub.Release, common_pb2.ReleaseRequest(slot_id="fresh")).code() == grpc.StatusCode.NOT_FOUND
     # "a" still holds prompt + its 3 cached drafts: continue from there.
     cont = propose(draft, item("a", [first.tokens[3]], 2, valid_len=n + 3))["a"]
-    assert list(cont.tokens) == greedy_continuation(smollm2, prompt + list(first.tokens), 2)
+    assert list(cont.tokens) == greedy_continuation(target_model, prompt + list(first.tokens), 2)
 
 
-def test_pool_full_is_resource_exhausted(start_draft: Callable[..., Service], smollm2: LoadedModel) -> None:
+def test_pool_full_is_resource_exhausted(start_draft: Callable[..., Service], target_model: LoadedModel) -> None:
     service = start_draft(kv_token_budget=64, max_slots=2)  # 4 blocks of 16
     a = list(range(1000, 1030))
     propose(service, item("a", a, 2))  # 31 cached: 2 blocks
@@ -438,7 +441,7 @@ def test_pool_full_is_resource_exhausted(start_draft: Callable[..., Service], sm
     assert service.info().active_slots == 1
     # "a" is intact: roll back its drafts and continue.
     cont = propose(service, item("a", [5], 2, valid_len=30))["a"]
-    assert list(cont.tokens) == greedy_continuation(smollm2, a + [5], 2)
+    assert list(cont.tokens) == greedy_continuation(target_model, a + [5], 2)
 
 
 def test_proposals_are_encoded_on_the_model_worker_not_the_event_loop(

@@ -69,11 +69,12 @@ def test_every_drafted_token_is_one_the_grammar_allows(fp32_runtime: ModelRuntim
             assert torch.all(q[~allowed] == 0)
 
 
-def test_forced_tokens_are_drafted_without_a_step_each(fp32_runtime: ModelRuntime,
+def test_forced_tokens_are_drafted_without_a_step_each(full_fp32_runtime: ModelRuntime,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    stepwise = draft_engine(fp32_runtime)
+    """On the whole model, which writes a name and an age the grammar then closes."""
+    stepwise = draft_engine(full_fp32_runtime)
     plain = propose(stepwise, PERSON, GREEDY, forced=False)
-    guessing = draft_engine(fp32_runtime)
+    guessing = draft_engine(full_fp32_runtime)
     forwards = recording_forwards(guessing, monkeypatch)
     guessed = propose(guessing, PERSON, GREEDY)
     assert guessed.tokens == plain.tokens  # the same draws: each forced token is the only one allowed

@@ -141,11 +141,12 @@ def own_guess_round(draft: DraftEngine, sampling: SamplingParams, own: bool, k: 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_the_drafts_own_guesses_change_only_its_forwards(
-    fp32_runtime: ModelRuntime, monkeypatch: pytest.MonkeyPatch, sampling: SamplingParams
+    full_fp32_runtime: ModelRuntime, monkeypatch: pytest.MonkeyPatch, sampling: SamplingParams
 ) -> None:
+    """On the whole model, whose greedy draft copies a repetition."""
     proposals, forwards, fed = [], [], []
     for own in (False, True):
-        draft = engine(fp32_runtime)
+        draft = engine(full_fp32_runtime)
         ran = recording_forwards(draft, monkeypatch)
         proposals.append(own_guess_round(draft, sampling, own, k=12))
         forwards.append(len(ran) - 1)  # without the set-up's prefill
@@ -154,7 +155,7 @@ def test_the_drafts_own_guesses_change_only_its_forwards(
     assert guessed.tokens == plain.tokens and guessed.cached_len == plain.cached_len
     if not sampling.is_greedy:
         assert plain.probs is not None and guessed.probs is not None
-        vocab = fp32_runtime.model.vocab_size
+        vocab = full_fp32_runtime.model.vocab_size
         torch.testing.assert_close(guessed.probs.distributions(vocab), plain.probs.distributions(vocab),
                                    atol=1e-5, rtol=1e-4)
     # Every draw takes its row from a forward's first token or from a guessed one (saved).
@@ -164,13 +165,14 @@ def test_the_drafts_own_guesses_change_only_its_forwards(
         assert guessed.saved_steps > 0  # the greedy draft copies the repetition
 
 
-def test_a_steps_guesses_share_the_budget(fp32_runtime: ModelRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_steps_guesses_share_the_budget(full_fp32_runtime: ModelRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
     """A guess widens every row of the batched forward: two guessing requests get half each,
-    and a budget of 0 turns the draft's own guesses off."""
+    and a budget of 0 turns the draft's own guesses off (the whole model, which copies the
+    repetition)."""
     for budget, widest in ((8, 1 + 8 // 2), (0, 1)):
         config = DraftConfig(port=0, dtype="float32", quantization="none", measure_costs=False, kv_token_budget=512,
                              lookup_guess_tokens=budget)
-        draft = DraftEngine(fp32_runtime, config)
+        draft = DraftEngine(full_fp32_runtime, config)
         draft.propose([ProposeItem(slot, 0, REPEATING[:-1], 1, GREEDY) for slot in "ab"])
         ran = recording_forwards(draft, monkeypatch)
         proposals = draft.propose([ProposeItem(slot, len(REPEATING) - 1, REPEATING[-1:], 12, GREEDY,

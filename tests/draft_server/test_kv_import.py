@@ -15,6 +15,7 @@ import grpc
 import pytest
 import torch
 
+from specdec.model.loader import LoadedModel
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 from specdec.wire.kv_transfer import ImportHeader, KVExport, assemble_pieces, split_pieces
 from specdec.wire.tensor_codec import encode_tensor
@@ -40,10 +41,10 @@ def cache_rows(service: Service, slot: str) -> torch.Tensor:
     return torch.stack([pool.index_select(0, rows) for pool in engine.cache.kv])
 
 
-def test_both_services_advertise_the_same_layout(target: Service, draft: Service) -> None:
+def test_both_services_advertise_the_same_layout(target: Service, draft: Service, target_model: LoadedModel) -> None:
     layouts = [service.info().kv_layout for service in (target, draft)]
     assert layouts[0] == layouts[1]
-    assert layouts[0].weights and layouts[0].num_layers == 30
+    assert layouts[0].weights and layouts[0].num_layers == target_model.model.config.num_hidden_layers
     assert (layouts[0].num_kv_heads, layouts[0].head_dim) == (3, 64)
 
 

@@ -36,8 +36,8 @@ BIAS_NEW_TOKENS = 20
 
 
 @pytest.fixture(scope="module")
-def expected(smollm2: LoadedModel, hf_greedy: Callable[[list[int], int], list[int]]) -> list[list[int]]:
-    return [hf_greedy(encode_chat(smollm2.tokenizer, chat(p)), MAX_NEW_TOKENS) for p in PROMPTS]
+def expected(target_model: LoadedModel, hf_greedy: Callable[[list[int], int], list[int]]) -> list[list[int]]:
+    return [hf_greedy(encode_chat(target_model.tokenizer, chat(p)), MAX_NEW_TOKENS) for p in PROMPTS]
 
 
 def _run_all(stack: Stack, **options: Any) -> list[GenerationResult]:
@@ -98,12 +98,12 @@ class _OutputPenalties(LogitsProcessor):
         return scores - (self.presence * (counts > 0) + self.frequency * counts)
 
 
-def test_logit_bias_and_penalties_keep_greedy_exactness(weak_stack: Stack, smollm2: LoadedModel) -> None:
+def test_logit_bias_and_penalties_keep_greedy_exactness(weak_stack: Stack, target_model: LoadedModel) -> None:
     """Greedy with a logit bias, the repetition penalty and presence / frequency penalties:
     speculative == plain == transformers generate with the same processors. The 2-layer
     draft is mostly rejected, so the gateway recovers from the adjusted logits often."""
     stack = weak_stack
-    tokenizer = smollm2.tokenizer
+    tokenizer = target_model.tokenizer
     banned = tokenizer.convert_tokens_to_ids("The")
     bias = {banned: -100.0, tokenizer.convert_tokens_to_ids("Ġthe"): -3.0,
             tokenizer.convert_tokens_to_ids("Ġcapital"): 2.0}
@@ -116,7 +116,7 @@ def test_logit_bias_and_penalties_keep_greedy_exactness(weak_stack: Stack, smoll
         processors = LogitsProcessorList([_LogitBias(bias), RepetitionPenaltyLogitsProcessor(1.1),
                                           _OutputPenalties(len(ids), presence=0.6, frequency=0.4)])
         with torch.inference_mode():
-            out = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=BIAS_NEW_TOKENS, do_sample=False,
+            out = target_model.model.generate(torch.tensor([ids]), max_new_tokens=BIAS_NEW_TOKENS, do_sample=False,
                                          logits_processor=processors, attention_mask=torch.ones(1, len(ids)),
                                          pad_token_id=tokenizer.eos_token_id)
         want = out[0, len(ids):].tolist()

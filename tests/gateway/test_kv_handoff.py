@@ -26,8 +26,8 @@ MAX_NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def expected(smollm2: LoadedModel, hf_greedy: Callable[[list[int], int], list[int]]) -> list[list[int]]:
-    return [hf_greedy(encode_chat(smollm2.tokenizer, chat(p)), MAX_NEW_TOKENS) for p in PROMPTS]
+def expected(target_model: LoadedModel, hf_greedy: Callable[[list[int], int], list[int]]) -> list[list[int]]:
+    return [hf_greedy(encode_chat(target_model.tokenizer, chat(p)), MAX_NEW_TOKENS) for p in PROMPTS]
 
 
 @pytest.fixture

@@ -84,7 +84,7 @@ def _same(a: list[TokenLogprob], b: list[TokenLogprob]) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_logprobs_equal_plain_decoding_with_and_without_speculation(
-    case: str, int8_stack: Stack, smollm2: LoadedModel
+    case: str, int8_stack: Stack, target_model: LoadedModel
 ) -> None:
     options = dict(CASES[case], logprobs=TOP)
     speculative = generate_all(int8_stack, PROMPTS, MAX_NEW_TOKENS, num_speculative_tokens=4, **options)
@@ -92,9 +92,9 @@ def test_logprobs_equal_plain_decoding_with_and_without_speculation(
     assert sum(r.num_draft_tokens for r in speculative) > 0 and sum(r.num_draft_tokens for r in plain) == 0
     assert any(len(chunk) > 1 for r in plain for chunk in r.chunks)  # multi-step Decode rounds
     for text, spec, base in zip(PROMPTS, speculative, plain):
-        prompt = encode_chat(smollm2.tokenizer, chat(text))
+        prompt = encode_chat(target_model.tokenizer, chat(text))
         for result in (spec, base):
-            _check_against(_reference(smollm2, prompt, result, options), result)
+            _check_against(_reference(target_model, prompt, result, options), result)
         if options.get("verification") != "rejection":
             assert spec.token_ids == base.token_ids
             _same(spec.logprobs, base.logprobs)

@@ -37,8 +37,8 @@ def lookup_stack(start_module_stack: StartStack) -> Stack:
 
 
 @pytest.fixture(scope="module")
-def expected(smollm2: LoadedModel, hf_greedy: Callable[[list[int], int], list[int]]) -> list[list[int]]:
-    return [hf_greedy(encode_chat(smollm2.tokenizer, chat(p)), MAX_NEW_TOKENS) for p in PROMPTS]
+def expected(target_model: LoadedModel, hf_greedy: Callable[[list[int], int], list[int]]) -> list[list[int]]:
+    return [hf_greedy(encode_chat(target_model.tokenizer, chat(p)), MAX_NEW_TOKENS) for p in PROMPTS]
 
 
 def _run_all(stack: Stack, **options: Any) -> list[GenerationResult]:
@@ -70,9 +70,9 @@ def test_auto_mixes_lookups_and_the_model_draft_and_keeps_the_greedy_output(
 
 
 @pytest.fixture(scope="module")
-def exact_copy_second_token(smollm2: LoadedModel) -> dict[int, float]:
+def exact_copy_second_token(target_model: LoadedModel) -> dict[int, float]:
     """P(t2) = Σ_t1 p(t1) p(t2 | t1) of the target with temperature 1 and top-k 4."""
-    return second_token_marginal(smollm2.model, encode_chat(smollm2.tokenizer, COPY_PROMPT), TOP_K)
+    return second_token_marginal(target_model.model, encode_chat(target_model.tokenizer, COPY_PROMPT), TOP_K)
 
 
 def test_sampled_lookup_rounds_follow_the_target_distribution(

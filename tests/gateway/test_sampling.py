@@ -29,8 +29,8 @@ SAMPLES = 160
 
 
 @pytest.fixture(scope="module")
-def exact_second_token(smollm2: LoadedModel) -> dict[int, float]:
-    return second_token_marginal(smollm2.model, encode_chat(smollm2.tokenizer, PROMPT), TOP_K)
+def exact_second_token(target_model: LoadedModel) -> dict[int, float]:
+    return second_token_marginal(target_model.model, encode_chat(target_model.tokenizer, PROMPT), TOP_K)
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +110,8 @@ def test_seeded_requests_emit_plain_decodings_tokens(int8_stack: Stack, options:
     assert drafted > 0
 
 
-def test_sampled_text_is_coherent(int8_stack: Stack) -> None:
-    with int8_stack.client() as client:
+def test_sampled_text_is_coherent(full_stack: Stack) -> None:
+    with full_stack.client() as client:
         result = client.generate(
             [{"role": "user", "content": "Describe a sunny day at the beach."}],
             max_new_tokens=48, temperature=0.7, top_p=0.9, seed=7,

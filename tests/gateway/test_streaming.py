@@ -61,9 +61,10 @@ def test_max_new_tokens_is_exact(int8_stack: Stack) -> None:
             assert len(result.token_ids) == result.completion_tokens == n
 
 
-def test_stop_string_across_a_token_boundary(int8_stack: Stack, smollm2: LoadedModel) -> None:
+def test_stop_string_across_a_token_boundary(full_stack: Stack, smollm2: LoadedModel) -> None:
+    """On the whole model, whose text has words of two characters and more."""
     tokenizer = smollm2.tokenizer
-    with int8_stack.client() as client:
+    with full_stack.client() as client:
         free = client.generate(STORY, max_new_tokens=40)
         # A stop string made of the end of one token and the start of the next.
         pieces = [tokenizer.decode([t]) for t in free.token_ids]
@@ -90,12 +91,12 @@ def test_stop_string_with_plain_decoding(int8_stack: Stack) -> None:
 
 
 def test_max_sequence_length_edge(
-    start_stack: StartStack, int8_runtime: ModelRuntime, hf_greedy: HfGreedy, smollm2: LoadedModel
+    start_stack: StartStack, int8_runtime: ModelRuntime, hf_greedy: HfGreedy, target_model: LoadedModel
 ) -> None:
     """Near max_seq_len K shrinks so K+1 fits, then falls back to K=0; output stays exact."""
     from specdec.model.chat import encode_chat
 
-    prompt_ids = encode_chat(smollm2.tokenizer, STORY)
+    prompt_ids = encode_chat(target_model.tokenizer, STORY)
     limit = len(prompt_ids) + 7
     stack = start_stack(int8_runtime, target=dict(max_seq_len=limit), draft=dict(max_seq_len=limit))
     with stack.client() as client:

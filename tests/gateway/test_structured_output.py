@@ -71,25 +71,26 @@ class GrammarMask(LogitsProcessor):
 
 
 @pytest.fixture(scope="module")
-def compiler(smollm2: LoadedModel) -> GrammarCompiler:
-    return GrammarCompiler(smollm2.tokenizer, smollm2.model.config.vocab_size, [smollm2.tokenizer.eos_token_id])
+def compiler(target_model: LoadedModel) -> GrammarCompiler:
+    tokenizer = target_model.tokenizer
+    return GrammarCompiler(tokenizer, target_model.model.config.vocab_size, [tokenizer.eos_token_id])
 
 
 @pytest.fixture(scope="module")
-def expected(smollm2: LoadedModel, compiler: GrammarCompiler) -> list[list[int]]:
+def expected(target_model: LoadedModel, compiler: GrammarCompiler) -> list[list[int]]:
     """transformers' greedy answer to each case under its grammar, EOS stripped."""
     answers = []
     for prompt, _, output, _ in CASES:
-        ids = encode_chat(smollm2.tokenizer, chat(prompt))
+        ids = encode_chat(target_model.tokenizer, chat(prompt))
         with torch.inference_mode():
-            out = smollm2.model.generate(
+            out = target_model.model.generate(
                 torch.tensor([ids]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                pad_token_id=smollm2.tokenizer.eos_token_id,
+                pad_token_id=target_model.tokenizer.eos_token_id,
                 logits_processor=LogitsProcessorList([GrammarMask(compiler, output, len(ids))]),
             )
         generated = out[0, len(ids):].tolist()
-        eos = smollm2.tokenizer.eos_token_id
+        eos = target_model.tokenizer.eos_token_id
         answers.append(generated[: generated.index(eos)] if eos in generated else generated)
     return answers
 
@@ -146,7 +147,7 @@ SAMPLES = 320
 
 
 def test_sampled_structured_output_follows_the_masked_distribution(
-    weak_stack: Stack, smollm2: LoadedModel, compiler: GrammarCompiler
+    weak_stack: Stack, target_model: LoadedModel, compiler: GrammarCompiler
 ) -> None:
     """The second token of a choice among phrases that share no first token. Three new tokens:
     the round after the first token then drafts one, so the second token is decided by a
@@ -154,8 +155,8 @@ def test_sampled_structured_output_follows_the_masked_distribution(
     grammar (the draft knows no grammar: its token is often refused, the path that keeps it to be
     rejected)."""
     options = ["light blue", "dark green", "bright red", "pale yellow"]
-    exact = _masked_second_token(smollm2, compiler, Choice(tuple(options)),
-                                 list(smollm2.tokenizer(SAMPLED_PROMPT)["input_ids"]))
+    exact = _masked_second_token(target_model, compiler, Choice(tuple(options)),
+                                 list(target_model.tokenizer(SAMPLED_PROMPT)["input_ids"]))
     with weak_stack.client() as client, ThreadPoolExecutor(16) as pool:
         results = list(pool.map(
             lambda seed: client.generate(SAMPLED_PROMPT, max_new_tokens=3, temperature=1.0, choice=options, seed=seed,

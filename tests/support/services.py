@@ -2,8 +2,9 @@
 
 The servers run in-process on one background asyncio loop (a daemon thread) and tests talk
 to them through ordinary synchronous channels, so no async test plugin is needed. Engines
-are built from the session's fp32 SmolLM2 (`smollm2` in tests/conftest.py): no second load.
-The draft uses the same fp32 model, so its greedy draft is the model's own greedy continuation.
+are built from the session's fp32 target (`target_model` in tests/conftest.py, the suite's cut of
+SmolLM2): no second load. The draft uses the same fp32 model, so its greedy draft is the
+model's own greedy continuation. `full_fp32_runtime` is the whole model, for tests of its text.
 
 A plugin of tests/conftest.py: its fixtures are found by name in every test folder.
 """
@@ -11,7 +12,6 @@ A plugin of tests/conftest.py: its fixtures are found by name in every test fold
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -143,12 +143,13 @@ def draft_server(runtime: ModelRuntime, **fields: Any) -> tuple[DraftEngine, Cor
 def _service_factory(
     loop: LoopThread,
     make: Callable[..., tuple[ModelEngine, Coroutine[Any, Any, RunningServer]]],
+    default_runtime: ModelRuntime,
     stub_cls: type,
 ) -> Iterator[StartService]:
     started: list[Service] = []
 
-    def start(**overrides: Any) -> Service:
-        engine, coro = make(**{**SMALL_POOL, **overrides})
+    def start(runtime: ModelRuntime | None = None, **overrides: Any) -> Service:
+        engine, coro = make(runtime or default_runtime, **{**SMALL_POOL, **overrides})
         running = loop.run(coro)
         channel = _client_channel(running.port)
         service = Service(engine, running, channel, stub_cls(channel), health_pb2_grpc.HealthStub(channel))
@@ -169,23 +170,29 @@ def service_loop() -> Iterator[LoopThread]:
 
 
 @pytest.fixture(scope="session")
-def fp32_runtime(smollm2: LoadedModel) -> ModelRuntime:
+def fp32_runtime(target_model: LoadedModel) -> ModelRuntime:
     """The session's fp32 SmolLM2 wrapped for the engines (the forward holds no state)."""
+    return ModelRuntime(loaded=target_model, model=PagedLlama(target_model.model), quantization="none")
+
+
+@pytest.fixture(scope="session")
+def full_fp32_runtime(smollm2: LoadedModel) -> ModelRuntime:
+    """The whole fp32 SmolLM2 wrapped for the engines."""
     return ModelRuntime(loaded=smollm2, model=PagedLlama(smollm2.model), quantization="none")
 
 
 @pytest.fixture
 def start_target(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterator[StartService]:
-    """`start_target(**config_overrides)` -> a running fp32 target server (stopped at teardown)."""
-    yield from _service_factory(service_loop, functools.partial(target_server, fp32_runtime),
-                                target_pb2_grpc.TargetServiceStub)
+    """`start_target(runtime=None, **config_overrides)` -> a running target server on `runtime`,
+    by default the suite's fp32 target (stopped at teardown)."""
+    yield from _service_factory(service_loop, target_server, fp32_runtime, target_pb2_grpc.TargetServiceStub)
 
 
 @pytest.fixture
 def start_draft(service_loop: LoopThread, fp32_runtime: ModelRuntime) -> Iterator[StartService]:
-    """`start_draft(**config_overrides)` -> a running fp32 draft server (stopped at teardown)."""
-    yield from _service_factory(service_loop, functools.partial(draft_server, fp32_runtime),
-                                draft_pb2_grpc.DraftServiceStub)
+    """`start_draft(runtime=None, **config_overrides)` -> a running draft server on `runtime`, by
+    default the suite's fp32 target (stopped at teardown)."""
+    yield from _service_factory(service_loop, draft_server, fp32_runtime, draft_pb2_grpc.DraftServiceStub)
 
 
 class StartGateway(Protocol):
@@ -224,9 +231,9 @@ def draft(start_draft: StartService) -> Service:
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm2: LoadedModel) -> list[list[int]]:
+def prompts(target_model: LoadedModel) -> list[list[int]]:
     """Three prompts of different lengths."""
-    tokens = [smollm2.tokenizer.encode(text) for text in TEXTS]
+    tokens = [target_model.tokenizer.encode(text) for text in TEXTS]
     assert len({len(t) for t in tokens}) == len(tokens)
     return tokens
 

@@ -2,10 +2,11 @@
 
 Everything runs in-process on the session's background event loop (see
 tests/support/services.py); clients are the public `SpecdecClient`. Two stacks share the
-session's fp32 target model:
+session's fp32 target, the suite's cut of SmolLM2 (tests/support/models.py):
 
-* `int8_stack`: the embedded default draft, int8 weights with bf16 activations (α ≈ 0.93);
-* `weak_stack`: a first-2-layer copy of the target as draft, almost always rejected.
+* `int8_stack`: the same cut as draft, int8 weights with bf16 activations;
+* `weak_stack`: the first 2 layers of the whole model as draft, mostly rejected;
+* `full_stack` (module-scoped): the whole model, fp32 target and int8 draft, for tests of its text.
 
 A plugin of tests/conftest.py: its fixtures are found by name in every test folder.
 """
@@ -32,6 +33,7 @@ from specdec.model.runtime import ModelRuntime, build_runtime
 from specdec.serving.engine import ModelEngine
 from specdec.serving.grpc_server import RunningServer
 from specdec.target_server.engine import TargetEngine
+from tests.support.models import suite_int8_runtime
 from tests.support.services import LoopThread, draft_server, target_server
 
 POOL: dict[str, Any] = dict(kv_token_budget=8192, block_size=16, max_slots=32, max_speculative_tokens=8,
@@ -122,7 +124,7 @@ def generate_all(stack: Stack, prompts: list[str], max_new_tokens: int, **option
 
 @pytest.fixture(scope="session")
 def int8_runtime() -> ModelRuntime:
-    return build_runtime("smollm2-135m", dtype="bfloat16", quantization="int8")
+    return suite_int8_runtime()
 
 
 @pytest.fixture(scope="session")
@@ -215,20 +217,27 @@ def weak_stack(session_stacks: StartStack, weak_runtime: ModelRuntime) -> Stack:
     return session_stacks(weak_runtime)
 
 
+@pytest.fixture(scope="module")
+def full_stack(start_module_stack: StartStack, full_fp32_runtime: ModelRuntime) -> Stack:
+    """The whole SmolLM2: fp32 target, int8 draft (bf16 activations); for tests of its text."""
+    draft = build_runtime("smollm2-135m", dtype="bfloat16", quantization="int8")
+    return start_module_stack(draft, target_runtime=full_fp32_runtime)
+
+
 @pytest.fixture(scope="session")
-def hf_greedy(smollm2: LoadedModel) -> HfGreedy:
+def hf_greedy(target_model: LoadedModel) -> HfGreedy:
     """`hf_greedy(prompt_ids, n)`: transformers generate(do_sample=False) on the target, EOS stripped
     (the gateway never emits EOS)."""
 
     def generate(prompt: list[int], max_new_tokens: int) -> list[int]:
         with torch.inference_mode():
-            out = smollm2.model.generate(
+            out = target_model.model.generate(
                 torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                pad_token_id=smollm2.tokenizer.eos_token_id,
+                pad_token_id=target_model.tokenizer.eos_token_id,
             )
         generated = out[0, len(prompt):].tolist()
-        eos = smollm2.tokenizer.eos_token_id
+        eos = target_model.tokenizer.eos_token_id
         return generated[: generated.index(eos)] if eos in generated else generated
 
     return generate

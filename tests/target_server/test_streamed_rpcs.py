@@ -27,8 +27,8 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def prompt(smollm2: LoadedModel) -> list[int]:
-    return smollm2.tokenizer.encode("Once upon a time, in a small village by the sea, there lived")
+def prompt(target_model: LoadedModel) -> list[int]:
+    return target_model.tokenizer.encode("Once upon a time, in a small village by the sea, there lived")
 
 
 def _prefill(service: Service, slots: list[str], prompt: list[int]) -> None:

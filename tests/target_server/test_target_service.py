@@ -77,11 +77,11 @@ def truncate(service: Service, slot_id: str, new_len: int) -> int:
 # -- Info ---------------------------------------------------------------------------------
 
 
-def test_info_advertises_model_tokenizer_and_capacity(target: Service, smollm2: LoadedModel) -> None:
+def test_info_advertises_model_tokenizer_and_capacity(target: Service, target_model: LoadedModel) -> None:
     info = target.info()
-    expected = TokenizerInfo.of(smollm2.model, smollm2.tokenizer)
-    assert info.model_name == smollm2.name
-    assert info.vocab_size == expected.vocab_size == smollm2.model.config.vocab_size
+    expected = TokenizerInfo.of(target_model.model, target_model.tokenizer)
+    assert info.model_name == target_model.name
+    assert info.vocab_size == expected.vocab_size == target_model.model.config.vocab_size
     assert tuple(info.eos_token_ids) == expected.eos_token_ids and info.eos_token_ids
     assert info.tokenizer_fingerprint == expected.fingerprint and len(info.tokenizer_fingerprint) == 64
     assert info.block_size == 16
@@ -130,17 +130,17 @@ def test_prefill_and_verify_report_the_pools_room_and_what_the_callers_holder_ho
 
 
 def test_prefill_batch_of_different_lengths_matches_in_process_forward(
-    target: Service, smollm2: LoadedModel, prompts: list[list[int]]
+    target: Service, target_model: LoadedModel, prompts: list[list[int]]
 ) -> None:
     logits = prefill(target, {f"p{i}": p for i, p in enumerate(prompts)})
     for i, prompt in enumerate(prompts):
         got = logits[f"p{i}"]
-        assert got.dtype == torch.float32 and got.shape == (smollm2.model.config.vocab_size,)
-        torch.testing.assert_close(got, reference_logits(smollm2, prompt)[-1], atol=ATOL, rtol=0)
+        assert got.dtype == torch.float32 and got.shape == (target_model.model.config.vocab_size,)
+        torch.testing.assert_close(got, reference_logits(target_model, prompt)[-1], atol=ATOL, rtol=0)
 
 
 def test_verify_logits_match_in_process_forward(
-    target: Service, smollm2: LoadedModel, prompts: list[list[int]]
+    target: Service, target_model: LoadedModel, prompts: list[list[int]]
 ) -> None:
     """One batched Verify with K = 0, 3 and 5: K + 1 rows each, fp32 like the model computed them."""
     prefill(target, {f"p{i}": p for i, p in enumerate(prompts)})
@@ -148,8 +148,8 @@ def test_verify_logits_match_in_process_forward(
     logits = verify(target, [(f"p{i}", len(p), c) for i, (p, c) in enumerate(zip(prompts, chunks))])
     for i, (prompt, chunk) in enumerate(zip(prompts, chunks)):
         got = logits[f"p{i}"]
-        assert got.dtype == torch.float32 and got.shape == (len(chunk), smollm2.model.config.vocab_size)
-        expected = reference_logits(smollm2, prompt + chunk)[len(prompt) :]
+        assert got.dtype == torch.float32 and got.shape == (len(chunk), target_model.model.config.vocab_size)
+        expected = reference_logits(target_model, prompt + chunk)[len(prompt) :]
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
@@ -180,7 +180,7 @@ def test_argmax_items_get_each_rows_argmax_and_no_logits(target: Service, prompt
 
 
 def test_decode_items_decode_greedily_as_one_step_calls_would(
-    target: Service, smollm2: LoadedModel, prompts: list[list[int]]
+    target: Service, target_model: LoadedModel, prompts: list[list[int]]
 ) -> None:
     """A Decode item of n steps: the n tokens and the cache of n one-token argmax calls, batched
     with a Logits item and a shorter Decode item; the Logits item is unchanged by them."""
@@ -204,15 +204,16 @@ def test_decode_items_decode_greedily_as_one_step_calls_would(
     assert list(multi.decoded.ids) == expected and multi.cached_len == n + 5
     assert list(short.decoded.ids) == expected[:2] and short.cached_len == n + 2
     assert plain.cached_len == n + 3
-    torch.testing.assert_close(decode_tensor(plain.logits), reference_logits(smollm2, prompt + [g, 20, 21])[n:],
+    torch.testing.assert_close(decode_tensor(plain.logits), reference_logits(target_model, prompt + [g, 20, 21])[n:],
                                atol=ATOL, rtol=0)
     # The cache holds g and the first four decoded tokens: the next position scores as after them.
     after = verify(target, [("multi", n + 5, [expected[4]])])["multi"]
-    torch.testing.assert_close(after, reference_logits(smollm2, prompt + [g, *expected])[n + 5 :], atol=ATOL, rtol=0)
+    want = reference_logits(target_model, prompt + [g, *expected])[n + 5 :]
+    torch.testing.assert_close(after, want, atol=ATOL, rtol=0)
 
 
 def test_sampled_decode_items_choose_with_their_transforms_and_a_seed_per_position(
-    target: Service, smollm2: LoadedModel, prompts: list[list[int]]
+    target: Service, target_model: LoadedModel, prompts: list[list[int]]
 ) -> None:
     """A Decode item with sampling params gets tokens, not logits: at each position the
     transforms over the cached tokens, then a draw seeded from (seed, position), or the
@@ -240,7 +241,7 @@ def test_sampled_decode_items_choose_with_their_transforms_and_a_seed_per_positi
         request = sampling_from_pb(params)
         context = prompt + [g]
         for token in chosen:
-            probs = logits_to_probs(reference_logits(smollm2, context)[-1:], [request], [context])  # [1, vocab]
+            probs = logits_to_probs(reference_logits(target_model, context)[-1:], [request], [context])  # [1, vocab]
             seed = None if request.is_greedy or request.seed is None else independent_seed(request.seed, len(context))
             generator = None if seed is None else make_generator(seed, "cpu")
             assert token == int(pick_tokens(probs, [request], [generator])[0]), (params, context[n:])
@@ -257,7 +258,7 @@ def sparse_q(rows: list[dict[int, float]]) -> common_pb2.SparseProbs:
 
 
 def test_sampled_speculative_items_get_candidates_and_p_at_the_draft_tokens(
-    target: Service, smollm2: LoadedModel, prompts: list[list[int]]
+    target: Service, target_model: LoadedModel, prompts: list[list[int]]
 ) -> None:
     """A Sampled item (sampling params and q) gets, instead of logits, p_i(t_i) for
     its K draft tokens and K + 1 candidates: draws from norm(max(0, p_i - q_i)) and from
@@ -267,7 +268,7 @@ def test_sampled_speculative_items_get_candidates_and_p_at_the_draft_tokens(
     same request draws the same candidates."""
     prompt = prompts[1]
     n = len(prompt)
-    g, *drafts = greedy_continuation(smollm2, prompt, 4)  # likely tokens: p_i(t_i) mostly well above 0
+    g, *drafts = greedy_continuation(target_model, prompt, 4)  # likely tokens: p_i(t_i) mostly well above 0
     # The draft tokens themselves, each with a few other tokens: rows weighted unevenly.
     rows = [{t: 3.0, t + 1: 1.0, 500 + i: 0.5} for i, t in enumerate(drafts)]
     params = common_pb2.SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.2, seed=11, min_p=0.01,
@@ -289,7 +290,7 @@ def test_sampled_speculative_items_get_candidates_and_p_at_the_draft_tokens(
 
     sampling = sampling_from_pb(params)
     context = prompt + [g]
-    p = chunk_logits_to_probs(reference_logits(smollm2, context + drafts)[None, n:], [sampling], [context],
+    p = chunk_logits_to_probs(reference_logits(target_model, context + drafts)[None, n:], [sampling], [context],
                               [drafts])[0]  # [4, vocab]
     torch.testing.assert_close(torch.tensor(list(a.target_probs)), token_probs(p[None], torch.tensor([drafts]))[0],
                                atol=1e-5, rtol=1e-4)
@@ -314,7 +315,7 @@ def test_decoding_stops_early_when_the_call_deadline_is_near(target: Service, pr
 
 
 def test_verify_after_rollback_equals_verify_without_rejected_tokens(
-    target: Service, smollm2: LoadedModel, prompts: list[list[int]]
+    target: Service, target_model: LoadedModel, prompts: list[list[int]]
 ) -> None:
     prompt = prompts[2]
     n = len(prompt)
@@ -324,7 +325,7 @@ def test_verify_after_rollback_equals_verify_without_rejected_tokens(
     # Round 2: only g=500 was kept; both continue from n + 1 with the same chunk.
     logits = verify(target, [("rolled", n + 1, [600, 601, 602]), ("clean", n + 1, [600, 601, 602])])
     torch.testing.assert_close(logits["rolled"], logits["clean"], atol=ATOL, rtol=0)
-    expected = reference_logits(smollm2, prompt + [500, 600, 601, 602])[n + 1 :]
+    expected = reference_logits(target_model, prompt + [500, 600, 601, 602])[n + 1 :]
     torch.testing.assert_close(logits["rolled"], expected, atol=ATOL, rtol=0)
 
 
@@ -341,14 +342,14 @@ def test_batch_at_different_lengths_equals_each_request_alone(
         torch.testing.assert_close(batched_verify[f"b{i}"], alone_verify, atol=ATOL, rtol=0)
 
 
-def test_truncate_rpc_then_verify(target: Service, smollm2: LoadedModel, prompts: list[list[int]]) -> None:
+def test_truncate_rpc_then_verify(target: Service, target_model: LoadedModel, prompts: list[list[int]]) -> None:
     prompt = prompts[1]
     n = len(prompt)
     prefill(target, {"s": prompt + [900, 901, 902, 903]})
     assert truncate(target, "s", n) == n
     assert truncate(target, "s", n) == n  # truncating to the current length is a no-op
     logits = verify(target, [("s", n, [77, 78])])["s"]
-    torch.testing.assert_close(logits, reference_logits(smollm2, prompt + [77, 78])[n:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, reference_logits(target_model, prompt + [77, 78])[n:], atol=ATOL, rtol=0)
 
 
 def test_release_returns_every_block(target: Service, prompts: list[list[int]]) -> None:
@@ -367,7 +368,7 @@ def test_release_returns_every_block(target: Service, prompts: list[list[int]]) 
 
 
 def test_a_repeated_prompt_is_served_from_the_prefix_cache(
-    target: Service, smollm2: LoadedModel, prompts: list[list[int]]
+    target: Service, target_model: LoadedModel, prompts: list[list[int]]
 ) -> None:
     prompt = prompts[2] * 3  # 57 tokens: three whole blocks and 9 more
     start, hits = target.info().free_kv_tokens, target.engine.prefix_cache_hits
@@ -375,7 +376,7 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(
     again = prefill(target, {"b": prompt})["b"]  # computes only the last 9 tokens
     assert target.engine.prefix_cache_hits - hits == 48
     torch.testing.assert_close(again, first, atol=ATOL, rtol=0)
-    torch.testing.assert_close(again, reference_logits(smollm2, prompt)[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(again, reference_logits(target_model, prompt)[-1], atol=ATOL, rtol=0)
     assert target.info().free_kv_tokens == start - 5 * 16  # four blocks for a, one of b's own
     release(target, "a")
     release(target, "b")
@@ -384,7 +385,7 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(
 
 
 def test_long_prompts_are_prefilled_in_chunks_with_the_same_logits(
-    start_target: Callable[..., Service], smollm2: LoadedModel, prompts: list[list[int]]
+    start_target: Callable[..., Service], target_model: LoadedModel, prompts: list[list[int]]
 ) -> None:
     """Chunks of 8 tokens: prompts of 57 and 19 tokens run as 8 and 3 forwards, after a
     prefix-cache hit too, and give transformers' logits; the slots cache what one forward would."""
@@ -393,10 +394,10 @@ def test_long_prompts_are_prefilled_in_chunks_with_the_same_logits(
     logits = prefill(target, {"a": long, "b": short})
     again = prefill(target, {"c": long})["c"]  # 48 tokens from the prefix cache, 9 in two chunks
     for got, tokens in ((logits["a"], long), (logits["b"], short), (again, long)):
-        torch.testing.assert_close(got, reference_logits(smollm2, tokens)[-1], atol=ATOL, rtol=0)
+        torch.testing.assert_close(got, reference_logits(target_model, tokens)[-1], atol=ATOL, rtol=0)
     n = len(long)
     after = verify(target, [("a", n, [5, 6, 7])])["a"]
-    torch.testing.assert_close(after, reference_logits(smollm2, long + [5, 6, 7])[n:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(after, reference_logits(target_model, long + [5, 6, 7])[n:], atol=ATOL, rtol=0)
 
 
 def test_a_chunked_prefill_that_fails_frees_its_slots(
@@ -427,7 +428,7 @@ def test_a_chunked_prefill_that_fails_frees_its_slots(
 
 
 def test_rolling_back_into_a_shared_block_copies_it(
-    target: Service, smollm2: LoadedModel, prompts: list[list[int]]
+    target: Service, target_model: LoadedModel, prompts: list[list[int]]
 ) -> None:
     """Slot b truncates into a block it shares with a and writes there: it writes to its own
     copy, and a's keys and values stay as they were."""
@@ -437,12 +438,12 @@ def test_rolling_back_into_a_shared_block_copies_it(
     prefill(target, {"b": prompt})
     assert truncate(target, "b", 20) == 20  # inside the second shared block (positions 16-31)
     logits = verify(target, [("b", 20, [900, 901, 902]), ("a", n, [77, 78])])
-    torch.testing.assert_close(logits["b"], reference_logits(smollm2, prompt[:20] + [900, 901, 902])[20:],
+    torch.testing.assert_close(logits["b"], reference_logits(target_model, prompt[:20] + [900, 901, 902])[20:],
                                atol=ATOL, rtol=0)
-    torch.testing.assert_close(logits["a"], reference_logits(smollm2, prompt + [77, 78])[n:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits["a"], reference_logits(target_model, prompt + [77, 78])[n:], atol=ATOL, rtol=0)
     check_pool(target.engine.cache.blocks, target.engine.tokens)
     c = prefill(target, {"c": prompt})["c"]  # a's blocks are still the prompt's
-    torch.testing.assert_close(c, reference_logits(smollm2, prompt)[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(c, reference_logits(target_model, prompt)[-1], atol=ATOL, rtol=0)
 
 
 def test_without_prefix_caching_every_prompt_is_computed(
@@ -454,7 +455,7 @@ def test_without_prefix_caching_every_prompt_is_computed(
     assert target.engine.cache.blocks.cached_prefix(prompts[2] * 3) == []
 
 
-def test_many_slots_at_once(start_target: Callable[..., Service], smollm2: LoadedModel) -> None:
+def test_many_slots_at_once(start_target: Callable[..., Service], target_model: LoadedModel) -> None:
     """24 slots prefilled in one batch, then decoded (K = 0) in one batch, then all released."""
     service = start_target(max_slots=24, kv_token_budget=24 * 32)
     slots = {f"m{i:02d}": [(7 * i + j) % 4000 + 10 for j in range(3 + i % 9)] for i in range(24)}
@@ -463,7 +464,7 @@ def test_many_slots_at_once(start_target: Callable[..., Service], smollm2: Loade
     decoded = verify(service, [(s, len(p), [int(last[s].argmax())]) for s, p in slots.items()])
     for slot in ("m00", "m07", "m23"):  # spot-check against the reference
         prompt = slots[slot]
-        expected = reference_logits(smollm2, prompt + [int(last[slot].argmax())])[len(prompt) :]
+        expected = reference_logits(target_model, prompt + [int(last[slot].argmax())])[len(prompt) :]
         torch.testing.assert_close(decoded[slot], expected, atol=ATOL, rtol=0)
     for slot in slots:
         release(service, slot)
@@ -529,7 +530,7 @@ def test_an_empty_slot_id_is_invalid_argument_on_every_rpc(target: Service) -> N
 
 
 def test_existing_slot_on_prefill_is_already_exists_and_the_batch_changes_nothing(
-    target: Service, smollm2: LoadedModel, prompts: list[list[int]]
+    target: Service, target_model: LoadedModel, prompts: list[list[int]]
 ) -> None:
     prefill(target, {"a": prompts[0]})
     before = target.info()
@@ -547,11 +548,11 @@ def test_existing_slot_on_prefill_is_already_exists_and_the_batch_changes_nothin
             == grpc.StatusCode.NOT_FOUND)
     n = len(prompts[0])
     logits = verify(target, [("a", n, [5])])["a"]  # "a" still holds its prompt
-    torch.testing.assert_close(logits, reference_logits(smollm2, prompts[0] + [5])[n:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, reference_logits(target_model, prompts[0] + [5])[n:], atol=ATOL, rtol=0)
 
 
 def test_kv_pool_full_is_resource_exhausted_and_frees_nothing_of_others(
-    start_target: Callable[..., Service], smollm2: LoadedModel
+    start_target: Callable[..., Service], target_model: LoadedModel
 ) -> None:
     service = start_target(kv_token_budget=64)  # 4 blocks of 16
     a, b = list(range(1000, 1030)), list(range(2000, 2030))  # 30 tokens = 2 blocks each
@@ -583,8 +584,8 @@ def test_kv_pool_full_is_resource_exhausted_and_frees_nothing_of_others(
     assert service.info().free_kv_tokens == 0 and truncate(service, "b", 30) == 30
     # Neither slot lost anything: both still score their next token correctly.
     logits = verify(service, [("a", 30, [7]), ("b", 30, [8])])
-    torch.testing.assert_close(logits["a"], reference_logits(smollm2, a + [7])[30:], atol=ATOL, rtol=0)
-    torch.testing.assert_close(logits["b"], reference_logits(smollm2, b + [8])[30:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits["a"], reference_logits(target_model, a + [7])[30:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits["b"], reference_logits(target_model, b + [8])[30:], atol=ATOL, rtol=0)
 
 
 def test_slot_table_full_is_resource_exhausted(start_target: Callable[..., Service]) -> None:
@@ -679,7 +680,9 @@ def test_invalid_arguments_name_the_field(start_target: Callable[..., Service]) 
     assert service.info().active_slots == 2
 
 
-def test_failed_verify_batch_changes_no_slot(target: Service, smollm2: LoadedModel, prompts: list[list[int]]) -> None:
+def test_failed_verify_batch_changes_no_slot(
+    target: Service, target_model: LoadedModel, prompts: list[list[int]]
+) -> None:
     """Validation runs before any rollback: a bad item fails the batch and the good slot keeps its tokens."""
     prompt = prompts[0]
     n = len(prompt)
@@ -693,7 +696,7 @@ def test_failed_verify_batch_changes_no_slot(target: Service, smollm2: LoadedMod
     assert error.code() == grpc.StatusCode.NOT_FOUND
     assert target.info().free_kv_tokens == free_before
     logits = verify(target, [("good", n + 3, [43])])["good"]  # the 3 tokens are still cached
-    expected = reference_logits(smollm2, prompt + [40, 41, 42, 43])[n + 3 :]
+    expected = reference_logits(target_model, prompt + [40, 41, 42, 43])[n + 3 :]
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
 
 
@@ -765,11 +768,11 @@ def _masks(rows: list[list[int]], vocab: int) -> common_pb2.TokenMasks:
 
 
 def test_masked_items_choose_among_the_allowed_tokens_and_keep_raw_logprobs(
-    target: Service, prompts: list[list[int]], smollm2: LoadedModel
+    target: Service, prompts: list[list[int]], target_model: LoadedModel
 ) -> None:
     """Argmax and Decode items under a mask answer each row's best allowed token; raw logprobs are
     the model's own (the unmasked softmax), the Logits item's logits stay raw."""
-    vocab = smollm2.model.config.vocab_size
+    vocab = target_model.model.config.vocab_size
     prefill(target, {"raw": prompts[0], "arg": prompts[0], "dec": prompts[1]})
     chunk, n = [11, 300, 301], len(prompts[0])
     raw = verify(target, [("raw", n, chunk)])["raw"]  # [3, vocab]
@@ -795,14 +798,14 @@ def test_masked_items_choose_among_the_allowed_tokens_and_keep_raw_logprobs(
     ([[], [1], [2]], None, "allowed"),   # a row that allows nothing
 ])
 def test_a_mask_that_does_not_fit_the_item_is_invalid_argument(
-    target: Service, prompts: list[list[int]], smollm2: LoadedModel, rows: list[list[int]], steps: int | None,
+    target: Service, prompts: list[list[int]], target_model: LoadedModel, rows: list[list[int]], steps: int | None,
     field: str,
 ) -> None:
     prefill(target, {"s": prompts[0]})
     tokens = [11] if steps else [11, 300, 301]
     mode = target_pb2.VerifyMode(decode=target_pb2.VerifyMode.Decode(steps=steps)) if steps else ARGMAX
     item = target_pb2.VerifyItem(slot_id="s", valid_len=len(prompts[0]), tokens=tokens, mode=mode,
-                                 allowed=_masks(rows, smollm2.model.config.vocab_size))
+                                 allowed=_masks(rows, target_model.model.config.vocab_size))
     with pytest.raises(grpc.RpcError) as raised:
         target.stub.Verify(target_pb2.VerifyRequest(items=[item]))
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT

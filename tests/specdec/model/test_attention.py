@@ -108,12 +108,12 @@ def test_each_device_has_a_default_kernel() -> None:
     assert {type(make_attention(k)) for k in AttentionKernel} == {GatherAttention, SdpaAttention}
 
 
-def test_model_logits_do_not_depend_on_the_kernel(smollm2: LoadedModel) -> None:
+def test_model_logits_do_not_depend_on_the_kernel(target_model: LoadedModel) -> None:
     """Fresh prompts, then in one batch: a verify chunk after a prompt, the rest of a prompt
     after its first block (as a prefix-cache hit leaves it) and a decode."""
-    runner = PagedLlama(smollm2.model)
+    runner = PagedLlama(target_model.model)
     text = "The quick brown fox jumps over the lazy dog because it was late for a very important meeting"
-    prompt = smollm2.tokenizer(text)["input_ids"]
+    prompt = target_model.tokenizer(text)["input_ids"]
     assert len(prompt) > 16
     logits = {}
     for kernel in AttentionKernel:

@@ -118,10 +118,10 @@ def refusing_host_syncs() -> Iterator[None]:
         yield
 
 
-def test_a_forward_asks_the_device_nothing(smollm2: LoadedModel) -> None:
+def test_a_forward_asks_the_device_nothing(target_model: LoadedModel) -> None:
     """A batch of a prompt's rest after its first block (ALIGNED attention), a verify chunk and
     a decode (MASKED), then a fresh prompt (OWN_KEYS): built and run without a host sync."""
-    runner = PagedLlama(smollm2.model)
+    runner = PagedLlama(target_model.model)
     cache = runner.new_cache(token_budget=256)
     for slot in ("a", "b", "c", "d"):
         cache.blocks.allocate(slot)
@@ -133,8 +133,8 @@ def test_a_forward_asks_the_device_nothing(smollm2: LoadedModel) -> None:
             runner.forward(batch, cache, batch.token_rows)
 
 
-def test_a_chunked_prefill_gives_the_one_forward_logits_and_cache(smollm2: LoadedModel) -> None:
-    runner = PagedLlama(smollm2.model)
+def test_a_chunked_prefill_gives_the_one_forward_logits_and_cache(target_model: LoadedModel) -> None:
+    runner = PagedLlama(target_model.model)
     prompts = [list(range(200, 290)), list(range(300, 337))]  # 90 and 37 tokens
     results = {}
     for chunk_tokens in (1 << 20, 32, 7):

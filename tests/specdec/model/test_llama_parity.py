@@ -177,17 +177,19 @@ def test_llama3_rope_scaling_is_active(device: torch.device) -> None:
 
 
 def test_smollm2_real_weights_match_transformers(smollm2: LoadedModel) -> None:
+    """The whole model, all 30 layers, against `transformers`' forward."""
     tokenizer = smollm2.tokenizer
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     generator = torch.Generator().manual_seed(2)
-    generated = [torch.randint(0, smollm2.model.config.vocab_size, (8,), generator=generator).tolist() for _ in prompts]
+    vocab = smollm2.model.config.vocab_size
+    generated = [torch.randint(0, vocab, (8,), generator=generator).tolist() for _ in prompts]
     _check_parity(smollm2.model, prompts, generated)
 
 
-def test_batch_composition_does_not_change_results(smollm2: LoadedModel) -> None:
+def test_batch_composition_does_not_change_results(target_model: LoadedModel) -> None:
     """A request's logits are the same alone or batched with others of other lengths."""
-    runner = PagedLlama(smollm2.model)
-    tokenizer = smollm2.tokenizer
+    runner = PagedLlama(target_model.model)
+    tokenizer = target_model.tokenizer
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     alone_cache = runner.new_cache(token_budget=512)
     alone_cache.blocks.allocate("x")

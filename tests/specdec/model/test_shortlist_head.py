@@ -61,17 +61,17 @@ def test_rejects_bad_heads() -> None:
         ShortlistHead(biased, coarse, 8)
 
 
-def test_real_head_agrees_with_the_int8_head(smollm2: LoadedModel) -> None:
+def test_real_head_agrees_with_the_int8_head(target_model: LoadedModel) -> None:
     """On SmolLM2's own 49,152-token head and hidden states, the shortlist head picks the int8
     head's token at every position (teacher-forced), where the 4-bit pass alone does not."""
-    weight = smollm2.model.lm_head.weight.detach().to(torch.bfloat16)  # [vocab, hidden]
+    weight = target_model.model.lm_head.weight.detach().to(torch.bfloat16)  # [vocab, hidden]
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=torch.bfloat16)
     linear.weight = nn.Parameter(weight, requires_grad=False)
     exact = Int8Linear.from_linear(linear)
     head = ShortlistHead.from_int8(exact)
-    ids = smollm2.tokenizer(TEXT, return_tensors="pt").input_ids  # [1, tokens]
+    ids = target_model.tokenizer(TEXT, return_tensors="pt").input_ids  # [1, tokens]
     with torch.inference_mode():
-        hidden = smollm2.model.model(ids).last_hidden_state[0].to(torch.bfloat16)  # [tokens, hidden]
+        hidden = target_model.model.model(ids).last_hidden_state[0].to(torch.bfloat16)  # [tokens, hidden]
         want = exact(hidden).float().argmax(-1)  # [tokens]
         got = head(hidden).float().argmax(-1)
         coarse = head.coarse(hidden).float().argmax(-1)
