@@ -5,13 +5,13 @@ holds for any weights, so the stacks and the references they are checked against
 the model, as `--num-layers 10` would serve it: a third of the decoder's compute a token (the
 output head stays whole), in a suite that is mostly decoding. The first layers keep the whole
 model's numbers (a cut that skips to its last layers feeds them activations they never saw,
-and rounding differences grow past fp32 tolerances); its text means nothing and repeats
-itself, so drafts are mostly accepted, and the rejections are the 2-layer draft's
-(`weak_stack`).
+and rounding differences grow past fp32 tolerances). Its text means nothing and repeats
+itself: its int8 copy's greedy drafts are all accepted in practice, so greedy rejections are
+the 2-layer draft's (`weak_stack`), while sampled rounds reject from either draft.
 
 Tests about the model's text (coherence, a stop string, a grammar's choices, a draft copying
-a repetition, lookups finding the prompt in the answer) or about the model itself take the
-whole of it: `smollm2`, `full_fp32_runtime`, `full_stack`.
+a repetition) or about the model itself (loading, its GGUF blocks, parity of all 30 layers)
+take the whole of it: `smollm2`, `full_fp32_runtime`, `full_stack`.
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ def service_loop() -> Iterator[LoopThread]:
 
 @pytest.fixture(scope="session")
 def fp32_runtime(target_model: LoadedModel) -> ModelRuntime:
-    """The session's fp32 SmolLM2 wrapped for the engines (the forward holds no state)."""
+    """The suite's fp32 target wrapped for the engines (the forward holds no state)."""
     return ModelRuntime(loaded=target_model, model=PagedLlama(target_model.model), quantization="none")
 
 

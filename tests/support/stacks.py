@@ -1,12 +1,13 @@
 """Real gateway stacks on loopback: fp32 target + a draft + the gateway, all over gRPC.
 
 Everything runs in-process on the session's background event loop (see
-tests/support/services.py); clients are the public `SpecdecClient`. Two stacks share the
-session's fp32 target, the suite's cut of SmolLM2 (tests/support/models.py):
+tests/support/services.py); clients are the public `SpecdecClient`. Two session stacks share
+the suite's fp32 target, a cut of SmolLM2 (tests/support/models.py):
 
 * `int8_stack`: the same cut as draft, int8 weights with bf16 activations;
-* `weak_stack`: the first 2 layers of the whole model as draft, mostly rejected;
-* `full_stack` (module-scoped): the whole model, fp32 target and int8 draft, for tests of its text.
+* `weak_stack`: the first 2 layers of the whole model as draft, mostly rejected.
+
+`full_stack` (one a module) runs the whole model, fp32 target and int8 draft, for tests of its text.
 
 A plugin of tests/conftest.py: its fixtures are found by name in every test folder.
 """
