@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from specdec.model.int4_weight import Int4Weight
-from specdec.model.loader import default_cache_dir
+from specdec.model.loader import building, default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +112,10 @@ def available() -> bool:
     library = _library_path(isa)
     try:
         if not library.exists():
-            log.info("int4dot kernel: compiling %s for %s", SOURCE.name, isa)
-            _build(library, isa)
+            with building(library):  # processes starting together build it once
+                if not library.exists():
+                    log.info("int4dot kernel: compiling %s for %s", SOURCE.name, isa)
+                    _build(library, isa)
         torch.ops.load_library(str(library))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("int4dot kernel: not available (%s)", exc)

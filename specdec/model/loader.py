@@ -16,12 +16,15 @@ safetensors directory in a cache; later loads read that directory.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -66,6 +69,18 @@ def default_cache_dir() -> Path:
     if env := os.environ.get(CACHE_DIR_ENV):
         return Path(env)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec"
+
+
+@contextlib.contextmanager
+def building(entry: Path) -> Iterator[None]:
+    """Hold `entry`'s lock (the file `entry` + ".lock", made beside it) while building it: of
+    processes starting together on one cache (a target and a draft, or test workers) one
+    builds and the others wait, then find it built, instead of each building its own copy.
+    Callers check for the entry again once inside."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with open(entry.with_name(entry.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        yield
 
 
 def _package_file(name: str, package: str, relative: str) -> Path:
@@ -219,13 +234,21 @@ def _safetensors_from_gguf(gguf: Path, cache_dir: Path | str | None) -> Path:
 
     The cache key covers the file's absolute path, size and mtime, so a replaced file is
     converted again. The directory is written under a temporary name and renamed into
-    place, so a crash mid-conversion never leaves a half-written cache entry.
+    place, so a crash mid-conversion never leaves a half-written cache entry; processes that
+    load it at once convert it once (`building`).
     """
     target = gguf_cache_dir(gguf, cache_dir)
     if (target / "config.json").is_file():
         return target
+    with building(target):
+        if not (target / "config.json").is_file():  # another process may have converted it meanwhile
+            _convert(gguf, target)
+    return target
+
+
+def _convert(gguf: Path, target: Path) -> None:
+    """Write `gguf` as a safetensors directory at `target` (see `_safetensors_from_gguf`)."""
     log.info("converting %s to safetensors in %s (first load only)", gguf, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
     model = _auto_model().from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # transformers dequantizes GGUF weights on load, yet keeps the GGUF "quantizer" and its
@@ -245,4 +268,3 @@ def _safetensors_from_gguf(gguf: Path, cache_dir: Path | str | None) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         if not (target / "config.json").is_file():  # lost a race with another process: fine
             raise
-    return target

@@ -133,10 +133,11 @@ def test_serve_runs_the_trio_and_stops_it_on_sigterm() -> None:
     serve = subprocess.Popen(
         # Without the start-up cost profiles (~10 s each; covered by test_faults and
         # test_streaming): without costs K cannot adapt, so every round drafts. Untuned
-        # kernels: the same choice on every machine, and no timing at start-up.
+        # kernels and no compiled graphs: the same choices on every machine, no timing at
+        # start-up, and no minutes of compiling on a cold cache.
         [*CLI, "serve", "--port", "0", "--metrics-port", "0", "--target-kv-token-budget", "2048",
          "--draft-kv-token-budget", "2048", "--no-target-measure-costs", "--no-draft-measure-costs",
-         "--no-target-tune-kernels", "--no-draft-tune-kernels"],
+         "--no-target-tune-kernels", "--no-draft-tune-kernels", "--target-compile", "off", "--draft-compile", "off"],
         stdout=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:

@@ -1,12 +1,12 @@
 """Lookup drafting through real gRPC: a target and a gateway alone (no draft service), and
-lookups beside the model draft. Greedy output equals transformers' token for token in every
+lookups beside the model draft, on the whole model (the suite's cut repeats one word, which
+every lookup would match). Greedy output equals transformers' token for token in every
 method; sampled output keeps the target's distribution (the second token's exact marginal, as
 in test_sampling, on a prompt whose answers copy it, so lookups draft most of those rounds)."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -15,8 +15,9 @@ import pytest
 from specdec.client import GenerationResult
 from specdec.model.chat import encode_chat
 from specdec.model.loader import LoadedModel
+from specdec.model.runtime import ModelRuntime
 from tests.support.marginals import marginal_p_value, second_token_marginal
-from tests.support.stacks import Stack, StartStack, chat, generate_all
+from tests.support.stacks import Stack, StartStack, chat, generate_all, hf_greedy_of
 
 #: Answers that copy their prompt (lookups match) and one that does not.
 PROMPTS = [
@@ -31,14 +32,15 @@ SAMPLES = 160
 
 
 @pytest.fixture(scope="module")
-def lookup_stack(start_module_stack: StartStack) -> Stack:
+def lookup_stack(start_module_stack: StartStack, full_fp32_runtime: ModelRuntime) -> Stack:
     """The target and a gateway, no draft service: requests speculate with lookups."""
-    return start_module_stack(None, speculative=True)
+    return start_module_stack(None, target_runtime=full_fp32_runtime, speculative=True)
 
 
 @pytest.fixture(scope="module")
-def expected(target_model: LoadedModel, hf_greedy: Callable[[list[int], int], list[int]]) -> list[list[int]]:
-    return [hf_greedy(encode_chat(target_model.tokenizer, chat(p)), MAX_NEW_TOKENS) for p in PROMPTS]
+def expected(smollm2: LoadedModel) -> list[list[int]]:
+    generate = hf_greedy_of(smollm2)
+    return [generate(encode_chat(smollm2.tokenizer, chat(p)), MAX_NEW_TOKENS) for p in PROMPTS]
 
 
 def _run_all(stack: Stack, **options: Any) -> list[GenerationResult]:
@@ -59,20 +61,20 @@ def test_lookups_without_a_draft_service_keep_the_greedy_output(lookup_stack: St
 
 
 def test_auto_mixes_lookups_and_the_model_draft_and_keeps_the_greedy_output(
-    int8_stack: Stack, expected: list[list[int]]
+    full_stack: Stack, expected: list[list[int]]
 ) -> None:
-    results = _run_all(int8_stack, num_speculative_tokens=4, method="auto")
+    results = _run_all(full_stack, num_speculative_tokens=4, method="auto")
     for prompt, want, result in zip(PROMPTS, expected, results):
         assert result.token_ids == want, f"auto drafting diverged from transformers on {prompt!r}"
     lookup_rounds = sum(r.num_lookup_rounds for r in results)
     assert 0 < lookup_rounds < sum(r.num_rounds for r in results)  # both sources drafted
-    int8_stack.wait_until_idle()
+    full_stack.wait_until_idle()
 
 
 @pytest.fixture(scope="module")
-def exact_copy_second_token(target_model: LoadedModel) -> dict[int, float]:
+def exact_copy_second_token(smollm2: LoadedModel) -> dict[int, float]:
     """P(t2) = Σ_t1 p(t1) p(t2 | t1) of the target with temperature 1 and top-k 4."""
-    return second_token_marginal(target_model.model, encode_chat(target_model.tokenizer, COPY_PROMPT), TOP_K)
+    return second_token_marginal(smollm2.model, encode_chat(smollm2.tokenizer, COPY_PROMPT), TOP_K)
 
 
 def test_sampled_lookup_rounds_follow_the_target_distribution(

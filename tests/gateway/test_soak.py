@@ -9,13 +9,15 @@ from specdec_bench.soak import SoakConfig, run_soak
 
 
 def test_short_soak_with_cancellations_and_draft_faults() -> None:
-    # Without the start-up cost tables (the planner then keeps each request's K) or kernel
-    # timings: timing on 2 busy cores is slow, and the draft starts twice. One intra-op thread
+    # Without the start-up cost tables (the planner then keeps each request's K), kernel
+    # timings or compiled graphs (a cold cache compiles them for minutes, in the background
+    # too): timing on 2 busy cores is slow, and the draft starts twice. One intra-op thread
     # each: beside the other test worker, a two-thread team waits at every barrier for a
     # thread the other processes hold off its core (several times slower on 2 cores).
     config = SoakConfig(
         requests=20, concurrency=8, prompts=3, stop_seconds=3.0,
-        service_args="--kv-token-budget 4096 --max-slots 32 --no-measure-costs --no-tune-kernels --threads 1",
+        service_args=("--kv-token-budget 4096 --max-slots 32 --no-measure-costs --no-tune-kernels --compile off "
+                      "--threads 1"),
     )
     report = run_soak(config, progress=False)
     assert report.ok, report.summary()

