@@ -11,12 +11,15 @@ Printed: the step time a Propose gives (the seconds of a K-token Propose less a 
 over K - 1; medians of interleaved rounds), then the profiler's table of the K-token
 Proposes, by operator, with each row's share of the steps' time, and the same in groups
 (int4 matmuls, the compiled graphs' own code, their entries, the head's int8 rows,
-allocations and views, other).
+allocations and views, other). Last, the int4 kernel alone per weight shape, 1 row, every
+layer's matrix of that shape in turn as a step reads them: ms a call, GB/s of codes and scales
+read, and how evenly its blocks of 64 outputs split over the threads.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -26,6 +29,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from specdec.draft_server.config import DraftConfig
 from specdec.draft_server.engine import DraftEngine
+from specdec.model.int4_dot import OUT_BLOCK
+from specdec.model.quantize_int4 import Int4Linear, kernel_matmul
 from specdec.sampling.params import SamplingParams
 from specdec.serving.model_service import build_engine
 from specdec.wire.items import ProposeItem
@@ -53,6 +58,37 @@ def propose(engine: DraftEngine, prompt: list[int], k: int) -> float:
     started = time.perf_counter()
     engine.propose([ProposeItem("profile", len(prompt) - 1, prompt[-1:], k, GREEDY)])
     return time.perf_counter() - started
+
+
+def kernel_table(engine: DraftEngine, repeats: int) -> None:
+    """The int4 kernel per weight shape at 1 row (see the module docstring)."""
+    by_shape: dict[tuple[int, int], list[Int4Linear]] = defaultdict(list)
+    forward = engine.model
+    matmuls = [m for layer in forward.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    matmuls += list(forward.lm_head.modules()) if isinstance(forward.lm_head, torch.nn.Module) else []
+    for module in matmuls:
+        if isinstance(module, Int4Linear) and module.kernel == "int4dot":
+            by_shape[(module.out_features, module.in_features)].append(module)
+    threads = torch.get_num_threads()
+    print(f"\nint4dot per shape, 1 row, {threads} threads:")
+    print(f"{'out x in':>12s} {'layers':>6s} {'ms/call':>8s} {'GB/s':>6s} {'split':>6s}")
+    for (out, inputs), modules in sorted(by_shape.items()):
+        x = torch.randn(1, inputs, dtype=torch.bfloat16)
+        operands = [m._operands for m in modules]
+        nbytes = sum(t.numel() * t.element_size() for t in operands[0])
+        for ops, module in zip(operands, modules):
+            kernel_matmul("int4dot", x, ops, module.group_size)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for ops, module in zip(operands, modules):
+                kernel_matmul("int4dot", x, ops, module.group_size)
+            times.append((time.perf_counter() - started) / len(modules))
+        seconds = min(times)
+        blocks = out // OUT_BLOCK
+        split = blocks / threads / math.ceil(blocks / threads)  # 1.0: every thread as busy
+        print(f"{out:>5d} x {inputs:<5d} {len(modules):6d} {seconds * 1e3:8.3f} {nbytes / seconds / 1e9:6.1f} "
+              f"{split:6.0%}")
 
 
 def main() -> None:
@@ -99,6 +135,7 @@ def main() -> None:
     for group, micros in sorted(groups.items(), key=lambda item: item[1], reverse=True):
         print(f"{group:44s} {micros / steps / 1e3:8.3f} ms {micros / total:6.1%}")
     print(f"operator events per forward: {sum(e.count for e in events) / steps:.0f}")
+    kernel_table(engine, args.rounds * 4)
 
 
 if __name__ == "__main__":
