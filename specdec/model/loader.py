@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,15 +72,32 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec"
 
 
+#: The longest a process waits for another to build a cache entry (a conversion takes under a
+#: minute) before it builds its own: entries are written under a temporary name and renamed,
+#: so two builds are safe, and a stuck process cannot hold the others' start-up forever.
+BUILD_WAIT_S = 600.0
+
+
 @contextlib.contextmanager
-def building(entry: Path) -> Iterator[None]:
+def building(entry: Path, wait_s: float = BUILD_WAIT_S) -> Iterator[None]:
     """Hold `entry`'s lock (the file `entry` + ".lock", made beside it) while building it: of
     processes starting together on one cache (a target and a draft, or test workers) one
     builds and the others wait, then find it built, instead of each building its own copy.
-    Callers check for the entry again once inside."""
+    Callers check for the entry again once inside. Past `wait_s` the caller goes on without
+    the lock (logged)."""
     entry.parent.mkdir(parents=True, exist_ok=True)
     with open(entry.with_name(entry.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released on close, or when the holder dies
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    log.warning("%s: another process has been building it for %.0f s; building it here too",
+                                entry, wait_s)
+                    break
+                time.sleep(0.1)
         yield
 
 

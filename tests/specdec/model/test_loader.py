@@ -41,6 +41,8 @@ def test_a_cache_entry_is_built_by_one_process_at_a_time(tmp_path: Path) -> None
 
     with building(entry):
         assert not try_lock()
+        with building(entry, wait_s=0.0):  # one that waited long enough goes on without it
+            assert not try_lock()
     assert try_lock()
 
 
