@@ -10,8 +10,8 @@ itself: its int8 copy's greedy drafts are all accepted in practice, so greedy re
 the 2-layer draft's (`weak_stack`), while sampled rounds reject from either draft.
 
 Tests about the model's text (coherence, a stop string, a grammar's choices, a draft copying
-a repetition) or about the model itself (loading, its GGUF blocks, parity of all 30 layers)
-take the whole of it: `smollm2`, `full_fp32_runtime`, `full_stack`.
+a repetition, lookups copying the prompt) or about the model itself (loading, its GGUF blocks,
+parity of all 30 layers) take the whole of it: `smollm2`, `full_fp32_runtime`, `full_stack`.
 """
 
 from __future__ import annotations
