@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from specdec.errors import InvalidArgumentError
 from specdec.model.int4_weight import Int4Weight
-from specdec.model.loader import gguf_cache_dir
+from specdec.model.loader import building, gguf_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -90,26 +90,36 @@ def gguf_int4_weights(gguf_path: Path | str, config: Any, cache_dir: Path | str 
     """
     n_head, n_kv_head = _head_counts(config)
     path = gguf_cache_dir(Path(gguf_path), cache_dir) / f"int4-blocks-h{n_head}-kv{n_kv_head}.safetensors"
-    if path.is_file():
-        tensors = load_file(path)
-        names = sorted({key.rsplit(".", 1)[0] for key in tensors})
-        return {
-            name: Int4Weight(tensors[f"{name}.q"], tensors[f"{name}.scales"], tensors[f"{name}.zeros"], _Q4_BLOCK)
-            for name in names
-        }
+    if not path.is_file():
+        with building(path):  # processes starting together parse it once
+            if not path.is_file():
+                return _read_and_cache(gguf_path, config, path)
+    tensors = load_file(path)
+    names = sorted({key.rsplit(".", 1)[0] for key in tensors})
+    return {
+        name: Int4Weight(tensors[f"{name}.q"], tensors[f"{name}.scales"], tensors[f"{name}.zeros"], _Q4_BLOCK)
+        for name in names
+    }
+
+
+def _read_and_cache(gguf_path: Path | str, config: Any, path: Path) -> dict[str, Int4Weight]:
+    """`read_gguf_int4_weights`, also written to `path` (a warning where it cannot be)."""
     weights = read_gguf_int4_weights(gguf_path, config)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {f"{name}.{part}": getattr(w, part).contiguous()
                for name, w in weights.items() for part in ("q", "scales", "zeros")}
-    handle, staging = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    os.close(handle)
+    staging: Path | None = None
     try:  # written aside and renamed: a crash never leaves half a file under the real name
-        save_file(tensors, staging)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+        os.close(handle)
+        staging = Path(name)
+        save_file(tensors, str(staging))
         os.chmod(staging, 0o644)  # mkstemp makes it private; the cache may be shared by services
         os.replace(staging, path)
     except OSError as error:
         log.warning("could not cache the int4 blocks of %s in %s: %s", gguf_path, path, error)
-        Path(staging).unlink(missing_ok=True)
+        if staging is not None:
+            staging.unlink(missing_ok=True)
     return weights
 
 

@@ -83,10 +83,16 @@ def building(entry: Path, wait_s: float = BUILD_WAIT_S) -> Iterator[None]:
     """Hold `entry`'s lock (the file `entry` + ".lock", made beside it) while building it: of
     processes starting together on one cache (a target and a draft, or test workers) one
     builds and the others wait, then find it built, instead of each building its own copy.
-    Callers check for the entry again once inside. Past `wait_s` the caller goes on without
-    the lock (logged)."""
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    with open(entry.with_name(entry.name + ".lock"), "a") as lock:
+    Callers check for the entry again once inside. Past `wait_s`, or where the lock cannot be
+    made (a read-only cache), the caller goes on without it (logged)."""
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(entry.with_name(entry.name + ".lock"), "a")
+    except OSError as error:
+        log.warning("%s: no lock (%s); building without one", entry, error)
+        yield
+        return
+    with lock:
         deadline = time.monotonic() + wait_s
         while True:
             try:

@@ -46,6 +46,15 @@ def test_a_cache_entry_is_built_by_one_process_at_a_time(tmp_path: Path) -> None
     assert try_lock()
 
 
+def test_a_cache_where_no_lock_can_be_made_still_builds(tmp_path: Path) -> None:
+    """A read-only cache (here: a file where the folder would be) leaves the build unlocked."""
+    (tmp_path / "not-a-folder").write_text("")
+    built = False
+    with building(tmp_path / "not-a-folder" / "entry"):
+        built = True
+    assert built
+
+
 def test_gguf_is_served_from_a_safetensors_cache(smollm2: LoadedModel) -> None:
     source = Path(smollm2.source)
     assert (source / "model.safetensors").is_file()
