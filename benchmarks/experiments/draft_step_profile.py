@@ -126,7 +126,7 @@ def main() -> None:
           "on the calling thread's clock):")
     print(f"{'operator':60s} {'calls/fwd':>9s} {'ms/fwd':>8s} {'share':>6s}")
     groups: dict[str, float] = defaultdict(float)
-    for event in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True):
+    for event in events:
         groups[group_of(event.key)] += event.self_cpu_time_total
     for event in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[: args.rows]:
         print(f"{event.key[:60]:60s} {event.count / steps:9.1f} {event.self_cpu_time_total / steps / 1e3:8.3f} "

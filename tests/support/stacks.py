@@ -218,11 +218,18 @@ def weak_stack(session_stacks: StartStack, weak_runtime: ModelRuntime) -> Stack:
     return session_stacks(weak_runtime)
 
 
+@pytest.fixture(scope="session")
+def full_int8_runtime() -> ModelRuntime:
+    """The whole SmolLM2 with int8 weights and bf16 activations (quantized once a worker)."""
+    return build_runtime("smollm2-135m", dtype="bfloat16", quantization="int8")
+
+
 @pytest.fixture(scope="module")
-def full_stack(start_module_stack: StartStack, full_fp32_runtime: ModelRuntime) -> Stack:
+def full_stack(
+    start_module_stack: StartStack, full_fp32_runtime: ModelRuntime, full_int8_runtime: ModelRuntime
+) -> Stack:
     """The whole SmolLM2: fp32 target, int8 draft (bf16 activations); for tests of its text."""
-    draft = build_runtime("smollm2-135m", dtype="bfloat16", quantization="int8")
-    return start_module_stack(draft, target_runtime=full_fp32_runtime)
+    return start_module_stack(full_int8_runtime, target_runtime=full_fp32_runtime)
 
 
 def hf_greedy_of(loaded: LoadedModel) -> HfGreedy:
