@@ -74,7 +74,7 @@ def kernel_table(engine: DraftEngine, repeats: int) -> None:
     print(f"{'out x in':>12s} {'layers':>6s} {'ms/call':>8s} {'GB/s':>6s} {'split':>6s}")
     for (out, inputs), modules in sorted(by_shape.items()):
         x = torch.randn(1, inputs, dtype=torch.bfloat16)
-        operands = [m._operands for m in modules]
+        operands = [m.int4dot_operands() for m in modules]
         nbytes = sum(t.numel() * t.element_size() for t in operands[0])
         for ops, module in zip(operands, modules):
             kernel_matmul("int4dot", x, ops, module.group_size)

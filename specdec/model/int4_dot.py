@@ -36,7 +36,10 @@ from specdec.model.loader import building, default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "int4_dot.cpp"
+CSRC = Path(__file__).with_name("csrc")
+#: Compiled into one library: the matmul, and the decode step that calls it (`specdec.model.native_steps`).
+SOURCES = (CSRC / "int4_dot.cpp", CSRC / "decode_layers.cpp")
+HEADERS = (CSRC / "int4_dot.h",)
 #: Outputs per block of the packed layout: the op needs ``out % OUT_BLOCK == 0``.
 OUT_BLOCK = 64
 #: Per instruction set the kernel is built for, best first: the CPU flags (as /proc/cpuinfo
@@ -46,6 +49,8 @@ ISA_FLAGS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
                     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")),
     "avx2": (frozenset({"avx2", "fma"}), ("-mavx2", "-mfma")),
 }
+#: Names the build to use in place of the best one (e.g. "avx2" on an AVX-512 CPU, to test it).
+ISA_ENV = "SPECDEC_INT4DOT_ISA"
 COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
 #: The build of one small file against torch's headers takes seconds; more means something is wrong.
 BUILD_TIMEOUT_S = 300.0
@@ -66,13 +71,20 @@ def cpu_flags() -> frozenset[str]:
 
 
 def instruction_set(flags: frozenset[str] | None = None) -> str | None:
-    """The best instruction set of `ISA_FLAGS` this CPU (or one with `flags`) has, or None."""
+    """The best instruction set of `ISA_FLAGS` this CPU (or one with `flags`) has, or None.
+    For this CPU, `ISA_ENV` may name a lesser one it also has (to test that build)."""
     have = cpu_flags() if flags is None else flags
-    return next((isa for isa, (needs, _) in ISA_FLAGS.items() if needs <= have), None)
+    usable = [isa for isa, (needs, _) in ISA_FLAGS.items() if needs <= have]
+    forced = os.environ.get(ISA_ENV, "") if flags is None else ""
+    if forced:
+        if forced not in usable:
+            raise RuntimeError(f"{ISA_ENV}={forced}: this CPU runs only {usable or 'none'} of {list(ISA_FLAGS)}")
+        return forced
+    return usable[0] if usable else None
 
 
 def _build(library: Path, isa: str) -> None:
-    """Compile `SOURCE` into ``library`` (written under a temporary name, then renamed, so
+    """Compile `SOURCES` into ``library`` (written under a temporary name, then renamed, so
     processes building at once never load a half-written file)."""
     from torch.utils import cpp_extension  # imports setuptools: only when we build
 
@@ -86,7 +98,7 @@ def _build(library: Path, isa: str) -> None:
         command = [
             compiler, *COMPILE_FLAGS, *ISA_FLAGS[isa][1], f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             *(f"-I{path}" for path in cpp_extension.include_paths()),
-            str(SOURCE), "-o", str(partial),
+            *(str(source) for source in SOURCES), "-o", str(partial),
             *(f"-L{path}" for path in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu",
         ]
         result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
@@ -97,7 +109,8 @@ def _build(library: Path, isa: str) -> None:
 
 def _library_path(isa: str) -> Path:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(COMPILE_FLAGS + ISA_FLAGS[isa][1]).encode()):
+    sources = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    for part in (sources, torch.__version__.encode(), " ".join(COMPILE_FLAGS + ISA_FLAGS[isa][1]).encode()):
         key.update(part)
     return default_cache_dir() / "kernels" / f"int4_dot-{isa}-{key.hexdigest()[:16]}.so"
 
@@ -105,7 +118,11 @@ def _library_path(isa: str) -> Path:
 @functools.cache
 def available() -> bool:
     """Build (once per machine) and load the kernel; False, with the reason logged, where it cannot run."""
-    isa = instruction_set()
+    try:
+        isa = instruction_set()
+    except RuntimeError as exc:
+        log.warning("int4dot kernel: not available (%s)", exc)
+        return False
     if isa is None:
         log.info("int4dot kernel: not available (the CPU has neither AVX-512 BF16 nor AVX2 with FMA)")
         return False
@@ -114,7 +131,7 @@ def available() -> bool:
         if not library.exists():
             with building(library):  # processes starting together build it once
                 if not library.exists():
-                    log.info("int4dot kernel: compiling %s for %s", SOURCE.name, isa)
+                    log.info("int4dot kernel: compiling %s for %s", ", ".join(s.name for s in SOURCES), isa)
                     _build(library, isa)
         torch.ops.load_library(str(library))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:

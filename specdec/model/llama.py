@@ -100,6 +100,12 @@ class LayerRunner(Protocol):
     def __call__(self, hidden: torch.Tensor, inputs: LayerInputs, cache: PagedKVCache) -> torch.Tensor: ...
 
 
+class StepRunner(LayerRunner, Protocol):
+    """A layer runner for some forwards only (`specdec.model.native_steps`): those it `takes`."""
+
+    def takes(self, hidden: torch.Tensor, inputs: LayerInputs) -> bool: ...
+
+
 class PagedLlama:
     """Runs a loaded Llama `transformers` model over a `PagedKVCache`.
 
@@ -131,6 +137,9 @@ class PagedLlama:
         #: What runs the decoder layers: `eager_layers`, or the compiled runner that
         #: `specdec.tuning.compiled_layers` installs for the drafting steps.
         self.layer_runner: LayerRunner = self.eager_layers
+        #: Runs the forwards it takes in place of `layer_runner` (start-up installs one where it
+        #: measures faster: `StartupTuner.native_steps`).
+        self.step_runner: StepRunner | None = None
         #: The attention kernel of every layer (`specdec.model.attention`): the device's default
         #: until start-up chooses (`StartupTuner.attention`).
         self.attention: PagedAttention = make_attention(default_kernel(decoder.embed_tokens.weight.device))
@@ -253,7 +262,9 @@ class PagedLlama:
         cos, sin = self._rope(batch.positions, hidden.dtype)  # [B, T, 1, head_dim] each
         attention = self.attention.prepare(batch, self.num_heads // self.num_kv_heads, attention_dtype(hidden))
         inputs = LayerInputs(cos, sin, batch.write_index, batch.kv_rows, attention)
-        hidden = self.layer_runner(hidden, inputs, cache)
+        step = self.step_runner
+        runner = step if step is not None and step.takes(hidden, inputs) else self.layer_runner
+        hidden = runner(hidden, inputs, cache)
         hidden = rms_norm(hidden, self.final_norm.weight, self.eps)
         selected = hidden.reshape(bsz * width, -1).index_select(0, logit_rows)  # [n_rows, hidden]
         return self.lm_head(selected)  # [n_rows, vocab]

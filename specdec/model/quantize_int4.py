@@ -223,6 +223,13 @@ class Int4Linear(nn.Module):
         self._wide_operands = self._build_wide(weight, device, dtype)
         return kernel
 
+    def int4dot_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed codes and scales the int4dot kernel multiplies with (`int4_dot.pack`), for
+        native code that calls the kernel itself; the layer must be prepared for it."""
+        if self.kernel != "int4dot" or len(self._operands) != 2:
+            raise ValueError(f"this layer runs the {self.kernel or 'unprepared'} kernel, not int4dot")
+        return self._operands[0], self._operands[1]
+
     def set_wide_kernel(self, kernel: str) -> None:
         """Run inputs of more than `MAX_NARROW_ROWS` rows on `kernel` ("": the narrow one's);
         a prepared layer builds only the wide kernel's operands."""

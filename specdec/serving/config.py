@@ -14,6 +14,7 @@ from specdec.model.choices import (
     DEFAULT_PREFILL_CHUNK_TOKENS,
     DTYPE_NAMES,
     INT4_KERNELS,
+    NATIVE_STEP_MODES,
     QUANTIZATIONS,
     AttentionKernel,
     device_type,
@@ -123,6 +124,11 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
         DEFAULT_COMPILE_BUDGET_S, "start-up seconds for compiled graphs: the first is always built, each further "
         "one only while those before took at most this long", advanced=True,
     )
+    native_steps: str = option(
+        "auto", "run the decoder layers of 1-token steps in one native call (an int4 bf16 model on a CPU with the "
+        "int4dot kernel): on, off, or auto (time it against the other layer path at start-up, keep the faster)",
+        choices=NATIVE_STEP_MODES, advanced=True,
+    )
     attention: str = option(
         "auto", "attention kernel: sdpa (torch's fused attention, scores never materialised), gather (the reference: "
         "each context copied out of the KV pool, scores materialised), or auto (the device's default)",
@@ -198,6 +204,9 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
         if self.attention != "auto" and self.attention not in {kernel.value for kernel in AttentionKernel}:
             raise InvalidArgumentError(f"attention must be auto or one of {[k.value for k in AttentionKernel]}, "
                                        f"got {self.attention!r}", field="attention")
+        if self.native_steps not in NATIVE_STEP_MODES:
+            raise InvalidArgumentError(f"native_steps must be one of {NATIVE_STEP_MODES}, got {self.native_steps!r}",
+                                       field="native_steps")
         if self.compile not in COMPILE_MODES:
             raise InvalidArgumentError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}", field="compile")
         if not 0 <= self.port <= 65535:

@@ -60,6 +60,7 @@ class ModelEngine:
         self.tuner.attention(self.model, config.attention)
         self.tuner.note("prefill_chunk_tokens", config.prefill_chunk_tokens, "flag")
         self.tuner.layer_path(self.model, self.cache, config.compile, config.compile_budget_s, config.measure_costs)
+        self.tuner.native_steps(self.model, self.cache, config.native_steps, config.measure_costs)
         #: The one shape of every verify and decode forward, or None: each forward its own
         #: (`specdec.model.forward_batch.StepShape`; the target's --batch-invariant).
         self.step_shape: StepShape | None = None

@@ -257,13 +257,13 @@ def choose_layer_path(
     wanted = [shape for shape in SHAPES if known.get(shape_key(shape), True)]
     if mode == "off" or not wanted:
         return LayerPath(None, {shape_key(s): False for s in SHAPES if shape_key(s) in known})
-    if not _has_room(cache):
+    if not has_room(cache):
         log.warning("decoder layers not compiled: a KV pool of %d tokens is too small to time it",
                     cache.capacity_tokens)
         return LayerPath(None)
     runner = runner or CompiledLayers(forward)
     runner.shapes = set()
-    with _step_slots(forward, cache) as step:
+    with step_slots(forward, cache) as step:
         forward.layer_runner = runner
         compile_s = _build_graphs(runner, wanted, step, budget_s)
         new = sorted(shape for shape in runner.shapes if shape_key(shape) not in known)
@@ -284,22 +284,22 @@ def load_graphs(
     `runner.shapes`, with no budget; with `timed`, also time each built shape's step eager and
     compiled (`shape_key` -> seconds, as `LayerPath.times`). None, with nothing done, while
     `cache` has no room for the warm-up slots (try again later)."""
-    if not _has_room(cache):
+    if not has_room(cache):
         return None
-    with _step_slots(runner.model, cache) as step:
+    with step_slots(runner.model, cache) as step:
         _build_graphs(runner, shapes, step, math.inf)
         built = [shape for shape in shapes if shape in runner.shapes]
         return _time_both_paths(runner.model, runner, built, step) if timed and built else {}
 
 
-def _has_room(cache: PagedKVCache) -> bool:
+def has_room(cache: PagedKVCache) -> bool:
     """Whether the warm-up and timing slots fit in half of the pool's free tokens."""
     widest = max(built_width(shape) for shape in SHAPES)
     return cache.blocks.free_tokens >= 2 * BATCH_SLOTS * (TIMING_CONTEXT + widest + cache.block_size)
 
 
 @contextmanager
-def _step_slots(forward: PagedLlama, cache: PagedKVCache) -> Iterator[Callable[..., None]]:
+def step_slots(forward: PagedLlama, cache: PagedKVCache) -> Iterator[Callable[..., None]]:
     """Temporary slots holding `TIMING_CONTEXT` tokens, and a function running one step on them:
     `step(requests, width, context)` rolls the first `requests` slots back to `context` tokens
     and feeds `width` more. The slots are freed afterwards."""

@@ -22,6 +22,8 @@ from specdec.model.choices import INT4_KERNELS, AttentionKernel
 from specdec.model.linear import DenseLinear, onednn_available
 from specdec.model.llama import PagedLlama
 from specdec.model.loader import default_cache_dir, weights_fingerprint
+from specdec.model.native_steps import STEP_KINDS, NativeSteps
+from specdec.model.native_steps import unsupported as native_unsupported
 from specdec.model.quantize import Int8Linear
 from specdec.model.quantize_int4 import Int4Linear
 from specdec.model.shortlist_head import ShortlistHead
@@ -40,6 +42,7 @@ from specdec.tuning.compiled_layers import (
 )
 from specdec.tuning.cost_profile import forward_cost_steps, measure_forward_costs, one_token_step, step_seconds
 from specdec.tuning.kernels import measure_dense, measure_head, measure_int4_kernels, measure_int4_wide
+from specdec.tuning.native_steps import native_pays, time_native_steps
 from specdec.tuning.store import TuningKey, TuningStore, code_version, machine_fingerprint
 
 log = logging.getLogger(__name__)
@@ -245,6 +248,34 @@ class StartupTuner:
         if chosen.compile_s:
             detail = f"graphs built in {chosen.compile_s:.1f} s" + (f", {detail}" if detail else "")
         self.note("compiled_steps", steps, "measured" if chosen.measured else "cached", detail)
+
+    def native_steps(self, forward: PagedLlama, cache: PagedKVCache, mode: str, measure: bool) -> None:
+        """Install the native 1-token step where `mode` and the measurements say so: "auto"
+        times it per kind of step against the layer path installed now (`layer_path` first)."""
+        why = native_unsupported(forward) if mode != "off" else "--native-steps off"
+        if why:
+            self.note("native_steps", "none", "flag" if mode == "off" else "fixed", why)
+            return
+        if mode == "auto" and not measure:
+            self.note("native_steps", "none", "flag", "--no-measure-costs: nothing is timed")
+            return
+        runner = NativeSteps(forward)
+
+        def timed() -> tuple[list[str], str]:
+            times = time_native_steps(forward, cache, runner)
+            detail = ", ".join(f"{kind} layers / native {a * 1e3:.2f} / {b * 1e3:.2f} ms"
+                               for kind, (a, b) in times.items())
+            return native_pays(times), detail or "no room in the KV pool to time it"
+
+        if mode == "on":
+            kinds, reason, detail = list(STEP_KINDS), "flag", ""
+        else:
+            kinds, reason, detail = self.decide(
+                "native_steps", timed, lambda value: isinstance(value, list) and set(value) <= set(STEP_KINDS))
+        runner.kinds = set(kinds)
+        forward.step_runner = runner if runner.kinds else None
+        self.note("native_steps", ", ".join(kind for kind in STEP_KINDS if kind in runner.kinds) or "none", reason,
+                  detail)
 
     def _defer(self, forward: PagedLlama, known: dict[str, bool]) -> None:
         """Decisions are cached: serve eager at once and leave the graphs to `load_pending`,

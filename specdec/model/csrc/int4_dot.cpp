@@ -31,6 +31,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "int4_dot.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -38,7 +40,7 @@
 
 namespace {
 
-constexpr int64_t kBlockOut = 64;     // outputs per block: four zmm (eight ymm) registers of fp32
+using specdec::kBlockOut;
 constexpr int64_t kChunkBytes = 128;  // one block's codes for 4 inputs
 constexpr int64_t kPrefetchChunks = 8;
 constexpr int kMaxRows = 4;
@@ -277,6 +279,47 @@ constexpr bool kReadsFp32X = true;
 #error "int4_dot.cpp needs AVX-512 BF16, or AVX2 and FMA"
 #endif
 
+}  // namespace
+
+namespace specdec {
+
+void int4_dot(const uint16_t* x_bf16, int64_t rows, int64_t K, const uint8_t* codes, const uint16_t* scales,
+              int64_t blocks, int64_t group_size, uint16_t* out, float* scratch) {
+  const int64_t N = blocks * kBlockOut, groups = K / group_size, chunks = K / 4;
+  float* x_sums = scratch;                                          // [rows, groups]: sum of x over each group
+  float* x_f32 = kReadsFp32X ? scratch + rows * groups : nullptr;  // [rows, K]: where the AVX2 blocks broadcast x
+  for (int64_t i = 0; i < rows * groups; ++i) {
+    float sum = 0.0f;
+    for (int64_t k = 0; k < group_size; ++k) {
+      const float value = bf16_to_float(x_bf16[i * group_size + k]);
+      if (kReadsFp32X) x_f32[i * group_size + k] = value;
+      sum += value;
+    }
+    x_sums[i] = sum;
+  }
+  at::parallel_for(0, blocks, 0, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t r = 0; r < rows; r += kMaxRows) {
+        const int64_t n = std::min<int64_t>(kMaxRows, rows - r);
+        const float* x_rows = kReadsFp32X ? x_f32 + r * K : nullptr;
+        kBlockFns[n - 1](x_bf16 + r * K, x_rows, K, x_sums + r * groups, groups,
+                         codes + b * chunks * kChunkBytes, scales + b * groups * 2 * kBlockOut,
+                         out + r * N + b * kBlockOut, N, groups, group_size / 4);
+      }
+    }
+  });
+}
+
+float* scratch_floats(int64_t count) {
+  thread_local std::vector<float> buffer;
+  if (int64_t(buffer.size()) < count) buffer.resize(count);
+  return buffer.data();
+}
+
+}  // namespace specdec
+
+namespace {
+
 at::Tensor int4_dot_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
               "int4_dot_mm: x must be a contiguous 2-D bfloat16 CPU tensor");
@@ -291,34 +334,10 @@ at::Tensor int4_dot_mm(const at::Tensor& x, const at::Tensor& packed, const at::
               "int4_dot_mm: sz must be contiguous bfloat16 [N / 64, K / group_size, 2, 64]");
   at::Tensor y = at::empty({rows, N}, x.options());
   if (rows == 0 || N == 0) return y;
-
-  const auto* x_bf16 = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
-  std::vector<float> x_f32(kReadsFp32X ? rows * K : 0);  // x in fp32, where the blocks broadcast it from
-  std::vector<float> x_sums(rows * groups);  // sum of x over each group, per row
-  for (int64_t i = 0; i < rows * groups; ++i) {
-    float sum = 0.0f;
-    for (int64_t k = 0; k < group_size; ++k) {
-      const float value = bf16_to_float(x_bf16[i * group_size + k]);
-      if (kReadsFp32X) x_f32[i * group_size + k] = value;
-      sum += value;
-    }
-    x_sums[i] = sum;
-  }
-  const auto* codes = packed.const_data_ptr<uint8_t>();
-  const auto* scales = reinterpret_cast<const uint16_t*>(sz.const_data_ptr());
-  auto* out = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t chunks = K / 4;
-  at::parallel_for(0, blocks, 0, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      for (int64_t r = 0; r < rows; r += kMaxRows) {
-        const int64_t n = std::min<int64_t>(kMaxRows, rows - r);
-        const float* x_rows = kReadsFp32X ? x_f32.data() + r * K : nullptr;
-        kBlockFns[n - 1](x_bf16 + r * K, x_rows, K, x_sums.data() + r * groups, groups,
-                         codes + b * chunks * kChunkBytes, scales + b * groups * 2 * kBlockOut,
-                         out + r * N + b * kBlockOut, N, groups, group_size / 4);
-      }
-    }
-  });
+  specdec::int4_dot(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), rows, K, packed.const_data_ptr<uint8_t>(),
+                    reinterpret_cast<const uint16_t*>(sz.const_data_ptr()), blocks, group_size,
+                    reinterpret_cast<uint16_t*>(y.data_ptr()),
+                    specdec::scratch_floats(specdec::int4_dot_scratch(rows, K, group_size)));
   return y;
 }
 

@@ -96,7 +96,7 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch, 
         pytest.skip("the build is only tried on CPUs with AVX-512 BF16 or AVX2")
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(int4_dot, "SOURCE", broken)
+    monkeypatch.setattr(int4_dot, "SOURCES", (broken,))
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING, logger=int4_dot.__name__):
         assert int4_dot.available.__wrapped__() is False

@@ -1,0 +1,184 @@
+"""Tests for the native 1-token step (`specdec.model.native_steps`, `csrc/decode_layers.cpp`):
+the same logits and keys and values as the eager layers, up to the order of fp32 sums, for
+one request and a batch, over contexts that cross block boundaries, with either attention
+kernel; what it refuses; and the start-up choice (`StartupTuner.native_steps`). The AVX2
+build is checked too, in a process that asks for it (`SPECDEC_INT4DOT_ISA`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from specdec.model import int4_dot
+from specdec.model.attention import make_attention
+from specdec.model.choices import AttentionKernel
+from specdec.model.llama import PagedLlama
+from specdec.model.native_steps import NativeSteps, unsupported
+from specdec.model.quantize_int4 import quantize_int4
+from specdec.tuning.native_steps import native_pays
+from specdec.tuning.startup import StartupTuner
+from tests.support.tiny_models import tiny_llama
+
+needs_kernel = pytest.mark.skipif(not int4_dot.available(),
+                                  reason="int4dot needs AVX-512 BF16 or AVX2, and a C++ compiler")
+#: Contexts before the step: inside the first block, at its end, across several.
+CONTEXTS = (1, 15, 16, 37)
+
+
+def int4_llama(num_layers: int = 3) -> PagedLlama:
+    """A random Llama in bf16 with int4 projections on the int4dot kernel: 4 query heads and 2
+    KV heads of 32, MLP 256 wide (every width a multiple of 64, as int4dot needs)."""
+    config = tiny_llama(num_layers).config
+    config.hidden_size, config.intermediate_size, config.head_dim = 128, 256, 32
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    quantize_int4(model, include_lm_head=False, kernel="int4dot")
+    return PagedLlama(model)
+
+
+def step_logits(model: PagedLlama, contexts: tuple[int, ...], native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of a 1-token step after each context (one request each, in one batch) and the
+    keys and values it wrote in the first layer. # [B, vocab], [B, 2, Hkv, D]"""
+    cache = model.new_cache(token_budget=512, block_size=16)
+    vocab = model.vocab_size
+    slots = [f"s{i}" for i in range(len(contexts))]
+    prompts = [[(7 * i + 3 * n) % vocab for n in range(context + 1)] for i, context in enumerate(contexts)]
+    for slot in slots:
+        cache.blocks.allocate(slot)
+    model.step_runner = None
+    model.run(cache, [(slot, prompt[:-1]) for slot, prompt in zip(slots, prompts)])
+    model.step_runner = NativeSteps(model) if native else None
+    logits = torch.stack(model.run(cache, [(slot, prompt[-1:]) for slot, prompt in zip(slots, prompts)],
+                                   prompt=False))
+    rows = [cache.blocks.block_table(slot)[(len(p) - 1) // 16] * 16 + (len(p) - 1) % 16
+            for slot, p in zip(slots, prompts)]
+    model.step_runner = None
+    return logits.float(), cache.kv[0][rows].float()
+
+
+def check_parity(model: PagedLlama) -> None:
+    for contexts in ((1,), (37,), CONTEXTS):
+        want, want_kv = step_logits(model, contexts, native=False)
+        got, got_kv = step_logits(model, contexts, native=True)
+        # Every op rounds to bf16 where the eager one does; only fp32 sums run in another order
+        # (attention, RMSNorm), so the two may differ by a bf16 step (2^-8 of the largest value).
+        # A 1 % change to one norm's weights moves these logits by more.
+        torch.testing.assert_close(got, want, rtol=0, atol=2**-8 * float(want.abs().max()))
+        torch.testing.assert_close(got_kv, want_kv, rtol=0, atol=2**-8 * float(want_kv.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kernel", list(AttentionKernel))
+def test_native_step_matches_the_eager_layers(kernel: AttentionKernel) -> None:
+    model = int4_llama()
+    model.attention = make_attention(kernel)
+    assert unsupported(model) == ""
+    check_parity(model)
+
+
+@needs_kernel
+def test_it_serves_only_one_token_steps_of_its_kinds() -> None:
+    model = int4_llama(1)
+    runner = NativeSteps(model, kinds=("single",))
+    cache = model.new_cache(token_budget=256)
+    cache.blocks.allocate("a")
+    model.step_runner = runner
+    model.run(cache, [("a", [1, 2, 3])])  # a prompt: the layer runner's
+    calls: list[int] = []
+    real = torch.ops.specdec.decode_layers
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args)
+
+    original, torch.ops.specdec.decode_layers = torch.ops.specdec.decode_layers, counted
+    try:
+        model.run(cache, [("a", [4])], prompt=False)
+        assert calls == [1]
+        model.run(cache, [("a", [5, 6])], prompt=False)  # two tokens: not a 1-token step
+        cache.blocks.allocate("b")
+        model.run(cache, [("b", [1, 2])])
+        model.run(cache, [("a", [7]), ("b", [3])], prompt=False)  # a batch: not a kind it serves
+        assert calls == [1]
+    finally:
+        torch.ops.specdec.decode_layers = original
+
+
+@needs_kernel
+def test_models_it_cannot_run_are_refused_with_the_reason() -> None:
+    float_model = PagedLlama(tiny_llama(1))
+    assert "bfloat16" in unsupported(float_model)
+    with pytest.raises(ValueError, match="cannot run"):
+        NativeSteps(float_model)
+    dense = PagedLlama(tiny_llama(1).to(torch.bfloat16))
+    assert "int4" in unsupported(dense)
+
+
+@needs_kernel
+def test_the_op_checks_its_inputs() -> None:
+    model = int4_llama(1)
+    runner = NativeSteps(model)
+    cache = model.new_cache(token_budget=64)
+    hidden = torch.zeros(1, 128, dtype=torch.float32)  # fp32, not bf16
+    cos = sin = torch.zeros(1, 32, dtype=torch.bfloat16)
+    index = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.specdec.decode_layers(hidden, cos, sin, index, index.view(1, 1), torch.zeros(1, 1), cache.kv,
+                                        runner.table, runner.norms, 4, 2, 1e-5)
+    with pytest.raises(RuntimeError, match="write_index"):
+        torch.ops.specdec.decode_layers(hidden.bfloat16(), cos, sin, index + 10**6, index.view(1, 1),
+                                        torch.zeros(1, 1), cache.kv, runner.table, runner.norms, 4, 2, 1e-5)
+
+
+def test_each_kind_is_kept_where_it_is_faster_by_the_margin() -> None:
+    assert native_pays({"single": (4.0e-3, 3.0e-3), "batch": (6.0e-3, 5.9e-3)}) == ["single"]
+    assert native_pays({"single": (4.0e-3, 4.1e-3), "batch": (6.0e-3, 7.0e-3)}) == []
+
+
+@needs_kernel
+@pytest.mark.parametrize(("mode", "installed"), [("off", False), ("on", True)])
+def test_the_flag_decides_without_timing(mode: str, installed: bool) -> None:
+    model = int4_llama(1)
+    tuner = StartupTuner()
+    tuner.native_steps(model, model.new_cache(token_budget=1024), mode, measure=True)
+    assert (model.step_runner is not None) is installed
+    choice = next(c for c in tuner.choices if c.name == "native_steps")
+    assert choice.reason == "flag" and not tuner.measured
+
+
+@needs_kernel
+def test_auto_times_both_paths_and_records_the_choice() -> None:
+    model = int4_llama(1)
+    tuner = StartupTuner()
+    tuner.native_steps(model, model.new_cache(token_budget=1024), "auto", measure=True)
+    choice = next(c for c in tuner.choices if c.name == "native_steps")
+    assert choice.reason == "measured" and "native" in choice.detail
+    assert set(tuner.values["native_steps"]) <= {"single", "batch"}
+    kinds = model.step_runner.kinds if model.step_runner is not None else set()
+    assert set(tuner.values["native_steps"]) == kinds
+
+
+def test_a_model_that_cannot_take_it_is_noted_not_timed() -> None:
+    model = PagedLlama(tiny_llama(1))
+    tuner = StartupTuner()
+    tuner.native_steps(model, model.new_cache(token_budget=1024), "auto", measure=True)
+    choice = next(c for c in tuner.choices if c.name == "native_steps")
+    assert choice.value == "none" and choice.reason == "fixed" and model.step_runner is None
+
+
+@needs_kernel
+@pytest.mark.skipif(int4_dot.instruction_set() != "avx512_bf16", reason="this CPU's own build is the AVX2 one")
+def test_the_avx2_build_matches_too() -> None:
+    """On an AVX-512 CPU the AVX2 build is the one CPUs without AVX-512 BF16 run: asked for by name."""
+    env = {**os.environ, int4_dot.ISA_ENV: "avx2"}
+    script = ("from specdec.model import int4_dot\n"
+              "assert int4_dot.available() and int4_dot.instruction_set() == 'avx2'\n"
+              "from tests.specdec.model.test_native_steps import check_parity, int4_llama\n"
+              "check_parity(int4_llama())\n")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
