@@ -6,10 +6,10 @@
 //   -> attention of each query head over its request's context (fp32 math) -> int4 o
 //   -> residual -> RMSNorm -> int4 gate|up -> silu(gate) * up -> int4 down -> residual.
 // Each elementwise step rounds to bf16 where the eager forward (specdec.model.llama) does, so
-// the two agree up to the matmuls' and attention's fp32 summation order. The matmuls run on
-// at::parallel_for's threads (int4_dot.cpp); attention splits its (request, KV head) pairs over
-// them once the context is long enough to pay for the fork; the rest is a few thousand
-// elements a layer and stays on the calling thread.
+// the two agree up to the order of fp32 sums (attention, RMSNorm). The matmuls run on
+// at::parallel_for's threads (int4_dot.cpp); attention splits its requests over them once a
+// batch's contexts are long enough to pay for the fork; the rest is a few thousand elements a
+// layer and stays on the calling thread. Elementwise work runs on 16-float vectors.
 //
 // Weights come as a table of addresses, built once by the Python side, which keeps the tensors
 // alive: table int64 [layers, 4 matmuls (q|k|v, o, gate|up, down), 5] = (codes, scales and
@@ -34,9 +34,12 @@ constexpr int kMatmuls = 4, kFields = 5;
 enum Matmul { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
 // Attention runs on one thread below this many multiply-adds a step (a fork costs microseconds).
 constexpr int64_t kParallelAttention = 1 << 20;
-// Query heads per KV head times head size that `attend` holds on its stack.
-constexpr int64_t kMaxGroupValues = 4096;
-constexpr int64_t kMaxGroups = 64;
+// Query heads and their values (heads times head size) that `attend` holds on its stack.
+constexpr int64_t kMaxHeads = 128;
+constexpr int64_t kMaxHeadValues = 4096;
+// How many rows ahead the keys pass prefetches a row (its keys and values): the pool is read
+// from L3 or memory, and without it attention took twice as long.
+constexpr int64_t kPrefetchRows = 8;
 
 inline float bf16_to_float(uint16_t bits) { return __builtin_bit_cast(float, uint32_t(bits) << 16); }
 
@@ -49,6 +52,72 @@ inline uint16_t float_to_bf16(float value) {
 }
 
 inline float round_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
+
+// 16 floats in one vector: GCC's vector extensions compile it to one zmm register with
+// AVX-512, two ymm with AVX2, so one source serves both builds.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+constexpr int64_t kLanes = 16;
+
+inline f32x16 load_bf16x16(const uint16_t* p) {
+  u16x16 half;
+  std::memcpy(&half, p, sizeof half);
+  return (f32x16)(__builtin_convertvector(half, u32x16) << 16);
+}
+
+// Each lane rounded to bf16 (nearest even; a NaN stays a NaN), as `float_to_bf16` does.
+inline u16x16 to_bf16x16(f32x16 v) {
+  const u32x16 bits = (u32x16)v;
+  const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const u32x16 nan = (bits >> 16) | 0x40u;
+  return __builtin_convertvector((bits & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded, u16x16);
+}
+
+inline f32x16 round_bf16x16(f32x16 v) {
+  return (f32x16)(__builtin_convertvector(to_bf16x16(v), u32x16) << 16);
+}
+
+inline void store_bf16x16(uint16_t* p, f32x16 v) {
+  const u16x16 half = to_bf16x16(v);
+  std::memcpy(p, &half, sizeof half);
+}
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+
+// The sum of the 16 lanes as a tree of halves (a loop over the lanes would add them one after
+// another: a chain of 16 dependent additions per score).
+inline float sum_lanes(f32x16 v) {
+  const f32x8 eight = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                      __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x4 four = __builtin_shufflevector(eight, eight, 0, 1, 2, 3) + __builtin_shufflevector(eight, eight, 4, 5, 6, 7);
+  return (four[0] + four[2]) + (four[1] + four[3]);
+}
+
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// e^x in each lane, to about 2 fp32 ulp (Cephes' expf: x = n ln 2 + r, a degree-6 polynomial in
+// r, 2^n put into the exponent), 0 below e^-87 (a masked score's weight); std::exp one value
+// at a time was half of a step's attention and SiLU.
+inline f32x16 exp16(f32x16 x) {
+  const f32x16 low = x < -87.0f ? f32x16{} + 1.0f : f32x16{};  // 1 where the result is 0
+  x = x < -87.0f ? f32x16{} - 87.0f : x;
+  x = x > 88.0f ? f32x16{} + 88.0f : x;
+  const f32x16 shift = f32x16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const f32x16 n = (x * 1.44269504088896341f + shift) - shift;
+  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  const f32x16 result = p * (f32x16)bits;
+  return low != 0.0f ? f32x16{} : result;
+}
+
 
 struct Weights {
   const uint8_t* codes;
@@ -103,85 +172,88 @@ void add_rounded(uint16_t* h, const uint16_t* y, int64_t count) {
   for (int64_t i = 0; i < count; ++i) h[i] = float_to_bf16(bf16_to_float(h[i]) + bf16_to_float(y[i]));
 }
 
+// Floats a row of scores takes: the context rounded up to whole vectors.
+inline int64_t scores_per_row(int64_t length) { return (length + 15) / 16 * 16; }
+
+// bf16(bf16(silu(gate)) * up) for `size` gates followed by as many ups, as the eager bf16 ops
+// round them; `size` a multiple of 16.
+void swiglu(const uint16_t* gate_up, int64_t size, uint16_t* out) {
+  for (int64_t i = 0; i < size; i += kLanes) {
+    const f32x16 g = load_bf16x16(gate_up + i);
+    const f32x16 silu = g / (1.0f + exp16(-g));
+    store_bf16x16(out + i, round_bf16x16(silu) * load_bf16x16(gate_up + size + i));
+  }
+}
+
 struct Context {
   const int64_t* rows;  // [L] pool row of each key position
   const float* bias;    // [L] 0 where the query sees the key, -inf elsewhere
   int64_t length;
 };
 
-// 16 floats in one vector: GCC's vector extensions compile it to one zmm register with
-// AVX-512, two ymm with AVX2, so one source serves both builds.
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-constexpr int64_t kLanes = 16;
-
-inline f32x16 load_bf16x16(const uint16_t* p) {
-  u16x16 half;
-  std::memcpy(&half, p, sizeof half);
-  return (f32x16)(__builtin_convertvector(half, u32x16) << 16);
-}
-
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
-
-// The sum of the 16 lanes as a tree of halves (a loop over the lanes would add them one after
-// another: a chain of 16 dependent additions per score).
-inline float sum_lanes(f32x16 v) {
-  const f32x8 eight = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                      __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f32x4 four = __builtin_shufflevector(eight, eight, 0, 1, 2, 3) + __builtin_shufflevector(eight, eight, 4, 5, 6, 7);
-  return (four[0] + four[2]) + (four[1] + four[3]);
-}
-
-// The `groups` query heads of one KV head over one request's context: q [groups, dim] bf16 ->
-// out [groups, dim] bf16, dim a multiple of 16. The pool is [rows, 2, kv_heads, dim] bf16;
-// `kv_head` picks the head. Scores, softmax and the weighted sum in fp32.
-void attend(const uint16_t* q, int64_t groups, int64_t dim, const uint16_t* pool, int64_t kv_heads, int64_t kv_head,
-            const Context& context, float* scores /* [groups, L] */, uint16_t* out) {
+// Every query head of one request over its context: q [heads, dim] bf16 -> out [heads, dim]
+// bf16, dim a multiple of 16, in fp32. The pool is [rows, 2, kv_heads, dim] bf16, head h reading
+// KV head h / (heads / kv_heads). Each pass reads a row's keys (or values) of every KV head
+// at once, a contiguous piece, where a pass per KV head would stride over the pool three times.
+void attend(const uint16_t* q, int64_t heads, int64_t kv_heads, int64_t dim, const uint16_t* pool,
+            const Context& context, float* scores /* [heads, scores_per_row(L)] */, uint16_t* out) {
+  const int64_t groups = heads / kv_heads, vectors = dim / kLanes, row_stride = 2 * kv_heads * dim;
+  const int64_t per_row = scores_per_row(context.length);
   const float scale = 1.0f / std::sqrt(float(dim));
-  const int64_t row_stride = 2 * kv_heads * dim, vectors = dim / kLanes;
   const float minus_inf = -std::numeric_limits<float>::infinity();
-  f32x16 query[kMaxGroupValues / kLanes], acc[kMaxGroupValues / kLanes];
-  for (int64_t i = 0; i < groups * vectors; ++i) query[i] = load_bf16x16(q + i * kLanes) * scale, acc[i] = f32x16{};
-  float most[kMaxGroups];
-  std::fill(most, most + groups, minus_inf);
+  f32x16 query[kMaxHeadValues / kLanes], acc[kMaxHeadValues / kLanes], dots[kMaxHeads];
+  for (int64_t i = 0; i < heads * vectors; ++i) query[i] = load_bf16x16(q + i * kLanes) * scale, acc[i] = f32x16{};
+  float most[kMaxHeads];
+  std::fill(most, most + heads, minus_inf);
+  for (int64_t h = 0; h < heads; ++h) std::fill(scores + h * per_row + context.length, scores + (h + 1) * per_row, minus_inf);
   for (int64_t l = 0; l < context.length; ++l) {
     if (context.bias[l] == minus_inf) {
-      for (int64_t g = 0; g < groups; ++g) scores[g * context.length + l] = minus_inf;
+      for (int64_t h = 0; h < heads; ++h) scores[h * per_row + l] = minus_inf;
       continue;
     }
-    const uint16_t* key = pool + context.rows[l] * row_stride + kv_head * dim;
-    for (int64_t c = 0; c < dim; c += 32) __builtin_prefetch(key + kv_heads * dim + c);  // this row's value, read next
-    f32x16 dots[kMaxGroups];
-    for (int64_t g = 0; g < groups; ++g) dots[g] = f32x16{};
-    for (int64_t c = 0; c < vectors; ++c) {
-      const f32x16 k = load_bf16x16(key + c * kLanes);
-      for (int64_t g = 0; g < groups; ++g) dots[g] += query[g * vectors + c] * k;
+    const uint16_t* keys = pool + context.rows[l] * row_stride;  // [kv_heads, dim], then the values
+    if (l + kPrefetchRows < context.length) {  // a later row's keys and values, on their way from L3
+      const char* later = reinterpret_cast<const char*>(pool + context.rows[l + kPrefetchRows] * row_stride);
+      for (int64_t byte = 0; byte < row_stride * 2; byte += 64) __builtin_prefetch(later + byte);
     }
-    for (int64_t g = 0; g < groups; ++g) {
-      const float score = sum_lanes(dots[g]) + context.bias[l];
-      scores[g * context.length + l] = score;
-      most[g] = std::max(most[g], score);
+    for (int64_t h = 0; h < heads; ++h) dots[h] = f32x16{};
+    for (int64_t kv = 0; kv < kv_heads; ++kv)
+      for (int64_t c = 0; c < vectors; ++c) {
+        const f32x16 k = load_bf16x16(keys + kv * dim + c * kLanes);
+        for (int64_t g = 0; g < groups; ++g) dots[kv * groups + g] += query[(kv * groups + g) * vectors + c] * k;
+      }
+    for (int64_t h = 0; h < heads; ++h) {
+      const float score = sum_lanes(dots[h]) + context.bias[l];
+      scores[h * per_row + l] = score;
+      most[h] = std::max(most[h], score);
     }
   }
-  for (int64_t g = 0; g < groups; ++g) {
-    float total = 0.0f;
-    float* row = scores + g * context.length;
-    for (int64_t l = 0; l < context.length; ++l) total += row[l] = std::exp(row[l] - most[g]);
-    const float inverse = 1.0f / total;
+  for (int64_t h = 0; h < heads; ++h) {  // the row is padded with -inf to whole vectors
+    float* row = scores + h * per_row;
+    f32x16 total{};
+    for (int64_t l = 0; l < context.length; l += kLanes) {
+      f32x16 v;
+      std::memcpy(&v, row + l, sizeof v);
+      v = exp16(v - most[h]);
+      std::memcpy(row + l, &v, sizeof v);
+      total += v;
+    }
+    const float inverse = 1.0f / sum_lanes(total);
     for (int64_t l = 0; l < context.length; ++l) row[l] *= inverse;
   }
   for (int64_t l = 0; l < context.length; ++l) {
     if (context.bias[l] == minus_inf) continue;
-    const uint16_t* value = pool + context.rows[l] * row_stride + kv_heads * dim + kv_head * dim;
-    for (int64_t c = 0; c < vectors; ++c) {
-      const f32x16 v = load_bf16x16(value + c * kLanes);
-      for (int64_t g = 0; g < groups; ++g) acc[g * vectors + c] += scores[g * context.length + l] * v;
-    }
+    const uint16_t* values = pool + context.rows[l] * row_stride + kv_heads * dim;  // [kv_heads, dim]
+    for (int64_t kv = 0; kv < kv_heads; ++kv)
+      for (int64_t c = 0; c < vectors; ++c) {
+        const f32x16 v = load_bf16x16(values + kv * dim + c * kLanes);
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t h = kv * groups + g;
+          acc[h * vectors + c] += scores[h * per_row + l] * v;
+        }
+      }
   }
-  for (int64_t i = 0; i < groups * vectors; ++i)
-    for (int j = 0; j < kLanes; ++j) out[i * kLanes + j] = float_to_bf16(acc[i][j]);
+  for (int64_t i = 0; i < heads * vectors; ++i) store_bf16x16(out + i * kLanes, acc[i]);
 }
 
 at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
@@ -196,9 +268,9 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
   TORCH_CHECK(norms.scalar_type() == at::kBFloat16 && norms.is_contiguous() && norms.numel() == layers * 2 * size,
               "decode_layers: norms must be contiguous bfloat16 [layers, 2, hidden]");
   TORCH_CHECK(layers > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0, "decode_layers: bad head counts");
-  const int64_t dim = kv[0].size(3), groups = num_heads / num_kv_heads, length = context_index.size(1);
-  TORCH_CHECK(groups <= kMaxGroups && groups * dim <= kMaxGroupValues && dim % kLanes == 0,
-              "decode_layers: ", groups, " query heads of ", dim, " per KV head are past this kernel's limits");
+  const int64_t dim = kv[0].size(3), length = context_index.size(1);
+  TORCH_CHECK(num_heads <= kMaxHeads && num_heads * dim <= kMaxHeadValues && dim % kLanes == 0,
+              "decode_layers: ", num_heads, " query heads of ", dim, " are past this kernel's limits");
   TORCH_CHECK(cos.numel() == batch * dim && sin.numel() == batch * dim && cos.is_contiguous() && sin.is_contiguous() &&
                   cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
               "decode_layers: cos and sin must be contiguous bfloat16 [B, head_dim]");
@@ -210,13 +282,21 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
               "decode_layers: context_index must be int64 [B, L] and bias float32 [B, L]");
   for (const at::Tensor& pool : kv)
     TORCH_CHECK(pool.scalar_type() == at::kBFloat16 && pool.is_contiguous() && pool.dim() == 4 &&
-                    pool.size(1) == 2 && pool.size(2) == num_kv_heads && pool.size(3) == dim,
-                "decode_layers: each pool must be contiguous bfloat16 [rows, 2, kv_heads, head_dim]");
+                    pool.size(0) == kv[0].size(0) && pool.size(1) == 2 && pool.size(2) == num_kv_heads &&
+                    pool.size(3) == dim,
+                "decode_layers: the pools must be contiguous bfloat16 [rows, 2, kv_heads, head_dim], alike");
+  const int64_t pool_rows = kv[0].size(0);
+  const auto* rows = context_index.const_data_ptr<int64_t>();
+  const auto* writes = write_index.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < batch * length; ++i)
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < pool_rows, "decode_layers: context_index out of the pool");
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(writes[b] >= 0 && writes[b] < pool_rows, "decode_layers: write_index out of the pool");
   const auto* weights = table.const_data_ptr<int64_t>();
   const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * dim;
   for (int64_t layer = 0; layer < layers; ++layer) {
-    TORCH_CHECK(weights_of(weights, layer, kQkv).outputs() == qkv_width && weights_of(weights, layer, kQkv).inputs == size &&
-                    weights_of(weights, layer, kO).outputs() == size &&
+    TORCH_CHECK(weights_of(weights, layer, kQkv).outputs() == qkv_width &&
+                    weights_of(weights, layer, kQkv).inputs == size && weights_of(weights, layer, kO).outputs() == size &&
                     weights_of(weights, layer, kO).inputs == num_heads * dim &&
                     weights_of(weights, layer, kGateUp).inputs == size &&
                     weights_of(weights, layer, kDown).outputs() == size &&
@@ -224,41 +304,37 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
                 "decode_layers: layer ", layer, "'s matmul shapes do not fit the model");
   }
   const int64_t intermediate = weights_of(weights, 0, kDown).inputs;
+  TORCH_CHECK(intermediate % kLanes == 0, "decode_layers: the MLP's width must be a multiple of 16");
 
   at::Tensor hidden = hidden_in.clone();
   auto* h = reinterpret_cast<uint16_t*>(hidden.data_ptr());
   // One buffer for every intermediate, reused by each layer.
   std::vector<uint16_t> normed(batch * size), qkv(batch * qkv_width), attended(batch * num_heads * dim),
       projected(batch * std::max<int64_t>(size, 2 * intermediate)), activated(batch * intermediate);
-  std::vector<float> scores(batch * num_kv_heads * groups * length);
-  const auto* rows = context_index.const_data_ptr<int64_t>();
+  std::vector<float> scores(batch * num_heads * scores_per_row(length));
   const auto* masks = bias.const_data_ptr<float>();
-  const auto* writes = write_index.const_data_ptr<int64_t>();
   const auto* cos_p = reinterpret_cast<const uint16_t*>(cos.const_data_ptr());
   const auto* sin_p = reinterpret_cast<const uint16_t*>(sin.const_data_ptr());
   const auto* norm_p = reinterpret_cast<const uint16_t*>(norms.const_data_ptr());
   const float epsilon = float(eps);
-  const int64_t pairs = batch * num_kv_heads;
-  const int64_t grain = pairs * groups * length * dim * 2 >= kParallelAttention ? 1 : pairs;
+  const int64_t grain = batch * num_heads * length * dim * 2 >= kParallelAttention ? 1 : batch;
 
   for (int64_t layer = 0; layer < layers; ++layer) {
     auto* pool = reinterpret_cast<uint16_t*>(kv[layer].data_ptr());
-    const int64_t pool_rows = kv[layer].size(0), row_stride = 2 * num_kv_heads * dim;
+    const int64_t row_stride = 2 * num_kv_heads * dim;
     const uint16_t* input_norm = norm_p + layer * 2 * size;
     for (int64_t b = 0; b < batch; ++b) rms_norm(h + b * size, input_norm, size, epsilon, normed.data() + b * size);
     matmul(weights_of(weights, layer, kQkv), normed.data(), batch, qkv.data());
     for (int64_t b = 0; b < batch; ++b) {
       uint16_t* token = qkv.data() + b * qkv_width;  // q [H, D], k [Hkv, D], v [Hkv, D]
       rope(token, num_heads + num_kv_heads, dim, cos_p + b * dim, sin_p + b * dim);
-      TORCH_CHECK(writes[b] >= 0 && writes[b] < pool_rows, "decode_layers: write_index out of the pool");
       std::memcpy(pool + writes[b] * row_stride, token + num_heads * dim, 2 * num_kv_heads * dim * sizeof(uint16_t));
     }
-    at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t pair = begin; pair < end; ++pair) {
-        const int64_t b = pair / num_kv_heads, head = pair % num_kv_heads;
+    at::parallel_for(0, batch, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
         const Context context{rows + b * length, masks + b * length, length};
-        attend(qkv.data() + b * qkv_width + head * groups * dim, groups, dim, pool, num_kv_heads, head, context,
-               scores.data() + pair * groups * length, attended.data() + (b * num_heads + head * groups) * dim);
+        attend(qkv.data() + b * qkv_width, num_heads, num_kv_heads, dim, pool, context,
+               scores.data() + b * num_heads * scores_per_row(length), attended.data() + b * num_heads * dim);
       }
     });
     matmul(weights_of(weights, layer, kO), attended.data(), batch, projected.data());
@@ -266,15 +342,8 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
     for (int64_t b = 0; b < batch; ++b)
       rms_norm(h + b * size, input_norm + size, size, epsilon, normed.data() + b * size);
     matmul(weights_of(weights, layer, kGateUp), normed.data(), batch, projected.data());
-    for (int64_t b = 0; b < batch; ++b) {
-      const uint16_t* gate = projected.data() + b * 2 * intermediate;
-      const uint16_t* up = gate + intermediate;
-      for (int64_t i = 0; i < intermediate; ++i) {
-        const float g = bf16_to_float(gate[i]);
-        const float silu = round_bf16(g / (1.0f + std::exp(-g)));
-        activated[b * intermediate + i] = float_to_bf16(silu * bf16_to_float(up[i]));
-      }
-    }
+    for (int64_t b = 0; b < batch; ++b)
+      swiglu(projected.data() + b * 2 * intermediate, intermediate, activated.data() + b * intermediate);
     matmul(weights_of(weights, layer, kDown), activated.data(), batch, projected.data());
     add_rounded(h, projected.data(), batch * size);
   }

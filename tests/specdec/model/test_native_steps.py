@@ -133,6 +133,9 @@ def test_the_op_checks_its_inputs() -> None:
     with pytest.raises(RuntimeError, match="write_index"):
         torch.ops.specdec.decode_layers(hidden.bfloat16(), cos, sin, index + 10**6, index.view(1, 1),
                                         torch.zeros(1, 1), cache.kv, runner.table, runner.norms, 4, 2, 1e-5)
+    with pytest.raises(RuntimeError, match="context_index"):  # nothing is read outside the pool
+        torch.ops.specdec.decode_layers(hidden.bfloat16(), cos, sin, index, index.view(1, 1) - 1,
+                                        torch.zeros(1, 1), cache.kv, runner.table, runner.norms, 4, 2, 1e-5)
 
 
 def test_each_kind_is_kept_where_it_is_faster_by_the_margin() -> None:
