@@ -2,18 +2,21 @@
 Proposes, in process, built as `python -m specdec.draft_server` builds it.
 
     .venv/bin/python benchmarks/experiments/draft_step_profile.py [--context 128] [--k 16] [--rounds 8]
+        [--native-steps on|off]
 
 The engine comes from `build_engine` with the service's defaults (int4 weights, bf16
-activations, kernels tuned, compiled steps where they measure faster), its deferred graphs
-loaded before anything is timed. Each round rolls a slot back to a `--context`-token prompt
-and proposes `--k` greedy tokens: one feed of the last prompt token, then one forward a token.
-Printed: the step time a Propose gives (the seconds of a K-token Propose less a 1-token one,
-over K - 1; medians of interleaved rounds), then the profiler's table of the K-token
-Proposes, by operator, with each row's share of the steps' time, and the same in groups
-(int4 matmuls, the compiled graphs' own code, their entries, the head's int8 rows,
-allocations and views, other). Last, the int4 kernel alone per weight shape, 1 row, every
-layer's matrix of that shape in turn as a step reads them: ms a call, GB/s of codes and scales
-read, and how evenly its blocks of 64 outputs split over the threads.
+activations, kernels tuned, compiled steps where they measure faster) and the native 1-token
+step built, its deferred graphs loaded before anything is timed. Each round rolls a slot back
+to a `--context`-token prompt and proposes `--k` greedy tokens: one feed of the last prompt
+token, then one forward a token. Printed: the step time a Propose gives (the seconds of a
+K-token Propose less a 1-token one, over K - 1; medians of interleaved rounds), through the
+compiled layers and through the native step side by side; then, for the path `--native-steps`
+names, the profiler's table of the K-token Proposes, by operator, with each row's share of the
+steps' time, and the same in groups (the native call, int4 matmuls, the compiled graphs' own
+code, their entries, the head's int8 rows, allocations and views, other). Last, the int4
+kernel alone per weight shape, 1 row, every layer's matrix of that shape in turn as a step
+reads them: ms a call, GB/s of codes and scales read, and how evenly its blocks of 64 outputs
+split over the threads.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ GREEDY = SamplingParams(temperature=0.0)
 #: A compiled graph's own code (norms, RoPE, attention, the cache writes) is one "Call
 #: CompiledFxGraph" event; the int4 matmuls it calls out to are events of their own.
 GROUPS = (
+    ("native decoder layers (one call a step)", ("decode_layers",)),
     ("int4 matmuls (decoder, head's 4-bit pass)", ("int4",)),
     ("compiled graphs' code", ("CompiledFxGraph",)),
     ("graph entries (dynamo, AOT wrappers)", ("Torch-Compiled", "TorchDynamo", "Pregraph", "AOTDispatcher")),
@@ -97,24 +101,32 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=16, help="tokens a profiled Propose drafts")
     parser.add_argument("--rounds", type=int, default=8, help="interleaved rounds timed, and Proposes profiled")
     parser.add_argument("--rows", type=int, default=25, help="operators in the table")
+    parser.add_argument("--native-steps", choices=("on", "off"), default="on",
+                        help="profile the native 1-token step or the compiled layers (both are timed)")
     args = parser.parse_args()
 
-    engine = build_engine(DraftEngine, DraftConfig(port=0, compile_budget_s=600.0))
+    engine = build_engine(DraftEngine, DraftConfig(port=0, compile_budget_s=600.0, native_steps="on"))
     while engine.tuner.pending and engine.tuner.load_pending(engine.cache):
         pass
     print("compiled steps:", ", ".join(engine.tuner.compiled_steps(engine.model)) or "none")
     prompt = [(17 * i + 3) % 4000 + 100 for i in range(args.context)]
     engine.propose([ProposeItem("profile", 0, prompt, 1, GREEDY)])
-    for _ in range(3):
-        propose(engine, prompt, args.k)
-
-    ones, longs = [], []
-    for _ in range(args.rounds):
-        ones.append(propose(engine, prompt, 1))
-        longs.append(propose(engine, prompt, args.k))
-    step_ms = (statistics.median(longs) - statistics.median(ones)) / (args.k - 1) * 1e3
-    print(f"threads {torch.get_num_threads()}; 1-token Propose {statistics.median(ones) * 1e3:.2f} ms, "
-          f"{args.k}-token {statistics.median(longs) * 1e3:.2f} ms: a step {step_ms:.2f} ms")
+    native = engine.model.step_runner
+    paths = {"compiled layers": None, "native step": native} if native is not None else {"compiled layers": None}
+    ones: dict[str, list[float]] = defaultdict(list)
+    longs: dict[str, list[float]] = defaultdict(list)
+    for round_ in range(args.rounds + 3):  # the first three warm up
+        for name, runner in paths.items():
+            engine.model.step_runner = runner
+            one, long = propose(engine, prompt, 1), propose(engine, prompt, args.k)
+            if round_ >= 3:
+                ones[name].append(one)
+                longs[name].append(long)
+    for name in paths:
+        step_ms = (statistics.median(longs[name]) - statistics.median(ones[name])) / (args.k - 1) * 1e3
+        print(f"{name}: threads {torch.get_num_threads()}; 1-token Propose {statistics.median(ones[name]) * 1e3:.2f} "
+              f"ms, {args.k}-token {statistics.median(longs[name]) * 1e3:.2f} ms: a step {step_ms:.2f} ms")
+    engine.model.step_runner = native if args.native_steps == "on" else None
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.rounds):

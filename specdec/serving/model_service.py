@@ -211,7 +211,7 @@ async def expire_leases_forever(engine: ModelEngine, worker: SerialExecutor) -> 
 TUNING_SETTINGS = (
     "num_layers", "group_size", "int4_kernel", "compile", "compile_budget_s", "measure_costs",
     "max_slots", "max_speculative_tokens", "kv_token_budget", "block_size", "cpu_cores", "attention",
-    "prefill_chunk_tokens", "tune_kernels",
+    "prefill_chunk_tokens", "tune_kernels", "native_steps",
 )
 
 

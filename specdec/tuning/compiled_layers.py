@@ -263,7 +263,7 @@ def choose_layer_path(
         return LayerPath(None)
     runner = runner or CompiledLayers(forward)
     runner.shapes = set()
-    with step_slots(forward, cache) as step:
+    with layers_only(forward), step_slots(forward, cache) as step:
         forward.layer_runner = runner
         compile_s = _build_graphs(runner, wanted, step, budget_s)
         new = sorted(shape for shape in runner.shapes if shape_key(shape) not in known)
@@ -286,7 +286,7 @@ def load_graphs(
     `cache` has no room for the warm-up slots (try again later)."""
     if not has_room(cache):
         return None
-    with step_slots(runner.model, cache) as step:
+    with layers_only(runner.model), step_slots(runner.model, cache) as step:
         _build_graphs(runner, shapes, step, math.inf)
         built = [shape for shape in shapes if shape in runner.shapes]
         return _time_both_paths(runner.model, runner, built, step) if timed and built else {}
@@ -296,6 +296,17 @@ def has_room(cache: PagedKVCache) -> bool:
     """Whether the warm-up and timing slots fit in half of the pool's free tokens."""
     widest = max(built_width(shape) for shape in SHAPES)
     return cache.blocks.free_tokens >= 2 * BATCH_SLOTS * (TIMING_CONTEXT + widest + cache.block_size)
+
+
+@contextmanager
+def layers_only(forward: PagedLlama) -> Iterator[None]:
+    """Every forward through the layer runner, none through `forward.step_runner` (a native
+    step would otherwise take the 1-token steps that build and time their graphs)."""
+    step_runner, forward.step_runner = forward.step_runner, None
+    try:
+        yield
+    finally:
+        forward.step_runner = step_runner
 
 
 @contextmanager

@@ -1,10 +1,12 @@
-"""Whether a model's 1-token steps run natively (`specdec.model.native_steps`): timed at
-start-up against the layer runner installed then, each kind of step (one request's, a
-batch's) on its own, as `specdec.tuning.compiled_layers` times compiled graphs.
+"""Whether a model's 1-token steps run natively (`specdec.model.native_steps`): each kind of
+step (one request's, a batch's) timed on its own against the layer runner, as
+`specdec.tuning.compiled_layers` times compiled graphs; the native call must be `MIN_GAIN`
+faster to be kept.
 
-The other path is what serves the step at that moment: eager where compiled graphs load
-after start-up (`StartupTuner.layer_path` defers them) or stay eager, compiled where they
-were built. The native call must be `compiled_layers.MIN_GAIN` faster to be kept.
+At start-up the layer runner is eager where the compiled graphs load after start-up
+(`StartupTuner.layer_path` defers them from the tuning cache): a kind kept against eager is
+timed again against its compiled step once that graph has loaded (`StartupTuner.load_pending`),
+and only then is the decision kept for the next start.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from specdec.tuning.timing import interleaved_times
 TIMING_REPEATS = 9
 
 
-def time_native_steps(forward: PagedLlama, cache: PagedKVCache, runner: NativeSteps) -> dict[str, tuple[float, float]]:
-    """Median seconds of each kind's 1-token step (`STEP_KINDS`), through the model's layer
-    runner and natively; empty where `cache` has no room for the timing slots. Leaves
+def time_native_steps(
+    forward: PagedLlama, cache: PagedKVCache, runner: NativeSteps, kinds: tuple[str, ...] = STEP_KINDS
+) -> dict[str, tuple[float, float]]:
+    """Median seconds of each of `kinds`' 1-token step, through the model's layer runner and
+    natively; empty where `cache` has no room for the timing slots. Leaves
     `forward.step_runner` unset."""
     if not has_room(cache):
         return {}
@@ -32,11 +36,11 @@ def time_native_steps(forward: PagedLlama, cache: PagedKVCache, runner: NativeSt
 
         candidates = {
             (path, kind): (lambda kind=kind: step(1 if kind == "single" else BATCH_SLOTS, 1))
-            for path in ("layers", "native") for kind in STEP_KINDS
+            for path in ("layers", "native") for kind in kinds
         }
         times = interleaved_times(candidates, repeats=TIMING_REPEATS, setup=setup)
     forward.step_runner = None
-    return {kind: (times[("layers", kind)], times[("native", kind)]) for kind in STEP_KINDS}
+    return {kind: (times[("layers", kind)], times[("native", kind)]) for kind in kinds}
 
 
 def native_pays(times: dict[str, tuple[float, float]]) -> list[str]:

@@ -22,13 +22,14 @@ from specdec.model.choices import INT4_KERNELS, AttentionKernel
 from specdec.model.linear import DenseLinear, onednn_available
 from specdec.model.llama import PagedLlama
 from specdec.model.loader import default_cache_dir, weights_fingerprint
-from specdec.model.native_steps import STEP_KINDS, NativeSteps
+from specdec.model.native_steps import STEP_KINDS, NativeSteps, step_kind
 from specdec.model.native_steps import unsupported as native_unsupported
 from specdec.model.quantize import Int8Linear
 from specdec.model.quantize_int4 import Int4Linear
 from specdec.model.shortlist_head import ShortlistHead
 from specdec.tuning.choices import TuningChoice, tuning_line
 from specdec.tuning.compiled_layers import (
+    MANY,
     SHAPES,
     CompiledLayers,
     Shape,
@@ -77,6 +78,9 @@ class StartupTuner:
         #: Shape classes whose graphs load after start-up (`load_pending`): those decided
         #: compiled, and those not decided yet, which are timed once loaded.
         self.pending: list[Shape] = []
+        #: Native step kinds kept against eager steps at start-up, to be timed against their
+        #: compiled graphs once loaded (`native_steps`, `load_pending`).
+        self.native_unconfirmed: set[str] = set()
         #: What `load_pending` timed, for the log.
         self.loaded_detail: list[str] = []
         self._steps: tuple[str, ...] | None = None
@@ -251,7 +255,9 @@ class StartupTuner:
 
     def native_steps(self, forward: PagedLlama, cache: PagedKVCache, mode: str, measure: bool) -> None:
         """Install the native 1-token step where `mode` and the measurements say so: "auto"
-        times it per kind of step against the layer path installed now (`layer_path` first)."""
+        times it per kind of step against the layer path installed now (`layer_path` first). A
+        kind kept against eager steps whose compiled graph loads later is provisional until
+        `load_pending` has timed it against that graph (`specdec.tuning.native_steps`)."""
         why = native_unsupported(forward) if mode != "off" else "--native-steps off"
         if why:
             self.note("native_steps", "none", "flag" if mode == "off" else "fixed", why)
@@ -260,22 +266,44 @@ class StartupTuner:
             self.note("native_steps", "none", "flag", "--no-measure-costs: nothing is timed")
             return
         runner = NativeSteps(forward)
-
-        def timed() -> tuple[list[str], str]:
-            times = time_native_steps(forward, cache, runner)
-            detail = ", ".join(f"{kind} layers / native {a * 1e3:.2f} / {b * 1e3:.2f} ms"
-                               for kind, (a, b) in times.items())
-            return native_pays(times), detail or "no room in the KV pool to time it"
-
+        cached = self._cached.get("native_steps")
         if mode == "on":
             kinds, reason, detail = list(STEP_KINDS), "flag", ""
+        elif isinstance(cached, list) and set(cached) <= set(STEP_KINDS):
+            kinds, reason, detail = [str(kind) for kind in cached], "cached", ""
+            self.values["native_steps"] = kinds
         else:
-            kinds, reason, detail = self.decide(
-                "native_steps", timed, lambda value: isinstance(value, list) and set(value) <= set(STEP_KINDS))
+            times = time_native_steps(forward, cache, runner)
+            kinds, reason, self.measured = native_pays(times), "measured", True
+            detail = _native_detail(times) or "no room in the KV pool to time it"
+            self.native_unconfirmed = {kind for kind in kinds if _one_token_shape(kind) in self.pending}
+            if self.native_unconfirmed:
+                detail += "; against the compiled step once its graph loads"
+            elif times:
+                self.values["native_steps"] = kinds
         runner.kinds = set(kinds)
         forward.step_runner = runner if runner.kinds else None
         self.note("native_steps", ", ".join(kind for kind in STEP_KINDS if kind in runner.kinds) or "none", reason,
                   detail)
+
+    def _confirm_native(self, forward: PagedLlama, cache: PagedKVCache, shape: Shape) -> None:
+        """`shape`'s graph has loaded: time a provisional native kind against it, keep the
+        faster, and once every kind is settled keep the decision for the next start."""
+        kind = step_kind(shape[0])
+        runner = forward.step_runner
+        if shape[1] != 1 or kind not in self.native_unconfirmed or not isinstance(runner, NativeSteps):
+            return
+        times = time_native_steps(forward, cache, runner, (kind,))
+        forward.step_runner = runner
+        if not times:
+            return  # no room to time it now: the next start times it again
+        self.native_unconfirmed.discard(kind)
+        if not native_pays(times):
+            runner.kinds.discard(kind)
+            forward.step_runner = runner if runner.kinds else None
+        self.loaded_detail.append(_native_detail(times))
+        if not self.native_unconfirmed:
+            self.values["native_steps"] = [kind for kind in STEP_KINDS if kind in runner.kinds]
 
     def _defer(self, forward: PagedLlama, known: dict[str, bool]) -> None:
         """Decisions are cached: serve eager at once and leave the graphs to `load_pending`,
@@ -304,6 +332,7 @@ class StartupTuner:
         if times is None:
             return True  # no room in the pool now: try again later
         self.pending.pop(0)
+        settled = self.values.get("native_steps")
         if shape not in self.runner.shapes:  # the compiler failed (logged): the rest would too
             self.pending.clear()
         elif key in times:
@@ -312,8 +341,11 @@ class StartupTuner:
             if not decisions[key]:
                 self.runner.shapes.discard(shape)
             self.loaded_detail.append(times_detail(key, eager, compiled))
-            if self.store is not None and self.key is not None:
-                self.store.save(self.key, self.values)
+        if shape in self.runner.shapes:
+            self._confirm_native(self.runner.model, cache, shape)
+        if (key in times or self.values.get("native_steps") != settled) and self.store is not None \
+                and self.key is not None:
+            self.store.save(self.key, self.values)
         self._publish(self.runner.model)
         return bool(self.pending)
 
@@ -387,6 +419,15 @@ class StartupTuner:
             if self.store is not None and self.key is not None:
                 self.store.save(self.key, self.values)
         return tuple(costs)
+
+
+def _native_detail(times: Mapping[str, tuple[float, float]]) -> str:
+    return ", ".join(f"{kind} layers / native {a * 1e3:.2f} / {b * 1e3:.2f} ms" for kind, (a, b) in times.items())
+
+
+def _one_token_shape(kind: str) -> Shape:
+    """The compiled shape class of a kind of 1-token step."""
+    return (1, 1) if kind == "single" else (MANY, 1)
 
 
 def _rows(costs: Sequence[ForwardCost]) -> list[list[float]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,16 +17,23 @@ from transformers import LlamaForCausalLM
 
 from specdec.model import int4_dot
 from specdec.model.attention import make_attention
-from specdec.model.choices import AttentionKernel
+from specdec.model.choices import DEFAULT_MODEL, AttentionKernel
 from specdec.model.llama import PagedLlama
-from specdec.model.native_steps import NativeSteps, unsupported
+from specdec.model.native_steps import STEP_KINDS, NativeSteps, unsupported
 from specdec.model.quantize_int4 import quantize_int4
+from specdec.model.runtime import build_runtime
+from specdec.tuning import startup
+from specdec.tuning.compiled_layers import MANY, CompiledLayers, Shape
 from specdec.tuning.native_steps import native_pays
 from specdec.tuning.startup import StartupTuner
+from specdec.tuning.store import TuningKey, TuningStore
+from tests.support.models import SUITE_LAYERS
 from tests.support.tiny_models import tiny_llama
 
 needs_kernel = pytest.mark.skipif(not int4_dot.available(),
                                   reason="int4dot needs AVX-512 BF16 or AVX2, and a C++ compiler")
+TUNING_KEY = TuningKey(machine="m", torch="t", model="tiny", weights="w", dtype="bfloat16", quantization="int4",
+                       device="cpu", threads=2, code="c", settings="")
 #: Contexts before the step: inside the first block, at its end, across several.
 CONTEXTS = (1, 15, 16, 37)
 
@@ -185,3 +193,82 @@ def test_the_avx2_build_matches_too() -> None:
               "check_parity(int4_llama())\n")
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@needs_kernel
+def test_the_real_draft_steps_as_the_eager_layers_do() -> None:
+    """The suite's cut of SmolLM2 as the default draft runs it (int4 on int4dot, bf16), greedy,
+    teacher-forced by the eager path: logits within bf16 rounding, the same token wherever the
+    eager top two are further apart than that."""
+    runtime = build_runtime(DEFAULT_MODEL, dtype="bfloat16", quantization="int4", num_layers=SUITE_LAYERS,
+                            int4_kernel="int4dot")
+    model = runtime.model
+    assert unsupported(model) == ""
+    native = NativeSteps(model)
+    prompt = runtime.loaded.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"]
+    for batch in (1, 3):
+        cache = model.new_cache(token_budget=1024)
+        slots = [f"s{i}" for i in range(batch)]
+        for i, slot in enumerate(slots):
+            cache.blocks.allocate(slot)
+            model.run(cache, [(slot, prompt[: len(prompt) - i])])
+        tokens = [prompt[-1]] * batch
+        for _ in range(8):
+            model.step_runner = None
+            want = torch.stack(model.run(cache, list(zip(slots, ([t] for t in tokens))), prompt=False)).float()
+            for slot in slots:  # the same step again, natively, from the same cache
+                cache.blocks.truncate_to(slot, cache.blocks.length(slot) - 1)
+            model.step_runner = native
+            got = torch.stack(model.run(cache, list(zip(slots, ([t] for t in tokens))), prompt=False)).float()
+            tolerance = 2**-5 * float(want.abs().max())  # ten layers of bf16 rounding in another order
+            torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
+            top = want.topk(2, dim=-1).values  # [B, 2]
+            clear = (top[:, 0] - top[:, 1]) > 2 * tolerance
+            assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+            tokens = want.argmax(-1).tolist()
+    model.step_runner = None
+
+
+@needs_kernel
+def test_a_kind_kept_against_eager_is_settled_against_its_compiled_graph(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Graphs deferred from the tuning cache: the native step is timed against eager at start-up,
+    provisionally kept, then timed against each 1-token graph as it loads; only the settled
+    decision is stored, and a restart reuses it without timing. Timings are pinned."""
+    model = int4_llama(1)
+    cache = model.new_cache(token_budget=1024)
+    times: dict[str, tuple[float, float]] = {"single": (4e-3, 2e-3), "batch": (6e-3, 3e-3)}  # layers, native
+    timed: list[tuple[str, ...]] = []
+
+    def pinned(forward: PagedLlama, cache: object, runner: NativeSteps,
+               kinds: tuple[str, ...] = STEP_KINDS) -> dict[str, tuple[float, float]]:
+        timed.append(kinds)
+        return {kind: times[kind] for kind in kinds}
+
+    def loaded(runner: CompiledLayers, cache: object, shapes: list[Shape], *, timed: bool = False) -> dict[str, object]:
+        runner.shapes.update(shapes)
+        return {}
+
+    monkeypatch.setattr(startup, "time_native_steps", pinned)
+    monkeypatch.setattr(startup, "load_graphs", loaded)
+    store = TuningStore(tmp_path)
+    tuner = StartupTuner(store, TUNING_KEY)
+    tuner.runner, tuner.pending = CompiledLayers(model), [(1, 1), (MANY, 1)]  # as `layer_path` defers them
+    tuner.values["compiled_steps"] = {"1x1": True, "2x1": True}
+    tuner.native_steps(model, cache, "auto", measure=True)
+    runner = model.step_runner
+    assert isinstance(runner, NativeSteps) and runner.kinds == {"single", "batch"}
+    assert tuner.native_unconfirmed == {"single", "batch"} and "native_steps" not in tuner.values
+
+    times["single"] = (1.5e-3, 2e-3)  # the compiled step beats the native one
+    assert tuner.load_pending(cache)
+    assert runner.kinds == {"batch"} and "native_steps" not in tuner.values
+    assert not tuner.load_pending(cache)
+    assert tuner.values["native_steps"] == ["batch"] and timed == [STEP_KINDS, ("single",), ("batch",)]
+
+    model.step_runner = None
+    restarted = StartupTuner(store, TUNING_KEY)
+    restarted.native_steps(model, cache, "auto", measure=True)
+    assert isinstance(model.step_runner, NativeSteps) and model.step_runner.kinds == {"batch"}
+    assert len(timed) == 3 and restarted.choices[-1].reason == "cached"
