@@ -1,4 +1,4 @@
-"""The decoder layers of a 1-token step in one native call (`csrc/decode_layers.cpp`).
+"""The decoder layers of a decoding forward in one native call (`csrc/decode_layers.cpp`).
 
 A draft's step at one token a request is some 120 int4 matmuls and ten times as many tiny
 operations between them (norms, RoPE, the cache write, attention, SiLU). Compiled, the tiny
@@ -8,10 +8,11 @@ rounding to bf16 where the eager forward rounds, so it agrees with `PagedLlama.e
 up to the order of fp32 sums (tests/specdec/model/test_native_steps.py).
 
 It takes what the draft runs: bf16 activations and KV pool, every projection an `Int4Linear`
-on the int4dot kernel with no bias, a CPU, and the SDPA or GATHER attention's MASKED layout
-(a decode step's). Anything else (a prompt, a wider chunk) goes to the model's layer runner.
-Whether a model's steps take it is the start-up tuner's choice, by timing
-(`StartupTuner.native_steps`).
+on the int4dot kernel with no bias, a CPU, and forwards over a cached context (the attention's
+MASKED layout: a drafting step, a round's opening feed, a guessed forward) of at most
+`MAX_NARROW_ROWS` tokens in all, where the int4 layers keep their narrow kernel. A prompt or a
+wider forward goes to the model's layer runner, and so does a shape class (`step_shapes`) the
+start-up tuner did not give it (`StartupTuner.native_steps`, by timing).
 """
 
 from __future__ import annotations
@@ -21,8 +22,14 @@ import torch
 from specdec.kv_cache.paged_cache import PagedKVCache
 from specdec.model import int4_dot
 from specdec.model.attention import ContextLayout
+from specdec.model.linear import MAX_NARROW_ROWS
 from specdec.model.llama import LayerInputs, PagedLlama
 from specdec.model.quantize_int4 import Int4Linear
+from specdec.model.step_shapes import MANY, MULTI, SHAPES, Shape, shape_class
+
+#: The shape classes it can take: all but a batch of wider forwards, whose 3 requests × 9
+#: tokens that time the class are past `MAX_NARROW_ROWS` rows.
+NATIVE_SHAPES = tuple(shape for shape in SHAPES if shape != (MANY, MULTI))
 
 
 def unsupported(model: PagedLlama) -> str:
@@ -42,27 +49,18 @@ def unsupported(model: PagedLlama) -> str:
     return ""
 
 
-#: The kinds of 1-token step, each decided on its own: one request's, and a batch's.
-STEP_KINDS = ("single", "batch")
-
-
-def step_kind(batch_size: int) -> str:
-    return "single" if batch_size == 1 else "batch"
-
-
 class NativeSteps:
-    """The 1-token steps of `model` (every request one new token) of the kinds in `kinds`, in
-    one native call each.
+    """The decoding forwards of `model` in the shape classes `shapes`, in one native call each.
 
     Holds the packed weights it points the kernel at, so they live as long as it does.
     """
 
-    def __init__(self, model: PagedLlama, kinds: tuple[str, ...] = STEP_KINDS) -> None:
+    def __init__(self, model: PagedLlama, shapes: tuple[Shape, ...] = NATIVE_SHAPES) -> None:
         why = unsupported(model)
         if why:
             raise ValueError(f"native steps cannot run this model: {why}")
         self.model = model
-        self.kinds = set(kinds)
+        self.shapes = set(shapes)
         matmuls = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
                    if isinstance(m, Int4Linear)]  # all of them (`unsupported`)
         self._operands = [m.int4dot_operands() for m in matmuls]  # (codes, scales) each: kept alive here
@@ -74,27 +72,24 @@ class NativeSteps:
         ).to(torch.bfloat16).contiguous()  # [layers, 2, hidden]
 
     def takes(self, hidden: torch.Tensor, inputs: LayerInputs) -> bool:
-        """Whether a forward is a step this runner serves: one token a request, cached context,
-        a kind in `kinds`."""
-        return (hidden.shape[1] == 1 and inputs.attention.layout is ContextLayout.MASKED
-                and step_kind(hidden.shape[0]) in self.kinds)
+        """Whether this runner serves a forward: cached context, a class in `shapes`, at most
+        `MAX_NARROW_ROWS` tokens in all."""
+        bsz, width = hidden.shape[:2]
+        return (inputs.attention.layout is ContextLayout.MASKED and bsz * width <= MAX_NARROW_ROWS
+                and shape_class(bsz, width) in self.shapes)
 
     @torch.inference_mode()
     def __call__(self, hidden: torch.Tensor, inputs: LayerInputs, cache: PagedKVCache) -> torch.Tensor:
-        """`hidden` [B, 1, hidden] in, the same shape out; writes the step's K/V to `cache`."""
-        bsz = hidden.shape[0]
-        bias = inputs.attention.bias  # [B, 1, G or 1, L]: SDPA's is [B, 1, 1, L], GATHER repeats it per group
+        """`hidden` [B, T, hidden] in, the same shape out; writes the chunk's K/V to `cache`."""
+        bsz, width = hidden.shape[:2]
+        rows = bsz * width
+        # [B, 1, G·T, L]: SDPA's has G = 1; GATHER repeats the T rows per query head of a group.
+        bias = inputs.attention.bias[:, 0, :width]  # [B, T, L]
+        writes = torch.full((rows,), -1, dtype=torch.int64).index_put_((inputs.kv_rows,), inputs.write_index)  # [B*T]
         out = torch.ops.specdec.decode_layers(
-            hidden.view(bsz, -1).contiguous(), inputs.cos.view(bsz, -1).contiguous(),
-            inputs.sin.view(bsz, -1).contiguous(), self._write_index(inputs, bsz),
-            inputs.attention.context_index.contiguous(), bias[:, 0, 0].contiguous(), cache.kv, self.table,
-            self.norms, self.model.num_heads, self.model.num_kv_heads, self.model.eps,
+            hidden.reshape(rows, -1).contiguous(), inputs.cos.reshape(rows, -1).contiguous(),
+            inputs.sin.reshape(rows, -1).contiguous(), writes, inputs.attention.context_index.contiguous(),
+            bias.reshape(rows, -1).contiguous(), cache.kv, self.table, self.norms, self.model.num_heads,
+            self.model.num_kv_heads, self.model.eps,
         )
         return out.view_as(hidden)
-
-    @staticmethod
-    def _write_index(inputs: LayerInputs, bsz: int) -> torch.Tensor:
-        """The pool row each request's token writes. # [B]"""
-        if inputs.kv_rows.numel() != bsz:
-            raise ValueError(f"native steps write every request's token: {inputs.kv_rows.numel()} of {bsz} rows")
-        return inputs.write_index.index_select(0, torch.argsort(inputs.kv_rows)).contiguous()

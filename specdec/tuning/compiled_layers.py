@@ -44,8 +44,17 @@ import torch
 from specdec.kv_cache.paged_cache import PagedKVCache
 from specdec.model.attention import ContextLayout
 from specdec.model.choices import COMPILE_MODES, DEFAULT_COMPILE_BUDGET_S
-from specdec.model.linear import MAX_NARROW_ROWS
 from specdec.model.llama import LayerInputs, PagedLlama
+from specdec.model.step_shapes import (
+    MANY,
+    MULTI,
+    SHAPES,
+    Shape,
+    built_width,
+    shape_class,
+    shape_key,
+    shape_name,
+)
 from specdec.tuning.cost_profile import filler_prompt
 from specdec.tuning.timing import device_clock, interleaved_times, synchronizer
 
@@ -56,21 +65,6 @@ log = logging.getLogger(__name__)
 MAX_LAYERS_PER_COMPILED_CALL = 10
 #: What dynamo's error says when a call under `skip_guard_eval_unsafe` matches no compiled graph.
 GUARD_SKIP_MISS = "skip_guard_eval_unsafe"
-#: The request count of a compiled shape class with the batch dimension dynamic: two or more.
-MANY = 2
-#: The narrowest width of the classes whose width is dynamic: (1, MULTI) and (MANY, MULTI)
-#: stand for every width from MULTI to `MAX_MULTI`.
-MULTI = 3
-#: The widest forward of those classes: a verify at the services' largest K (16) and its
-#: bonus position. Past `MAX_NARROW_ROWS` rows an int4 layer may take its wide kernel, which
-#: the graph traced at `MULTI_TIMING_WIDTH` guards against: there a draft's single 17-token
-#: forward runs eager.
-MAX_MULTI = MAX_NARROW_ROWS + 1
-#: The width that builds and times the MULTI graphs: a drawn token and 8 guessed ones,
-#: the draft's default guess.
-MULTI_TIMING_WIDTH = 9
-#: Shape classes (requests, tokens each) that get a graph, in order of use.
-SHAPES = ((1, 1), (1, 2), (MANY, 1), (MANY, 2), (1, MULTI), (MANY, MULTI))
 #: Context the timed steps attend to (a short chat prompt plus some output).
 TIMING_CONTEXT = 128
 #: Contexts of the warm-up steps: the first compiles (context length dynamic), the second
@@ -85,31 +79,10 @@ TIMING_REPEATS = 9
 MIN_GAIN = 0.05
 _SLOT_PREFIX = "\x00compile-"  # never a gateway slot id: those are printable
 
-Shape = tuple[int, int]
-
-
-def shape_class(batch_size: int, width: int) -> Shape:
-    """The graph a forward of `batch_size` requests × `width` tokens would run: (1, width) for
-    a single request, (MANY, width) for any batch of two or more; any width from MULTI to
-    MAX_MULTI is MULTI."""
-    return min(batch_size, MANY), MULTI if MULTI <= width <= MAX_MULTI else width
-
-
 def layers_per_compiled_call(num_layers: int, limit: int = MAX_LAYERS_PER_COMPILED_CALL) -> int:
     """The largest group size, at most `limit`, that divides `num_layers`: equal groups share
     one compiled graph (30 layers: 10; 16: 8; 28: 7; a prime count above the limit: 1)."""
     return max(size for size in range(1, min(limit, num_layers) + 1) if num_layers % size == 0)
-
-
-def shape_name(shape: Shape) -> str:
-    requests, width = shape
-    tokens = f"{MULTI}-{MAX_MULTI}" if width == MULTI else str(width)
-    return f"{'batch' if requests == MANY else 'single-request'} {tokens}-token steps"
-
-
-def built_width(shape: Shape) -> int:
-    """The width of the steps that build and time a shape class's graph."""
-    return MULTI_TIMING_WIDTH if shape[1] == MULTI else shape[1]
 
 
 def compile_options(device: torch.device) -> dict[str, str | int | bool | Callable[..., Any]]:
@@ -121,11 +94,6 @@ def compile_options(device: torch.device) -> dict[str, str | int | bool | Callab
         "cpp_wrapper": device.type == "cpu",
         "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
     }
-
-
-def shape_key(shape: Shape) -> str:
-    """How the tuning cache names a shape class: "1x1", "2x1", ..."""
-    return f"{shape[0]}x{shape[1]}"
 
 
 class CompiledLayers:

@@ -22,14 +22,13 @@ from specdec.model.choices import INT4_KERNELS, AttentionKernel
 from specdec.model.linear import DenseLinear, onednn_available
 from specdec.model.llama import PagedLlama
 from specdec.model.loader import default_cache_dir, weights_fingerprint
-from specdec.model.native_steps import STEP_KINDS, NativeSteps, step_kind
+from specdec.model.native_steps import NATIVE_SHAPES, NativeSteps
 from specdec.model.native_steps import unsupported as native_unsupported
 from specdec.model.quantize import Int8Linear
 from specdec.model.quantize_int4 import Int4Linear
 from specdec.model.shortlist_head import ShortlistHead
 from specdec.tuning.choices import TuningChoice, tuning_line
 from specdec.tuning.compiled_layers import (
-    MANY,
     SHAPES,
     CompiledLayers,
     Shape,
@@ -43,7 +42,7 @@ from specdec.tuning.compiled_layers import (
 )
 from specdec.tuning.cost_profile import forward_cost_steps, measure_forward_costs, one_token_step, step_seconds
 from specdec.tuning.kernels import measure_dense, measure_head, measure_int4_kernels, measure_int4_wide
-from specdec.tuning.native_steps import native_pays, time_native_steps
+from specdec.tuning.native_steps import native_detail, native_pays, time_native_steps
 from specdec.tuning.store import TuningKey, TuningStore, code_version, machine_fingerprint
 
 log = logging.getLogger(__name__)
@@ -78,8 +77,11 @@ class StartupTuner:
         #: Shape classes whose graphs load after start-up (`load_pending`): those decided
         #: compiled, and those not decided yet, which are timed once loaded.
         self.pending: list[Shape] = []
-        #: Native step kinds kept against eager steps at start-up, to be timed against their
-        #: compiled graphs once loaded (`native_steps`, `load_pending`).
+        #: The native runner `native_steps` built, and per shape class (`shape_key`) whether it
+        #: serves it; the classes kept against eager forwards at start-up, to be timed against
+        #: their compiled graphs once loaded (`load_pending`).
+        self.native_runner: NativeSteps | None = None
+        self.native_decisions: dict[str, bool] = {}
         self.native_unconfirmed: set[str] = set()
         #: What `load_pending` timed, for the log.
         self.loaded_detail: list[str] = []
@@ -254,10 +256,10 @@ class StartupTuner:
         self.note("compiled_steps", steps, "measured" if chosen.measured else "cached", detail)
 
     def native_steps(self, forward: PagedLlama, cache: PagedKVCache, mode: str, measure: bool) -> None:
-        """Install the native 1-token step where `mode` and the measurements say so: "auto"
-        times it per kind of step against the layer path installed now (`layer_path` first). A
-        kind kept against eager steps whose compiled graph loads later is provisional until
-        `load_pending` has timed it against that graph (`specdec.tuning.native_steps`)."""
+        """Install the native call for the shape classes where `mode` and the measurements say
+        so: "auto" times each class against the layer path installed now (`layer_path` first).
+        A class kept against eager forwards whose compiled graph loads later is provisional
+        until `load_pending` has timed it against that graph (`specdec.tuning.native_steps`)."""
         why = native_unsupported(forward) if mode != "off" else "--native-steps off"
         if why:
             self.note("native_steps", "none", "flag" if mode == "off" else "fixed", why)
@@ -265,45 +267,50 @@ class StartupTuner:
         if mode == "auto" and not measure:
             self.note("native_steps", "none", "flag", "--no-measure-costs: nothing is timed")
             return
-        runner = NativeSteps(forward)
+        self.native_runner = NativeSteps(forward)
+        keys = [shape_key(shape) for shape in NATIVE_SHAPES]
         cached = self._cached.get("native_steps")
         if mode == "on":
-            kinds, reason, detail = list(STEP_KINDS), "flag", ""
-        elif isinstance(cached, list) and set(cached) <= set(STEP_KINDS):
-            kinds, reason, detail = [str(kind) for kind in cached], "cached", ""
-            self.values["native_steps"] = kinds
+            decisions, reason, detail = dict.fromkeys(keys, True), "flag", ""
+        elif isinstance(cached, dict) and set(cached) == set(keys) and all(type(v) is bool for v in cached.values()):
+            decisions, reason, detail = {key: bool(kept) for key, kept in cached.items()}, "cached", ""
+            self.values["native_steps"] = decisions
         else:
-            times = time_native_steps(forward, cache, runner)
-            kinds, reason, self.measured = native_pays(times), "measured", True
-            detail = _native_detail(times) or "no room in the KV pool to time it"
-            self.native_unconfirmed = {kind for kind in kinds if _one_token_shape(kind) in self.pending}
+            times = time_native_steps(forward, cache, self.native_runner)
+            decisions, reason, self.measured = native_pays(times), "measured", True
+            detail = native_detail(times) or "no room in the KV pool to time it"
+            pending = {shape_key(shape) for shape in self.pending}
+            self.native_unconfirmed = {key for key, kept in decisions.items() if kept and key in pending}
             if self.native_unconfirmed:
-                detail += "; against the compiled step once its graph loads"
+                detail += "; timed again against the compiled graphs as they load"
             elif times:
-                self.values["native_steps"] = kinds
-        runner.kinds = set(kinds)
-        forward.step_runner = runner if runner.kinds else None
-        self.note("native_steps", ", ".join(kind for kind in STEP_KINDS if kind in runner.kinds) or "none", reason,
-                  detail)
+                self.values["native_steps"] = decisions
+        self.native_decisions = decisions
+        self._install_native(forward)
+        self.note("native_steps", ", ".join(shape_name(shape) for shape in sorted(self.native_runner.shapes)) or "none",
+                  reason, detail)
+
+    def _install_native(self, forward: PagedLlama) -> None:
+        """The native runner on `forward` for the classes decided native (none: no runner)."""
+        runner = self.native_runner
+        if runner is not None:
+            runner.shapes = {shape for shape in NATIVE_SHAPES if self.native_decisions.get(shape_key(shape))}
+            forward.step_runner = runner if runner.shapes else None
 
     def _confirm_native(self, forward: PagedLlama, cache: PagedKVCache, shape: Shape) -> None:
-        """`shape`'s graph has loaded: time a provisional native kind against it, keep the
-        faster, and once every kind is settled keep the decision for the next start."""
-        kind = step_kind(shape[0])
-        runner = forward.step_runner
-        if shape[1] != 1 or kind not in self.native_unconfirmed or not isinstance(runner, NativeSteps):
+        """`shape`'s graph has loaded: time its provisional native call against it, keep the
+        faster, and once every class is settled keep the decisions for the next start."""
+        key = shape_key(shape)
+        if key not in self.native_unconfirmed or self.native_runner is None:
             return
-        times = time_native_steps(forward, cache, runner, (kind,))
-        forward.step_runner = runner
-        if not times:
-            return  # no room to time it now: the next start times it again
-        self.native_unconfirmed.discard(kind)
-        if not native_pays(times):
-            runner.kinds.discard(kind)
-            forward.step_runner = runner if runner.kinds else None
-        self.loaded_detail.append(_native_detail(times))
-        if not self.native_unconfirmed:
-            self.values["native_steps"] = [kind for kind in STEP_KINDS if kind in runner.kinds]
+        times = time_native_steps(forward, cache, self.native_runner, (shape,))
+        if times:  # else no room to time it now: the next start times it again
+            self.native_unconfirmed.discard(key)
+            self.native_decisions.update(native_pays(times))
+            self.loaded_detail.append(native_detail(times))
+            if not self.native_unconfirmed:
+                self.values["native_steps"] = dict(self.native_decisions)
+        self._install_native(forward)
 
     def _defer(self, forward: PagedLlama, known: dict[str, bool]) -> None:
         """Decisions are cached: serve eager at once and leave the graphs to `load_pending`,
@@ -419,15 +426,6 @@ class StartupTuner:
             if self.store is not None and self.key is not None:
                 self.store.save(self.key, self.values)
         return tuple(costs)
-
-
-def _native_detail(times: Mapping[str, tuple[float, float]]) -> str:
-    return ", ".join(f"{kind} layers / native {a * 1e3:.2f} / {b * 1e3:.2f} ms" for kind, (a, b) in times.items())
-
-
-def _one_token_shape(kind: str) -> Shape:
-    """The compiled shape class of a kind of 1-token step."""
-    return (1, 1) if kind == "single" else (MANY, 1)
 
 
 def _rows(costs: Sequence[ForwardCost]) -> list[list[float]]:

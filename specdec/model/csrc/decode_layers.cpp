@@ -1,15 +1,17 @@
-// Every decoder layer of a 1-token decode step in one call: the draft's step without a kernel
-// launch, an allocation or a Python frame per operation (specdec.model.native_steps).
+// Every decoder layer of a decoding forward in one call: the draft's step (or its round's
+// opening feed, or a guessed forward) without a kernel launch, an allocation or a Python frame
+// per operation (specdec.model.native_steps).
 //
-// Per layer, for B requests of one new token each (hidden [B, h] bf16):
+// Per layer, for B requests of T new tokens each over their cached context (hidden [B * T, h]
+// bf16, a shorter chunk padded with rows that write nothing):
 //   RMSNorm -> int4 q|k|v -> RoPE on q and k -> k, v written to the layer's pool
 //   -> attention of each query head over its request's context (fp32 math) -> int4 o
 //   -> residual -> RMSNorm -> int4 gate|up -> silu(gate) * up -> int4 down -> residual.
 // Each elementwise step rounds to bf16 where the eager forward (specdec.model.llama) does, so
 // the two agree up to the order of fp32 sums (attention, RMSNorm). The matmuls run on
-// at::parallel_for's threads (int4_dot.cpp); attention splits its requests over them once a
-// batch's contexts are long enough to pay for the fork; the rest is a few thousand elements a
-// layer and stays on the calling thread. Elementwise work runs on 16-float vectors.
+// at::parallel_for's threads (int4_dot.cpp); attention splits its rows over them once the
+// contexts are long enough to pay for the fork; the rest is a few thousand elements a layer
+// and stays on the calling thread. Elementwise work runs on 16-float vectors.
 //
 // Weights come as a table of addresses, built once by the Python side, which keeps the tensors
 // alive: table int64 [layers, 4 matmuls (q|k|v, o, gate|up, down), 5] = (codes, scales and
@@ -191,7 +193,7 @@ struct Context {
   int64_t length;
 };
 
-// Every query head of one request over its context: q [heads, dim] bf16 -> out [heads, dim]
+// Every query head of one token over its request's context: q [heads, dim] bf16 -> out [heads, dim]
 // bf16, dim a multiple of 16, in fp32. The pool is [rows, 2, kv_heads, dim] bf16, head h reading
 // KV head h / (heads / kv_heads). Each pass reads a row's keys (or values) of every KV head
 // at once, a contiguous piece, where a pass per KV head would stride over the pool three times.
@@ -260,38 +262,42 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
                          const at::Tensor& write_index, const at::Tensor& context_index, const at::Tensor& bias,
                          at::TensorList kv, const at::Tensor& table, const at::Tensor& norms, int64_t num_heads,
                          int64_t num_kv_heads, double eps) {
-  const int64_t batch = hidden_in.size(0), size = hidden_in.size(1), layers = int64_t(kv.size());
+  // N rows: B requests of T tokens each, request b's tokens in rows b * T .. b * T + T - 1.
+  const int64_t rows = hidden_in.size(0), size = hidden_in.size(1), layers = int64_t(kv.size());
+  const int64_t requests = context_index.size(0), length = context_index.size(1);
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.scalar_type() == at::kBFloat16 && hidden_in.is_contiguous(),
-              "decode_layers: hidden must be contiguous bfloat16 [B, hidden]");
+              "decode_layers: hidden must be contiguous bfloat16 [N, hidden]");
+  TORCH_CHECK(requests > 0 && rows > 0 && rows % requests == 0, "decode_layers: ", rows, " rows are not ",
+              requests, " requests' tokens");
+  const int64_t tokens = rows / requests;
   TORCH_CHECK(table.scalar_type() == at::kLong && table.is_contiguous() && table.numel() == layers * kMatmuls * kFields,
               "decode_layers: table must be contiguous int64 [layers, 4, 5]");
   TORCH_CHECK(norms.scalar_type() == at::kBFloat16 && norms.is_contiguous() && norms.numel() == layers * 2 * size,
               "decode_layers: norms must be contiguous bfloat16 [layers, 2, hidden]");
   TORCH_CHECK(layers > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0, "decode_layers: bad head counts");
-  const int64_t dim = kv[0].size(3), length = context_index.size(1);
+  const int64_t dim = kv[0].size(3);
   TORCH_CHECK(num_heads <= kMaxHeads && num_heads * dim <= kMaxHeadValues && dim % kLanes == 0,
               "decode_layers: ", num_heads, " query heads of ", dim, " are past this kernel's limits");
-  TORCH_CHECK(cos.numel() == batch * dim && sin.numel() == batch * dim && cos.is_contiguous() && sin.is_contiguous() &&
+  TORCH_CHECK(cos.numel() == rows * dim && sin.numel() == rows * dim && cos.is_contiguous() && sin.is_contiguous() &&
                   cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
-              "decode_layers: cos and sin must be contiguous bfloat16 [B, head_dim]");
-  TORCH_CHECK(write_index.numel() == batch && write_index.scalar_type() == at::kLong && write_index.is_contiguous(),
-              "decode_layers: write_index must be int64 [B]");
-  TORCH_CHECK(context_index.size(0) == batch && context_index.scalar_type() == at::kLong &&
-                  context_index.is_contiguous() && bias.numel() == batch * length &&
-                  bias.scalar_type() == at::kFloat && bias.is_contiguous(),
-              "decode_layers: context_index must be int64 [B, L] and bias float32 [B, L]");
+              "decode_layers: cos and sin must be contiguous bfloat16 [N, head_dim]");
+  TORCH_CHECK(write_index.numel() == rows && write_index.scalar_type() == at::kLong && write_index.is_contiguous(),
+              "decode_layers: write_index must be int64 [N]");
+  TORCH_CHECK(context_index.scalar_type() == at::kLong && context_index.is_contiguous() &&
+                  bias.numel() == rows * length && bias.scalar_type() == at::kFloat && bias.is_contiguous(),
+              "decode_layers: context_index must be int64 [B, L] and bias float32 [N, L]");
   for (const at::Tensor& pool : kv)
     TORCH_CHECK(pool.scalar_type() == at::kBFloat16 && pool.is_contiguous() && pool.dim() == 4 &&
                     pool.size(0) == kv[0].size(0) && pool.size(1) == 2 && pool.size(2) == num_kv_heads &&
                     pool.size(3) == dim,
                 "decode_layers: the pools must be contiguous bfloat16 [rows, 2, kv_heads, head_dim], alike");
   const int64_t pool_rows = kv[0].size(0);
-  const auto* rows = context_index.const_data_ptr<int64_t>();
+  const auto* context_rows = context_index.const_data_ptr<int64_t>();
   const auto* writes = write_index.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < batch * length; ++i)
-    TORCH_CHECK(rows[i] >= 0 && rows[i] < pool_rows, "decode_layers: context_index out of the pool");
-  for (int64_t b = 0; b < batch; ++b)
-    TORCH_CHECK(writes[b] >= 0 && writes[b] < pool_rows, "decode_layers: write_index out of the pool");
+  for (int64_t i = 0; i < requests * length; ++i)
+    TORCH_CHECK(context_rows[i] >= 0 && context_rows[i] < pool_rows, "decode_layers: context_index out of the pool");
+  for (int64_t r = 0; r < rows; ++r)  // -1: a padding row, which writes nothing
+    TORCH_CHECK(writes[r] >= -1 && writes[r] < pool_rows, "decode_layers: write_index out of the pool");
   const auto* weights = table.const_data_ptr<int64_t>();
   const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * dim;
   for (int64_t layer = 0; layer < layers; ++layer) {
@@ -309,43 +315,44 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
   at::Tensor hidden = hidden_in.clone();
   auto* h = reinterpret_cast<uint16_t*>(hidden.data_ptr());
   // One buffer for every intermediate, reused by each layer.
-  std::vector<uint16_t> normed(batch * size), qkv(batch * qkv_width), attended(batch * num_heads * dim),
-      projected(batch * std::max<int64_t>(size, 2 * intermediate)), activated(batch * intermediate);
-  std::vector<float> scores(batch * num_heads * scores_per_row(length));
+  std::vector<uint16_t> normed(rows * size), qkv(rows * qkv_width), attended(rows * num_heads * dim),
+      projected(rows * std::max<int64_t>(size, 2 * intermediate)), activated(rows * intermediate);
+  std::vector<float> scores(rows * num_heads * scores_per_row(length));
   const auto* masks = bias.const_data_ptr<float>();
   const auto* cos_p = reinterpret_cast<const uint16_t*>(cos.const_data_ptr());
   const auto* sin_p = reinterpret_cast<const uint16_t*>(sin.const_data_ptr());
   const auto* norm_p = reinterpret_cast<const uint16_t*>(norms.const_data_ptr());
   const float epsilon = float(eps);
-  const int64_t grain = batch * num_heads * length * dim * 2 >= kParallelAttention ? 1 : batch;
+  const int64_t grain = rows * num_heads * length * dim * 2 >= kParallelAttention ? 1 : rows;
 
   for (int64_t layer = 0; layer < layers; ++layer) {
     auto* pool = reinterpret_cast<uint16_t*>(kv[layer].data_ptr());
     const int64_t row_stride = 2 * num_kv_heads * dim;
     const uint16_t* input_norm = norm_p + layer * 2 * size;
-    for (int64_t b = 0; b < batch; ++b) rms_norm(h + b * size, input_norm, size, epsilon, normed.data() + b * size);
-    matmul(weights_of(weights, layer, kQkv), normed.data(), batch, qkv.data());
-    for (int64_t b = 0; b < batch; ++b) {
-      uint16_t* token = qkv.data() + b * qkv_width;  // q [H, D], k [Hkv, D], v [Hkv, D]
-      rope(token, num_heads + num_kv_heads, dim, cos_p + b * dim, sin_p + b * dim);
-      std::memcpy(pool + writes[b] * row_stride, token + num_heads * dim, 2 * num_kv_heads * dim * sizeof(uint16_t));
+    for (int64_t r = 0; r < rows; ++r) rms_norm(h + r * size, input_norm, size, epsilon, normed.data() + r * size);
+    matmul(weights_of(weights, layer, kQkv), normed.data(), rows, qkv.data());
+    for (int64_t r = 0; r < rows; ++r) {  // every row's key and value is in the pool before any query reads it
+      uint16_t* token = qkv.data() + r * qkv_width;  // q [H, D], k [Hkv, D], v [Hkv, D]
+      rope(token, num_heads + num_kv_heads, dim, cos_p + r * dim, sin_p + r * dim);
+      if (writes[r] >= 0)
+        std::memcpy(pool + writes[r] * row_stride, token + num_heads * dim, row_stride * sizeof(uint16_t));
     }
-    at::parallel_for(0, batch, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        const Context context{rows + b * length, masks + b * length, length};
-        attend(qkv.data() + b * qkv_width, num_heads, num_kv_heads, dim, pool, context,
-               scores.data() + b * num_heads * scores_per_row(length), attended.data() + b * num_heads * dim);
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const Context context{context_rows + r / tokens * length, masks + r * length, length};
+        attend(qkv.data() + r * qkv_width, num_heads, num_kv_heads, dim, pool, context,
+               scores.data() + r * num_heads * scores_per_row(length), attended.data() + r * num_heads * dim);
       }
     });
-    matmul(weights_of(weights, layer, kO), attended.data(), batch, projected.data());
-    add_rounded(h, projected.data(), batch * size);
-    for (int64_t b = 0; b < batch; ++b)
-      rms_norm(h + b * size, input_norm + size, size, epsilon, normed.data() + b * size);
-    matmul(weights_of(weights, layer, kGateUp), normed.data(), batch, projected.data());
-    for (int64_t b = 0; b < batch; ++b)
-      swiglu(projected.data() + b * 2 * intermediate, intermediate, activated.data() + b * intermediate);
-    matmul(weights_of(weights, layer, kDown), activated.data(), batch, projected.data());
-    add_rounded(h, projected.data(), batch * size);
+    matmul(weights_of(weights, layer, kO), attended.data(), rows, projected.data());
+    add_rounded(h, projected.data(), rows * size);
+    for (int64_t r = 0; r < rows; ++r)
+      rms_norm(h + r * size, input_norm + size, size, epsilon, normed.data() + r * size);
+    matmul(weights_of(weights, layer, kGateUp), normed.data(), rows, projected.data());
+    for (int64_t r = 0; r < rows; ++r)
+      swiglu(projected.data() + r * 2 * intermediate, intermediate, activated.data() + r * intermediate);
+    matmul(weights_of(weights, layer, kDown), activated.data(), rows, projected.data());
+    add_rounded(h, projected.data(), rows * size);
   }
   return hidden;
 }

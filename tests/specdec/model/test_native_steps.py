@@ -19,11 +19,12 @@ from specdec.model import int4_dot
 from specdec.model.attention import make_attention
 from specdec.model.choices import DEFAULT_MODEL, AttentionKernel
 from specdec.model.llama import PagedLlama
-from specdec.model.native_steps import STEP_KINDS, NativeSteps, unsupported
+from specdec.model.native_steps import NATIVE_SHAPES, NativeSteps, unsupported
 from specdec.model.quantize_int4 import quantize_int4
 from specdec.model.runtime import build_runtime
+from specdec.model.step_shapes import MANY, Shape, shape_key
 from specdec.tuning import startup
-from specdec.tuning.compiled_layers import MANY, CompiledLayers, Shape
+from specdec.tuning.compiled_layers import CompiledLayers
 from specdec.tuning.native_steps import native_pays
 from specdec.tuning.startup import StartupTuner
 from specdec.tuning.store import TuningKey, TuningStore
@@ -49,35 +50,44 @@ def int4_llama(num_layers: int = 3) -> PagedLlama:
     return PagedLlama(model)
 
 
-def step_logits(model: PagedLlama, contexts: tuple[int, ...], native: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of a 1-token step after each context (one request each, in one batch) and the
-    keys and values it wrote in the first layer. # [B, vocab], [B, 2, Hkv, D]"""
+def forward_logits(
+    model: PagedLlama, chunks: tuple[tuple[int, int], ...], native: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of every new token of one decoding forward, a (context, new tokens) chunk a
+    request, and the keys and values it wrote in the first layer. # [n, vocab], [n, 2, Hkv, D]"""
     cache = model.new_cache(token_budget=512, block_size=16)
     vocab = model.vocab_size
-    slots = [f"s{i}" for i in range(len(contexts))]
-    prompts = [[(7 * i + 3 * n) % vocab for n in range(context + 1)] for i, context in enumerate(contexts)]
+    slots = [f"s{i}" for i in range(len(chunks))]
+    prompts = [[(7 * i + 3 * n) % vocab for n in range(context + new)] for i, (context, new) in enumerate(chunks)]
     for slot in slots:
         cache.blocks.allocate(slot)
     model.step_runner = None
-    model.run(cache, [(slot, prompt[:-1]) for slot, prompt in zip(slots, prompts)])
+    model.run(cache, [(slot, prompt[:context]) for slot, prompt, (context, _) in zip(slots, prompts, chunks)])
     model.step_runner = NativeSteps(model) if native else None
-    logits = torch.stack(model.run(cache, [(slot, prompt[-1:]) for slot, prompt in zip(slots, prompts)],
-                                   prompt=False))
-    rows = [cache.blocks.block_table(slot)[(len(p) - 1) // 16] * 16 + (len(p) - 1) % 16
-            for slot, p in zip(slots, prompts)]
+    new_tokens = [(slot, prompt[context:]) for slot, prompt, (context, _) in zip(slots, prompts, chunks)]
+    logits = torch.cat(model.run(cache, new_tokens, logits="all", prompt=False))
+    rows = [cache.blocks.block_table(slot)[position // 16] * 16 + position % 16
+            for slot, prompt, (context, _) in zip(slots, prompts, chunks) for position in range(context, len(prompt))]
     model.step_runner = None
     return logits.float(), cache.kv[0][rows].float()
 
 
+#: Decoding forwards, a (context, new tokens) chunk a request: 1-token steps inside a block, at
+#: its end and across several; a round's 2-token opening; a guessed forward; batches of them,
+#: one with a chunk shorter than the other (a padding row that writes nothing).
+FORWARDS = (((1, 1),), ((37, 1),), tuple((context, 1) for context in CONTEXTS), ((20, 2),), ((5, 5),),
+            ((15, 2), (37, 1)), ((3, 4), (20, 4)))
+
+
 def check_parity(model: PagedLlama) -> None:
-    for contexts in ((1,), (37,), CONTEXTS):
-        want, want_kv = step_logits(model, contexts, native=False)
-        got, got_kv = step_logits(model, contexts, native=True)
+    for chunks in FORWARDS:
+        want, want_kv = forward_logits(model, chunks, native=False)
+        got, got_kv = forward_logits(model, chunks, native=True)
         # Every op rounds to bf16 where the eager one does; only fp32 sums run in another order
         # (attention, RMSNorm), so the two may differ by a bf16 step (2^-8 of the largest value).
         # A 1 % change to one norm's weights moves these logits by more.
-        torch.testing.assert_close(got, want, rtol=0, atol=2**-8 * float(want.abs().max()))
-        torch.testing.assert_close(got_kv, want_kv, rtol=0, atol=2**-8 * float(want_kv.abs().max()))
+        torch.testing.assert_close(got, want, rtol=0, atol=2**-8 * float(want.abs().max()), msg=str(chunks))
+        torch.testing.assert_close(got_kv, want_kv, rtol=0, atol=2**-8 * float(want_kv.abs().max()), msg=str(chunks))
 
 
 @needs_kernel
@@ -90,13 +100,14 @@ def test_native_step_matches_the_eager_layers(kernel: AttentionKernel) -> None:
 
 
 @needs_kernel
-def test_it_serves_only_one_token_steps_of_its_kinds() -> None:
+def test_it_serves_only_the_classes_it_was_given_up_to_16_rows() -> None:
     model = int4_llama(1)
-    runner = NativeSteps(model, kinds=("single",))
-    cache = model.new_cache(token_budget=256)
-    cache.blocks.allocate("a")
+    runner = NativeSteps(model, shapes=((1, 1), (MANY, 2)))
+    cache = model.new_cache(token_budget=1024)
+    for slot in "abcdefghi":
+        cache.blocks.allocate(slot)
+        model.run(cache, [(slot, [1, 2, 3])])  # prompts: the layer runner's
     model.step_runner = runner
-    model.run(cache, [("a", [1, 2, 3])])  # a prompt: the layer runner's
     calls: list[int] = []
     real = torch.ops.specdec.decode_layers
 
@@ -106,13 +117,13 @@ def test_it_serves_only_one_token_steps_of_its_kinds() -> None:
 
     original, torch.ops.specdec.decode_layers = torch.ops.specdec.decode_layers, counted
     try:
-        model.run(cache, [("a", [4])], prompt=False)
-        assert calls == [1]
-        model.run(cache, [("a", [5, 6])], prompt=False)  # two tokens: not a 1-token step
-        cache.blocks.allocate("b")
-        model.run(cache, [("b", [1, 2])])
-        model.run(cache, [("a", [7]), ("b", [3])], prompt=False)  # a batch: not a kind it serves
-        assert calls == [1]
+        model.run(cache, [("a", [4])], prompt=False)  # (1, 1)
+        model.run(cache, [("a", [5]), ("b", [4, 5])], prompt=False)  # (MANY, 2)
+        assert len(calls) == 2
+        model.run(cache, [("a", [6, 7])], prompt=False)  # (1, 2): not given
+        model.run(cache, [("a", [8]), ("b", [6])], prompt=False)  # (MANY, 1): not given
+        model.run(cache, [(slot, [9, 9]) for slot in "abcdefghi"], prompt=False)  # (MANY, 2), but 18 rows
+        assert len(calls) == 2
     finally:
         torch.ops.specdec.decode_layers = original
 
@@ -146,9 +157,8 @@ def test_the_op_checks_its_inputs() -> None:
                                         torch.zeros(1, 1), cache.kv, runner.table, runner.norms, 4, 2, 1e-5)
 
 
-def test_each_kind_is_kept_where_it_is_faster_by_the_margin() -> None:
-    assert native_pays({"single": (4.0e-3, 3.0e-3), "batch": (6.0e-3, 5.9e-3)}) == ["single"]
-    assert native_pays({"single": (4.0e-3, 4.1e-3), "batch": (6.0e-3, 7.0e-3)}) == []
+def test_each_class_is_kept_where_it_is_faster_by_the_margin() -> None:
+    assert native_pays({"1x1": (4.0e-3, 3.0e-3), "2x1": (6.0e-3, 5.9e-3)}) == {"1x1": True, "2x1": False}
 
 
 @needs_kernel
@@ -169,9 +179,10 @@ def test_auto_times_both_paths_and_records_the_choice() -> None:
     tuner.native_steps(model, model.new_cache(token_budget=1024), "auto", measure=True)
     choice = next(c for c in tuner.choices if c.name == "native_steps")
     assert choice.reason == "measured" and "native" in choice.detail
-    assert set(tuner.values["native_steps"]) <= {"single", "batch"}
-    kinds = model.step_runner.kinds if model.step_runner is not None else set()
-    assert set(tuner.values["native_steps"]) == kinds
+    decided = tuner.values["native_steps"]
+    assert isinstance(decided, dict) and set(decided) == {shape_key(shape) for shape in NATIVE_SHAPES}
+    served = model.step_runner.shapes if isinstance(model.step_runner, NativeSteps) else set()
+    assert {shape_key(shape) for shape in served} == {key for key, kept in decided.items() if kept}
 
 
 def test_a_model_that_cannot_take_it_is_noted_not_timed() -> None:
@@ -230,21 +241,21 @@ def test_the_real_draft_steps_as_the_eager_layers_do() -> None:
 
 
 @needs_kernel
-def test_a_kind_kept_against_eager_is_settled_against_its_compiled_graph(
+def test_a_class_kept_against_eager_is_settled_against_its_compiled_graph(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Graphs deferred from the tuning cache: the native step is timed against eager at start-up,
-    provisionally kept, then timed against each 1-token graph as it loads; only the settled
-    decision is stored, and a restart reuses it without timing. Timings are pinned."""
+    """Graphs deferred from the tuning cache: the native call is timed against eager at start-up,
+    provisionally kept, then timed against each class's graph as it loads; only the settled
+    decisions are stored, and a restart reuses them without timing. Timings are pinned."""
     model = int4_llama(1)
     cache = model.new_cache(token_budget=1024)
-    times: dict[str, tuple[float, float]] = {"single": (4e-3, 2e-3), "batch": (6e-3, 3e-3)}  # layers, native
-    timed: list[tuple[str, ...]] = []
+    times = {shape_key(shape): (4e-3, 2e-3) for shape in NATIVE_SHAPES}  # layers, native
+    timed: list[tuple[Shape, ...]] = []
 
     def pinned(forward: PagedLlama, cache: object, runner: NativeSteps,
-               kinds: tuple[str, ...] = STEP_KINDS) -> dict[str, tuple[float, float]]:
-        timed.append(kinds)
-        return {kind: times[kind] for kind in kinds}
+               shapes: tuple[Shape, ...] = NATIVE_SHAPES) -> dict[str, tuple[float, float]]:
+        timed.append(shapes)
+        return {shape_key(shape): times[shape_key(shape)] for shape in shapes}
 
     def loaded(runner: CompiledLayers, cache: object, shapes: list[Shape], *, timed: bool = False) -> dict[str, object]:
         runner.shapes.update(shapes)
@@ -258,17 +269,20 @@ def test_a_kind_kept_against_eager_is_settled_against_its_compiled_graph(
     tuner.values["compiled_steps"] = {"1x1": True, "2x1": True}
     tuner.native_steps(model, cache, "auto", measure=True)
     runner = model.step_runner
-    assert isinstance(runner, NativeSteps) and runner.kinds == {"single", "batch"}
-    assert tuner.native_unconfirmed == {"single", "batch"} and "native_steps" not in tuner.values
+    assert isinstance(runner, NativeSteps) and runner.shapes == set(NATIVE_SHAPES)
+    assert tuner.native_unconfirmed == {"1x1", "2x1"} and "native_steps" not in tuner.values
 
-    times["single"] = (1.5e-3, 2e-3)  # the compiled step beats the native one
+    times["1x1"] = (1.5e-3, 2e-3)  # the compiled step beats the native one
     assert tuner.load_pending(cache)
-    assert runner.kinds == {"batch"} and "native_steps" not in tuner.values
+    assert runner.shapes == set(NATIVE_SHAPES) - {(1, 1)} and "native_steps" not in tuner.values
     assert not tuner.load_pending(cache)
-    assert tuner.values["native_steps"] == ["batch"] and timed == [STEP_KINDS, ("single",), ("batch",)]
+    assert tuner.values["native_steps"] == {shape_key(shape): shape != (1, 1) for shape in NATIVE_SHAPES}
+    assert timed == [NATIVE_SHAPES, ((1, 1),), ((MANY, 1),)]
 
     model.step_runner = None
     restarted = StartupTuner(store, TUNING_KEY)
     restarted.native_steps(model, cache, "auto", measure=True)
-    assert isinstance(model.step_runner, NativeSteps) and model.step_runner.kinds == {"batch"}
+    assert isinstance(model.step_runner, NativeSteps) and model.step_runner.shapes == set(NATIVE_SHAPES) - {(1, 1)}
     assert len(timed) == 3 and restarted.choices[-1].reason == "cached"
+
+

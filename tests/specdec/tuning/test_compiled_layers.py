@@ -23,18 +23,15 @@ from specdec.kv_cache.paged_cache import PagedKVCache
 from specdec.model.llama import PagedLlama
 from specdec.model.quantize import quantize_int8
 from specdec.model.quantize_int4 import quantize_int4
+from specdec.model.step_shapes import MAX_MULTI, MULTI, SHAPES, shape_key
 from specdec.tuning import compiled_layers
 from specdec.tuning.compiled_layers import (
-    MAX_MULTI,
-    MULTI,
-    SHAPES,
     TIMING_CONTEXT,
     CompiledLayers,
     choose_layer_path,
     compile_options,
     compiled_step_names,
     layers_per_compiled_call,
-    shape_key,
 )
 from specdec.tuning.startup import StartupTuner
 from specdec.tuning.store import TuningKey, TuningStore
