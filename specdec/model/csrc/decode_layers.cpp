@@ -7,8 +7,11 @@
 //   RMSNorm -> int4 q|k|v -> RoPE on q and k -> k, v written to the layer's pool
 //   -> attention of each query head over its request's context (fp32 math) -> int4 o
 //   -> residual -> RMSNorm -> int4 gate|up -> silu(gate) * up -> int4 down -> residual.
-// Each elementwise step rounds to bf16 where the eager forward (specdec.model.llama) does, so
-// the two agree up to the order of fp32 sums (attention, RMSNorm). The matmuls run on
+// The residual stream stays in fp32 through every layer and the elementwise math runs in fp32,
+// rounded to bf16 only where a matmul takes its input (and at the end): where the eager bf16
+// forward (specdec.model.llama) rounds every op's output, this is closer to the fp32 forward
+// of the same weights, and its greedy drafts agreed with the target as often as the compiled
+// layers' did (docs/performance.md#native-draft-steps). The matmuls run on
 // at::parallel_for's threads (int4_dot.cpp); attention splits its rows over them once the
 // contexts are long enough to pay for the fork; the rest is a few thousand elements a layer
 // and stays on the calling thread. Elementwise work runs on 16-float vectors.
@@ -18,7 +21,7 @@
 // offsets, blocks of 64 outputs, inputs, group size); norms bf16 [layers, 2, h].
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -53,8 +56,6 @@ inline uint16_t float_to_bf16(float value) {
   return uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-inline float round_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
-
 // 16 floats in one vector: GCC's vector extensions compile it to one zmm register with
 // AVX-512, two ymm with AVX2, so one source serves both builds.
 typedef float f32x16 __attribute__((vector_size(64)));
@@ -74,10 +75,6 @@ inline u16x16 to_bf16x16(f32x16 v) {
   const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
   const u32x16 nan = (bits >> 16) | 0x40u;
   return __builtin_convertvector((bits & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded, u16x16);
-}
-
-inline f32x16 round_bf16x16(f32x16 v) {
-  return (f32x16)(__builtin_convertvector(to_bf16x16(v), u32x16) << 16);
 }
 
 inline void store_bf16x16(uint16_t* p, f32x16 v) {
@@ -138,53 +135,61 @@ void matmul(const Weights& w, const uint16_t* x, int64_t rows, uint16_t* y) {
                     specdec::scratch_floats(specdec::int4_dot_scratch(rows, w.inputs, w.group_size)));
 }
 
-// specdec.model.llama.rms_norm: weight * bf16(x * rsqrt(mean(x^2) + eps)), x's sum in fp32.
-void rms_norm(const uint16_t* x, const uint16_t* weight, int64_t size, float eps, uint16_t* out) {
+// RMSNorm of one row of the fp32 residual stream, times the weight, rounded to bf16 (the next
+// matmul's input).
+void rms_norm(const float* x, const uint16_t* weight, int64_t size, float eps, uint16_t* out) {
   float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
-  for (int64_t i = 0; i < size; ++i) {
-    const float v = bf16_to_float(x[i]);
-    squares += v * v;
-  }
+  for (int64_t i = 0; i < size; ++i) squares += x[i] * x[i];
   const float scale = 1.0f / std::sqrt(squares / float(size) + eps);
 #pragma omp simd
-  for (int64_t i = 0; i < size; ++i)
-    out[i] = float_to_bf16(bf16_to_float(weight[i]) * round_bf16(bf16_to_float(x[i]) * scale));
+  for (int64_t i = 0; i < size; ++i) out[i] = float_to_bf16(bf16_to_float(weight[i]) * (x[i] * scale));
 }
 
-// x * cos + rotate_half(x) * sin on `heads` vectors of `dim`, in place, each product and the
-// sum rounded to bf16 as the eager bf16 ops round them.
+// x * cos + rotate_half(x) * sin on `heads` vectors of `dim`, in place, in fp32, rounded once.
 void rope(uint16_t* x, int64_t heads, int64_t dim, const uint16_t* cos, const uint16_t* sin) {
   const int64_t half = dim / 2;
   for (int64_t h = 0; h < heads; ++h) {
     uint16_t* v = x + h * dim;
     for (int64_t d = 0; d < half; ++d) {
       const float a = bf16_to_float(v[d]), b = bf16_to_float(v[d + half]);
-      const float first = round_bf16(a * bf16_to_float(cos[d])) + round_bf16(-b * bf16_to_float(sin[d]));
-      const float second = round_bf16(b * bf16_to_float(cos[d + half])) + round_bf16(a * bf16_to_float(sin[d + half]));
+      const float first = a * bf16_to_float(cos[d]) - b * bf16_to_float(sin[d]);
+      const float second = b * bf16_to_float(cos[d + half]) + a * bf16_to_float(sin[d + half]);
       v[d] = float_to_bf16(first);
       v[d + half] = float_to_bf16(second);
     }
   }
 }
 
-// h += y, each sum rounded to bf16 (a residual connection).
-void add_rounded(uint16_t* h, const uint16_t* y, int64_t count) {
-#pragma omp simd
-  for (int64_t i = 0; i < count; ++i) h[i] = float_to_bf16(bf16_to_float(h[i]) + bf16_to_float(y[i]));
-}
-
 // Floats a row of scores takes: the context rounded up to whole vectors.
 inline int64_t scores_per_row(int64_t length) { return (length + 15) / 16 * 16; }
 
-// bf16(bf16(silu(gate)) * up) for `size` gates followed by as many ups, as the eager bf16 ops
-// round them; `size` a multiple of 16.
+// silu(gate) * up for `size` gates followed by as many ups, in fp32, rounded once to bf16 (the
+// down projection's input); `size` a multiple of 16.
 void swiglu(const uint16_t* gate_up, int64_t size, uint16_t* out) {
   for (int64_t i = 0; i < size; i += kLanes) {
     const f32x16 g = load_bf16x16(gate_up + i);
     const f32x16 silu = g / (1.0f + exp16(-g));
-    store_bf16x16(out + i, round_bf16x16(silu) * load_bf16x16(gate_up + size + i));
+    store_bf16x16(out + i, silu * load_bf16x16(gate_up + size + i));
   }
+}
+
+// The calling thread's intermediates, grown to the largest call so far and reused: a step
+// allocates nothing but its output.
+struct Buffers {
+  std::vector<float> residual, scores;
+  std::vector<uint16_t> normed, qkv, attended, projected, activated;
+};
+
+Buffers& buffers() {
+  thread_local Buffers held;
+  return held;
+}
+
+template <typename T>
+T* sized(std::vector<T>& buffer, int64_t count) {
+  if (int64_t(buffer.size()) < count) buffer.resize(count);
+  return buffer.data();
 }
 
 struct Context {
@@ -312,12 +317,18 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
   const int64_t intermediate = weights_of(weights, 0, kDown).inputs;
   TORCH_CHECK(intermediate % kLanes == 0, "decode_layers: the MLP's width must be a multiple of 16");
 
-  at::Tensor hidden = hidden_in.clone();
-  auto* h = reinterpret_cast<uint16_t*>(hidden.data_ptr());
-  // One buffer for every intermediate, reused by each layer.
-  std::vector<uint16_t> normed(rows * size), qkv(rows * qkv_width), attended(rows * num_heads * dim),
-      projected(rows * std::max<int64_t>(size, 2 * intermediate)), activated(rows * intermediate);
-  std::vector<float> scores(rows * num_heads * scores_per_row(length));
+  at::Tensor hidden = at::empty_like(hidden_in);
+  auto* out = reinterpret_cast<uint16_t*>(hidden.data_ptr());
+  const auto* in = reinterpret_cast<const uint16_t*>(hidden_in.const_data_ptr());
+  Buffers& buffer = buffers();
+  float* h = sized(buffer.residual, rows * size);  // the residual stream, fp32
+  for (int64_t i = 0; i < rows * size; ++i) h[i] = bf16_to_float(in[i]);
+  uint16_t* normed = sized(buffer.normed, rows * size);
+  uint16_t* qkv = sized(buffer.qkv, rows * qkv_width);
+  uint16_t* attended = sized(buffer.attended, rows * num_heads * dim);
+  uint16_t* projected = sized(buffer.projected, rows * std::max<int64_t>(size, 2 * intermediate));
+  uint16_t* activated = sized(buffer.activated, rows * intermediate);
+  float* scores = sized(buffer.scores, rows * num_heads * scores_per_row(length));
   const auto* masks = bias.const_data_ptr<float>();
   const auto* cos_p = reinterpret_cast<const uint16_t*>(cos.const_data_ptr());
   const auto* sin_p = reinterpret_cast<const uint16_t*>(sin.const_data_ptr());
@@ -329,10 +340,10 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
     auto* pool = reinterpret_cast<uint16_t*>(kv[layer].data_ptr());
     const int64_t row_stride = 2 * num_kv_heads * dim;
     const uint16_t* input_norm = norm_p + layer * 2 * size;
-    for (int64_t r = 0; r < rows; ++r) rms_norm(h + r * size, input_norm, size, epsilon, normed.data() + r * size);
-    matmul(weights_of(weights, layer, kQkv), normed.data(), rows, qkv.data());
+    for (int64_t r = 0; r < rows; ++r) rms_norm(h + r * size, input_norm, size, epsilon, normed + r * size);
+    matmul(weights_of(weights, layer, kQkv), normed, rows, qkv);
     for (int64_t r = 0; r < rows; ++r) {  // every row's key and value is in the pool before any query reads it
-      uint16_t* token = qkv.data() + r * qkv_width;  // q [H, D], k [Hkv, D], v [Hkv, D]
+      uint16_t* token = qkv + r * qkv_width;  // q [H, D], k [Hkv, D], v [Hkv, D]
       rope(token, num_heads + num_kv_heads, dim, cos_p + r * dim, sin_p + r * dim);
       if (writes[r] >= 0)
         std::memcpy(pool + writes[r] * row_stride, token + num_heads * dim, row_stride * sizeof(uint16_t));
@@ -340,20 +351,21 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const Context context{context_rows + r / tokens * length, masks + r * length, length};
-        attend(qkv.data() + r * qkv_width, num_heads, num_kv_heads, dim, pool, context,
-               scores.data() + r * num_heads * scores_per_row(length), attended.data() + r * num_heads * dim);
+        attend(qkv + r * qkv_width, num_heads, num_kv_heads, dim, pool, context,
+               scores + r * num_heads * scores_per_row(length), attended + r * num_heads * dim);
       }
     });
-    matmul(weights_of(weights, layer, kO), attended.data(), rows, projected.data());
-    add_rounded(h, projected.data(), rows * size);
+    matmul(weights_of(weights, layer, kO), attended, rows, projected);
+    for (int64_t i = 0; i < rows * size; ++i) h[i] += bf16_to_float(projected[i]);
     for (int64_t r = 0; r < rows; ++r)
-      rms_norm(h + r * size, input_norm + size, size, epsilon, normed.data() + r * size);
-    matmul(weights_of(weights, layer, kGateUp), normed.data(), rows, projected.data());
+      rms_norm(h + r * size, input_norm + size, size, epsilon, normed + r * size);
+    matmul(weights_of(weights, layer, kGateUp), normed, rows, projected);
     for (int64_t r = 0; r < rows; ++r)
-      swiglu(projected.data() + r * 2 * intermediate, intermediate, activated.data() + r * intermediate);
-    matmul(weights_of(weights, layer, kDown), activated.data(), rows, projected.data());
-    add_rounded(h, projected.data(), rows * size);
+      swiglu(projected + r * 2 * intermediate, intermediate, activated + r * intermediate);
+    matmul(weights_of(weights, layer, kDown), activated, rows, projected);
+    for (int64_t i = 0; i < rows * size; ++i) h[i] += bf16_to_float(projected[i]);
   }
+  for (int64_t i = 0; i < rows * size; ++i) out[i] = float_to_bf16(h[i]);
   return hidden;
 }
 
