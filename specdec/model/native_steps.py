@@ -4,8 +4,8 @@ A draft's step at one token a request is some 120 int4 matmuls and ten times as 
 operations between them (norms, RoPE, the cache write, attention, SiLU). Compiled, the tiny
 ones still cost a kernel entry each and the graphs' own entries; eager, a dispatch each. Here
 one call runs every layer: the int4 matmuls (`csrc/int4_dot.cpp`) and the rest in plain C++,
-rounding to bf16 where the eager forward rounds, so it agrees with `PagedLlama.eager_layers`
-up to the order of fp32 sums (tests/specdec/model/test_native_steps.py).
+the residual stream in fp32, so its logits are as close to an fp32 forward of the same weights
+as `PagedLlama.eager_layers`' are (tests/specdec/model/test_native_steps.py).
 
 It takes what the draft runs: bf16 activations and KV pool, every projection an `Int4Linear`
 on the int4dot kernel with no bias, a CPU, and forwards over a cached context (the attention's

@@ -7,7 +7,9 @@ between two matmuls become one generated kernel, and a group of up to ten layers
 call (on the CPU with a C++ wrapper: `compile_options`). Whether that pays depends on the CPU
 (or GPU), its compiler and the model, so "auto" compiles, times both paths side by side and
 keeps the faster; compilation that fails (no C++ compiler, an op the compiler does not know
-on this device) leaves the model eager with a warning.
+on this device) leaves the model eager with a warning. An int4 draft on a CPU may serve these
+forwards with one native call instead (`specdec.model.native_steps`, also decided by timing);
+the graphs are built and timed with it set aside (`layers_only`).
 
 One function runs a group of `layers_per_call` consecutive layers with their weights among
 its inputs, so one graph serves every group. Only decoding's shapes are compiled (a

@@ -297,19 +297,25 @@ class StartupTuner:
             runner.shapes = {shape for shape in NATIVE_SHAPES if self.native_decisions.get(shape_key(shape))}
             forward.step_runner = runner if runner.shapes else None
 
-    def _confirm_native(self, forward: PagedLlama, cache: PagedKVCache, shape: Shape) -> None:
-        """`shape`'s graph has loaded: time its provisional native call against it, keep the
-        faster, and once every class is settled keep the decisions for the next start."""
-        key = shape_key(shape)
-        if key not in self.native_unconfirmed or self.native_runner is None:
+    def _confirm_native(self, forward: PagedLlama, cache: PagedKVCache, shapes: list[Shape], compiled: bool) -> None:
+        """`shapes` have their compiled graphs now (`compiled`), or never will: time a
+        provisional native call against its graph and keep the faster, or keep it as it was
+        timed against eager; once every class is settled keep the decisions for the next start."""
+        if not self.native_unconfirmed:
             return
-        times = time_native_steps(forward, cache, self.native_runner, (shape,))
-        if times:  # else no room to time it now: the next start times it again
+        for shape in shapes:
+            key = shape_key(shape)
+            if key not in self.native_unconfirmed:
+                continue
+            if compiled and self.native_runner is not None:
+                times = time_native_steps(forward, cache, self.native_runner, (shape,))
+                if not times:
+                    continue  # no room to time it now: the next start times it again
+                self.native_decisions.update(native_pays(times))
+                self.loaded_detail.append(native_detail(times))
             self.native_unconfirmed.discard(key)
-            self.native_decisions.update(native_pays(times))
-            self.loaded_detail.append(native_detail(times))
-            if not self.native_unconfirmed:
-                self.values["native_steps"] = dict(self.native_decisions)
+        if not self.native_unconfirmed:
+            self.values["native_steps"] = dict(self.native_decisions)
         self._install_native(forward)
 
     def _defer(self, forward: PagedLlama, known: dict[str, bool]) -> None:
@@ -341,6 +347,7 @@ class StartupTuner:
         self.pending.pop(0)
         settled = self.values.get("native_steps")
         if shape not in self.runner.shapes:  # the compiler failed (logged): the rest would too
+            self._confirm_native(self.runner.model, cache, [shape, *self.pending], compiled=False)
             self.pending.clear()
         elif key in times:
             eager, compiled = times[key]
@@ -348,8 +355,8 @@ class StartupTuner:
             if not decisions[key]:
                 self.runner.shapes.discard(shape)
             self.loaded_detail.append(times_detail(key, eager, compiled))
-        if shape in self.runner.shapes:
-            self._confirm_native(self.runner.model, cache, shape)
+        if shape in self.runner.shapes or key in self.native_unconfirmed:
+            self._confirm_native(self.runner.model, cache, [shape], compiled=shape in self.runner.shapes)
         if (key in times or self.values.get("native_steps") != settled) and self.store is not None \
                 and self.key is not None:
             self.store.save(self.key, self.values)

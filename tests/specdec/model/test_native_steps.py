@@ -23,7 +23,7 @@ from specdec.model.llama import PagedLlama
 from specdec.model.native_steps import NATIVE_SHAPES, NativeSteps, unsupported
 from specdec.model.quantize_int4 import quantize_int4
 from specdec.model.runtime import build_runtime
-from specdec.model.step_shapes import MANY, Shape, shape_key
+from specdec.model.step_shapes import MANY, MULTI, Shape, shape_key
 from specdec.tuning import startup
 from specdec.tuning.compiled_layers import CompiledLayers
 from specdec.tuning.native_steps import native_pays
@@ -265,23 +265,27 @@ def test_a_class_kept_against_eager_is_settled_against_its_compiled_graph(
         return {shape_key(shape): times[shape_key(shape)] for shape in shapes}
 
     def loaded(runner: CompiledLayers, cache: object, shapes: list[Shape], *, timed: bool = False) -> dict[str, object]:
-        runner.shapes.update(shapes)
+        runner.shapes.update(shape for shape in shapes if shape != (MANY, 2))  # that graph fails to build
         return {}
 
     monkeypatch.setattr(startup, "time_native_steps", pinned)
     monkeypatch.setattr(startup, "load_graphs", loaded)
     store = TuningStore(tmp_path)
     tuner = StartupTuner(store, TUNING_KEY)
-    tuner.runner, tuner.pending = CompiledLayers(model), [(1, 1), (MANY, 1)]  # as `layer_path` defers them
-    tuner.values["compiled_steps"] = {"1x1": True, "2x1": True}
+    tuner.runner = CompiledLayers(model)  # the graphs `layer_path` defers
+    tuner.pending = [(1, 1), (MANY, 1), (MANY, 2), (1, MULTI)]
+    tuner.values["compiled_steps"] = {shape_key(shape): True for shape in tuner.pending}
     tuner.native_steps(model, cache, "auto", measure=True)
     runner = model.step_runner
     assert isinstance(runner, NativeSteps) and runner.shapes == set(NATIVE_SHAPES)
-    assert tuner.native_unconfirmed == {"1x1", "2x1"} and "native_steps" not in tuner.values
+    assert tuner.native_unconfirmed == {"1x1", "2x1", "2x2", "1x3"} and "native_steps" not in tuner.values
 
     times["1x1"] = (1.5e-3, 2e-3)  # the compiled step beats the native one
     assert tuner.load_pending(cache)
     assert runner.shapes == set(NATIVE_SHAPES) - {(1, 1)} and "native_steps" not in tuner.values
+    assert tuner.load_pending(cache)  # (MANY, 1): native stays
+    # (MANY, 2)'s graph fails: it and (1, MULTI), whose graph will not load either, keep their
+    # decisions against eager, and every class is settled.
     assert not tuner.load_pending(cache)
     assert tuner.values["native_steps"] == {shape_key(shape): shape != (1, 1) for shape in NATIVE_SHAPES}
     assert timed == [NATIVE_SHAPES, ((1, 1),), ((MANY, 1),)]
