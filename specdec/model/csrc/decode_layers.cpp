@@ -117,7 +117,6 @@ inline f32x16 exp16(f32x16 x) {
   return low != 0.0f ? f32x16{} : result;
 }
 
-
 struct Weights {
   const uint8_t* codes;
   const uint16_t* scales;
