@@ -17,8 +17,8 @@ QUANTIZATIONS = ("none", "int8", "int4")
 INT4_KERNELS = ("int4dot", "int4pack", "dequant")
 #: `--compile`: auto (time compiled and eager steps at start-up, keep the faster), on, off.
 COMPILE_MODES = ("auto", "on", "off")
-#: `--native-steps`: auto (time the native 1-token step against the layer runner, keep the
-#: faster), on (wherever the model allows it), off.
+#: `--native-steps`: auto (time the native call against the layer runner per decoding shape
+#: class, keep the faster), on (wherever the model allows it), off.
 NATIVE_STEP_MODES = ("auto", "on", "off")
 #: The default of `--compile-budget-s`: a shape after the first gets its graph only when the
 #: graphs so far took at most this many seconds to build.

@@ -125,8 +125,9 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
         "one only while those before took at most this long", advanced=True,
     )
     native_steps: str = option(
-        "auto", "run the decoder layers of 1-token steps in one native call (an int4 bf16 model on a CPU with the "
-        "int4dot kernel): on, off, or auto (time it against the other layer path at start-up, keep the faster)",
+        "auto", "run the decoder layers of decoding forwards of up to 16 tokens (steps, round openings, guessed "
+        "forwards) in one native call (an int4 bf16 model on a CPU with the int4dot kernel): on, off, or auto (time "
+        "it per shape class against the other layer path at start-up, keep the faster)",
         choices=NATIVE_STEP_MODES, advanced=True,
     )
     attention: str = option(
