@@ -296,6 +296,12 @@ def step_slots(forward: PagedLlama, cache: PagedKVCache) -> Iterator[Callable[..
         yield step
 
 
+def timing_step(step: Callable[..., None], shape: Shape) -> Callable[[], None]:
+    """The forward that times `shape`'s class on `step_slots`' slots: `BATCH_SLOTS` requests for
+    a batch class, one otherwise, `built_width` tokens each."""
+    return lambda: step(BATCH_SLOTS if shape[0] == MANY else 1, built_width(shape))
+
+
 def _build_graphs(
     runner: CompiledLayers, shapes: list[Shape], step: Callable[..., None], budget_s: float
 ) -> float:
@@ -336,8 +342,7 @@ def _time_both_paths(
         forward.layer_runner = runner if key[0] == "compiled" else forward.eager_layers
 
     candidates = {
-        (path, shape): (lambda shape=shape: step(BATCH_SLOTS if shape[0] == MANY else 1, built_width(shape)))
-        for path in ("eager", "compiled") for shape in shapes
+        (path, shape): timing_step(step, shape) for path in ("eager", "compiled") for shape in shapes
     }
     sync = synchronizer(forward.embed_tokens.weight.device)
     times = interleaved_times(candidates, repeats=TIMING_REPEATS, setup=setup, sync=sync)

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from specdec.kv_cache.paged_cache import PagedKVCache
 from specdec.model.llama import PagedLlama
 from specdec.model.native_steps import NATIVE_SHAPES, NativeSteps
-from specdec.model.step_shapes import MANY, Shape, built_width, shape_key
-from specdec.tuning.compiled_layers import BATCH_SLOTS, compiled_pays, has_room, step_slots
+from specdec.model.step_shapes import Shape, shape_key
+from specdec.tuning.compiled_layers import compiled_pays, has_room, step_slots, timing_step
 from specdec.tuning.timing import interleaved_times
 
 #: Interleaved timed forwards per path and shape class.
@@ -36,10 +36,7 @@ def time_native_steps(
         def setup(key: tuple[str, Shape]) -> None:
             forward.step_runner = runner if key[0] == "native" else None
 
-        candidates = {
-            (path, shape): (lambda shape=shape: step(BATCH_SLOTS if shape[0] == MANY else 1, built_width(shape)))
-            for path in ("layers", "native") for shape in shapes
-        }
+        candidates = {(path, shape): timing_step(step, shape) for path in ("layers", "native") for shape in shapes}
         times = interleaved_times(candidates, repeats=TIMING_REPEATS, setup=setup)
     forward.step_runner = None
     return {shape_key(shape): (times[("layers", shape)], times[("native", shape)]) for shape in shapes}

@@ -46,15 +46,8 @@ constexpr int64_t kMaxHeadValues = 4096;
 // from L3 or memory, and without it attention took twice as long.
 constexpr int64_t kPrefetchRows = 8;
 
-inline float bf16_to_float(uint16_t bits) { return __builtin_bit_cast(float, uint32_t(bits) << 16); }
-
-// fp32 -> bf16, rounding to nearest even (a NaN stays a NaN), as torch's casts do.
-inline uint16_t float_to_bf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((bits >> 16) | 0x40);
-  return uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
+using specdec::bf16_to_float;
+using specdec::float_to_bf16;
 
 // 16 floats in one vector: GCC's vector extensions compile it to one zmm register with
 // AVX-512, two ymm with AVX2, so one source serves both builds.

@@ -40,17 +40,12 @@
 
 namespace {
 
+using specdec::bf16_to_float;
+using specdec::float_to_bf16;
 using specdec::kBlockOut;
 constexpr int64_t kChunkBytes = 128;  // one block's codes for 4 inputs
 constexpr int64_t kPrefetchChunks = 8;
 constexpr int kMaxRows = 4;
-
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t wide = uint32_t(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof value);
-  return value;
-}
 
 // One block of 64 outputs for 1..kMaxRows rows: (x as bf16, x as fp32, ld_x, x_sums, ld_sums,
 // codes, scales and offsets, y, ld_y, groups, chunks_per_group); each build reads one of the x.
@@ -249,14 +244,6 @@ void pieces(const float* x, int64_t ld_x, const float* x_sums, int64_t ld_sums, 
       }
     }
   }
-}
-
-// fp32 -> bf16, rounding to nearest even (a NaN stays a NaN).
-inline uint16_t float_to_bf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((bits >> 16) | 0x40);
-  return uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
 // One block of 64 outputs for ROWS rows of x (fp32), a pass over the block's codes per

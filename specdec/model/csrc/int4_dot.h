@@ -1,12 +1,23 @@
 // The 4-bit matmul of int4_dot.cpp as a plain function, for native code that calls it between
-// its own steps (decode_layers.cpp) without a tensor per call.
+// its own steps (decode_layers.cpp) without a tensor per call, and the bf16 conversions both use.
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace specdec {
 
 constexpr int64_t kBlockOut = 64;  // outputs per block of the packed layout
+
+inline float bf16_to_float(uint16_t bits) { return __builtin_bit_cast(float, uint32_t(bits) << 16); }
+
+// fp32 -> bf16, rounding to nearest even (a NaN stays a NaN), as torch's casts do.
+inline uint16_t float_to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((bits >> 16) | 0x40);
+  return uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
 
 // out [rows, blocks * 64] = x [rows, K] @ W^T, bf16 in and out, W in int4_dot.cpp's packed layout
 // (codes [blocks, K / 4, 128], scales and offsets [blocks, K / group_size, 2, 64]). `scratch`
