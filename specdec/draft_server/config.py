@@ -29,6 +29,10 @@ class DraftConfig(ModelServiceConfig):
     )
     compile: str = inherit(ModelServiceConfig, "compile", "auto")
     port: int = inherit(ModelServiceConfig, "port", 50051)
+    #: Gateways in step reach the draft within milliseconds of each other, after one merged
+    #: Verify. One out of step is at the target, held there for the other's Verify: held here
+    #: for long too, each service would wait for the other's held call.
+    merge_wait_s: float = inherit(ModelServiceConfig, "merge_wait_s", 0.02)
     lookup_guess_tokens: int = option(
         8, "most tokens one drafting step feeds as guesses from the draft's own lookup or a grammar's forced "
         "tokens, shared by the step's requests (a guess widens every row of the batched forward); 0 turns the "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from specdec.prompt_lookup import PromptLookupIndex
 from specdec.sampling.draws import drawn_tokens, make_generator, pick_tokens, position_generator
 from specdec.sampling.sparse_probs import SparseRows, cut_tail
 from specdec.sampling.transforms import logits_to_probs
+from specdec.serving.call_merger import split
 from specdec.serving.engine import ModelEngine
 from specdec.wire.items import Lease, Proposal, ProposeItem
 
@@ -61,16 +63,27 @@ class DraftEngine(ModelEngine):
     ) -> list[Proposal]:
         """Roll back, feed new tokens (whole prompt for unseen slots, held under `lease`) and the
         guesses that fit, then draft k tokens each."""
+        return self.propose_together([(items, lease)], probs_dtype)[0]
+
+    def propose_together(
+        self, calls: Sequence[tuple[list[ProposeItem], Lease | None]], probs_dtype: torch.dtype = torch.float32
+    ) -> list[list[Proposal]]:
+        """`propose` for several calls (several gateways') in one batch: each call's new slots
+        are held under its own lease; the proposals come back per call. All or nothing."""
+        items = [item for call_items, _ in calls for item in call_items]
         new_slots = self._validate(items)
-        self.leases.check(lease)
+        for _, lease in calls:
+            self.leases.check(lease)
         accepted = [self.tokens.get(item.slot_id, [])[: item.valid_len] + item.new_tokens for item in items]
         # A new slot's new_tokens are its whole prompt (valid_len 0): it feeds what the prefix cache lacks.
         feeds = {item.slot_id: list(item.new_tokens) for item in items}
-        feeds.update(self._allocate({slot_id: feeds[slot_id] for slot_id in new_slots}, lease))
-        for item in items:  # a slot an import created has none yet either
-            if item.sampling.seed is None and item.slot_id not in self.generators:
-                self.generators[item.slot_id] = make_generator(None, self.cache.device)
         try:
+            for call_items, lease in calls:
+                fresh = [item.slot_id for item in call_items if item.slot_id in new_slots]
+                feeds.update(self._allocate({slot_id: feeds[slot_id] for slot_id in fresh}, lease))
+            for item in items:  # a slot an import created has none yet either
+                if item.sampling.seed is None and item.slot_id not in self.generators:
+                    self.generators[item.slot_id] = make_generator(None, self.cache.device)
             for item in items:
                 if item.slot_id not in new_slots:
                     self._rollback(item.slot_id, item.valid_len)
@@ -88,7 +101,7 @@ class DraftEngine(ModelEngine):
         finally:
             self.grammars.end_drafts()
         self._hand_over()  # the target verifies next
-        return proposals
+        return split(proposals, [len(call_items) for call_items, _ in calls])
 
     def _fed_guess(self, item: ProposeItem, feed: list[int], batch: int, walk: SlotGrammar | None) -> Guess:
         """The guessed tokens fed with `feed`: the tokens the grammar forces, else the item's

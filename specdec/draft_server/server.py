@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from dataclasses import dataclass
 
 import grpc
+import torch
 
 from specdec.draft_server.config import DraftConfig
 from specdec.draft_server.engine import DraftEngine
 from specdec.errors import InvalidArgumentError
+from specdec.serving.call_merger import CallMerger
 from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer
+from specdec.serving.metrics import ServiceStats
 from specdec.serving.model_service import SlotServicer, start_model_service
+from specdec.serving.serial_executor import SerialExecutor
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.wire.items import Lease, Proposal, ProposeItem
 from specdec.wire.kv_transfer import ImportHeader, assemble_pieces
@@ -24,10 +29,46 @@ from specdec.wire.tensor_codec import torch_dtype
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
+@dataclass(frozen=True)
+class ProposeCall:
+    """One Propose's requests, as the call merger runs them; calls merge only with calls that
+    want their probabilities in the same dtype."""
+
+    items: list[ProposeItem]
+    lease: Lease | None
+    holder: str | None
+    probs_dtype: torch.dtype
+
+    @property
+    def key(self) -> Hashable:
+        return self.probs_dtype
+
+    @property
+    def rows(self) -> int:
+        return len(self.items)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(item.new_tokens) + item.num_speculative_tokens for item in self.items)
+
+
+def propose_together(engine: DraftEngine, calls: Sequence[ProposeCall]) -> list[list[Proposal]]:
+    return engine.propose_together([(call.items, call.lease) for call in calls], calls[0].probs_dtype)
+
+
 class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
-    """Propose and ImportKV; Info, Truncate and Release come from `SlotServicer`."""
+    """Propose and ImportKV; Info, Truncate and Release come from `SlotServicer`. Propose
+    calls from several gateways run merged (`specdec.serving.call_merger`)."""
 
     engine: DraftEngine
+
+    def __init__(self, engine: DraftEngine, worker: SerialExecutor, stats: ServiceStats) -> None:
+        super().__init__(engine, worker, stats)
+        self.proposals = CallMerger[ProposeCall, list[Proposal], draft_pb2.ProposeResponse](
+            "Propose", worker, functools.partial(propose_together, engine),
+            lambda call, proposals: _propose_response(proposals, engine.room([item.slot_id for item in call.items])),
+            engine.leases.holders_with_slots, stats, engine.config.merge_wait_s,
+        )
 
     @grpc_errors
     async def Propose(
@@ -44,13 +85,8 @@ class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
         items = [ProposeItem.from_pb(item) for item in request.items]
         probs_dtype = torch_dtype(request.probs_dtype or common_pb2.DTYPE_FLOAT32)
         lease = Lease.from_pb(request.lease)
-        slots = [item.slot_id for item in items]
-        response, compute_s = await self.worker.run_timed(
-            functools.partial(self.engine.propose, items, probs_dtype, lease),
-            lambda proposals: _propose_response(proposals, self.engine.room(slots)),
-        )
-        fed_and_drafted = sum(len(i.new_tokens) + i.num_speculative_tokens for i in items)
-        self.stats.record_work("Propose", compute_s, len(items), fed_and_drafted)
+        holder = lease.holder if lease else self.engine.leases.holder_of(items[0].slot_id) if items else None
+        response, compute_s = await self.proposals.submit(ProposeCall(items, lease, holder, probs_dtype))
         response.compute_s = compute_s
         return response
 

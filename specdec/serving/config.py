@@ -173,6 +173,14 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
     lease_ttl_s: float = option(
         30.0, "seconds after a gateway's last lease renewal at which its slots are freed", advanced=True,
     )
+    #: Calls of several gateways that share these services run as one forward
+    #: (`specdec.serving.call_merger`); one gateway's calls are never held. The target holds
+    #: long: a gateway out of step is drafting, and its Verify follows its Propose. The draft
+    #: holds briefly (`DraftConfig`).
+    merge_wait_s: float = option(
+        0.2, "longest a Verify or Propose is held for the call of another gateway that holds slots here, to run "
+        "both in one forward (0 = merge only calls already waiting)", advanced=True,
+    )
     #: gRPC's own policy allows one ping per 5 minutes and closes the connection of a client
     #: that pings more; the gateway's `--keepalive-s` must not be shorter than this.
     min_ping_interval_s: float = option(
@@ -234,6 +242,9 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
                                        field="drain_timeout_s")
         if not self.lease_ttl_s > 0:
             raise InvalidArgumentError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}", field="lease_ttl_s")
+        if not 0 <= self.merge_wait_s < float("inf"):  # also refuses NaN
+            raise InvalidArgumentError(f"merge_wait_s must be a finite number >= 0, got {self.merge_wait_s}",
+                                       field="merge_wait_s")
         if not self.min_ping_interval_s > 0:
             raise InvalidArgumentError(f"min_ping_interval_s must be > 0, got {self.min_ping_interval_s}",
                                        field="min_ping_interval_s")

@@ -55,6 +55,17 @@ class LeaseTable:
         with self._lock:
             return len(self._owner)
 
+    def holder_of(self, slot_id: str) -> str | None:
+        """The holder of `slot_id` (None: no such slot, or one created without a lease)."""
+        with self._lock:
+            owner = self._owner.get(slot_id)
+            return None if owner is None else owner.holder
+
+    def holders_with_slots(self) -> set[str]:
+        """The holders that own at least one slot here."""
+        with self._lock:
+            return {lease.holder for lease in self._owner.values()}
+
     def slots_held_with(self, slot_id: str) -> list[str]:
         """Every slot the holder of `slot_id` owns, `slot_id` among them (none for a slot
         created without a lease): what one gateway holds, whatever its calls' batches."""

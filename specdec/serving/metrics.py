@@ -43,6 +43,11 @@ class ServiceStats:
     compute: dict[str, Distribution] = field(default_factory=dict)
     batch_size: dict[str, Distribution] = field(default_factory=dict)
     tokens: dict[str, Distribution] = field(default_factory=dict)
+    #: Calls that ran in one forward with another gateway's (`specdec.serving.call_merger`).
+    merged_calls: dict[str, int] = field(default_factory=dict)
+    #: Holds of a run for due gateways' calls: seconds held, and the gateways that came / were missed.
+    merge_wait: dict[str, Distribution] = field(default_factory=dict)
+    merge_waits: dict[tuple[str, ...], int] = field(default_factory=dict)  # (method, outcome) -> count
 
     def __post_init__(self) -> None:
         for method in self.methods:
@@ -53,6 +58,10 @@ class ServiceStats:
             self.compute[method] = Distribution(LATENCY_BUCKETS)
             self.batch_size[method] = Distribution(BATCH_BUCKETS)
             self.tokens[method] = Distribution(TOKEN_BUCKETS)
+            self.merged_calls[method] = 0
+            self.merge_wait[method] = Distribution(LATENCY_BUCKETS)
+            for outcome in ("joined", "missed"):
+                self.merge_waits[(method, outcome)] = 0
 
     def record_rpc(self, method: str, seconds: float, code: str) -> None:
         """An rpc finished with status `code` ("OK" or a grpc.StatusCode name)."""
@@ -65,6 +74,14 @@ class ServiceStats:
         self.compute[method].observe(compute_s)
         self.batch_size[method].observe(batch_size)
         self.tokens[method].observe(tokens)
+
+    def record_merged(self, method: str, calls: int) -> None:
+        self.merged_calls[method] += calls
+
+    def record_merge_wait(self, method: str, seconds: float, joined: int, missed: int) -> None:
+        self.merge_wait[method].observe(seconds)
+        self.merge_waits[(method, "joined")] += joined
+        self.merge_waits[(method, "missed")] += missed
 
 
 def service_families(stats: ServiceStats, engine: ModelEngine, prefix: str) -> Iterator[Metric]:
@@ -80,10 +97,16 @@ def service_families(stats: ServiceStats, engine: ModelEngine, prefix: str) -> I
     yield f.counter("service_rpc_errors", "Rpcs that ended with a non-OK status", ["method", "code"], stats.errors)
     yield f.histogram("service_compute_seconds", "Compute time on the model worker", ["method"],
                       {(m,): d for m, d in stats.compute.items()})
-    yield f.histogram("service_forward_batch_size", "Requests per call", ["method"],
-                      {(m,): d for m, d in stats.batch_size.items()})
-    yield f.histogram("service_forward_tokens", "New tokens per call, over its requests", ["method"],
+    yield f.histogram("service_forward_batch_size", "Requests per run (calls merged across gateways run as one)",
+                      ["method"], {(m,): d for m, d in stats.batch_size.items()})
+    yield f.histogram("service_forward_tokens", "New tokens per run, over its requests", ["method"],
                       {(m,): d for m, d in stats.tokens.items()})
+    yield f.counter("service_merged_calls", "Calls that ran in one forward with another gateway's calls", ["method"],
+                    {(m,): n for m, n in stats.merged_calls.items()})
+    yield f.histogram("service_merge_wait_seconds", "How long a run was held for other gateways' calls that were due",
+                      ["method"], {(m,): d for m, d in stats.merge_wait.items()})
+    yield f.counter("service_merge_waits", "Gateways a held run waited for, by whether their call came in time",
+                    ["method", "outcome"], stats.merge_waits)
     blocks = engine.cache.blocks
     yield f.gauge("service_kv_blocks", "KV-cache blocks", ["state"],
                   {("free",): blocks.num_free_blocks, ("used",): blocks.num_blocks - blocks.num_free_blocks})

@@ -6,14 +6,18 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable, Sequence
+from dataclasses import dataclass
 
 import grpc
 
 from specdec.errors import InvalidArgumentError
+from specdec.serving.call_merger import CallMerger, split
 from specdec.serving.errors import grpc_errors, grpc_stream_errors
 from specdec.serving.grpc_server import RunningServer
+from specdec.serving.metrics import ServiceStats
 from specdec.serving.model_service import SlotServicer, start_model_service
+from specdec.serving.serial_executor import SerialExecutor
 from specdec.target_server.config import TargetConfig
 from specdec.target_server.engine import TargetEngine
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
@@ -25,10 +29,44 @@ from specdec.wire.tensor_codec import torch_dtype
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
+@dataclass(frozen=True)
+class VerifyCall:
+    """One Verify's requests, as the call merger runs them: `deadline` a `time.monotonic` instant."""
+
+    items: list[VerifyItem]
+    deadline: float | None
+    holder: str | None
+    key: Hashable = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.items)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(item.tokens) for item in self.items)
+
+
+def verify_together(engine: TargetEngine, calls: Sequence[VerifyCall]) -> list[list[VerifiedChunk]]:
+    """Several Verify calls in one engine call; decode steps stop at the earliest deadline."""
+    deadlines = [call.deadline for call in calls if call.deadline is not None]
+    results = engine.verify([item for call in calls for item in call.items], min(deadlines, default=None))
+    return split(results, [len(call.items) for call in calls])
+
+
 class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
-    """Prefill, Verify and ExportKV; Info, Truncate and Release come from `SlotServicer`."""
+    """Prefill, Verify and ExportKV; Info, Truncate and Release come from `SlotServicer`.
+    Verify calls from several gateways run merged (`specdec.serving.call_merger`)."""
 
     engine: TargetEngine
+
+    def __init__(self, engine: TargetEngine, worker: SerialExecutor, stats: ServiceStats) -> None:
+        super().__init__(engine, worker, stats)
+        self.verifies = CallMerger[VerifyCall, list[VerifiedChunk], target_pb2.VerifyResponse](
+            "Verify", worker, functools.partial(verify_together, engine),
+            lambda call, results: _verify_response(results, engine.room([item.slot_id for item in call.items])),
+            engine.leases.holders_with_slots, stats, engine.config.merge_wait_s,
+        )
 
     @grpc_errors
     async def Prefill(
@@ -66,12 +104,8 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
         if remaining is None and request.timeout_s > 0:
             remaining = request.timeout_s
         deadline = time.monotonic() + remaining if remaining is not None else None
-        slots = [item.slot_id for item in items]
-        response, compute_s = await self.worker.run_timed(
-            functools.partial(self.engine.verify, items, deadline),
-            lambda results: _verify_response(results, self.engine.room(slots)),
-        )
-        self.stats.record_work("Verify", compute_s, len(items), sum(len(i.tokens) for i in items))
+        holder = self.engine.leases.holder_of(items[0].slot_id) if items else None
+        response, compute_s = await self.verifies.submit(VerifyCall(items, deadline, holder))
         response.compute_s = compute_s
         return response
 

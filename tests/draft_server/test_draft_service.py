@@ -328,14 +328,14 @@ def test_health_check_answers_while_propose_runs_on_the_worker(
 ) -> None:
     engine = draft.engine
     started, finish = threading.Event(), threading.Event()
-    real_propose = engine.propose
+    real_propose = engine.propose_together
 
     def slow_propose(*args: Any) -> object:
         started.set()
         finish.wait(timeout=60)
         return real_propose(*args)
 
-    monkeypatch.setattr(engine, "propose", slow_propose)
+    monkeypatch.setattr(engine, "propose_together", slow_propose)
     pending = draft.stub.Propose.future(draft_pb2.ProposeRequest(items=[item("s", prompts[0], 2)]))
     try:
         assert started.wait(timeout=30), "Propose never reached the worker"

@@ -166,14 +166,14 @@ def test_a_hung_draft_costs_one_deadline_and_the_output_stays_exact(
     stack = start_stack(int8_runtime, rpc_timeout_floor_s=2.0)
     with stack.client() as client:
         expected = client.generate(STORY, max_new_tokens=40, speculative=False).token_ids
-    propose, hangs = stack.draft.propose, [4.0]
+    propose, hangs = stack.draft.propose_together, [4.0]
 
     def hanging_propose(*args: Any, **kwargs: Any) -> object:
         if hangs:
             time.sleep(hangs.pop())  # on the draft's model worker: Propose, not the loop, hangs
         return propose(*args, **kwargs)
 
-    monkeypatch.setattr(stack.draft, "propose", hanging_propose)
+    monkeypatch.setattr(stack.draft, "propose_together", hanging_propose)
     with stack.client() as client:
         result = client.generate(STORY, max_new_tokens=40, num_speculative_tokens=4)
         info = client.info()

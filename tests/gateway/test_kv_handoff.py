@@ -37,18 +37,18 @@ def spied(monkeypatch: pytest.MonkeyPatch) -> Callable[[Stack], dict[str, list[A
     def spy(stack: Stack) -> dict[str, list[Any]]:
         assert stack.draft is not None
         calls: dict[str, list[Any]] = {"imports": [], "proposes": []}
-        import_kv, propose = stack.draft.import_kv, stack.draft.propose
+        import_kv, propose = stack.draft.import_kv, stack.draft.propose_together
 
         def counting_import(header: Any, kv: torch.Tensor) -> int:
             calls["imports"].append(header)
             return import_kv(header, kv)
 
-        def counting_propose(items: list[ProposeItem], *args: Any) -> Any:
-            calls["proposes"].extend(items)
-            return propose(items, *args)
+        def counting_propose(merged: list[tuple[list[ProposeItem], Any]], *args: Any) -> Any:
+            calls["proposes"].extend(item for items, _ in merged for item in items)
+            return propose(merged, *args)
 
         monkeypatch.setattr(stack.draft, "import_kv", counting_import)
-        monkeypatch.setattr(stack.draft, "propose", counting_propose)
+        monkeypatch.setattr(stack.draft, "propose_together", counting_propose)
         return calls
 
     return spy

@@ -54,3 +54,33 @@ def test_two_gateways_share_pools_that_hold_one_batch_and_lose_nothing(
     stack.wait_until_idle()
     for engine in stack.engines():
         assert engine.cache.blocks.free_tokens == engine.cache.capacity_tokens
+
+
+def _merged_calls(metrics_port: int | None, method: str) -> float:
+    """`specdec_service_merged_calls_total{method}` of the service at `metrics_port`."""
+    assert metrics_port is not None
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "specdec_service_merged_calls_total" and sample.labels["method"] == method)
+
+
+def test_two_gateways_verify_calls_run_as_one_forward_with_exact_answers(
+    start_stack: StartStack, int8_runtime: ModelRuntime
+) -> None:
+    """The target's call merger (docs/deployment.md#shared-pools): a Verify waits while the
+    other gateway, which holds slots too, drafts, and both run in one forward. The hold is
+    pinned long, so it ends only when the other gateway's call comes or its last slot goes:
+    merging does not depend on how fast this machine drafts."""
+    options: dict[str, Any] = dict(max_batch_size=3, num_speculative_tokens=4)
+    stack = start_stack(int8_runtime, target=dict(metrics_port=0, merge_wait_s=30.0), draft=dict(metrics_port=0),
+                        **options)
+    other = start_stack.add_gateway(stack, **options)
+    with stack.client() as first, SpecdecClient(f"127.0.0.1:{other.port}", timeout=120) as second:
+        references = [first.generate(p, max_new_tokens=NEW_TOKENS, speculative=False) for p in PROMPTS]
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            futures = [pool.submit(client.generate, prompt, max_new_tokens=NEW_TOKENS)
+                       for client, prompt in zip([first, second] * 3, PROMPTS)]
+            results = [future.result() for future in futures]
+    assert [r.token_ids for r in results] == [r.token_ids for r in references]
+    assert _merged_calls(stack.servers[0].metrics_port, "Verify") > 0
+    stack.wait_until_idle()
