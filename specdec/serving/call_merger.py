@@ -11,8 +11,8 @@ the other drafts, and where the services share cores each turn is slowed by the 
 before a run the merger holds what it has, for up to `max_wait_s`, while another gateway is
 *due*: it owns slots here and has no call of this kind waiting or running (it is drafting, or
 between rounds). Once merged, the gateways get their answers together and stay in step. A
-gateway that does not come in time is *missed* and not waited for during a back-off (1 s,
-doubling to 30 s at most, reset when it next comes in time), so one that holds slots here but
+gateway that does not come in time is *missed* and not waited for during a back-off (5 holds,
+doubling to 150 at most, reset when it next comes in time), so one that holds slots here but
 calls rarely (its requests decode without a draft) costs a wait now and then, not every run.
 
 One call's bad input must not fail the others: when a merged run raises, each call runs
@@ -35,8 +35,9 @@ from specdec.serving.serial_executor import SerialExecutor
 
 log = logging.getLogger(__name__)
 
-#: Seconds a missed gateway is not waited for: the first back-off, and the longest.
-FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
+#: A missed gateway's back-off, in holds (`max_wait_s`): the first, doubled per miss up to the
+#: longest. A gateway that never comes then costs a fifth of the time at first, under 1 % soon.
+FIRST_BACKOFF_HOLDS, MAX_BACKOFF_HOLDS = 5, 150
 #: Seconds without a merged run after which merging is logged as stopped.
 QUIET_S = 10.0
 #: While held, which gateways are due is looked at again this often (one may release its last slot).
@@ -110,8 +111,10 @@ class CallMerger(Generic[C, Out, R]):
     stats: ServiceStats
     max_wait_s: float
     clock: Callable[[], float] = time.monotonic
-    first_backoff_s: float = FIRST_BACKOFF_S
-    max_backoff_s: float = MAX_BACKOFF_S
+    #: Back-off of a first miss, and the longest (seconds; None: `FIRST_BACKOFF_HOLDS` and
+    #: `MAX_BACKOFF_HOLDS` holds).
+    first_backoff_s: float | None = None
+    max_backoff_s: float | None = None
     _waiting: list[_Waiting[C, R]] = field(default_factory=list, init=False)
     _seen: dict[str, _Holder] = field(default_factory=dict, init=False)
     _arrived: asyncio.Event = field(default_factory=asyncio.Event, init=False)
@@ -191,7 +194,8 @@ class CallMerger(Generic[C, Out, R]):
             if seen is None:
                 continue
             if holder in missed:
-                seen.missed(now, self.first_backoff_s, self.max_backoff_s)
+                seen.missed(now, self.first_backoff_s or FIRST_BACKOFF_HOLDS * self.max_wait_s,
+                            self.max_backoff_s or MAX_BACKOFF_HOLDS * self.max_wait_s)
                 log.debug("%s: %s did not call within %.0f ms: not waited for during %.0f s", self.method, holder,
                           (now - started) * 1e3, seen.backoff_s)
             else:

@@ -22,7 +22,7 @@ from specdec.model.runtime import ModelRuntime
 from specdec.sampling.sparse_probs import MIN_DRAFT_PROB
 from specdec.v1 import common_pb2, draft_pb2
 from specdec.wire import items as wire_items
-from specdec.wire.items import sparse_from_pb
+from specdec.wire.items import Lease, ProposeItem, sparse_from_pb
 from tests.support.block_pool import check_pool
 from tests.support.services import Service, StartService, greedy_continuation, rpc_error
 
@@ -305,6 +305,26 @@ def test_propose_reports_the_pools_room_and_what_the_callers_holder_holds(draft:
     assert (room.held_blocks, room.held_slots, room.free_slots) == (3, 2, 32 - 2)  # 23 and 3 tokens cached
     assert room.free_blocks + room.held_blocks == blocks
     for slot in ("a", "b"):
+        draft.stub.Release(common_pb2.ReleaseRequest(slot_id=slot))
+
+
+def test_two_gateways_proposes_in_one_batch_hold_each_new_slot_under_its_own_lease(
+    draft: Service, target_model: LoadedModel, prompts: list[list[int]]
+) -> None:
+    """`propose_together`, as the call merger runs two gateways' Propose calls (the service's
+    worker is idle: no rpc is in flight)."""
+    leases = [Lease("gw-a", "1"), Lease("gw-b", "1")]
+    calls = [([ProposeItem.from_pb(item("ma", prompts[0], 3))], leases[0]),
+             ([ProposeItem.from_pb(item("mb", prompts[1], 2)), ProposeItem.from_pb(item("mc", prompts[2], 4))],
+              leases[1])]
+    proposals = draft.engine.propose_together(calls)
+    assert [[p.slot_id for p in call] for call in proposals] == [["ma"], ["mb", "mc"]]
+    for call, (items, lease) in zip(proposals, calls):
+        for proposal, request in zip(call, items):
+            assert draft.engine.leases.holder_of(request.slot_id) == lease.holder
+            assert list(proposal.tokens) == greedy_continuation(target_model, request.new_tokens,
+                                                                request.num_speculative_tokens)
+    for slot in ("ma", "mb", "mc"):
         draft.stub.Release(common_pb2.ReleaseRequest(slot_id=slot))
 
 

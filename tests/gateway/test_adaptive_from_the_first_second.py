@@ -31,7 +31,7 @@ def test_a_draft_slow_at_first_drafts_again(
     stack = start_stack(int8_runtime, adaptive_k=True, target_costs=TARGET_COSTS, draft_costs=DRAFT_COSTS)
     try:
         assert stack.draft is not None
-        slow_first(monkeypatch, stack.draft, "propose", 2.0, calls=2)
+        slow_first(monkeypatch, stack.draft, "propose_together", 2.0, calls=2)
         drafted: list[int] = []
         with stack.client() as client:
             while len(drafted) < MAX_REQUESTS and not resumed(drafted):

@@ -275,8 +275,9 @@ def eventually(condition: Callable[[], object], timeout: float = 60.0) -> bool:
 
 
 def slow_down(monkeypatch: pytest.MonkeyPatch, owner: object, method: str, seconds: float) -> None:
-    """Every call of `owner.method` (an engine's `verify`, `prefill` or `propose`) first sleeps
-    `seconds`, on the service's model worker as a slower machine would; restored after the test.
+    """Every call of `owner.method` (an engine's `verify`, `prefill` or `propose_together`: what
+    the servicers call) first sleeps `seconds`, on the service's model worker as a slower
+    machine would; restored after the test.
 
     For a test that needs a request still running at some point (a deadline passing, a cancel,
     a service killed mid-stream): a fixed cost per call makes that hold on any hardware, where
