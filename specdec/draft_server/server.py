@@ -64,11 +64,9 @@ class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
 
     def __init__(self, engine: DraftEngine, worker: SerialExecutor, stats: ServiceStats) -> None:
         super().__init__(engine, worker, stats)
-        self.proposals = CallMerger[ProposeCall, list[Proposal], draft_pb2.ProposeResponse](
-            "Propose", worker, functools.partial(propose_together, engine),
-            lambda call, proposals: _propose_response(proposals, engine.room([item.slot_id for item in call.items])),
-            engine.leases.holders_with_slots, stats, engine.config.merge_wait_s,
-        )
+        self.proposals: CallMerger[ProposeCall, list[Proposal], draft_pb2.ProposeResponse] = self.merged(
+            "Propose", functools.partial(propose_together, engine),
+            lambda call, proposals: _propose_response(proposals, engine.room([item.slot_id for item in call.items])))
 
     @grpc_errors
     async def Propose(

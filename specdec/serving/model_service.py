@@ -21,6 +21,7 @@ import torch
 from specdec.cost_model import ForwardCost
 from specdec.errors import InvalidArgumentError
 from specdec.model.runtime import ModelRuntime, build_runtime
+from specdec.serving.call_merger import CallMerger, WorkCall
 from specdec.serving.config import AUTO, ModelServiceConfig
 from specdec.serving.engine import ModelEngine
 from specdec.serving.errors import grpc_errors
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 E = TypeVar("E", bound=ModelEngine)
 C = TypeVar("C", bound=ModelServiceConfig)
 T = TypeVar("T")
+Call = TypeVar("Call", bound=WorkCall)
+Out = TypeVar("Out")
+Response = TypeVar("Response")
 
 
 class SlotServicer:
@@ -56,6 +60,15 @@ class SlotServicer:
         self.rpc_observer = stats
         #: Set when the service stops: streamed rpcs waiting for their next request end.
         self.closing = asyncio.Event()
+
+    def merged(
+        self, method: str, compute: Callable[[Sequence[Call]], Sequence[Out]],
+        encode: Callable[[Call, Out], Response],
+    ) -> CallMerger[Call, Out, Response]:
+        """The call merger of the work rpc `method`: several gateways' calls in one forward,
+        held up to the service's `merge_wait_s` for a gateway that is due."""
+        return CallMerger(method, self.worker, compute, encode, self.engine.leases.holders_with_slots, self.stats,
+                          self.engine.config.merge_wait_s)
 
     async def answer_each(
         self, context: grpc.aio.ServicerContext, method: str, handle: Callable[[Req], Awaitable[Resp]]

@@ -62,11 +62,9 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
 
     def __init__(self, engine: TargetEngine, worker: SerialExecutor, stats: ServiceStats) -> None:
         super().__init__(engine, worker, stats)
-        self.verifies = CallMerger[VerifyCall, list[VerifiedChunk], target_pb2.VerifyResponse](
-            "Verify", worker, functools.partial(verify_together, engine),
-            lambda call, results: _verify_response(results, engine.room([item.slot_id for item in call.items])),
-            engine.leases.holders_with_slots, stats, engine.config.merge_wait_s,
-        )
+        self.verifies: CallMerger[VerifyCall, list[VerifiedChunk], target_pb2.VerifyResponse] = self.merged(
+            "Verify", functools.partial(verify_together, engine),
+            lambda call, results: _verify_response(results, engine.room([item.slot_id for item in call.items])))
 
     @grpc_errors
     async def Prefill(
