@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -70,8 +71,7 @@ def split(outputs: Sequence[T], sizes: Sequence[int]) -> list[list[T]]:
     """`outputs` of a merged engine call, one per request, cut back into its calls' `sizes`."""
     if sum(sizes) != len(outputs):
         raise ValueError(f"{len(outputs)} outputs for calls of {list(sizes)} requests")
-    ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
-    return [list(outputs[end - size: end]) for size, end in zip(sizes, ends)]
+    return [list(outputs[end - size: end]) for size, end in zip(sizes, itertools.accumulate(sizes))]
 
 
 @dataclass(eq=False)
@@ -189,9 +189,10 @@ class CallMerger(Generic[C, Out, R]):
         if not waited:
             return
         now = self.clock()
+        joined = 0
         for holder in waited:
             seen = self._seen.get(holder)
-            if seen is None:
+            if seen is None:  # it released its last slot meanwhile
                 continue
             if holder in missed:
                 seen.missed(now, self.first_backoff_s or FIRST_BACKOFF_HOLDS * self.max_wait_s,
@@ -200,7 +201,8 @@ class CallMerger(Generic[C, Out, R]):
                           (now - started) * 1e3, seen.backoff_s)
             else:
                 seen.backoff_s = 0.0
-        self.stats.record_merge_wait(self.method, now - started, len(waited - missed), len(missed))
+                joined += 1
+        self.stats.record_merge_wait(self.method, now - started, joined, len(missed))
 
     async def _run(self, group: list[_Waiting[C, R]]) -> None:
         calls = [w.call for w in group]

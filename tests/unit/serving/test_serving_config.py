@@ -94,7 +94,8 @@ def test_quantize_is_an_alias_of_quantization() -> None:
         dict(max_seq_len=-1), dict(group_size=0), dict(threads=-1), dict(cpu_cores="0-x"), dict(cpu_cores="3-1"),
         dict(compile_budget_s=-1.0), dict(compile_budget_s=float("nan")), dict(device="gpu0"),
         dict(attention="flash"),
-        dict(prefill_chunk_tokens=0),
+        dict(prefill_chunk_tokens=0), dict(merge_wait_s=-0.1), dict(merge_wait_s=float("nan")),
+        dict(merge_wait_s=float("inf")),
     ],
 )
 def test_bad_config_raises_a_typed_error(fields: dict[str, object]) -> None:
