@@ -119,6 +119,8 @@ class CallMerger(Generic[C, Out, R]):
     _seen: dict[str, _Holder] = field(default_factory=dict, init=False)
     _arrived: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _runner: asyncio.Task[None] | None = field(default=None, init=False)
+    #: A lone call runs in its caller's task (`_run_alone`).
+    _alone: bool = field(default=False, init=False)
     #: When a run last merged two holders' calls (None: not lately).
     _merged_at: float | None = field(default=None, init=False)
 
@@ -130,14 +132,33 @@ class CallMerger(Generic[C, Out, R]):
             self._seen.setdefault(call.holder, _Holder()).in_flight += 1
         self._waiting.append(waiting)
         self._arrived.set()
-        if self._runner is None or self._runner.done():
-            self._runner = asyncio.create_task(self._run_all(), name=f"specdec-merge-{self.method}")
+        if not self._alone and not self._running():
+            if len(self._waiting) == 1 and not self._due():
+                await self._run_alone(waiting)
+            else:
+                self._runner = asyncio.create_task(self._run_all(), name=f"specdec-merge-{self.method}")
         try:
             return await waiting.answer
         finally:
             if waiting in self._waiting:  # cancelled before it ran: it runs in no group
                 self._waiting.remove(waiting)
                 self._done(call)
+
+    def _running(self) -> bool:
+        return self._runner is not None and not self._runner.done()
+
+    async def _run_alone(self, waiting: _Waiting[C, R]) -> None:
+        """The one call, with nobody to hold for, run in its caller's task: no hop through a
+        runner task (a loop iteration of gRPC's poller each way). Calls arriving meanwhile
+        wait, and a runner takes them on after it."""
+        self._waiting.remove(waiting)
+        self._alone = True
+        try:
+            await self._run([waiting])
+        finally:
+            self._alone = False
+            if self._waiting and not self._running():
+                self._runner = asyncio.create_task(self._run_all(), name=f"specdec-merge-{self.method}")
 
     def _done(self, call: C) -> None:
         if (seen := self._seen.get(call.holder or "")) is not None:
@@ -211,8 +232,9 @@ class CallMerger(Generic[C, Out, R]):
                 functools.partial(self._compute_each, calls), functools.partial(self._encode_each, calls))
         except Exception as error:  # noqa: BLE001 - the worker itself failed (stopped): every caller hears
             answers, seconds = [error] * len(group), 0.0
-        except asyncio.CancelledError:  # the service stops: no caller waits for ever
+        except asyncio.CancelledError:  # the service stops, or a lone call's caller went away
             for waiting in group:
+                self._done(waiting.call)
                 waiting.answer.cancel()
             raise
         answered = self.clock()

@@ -236,6 +236,19 @@ def test_a_call_cancelled_while_waiting_never_runs() -> None:
     assert setup.engine.runs == [["a"], ["c"]]
 
 
+def test_a_lone_call_whose_caller_goes_away_leaves_its_gateway_due_again() -> None:
+    async def test(setup: Setup) -> None:
+        first, gate = await stalled_first(setup, Call("a", "A"))  # alone: run in its caller's task
+        first.cancel()
+        await settle()
+        gate.set()
+        await setup.merger.submit(Call("b", "B"))  # A holds slots, nothing in flight: b is held for it
+
+    setup = run(test, max_wait_s=0.1)
+    assert setup.engine.runs == [["a"], ["b"]]
+    assert setup.stats.merge_waits[("Verify", "missed")] == 1
+
+
 def test_split_cuts_a_merged_answer_back_into_its_calls() -> None:
     assert split(["a", "b", "c"], [2, 0, 1]) == [["a", "b"], [], ["c"]]
     with pytest.raises(ValueError, match="3 outputs"):
