@@ -12,9 +12,11 @@ Alternating rounds, each `streams` greedy requests at once: all on one gateway, 
 evenly over two. Counted: requests that failed (a RESOURCE_EXHAUSTED reaching a client is
 one), whether every answer equals the one-gateway answer for its prompt, aggregate decode
 throughput (completion tokens ÷ the round's wall time), the refusals and preemptions the
-gateways counted, and per layout how the planners speculated: mean K of the speculating
+gateways counted, per layout how the planners speculated: mean K of the speculating
 requests' rounds, the share of rounds a request could have drafted in but did not, and the
-acceptance rate (all from the gateways' `/metrics`).
+acceptance rate (all from the gateways' `/metrics`), and how the services merged the two
+gateways' calls: the target's Verify and the draft's Propose runs, and the calls of them
+that ran with the other gateway's (`specdec.serving.call_merger`, from the services' own).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from specdec.cli.launcher import ServiceProcess
 from specdec.client import GenerationResult, SpecdecClient
 from specdec_bench.results import cpu_model
 from specdec_bench.stack import running_stack, second_gateway
@@ -50,6 +53,35 @@ def _counters(metrics_port: int) -> dict[str, float]:
             if sample.name in out:
                 out[sample.name] += sample.value
     return out
+
+
+#: (service, work rpc) whose runs and merged calls the summary counts, from the services' /metrics.
+MERGED = (("target", "Verify"), ("draft", "Propose"))
+
+
+def _merge_counters(ports: dict[str, int]) -> dict[str, float]:
+    """Per service: its work rpc's runs (forwards) and the calls of them merged with another
+    gateway's (`specdec.serving.call_merger`)."""
+    out: dict[str, float] = {}
+    for service, method in MERGED:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{ports[service]}/metrics", timeout=10).read().decode()
+        out[f"{service} runs"] = out[f"{service} merged calls"] = 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.labels.get("method") != method:
+                    continue
+                if sample.name == "specdec_service_forward_batch_size_count":
+                    out[f"{service} runs"] += sample.value
+                elif sample.name == "specdec_service_merged_calls_total":
+                    out[f"{service} merged calls"] += sample.value
+    return out
+
+
+def _metrics_port(service: ServiceProcess) -> int:
+    port = service.ready.metrics_port if service.ready is not None else None
+    if port is None:
+        raise RuntimeError(f"{service.name}'s ready line names no metrics port")
+    return port
 
 
 def _gateways_counters(ports: list[int]) -> dict[str, float]:
@@ -103,27 +135,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     # One gateway's full batch: `batch` requests of a chat prompt (under 64 tokens) and `tokens`
     # more, with a round's room; rounded up to whole blocks of 16.
     budget = args.pools_hold * args.batch * -(-(64 + args.tokens + 16) // 16) * 16
-    pool = f"--kv-token-budget {budget} {args.service_args}"
+    pool = f"--kv-token-budget {budget} --metrics-port 0 {args.service_args}"
     gateway_args = f"--max-batch-size {args.batch} --max-queue {args.streams}"
     if args.k:
         gateway_args += f" --no-adaptive-k --num-speculative-tokens {args.k}"
     rates: dict[str, list[float]] = {"one gateway": [], "two gateways": []}
     lost: dict[str, int] = dict.fromkeys(rates, 0)
     counted = {name: dict.fromkeys(COUNTERS, 0.0) for name in rates}
+    merged: dict[str, dict[str, float]] = {name: {} for name in rates}
     answers: dict[str, list[int]] = {}
     unequal = 0
     with running_stack(target_args=pool, draft_args=pool, gateway_args=gateway_args) as stack, \
             second_gateway(stack, gateway_args) as other:
         assert other.ready is not None and other.ready.metrics_port is not None
         ports = [stack.metrics_port, other.ready.metrics_port]
+        service_ports = {"target": _metrics_port(stack.target), "draft": _metrics_port(stack.draft)}
         layouts = {"one gateway": [stack.gateway.address], "two gateways": [stack.gateway.address, other.address]}
         for _ in range(args.rounds):
             for name, addresses in layouts.items():
-                before = _gateways_counters(ports)
+                before, merged_before = _gateways_counters(ports), _merge_counters(service_ports)
                 wall, results = _round(addresses, prompts, args.tokens)
-                after = _gateways_counters(ports)
+                after, merged_after = _gateways_counters(ports), _merge_counters(service_ports)
                 for counter in COUNTERS:
                     counted[name][counter] += after[counter] - before[counter]
+                for counter, value in merged_after.items():
+                    merged[name][counter] = merged[name].get(counter, 0.0) + value - merged_before[counter]
                 done = [r for r in results if isinstance(r, GenerationResult)]
                 lost[name] += len(results) - len(done)
                 rates[name].append(sum(r.completion_tokens for r in done) / wall)
@@ -140,7 +176,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "two_over_one": statistics.median(b / a for a, b in zip(rates["one gateway"], rates["two gateways"])),
         "pool_refusals": sum(c[COUNTERS[0]] for c in counted.values()),
         "preemptions": sum(c[COUNTERS[1]] for c in counted.values()),
-        "speculation": {name: _speculation(c) for name, c in counted.items()}, "k": args.k or "adaptive",
+        "speculation": {name: _speculation(c) for name, c in counted.items()},
+        "merged": merged, "k": args.k or "adaptive",
         "service_args": args.service_args,
     }
     print(json.dumps(summary, indent=2))
