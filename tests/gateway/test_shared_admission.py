@@ -10,6 +10,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.client import SpecdecClient
@@ -64,16 +65,20 @@ def _merged_calls(metrics_port: int | None, method: str) -> float:
                if sample.name == "specdec_service_merged_calls_total" and sample.labels["method"] == method)
 
 
-def test_two_gateways_verify_calls_run_as_one_forward_with_exact_answers(
-    start_stack: StartStack, int8_runtime: ModelRuntime
+@pytest.mark.parametrize("held", ["target", "draft"])
+def test_two_gateways_calls_run_as_one_forward_with_exact_answers(
+    held: str, start_stack: StartStack, int8_runtime: ModelRuntime
 ) -> None:
-    """The target's call merger (docs/deployment.md#shared-pools): a Verify waits while the
-    other gateway, which holds slots too, drafts, and both run in one forward. The hold is
-    pinned long, so it ends only when the other gateway's call comes or its last slot goes:
-    merging does not depend on how fast this machine drafts."""
+    """The services' call merger (docs/deployment.md#shared-pools): a Verify (a Propose) waits
+    while the other gateway, which holds slots there too, drafts (verifies), and both run in
+    one forward, each new slot under its own gateway's lease. One service's hold is pinned
+    long and the other's off (held long at both, each would wait for the other's held call),
+    so it ends only when the other gateway's call comes or its last slot goes: merging does
+    not depend on how fast this machine runs a forward."""
+    waits = {"target": 0.0, "draft": 0.0, held: 30.0}
     options: dict[str, Any] = dict(max_batch_size=3, num_speculative_tokens=4)
-    stack = start_stack(int8_runtime, target=dict(metrics_port=0, merge_wait_s=30.0), draft=dict(metrics_port=0),
-                        **options)
+    stack = start_stack(int8_runtime, target=dict(metrics_port=0, merge_wait_s=waits["target"]),
+                        draft=dict(metrics_port=0, merge_wait_s=waits["draft"]), **options)
     other = start_stack.add_gateway(stack, **options)
     with stack.client() as first, SpecdecClient(f"127.0.0.1:{other.port}", timeout=120) as second:
         references = [first.generate(p, max_new_tokens=NEW_TOKENS, speculative=False) for p in PROMPTS]
@@ -82,5 +87,6 @@ def test_two_gateways_verify_calls_run_as_one_forward_with_exact_answers(
                        for client, prompt in zip([first, second] * 3, PROMPTS)]
             results = [future.result() for future in futures]
     assert [r.token_ids for r in results] == [r.token_ids for r in references]
-    assert _merged_calls(stack.servers[0].metrics_port, "Verify") > 0
+    server, method = (stack.servers[0], "Verify") if held == "target" else (stack.servers[1], "Propose")
+    assert _merged_calls(server.metrics_port, method) > 0
     stack.wait_until_idle()
