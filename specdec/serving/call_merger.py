@@ -132,12 +132,12 @@ class CallMerger(Generic[C, Out, R]):
             self._seen.setdefault(call.holder, _Holder()).in_flight += 1
         self._waiting.append(waiting)
         self._arrived.set()
-        if not self._alone and not self._running():
-            if len(self._waiting) == 1 and not self._due():
-                await self._run_alone(waiting)
-            else:
-                self._runner = asyncio.create_task(self._run_all(), name=f"specdec-merge-{self.method}")
         try:
+            if not self._alone and not self._running():
+                if len(self._waiting) == 1 and not self._due():
+                    await self._run_alone(waiting)
+                else:
+                    self._runner = asyncio.create_task(self._run_all(), name=f"specdec-merge-{self.method}")
             return await waiting.answer
         finally:
             if waiting in self._waiting:  # cancelled before it ran: it runs in no group
@@ -165,11 +165,17 @@ class CallMerger(Generic[C, Out, R]):
             seen.in_flight = max(0, seen.in_flight - 1)
 
     async def _run_all(self) -> None:
-        while self._waiting:
-            await self._hold()
-            group = self._take()
-            if group:
-                await self._run(group)
+        try:
+            while self._waiting:
+                await self._hold()
+                group = self._take()
+                if group:
+                    await self._run(group)
+        except Exception as error:  # a bug here must not leave callers waiting for ever
+            log.exception("%s: the call merger failed; the calls waiting in it fail", self.method)
+            for waiting in self._waiting:
+                if not waiting.answer.done():
+                    waiting.answer.set_exception(error)
 
     def _take(self) -> list[_Waiting[C, R]]:
         """Every waiting call with the first one's key, in arrival order."""

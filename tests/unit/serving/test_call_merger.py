@@ -249,6 +249,23 @@ def test_a_lone_call_whose_caller_goes_away_leaves_its_gateway_due_again() -> No
     assert setup.stats.merge_waits[("Verify", "missed")] == 1
 
 
+def test_a_failure_in_the_merger_fails_the_waiting_calls_instead_of_leaving_them() -> None:
+    def broken() -> set[str]:
+        raise RuntimeError("lease table broken")
+
+    async def test(setup: Setup) -> None:
+        first, gate = await stalled_first(setup, Call("a", "A"))
+        [waiting] = submit(setup, Call("b", "B"))
+        await settle()
+        setup.merger.holders = broken  # the runner that takes b on after a asks for the holders
+        gate.set()
+        await first
+        with pytest.raises(RuntimeError, match="lease table broken"):
+            await asyncio.wait_for(waiting, 30)
+
+    run(test, max_wait_s=0.1)
+
+
 def test_split_cuts_a_merged_answer_back_into_its_calls() -> None:
     assert split(["a", "b", "c"], [2, 0, 1]) == [["a", "b"], [], ["c"]]
     with pytest.raises(ValueError, match="3 outputs"):
