@@ -137,7 +137,7 @@ class CallMerger(Generic[C, Out, R]):
                 if len(self._waiting) == 1 and not self._due():
                     await self._run_alone(waiting)
                 else:
-                    self._runner = asyncio.create_task(self._run_all(), name=f"specdec-merge-{self.method}")
+                    self._start_runner()
             return await waiting.answer
         finally:
             if waiting in self._waiting:  # cancelled before it ran: it runs in no group
@@ -146,6 +146,9 @@ class CallMerger(Generic[C, Out, R]):
 
     def _running(self) -> bool:
         return self._runner is not None and not self._runner.done()
+
+    def _start_runner(self) -> None:
+        self._runner = asyncio.create_task(self._run_all(), name=f"specdec-merge-{self.method}")
 
     async def _run_alone(self, waiting: _Waiting[C, R]) -> None:
         """The one call, with nobody to hold for, run in its caller's task: no hop through a
@@ -158,7 +161,7 @@ class CallMerger(Generic[C, Out, R]):
         finally:
             self._alone = False
             if self._waiting and not self._running():
-                self._runner = asyncio.create_task(self._run_all(), name=f"specdec-merge-{self.method}")
+                self._start_runner()
 
     def _done(self, call: C) -> None:
         if (seen := self._seen.get(call.holder or "")) is not None:
@@ -224,7 +227,7 @@ class CallMerger(Generic[C, Out, R]):
             if holder in missed:
                 seen.missed(now, self.first_backoff_s or FIRST_BACKOFF_HOLDS * self.max_wait_s,
                             self.max_backoff_s or MAX_BACKOFF_HOLDS * self.max_wait_s)
-                log.debug("%s: %s did not call within %.0f ms: not waited for during %.0f s", self.method, holder,
+                log.debug("%s: %s did not call within %.0f ms: not waited for during %.2f s", self.method, holder,
                           (now - started) * 1e3, seen.backoff_s)
             else:
                 seen.backoff_s = 0.0
