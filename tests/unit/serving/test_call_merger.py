@@ -106,14 +106,20 @@ def submit(setup: Setup, *calls: Call) -> list[asyncio.Task[tuple[str, float]]]:
     return [asyncio.create_task(setup.merger.submit(call)) for call in calls]
 
 
+async def behind_stalled(setup: Setup, first: Call, *later: Call) -> list[tuple[str, float] | BaseException]:
+    """`later` submitted while the engine is stalled in `first`, then the stall ends: every
+    call's answer or error, `first`'s first."""
+    task, gate = await stalled_first(setup, first)
+    tasks = submit(setup, *later)
+    await settle()
+    gate.set()
+    return await asyncio.gather(task, *tasks, return_exceptions=True)
+
+
 def test_calls_that_wait_for_the_worker_run_as_one() -> None:
     async def test(setup: Setup) -> None:
-        first, gate = await stalled_first(setup, Call("a", "A"))
-        later = submit(setup, Call("b", "B"), Call("c", "C"))
-        await settle()
-        gate.set()
-        assert await first == ("A", 5.0)
-        assert [await task for task in later] == [("B", 5.0), ("C", 5.0)]  # both hear the run's compute time
+        answers = await behind_stalled(setup, Call("a", "A"), Call("b", "B"), Call("c", "C"))
+        assert answers == [("A", 5.0), ("B", 5.0), ("C", 5.0)]  # b and c hear their one run's compute time
 
     setup = run(test, max_wait_s=0.0, holders={"A", "B", "C"})
     assert setup.engine.runs == [["a"], ["b", "c"]]
@@ -123,11 +129,8 @@ def test_calls_that_wait_for_the_worker_run_as_one() -> None:
 
 def test_one_gateways_calls_together_are_not_counted_as_merged() -> None:
     async def test(setup: Setup) -> None:
-        first, gate = await stalled_first(setup, Call("a", "A"))
-        later = submit(setup, Call("b", "B"), Call("c", "B"))
-        await settle()
-        gate.set()
-        await asyncio.gather(first, *later)
+        answers = await behind_stalled(setup, Call("a", "A"), Call("b", "B"), Call("c", "B"))
+        assert answers == [("A", 5.0), ("B", 5.0), ("C", 5.0)]
 
     setup = run(test, max_wait_s=0.0)
     assert setup.engine.runs == [["a"], ["b", "c"]]
@@ -196,14 +199,9 @@ def test_no_hold_for_one_gateway_alone_a_gateway_without_slots_or_a_zero_wait() 
 
 def test_a_calls_bad_input_fails_that_call_alone() -> None:
     async def test(setup: Setup) -> None:
-        first, gate = await stalled_first(setup, Call("a", "A"))
-        good, bad = submit(setup, Call("b", "B"), Call("c", "C", bad=True))
-        await settle()
-        gate.set()
-        await first
-        assert await good == ("B", 5.0)
-        with pytest.raises(ValueError, match=r"\['c'\]"):
-            await bad
+        _, good, bad = await behind_stalled(setup, Call("a", "A"), Call("b", "B"), Call("c", "C", bad=True))
+        assert good == ("B", 5.0)
+        assert isinstance(bad, ValueError) and "['c']" in str(bad)
 
     setup = run(test, max_wait_s=0.0, holders={"A", "B", "C"})
     assert setup.engine.runs == [["a"], ["b", "c"], ["b"], ["c"]]
@@ -211,11 +209,9 @@ def test_a_calls_bad_input_fails_that_call_alone() -> None:
 
 def test_calls_of_another_key_run_apart() -> None:
     async def test(setup: Setup) -> None:
-        first, gate = await stalled_first(setup, Call("a", "A"))
-        later = submit(setup, Call("b", "B", key=1), Call("c", "C", key=2), Call("d", "D", key=1))
-        await settle()
-        gate.set()
-        await asyncio.gather(first, *later)
+        answers = await behind_stalled(setup, Call("a", "A"), Call("b", "B", key=1), Call("c", "C", key=2),
+                                       Call("d", "D", key=1))
+        assert answers == [("A", 5.0), ("B", 5.0), ("C", 5.0), ("D", 5.0)]
 
     setup = run(test, max_wait_s=0.0, holders={"A", "B", "C", "D"})
     assert setup.engine.runs == [["a"], ["b", "d"], ["c"]]
