@@ -26,11 +26,12 @@ import json
 import statistics
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from specdec.cli.launcher import ServiceProcess
 from specdec.client import GenerationResult, SpecdecClient
@@ -45,13 +46,18 @@ COUNTERS = (
 )
 
 
-def _counters(metrics_port: int) -> dict[str, float]:
+def _samples(metrics_port: int) -> Iterator[Sample]:
+    """Every sample of the Prometheus endpoint at `metrics_port`."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    out = dict.fromkeys(COUNTERS, 0.0)
     for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in out:
-                out[sample.name] += sample.value
+        yield from family.samples
+
+
+def _counters(metrics_port: int) -> dict[str, float]:
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for sample in _samples(metrics_port):
+        if sample.name in out:
+            out[sample.name] += sample.value
     return out
 
 
@@ -64,16 +70,14 @@ def _merge_counters(ports: dict[str, int]) -> dict[str, float]:
     gateway's (`specdec.serving.call_merger`)."""
     out: dict[str, float] = {}
     for service, method in MERGED:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{ports[service]}/metrics", timeout=10).read().decode()
         out[f"{service} runs"] = out[f"{service} merged calls"] = 0.0
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.labels.get("method") != method:
-                    continue
-                if sample.name == "specdec_service_forward_batch_size_count":
-                    out[f"{service} runs"] += sample.value
-                elif sample.name == "specdec_service_merged_calls_total":
-                    out[f"{service} merged calls"] += sample.value
+        for sample in _samples(ports[service]):
+            if sample.labels.get("method") != method:
+                continue
+            if sample.name == "specdec_service_forward_batch_size_count":
+                out[f"{service} runs"] += sample.value
+            elif sample.name == "specdec_service_merged_calls_total":
+                out[f"{service} merged calls"] += sample.value
     return out
 
 

@@ -7,11 +7,13 @@ target's greedy output, and no slot is left behind."""
 from __future__ import annotations
 
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from specdec.client import SpecdecClient
 from specdec.model.runtime import ModelRuntime
@@ -25,13 +27,18 @@ NEW_TOKENS = 40
 POOL = dict(kv_token_budget=12 * 16, block_size=16)
 
 
-def _preempted_or_refused(metrics_port: int | None) -> float:
-    """Preemptions and refusals for room: what contended pools cost a gateway."""
+def _metric_sum(metrics_port: int | None, keep: Callable[[Sample], bool]) -> float:
+    """The sum of the samples `keep` picks at the Prometheus endpoint on `metrics_port`."""
     assert metrics_port is not None
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    names = {"specdec_num_pool_refusals_total", "specdec_num_preemptions_total"}
     return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name in names)
+               if keep(sample))
+
+
+def _preempted_or_refused(metrics_port: int | None) -> float:
+    """Preemptions and refusals for room: what contended pools cost a gateway."""
+    names = {"specdec_num_pool_refusals_total", "specdec_num_preemptions_total"}
+    return _metric_sum(metrics_port, lambda sample: sample.name in names)
 
 
 def test_two_gateways_share_pools_that_hold_one_batch_and_lose_nothing(
@@ -59,10 +66,8 @@ def test_two_gateways_share_pools_that_hold_one_batch_and_lose_nothing(
 
 def _merged_calls(metrics_port: int | None, method: str) -> float:
     """`specdec_service_merged_calls_total{method}` of the service at `metrics_port`."""
-    assert metrics_port is not None
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == "specdec_service_merged_calls_total" and sample.labels["method"] == method)
+    return _metric_sum(metrics_port, lambda sample: sample.name == "specdec_service_merged_calls_total"
+                       and sample.labels["method"] == method)
 
 
 @pytest.mark.parametrize("held", ["target", "draft"])
