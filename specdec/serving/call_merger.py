@@ -190,7 +190,8 @@ class CallMerger(Generic[C, Out, R]):
         return group
 
     def _due(self) -> set[str]:
-        """Holders with slots here, no call of this kind waiting or running, and no back-off."""
+        """Holders with slots here, no call of this kind waiting or running, and no back-off
+        (and the ones gone from here, no slot and no call, are forgotten, back-off and all)."""
         active, now = self.holders(), self.clock()
         for gone in [h for h, seen in self._seen.items() if h not in active and not seen.in_flight]:
             del self._seen[gone]
