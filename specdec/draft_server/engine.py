@@ -79,8 +79,9 @@ class DraftEngine(ModelEngine):
         feeds = {item.slot_id: list(item.new_tokens) for item in items}
         try:
             for call_items, lease in calls:
-                fresh = [item.slot_id for item in call_items if item.slot_id in new_slots]
-                feeds.update(self._allocate({slot_id: feeds[slot_id] for slot_id in fresh}, lease))
+                fresh = [item for item in call_items if item.slot_id in new_slots]
+                feeds.update(self._allocate({item.slot_id: feeds[item.slot_id] for item in fresh}, lease,
+                                            {item.slot_id: item.max_len for item in fresh}))
             for item in items:  # a slot an import created has none yet either
                 if item.sampling.seed is None and item.slot_id not in self.generators:
                     self.generators[item.slot_id] = make_generator(None, self.cache.device)
@@ -176,6 +177,7 @@ class DraftEngine(ModelEngine):
                 )
             else:
                 new_slots.append(item.slot_id)
+                self._check_max_len(item.slot_id, item.max_len)
             if not item.new_tokens:
                 raise InvalidArgumentError(f"new_tokens: slot {item.slot_id!r} sent none "
                                            "(at least the last accepted token is needed)", field="new_tokens")

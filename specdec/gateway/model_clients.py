@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, Protocol, TypeVar
 
 import grpc
@@ -202,7 +202,7 @@ class DraftClient(_ServiceClient[draft_pb2_grpc.DraftServiceStub]):
         """Import `pieces` into the slot `header` names, a new one held under this client's
         lease; returns the slot's cached length after it."""
         started = time.perf_counter()
-        requests = [ImportHeader(header.slot_id, header.valid_len, header.tokens, self.lease).to_pb(),
+        requests = [replace(header, lease=self.lease).to_pb(),
                     *(draft_pb2.ImportKVRequest(piece=piece) for piece in pieces)]
         response = await self.stub.ImportKV(iter(requests), timeout=timeout)
         return Timed(response.cached_len, response.compute_s, time.perf_counter() - started)

@@ -9,6 +9,14 @@ admission waits and the check before a round preempts against that, not against 
 pool. Word older than that is dropped, so a gateway that has sent nothing for a while is
 not shut out on old news; it admits against the whole pool and lets a refusal correct it.
 
+Each slot declares the most tokens it will hold (`Request.max_len`). While another gateway
+shares a pool, the service gives a new slot only the free blocks beyond every slot's
+reserved growth, and says how many those are (`PoolRoom.reserved_blocks`; the rule is
+`specdec.serving.reservations`). The gateway then admits a request only when its whole
+length fits there (`PoolRooms.reserves`), so that no request is admitted into room that
+requests already running will grow into: growing, they would preempt it or be preempted.
+A gateway alone is told of no reservation and admits on demand.
+
 A service checks every call against its real free blocks and slots and, when they fall
 short, refuses the call whole (RESOURCE_EXHAUSTED with the `CAPACITY_TRAILER`; see
 `specdec.errors`) and changes nothing. The gateway then loses no request:
@@ -20,17 +28,17 @@ short, refuses the call whole (RESOURCE_EXHAUSTED with the `CAPACITY_TRAILER`; s
   requests are preempted the same way, to give the draft's pool room.
 
 After a refusal the pool counts as full (none free, held what the gateway keeps there)
-until the service's next response. A service that reports its room needs nothing more:
+until the service's next response; a gateway left holding nothing has no response to wait
+for and tries again after its backoff. A service that reports its room needs nothing more:
 the next response says exactly how much room there is, and a batch limit learned from the
 refusal would leave that room unused. For a service from before the report, each refusal
 lowers the gateway's own batch limit to what it held after that step, so it does not admit
 straight back into the pool that just refused it; the limit rises by one every `PROBE_S`
 without a refusal, so a gateway learns when the others have left (a limit learned from
 refusals alone would keep its first mistake). A gateway that holds nothing and is refused
-a Prefill waits an exponential, jittered backoff before trying again (and, from a service
-that reports its room, until the mark of no room ages): it has no release of its own to
-wait for, and no response to bring news. Every change is logged and counted (`num_pool_refusals`,
-`admission_limit`).
+waits an exponential, jittered backoff before trying again: it has no release of its own
+to wait for. It tries with one request, the head of its queue, until one is admitted.
+Every change is logged and counted (`num_pool_refusals`, `admission_limit`).
 """
 
 from __future__ import annotations
@@ -52,8 +60,10 @@ log = logging.getLogger(__name__)
 #: A lowered batch limit rises by one after this long without a refusal.
 PROBE_S = 2.0
 #: Backoff of a gateway that holds nothing and is refused: from the first to the last, doubling.
+#: Short: a refused Prefill costs the service a check, and room another gateway frees is
+#: otherwise left idle until the next try.
 FIRST_BACKOFF_S = 0.05
-LAST_BACKOFF_S = 1.0
+LAST_BACKOFF_S = 0.25
 #: A service's word on its room counts this long: other gateways' requests come and go
 #: within it, and a gateway that has sent nothing for longer must not stay shut out.
 ROOM_FRESH_S = 1.0
@@ -149,6 +159,12 @@ class PoolContention:
             log.info("every model service reports its room: admission limit %d -> %d", self.limit, self.max_batch_size)
             self.limit = self.stats.admission_limit = self.max_batch_size
 
+    @property
+    def probing(self) -> bool:
+        """Refused holding nothing, and not admitted since: the next Prefill carries one request,
+        which a pool with any room takes (the gateway then hears of the room with every round)."""
+        return self._backoff_s > 0
+
     def may_try(self) -> bool:
         """Whether a Prefill may be sent now (not within a backoff)."""
         return self.clock() >= self._retry_at
@@ -199,22 +215,22 @@ class PoolRooms:
 
     def refused(self, service: str, held_blocks: int, held_slots: int) -> bool:
         """`service` refused a call for room: until its next response, the gateway may hold
-        there only what it keeps (`held_blocks` and `held_slots`). Returns whether the service
-        reports its room (False: one from before the report, which the batch limit covers)."""
+        there only what it keeps (`held_blocks` and `held_slots`); keeping nothing, it has no
+        response to wait for, and its word is dropped (its backoff paces it). Returns whether
+        the service reports its room (False: one from before the report, which the batch
+        limit covers)."""
         if service not in self.reporting:
             return False
-        self._views[service] = RoomView(PoolRoom(0, 0, held_blocks, held_slots), self.clock())
+        if held_slots:
+            self._views[service] = RoomView(PoolRoom(0, 0, held_blocks, held_slots), self.clock())
+        else:
+            self._views.pop(service, None)
         return True
 
     def capacity(self, pool: PoolLimits) -> tuple[int, int]:
         """The blocks and slots the gateway may hold in `pool`: what it holds and what is free
         there by the service's fresh word, within the pool; the whole pool without one."""
-        view = self._views.get(pool.name)
-        if view is not None and self.clock() - view.at > ROOM_FRESH_S:
-            del self._views[pool.name]
-            log.info("no word of the %s's room for %.1f s: admitting against its whole pool until the next",
-                     pool.name, ROOM_FRESH_S)
-            view = None
+        view = self._fresh(pool.name)
         if view is None:
             return pool.num_blocks, pool.max_slots
         room = view.room
@@ -230,6 +246,28 @@ class PoolRooms:
             if len(seqs) > slots or round_blocks(pool, seqs, max_seq_len, decode_steps) + headroom > blocks:
                 return False
         return True
+
+    def reserves(self, pools: list[PoolLimits], newcomers: list[Request], max_seq_len: int) -> bool:
+        """Whether every pool whose service's fresh word shows reserved growth (a shared pool)
+        holds `newcomers` at their whole length in the free blocks beyond it."""
+        for pool in pools:
+            view = self._fresh(pool.name)
+            if view is None or not view.room.reserved_blocks:
+                continue
+            whole = sum(pool.blocks_for(min(seq.max_len, max_seq_len)) for seq in newcomers)
+            if whole > view.room.free_blocks - view.room.reserved_blocks:
+                return False
+        return True
+
+    def _fresh(self, service: str) -> RoomView | None:
+        """The service's word on its room while fresh; None once it has aged (it is dropped)."""
+        view = self._views.get(service)
+        if view is not None and self.clock() - view.at > ROOM_FRESH_S:
+            del self._views[service]
+            log.info("no word of the %s's room for %.1f s: admitting against its whole pool until the next",
+                     service, ROOM_FRESH_S)
+            return None
+        return view
 
     def fresh_for_s(self) -> float:
         """Seconds until the youngest word on a room ages out (0 when none is fresh)."""

@@ -208,6 +208,12 @@ class Request:
         return len(self.tokens) - self.draft_valid
 
     @property
+    def max_len(self) -> int:
+        """The most tokens a service may hold for it: its prompt, its most new tokens and one
+        round's draft tokens past them (what its slots reserve; `specdec.serving.reservations`)."""
+        return len(self.prompt) + self.max_new_tokens + self.num_speculative_tokens
+
+    @property
     def stop_token_ids(self) -> tuple[int, ...]:
         """The tokens that end this request (its EOS ids): a draft token after one is never kept."""
         return tuple(sorted(self.detokenizer.eos_token_ids))

@@ -302,7 +302,7 @@ class Scheduler:
                 seq.finish(FinishReason.CANCELLED)
                 self._record_finished(seq)
                 continue
-            if not self._admits(seq, admitted):
+            if not self._admits(seq, admitted) or (admitted and self.contention.probing):
                 break  # FIFO: the head waits for room; later requests do not overtake it
             admitted.append(self.waiting.popleft())
             if seq.admitted_at is None:
@@ -313,7 +313,8 @@ class Scheduler:
         try:
             # A preempted request resumes here: its prompt and generated tokens are prefilled again.
             timeout = self.deadlines.prefill(len(admitted), max(len(s.tokens) for s in admitted))
-            prefilled = await self.target.prefill([PrefillItem(s.slot_id, s.tokens) for s in admitted], timeout)
+            items = [PrefillItem(s.slot_id, s.tokens, s.max_len) for s in admitted]
+            prefilled = await self.target.prefill(items, timeout)
             self.stats.rpc_latency["Prefill"].observe(prefilled.wall_s)
             logits = {slot: chunk.logits for slot, chunk in prefilled.value.items()}
         except Exception as error:  # noqa: BLE001
@@ -396,9 +397,12 @@ class Scheduler:
 
     def _admits(self, seq: Request, admitted: list[Request]) -> bool:
         """Whether `seq` joins the batch after `admitted`: the batch has room, and so have the
-        pools (with a spare block per running request, so that it is not preempted at once)."""
+        pools (with a spare block per running request, so that it is not preempted at once; and
+        at their whole length beside every request's reserved growth, while pools are shared)."""
         before = len(self.running) + len(admitted)
-        return before < self.contention.current_limit() and self._fits([*self.running, *admitted, seq], headroom=before)
+        return (before < self.contention.current_limit()
+                and self._fits([*self.running, *admitted, seq], headroom=before)
+                and self.rooms.reserves(self.pools, [*admitted, seq], self.max_seq_len))
 
     def _fits(self, seqs: list[Request], headroom: int = 0) -> bool:
         """Whether every pool holds the next round of all `seqs` (and `headroom` spare blocks:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -25,6 +25,7 @@ from specdec.model.tokenizer_info import TokenizerInfo
 from specdec.sampling.params import SamplingParams
 from specdec.serving.config import ModelServiceConfig
 from specdec.serving.leases import LeaseTable
+from specdec.serving.reservations import Reservations
 from specdec.tuning.openmp import release_threads
 from specdec.tuning.startup import StartupTuner
 from specdec.wire.items import Lease
@@ -53,6 +54,8 @@ class ModelEngine:
         self.prefix_cache_hits = 0
         #: Which gateway holds which slot; a silent gateway's slots expire (see `leases`).
         self.leases = LeaseTable(config.lease_ttl_s)
+        #: The blocks each slot declared it will grow into, kept from other holders' new slots.
+        self.reservations = Reservations(self.max_seq_len)
         #: Stopping (SIGTERM): the slots held are served to their end, no new one is taken.
         self.draining = False
         #: The start-up choices: the runtime's tuner (a fresh one, without a cache, when it has none).
@@ -106,13 +109,21 @@ class ModelEngine:
         )
 
     def room(self, slot_ids: Sequence[str]) -> PoolRoom:
-        """The pool's room now (after a call on `slot_ids`): free blocks and slots, and the
-        blocks and slots of the lease holder that owns the first of `slot_ids`."""
+        """The pool's room now (after a call on `slot_ids`): free blocks and slots, the blocks
+        and slots of the lease holder that owns the first of `slot_ids`, and the free blocks a
+        new slot of that holder may not take (`kept_free`)."""
         blocks = self.cache.blocks
         held = [slot for slot in self.leases.slots_held_with(slot_ids[0]) if blocks.has_slot(slot)] if slot_ids else []
         held_blocks = len({block for slot in held for block in blocks.block_table(slot)})  # a shared prefix counts once
         free_slots = max(0, self.config.max_slots - len(self.tokens))
-        return PoolRoom(blocks.num_free_blocks, free_slots, held_blocks, len(held))
+        holder = self.leases.holder_of(slot_ids[0]) if slot_ids else None
+        return PoolRoom(blocks.num_free_blocks, free_slots, held_blocks, len(held), self.kept_free(holder))
+
+    def kept_free(self, holder: str | None) -> int:
+        """Free blocks a new slot of `holder` may not take (None: a caller without a lease):
+        every slot's reserved growth while another holder shares the pool, else none
+        (`specdec.serving.reservations`)."""
+        return self.reservations.kept_free(self.cache.blocks, holder, self.leases.owners())
 
     def export_kv(self, slot_id: str, start: int, end: int, num_layers: int, dtype: torch.dtype) -> torch.Tensor:
         """The keys and values the slot holds for positions [start, end) of its first
@@ -143,7 +154,8 @@ class ModelEngine:
             raise InvalidArgumentError(f"KV import of shape {list(kv.shape)} for slot {slot_id!r}: this cache "
                                        f"takes {list(self.import_shape(header))}")
         if new:
-            skip = len(tokens) - len(self._allocate({slot_id: tokens}, header.lease)[slot_id])
+            rest = self._allocate({slot_id: tokens}, header.lease, {slot_id: header.max_len})[slot_id]
+            skip = len(tokens) - len(rest)
         else:
             self._rollback(slot_id, header.valid_len)
             skip = 0
@@ -173,6 +185,7 @@ class ModelEngine:
                                        f"(got {header.valid_len})", field="valid_len")
         if new:
             self.leases.check(header.lease)
+            self._check_max_len(slot_id, header.max_len)
             self._check_new_slots(1)
         else:
             self._check_rollback(slot_id, header.valid_len, "valid_len")
@@ -194,6 +207,7 @@ class ModelEngine:
         self.cache.blocks.free(slot_id)
         del self.tokens[slot_id]
         self.leases.forget(slot_id)
+        self.reservations.forget(slot_id)
 
     def free_stale(self, holder: str, stale: Sequence[str]) -> None:
         """Free the slots a restarted holder's earlier incarnation left (see `LeaseTable.renew`)."""
@@ -255,6 +269,32 @@ class ModelEngine:
                 field=field
             )
 
+    @staticmethod
+    def _check_max_len(slot_id: str, max_len: int) -> None:
+        if max_len < 0:
+            raise InvalidArgumentError(f"max_len: slot {slot_id!r} declared {max_len} (0 reserves nothing)",
+                                       field="max_len")
+
+    def _check_reserved_room(self, prompts: Mapping[str, list[int]], lease: Lease | None,
+                             max_lens: Mapping[str, int]) -> None:
+        """In a pool shared with another holder, new slots of `lease`'s holder must fit at their
+        whole length (their `max_lens`, at least their prompts) in the free blocks beyond every
+        slot's reserved growth (`specdec.serving.reservations`); a refused holder is marked waiting."""
+        holder = lease.holder if lease is not None else None
+        kept = self.kept_free(holder)
+        if not kept:
+            return
+        blocks = self.cache.blocks
+        needed = sum(-(-max(max_lens.get(slot_id, 0), len(prompt)) // blocks.block_size)
+                     for slot_id, prompt in prompts.items())
+        if needed > blocks.num_free_blocks - kept:
+            self.reservations.refused(holder)
+            raise CapacityExhaustedError(
+                f"KV pool (shared): {len(prompts)} new slot(s) need {needed} blocks at their whole length; "
+                f"{blocks.num_free_blocks} are free, {kept} of them reserved for requests already running to grow "
+                "into", resource="kv_blocks",
+            )
+
     def _check_new_slots(self, count: int) -> None:
         if self.draining and count:
             raise DrainingError("the service is stopping and takes no new slots: retry on another instance")
@@ -266,13 +306,16 @@ class ModelEngine:
 
     # -- mutation -----------------------------------------------------------------------
 
-    def _allocate(self, prompts: dict[str, list[int]], lease: Lease | None) -> dict[str, list[int]]:
+    def _allocate(self, prompts: dict[str, list[int]], lease: Lease | None,
+                  max_lens: Mapping[str, int]) -> dict[str, list[int]]:
         """New slots for `lease` (checked beforehand with `leases.check`; the lease is renewed),
-        each starting from the cached blocks that match its prompt (`--prefix-caching`).
-        Returns what each still has to feed: its prompt past the cached part."""
+        each starting from the cached blocks that match its prompt (`--prefix-caching`) and
+        reserving room up to its `max_lens` entry. Returns what each still has to feed: its
+        prompt past the cached part."""
         self._free_quietly(self.leases.claim(list(prompts), lease))  # a restarted holder's old slots
         rest = {}
         for slot_id, prompt in prompts.items():
+            self.reservations.reserve(slot_id, max_lens.get(slot_id, 0))
             prefix = self.cache.blocks.cached_prefix(prompt) if self.config.prefix_caching else []
             self.cache.blocks.allocate(slot_id, prefix)
             cached = len(prefix) * self.cache.block_size

@@ -66,6 +66,11 @@ class LeaseTable:
         with self._lock:
             return {lease.holder for lease in self._owner.values()}
 
+    def owners(self) -> dict[str, str]:
+        """Each leased slot's holder (slots created without a lease are not in it)."""
+        with self._lock:
+            return {slot_id: lease.holder for slot_id, lease in self._owner.items()}
+
     def slots_held_with(self, slot_id: str) -> list[str]:
         """Every slot the holder of `slot_id` owns, `slot_id` among them (none for a slot
         created without a lease): what one gateway holds, whatever its calls' batches."""

@@ -111,6 +111,9 @@ def service_families(stats: ServiceStats, engine: ModelEngine, prefix: str) -> I
     yield f.gauge("service_kv_blocks", "KV-cache blocks", ["state"],
                   {("free",): blocks.num_free_blocks, ("used",): blocks.num_blocks - blocks.num_free_blocks})
     yield f.gauge("service_kv_blocks_total", "KV-cache capacity in blocks", [], {(): blocks.num_blocks})
+    yield f.gauge("service_kv_reserved_blocks", "Free KV-cache blocks that slots have reserved to grow into "
+                  "(while gateways share the pool, new slots are not given them)", [],
+                  {(): sum(engine.reservations.growth(blocks).values())})
     yield f.gauge("service_active_slots", "Slots (requests) held", [], {(): len(engine.tokens)})
     yield f.counter("service_prefix_cache_queries", "Prompt tokens of new slots, looked up in the prefix cache", [],
                     {(): engine.prefix_cache_queries})

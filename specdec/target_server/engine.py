@@ -8,7 +8,7 @@ import typing
 
 import torch
 
-from specdec.errors import InvalidArgumentError, SlotExistsError
+from specdec.errors import CapacityExhaustedError, InvalidArgumentError, SlotExistsError
 from specdec.model.forward_batch import StepShape
 from specdec.model.runtime import ModelRuntime
 from specdec.sampling.draws import drawn_tokens, pick_tokens, position_generator, sample
@@ -66,14 +66,24 @@ class TargetEngine(ModelEngine):
                                            field="prompt_tokens")
             self._check_tokens("prompt_tokens", item.slot_id, item.prompt_tokens)
             self._check_length(item.slot_id, len(item.prompt_tokens), "prompt_tokens")
+            self._check_max_len(item.slot_id, item.max_len)
         self._check_new_slots(len(items))
         slot_ids = [item.slot_id for item in items]
-        rest = self._allocate({item.slot_id: list(item.prompt_tokens) for item in items}, lease)
+        prompts = {item.slot_id: list(item.prompt_tokens) for item in items}
+        max_lens = {item.slot_id: item.max_len for item in items}
+        # Admission is here: the reservations are kept at the target alone (a draft's slot comes
+        # after its target's, and refusing it would preempt a request the target took).
+        self._check_reserved_room(prompts, lease, max_lens)
+        holder = lease.holder if lease is not None else None
+        rest = self._allocate(prompts, lease, max_lens)
         try:
             logits = self._run([(slot_id, rest[slot_id]) for slot_id in slot_ids], logits="last")
-        except BaseException:
+        except BaseException as error:
             self._free_quietly(slot_ids)
+            if isinstance(error, CapacityExhaustedError):  # it waits for room: the pool is shared now
+                self.reservations.refused(holder)
             raise
+        self.reservations.admitted(holder)
         return [ScoredChunk(item.slot_id, row, len(self.tokens[item.slot_id])) for item, row in zip(items, logits)]
 
     def verify(self, items: list[VerifyItem], deadline: float | None = None) -> list[VerifiedChunk]:

@@ -92,13 +92,15 @@ class PrefillItem:
 
     slot_id: str
     prompt_tokens: list[int]
+    #: The most tokens the slot will hold: reserved for it against other holders' new slots (0: none).
+    max_len: int = 0
 
     def to_pb(self) -> target_pb2.PrefillItem:
-        return target_pb2.PrefillItem(slot_id=self.slot_id, prompt_tokens=self.prompt_tokens)
+        return target_pb2.PrefillItem(slot_id=self.slot_id, prompt_tokens=self.prompt_tokens, max_len=self.max_len)
 
     @classmethod
     def from_pb(cls, message: target_pb2.PrefillItem) -> PrefillItem:
-        return cls(message.slot_id, list(message.prompt_tokens))
+        return cls(message.slot_id, list(message.prompt_tokens), message.max_len)
 
 
 def logprobs_request_to_pb(request: LogprobsRequest | None) -> target_pb2.LogprobsRequest | None:
@@ -300,13 +302,15 @@ class ProposeItem:
     stop_token_ids: tuple[int, ...] = ()
     #: A structured-output request's grammar: every draw is masked by it.
     grammar: DraftGrammar | None = None
+    #: For a slot this call creates: the most tokens it will hold, as `PrefillItem.max_len`.
+    max_len: int = 0
 
     def to_pb(self) -> draft_pb2.ProposeItem:
         return draft_pb2.ProposeItem(
             slot_id=self.slot_id, valid_len=self.valid_len, new_tokens=self.new_tokens,
             num_speculative_tokens=self.num_speculative_tokens, sampling=sampling_to_pb(self.sampling),
             guess_tokens=self.guess_tokens, lookup_guesses=self.lookup_guesses, stop_token_ids=self.stop_token_ids,
-            grammar=self.grammar.to_pb() if self.grammar is not None else None,
+            grammar=self.grammar.to_pb() if self.grammar is not None else None, max_len=self.max_len,
         )
 
     @classmethod
@@ -315,7 +319,7 @@ class ProposeItem:
             message.slot_id, message.valid_len, list(message.new_tokens), message.num_speculative_tokens,
             sampling_from_pb(message.sampling), list(message.guess_tokens), message.lookup_guesses,
             tuple(message.stop_token_ids),
-            DraftGrammar.from_pb(message.grammar) if message.HasField("grammar") else None,
+            DraftGrammar.from_pb(message.grammar) if message.HasField("grammar") else None, message.max_len,
         )
 
 

@@ -49,16 +49,20 @@ class ImportHeader:
     valid_len: int
     tokens: list[int]
     lease: Lease | None = None
+    #: For a slot this import creates: the most tokens it will hold, as `PrefillItem.max_len`.
+    max_len: int = 0
 
     def to_pb(self) -> draft_pb2.ImportKVRequest:
-        header = draft_pb2.ImportKVHeader(slot_id=self.slot_id, valid_len=self.valid_len, tokens=self.tokens)
+        header = draft_pb2.ImportKVHeader(slot_id=self.slot_id, valid_len=self.valid_len, tokens=self.tokens,
+                                          max_len=self.max_len)
         if self.lease is not None:
             header.lease.CopyFrom(self.lease.to_pb())
         return draft_pb2.ImportKVRequest(header=header)
 
     @classmethod
     def from_pb(cls, message: draft_pb2.ImportKVHeader) -> ImportHeader:
-        return cls(message.slot_id, message.valid_len, list(message.tokens), Lease.from_pb(message.lease))
+        return cls(message.slot_id, message.valid_len, list(message.tokens), Lease.from_pb(message.lease),
+                   message.max_len)
 
 
 def split_pieces(kv: torch.Tensor, piece_bytes: int = PIECE_BYTES) -> Iterator[common_pb2.KVPiece]:

@@ -40,16 +40,19 @@ class KVLayout:
 @dataclass(frozen=True)
 class PoolRoom:
     """A service's KV blocks and slots after a Prefill, Verify or Propose (`common.proto`
-    PoolRoom): those free, and those the caller's lease holder holds."""
+    PoolRoom): those free, those the caller's lease holder holds, and the free blocks other
+    holders' slots have reserved to grow into."""
 
     free_blocks: int
     free_slots: int
     held_blocks: int
     held_slots: int
+    reserved_blocks: int = 0
 
     def to_pb(self) -> common_pb2.PoolRoom:
         return common_pb2.PoolRoom(free_blocks=self.free_blocks, free_slots=self.free_slots,
-                                   held_blocks=self.held_blocks, held_slots=self.held_slots)
+                                   held_blocks=self.held_blocks, held_slots=self.held_slots,
+                                   reserved_blocks=self.reserved_blocks)
 
     @classmethod
     def of(cls, response: target_pb2.PrefillResponse | target_pb2.VerifyResponse | draft_pb2.ProposeResponse,
@@ -58,7 +61,7 @@ class PoolRoom:
         if not response.HasField("room"):
             return None
         room = response.room
-        return cls(room.free_blocks, room.free_slots, room.held_blocks, room.held_slots)
+        return cls(room.free_blocks, room.free_slots, room.held_blocks, room.held_slots, room.reserved_blocks)
 
 
 @dataclass(frozen=True)

@@ -308,6 +308,26 @@ def test_propose_reports_the_pools_room_and_what_the_callers_holder_holds(draft:
         draft.stub.Release(common_pb2.ReleaseRequest(slot_id=slot))
 
 
+def test_the_draft_reports_the_growth_reserved_in_a_shared_pool_and_refuses_no_new_slot_for_it(
+    draft: Service,
+) -> None:
+    """specdec.serving.reservations: the target keeps the reserved growth at admission; the
+    draft, whose slot for a request comes after the target's, reports it and makes the slot."""
+    a, b = common_pb2.Lease(holder="gw-a", incarnation="1"), common_pb2.Lease(holder="gw-b", incarnation="1")
+    blocks = draft.info().total_kv_tokens // 16
+    mine = item("a", list(range(300, 320)), 4)  # 23 tokens cached: 2 blocks
+    mine.max_len = blocks * 16  # reserves the rest of the pool
+    assert draft.stub.Propose(draft_pb2.ProposeRequest(items=[mine], lease=a)).room.reserved_blocks == 0  # alone
+    theirs = item("b", [5, 6], 2)
+    theirs.max_len = 4 * 16
+    room = draft.stub.Propose(draft_pb2.ProposeRequest(items=[theirs], lease=b)).room
+    assert (room.held_slots, room.reserved_blocks) == (1, blocks - 2 + 4 - 1)  # a's growth and its own
+    assert draft.engine.reservations.growth(draft.engine.cache.blocks) == {"a": blocks - 2, "b": 4 - 1}
+    for slot in ("a", "b"):
+        draft.stub.Release(common_pb2.ReleaseRequest(slot_id=slot))
+    assert draft.engine.reservations.growth(draft.engine.cache.blocks) == {}
+
+
 def test_two_gateways_proposes_in_one_batch_hold_each_new_slot_under_its_own_lease(
     draft: Service, target_model: LoadedModel, prompts: list[list[int]]
 ) -> None:

@@ -25,6 +25,7 @@ from specdec.sampling.rejection_sampler import draw_candidates, token_probs
 from specdec.sampling.sparse_probs import SparseRows
 from specdec.sampling.token_masks import TokenMasks
 from specdec.sampling.transforms import chunk_logits_to_probs, logits_to_probs
+from specdec.serving import reservations
 from specdec.target_server import server as target_servicer
 from specdec.target_server.server import SERVICE_NAME
 from specdec.v1 import common_pb2, target_pb2
@@ -33,7 +34,7 @@ from specdec.wire.items import DecodeMode, VerifiedDecode, VerifyItem, sampling_
 from specdec.wire.tensor_codec import decode_tensor, encode_tensor
 from specdec.wire.token_masks import token_masks_to_pb
 from tests.support.block_pool import check_pool
-from tests.support.services import Service, greedy_continuation, reference_logits, rpc_error
+from tests.support.services import Service, StartService, greedy_continuation, reference_logits, rpc_error
 
 #: Logit tolerance. Batched and single rows may run different fp32 kernels (oneDNN or BLAS,
 #: picked per shape by a start-up timing; inputs past 16 rows always on BLAS), which sum in
@@ -124,6 +125,38 @@ def test_prefill_and_verify_report_the_pools_room_and_what_the_callers_holder_ho
     assert (room.held_blocks, room.held_slots) == (3 + 1, 2)  # the cached first block counts once
     for slot in ("mine", "theirs", "again"):
         release(target, slot)
+
+
+def test_a_shared_pool_keeps_the_reserved_growth_from_new_slots(
+    start_target: StartService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """specdec.serving.reservations: a holder alone admits on demand; while another holder's
+    slots have growth left, or another holder waits for room, a new slot must fit at its whole
+    length (max_len) in the free blocks beyond every slot's reserved growth."""
+    monkeypatch.setattr(reservations, "WAITING_S", 600.0)  # a refused holder waits for the whole test
+    target = start_target(kv_token_budget=16 * 16)  # 16 blocks of 16
+    a, b = common_pb2.Lease(holder="gw-a", incarnation="1"), common_pb2.Lease(holder="gw-b", incarnation="1")
+
+    def new_slot(slot_id: str, max_len: int, lease: common_pb2.Lease) -> common_pb2.PoolRoom:
+        item = target_pb2.PrefillItem(slot_id=slot_id, prompt_tokens=list(range(300, 305)), max_len=max_len)
+        return target.stub.Prefill(target_pb2.PrefillRequest(items=[item], lease=lease)).room
+
+    room = new_slot("a1", 12 * 16, a)  # reserves 11 blocks past its one
+    assert (room.free_blocks, room.reserved_blocks) == (15, 0)  # alone: nothing is kept from its own slots
+    assert new_slot("a2", 3 * 16, a).reserved_blocks == 0  # on demand: 13 blocks' growth in 14 free
+    with pytest.raises(grpc.RpcError) as refused:
+        new_slot("b1", 2 * 16, b)  # 14 free, 13 reserved: one block beyond them
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "reserved" in refused.value.details()
+    assert any(key == CAPACITY_TRAILER for key, _ in refused.value.trailing_metadata())
+    with pytest.raises(grpc.RpcError):  # gw-b waits for room: gw-a's own new slots now need their whole length
+        new_slot("a3", 2 * 16, a)
+    room = new_slot("b1", 16, b)  # its whole length in the one block left
+    assert (room.free_blocks, room.reserved_blocks, room.held_slots) == (13, 13, 1)
+    release(target, "a1")  # gw-b neither waits nor has growth left: gw-a has the pool to itself again
+    assert new_slot("a3", 12 * 16, a).reserved_blocks == 0
+    for slot in ("a2", "a3", "b1"):
+        release(target, slot)
+    assert target.engine.reservations.growth(target.engine.cache.blocks) == {}
 
 
 # -- Prefill and Verify against the in-process forward -----------------------------------

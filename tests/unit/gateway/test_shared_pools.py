@@ -265,8 +265,24 @@ def test_a_refusal_marks_the_pool_full_until_the_next_report() -> None:
     rooms.refused("target", 12, 1)
     now[0] += 2 * pools.ROOM_FRESH_S  # a mark ages out as a report does
     assert rooms.capacity(pool) == (100, 10)
+    rooms.seen(pool, PoolRoom(free_blocks=8, free_slots=4, held_blocks=20, held_slots=2))
+    assert rooms.refused("target", 0, 0) and rooms.capacity(pool) == (100, 10)  # keeping nothing: no word
     rooms.forget("target")  # the service came back with another pool
     assert not rooms.reporting
+
+
+def test_a_shared_pool_admits_a_request_only_at_its_whole_length_beside_the_reserved_growth() -> None:
+    rooms, pool = PoolRooms(), PoolLimits("target", 100 * BLOCK, BLOCK, 10)
+    seq = new_request(request(max_new_tokens=10 * BLOCK), policy())  # whole length: 11 blocks and a bit
+    whole = pool.blocks_for(seq.max_len)
+    assert rooms.reserves([pool], [seq], 100 * BLOCK)  # no word: the service decides
+    rooms.seen(pool, PoolRoom(free_blocks=whole, free_slots=4, held_blocks=20, held_slots=2))
+    assert rooms.reserves([pool], [seq, seq], 100 * BLOCK)  # nothing reserved: the pool is this gateway's alone
+    rooms.seen(pool, PoolRoom(free_blocks=whole + 5, free_slots=4, held_blocks=20, held_slots=2, reserved_blocks=5))
+    assert rooms.reserves([pool], [seq], 100 * BLOCK) and not rooms.reserves([pool], [seq, seq], 100 * BLOCK)
+    rooms.seen(pool, PoolRoom(free_blocks=whole + 5, free_slots=4, held_blocks=20, held_slots=2, reserved_blocks=6))
+    assert not rooms.reserves([pool], [seq], 100 * BLOCK)
+    assert rooms.reserves([pool], [seq], 2 * BLOCK)  # counted up to the context's length only
 
 
 def test_a_draft_pool_that_reports_little_room_is_not_refused_either(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -281,9 +297,12 @@ def test_a_draft_pool_that_reports_little_room_is_not_refused_either(monkeypatch
     run(test, FakeTarget(), draft)
 
 
-def test_a_gateway_left_holding_nothing_waits_for_its_word_of_no_room_to_age(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Far past the 0.1 s looked at below, even on a loaded machine; the test then waits it out.
-    monkeypatch.setattr(pools, "ROOM_FRESH_S", 3.0)
+def test_a_gateway_left_holding_nothing_backs_off_before_trying_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its backoff (1.5-4.5 s with the jitter) is far past the 0.1 s looked at below, even on a
+    # loaded machine; the test then waits it out. No word of no room holds it back: it has no
+    # response to bring news.
+    monkeypatch.setattr(pools, "FIRST_BACKOFF_S", 3.0)
+    monkeypatch.setattr(pools, "LAST_BACKOFF_S", 3.0)
     target = SharedTarget(pool=SharedPool(blocks=8), reports_room=True)
 
     async def test(sched: Scheduler) -> None:
