@@ -141,6 +141,8 @@ class CostTable:
         self.scale = scale
         #: Mean cached tokens per request that `seconds` prices (the base context by default).
         self.context = float(self.base_context)
+        #: Rows of the priced forward per row asked (`shared`; 1: the forward is the caller's own).
+        self.rows_factor = 1.0
         #: Unscaled seconds per (batch size, tokens) asked so far, shared by the scaled copies:
         #: a plan asks for the same few points many times over.
         self._memo: dict[tuple[float, float], float] = {}
@@ -161,6 +163,15 @@ class CostTable:
         """The same table pricing forwards whose requests hold `context` cached tokens on average."""
         table = self._clone()
         table.context = context
+        return table
+
+    def shared(self, rows_factor: float) -> CostTable:
+        """The same table pricing forwards that carry `rows_factor` times the rows asked for:
+        a service that merges several gateways' calls runs them as one forward, and a caller's
+        round lasts that forward. The other rows are priced as the caller's own (their tokens
+        per row the same)."""
+        table = self._clone()
+        table.rows_factor = rows_factor
         return table
 
     def _clone(self) -> CostTable:
@@ -186,6 +197,7 @@ class CostTable:
         return batch_size * (y0 + slope * (self.context - x0))
 
     def seconds(self, batch_size: float, tokens: float) -> float:
+        batch_size *= self.rows_factor
         key = (batch_size, tokens)
         unscaled = self._memo.get(key)
         if unscaled is None:

@@ -84,9 +84,9 @@ class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
         probs_dtype = torch_dtype(request.probs_dtype or common_pb2.DTYPE_FLOAT32)
         lease = Lease.from_pb(request.lease)
         holder = lease.holder if lease else self.engine.leases.holder_of(items[0].slot_id) if items else None
-        response, compute_s = await self.proposals.submit(ProposeCall(items, lease, holder, probs_dtype))
-        response.compute_s = compute_s
-        return response
+        answer = await self.proposals.submit(ProposeCall(items, lease, holder, probs_dtype))
+        answer.response.compute_s, answer.response.run_items = answer.compute_s, answer.run_items
+        return answer.response
 
     @grpc_errors
     async def ImportKV(

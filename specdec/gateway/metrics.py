@@ -160,6 +160,9 @@ def planner_families(f: Families, status: PlannerStatus) -> Iterator[Metric]:
                   ["source"], _per_source(status, lambda s: s.acceptance, math.nan))
     yield f.gauge("spec_decode_planner_draft_cost_ratio", "Draft 1-token step / target step at batch 1, as the "
                   "planner prices them (NaN: no draft model or no costs)", [], _one(status.draft_cost_ratio))
+    yield f.gauge("spec_decode_planner_forward_rows", "Rows of the service's forwards per row of this gateway's "
+                  "calls, as the planner prices rounds (1: its own; more while the service merges other gateways' "
+                  "calls into them)", ["service"], {(service,): rows for service, rows in status.forward_rows.items()})
     yield f.gauge("spec_decode_planner_expected_speedup", "The last planned round's expected tokens/s / a plain "
                   "round's", [], _one(status.expected_speedup))
 

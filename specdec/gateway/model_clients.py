@@ -42,12 +42,15 @@ INFO_TIMEOUT_S = 120.0
 class Timed(Generic[T]):
     """A model service's reply with its two costs: compute on the service, and the call's
     wall time as the gateway saw it (compute + queueing + (de)serialisation + transport);
-    and the service's room after the call (None: it reports none, a service before the field)."""
+    the service's room after the call (None: it reports none, a service before the field);
+    and the items of the forward that answered it, other gateways' merged calls included
+    (0: not reported)."""
 
     value: T
     compute_s: float
     wall_s: float
     room: PoolRoom | None = None
+    run_items: int = 0
 
 
 class TargetAPI(Protocol):
@@ -168,7 +171,8 @@ class TargetClient(_ServiceClient[target_pb2_grpc.TargetServiceStub]):
         request = target_pb2.VerifyRequest(items=[item.to_pb() for item in items], timeout_s=timeout)
         response = await self._verify(request, timeout)
         results = {r.slot_id: verified_from_pb(r) for r in response.results}
-        return Timed(results, response.compute_s, time.perf_counter() - started, PoolRoom.of(response))
+        return Timed(results, response.compute_s, time.perf_counter() - started, PoolRoom.of(response),
+                     response.run_items)
 
     async def export_kv(self, export: KVExport, timeout: float) -> list[common_pb2.KVPiece]:
         """The keys and values of `export`, every piece the target sends. Received whole before
@@ -196,7 +200,8 @@ class DraftClient(_ServiceClient[draft_pb2_grpc.DraftServiceStub]):
         )
         response = await self._propose(request, timeout)
         results = {r.slot_id: Proposal.from_pb(r) for r in response.results}
-        return Timed(results, response.compute_s, time.perf_counter() - started, PoolRoom.of(response))
+        return Timed(results, response.compute_s, time.perf_counter() - started, PoolRoom.of(response),
+                     response.run_items)
 
     async def import_kv(self, header: ImportHeader, pieces: list[common_pb2.KVPiece], timeout: float) -> Timed[int]:
         """Import `pieces` into the slot `header` names, a new one held under this client's

@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from specdec.serving.metrics import ServiceStats
 from specdec.serving.serial_executor import SerialExecutor
@@ -74,10 +74,18 @@ def split(outputs: Sequence[T], sizes: Sequence[int]) -> list[list[T]]:
     return [list(outputs[end - size: end]) for size, end in zip(sizes, itertools.accumulate(sizes))]
 
 
+class Answer(NamedTuple, Generic[R]):
+    """A call's response, and the compute seconds and items of the run it was part of."""
+
+    response: R
+    compute_s: float
+    run_items: int
+
+
 @dataclass(eq=False)
 class _Waiting(Generic[C, R]):
     call: C
-    answer: asyncio.Future[tuple[R, float]]
+    answer: asyncio.Future[Answer[R]]
 
 
 @dataclass
@@ -124,9 +132,9 @@ class CallMerger(Generic[C, Out, R]):
     #: When a run last merged two holders' calls (None: not lately).
     _merged_at: float | None = field(default=None, init=False)
 
-    async def submit(self, call: C) -> tuple[R, float]:
+    async def submit(self, call: C) -> Answer[R]:
         """Run `call` (merged with others where it can be); its response, and the compute
-        seconds of the run it was part of."""
+        seconds and items of the run it was part of."""
         waiting = _Waiting[C, R](call, asyncio.get_running_loop().create_future())
         if call.holder is not None:
             self._seen.setdefault(call.holder, _Holder()).in_flight += 1
@@ -241,49 +249,52 @@ class CallMerger(Generic[C, Out, R]):
             answers, seconds = await self.worker.run_timed(
                 functools.partial(self._compute_each, calls), functools.partial(self._encode_each, calls))
         except Exception as error:  # noqa: BLE001 - the worker itself failed (stopped): every caller hears
-            answers, seconds = [error] * len(group), 0.0
+            answers, seconds = [(error, 0)] * len(group), 0.0
         except asyncio.CancelledError:  # the service stops, or a lone call's caller went away
             for waiting in group:
                 self._done(waiting.call)
                 waiting.answer.cancel()
             raise
         answered = self.clock()
-        for waiting, answer in zip(group, answers):
+        for waiting, (answer, run_items) in zip(group, answers):
             self._done(waiting.call)
             if waiting.answer.done():  # its caller went away
                 continue
             if isinstance(answer, BaseException):
                 waiting.answer.set_exception(answer)
             else:
-                waiting.answer.set_result((answer, seconds))
+                waiting.answer.set_result(Answer(answer, seconds, run_items))
         self.stats.record_work(self.method, seconds, sum(c.rows for c in calls), sum(c.tokens for c in calls))
         self._note_merge(calls, answered)
 
-    def _compute_each(self, calls: list[C]) -> list[Out | Exception]:
-        """On the worker: all calls in one engine call; where that fails, each alone."""
+    def _compute_each(self, calls: list[C]) -> list[tuple[Out | Exception, int]]:
+        """On the worker: all calls in one engine call; where that fails, each alone. Each
+        outcome comes with the items of the engine call that gave it."""
         try:
-            return list(self.compute(calls))
+            together = sum(call.rows for call in calls)
+            return [(out, together) for out in self.compute(calls)]
         except Exception as error:
             if len(calls) == 1:
-                return [error]
-        outcomes: list[Out | Exception] = []
+                return [(error, calls[0].rows)]
+        outcomes: list[tuple[Out | Exception, int]] = []
         for call in calls:
             try:
-                outcomes.append(self.compute([call])[0])
+                outcomes.append((self.compute([call])[0], call.rows))
             except Exception as error:  # noqa: BLE001 - this call's own answer
-                outcomes.append(error)
+                outcomes.append((error, call.rows))
         return outcomes
 
-    def _encode_each(self, calls: list[C], outcomes: list[Out | Exception]) -> list[R | Exception]:
-        answers: list[R | Exception] = []
-        for call, outcome in zip(calls, outcomes):
+    def _encode_each(self, calls: list[C], outcomes: list[tuple[Out | Exception, int]],
+                     ) -> list[tuple[R | Exception, int]]:
+        answers: list[tuple[R | Exception, int]] = []
+        for call, (outcome, run_items) in zip(calls, outcomes):
             if isinstance(outcome, Exception):
-                answers.append(outcome)
+                answers.append((outcome, run_items))
                 continue
             try:
-                answers.append(self.encode(call, outcome))
+                answers.append((self.encode(call, outcome), run_items))
             except Exception as error:  # noqa: BLE001 - this call's own answer
-                answers.append(error)
+                answers.append((error, run_items))
         return answers
 
     def _note_merge(self, calls: list[C], now: float) -> None:

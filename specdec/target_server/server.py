@@ -103,9 +103,9 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
             remaining = request.timeout_s
         deadline = time.monotonic() + remaining if remaining is not None else None
         holder = self.engine.leases.holder_of(items[0].slot_id) if items else None
-        response, compute_s = await self.verifies.submit(VerifyCall(items, deadline, holder))
-        response.compute_s = compute_s
-        return response
+        answer = await self.verifies.submit(VerifyCall(items, deadline, holder))
+        answer.response.compute_s, answer.response.run_items = answer.compute_s, answer.run_items
+        return answer.response
 
     @grpc_stream_errors
     async def ExportKV(

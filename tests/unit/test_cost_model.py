@@ -24,6 +24,14 @@ def test_table_hits_measured_points_and_interpolates_between_them() -> None:
     assert table.scaled(2.0).seconds(1, 5) == pytest.approx(0.028)
 
 
+def test_a_shared_table_prices_the_forward_its_rows_run_in() -> None:
+    table = CostTable(GRID)
+    merged = table.shared(2.0)  # another gateway's calls carry as many rows again
+    assert merged.seconds(2, 5) == pytest.approx(table.seconds(4, 5)) == pytest.approx(0.040)
+    assert merged.scaled(2.0).step(1) == pytest.approx(2 * table.step(2))
+    assert table.seconds(2, 5) == pytest.approx(0.014 + 0.026 / 3)  # the original is untouched
+
+
 def test_a_longer_context_adds_a_cost_per_cached_token_and_request() -> None:
     # Measured at 48 tokens of context; two points again at 304: 20 and 40 µs per token and request.
     long = [ForwardCost(4, 1, 0.016 + 4 * 256 * 20e-6, context=304),

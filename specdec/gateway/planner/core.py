@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specdec.cost_model import ForwardCost, RoundCostModel
 from specdec.gateway.draft_sources import DraftSource
@@ -216,7 +216,8 @@ class Planner:
             self.acceptance.reset()
 
     def status(self) -> PlannerStatus:
-        return self.sources.status()
+        rows = {"target": self.costs.target_rows.value, "draft": self.costs.draft_rows.value}
+        return replace(self.sources.status(), forward_rows=rows)
 
     def forget(self, seq: Request) -> None:
         """Drop a finished request's state."""

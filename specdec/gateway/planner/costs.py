@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdec.cost_model import VERIFY_MAX_TOKENS, CostTable, ForwardCost, RoundCostModel
-from specdec.gateway.planner.estimates import DraftOverhead, Scale
+from specdec.gateway.planner.estimates import DraftOverhead, Mean, Scale
 from specdec.gateway.request import Request
 from specdec.gateway.rounds import RoundPlan, RoundReport
 
@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 #: Rounds after a service (re)starts, or finishes loading its compiled steps, whose timings
 #: teach nothing: a compiled graph's first calls and a cold cache are slower than the rest.
 WARMUP_ROUNDS = 4
+#: A service's forwards count as merged with other gateways' calls (logged) once they carry
+#: this many rows per row of this gateway's, and as its own again below the second figure.
+MERGED_FROM, MERGED_UNTIL = 1.25, 1.1
 #: A plain round's overhead at most this share of a target step counts as cheap
 #: (`CostEstimates.calls_are_cheap`): on CPU it is a few percent and a lookup request's one-step
 #: plain rounds paid; on a GPU a call can cost a fifth of a step, which multi-step rounds save.
@@ -66,6 +69,40 @@ class Warmup:
 
 
 @dataclass
+class ForwardRows:
+    """Rows of a service's forwards per row of this gateway's calls, averaged as `Mean`: 1 while
+    the forwards are its own, more while the service merges other gateways' calls into them
+    (`specdec.serving.call_merger`). A round lasts the merged forward, and the K that pays for
+    a batch of 4 drafts too much for the 8 rows the forward carries: the tables price forwards
+    of this many times the gateway's rows (`CostTable.shared`)."""
+
+    service: str
+    mean: Mean = field(default_factory=lambda: Mean(1.0))
+    merged: bool = False
+
+    @property
+    def value(self) -> float:
+        return self.mean.value
+
+    def observe(self, run_items: int, own_items: int, weight: float, now: float) -> None:
+        """A call of `own_items` items was answered by a forward of `run_items` (0: not reported)."""
+        if run_items <= 0 or own_items <= 0:
+            return
+        self.mean.observe(max(1.0, run_items / own_items), weight, now)
+        merged = self.value >= MERGED_FROM or (self.merged and self.value > MERGED_UNTIL)
+        if merged != self.merged:
+            self.merged = merged
+            log.info("planner: the %s's forwards %s other gateways' calls (%.2f rows per row of this gateway's): "
+                     "rounds are priced for the forwards they run in", self.service,
+                     "carry" if merged else "no longer carry", self.value)
+
+
+def rows_factor(run_items: int, own_items: int) -> float:
+    """Rows of the forward per row of the call, from one response (1 where not reported)."""
+    return max(1.0, run_items / own_items) if run_items > 0 and own_items > 0 else 1.0
+
+
+@dataclass
 class CostEstimates:
     """The cost tables, their online scales and the round overheads (see the module docstring)."""
 
@@ -86,6 +123,8 @@ class CostEstimates:
     #: `catch_up_class` of their length.
     catch_up_scales: dict[int, Scale] = field(default_factory=dict, init=False)
     warmup: Warmup = field(default_factory=Warmup, init=False)
+    target_rows: ForwardRows = field(default_factory=lambda: ForwardRows("target"), init=False)
+    draft_rows: ForwardRows = field(default_factory=lambda: ForwardRows("draft"), init=False)
 
     def __post_init__(self) -> None:
         self.draft_overhead = DraftOverhead(self.weight)
@@ -124,8 +163,8 @@ class CostEstimates:
             raise RuntimeError("no target cost table: the target did not measure its costs")
         target, draft = self.at_context(context)
         return RoundCostModel(
-            target=target.scaled(self.target_scale.value),
-            draft=draft.scaled(self.draft_scale.value) if draft else None,
+            target=target.scaled(self.target_scale.value).shared(self.target_rows.value),
+            draft=draft.scaled(self.draft_scale.value).shared(self.draft_rows.value) if draft else None,
             overhead_s=self.overhead_s,
             draft_round_overhead_s=self.draft_overhead.per_round,
             draft_token_overhead_s=self.draft_overhead.per_token,
@@ -167,15 +206,22 @@ class CostEstimates:
         return self.draft.step(1) * self.draft_scale.value / (self.target.step(1) * self.target_scale.value)
 
     def observe(self, plan: RoundPlan, seqs: list[Request], report: RoundReport, now: float) -> None:
-        """Learn the scales and overheads from a finished round, unless a service warms up."""
+        """Learn how many rows the services' forwards carried, and the scales and overheads from
+        a finished round unless a service warms up."""
+        ks = [report.ks[s.slot_id] for s in seqs]
+        drafts = [0 if s.slot_id in plan.lookups else k for s, k in zip(seqs, ks)]  # the model draft's
+        proposed = sum(1 for d in drafts if d)
+        self.target_rows.observe(report.verify.run_items, len(seqs), self.weight, now)
+        self.draft_rows.observe(report.propose.run_items, proposed, self.weight, now)
         steady = self.warmup.steady
         self.warmup.round_done()
         if not steady:
             return
-        ks = [report.ks[s.slot_id] for s in seqs]
-        drafts = [0 if s.slot_id in plan.lookups else k for s, k in zip(seqs, ks)]  # the model draft's
         if self.target is not None:
-            unscaled = RoundCostModel(*self.at_context(plan.context))  # the EMAs track measured ÷ this
+            target, draft = self.at_context(plan.context)
+            # The EMAs track measured ÷ this: the forwards as they ran, merged calls' rows included.
+            unscaled = RoundCostModel(target.shared(rows_factor(report.verify.run_items, len(seqs))),
+                                      draft.shared(rows_factor(report.propose.run_items, proposed)) if draft else None)
             predicted = unscaled.verify_seconds(ks, [report.steps_of(s.slot_id) for s in seqs])
             self.target_scale.observe_ratio(report.verify.compute_s, predicted, self.weight, now)
             if log.isEnabledFor(logging.DEBUG):

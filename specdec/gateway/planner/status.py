@@ -73,6 +73,9 @@ class PlannerStatus:
     off_s: float = 0.0
     #: Switches so far, by source and reason.
     switches: dict[tuple[DraftSource, SwitchReason], int] = field(default_factory=dict)
+    #: Rows of each service's forwards per row of this gateway's calls, as rounds are priced
+    #: (`specdec.gateway.planner.costs.ForwardRows`; 1: the forwards are its own).
+    forward_rows: dict[str, float] = field(default_factory=dict)
 
     def of(self, source: DraftSource) -> SourceStatus | None:
         return next((s for s in self.sources if s.source is source), None)

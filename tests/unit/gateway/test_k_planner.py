@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from specdec.cost_model import ForwardCost
+from specdec.cost_model import ForwardCost, RoundCostModel
 from specdec.gateway.detokenizer import StopStringDetokenizer
 from specdec.gateway.kv_handoff import HandoffCost, KVHandoff
 from specdec.gateway.model_clients import Timed
@@ -142,6 +142,33 @@ def test_cost_scale_follows_the_measured_compute() -> None:
         planner.observe(RoundPlan(report.ks), [a], report)
     assert planner.costs.cost_model().target.step(1) == pytest.approx(0.080, rel=1e-3)
     assert planner.costs.overhead_s == pytest.approx(0.010, rel=1e-3)
+
+
+def test_rounds_in_forwards_merged_with_another_gateways_are_priced_for_those_forwards() -> None:
+    """A service that merges two gateways' calls (`specdec.serving.call_merger`) answers each
+    with the forward of both (`run_items`): the planner prices its rounds for that forward,
+    and does not mistake the merged forward's time for a slower service."""
+    planner = Planner(TARGET, draft_costs(0.1), PlannerSettings(cost_weight=0.5), clock=still)
+    four = [seq(f"s{i}") for i in range(4)]
+    ks = {s.slot_id: 4 for s in four}
+    alone = planner.costs.cost_model()
+    assert alone.draft is not None
+    eight = RoundCostModel(alone.target.shared(2.0), alone.draft.shared(2.0))  # the forwards as they run
+    verify_s, propose_s = eight.verify_seconds([4] * 4), eight.draft_seconds([4] * 4, [1] * 4)
+    report = RoundReport(ks, ks, Timed(None, propose_s, propose_s, None, 8), Timed(None, verify_s, verify_s, None, 8),
+                         0.0, 0.0)
+    for _ in range(10):
+        planner.observe(RoundPlan(ks, feeds={s.slot_id: 1 for s in four}), four, report)
+    assert planner.status().forward_rows == {"target": pytest.approx(2.0), "draft": pytest.approx(2.0)}
+    model = planner.costs.cost_model()
+    assert model.verify_seconds([4] * 4) == pytest.approx(verify_s)
+    assert model.target.scale == pytest.approx(1.0) and model.draft is not None
+    assert model.draft.scale == pytest.approx(1.0)
+    own = Timed(None, verify_s, verify_s, None, 4)  # the other gateway left: the forwards are its own again
+    for _ in range(10):
+        planner.observe(RoundPlan(ks), four, RoundReport(ks, ks, Timed(None, 0.0, 0.0), own, 0.0, 0.0))
+    assert planner.status().forward_rows["target"] == pytest.approx(1.0, abs=0.01)
+    assert planner.status().forward_rows["draft"] == pytest.approx(2.0)  # no Propose since: nothing learnt
 
 
 def test_a_table_timed_on_a_busy_machine_is_corrected_by_the_first_rounds() -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from specdec.serving.call_merger import CallMerger, split
+from specdec.serving.call_merger import Answer, CallMerger, split
 from specdec.serving.metrics import ServiceStats
 from specdec.serving.serial_executor import SerialExecutor
 
@@ -87,7 +87,7 @@ def run(test: Callable[[Setup], Awaitable[None]], *, max_wait_s: float, holders:
         worker.shutdown()
 
 
-async def stalled_first(setup: Setup, call: Call) -> tuple[asyncio.Task[tuple[str, float]], threading.Event]:
+async def stalled_first(setup: Setup, call: Call) -> tuple[asyncio.Task[Answer[str]], threading.Event]:
     """Submit `call` with the engine stalled in it until the returned event is set."""
     gate = setup.engine.gate = threading.Event()
     first = asyncio.create_task(setup.merger.submit(call))
@@ -102,11 +102,11 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-def submit(setup: Setup, *calls: Call) -> list[asyncio.Task[tuple[str, float]]]:
+def submit(setup: Setup, *calls: Call) -> list[asyncio.Task[Answer[str]]]:
     return [asyncio.create_task(setup.merger.submit(call)) for call in calls]
 
 
-async def behind_stalled(setup: Setup, first: Call, *later: Call) -> list[tuple[str, float] | BaseException]:
+async def behind_stalled(setup: Setup, first: Call, *later: Call) -> list[Answer[str] | BaseException]:
     """`later` submitted while the engine is stalled in `first`, then the stall ends: every
     call's answer or error, `first`'s first."""
     task, gate = await stalled_first(setup, first)
@@ -118,8 +118,8 @@ async def behind_stalled(setup: Setup, first: Call, *later: Call) -> list[tuple[
 
 def test_calls_that_wait_for_the_worker_run_as_one() -> None:
     async def test(setup: Setup) -> None:
-        answers = await behind_stalled(setup, Call("a", "A"), Call("b", "B"), Call("c", "C"))
-        assert answers == [("A", 5.0), ("B", 5.0), ("C", 5.0)]  # b and c hear their one run's compute time
+        answers = await behind_stalled(setup, Call("a", "A"), Call("b", "B", rows=2), Call("c", "C", rows=3))
+        assert answers == [("A", 5.0, 1), ("B", 5.0, 5), ("C", 5.0, 5)]  # b and c hear their one run's time and items
 
     setup = run(test, max_wait_s=0.0, holders={"A", "B", "C"})
     assert setup.engine.runs == [["a"], ["b", "c"]]
@@ -130,7 +130,7 @@ def test_calls_that_wait_for_the_worker_run_as_one() -> None:
 def test_one_gateways_calls_together_are_not_counted_as_merged() -> None:
     async def test(setup: Setup) -> None:
         answers = await behind_stalled(setup, Call("a", "A"), Call("b", "B"), Call("c", "B"))
-        assert answers == [("A", 5.0), ("B", 5.0), ("C", 5.0)]
+        assert answers == [("A", 5.0, 1), ("B", 5.0, 2), ("C", 5.0, 2)]
 
     setup = run(test, max_wait_s=0.0)
     assert setup.engine.runs == [["a"], ["b", "c"]]
@@ -144,7 +144,7 @@ def test_a_run_is_held_for_another_gateway_that_holds_slots_and_joins_it() -> No
         await asyncio.sleep(0.05)
         assert setup.engine.runs == [["b1"]], "a ran without waiting for B, which was due"
         [joined] = submit(setup, Call("b2", "B"))
-        assert (await held, await joined) == (("A", 5.0), ("B2", 5.0))
+        assert (await held, await joined) == (("A", 5.0, 2), ("B2", 5.0, 2))
 
     setup = run(test, max_wait_s=60.0)
     assert setup.engine.runs == [["b1"], ["a", "b2"]]
@@ -200,7 +200,7 @@ def test_no_hold_for_one_gateway_alone_a_gateway_without_slots_or_a_zero_wait() 
 def test_a_calls_bad_input_fails_that_call_alone() -> None:
     async def test(setup: Setup) -> None:
         _, good, bad = await behind_stalled(setup, Call("a", "A"), Call("b", "B"), Call("c", "C", bad=True))
-        assert good == ("B", 5.0)
+        assert good == ("B", 5.0, 1)  # run again alone
         assert isinstance(bad, ValueError) and "['c']" in str(bad)
 
     setup = run(test, max_wait_s=0.0, holders={"A", "B", "C"})
@@ -211,7 +211,7 @@ def test_calls_of_another_key_run_apart() -> None:
     async def test(setup: Setup) -> None:
         answers = await behind_stalled(setup, Call("a", "A"), Call("b", "B", key=1), Call("c", "C", key=2),
                                        Call("d", "D", key=1))
-        assert answers == [("A", 5.0), ("B", 5.0), ("C", 5.0), ("D", 5.0)]
+        assert answers == [("A", 5.0, 1), ("B", 5.0, 2), ("C", 5.0, 1), ("D", 5.0, 2)]
 
     setup = run(test, max_wait_s=0.0, holders={"A", "B", "C", "D"})
     assert setup.engine.runs == [["a"], ["b", "d"], ["c"]]
