@@ -5,6 +5,7 @@ clients see, and the throughput beside one gateway alone at the same total concu
     python -m specdec_bench.shared_pools --streams 8 --batch 4 --rounds 1
     python -m specdec_bench.shared_pools --pools-hold 2    # pools for both: what two gateways cost alone
     python -m specdec_bench.shared_pools --k 4             # K pinned: the planners out of the comparison
+    python -m specdec_bench.shared_pools --reserve-kv-growth  # admission that never preempts
 
 Each gateway admits as if the pools were its own; the services refuse what their real free
 blocks cannot hold, and the gateways queue or preempt (docs/deployment.md#shared-pools).
@@ -130,6 +131,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of each layout, alternating")
     parser.add_argument("--pools-hold", type=int, default=1,
                         help="how many gateways' full batches the pools hold (2: the gateways never contend)")
+    parser.add_argument("--reserve-kv-growth", action="store_true",
+                        help="gateways reserve their requests' growth (no preemption; docs/deployment.md#shared-pools)")
     parser.add_argument("--k", type=int, default=0,
                         help="pin K on both gateways (--no-adaptive-k); 0 leaves it to their planners")
     parser.add_argument("--service-args", default="",
@@ -143,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     gateway_args = f"--max-batch-size {args.batch} --max-queue {args.streams}"
     if args.k:
         gateway_args += f" --no-adaptive-k --num-speculative-tokens {args.k}"
+    if args.reserve_kv_growth:
+        gateway_args += " --reserve-kv-growth"
     rates: dict[str, list[float]] = {"one gateway": [], "two gateways": []}
     lost: dict[str, int] = dict.fromkeys(rates, 0)
     counted = {name: dict.fromkeys(COUNTERS, 0.0) for name in rates}
@@ -181,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "pool_refusals": sum(c[COUNTERS[0]] for c in counted.values()),
         "preemptions": sum(c[COUNTERS[1]] for c in counted.values()),
         "speculation": {name: _speculation(c) for name, c in counted.items()},
-        "merged": merged, "k": args.k or "adaptive",
+        "merged": merged, "k": args.k or "adaptive", "reserve_kv_growth": args.reserve_kv_growth,
         "service_args": args.service_args,
     }
     print(json.dumps(summary, indent=2))

@@ -74,6 +74,8 @@ class RequestPolicy:
     num_speculative_tokens: int
     adaptive_k: bool
     default_max_new_tokens: int
+    #: Its requests' slots declare their whole length (`Request.reserves_growth`).
+    reserve_kv_growth: bool = False
     #: Every slot id starts with it: this gateway's instance name and incarnation, so gateways
     #: sharing a service never clash and an operator can tell whose slots a service holds.
     slot_prefix: str = ""
@@ -133,6 +135,7 @@ def new_request(request: gateway_pb2.GenerateRequest, policy: RequestPolicy) -> 
         num_speculative_tokens=k if speculate else 0,
         adaptive=adaptive,
         method=method,
+        reserves_growth=policy.reserve_kv_growth,
         detokenizer=StopStringDetokenizer(policy.tokenizer, list(request.stop), set(policy.eos_token_ids)),
         generator=make_generator(sampling.seed, "cpu"),
         # Under DRAWN the draft proposes position j with the uniform the target draws j with: a

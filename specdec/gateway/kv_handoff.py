@@ -96,7 +96,7 @@ async def hand_off(
         start, end = seq.draft_valid, seq.target_valid
         if end <= start:
             continue
-        header = ImportHeader(seq.slot_id, start, seq.tokens[start:end], max_len=seq.max_len)
+        header = ImportHeader(seq.slot_id, start, seq.tokens[start:end], max_len=seq.declared_len)
         export = KVExport(seq.slot_id, start, end, handoff.num_layers, handoff.dtype)
         timeout = deadlines.propose(1, end - start, 0)  # never longer than the draft computing them
         seq.has_draft_slot = True  # the import may create the slot: release it at the end

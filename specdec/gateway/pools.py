@@ -9,13 +9,15 @@ admission waits and the check before a round preempts against that, not against 
 pool. Word older than that is dropped, so a gateway that has sent nothing for a while is
 not shut out on old news; it admits against the whole pool and lets a refusal correct it.
 
-Each slot declares the most tokens it will hold (`Request.max_len`). While another gateway
-shares a pool, the service gives a new slot only the free blocks beyond every slot's
-reserved growth, and says how many those are (`PoolRoom.reserved_blocks`; the rule is
-`specdec.serving.reservations`). The gateway then admits a request only when its whole
-length fits there (`PoolRooms.reserves`), so that no request is admitted into room that
-requests already running will grow into: growing, they would preempt it or be preempted.
-A gateway alone is told of no reservation and admits on demand.
+With `--reserve-kv-growth`, each slot declares the most tokens it will hold
+(`Request.declared_len`). While another gateway shares a pool, the target then gives a new
+slot only the free blocks beyond every slot's reserved growth, and each service says how
+many those are (`PoolRoom.reserved_blocks`; the rule is `specdec.serving.reservations`).
+A gateway admits a request only when its whole length fits there (`PoolRooms.reserves`), so
+that no request is admitted into room that requests already running will grow into:
+growing, they would preempt it or be preempted. A gateway alone is told of no reservation
+and admits on demand; so do gateways that declare nothing (the default, measured faster:
+docs/deployment.md#shared-pools).
 
 A service checks every call against its real free blocks and slots and, when they fall
 short, refuses the call whole (RESOURCE_EXHAUSTED with the `CAPACITY_TRAILER`; see

@@ -170,6 +170,8 @@ class Request:
     completion_tokens: int = 0
     #: The gateway picks K in 0..num_speculative_tokens each round from measured costs and acceptance.
     adaptive: bool = False
+    #: Its slots declare `max_len`, reserving their growth in pools shared with other gateways.
+    reserves_growth: bool = False
     #: What the request lets the gateway draft with (the model draft, lookups or either).
     method: SpeculationMethod = SpeculationMethod.AUTO
     #: How its draft tokens are judged when it samples.
@@ -210,8 +212,13 @@ class Request:
     @property
     def max_len(self) -> int:
         """The most tokens a service may hold for it: its prompt, its most new tokens and one
-        round's draft tokens past them (what its slots reserve; `specdec.serving.reservations`)."""
+        round's draft tokens past them (`specdec.serving.reservations`)."""
         return len(self.prompt) + self.max_new_tokens + self.num_speculative_tokens
+
+    @property
+    def declared_len(self) -> int:
+        """The `max_len` its slots declare to the services: 0 (none) unless it reserves its growth."""
+        return self.max_len if self.reserves_growth else 0
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:

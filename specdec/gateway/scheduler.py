@@ -313,7 +313,7 @@ class Scheduler:
         try:
             # A preempted request resumes here: its prompt and generated tokens are prefilled again.
             timeout = self.deadlines.prefill(len(admitted), max(len(s.tokens) for s in admitted))
-            items = [PrefillItem(s.slot_id, s.tokens, s.max_len) for s in admitted]
+            items = [PrefillItem(s.slot_id, s.tokens, s.declared_len) for s in admitted]
             prefilled = await self.target.prefill(items, timeout)
             self.stats.rpc_latency["Prefill"].observe(prefilled.wall_s)
             logits = {slot: chunk.logits for slot, chunk in prefilled.value.items()}

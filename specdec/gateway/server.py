@@ -266,7 +266,7 @@ def new_policy(config: GatewayConfig, services: Services, tokenizer: PreTrainedT
         max_seq_len=services.max_seq_len, max_speculative_tokens=services.max_speculative_tokens,
         has_draft=services.draft is not None, speculative=config.speculative,
         num_speculative_tokens=config.k_for(services.max_speculative_tokens, services.costs_known),
-        adaptive_k=config.adaptive_k,
+        adaptive_k=config.adaptive_k, reserve_kv_growth=config.reserve_kv_growth,
         default_max_new_tokens=config.default_max_new_tokens, slot_prefix=f"{lease.holder}/{lease.incarnation}/",
         default_method=SpeculationMethod(config.speculation_method),
         grammars=GrammarCompiler(tokenizer, info.tokenizer.vocab_size, sorted(info.tokenizer.eos_token_ids)),

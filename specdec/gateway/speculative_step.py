@@ -86,7 +86,8 @@ async def propose(
         seq.has_draft_slot = True  # from now on the draft may hold a slot: release it at the end
     items = [ProposeItem(s.slot_id, s.draft_valid, s.tokens[s.draft_valid :], ks[s.slot_id], s.draft_sampling,
                          list(guess.tokens) if (guess := guesses.get(s.slot_id)) is not None else [],
-                         s.slot_id in self_guessing, s.stop_token_ids, _draft_grammar(s, grammar_guesses), s.max_len)
+                         s.slot_id in self_guessing, s.stop_token_ids, _draft_grammar(s, grammar_guesses),
+                         s.declared_len)
              for s in speculating]
     timeout = deadlines.propose(
         len(items), max(len(i.new_tokens) + len(i.guess_tokens) for i in items),

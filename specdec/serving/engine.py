@@ -275,26 +275,6 @@ class ModelEngine:
             raise InvalidArgumentError(f"max_len: slot {slot_id!r} declared {max_len} (0 reserves nothing)",
                                        field="max_len")
 
-    def _check_reserved_room(self, prompts: Mapping[str, list[int]], lease: Lease | None,
-                             max_lens: Mapping[str, int]) -> None:
-        """In a pool shared with another holder, new slots of `lease`'s holder must fit at their
-        whole length (their `max_lens`, at least their prompts) in the free blocks beyond every
-        slot's reserved growth (`specdec.serving.reservations`); a refused holder is marked waiting."""
-        holder = lease.holder if lease is not None else None
-        kept = self.kept_free(holder)
-        if not kept:
-            return
-        blocks = self.cache.blocks
-        needed = sum(-(-max(max_lens.get(slot_id, 0), len(prompt)) // blocks.block_size)
-                     for slot_id, prompt in prompts.items())
-        if needed > blocks.num_free_blocks - kept:
-            self.reservations.refused(holder)
-            raise CapacityExhaustedError(
-                f"KV pool (shared): {len(prompts)} new slot(s) need {needed} blocks at their whole length; "
-                f"{blocks.num_free_blocks} are free, {kept} of them reserved for requests already running to grow "
-                "into", resource="kv_blocks",
-            )
-
     def _check_new_slots(self, count: int) -> None:
         if self.draining and count:
             raise DrainingError("the service is stopping and takes no new slots: retry on another instance")

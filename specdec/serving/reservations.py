@@ -1,8 +1,9 @@
 """The KV blocks each slot has reserved to grow into, and when a new slot must leave them free.
 
-A gateway declares, with each slot it creates, the most tokens the slot will hold
-(`max_len`: its prompt, its most new tokens and one round's draft tokens). The free blocks
-between what a slot holds now and that length are its reserved growth.
+A gateway that reserves its requests' growth (`--reserve-kv-growth`) declares, with each
+slot it creates, the most tokens the slot will hold (`max_len`: its prompt, its most new
+tokens and one round's draft tokens). The free blocks between what a slot holds now and
+that length are its reserved growth; a slot that declares nothing reserves none.
 
 * **A pool one lease holder has to itself** admits on demand: a new slot needs room for its
   prompt alone, and the holder preempts its own newest request when its requests outgrow

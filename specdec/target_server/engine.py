@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 import typing
+from collections.abc import Mapping
 
 import torch
 
@@ -71,8 +72,6 @@ class TargetEngine(ModelEngine):
         slot_ids = [item.slot_id for item in items]
         prompts = {item.slot_id: list(item.prompt_tokens) for item in items}
         max_lens = {item.slot_id: item.max_len for item in items}
-        # Admission is here: the reservations are kept at the target alone (a draft's slot comes
-        # after its target's, and refusing it would preempt a request the target took).
         self._check_reserved_room(prompts, lease, max_lens)
         holder = lease.holder if lease is not None else None
         rest = self._allocate(prompts, lease, max_lens)
@@ -85,6 +84,27 @@ class TargetEngine(ModelEngine):
             raise
         self.reservations.admitted(holder)
         return [ScoredChunk(item.slot_id, row, len(self.tokens[item.slot_id])) for item, row in zip(items, logits)]
+
+    def _check_reserved_room(self, prompts: Mapping[str, list[int]], lease: Lease | None,
+                             max_lens: Mapping[str, int]) -> None:
+        """In a pool shared with another holder, new slots of `lease`'s holder must fit at their
+        whole length (their `max_lens`, at least their prompts) in the free blocks beyond every
+        slot's reserved growth (`specdec.serving.reservations`); a refused holder is marked
+        waiting. Here alone: admission is at the target (a draft's slot follows its target's)."""
+        holder = lease.holder if lease is not None else None
+        kept = self.kept_free(holder)
+        if not kept:
+            return
+        blocks = self.cache.blocks
+        needed = sum(-(-max(max_lens.get(slot_id, 0), len(prompt)) // blocks.block_size)
+                     for slot_id, prompt in prompts.items())
+        if needed > blocks.num_free_blocks - kept:
+            self.reservations.refused(holder)
+            raise CapacityExhaustedError(
+                f"KV pool (shared): {len(prompts)} new slot(s) need {needed} blocks at their whole length; "
+                f"{blocks.num_free_blocks} are free, {kept} of them reserved for requests already running to grow "
+                "into", resource="kv_blocks",
+            )
 
     def verify(self, items: list[VerifyItem], deadline: float | None = None) -> list[VerifiedChunk]:
         """Roll each slot back to valid_len, then score [g, t1..tK] for all requests in ONE forward
