@@ -106,7 +106,7 @@ class GatewayConfig(ServerSecurity):
     default_max_new_tokens: int = option(256, "completion length of requests that set none", flag="max-new-tokens")
     max_batch_size: int = option(16, "requests decoded together; more wait in the queue")
     #: docs/deployment.md#shared-pools: no request is preempted for another gateway's, at the
-    #: cost of the concurrency overcommitted pools give (measured: a few percent).
+    #: cost of the concurrency that pools overcommitted on demand give.
     reserve_kv_growth: bool = option(
         False, "in pools shared with other gateways, admit a request only where its whole length fits beside "
         "every running request's (off: admit on demand and preempt as answers grow)", advanced=True,

@@ -88,7 +88,7 @@ class ForwardRows:
         """A call of `own_items` items was answered by a forward of `run_items` (0: not reported)."""
         if run_items <= 0 or own_items <= 0:
             return
-        self.mean.observe(max(1.0, run_items / own_items), weight, now)
+        self.mean.observe(rows_factor(run_items, own_items), weight, now)
         merged = self.value >= MERGED_FROM or (self.merged and self.value > MERGED_UNTIL)
         if merged != self.merged:
             self.merged = merged
