@@ -285,6 +285,46 @@ def test_a_shared_pool_admits_a_request_only_at_its_whole_length_beside_the_rese
     assert rooms.reserves([pool], [seq], 2 * BLOCK)  # counted up to the context's length only
 
 
+@dataclass
+class CountingTarget(SharedTarget):
+    """Records each Prefill's size and whether the pool took it."""
+
+    prefills: list[tuple[int, bool]] = field(default_factory=list)
+
+    async def prefill(self, items: list[PrefillItem], timeout: float):  # type: ignore[no-untyped-def]
+        try:
+            timed = await super().prefill(items, timeout)
+        except grpc.aio.AioRpcError:
+            self.prefills.append((len(items), False))
+            raise
+        self.prefills.append((len(items), True))
+        return timed
+
+
+def test_a_gateway_refused_holding_nothing_tries_one_request_at_a_time() -> None:
+    target = CountingTarget(pool=SharedPool(blocks=8), reports_room=True)
+    first = new_request(request(max_new_tokens=40), policy())
+    later = [new_request(request(max_new_tokens=20), policy()) for _ in range(2)]
+
+    async def test(sched: Scheduler) -> None:
+        sched.submit(first)
+        await until(lambda: len(target.verify_batches) >= 2)
+        target.pool.others = 8  # another gateway takes the pool: `first` is preempted, nothing is held
+        for seq in later:
+            sched.submit(seq)
+        await until(lambda: target.pool.refusals >= 4)
+        target.pool.others = 0  # the other gateway's requests end
+        for seq in [first, *later]:
+            _, finished = await drain(seq)
+            assert finished.reason == FinishReason.LENGTH
+
+    run(test, target, None)
+    after = target.prefills[1:]  # the Prefills after `first`'s own
+    first_in = next(i for i, (_, ok) in enumerate(after) if ok)
+    assert first_in >= 2 and all(size == 1 for size, _ in after[:first_in + 1])  # one at a time until one is in
+    assert sum(size for size, ok in after if ok) == 3
+
+
 def test_a_draft_pool_that_reports_little_room_is_not_refused_either(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pools, "ROOM_FRESH_S", 600.0)  # reports never age: no round outlives one
     draft = SharedDraft(pool=SharedPool(blocks=10, others=4), reports_room=True)
