@@ -123,7 +123,7 @@ class ModelEngine:
         """Free blocks a new slot of `holder` may not take (None: a caller without a lease):
         every slot's reserved growth while another holder shares the pool, else none
         (`specdec.serving.reservations`)."""
-        return self.reservations.kept_free(self.cache.blocks, holder, self.leases.owners())
+        return self.reservations.kept_free(self.cache.blocks, holder, self.leases.owners)
 
     def export_kv(self, slot_id: str, start: int, end: int, num_layers: int, dtype: torch.dtype) -> torch.Tensor:
         """The keys and values the slot holds for positions [start, end) of its first

@@ -83,18 +83,22 @@ class Reservations:
         left = {slot_id: -(-max_len // size) - _blocks_of(blocks, slot_id) for slot_id, max_len in declared}
         return {slot_id: n for slot_id, n in left.items() if n > 0}
 
-    def kept_free(self, blocks: BlockManager, holder: str | None, owners: Mapping[str, str]) -> int:
+    def kept_free(self, blocks: BlockManager, holder: str | None, owners: Callable[[], Mapping[str, str]]) -> int:
         """Free blocks a new slot of `holder` may not take: every slot's reserved growth while
         the pool is shared with another holder, none while `holder` has it to itself
-        (`owners`: each leased slot's holder)."""
+        (`owners`: each leased slot's holder, asked for only while some growth is reserved:
+        every Verify and Propose response asks, and with no reservation the answer is 0)."""
         growth = self.growth(blocks)
+        if not growth:
+            return 0
         now = self._clock()
         with self._lock:
             self._refused_at = {h: at for h, at in self._refused_at.items() if now - at < WAITING_S}
             waiting = any(h != holder for h in self._refused_at)
-        if waiting or any(owners.get(slot_id) != holder for slot_id in growth):
+        if waiting:
             return sum(growth.values())
-        return 0
+        holders = owners()
+        return sum(growth.values()) if any(holders.get(slot_id) != holder for slot_id in growth) else 0
 
 
 def _blocks_of(blocks: BlockManager, slot_id: str) -> int:

@@ -72,8 +72,8 @@ class TargetEngine(ModelEngine):
         slot_ids = [item.slot_id for item in items]
         prompts = {item.slot_id: list(item.prompt_tokens) for item in items}
         max_lens = {item.slot_id: item.max_len for item in items}
-        self._check_reserved_room(prompts, lease, max_lens)
         holder = lease.holder if lease is not None else None
+        self._check_reserved_room(prompts, holder, max_lens)
         rest = self._allocate(prompts, lease, max_lens)
         try:
             logits = self._run([(slot_id, rest[slot_id]) for slot_id in slot_ids], logits="last")
@@ -85,13 +85,12 @@ class TargetEngine(ModelEngine):
         self.reservations.admitted(holder)
         return [ScoredChunk(item.slot_id, row, len(self.tokens[item.slot_id])) for item, row in zip(items, logits)]
 
-    def _check_reserved_room(self, prompts: Mapping[str, list[int]], lease: Lease | None,
+    def _check_reserved_room(self, prompts: Mapping[str, list[int]], holder: str | None,
                              max_lens: Mapping[str, int]) -> None:
-        """In a pool shared with another holder, new slots of `lease`'s holder must fit at their
+        """In a pool shared with another holder, new slots of `holder` must fit at their
         whole length (their `max_lens`, at least their prompts) in the free blocks beyond every
         slot's reserved growth (`specdec.serving.reservations`); a refused holder is marked
         waiting. Here alone: admission is at the target (a draft's slot follows its target's)."""
-        holder = lease.holder if lease is not None else None
         kept = self.kept_free(holder)
         if not kept:
             return
