@@ -14,7 +14,7 @@ import torch
 from specdec.draft_server.config import DraftConfig
 from specdec.draft_server.engine import DraftEngine
 from specdec.errors import InvalidArgumentError
-from specdec.serving.call_merger import CallMerger
+from specdec.serving.call_merger import CallMerger, stamped
 from specdec.serving.errors import grpc_errors
 from specdec.serving.grpc_server import RunningServer
 from specdec.serving.metrics import ServiceStats
@@ -85,8 +85,7 @@ class DraftServicer(SlotServicer, draft_pb2_grpc.DraftServiceServicer):
         lease = Lease.from_pb(request.lease)
         holder = lease.holder if lease else self.engine.leases.holder_of(items[0].slot_id) if items else None
         answer = await self.proposals.submit(ProposeCall(items, lease, holder, probs_dtype))
-        answer.response.compute_s, answer.response.run_items = answer.compute_s, answer.run_items
-        return answer.response
+        return stamped(answer)
 
     @grpc_errors
     async def ImportKV(

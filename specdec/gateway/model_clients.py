@@ -43,14 +43,20 @@ class Timed(Generic[T]):
     """A model service's reply with its two costs: compute on the service, and the call's
     wall time as the gateway saw it (compute + queueing + (de)serialisation + transport);
     the service's room after the call (None: it reports none, a service before the field);
-    and the items of the forward that answered it, other gateways' merged calls included
-    (0: not reported)."""
+    the items of the forward that answered it, other gateways' merged calls included (0: not
+    reported); and the seconds the call waited at the service for that forward to begin
+    (part of `wall_s`; 0: not reported)."""
 
     value: T
     compute_s: float
     wall_s: float
     room: PoolRoom | None = None
     run_items: int = 0
+    queued_s: float = 0.0
+
+    def costs(self) -> Timed[None]:
+        """The reply's costs without its value (what a round's report keeps)."""
+        return Timed(None, self.compute_s, self.wall_s, self.room, self.run_items, self.queued_s)
 
 
 class TargetAPI(Protocol):
@@ -172,7 +178,7 @@ class TargetClient(_ServiceClient[target_pb2_grpc.TargetServiceStub]):
         response = await self._verify(request, timeout)
         results = {r.slot_id: verified_from_pb(r) for r in response.results}
         return Timed(results, response.compute_s, time.perf_counter() - started, PoolRoom.of(response),
-                     response.run_items)
+                     response.run_items, response.queued_s)
 
     async def export_kv(self, export: KVExport, timeout: float) -> list[common_pb2.KVPiece]:
         """The keys and values of `export`, every piece the target sends. Received whole before
@@ -201,7 +207,7 @@ class DraftClient(_ServiceClient[draft_pb2_grpc.DraftServiceStub]):
         response = await self._propose(request, timeout)
         results = {r.slot_id: Proposal.from_pb(r) for r in response.results}
         return Timed(results, response.compute_s, time.perf_counter() - started, PoolRoom.of(response),
-                     response.run_items)
+                     response.run_items, response.queued_s)
 
     async def import_kv(self, header: ImportHeader, pieces: list[common_pb2.KVPiece], timeout: float) -> Timed[int]:
         """Import `pieces` into the slot `header` names, a new one held under this client's

@@ -105,8 +105,8 @@ class RoundReport:
 
     ks: dict[str, int]
     num_accepted: dict[str, int]
-    #: Propose and Verify: compute inside the service, wall time seen by the gateway, and the
-    #: room each service reported.
+    #: Propose and Verify: compute inside the service, wall time seen by the gateway, the
+    #: room each service reported, and the forward's items and the call's wait for it.
     propose: Timed[None]
     verify: Timed[None]
     #: The gateway's acceptance step (rejection sampling / greedy matching) for the batch.
@@ -160,7 +160,16 @@ class RoundReport:
         }
 
     @property
+    def queued_s(self) -> float:
+        """Seconds the round's calls waited at the services for their forwards to begin."""
+        return self.propose.queued_s + self.verify.queued_s
+
+    @property
     def overhead_s(self) -> float:
-        """Round time spent outside both services' compute: RPCs, (de)serialisation, acceptance
-        (not a KV handoff's, which the planner prices on its own)."""
-        return max(0.0, self.total_s - self.propose.compute_s - self.verify.compute_s - self.handoff_s)
+        """Round time spent outside both services' compute: RPCs, (de)serialisation, acceptance.
+        Not a KV handoff's, which the planner prices on its own, nor the calls' waits at the
+        services (`queued_s`): a wait to merge with another gateway's call, or behind a Prefill,
+        comes of other calls, not of this round's K; learnt as the cost of drafting, it would
+        keep a gateway that shares its services from drafting."""
+        return max(0.0, self.total_s - self.propose.compute_s - self.verify.compute_s - self.handoff_s
+                   - self.queued_s)

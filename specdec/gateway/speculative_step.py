@@ -250,8 +250,7 @@ async def run_round(
     guessed = {slot: p.saved_steps for slot, p in proposed.value.items() if p.saved_steps}
     sources = {slot: source for slot in ks if ks[slot] and (source := plan.source_of(slot, slot in guessed))}
     return RoundReport(
-        ks, num_accepted, propose=Timed(None, proposed.compute_s, proposed.wall_s, proposed.room, proposed.run_items),
-        verify=Timed(None, verified.compute_s, verified.wall_s, verified.room, verified.run_items), accept_s=accept_s,
+        ks, num_accepted, propose=proposed.costs(), verify=verified.costs(), accept_s=accept_s,
         total_s=time.perf_counter() - started, propose_outcome=propose_outcome, steps=steps, sources=sources,
         guessed=guessed,
         own_guess_tokens={slot: p.own_guess_tokens for slot, p in proposed.value.items() if p.own_guess_tokens},

@@ -75,17 +75,40 @@ def split(outputs: Sequence[T], sizes: Sequence[int]) -> list[list[T]]:
 
 
 class Answer(NamedTuple, Generic[R]):
-    """A call's response, and the compute seconds and items of the run it was part of."""
+    """A call's response, the compute seconds and items of the run it was part of, and the
+    seconds it waited for that run to begin (held, or queued behind other work)."""
 
     response: R
     compute_s: float
     run_items: int
+    queued_s: float = 0.0
+
+
+class TimedResponse(Protocol):
+    """A work call's response message: it tells the caller what its run cost."""
+
+    compute_s: float
+    run_items: int
+    queued_s: float
+
+
+TR = TypeVar("TR", bound=TimedResponse)
+
+
+def stamped(answer: Answer[TR]) -> TR:
+    """The answer's response, with its run's compute seconds and items and the call's
+    queueing written in."""
+    response = answer.response
+    response.compute_s, response.run_items, response.queued_s = answer.compute_s, answer.run_items, answer.queued_s
+    return response
 
 
 @dataclass(eq=False)
 class _Waiting(Generic[C, R]):
     call: C
     answer: asyncio.Future[Answer[R]]
+    #: When it was submitted (`CallMerger.clock`).
+    arrived: float
 
 
 @dataclass
@@ -135,7 +158,7 @@ class CallMerger(Generic[C, Out, R]):
     async def submit(self, call: C) -> Answer[R]:
         """Run `call` (merged with others where it can be); its response, and the compute
         seconds and items of the run it was part of."""
-        waiting = _Waiting[C, R](call, asyncio.get_running_loop().create_future())
+        waiting = _Waiting[C, R](call, asyncio.get_running_loop().create_future(), self.clock())
         if call.holder is not None:
             self._seen.setdefault(call.holder, _Holder()).in_flight += 1
         self._waiting.append(waiting)
@@ -245,9 +268,14 @@ class CallMerger(Generic[C, Out, R]):
 
     async def _run(self, group: list[_Waiting[C, R]]) -> None:
         calls = [w.call for w in group]
+        began: list[float] = []  # when the worker took the run up
+
+        def compute() -> list[tuple[Out | Exception, int]]:
+            began.append(self.clock())
+            return self._compute_each(calls)
+
         try:
-            answers, seconds = await self.worker.run_timed(
-                functools.partial(self._compute_each, calls), functools.partial(self._encode_each, calls))
+            answers, seconds = await self.worker.run_timed(compute, functools.partial(self._encode_each, calls))
         except Exception as error:  # noqa: BLE001 - the worker itself failed (stopped): every caller hears
             answers, seconds = [(error, 0)] * len(group), 0.0
         except asyncio.CancelledError:  # the service stops, or a lone call's caller went away
@@ -263,7 +291,7 @@ class CallMerger(Generic[C, Out, R]):
             if isinstance(answer, BaseException):
                 waiting.answer.set_exception(answer)
             else:
-                waiting.answer.set_result(Answer(answer, seconds, run_items))
+                waiting.answer.set_result(Answer(answer, seconds, run_items, max(0.0, began[0] - waiting.arrived)))
         self.stats.record_work(self.method, seconds, sum(c.rows for c in calls), sum(c.tokens for c in calls))
         self._note_merge(calls, answered)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 
 from specdec.errors import InvalidArgumentError
-from specdec.serving.call_merger import CallMerger, split
+from specdec.serving.call_merger import CallMerger, split, stamped
 from specdec.serving.errors import grpc_errors, grpc_stream_errors
 from specdec.serving.grpc_server import RunningServer
 from specdec.serving.metrics import ServiceStats
@@ -104,8 +104,7 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
         deadline = time.monotonic() + remaining if remaining is not None else None
         holder = self.engine.leases.holder_of(items[0].slot_id) if items else None
         answer = await self.verifies.submit(VerifyCall(items, deadline, holder))
-        answer.response.compute_s, answer.response.run_items = answer.compute_s, answer.run_items
-        return answer.response
+        return stamped(answer)
 
     @grpc_stream_errors
     async def ExportKV(

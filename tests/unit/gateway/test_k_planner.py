@@ -505,6 +505,25 @@ def test_the_overhead_a_draft_token_adds_keeps_a_cheap_weak_draft_off() -> None:
     assert planner.plan(round_inputs([a], {"a": 8}, {"a": True})).ks["a"] == 0
 
 
+@pytest.mark.parametrize("reported", [True, False])
+def test_a_calls_wait_at_a_shared_service_is_not_learnt_as_the_cost_of_drafting(reported: bool) -> None:
+    # Rounds that draft wait 50 ms a draft token longer, all of it at the target, held for
+    # another gateway's Verify (`VerifyResponse.queued_s`). That wait comes of the other
+    # gateway's timing, not of K: learnt as draft overhead it would keep this gateway's draft
+    # off, as an unreported wait does.
+    settings = PlannerSettings(prior_alpha=0.6, request_weight=0.0, global_weight=0.0, probe_every=1000,
+                               max_probe_every=1000)
+    planner = Planner(TARGET, draft_costs(0.02), settings, clock=still)
+    a = seq("a")
+    for k in (0, 1, 0, 1, 0, 1) * 10:
+        queued_s = 0.05 * k
+        verify = Timed(None, 0.0, queued_s, None, 0, queued_s if reported else 0.0)
+        report = RoundReport({"a": k}, {"a": k}, Timed(None, 0.0, 0.0), verify, 0.0, 0.002 + queued_s)
+        planner.observe(RoundPlan(report.ks), [a], report)
+    assert planner.costs.draft_overhead.per_token == pytest.approx(0.0 if reported else 0.05, abs=0.002)
+    assert (planner.plan(round_inputs([a], {"a": 8}, {"a": True})).ks["a"] > 0) == reported
+
+
 def test_the_draft_overhead_splits_into_a_fixed_and_a_per_token_part() -> None:
     overhead = DraftOverhead(weight=0.1)
     overhead.observe(4, 0.008)  # a single total: all of it per token until Σk varies

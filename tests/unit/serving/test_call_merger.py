@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from specdec.serving.call_merger import Answer, CallMerger, split
+from specdec.serving.call_merger import Answer, CallMerger, split, stamped
 from specdec.serving.metrics import ServiceStats
 from specdec.serving.serial_executor import SerialExecutor
+from specdec.v1 import target_pb2
 
 
 @dataclass(frozen=True)
@@ -116,10 +117,15 @@ async def behind_stalled(setup: Setup, first: Call, *later: Call) -> list[Answer
     return await asyncio.gather(task, *tasks, return_exceptions=True)
 
 
+def costs(answers: Sequence[Answer[str] | BaseException]) -> list[object]:
+    """Each answer's response, compute seconds and run items (its queueing is wall time); errors as they are."""
+    return [answer[:3] if isinstance(answer, Answer) else answer for answer in answers]
+
+
 def test_calls_that_wait_for_the_worker_run_as_one() -> None:
     async def test(setup: Setup) -> None:
         answers = await behind_stalled(setup, Call("a", "A"), Call("b", "B", rows=2), Call("c", "C", rows=3))
-        assert answers == [("A", 5.0, 1), ("B", 5.0, 5), ("C", 5.0, 5)]  # b and c hear their one run's time and items
+        assert costs(answers) == [("A", 5.0, 1), ("B", 5.0, 5), ("C", 5.0, 5)]  # b, c: one run, its time and items
 
     setup = run(test, max_wait_s=0.0, holders={"A", "B", "C"})
     assert setup.engine.runs == [["a"], ["b", "c"]]
@@ -130,7 +136,7 @@ def test_calls_that_wait_for_the_worker_run_as_one() -> None:
 def test_one_gateways_calls_together_are_not_counted_as_merged() -> None:
     async def test(setup: Setup) -> None:
         answers = await behind_stalled(setup, Call("a", "A"), Call("b", "B"), Call("c", "B"))
-        assert answers == [("A", 5.0, 1), ("B", 5.0, 2), ("C", 5.0, 2)]
+        assert costs(answers) == [("A", 5.0, 1), ("B", 5.0, 2), ("C", 5.0, 2)]
 
     setup = run(test, max_wait_s=0.0)
     assert setup.engine.runs == [["a"], ["b", "c"]]
@@ -144,7 +150,10 @@ def test_a_run_is_held_for_another_gateway_that_holds_slots_and_joins_it() -> No
         await asyncio.sleep(0.05)
         assert setup.engine.runs == [["b1"]], "a ran without waiting for B, which was due"
         [joined] = submit(setup, Call("b2", "B"))
-        assert (await held, await joined) == (("A", 5.0, 2), ("B2", 5.0, 2))
+        answers = [await held, await joined]
+        assert costs(answers) == [("A", 5.0, 2), ("B2", 5.0, 2)]
+        # One run began for both: a's answer counts the 0.05 s it was held before b2 came.
+        assert answers[0].queued_s - answers[1].queued_s >= 0.04
 
     setup = run(test, max_wait_s=60.0)
     assert setup.engine.runs == [["b1"], ["a", "b2"]]
@@ -200,7 +209,7 @@ def test_no_hold_for_one_gateway_alone_a_gateway_without_slots_or_a_zero_wait() 
 def test_a_calls_bad_input_fails_that_call_alone() -> None:
     async def test(setup: Setup) -> None:
         _, good, bad = await behind_stalled(setup, Call("a", "A"), Call("b", "B"), Call("c", "C", bad=True))
-        assert good == ("B", 5.0, 1)  # run again alone
+        assert costs([good]) == [("B", 5.0, 1)]  # run again alone
         assert isinstance(bad, ValueError) and "['c']" in str(bad)
 
     setup = run(test, max_wait_s=0.0, holders={"A", "B", "C"})
@@ -211,7 +220,7 @@ def test_calls_of_another_key_run_apart() -> None:
     async def test(setup: Setup) -> None:
         answers = await behind_stalled(setup, Call("a", "A"), Call("b", "B", key=1), Call("c", "C", key=2),
                                        Call("d", "D", key=1))
-        assert answers == [("A", 5.0, 1), ("B", 5.0, 2), ("C", 5.0, 1), ("D", 5.0, 2)]
+        assert costs(answers) == [("A", 5.0, 1), ("B", 5.0, 2), ("C", 5.0, 1), ("D", 5.0, 2)]
 
     setup = run(test, max_wait_s=0.0, holders={"A", "B", "C", "D"})
     assert setup.engine.runs == [["a"], ["b", "d"], ["c"]]
@@ -266,3 +275,8 @@ def test_split_cuts_a_merged_answer_back_into_its_calls() -> None:
     assert split(["a", "b", "c"], [2, 0, 1]) == [["a", "b"], [], ["c"]]
     with pytest.raises(ValueError, match="3 outputs"):
         split(["a", "b", "c"], [2])
+
+
+def test_stamped_writes_the_runs_costs_into_the_response() -> None:
+    response = stamped(Answer(target_pb2.VerifyResponse(), compute_s=0.5, run_items=6, queued_s=0.25))
+    assert (response.compute_s, response.run_items, response.queued_s) == (0.5, 6, 0.25)
