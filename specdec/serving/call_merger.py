@@ -15,12 +15,6 @@ gateway that does not come in time is *missed* and not waited for during a back-
 doubling to 150 at most, reset when it next comes in time), so one that holds slots here but
 calls rarely (its requests decode without a draft) costs a wait now and then, not every run.
 
-A forward pads every row to its widest, so calls of unequal widths (one gateway verifying
-8 draft tokens a request, the other decoding plainly) cost more merged than apart where the
-width, not the weights, sets a forward's cost (a CPU at a few rows). The target cuts such a
-group into the cheapest runs its forward costs price (`cheapest_runs`), run one after
-another.
-
 One call's bad input must not fail the others: when a merged run raises, each call runs
 again alone (the engines leave every slot as it was when a call fails) and gets its own
 answer or error.
@@ -80,29 +74,6 @@ def split(outputs: Sequence[T], sizes: Sequence[int]) -> list[list[T]]:
     return [list(outputs[end - size: end]) for size, end in zip(sizes, itertools.accumulate(sizes))]
 
 
-def cheapest_runs(calls: Sequence[C], width: Callable[[C], int],
-                  seconds: Callable[[int, int], float]) -> list[list[C]]:
-    """`calls` cut into runs, each one forward of its calls' rows padded to its widest call,
-    at the least total `seconds(rows, width)`: by width, narrowest first, cut where a
-    forward of the calls on either side costs more than two. Ties keep the calls together."""
-    ordered = sorted(calls, key=width)
-    # best[i]: the least seconds of the first i calls, and where its last run starts.
-    best: list[tuple[float, int]] = [(0.0, 0)]
-    for end in range(1, len(ordered) + 1):
-        rows, options = 0, []
-        for start in range(end - 1, -1, -1):
-            rows += ordered[start].rows
-            options.append((best[start][0] + seconds(rows, width(ordered[end - 1])), start))
-        best.append(min(options, key=lambda option: (option[0], option[1])))
-    runs: list[list[C]] = []
-    end = len(ordered)
-    while end > 0:
-        start = best[end][1]
-        runs.insert(0, ordered[start:end])
-        end = start
-    return runs
-
-
 class Answer(NamedTuple, Generic[R]):
     """A call's response, the compute seconds and items of the run it was part of, and the
     seconds it waited for that run to begin (held, or queued behind other work)."""
@@ -160,8 +131,7 @@ class CallMerger(Generic[C, Out, R]):
 
     `compute` runs on the worker: the calls' requests in one engine call, one output per
     call. `encode` (also on the worker, right after) turns a call and its output into its
-    response. `holders` names the gateways that own slots here now. `runs` cuts a group of
-    calls into the engine calls that run it, one after another (None: one, all merged).
+    response. `holders` names the gateways that own slots here now.
     """
 
     method: str
@@ -176,7 +146,6 @@ class CallMerger(Generic[C, Out, R]):
     #: `MAX_BACKOFF_HOLDS` holds).
     first_backoff_s: float | None = None
     max_backoff_s: float | None = None
-    runs: Callable[[list[C]], list[list[C]]] | None = None
     _waiting: list[_Waiting[C, R]] = field(default_factory=list, init=False)
     _seen: dict[str, _Holder] = field(default_factory=dict, init=False)
     _arrived: asyncio.Event = field(default_factory=asyncio.Event, init=False)
@@ -235,34 +204,12 @@ class CallMerger(Generic[C, Out, R]):
                 await self._hold()
                 group = self._take()
                 if group:
-                    await self._run_cut(group)
+                    await self._run(group)
         except Exception as error:  # a bug here must not leave callers waiting for ever
             log.exception("%s: the call merger failed; the calls waiting in it fail", self.method)
             for waiting in self._waiting:
                 if not waiting.answer.done():
                     waiting.answer.set_exception(error)
-
-    async def _run_cut(self, group: list[_Waiting[C, R]]) -> None:
-        """Run `group` as `runs` cuts it, one engine call after another (all in one where the
-        cut fails); where the service stops meanwhile, the calls not yet run are cancelled too."""
-        parts = [group]
-        if self.runs is not None and len(group) > 1:
-            by_call = {id(waiting.call): waiting for waiting in group}
-            try:
-                parts = [[by_call[id(call)] for call in run] for run in self.runs([w.call for w in group])]
-                if sorted(id(w) for part in parts for w in part) != sorted(map(id, group)):
-                    raise RuntimeError(f"{len(group)} calls cut into {sum(map(len, parts))}")
-            except Exception:  # a bug in the cut must not leave the group unanswered
-                log.exception("%s: cutting %d calls into runs failed; they run as one", self.method, len(group))
-                parts = [group]
-        for index, part in enumerate(parts):
-            try:
-                await self._run(part)
-            except asyncio.CancelledError:
-                for waiting in (w for later in parts[index + 1:] for w in later):
-                    self._done(waiting.call)
-                    waiting.answer.cancel()
-                raise
 
     def _take(self) -> list[_Waiting[C, R]]:
         """Every waiting call with the first one's key, in arrival order."""

@@ -63,13 +63,12 @@ class SlotServicer:
 
     def merged(
         self, method: str, compute: Callable[[Sequence[Call]], Sequence[Out]],
-        encode: Callable[[Call, Out], Response], runs: Callable[[list[Call]], list[list[Call]]] | None = None,
+        encode: Callable[[Call, Out], Response],
     ) -> CallMerger[Call, Out, Response]:
-        """The call merger of the work rpc `method`: several gateways' calls in one forward (or
-        in the engine calls `runs` cuts them into), held up to the service's `merge_wait_s` for
-        a gateway that is due."""
+        """The call merger of the work rpc `method`: several gateways' calls in one forward,
+        held up to the service's `merge_wait_s` for a gateway that is due."""
         return CallMerger(method, self.worker, compute, encode, self.engine.leases.holders_with_slots, self.stats,
-                          self.engine.config.merge_wait_s, runs=runs)
+                          self.engine.config.merge_wait_s)
 
     async def answer_each(
         self, context: grpc.aio.ServicerContext, method: str, handle: Callable[[Req], Awaitable[Resp]]

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from specdec.cost_model import CostTable
 from specdec.errors import InvalidArgumentError
-from specdec.serving.call_merger import CallMerger, cheapest_runs, split, stamped
+from specdec.serving.call_merger import CallMerger, split, stamped
 from specdec.serving.errors import grpc_errors, grpc_stream_errors
 from specdec.serving.grpc_server import RunningServer
 from specdec.serving.metrics import ServiceStats
@@ -47,11 +46,6 @@ class VerifyCall:
     def tokens(self) -> int:
         return sum(len(item.tokens) for item in self.items)
 
-    @property
-    def width(self) -> int:
-        """Tokens of its widest item: a forward pads every row to that."""
-        return max((len(item.tokens) for item in self.items), default=1)
-
 
 def verify_together(engine: TargetEngine, calls: Sequence[VerifyCall]) -> list[list[VerifiedChunk]]:
     """Several Verify calls in one engine call; decode steps stop at the earliest deadline."""
@@ -70,20 +64,7 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
         super().__init__(engine, worker, stats)
         self.verifies: CallMerger[VerifyCall, list[VerifiedChunk], target_pb2.VerifyResponse] = self.merged(
             "Verify", functools.partial(verify_together, engine),
-            lambda call, results: _verify_response(results, engine.room([item.slot_id for item in call.items])),
-            runs=self._verify_runs)
-        self._costs: tuple[tuple[object, ...], CostTable] | None = None
-
-    def _verify_runs(self, calls: list[VerifyCall]) -> list[list[VerifyCall]]:
-        """Merged Verify calls cut into the forwards that cost least by the engine's forward
-        costs (`cheapest_runs`); all in one where every forward has one fixed shape
-        (`--batch-invariant`), or no costs were measured."""
-        costs = self.engine.forward_costs
-        if self.engine.step_shape is not None or not costs:
-            return [calls]
-        if self._costs is None or self._costs[0] != costs:
-            self._costs = (costs, CostTable(costs))
-        return cheapest_runs(calls, lambda call: call.width, self._costs[1].seconds)
+            lambda call, results: _verify_response(results, engine.room([item.slot_id for item in call.items])))
 
     @grpc_errors
     async def Prefill(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from specdec.serving.call_merger import Answer, CallMerger, cheapest_runs, split, stamped
+from specdec.serving.call_merger import Answer, CallMerger, split, stamped
 from specdec.serving.metrics import ServiceStats
 from specdec.serving.serial_executor import SerialExecutor
 from specdec.v1 import target_pb2
@@ -68,7 +68,7 @@ class Setup:
 
 
 def run(test: Callable[[Setup], Awaitable[None]], *, max_wait_s: float, holders: set[str] | None = None,
-        first_backoff_s: float = 1.0, runs: Callable[[list[Call]], list[list[Call]]] | None = None) -> Setup:
+        first_backoff_s: float = 1.0) -> Setup:
     """Run `test` on a fresh event loop, with a merger whose runs all take 5 s on the worker's clock."""
     worker = SerialExecutor("test-merger", clock=PinnedClock(5.0))
     engine, stats = Engine(), ServiceStats("target", ["Verify"], ["Verify"])
@@ -77,7 +77,7 @@ def run(test: Callable[[Setup], Awaitable[None]], *, max_wait_s: float, holders:
     async def main() -> Setup:
         merger = CallMerger[Call, str, str]("Verify", worker, engine.compute, lambda call, out: out,
                                            lambda: setup_holders, stats, max_wait_s,
-                                           first_backoff_s=first_backoff_s, runs=runs)
+                                           first_backoff_s=first_backoff_s)
         setup = Setup(engine, merger, stats, setup_holders)
         await test(setup)
         return setup
@@ -280,49 +280,3 @@ def test_split_cuts_a_merged_answer_back_into_its_calls() -> None:
 def test_stamped_writes_the_runs_costs_into_the_response() -> None:
     response = stamped(Answer(target_pb2.VerifyResponse(), compute_s=0.5, run_items=6, queued_s=0.25))
     assert (response.compute_s, response.run_items, response.queued_s) == (0.5, 6, 0.25)
-
-
-def width_priced(rows: int, width: int) -> float:
-    """A CPU-like forward: a fixed part, then each padded token."""
-    return 4.0 + rows * width
-
-
-def test_calls_of_unequal_widths_are_cut_where_two_forwards_cost_less_than_one() -> None:
-    # Widths in `tokens`: 4 rows at 9 and 4 at 1 cost 4 + 72 merged, 4 + 36 + 4 + 4 apart.
-    wide, narrow = Call("w", "A", rows=4, tokens=9), Call("n", "B", rows=4, tokens=1)
-    near = Call("m", "C", rows=4, tokens=8)
-    tokens: Callable[[Call], int] = lambda call: call.tokens  # noqa: E731
-    assert cheapest_runs([wide, narrow], tokens, width_priced) == [[narrow], [wide]]
-    # 8 and 9 tokens: 4 + 32 + 4 + 36 apart, 4 + 72 merged: a tie, one forward.
-    assert cheapest_runs([wide, near], tokens, width_priced) == [[near, wide]]
-    assert cheapest_runs([wide, near, narrow], tokens, width_priced) == [[narrow], [near, wide]]
-    flat: Callable[[int, int], float] = lambda rows, width: 1.0  # noqa: E731 - a GPU at a few rows
-    assert cheapest_runs([wide, narrow, near], tokens, flat) == [[narrow, near, wide]]
-
-
-def test_a_group_cut_into_runs_runs_them_in_turn_and_answers_each_with_its_own_run() -> None:
-    def by_name(calls: list[Call]) -> list[list[Call]]:
-        return [[c] for c in sorted(calls, key=lambda c: c.name)]
-
-    async def test(setup: Setup) -> None:
-        answers = await behind_stalled(setup, Call("a", "A"), Call("c", "C", rows=3), Call("b", "B", rows=2))
-        assert costs(answers) == [("A", 5.0, 1), ("C", 5.0, 3), ("B", 5.0, 2)]
-        a, c, b = answers
-        assert isinstance(b, Answer) and isinstance(c, Answer)
-        assert c.queued_s >= b.queued_s  # c waited for b's run too
-
-    setup = run(test, max_wait_s=0.0, holders={"A", "B", "C"}, runs=by_name)
-    assert setup.engine.runs == [["a"], ["b"], ["c"]]
-    assert setup.stats.merged_calls["Verify"] == 0  # no run held two gateways' calls
-
-
-def test_a_failing_cut_runs_the_group_as_one() -> None:
-    def broken(calls: list[Call]) -> list[list[Call]]:
-        return [calls[:1]]  # loses a call
-
-    async def test(setup: Setup) -> None:
-        answers = await behind_stalled(setup, Call("a", "A"), Call("b", "B"), Call("c", "C"))
-        assert costs(answers) == [("A", 5.0, 1), ("B", 5.0, 2), ("C", 5.0, 2)]
-
-    setup = run(test, max_wait_s=0.0, holders={"A", "B", "C"}, runs=broken)
-    assert setup.engine.runs == [["a"], ["b", "c"]]
