@@ -21,15 +21,7 @@ from specdec.serving.serial_executor import SerialExecutor
 from specdec.target_server.config import TargetConfig
 from specdec.target_server.engine import TargetEngine
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from specdec.wire.items import (
-    DecodeMode,
-    Lease,
-    PrefillItem,
-    ScoredChunk,
-    VerifiedChunk,
-    VerifyItem,
-    verified_to_pb,
-)
+from specdec.wire.items import Lease, PrefillItem, ScoredChunk, VerifiedChunk, VerifyItem, verified_to_pb
 from specdec.wire.kv_transfer import split_pieces
 from specdec.wire.model_info import PoolRoom
 from specdec.wire.tensor_codec import torch_dtype
@@ -44,13 +36,7 @@ class VerifyCall:
     items: list[VerifyItem]
     deadline: float | None
     holder: str | None
-
-    @property
-    def key(self) -> Hashable:
-        """Whether it decodes more than one step a request: such calls merge only with each
-        other. Merged with a verify, their later one-token forwards would hold its answer (and
-        their rows would be padded to its width in the first)."""
-        return any(isinstance(item.mode, DecodeMode) and item.mode.steps > 1 for item in self.items)
+    key: Hashable = None
 
     @property
     def rows(self) -> int:

@@ -843,15 +843,3 @@ def test_a_mask_that_does_not_fit_the_item_is_invalid_argument(
         target.stub.Verify(target_pb2.VerifyRequest(items=[item]))
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (raised.value.details() or "").startswith(field), raised.value.details()
-
-
-def test_a_multi_step_decode_call_merges_only_with_others_like_it() -> None:
-    """Merged with a verify, a decode of several steps a request would hold the verify's answer
-    for its later one-token forwards: the call merger keeps calls of unequal keys apart."""
-    def call(*items: VerifyItem) -> target_servicer.VerifyCall:
-        return target_servicer.VerifyCall(list(items), None, "gateway")
-
-    verify, one_step = VerifyItem("v", 4, [11, 12, 13]), VerifyItem("p", 4, [11], DecodeMode(steps=1))
-    multi = VerifyItem("m", 4, [11], DecodeMode(steps=4))
-    assert call(verify).key == call(one_step).key == call(verify, one_step).key
-    assert call(multi).key == call(one_step, multi).key != call(verify).key
