@@ -6,6 +6,7 @@ clients see, and the throughput beside one gateway alone at the same total concu
     python -m specdec_bench.shared_pools --pools-hold 2    # pools for both: what two gateways cost alone
     python -m specdec_bench.shared_pools --k 4             # K pinned: the planners out of the comparison
     python -m specdec_bench.shared_pools --reserve-kv-growth  # admission that never preempts
+    python -m specdec_bench.shared_pools --half-batches    # two gateways of 4: the split alone
 
 Each gateway admits as if the pools were its own; the services refuse what their real free
 blocks cannot hold, and the gateways queue or preempt (docs/deployment.md#shared-pools).
@@ -23,6 +24,7 @@ that ran with the other gateway's (`specdec.serving.call_merger`, from the servi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -135,6 +137,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="gateways reserve their requests' growth (no preemption; docs/deployment.md#shared-pools)")
     parser.add_argument("--k", type=int, default=0,
                         help="pin K on both gateways (--no-adaptive-k); 0 leaves it to their planners")
+    parser.add_argument("--half-batches", action="store_true",
+                        help="split over two more gateways of half the batch each: together they never hold more "
+                        "than the pools do, so the split alone is measured (no preemption)")
     parser.add_argument("--service-args", default="",
                         help="more flags for both model services, e.g. '--threads 1'")
     args = parser.parse_args(argv)
@@ -154,12 +159,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     merged: dict[str, dict[str, float]] = {name: {} for name in rates}
     answers: dict[str, list[int]] = {}
     unequal = 0
+    half = ("--max-batch-size", str(max(1, args.batch // 2))) if args.half_batches else ()
     with running_stack(target_args=pool, draft_args=pool, gateway_args=gateway_args) as stack, \
-            second_gateway(stack, gateway_args) as other:
-        assert other.ready is not None and other.ready.metrics_port is not None
-        ports = [stack.metrics_port, other.ready.metrics_port]
+            contextlib.ExitStack() as more:
+        others = [more.enter_context(second_gateway(stack, gateway_args, *half)) for _ in range(2 if half else 1)]
+        ports = [stack.metrics_port, *(_metrics_port(other) for other in others)]
         service_ports = {"target": _metrics_port(stack.target), "draft": _metrics_port(stack.draft)}
-        layouts = {"one gateway": [stack.gateway.address], "two gateways": [stack.gateway.address, other.address]}
+        pair = [other.address for other in others] if half else [stack.gateway.address, others[0].address]
+        layouts = {"one gateway": [stack.gateway.address], "two gateways": pair}
         for _ in range(args.rounds):
             for name, addresses in layouts.items():
                 before, merged_before = _gateways_counters(ports), _merge_counters(service_ports)
@@ -187,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "preemptions": sum(c[COUNTERS[1]] for c in counted.values()),
         "speculation": {name: _speculation(c) for name, c in counted.items()},
         "merged": merged, "k": args.k or "adaptive", "reserve_kv_growth": args.reserve_kv_growth,
+        "half_batches": args.half_batches,
         "service_args": args.service_args,
     }
     print(json.dumps(summary, indent=2))
