@@ -169,7 +169,8 @@ class RoundReport:
         """Round time spent outside both services' compute: RPCs, (de)serialisation, acceptance.
         Not a KV handoff's, which the planner prices on its own, nor the calls' waits at the
         services (`queued_s`): a wait to merge with another gateway's call, or behind a Prefill,
-        comes of other calls, not of this round's K; learnt as the cost of drafting, it would
-        keep a gateway that shares its services from drafting."""
+        comes of other calls, not of this round's K; learnt as the cost of drafting, it made a
+        gateway that shares its services draft longer K (to spread it) and turn its draft off
+        more often."""
         return max(0.0, self.total_s - self.propose.compute_s - self.verify.compute_s - self.handoff_s
                    - self.queued_s)
