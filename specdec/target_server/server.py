@@ -27,6 +27,11 @@ from specdec.wire.model_info import PoolRoom
 from specdec.wire.tensor_codec import torch_dtype
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+#: A gateway that misses a Verify hold is not waited for during one hold, never more: every
+#: gateway with slots here verifies every round, so one that misses is late (a Prefill, a
+#: catch-up), not absent, and a longer back-off lets two gateways settle into turns
+#: (docs/deployment.md#shared-pools).
+VERIFY_BACKOFF_HOLDS = (1, 1)
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,8 @@ class TargetServicer(SlotServicer, target_pb2_grpc.TargetServiceServicer):
         super().__init__(engine, worker, stats)
         self.verifies: CallMerger[VerifyCall, list[VerifiedChunk], target_pb2.VerifyResponse] = self.merged(
             "Verify", functools.partial(verify_together, engine),
-            lambda call, results: _verify_response(results, engine.room([item.slot_id for item in call.items])))
+            lambda call, results: _verify_response(results, engine.room([item.slot_id for item in call.items])),
+            backoff_holds=VERIFY_BACKOFF_HOLDS)
 
     @grpc_errors
     async def Prefill(
