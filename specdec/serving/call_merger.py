@@ -14,6 +14,7 @@ between rounds). Once merged, the gateways get their answers together and stay i
 gateway that does not come in time is *missed* and not waited for during a back-off (5 holds,
 doubling to 150 at most, reset when it next comes in time), so one that holds slots here but
 calls rarely (its requests decode without a draft) costs a wait now and then, not every run.
+A service whose every holder calls every round backs off one hold only (the target's Verify).
 
 One call's bad input must not fail the others: when a merged run raises, each call runs
 again alone (the engines leave every slot as it was when a call fails) and gets its own

@@ -26,7 +26,10 @@ from specdec.sampling.sparse_probs import SparseRows
 from specdec.sampling.token_masks import TokenMasks
 from specdec.sampling.transforms import chunk_logits_to_probs, logits_to_probs
 from specdec.serving import reservations
+from specdec.serving.metrics import ServiceStats
+from specdec.serving.serial_executor import SerialExecutor
 from specdec.target_server import server as target_servicer
+from specdec.target_server.engine import TargetEngine
 from specdec.target_server.server import SERVICE_NAME
 from specdec.v1 import common_pb2, target_pb2
 from specdec.wire import items as wire_items
@@ -843,3 +846,17 @@ def test_a_mask_that_does_not_fit_the_item_is_invalid_argument(
         target.stub.Verify(target_pb2.VerifyRequest(items=[item]))
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (raised.value.details() or "").startswith(field), raised.value.details()
+
+
+def test_a_gateway_that_misses_a_verify_hold_is_backed_off_one_hold_only(target: Service) -> None:
+    """Every gateway with target slots verifies every round: one that misses a hold is late, not
+    absent, and a back-off that doubled let two gateways settle into turns."""
+    stats = ServiceStats("target", ["Verify"], ["Verify"])
+    worker = SerialExecutor("test-target-backoff")
+    assert isinstance(target.engine, TargetEngine)
+    try:
+        merger = target_servicer.TargetServicer(target.engine, worker, stats).verifies
+    finally:
+        worker.shutdown()
+    assert merger.max_wait_s == target.engine.config.merge_wait_s > 0
+    assert merger.first_backoff_s == merger.max_backoff_s == merger.max_wait_s
