@@ -21,7 +21,7 @@ import torch
 from specdec.cost_model import ForwardCost
 from specdec.errors import InvalidArgumentError
 from specdec.model.runtime import ModelRuntime, build_runtime
-from specdec.serving.call_merger import FIRST_BACKOFF_HOLDS, MAX_BACKOFF_HOLDS, CallMerger, WorkCall
+from specdec.serving.call_merger import CallMerger, WorkCall
 from specdec.serving.config import AUTO, ModelServiceConfig
 from specdec.serving.engine import ModelEngine
 from specdec.serving.errors import grpc_errors
@@ -64,15 +64,16 @@ class SlotServicer:
     def merged(
         self, method: str, compute: Callable[[Sequence[Call]], Sequence[Out]],
         encode: Callable[[Call, Out], Response],
-        backoff_holds: tuple[int, int] = (FIRST_BACKOFF_HOLDS, MAX_BACKOFF_HOLDS),
+        backoff_holds: tuple[int, int] | None = None,
     ) -> CallMerger[Call, Out, Response]:
         """The call merger of the work rpc `method`: several gateways' calls in one forward,
         held up to the service's `merge_wait_s` for a gateway that is due; one that misses a
-        hold is not waited for during `backoff_holds` holds (the first miss's, the longest)."""
+        hold is not waited for during `backoff_holds` holds (the first miss's, the longest;
+        None: the merger's own)."""
         wait = self.engine.config.merge_wait_s
-        first, longest = backoff_holds
+        first, longest = (None, None) if backoff_holds is None else (h * wait for h in backoff_holds)
         return CallMerger(method, self.worker, compute, encode, self.engine.leases.holders_with_slots, self.stats,
-                          wait, first_backoff_s=first * wait, max_backoff_s=longest * wait)
+                          wait, first_backoff_s=first, max_backoff_s=longest)
 
     async def answer_each(
         self, context: grpc.aio.ServicerContext, method: str, handle: Callable[[Req], Awaitable[Resp]]
