@@ -297,12 +297,13 @@ class RoundCostModel:
         return overhead + self.verify_seconds(ks, steps) + self.draft_seconds(drafts, feeds, saved, widened)
 
     def verify_seconds(self, ks: Sequence[int], steps: Sequence[int] | None = None) -> float:
-        """The target's one forward over K+1 tokens per request; in a multi-step plain round
-        (every K is 0, request i decodes steps[i] tokens), step j runs over the requests
-        with steps >= j."""
+        """The target's one forward over K+1 tokens per request, every request as wide as the
+        widest (the engine pads a batch's chunks to the longest: a narrower request saves none
+        of the forward); in a multi-step plain round (every K is 0, request i decodes steps[i]
+        tokens), step j runs over the requests with steps >= j."""
         drafted = sum(ks)
         if steps is None or drafted > 0 or max(steps, default=1) <= 1:
-            return self.target.seconds(len(ks), 1 + drafted / len(ks))
+            return self.target.seconds(len(ks), 1 + max(ks, default=0))
         return _one_token_steps(self.target, steps, first=1)
 
     def draft_seconds(

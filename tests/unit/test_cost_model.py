@@ -129,8 +129,9 @@ def test_round_cost_counts_each_draft_step_over_the_requests_still_drafting() ->
     draft = CostTable([ForwardCost(1, 1, 0.002), ForwardCost(4, 1, 0.005)])
     model = RoundCostModel(target=target, draft=draft, overhead_s=0.001)
     assert model.round_seconds([0, 0]) == pytest.approx(0.011)  # plain: one 1-token verify
-    # ks [4, 2]: draft steps 1-2 run both requests, steps 3-4 one; verify at 1 + 3 tokens per request.
-    expected = 0.001 + 0.013 + 2 * draft.step(2) + 2 * draft.step(1)
+    # ks [4, 2]: draft steps 1-2 run both requests, steps 3-4 one; verify at 1 + 4 tokens per
+    # request, the narrower row padded to the wider.
+    expected = 0.001 + 0.014 + 2 * draft.step(2) + 2 * draft.step(1)
     assert model.round_seconds([4, 2]) == pytest.approx(expected)
     rate = model.tokens_per_second([4, 2], [[0.5], [1.0]])
     assert math.isclose(rate, (expected_tokens([0.5], 4) + 3) / expected)
