@@ -7,6 +7,7 @@ clients see, and the throughput beside one gateway alone at the same total concu
     python -m specdec_bench.shared_pools --k 4             # K pinned: the planners out of the comparison
     python -m specdec_bench.shared_pools --reserve-kv-growth  # admission that never preempts
     python -m specdec_bench.shared_pools --half-batches    # two gateways of 4: the split alone
+    python -m specdec_bench.shared_pools --half-batches --gateway-args=--no-speculative
 
 Each gateway admits as if the pools were its own; the services refuse what their real free
 blocks cannot hold, and the gateways queue or preempt (docs/deployment.md#shared-pools).
@@ -142,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         "than the pools do, so the split alone is measured (no preemption)")
     parser.add_argument("--service-args", default="",
                         help="more flags for both model services, e.g. '--threads 1'")
+    parser.add_argument("--gateway-args", default="",
+                        help="more flags for every gateway, e.g. '--no-speculative'")
     args = parser.parse_args(argv)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.streams)]
     # One gateway's full batch: `batch` requests of a chat prompt (under 64 tokens) and `tokens`
@@ -153,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         gateway_args += f" --no-adaptive-k --num-speculative-tokens {args.k}"
     if args.reserve_kv_growth:
         gateway_args += " --reserve-kv-growth"
+    gateway_args += f" {args.gateway_args}"
     rates: dict[str, list[float]] = {"one gateway": [], "two gateways": []}
     lost: dict[str, int] = dict.fromkeys(rates, 0)
     counted = {name: dict.fromkeys(COUNTERS, 0.0) for name in rates}
@@ -196,6 +200,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "merged": merged, "k": args.k or "adaptive", "reserve_kv_growth": args.reserve_kv_growth,
         "half_batches": args.half_batches,
         "service_args": args.service_args,
+        "gateway_args": args.gateway_args,
     }
     print(json.dumps(summary, indent=2))
 

@@ -171,6 +171,21 @@ def test_rounds_in_forwards_merged_with_another_gateways_are_priced_for_those_fo
     assert planner.status().forward_rows["draft"] == pytest.approx(2.0)  # no Propose since: nothing learnt
 
 
+def test_a_row_without_a_draft_is_priced_as_wide_as_the_drafted_rows_beside_it() -> None:
+    """The target pads a batch's chunks to the longest, so a Verify of K = [0, 4, 4, 4] runs
+    four rows of 5 tokens: the planner prices it so, and a round that cost just that teaches
+    no slower target (priced at the mean width, 3 + 3/4 tokens a row, it would)."""
+    planner = Planner(TARGET, draft_costs(0.1), PlannerSettings(cost_weight=0.5), clock=still)
+    four = [seq(f"s{i}") for i in range(4)]
+    ks = {"s0": 0, "s1": 4, "s2": 4, "s3": 4}
+    padded = planner.costs.cost_model().target.seconds(4, 5)
+    assert planner.costs.cost_model().verify_seconds(list(ks.values())) == pytest.approx(padded)
+    report = RoundReport(ks, {**ks, "s0": 0}, Timed(None, 0.0, 0.0), Timed(None, padded, padded), 0.0, 0.0)
+    for _ in range(10):
+        planner.observe(RoundPlan(ks, feeds={s.slot_id: 1 for s in four}), four, report)
+    assert planner.costs.cost_model().target.scale == pytest.approx(1.0)
+
+
 def test_a_table_timed_on_a_busy_machine_is_corrected_by_the_first_rounds() -> None:
     # The draft timed itself while the machine was busy: its table says 3x what a step costs.
     # The first round that drafts sets the scale from what the draft reports, not a tenth of it.
