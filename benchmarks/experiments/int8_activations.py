@@ -1,13 +1,15 @@
-"""Int8 activations for the draft's 4-bit matmuls (the ``int4dot-i8`` kernel: AVX-512 VNNI, as
-llama.cpp's Q4 x Q8 dot) against bf16 ones (``int4dot``): speed, and greedy agreement, side by side.
+"""Int8 activations for the draft's 4-bit matmuls (AVX-512 VNNI, as llama.cpp's Q4 x Q8 dot):
+faster than the bf16 kernel, and what they cost in greedy agreement, side by side.
 
     .venv/bin/python benchmarks/experiments/int8_activations.py [--tokens 128] [--reps 15]
 
-Speed: every decoder matmul of the default draft (30 layers x 4: q|k|v, o, gate|up, down) in
-turn, as a step reads them, at 1-16 rows of random input; the minimum of `--reps` passes for
-each format, interleaved (bf16, int8, bf16). Agreement: teacher-forced greedy agreement with
-the fp32 target (as `quantized_draft.py` measures it) of the int4 draft with every matmul on
-one format, then the other. Needs a CPU with AVX-512 BF16 and VNNI.
+The kernel (`csrc/int4_vnni.cpp`, built here with torch's extension loader) takes the default
+draft's packed weights as `specdec::int4_dot_mm` does and quantizes each row of x per weight
+group to int8. Speed: every decoder matmul of the draft (30 layers x 4: q|k|v, o, gate|up,
+down) in turn, as a step reads them, at 1-16 rows of random input; the minimum of `--reps`
+passes for each kernel, interleaved (bf16, int8, bf16). Agreement: teacher-forced greedy
+agreement with the fp32 target (as `quantized_draft.py` measures it) of the int4 draft with
+every matmul on the bf16 kernel, then on the int8 one. Needs a CPU with AVX-512 BF16 and VNNI.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import argparse
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from quantized_draft import PROMPTS, agreement, greedy_decode
+from torch.utils import cpp_extension
 
 from specdec.model import int4_dot
 from specdec.model.chat import encode_chat
@@ -26,20 +30,12 @@ from specdec.model.quantize_int4 import Int4Linear
 from specdec.model.runtime import build_runtime
 
 Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
-
-
-def bf16(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
-    return int4_dot.int4_dot_mm(x, codes, sz, group_size)
-
-
-def int8(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
-    return int4_dot.int4_dot_mm(x, codes, sz, group_size, int8_x=True)
+FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
 
 
 @contextmanager
 def every_row_through(matmul: Matmul) -> Iterator[None]:
-    """Every Int4Linear's forward, however many rows (the wide kernel too), through `matmul` on
-    its int4dot operands."""
+    """Every Int4Linear's forward, however many rows, through `matmul` on its int4dot operands."""
     def forward(self: Int4Linear, x: torch.Tensor) -> torch.Tensor:
         self.prepare(x.device, x.dtype)
         codes, sz = self.int4dot_operands()
@@ -71,13 +67,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128, help="target tokens per prompt judged for agreement")
     parser.add_argument("--reps", type=int, default=15, help="timed passes per kernel and row count")
     args = parser.parse_args()
-    if not int4_dot.int8_available():
-        raise SystemExit("int8 activations need a CPU with AVX-512 VNNI")
+    ext = cpp_extension.load("int4_vnni", [str(Path(__file__).with_name("csrc") / "int4_vnni.cpp")],
+                             extra_cflags=FLAGS)
+    bf16: Matmul = int4_dot.int4_dot_mm
+    int8: Matmul = ext.mm
     target = build_runtime("smollm2-135m", dtype="float32")
     draft = build_runtime("smollm2-135m", dtype="bfloat16", quantization="int4", int4_kernel="int4dot")
-    layers = [m for layer in draft.model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
-              if isinstance(m, Int4Linear) and m.prepare(torch.device("cpu"), torch.bfloat16) == "int4dot"]
-    if len(layers) != 4 * len(draft.model.layers):
+    layers = [m for layer in draft.model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    if not all(isinstance(m, Int4Linear) and m.prepare(torch.device("cpu"), torch.bfloat16) == "int4dot"
+               for m in layers):
         raise SystemExit("the draft's matmuls are not all int4dot layers")
     print(f"threads {torch.get_num_threads()}, {len(layers)} matmuls, group size {layers[0].group_size}")
     print("rows  bf16 ms  int8 ms  int8 / bf16")

@@ -14,7 +14,7 @@ DEFAULT_MODEL = "smollm2-135m"
 DTYPE_NAMES = ("float32", "bfloat16")
 QUANTIZATIONS = ("none", "int8", "int4")
 #: The int4 matmul kernels (`specdec.model.quantize_int4`).
-INT4_KERNELS = ("int4dot-i8", "int4dot", "int4pack", "dequant")
+INT4_KERNELS = ("int4dot", "int4pack", "dequant")
 #: `--compile`: auto (time compiled and eager steps at start-up, keep the faster), on, off.
 COMPILE_MODES = ("auto", "on", "off")
 #: `--native-steps`: auto (time the native call against the layer runner per decoding shape

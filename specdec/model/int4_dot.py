@@ -5,9 +5,7 @@ The draft's decode steps are 1-4 rows through small matrices, where
 The kernel here applies scales and zeros once per group, not per weight. With AVX-512 BF16 it
 turns each 4-bit code into a bf16 number with one bitwise OR and multiplies 32 of them at a
 time with ``vdpbf16ps``; with AVX2 it turns 8 codes into fp32 integers at a time and multiplies
-them with one FMA (docs/performance.md#int4-kernels). Where the CPU also has AVX-512 VNNI it
-can take int8 activations instead (``"int4dot-i8"``, llama.cpp's Q4 x Q8 dot): each row of x
-quantized per weight group, ``vpdpbusd`` multiplying 4 codes with 4 inputs.
+them with one FMA (docs/performance.md#int4-kernels).
 
 The library is compiled on first use with the machine's C++ compiler (the one torch.compile
 uses) for the best instruction set the CPU has, into the specdec cache directory, keyed by the
@@ -47,9 +45,6 @@ OUT_BLOCK = 64
 #: Per instruction set the kernel is built for, best first: the CPU flags (as /proc/cpuinfo
 #: names them) it needs, and the compiler flags that select it in the source.
 ISA_FLAGS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
-    # The AVX-512 BF16 build, plus int8 activations (`int8_available`).
-    "avx512_vnni": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}),
-                    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni")),
     "avx512_bf16": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
                     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")),
     "avx2": (frozenset({"avx2", "fma"}), ("-mavx2", "-mfma")),
@@ -144,16 +139,10 @@ def available() -> bool:
         return False
 
     @torch.library.register_fake("specdec::int4_dot_mm")
-    def _fake(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int,
-              int8_x: bool = False) -> torch.Tensor:
+    def _fake(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
         return x.new_empty(x.shape[0], packed.shape[0] * OUT_BLOCK)
 
     return True
-
-
-def int8_available() -> bool:
-    """Whether the kernel also takes int8 activations (``"int4dot-i8"``): an AVX-512 VNNI build."""
-    return available() and bool(torch.ops.specdec.int4_dot_has_int8())
 
 
 def supported(weight: Int4Weight) -> bool:
@@ -182,8 +171,6 @@ def pack(weight: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, sz.contiguous()
 
 
-def int4_dot_mm(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, group_size: int,
-                int8_x: bool = False) -> torch.Tensor:
-    """[rows, in] bfloat16 -> [rows, out] bfloat16 (`available` must have returned True); with
-    `int8_x`, x quantized to int8 per weight group first (`int8_available` must be True)."""
-    return torch.ops.specdec.int4_dot_mm(x, codes, sz, group_size, int8_x)
+def int4_dot_mm(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[rows, in] bfloat16 -> [rows, out] bfloat16 (`available` must have returned True)."""
+    return torch.ops.specdec.int4_dot_mm(x, codes, sz, group_size)

@@ -24,7 +24,7 @@ from specdec.model import int4_dot
 from specdec.model.attention import ContextLayout
 from specdec.model.linear import MAX_NARROW_ROWS
 from specdec.model.llama import LayerInputs, PagedLlama
-from specdec.model.quantize_int4 import INT4DOT_KERNELS, Int4Linear
+from specdec.model.quantize_int4 import Int4Linear
 from specdec.model.step_shapes import MANY, MULTI, SHAPES, Shape, shape_class
 
 #: The shape classes it can take: all but a batch of wider forwards, whose 3 requests × 9
@@ -40,16 +40,12 @@ def unsupported(model: PagedLlama) -> str:
         return f"{model.dtype} activations, not bfloat16"
     if not int4_dot.available():
         return "no int4dot kernel on this CPU"
-    kernels = set()
     for layer in model.layers:
         for module in (layer.qkv, layer.o, layer.gate_up, layer.down):
             if not isinstance(module, Int4Linear) or module.bias is not None:
                 return "a projection that is not a bias-free int4 layer"
-            kernels.add(module.prepare(model.embed_tokens.weight.device, model.dtype))
-    if not kernels <= set(INT4DOT_KERNELS):
-        return f"{sorted(kernels - set(INT4DOT_KERNELS))} int4 layers, not int4dot"
-    if len(kernels) > 1:
-        return "int4dot layers of both activation formats"
+            if module.prepare(model.embed_tokens.weight.device, model.dtype) != "int4dot":
+                return f"a {module.kernel} int4 layer, not int4dot"
     return ""
 
 
@@ -68,8 +64,6 @@ class NativeSteps:
         matmuls = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
                    if isinstance(m, Int4Linear)]  # all of them (`unsupported`)
         self._operands = [m.int4dot_operands() for m in matmuls]  # (codes, scales) each: kept alive here
-        #: Every matmul takes its input as int8 (the int4dot-i8 kernel the layers were prepared for).
-        self.int8_x = matmuls[0].kernel == "int4dot-i8"
         rows = [[codes.data_ptr(), scales.data_ptr(), codes.shape[0], m.in_features, m.group_size]
                 for m, (codes, scales) in zip(matmuls, self._operands)]
         self.table = torch.tensor(rows, dtype=torch.int64).view(len(model.layers), 4, 5)  # [layers, 4, 5]
@@ -96,6 +90,6 @@ class NativeSteps:
             hidden.reshape(rows, -1).contiguous(), inputs.cos.reshape(rows, -1).contiguous(),
             inputs.sin.reshape(rows, -1).contiguous(), writes, inputs.attention.context_index.contiguous(),
             bias.reshape(rows, -1).contiguous(), cache.kv, self.table, self.norms, self.model.num_heads,
-            self.model.num_kv_heads, self.model.eps, self.int8_x,
+            self.model.num_kv_heads, self.model.eps,
         )
         return out.view_as(hidden)

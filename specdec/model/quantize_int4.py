@@ -6,13 +6,11 @@ the special case ``zero = -8 * scale``. So a GGUF checkpoint's own blocks load w
 (`specdec.model.gguf_q4`). The embedded target was itself dequantized from those blocks, so a draft built
 from them computes with the target's own weights, up to float rounding.
 
-There are four matmul kernels; which is fastest depends on the CPU (docs/performance.md#int4-kernels),
+There are three matmul kernels; which is fastest depends on the CPU (docs/performance.md#int4-kernels),
 so the service times them at start-up (`specdec.tuning.kernels`) and passes the winner as ``prefer``:
 
 - ``"int4dot"``: our own kernel for CPUs with AVX-512 BF16 or AVX2 and bfloat16 activations
   (`specdec.model.int4_dot`), compiled on first use. It needs ``out % 64 == 0``.
-- ``"int4dot-i8"``: the same kernel with each row of x quantized to int8 per weight group first
-  (llama.cpp's Q4 x Q8 dot), on CPUs with AVX-512 VNNI; the group size a multiple of 16.
 - ``"int4pack"``: `torch._weight_int4pack_mm_for_cpu` (CPU only). It takes the weight packed by
   `torch._convert_weight_to_int4pack_for_cpu(q_int32 [out, in], 1)` and ``scales_and_zeros`` of shape
   [in // group_size, out, 2] in the activation dtype. It computes ``w = (q - 8) * sz[..., 0] + sz[..., 1]``
@@ -54,8 +52,6 @@ from specdec.model.quantize import mark_quantized
 log = logging.getLogger(__name__)
 
 INT4PACK_GROUP_SIZES = frozenset({32, 64, 128, 256})
-#: The kernels of `specdec.model.int4_dot`, on its packed operands: bf16 activations, and int8.
-INT4DOT_KERNELS = ("int4dot", "int4dot-i8")
 #: `_weight_int4pack_mm_for_cpu` computes ``(q - 8) * scale + offset``; our codes are unsigned.
 INT4PACK_Q_OFFSET = 8
 
@@ -102,9 +98,6 @@ def kernel_supported(kernel: str, weight: Int4Weight, device: torch.device, dtyp
         return False
     if kernel == "int4dot":
         return dtype == torch.bfloat16 and int4_dot.supported(weight) and int4_dot.available()
-    if kernel == "int4dot-i8":
-        return (dtype == torch.bfloat16 and int4_dot.supported(weight) and weight.group_size % 16 == 0
-                and int4_dot.int8_available())
     return int4pack_supported(weight)
 
 
@@ -112,7 +105,7 @@ def kernel_operands(
     kernel: str, weight: Int4Weight, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, ...]:
     """What ``kernel`` multiplies with: packed codes and scales, or the dequantized weight."""
-    if kernel in INT4DOT_KERNELS:
+    if kernel == "int4dot":
         return int4_dot.pack(weight)
     if kernel == "int4pack":
         return int4pack_operands(weight, dtype)
@@ -121,8 +114,8 @@ def kernel_operands(
 
 def kernel_matmul(kernel: str, x: torch.Tensor, operands: tuple[torch.Tensor, ...], group_size: int) -> torch.Tensor:
     """``x`` [rows, in] times the weight ``kernel_operands`` built for ``kernel``: [rows, out]."""
-    if kernel in INT4DOT_KERNELS:
-        return int4_dot.int4_dot_mm(x.contiguous(), operands[0], operands[1], group_size, kernel == "int4dot-i8")
+    if kernel == "int4dot":
+        return int4_dot.int4_dot_mm(x.contiguous(), operands[0], operands[1], group_size)
     if kernel == "int4pack":
         return torch._weight_int4pack_mm_for_cpu(x.contiguous(), operands[0], group_size, operands[1])
     return F.linear(x, operands[0])
@@ -232,9 +225,8 @@ class Int4Linear(nn.Module):
 
     def int4dot_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The packed codes and scales the int4dot kernel multiplies with (`int4_dot.pack`), for
-        native code that calls the kernel itself; the layer must be prepared for it (either
-        activation format)."""
-        if self.kernel not in INT4DOT_KERNELS or len(self._operands) != 2:
+        native code that calls the kernel itself; the layer must be prepared for it."""
+        if self.kernel != "int4dot" or len(self._operands) != 2:
             raise ValueError(f"this layer runs the {self.kernel or 'unprepared'} kernel, not int4dot")
         return self._operands[0], self._operands[1]
 

@@ -89,9 +89,8 @@ class ModelServiceConfig(ServerSecurity, ThreadPlacement):
     )
     group_size: int = option(32, "weights per scale group of int4 quantization", advanced=True)
     int4_kernel: str = option(
-        "auto", "int4 matmul kernel: int4dot (ours, needs AVX-512 BF16 or AVX2), int4dot-i8 (ours with int8 "
-        "activations, needs AVX-512 VNNI), int4pack (torch's), dequant (float weights), or auto (time those that "
-        "run here at start-up, keep the fastest)",
+        "auto", "int4 matmul kernel: int4dot (ours, needs AVX-512 BF16 or AVX2), int4pack (torch's), dequant (float "
+        "weights), or auto (time those that run here at start-up, keep the fastest)",
         choices=("auto", *INT4_KERNELS), advanced=True,
     )
     num_layers: int = option(

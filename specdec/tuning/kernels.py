@@ -42,8 +42,6 @@ INT4_ROWS = (1, 4, 9)
 def int4_candidates(dtype: torch.dtype) -> list[str]:
     """The 4-bit kernels that can run on this CPU for activations of `dtype`, besides "dequant"."""
     names = ["int4dot"] if dtype == torch.bfloat16 and int4_dot.available() else []
-    if names and int4_dot.int8_available():
-        names.append("int4dot-i8")
     return names + (["int4pack"] if hasattr(torch, "_weight_int4pack_mm_for_cpu") else [])
 
 

@@ -16,9 +16,6 @@
 // contexts are long enough to pay for the fork; the rest is a few thousand elements a layer
 // and stays on the calling thread. Elementwise work runs on 16-float vectors.
 //
-// The matmuls take their input in bf16, or quantized to int8 per weight group with `int8_x` (the
-// int4dot-i8 kernel, an AVX-512 VNNI build: int4_dot.cpp).
-//
 // Weights come as a table of addresses, built once by the Python side, which keeps the tensors
 // alive: table int64 [layers, 4 matmuls (q|k|v, o, gate|up, down), 5] = (codes, scales and
 // offsets, blocks of 64 outputs, inputs, group size); norms bf16 [layers, 2, h].
@@ -125,9 +122,9 @@ Weights weights_of(const int64_t* table, int64_t layer, Matmul m) {
   return {reinterpret_cast<const uint8_t*>(row[0]), reinterpret_cast<const uint16_t*>(row[1]), row[2], row[3], row[4]};
 }
 
-void matmul(const Weights& w, const uint16_t* x, int64_t rows, uint16_t* y, bool int8_x) {
+void matmul(const Weights& w, const uint16_t* x, int64_t rows, uint16_t* y) {
   specdec::int4_dot(x, rows, w.inputs, w.codes, w.scales, w.blocks, w.group_size, y,
-                    specdec::scratch_floats(specdec::int4_dot_scratch(rows, w.inputs, w.group_size)), int8_x);
+                    specdec::scratch_floats(specdec::int4_dot_scratch(rows, w.inputs, w.group_size)));
 }
 
 // RMSNorm of one row of the fp32 residual stream, times the weight, rounded to bf16 (the next
@@ -261,7 +258,7 @@ void attend(const uint16_t* q, int64_t heads, int64_t kv_heads, int64_t dim, con
 at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& write_index, const at::Tensor& context_index, const at::Tensor& bias,
                          at::TensorList kv, const at::Tensor& table, const at::Tensor& norms, int64_t num_heads,
-                         int64_t num_kv_heads, double eps, bool int8_x) {
+                         int64_t num_kv_heads, double eps) {
   // N rows: B requests of T tokens each, request b's tokens in rows b * T .. b * T + T - 1.
   const int64_t rows = hidden_in.size(0), size = hidden_in.size(1), layers = int64_t(kv.size());
   const int64_t requests = context_index.size(0), length = context_index.size(1);
@@ -336,7 +333,7 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
     const int64_t row_stride = 2 * num_kv_heads * dim;
     const uint16_t* input_norm = norm_p + layer * 2 * size;
     for (int64_t r = 0; r < rows; ++r) rms_norm(h + r * size, input_norm, size, epsilon, normed + r * size);
-    matmul(weights_of(weights, layer, kQkv), normed, rows, qkv, int8_x);
+    matmul(weights_of(weights, layer, kQkv), normed, rows, qkv);
     for (int64_t r = 0; r < rows; ++r) {  // every row's key and value is in the pool before any query reads it
       uint16_t* token = qkv + r * qkv_width;  // q [H, D], k [Hkv, D], v [Hkv, D]
       rope(token, num_heads + num_kv_heads, dim, cos_p + r * dim, sin_p + r * dim);
@@ -350,14 +347,14 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
                scores + r * num_heads * scores_per_row(length), attended + r * num_heads * dim);
       }
     });
-    matmul(weights_of(weights, layer, kO), attended, rows, projected, int8_x);
+    matmul(weights_of(weights, layer, kO), attended, rows, projected);
     for (int64_t i = 0; i < rows * size; ++i) h[i] += bf16_to_float(projected[i]);
     for (int64_t r = 0; r < rows; ++r)
       rms_norm(h + r * size, input_norm + size, size, epsilon, normed + r * size);
-    matmul(weights_of(weights, layer, kGateUp), normed, rows, projected, int8_x);
+    matmul(weights_of(weights, layer, kGateUp), normed, rows, projected);
     for (int64_t r = 0; r < rows; ++r)
       swiglu(projected + r * 2 * intermediate, intermediate, activated + r * intermediate);
-    matmul(weights_of(weights, layer, kDown), activated, rows, projected, int8_x);
+    matmul(weights_of(weights, layer, kDown), activated, rows, projected);
     for (int64_t i = 0; i < rows * size; ++i) h[i] += bf16_to_float(projected[i]);
   }
   for (int64_t i = 0; i < rows * size; ++i) out[i] = float_to_bf16(h[i]);
@@ -369,7 +366,7 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor write_index, Tensor context_index, "
         "Tensor bias, Tensor(a!)[] kv, Tensor table, Tensor norms, int num_heads, int num_kv_heads, "
-        "float eps, bool int8_x=False) -> Tensor");
+        "float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("decode_layers", &decode_layers); }

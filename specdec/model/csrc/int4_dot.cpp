@@ -174,87 +174,6 @@ void block_lean(const uint16_t* x, const float*, int64_t ld_x, const float* x_su
 constexpr BlockFn kBlockFns[kMaxRows] = {block<1>, block<2>, block_lean<3>, block_lean<4>};
 constexpr bool kReadsFp32X = false;  // these blocks read x as bf16 pairs
 
-#if defined(__AVX512VNNI__)
-#define SPECDEC_INT8_X 1
-
-// Int8 activations (llama.cpp's Q4 x Q8 dot): each row of x is quantized per weight group to
-// int8 with one scale d (the group's largest magnitude / 127), and `vpdpbusd` multiplies 4
-// unsigned codes with 4 signed inputs and adds them into one int32 lane:
-//   sum_k ((q_k - 8) * s + o) * x_k  ~  d * s * sum_k q_k * x8_k + d * (o - 8 * s) * sum_k x8_k.
-// Half the multiply instructions of the bf16 blocks per row (docs/performance.md#int4-kernels).
-
-// 16 outputs' codes for inputs k..k+3 as 4 bytes 0..15 in each 32-bit lane: the piece's two
-// bytes per output widened to 32 bits, then (lane | lane << 12) & 0x0F0F0F0F puts k and k + 1
-// in bytes 0 and 1, k + 2 and k + 3 in bytes 2 and 3.
-inline __m512i codes_by_input(const uint8_t* piece) {
-  const __m512i lane = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)piece));
-  return _mm512_ternarylogic_epi32(lane, _mm512_slli_epi32(lane, 12), _mm512_set1_epi32(0x0F0F0F0F), 0xA8);
-}
-
-// One block of 64 outputs for ROWS rows of int8 x (xq [ROWS, ld_x]; d and d_sums [ROWS, ld_sums]:
-// each group's scale, and its scale times the sum of its int8 inputs). int32 sums per group,
-// scaled into fp32 sums kept in L1 as `block_lean` does.
-template <int ROWS>
-void int8_block(const int8_t* xq, int64_t ld_x, const float* d, const float* d_sums, int64_t ld_sums,
-                const uint8_t* codes, const uint16_t* sz, uint16_t* y, int64_t ld_y, int64_t groups,
-                int64_t chunks_per_group) {
-  alignas(64) float out[ROWS][kBlockOut] = {};
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512i acc[ROWS][4];
-    for (int r = 0; r < ROWS; ++r)
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
-    for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-      const uint8_t* chunk = codes + c * kChunkBytes;
-      _mm_prefetch((const char*)(chunk + kPrefetchChunks * kChunkBytes), _MM_HINT_T0);
-      _mm_prefetch((const char*)(chunk + kPrefetchChunks * kChunkBytes + 64), _MM_HINT_T0);
-      __m512i x4[ROWS];  // the row's 4 int8 inputs k..k+3 in every 32-bit lane
-      for (int r = 0; r < ROWS; ++r) x4[r] = _mm512_set1_epi32(*(const int32_t*)(xq + r * ld_x + 4 * c));
-      for (int j = 0; j < 4; ++j) {
-        const __m512i w = codes_by_input(chunk + 32 * j);
-        for (int r = 0; r < ROWS; ++r) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], w, x4[r]);
-      }
-    }
-    const uint16_t* scales = sz + g * 2 * kBlockOut;
-    for (int j = 0; j < 4; ++j) {
-      const __m512 s = bf16_to_fp32(scales + 16 * j);
-      const __m512 zero = _mm512_fmadd_ps(s, _mm512_set1_ps(-8.0f), bf16_to_fp32(scales + kBlockOut + 16 * j));
-      for (int r = 0; r < ROWS; ++r) {
-        __m512 sum = _mm512_load_ps(out[r] + 16 * j);
-        sum = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(d[r * ld_sums + g])), _mm512_cvtepi32_ps(acc[r][j]), sum);
-        _mm512_store_ps(out[r] + 16 * j, _mm512_fmadd_ps(zero, _mm512_set1_ps(d_sums[r * ld_sums + g]), sum));
-      }
-    }
-  }
-  for (int r = 0; r < ROWS; ++r)
-    for (int j = 0; j < 4; ++j)
-      _mm256_storeu_si256((__m256i*)(y + r * ld_y + 16 * j), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(out[r] + 16 * j)));
-}
-
-using Int8BlockFn = void (*)(const int8_t*, int64_t, const float*, const float*, int64_t, const uint8_t*,
-                             const uint16_t*, uint16_t*, int64_t, int64_t, int64_t);
-constexpr Int8BlockFn kInt8BlockFns[kMaxRows] = {int8_block<1>, int8_block<2>, int8_block<3>, int8_block<4>};
-
-// x [rows * groups groups of group_size] bf16 -> xq int8, d (scales), d_sums (scale x sum of the
-// group's int8 inputs); group_size a multiple of 16. Rounds to nearest, as llama.cpp's Q8 does.
-void quantize_groups(const uint16_t* x, int64_t count, int64_t group_size, int8_t* xq, float* d, float* d_sums) {
-  for (int64_t i = 0; i < count; ++i) {
-    const uint16_t* group = x + i * group_size;
-    __m512 largest = _mm512_setzero_ps();
-    for (int64_t k = 0; k < group_size; k += 16) largest = _mm512_max_ps(largest, _mm512_abs_ps(bf16_to_fp32(group + k)));
-    const float most = _mm512_reduce_max_ps(largest);
-    const __m512 inverse = _mm512_set1_ps(most > 0.0f ? 127.0f / most : 0.0f);
-    __m512i sum = _mm512_setzero_si512();
-    for (int64_t k = 0; k < group_size; k += 16) {
-      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(bf16_to_fp32(group + k), inverse));  // |q| <= 127
-      sum = _mm512_add_epi32(sum, q);
-      _mm_storeu_si128((__m128i*)(xq + i * group_size + k), _mm512_cvtsepi32_epi8(q));
-    }
-    d[i] = most / 127.0f;
-    d_sums[i] = d[i] * float(_mm512_reduce_add_epi32(sum));
-  }
-}
-#endif  // __AVX512VNNI__
-
 #elif defined(__AVX2__) && defined(__FMA__)
 
 inline __m256 bf16x8_to_fp32(const uint16_t* p) {  // 8 bf16 -> 8 fp32
@@ -351,39 +270,9 @@ constexpr bool kReadsFp32X = true;
 
 namespace specdec {
 
-bool int4_dot_has_int8() {
-#if defined(SPECDEC_INT8_X)
-  return true;
-#else
-  return false;
-#endif
-}
-
 void int4_dot(const uint16_t* x_bf16, int64_t rows, int64_t K, const uint8_t* codes, const uint16_t* scales,
-              int64_t blocks, int64_t group_size, uint16_t* out, float* scratch, bool int8_x) {
+              int64_t blocks, int64_t group_size, uint16_t* out, float* scratch) {
   const int64_t N = blocks * kBlockOut, groups = K / group_size, chunks = K / 4;
-  if (int8_x) {
-#if defined(SPECDEC_INT8_X)
-    TORCH_CHECK(group_size % 16 == 0, "int4_dot: int8 activations need a group size that is a multiple of 16");
-    float* d_sums = scratch;  // [rows, groups], then d [rows, groups], then xq [rows, K] int8
-    float* d = scratch + rows * groups;
-    auto* xq = reinterpret_cast<int8_t*>(scratch + 2 * rows * groups);
-    quantize_groups(x_bf16, rows * groups, group_size, xq, d, d_sums);
-    at::parallel_for(0, blocks, 0, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        for (int64_t r = 0; r < rows; r += kMaxRows) {
-          const int64_t n = std::min<int64_t>(kMaxRows, rows - r);
-          kInt8BlockFns[n - 1](xq + r * K, K, d + r * groups, d_sums + r * groups, groups,
-                               codes + b * chunks * kChunkBytes, scales + b * groups * 2 * kBlockOut,
-                               out + r * N + b * kBlockOut, N, groups, group_size / 4);
-        }
-      }
-    });
-    return;
-#else
-    TORCH_CHECK(false, "int4_dot: this build has no int8 activations (it needs AVX-512 VNNI)");
-#endif
-  }
   float* x_sums = scratch;                                          // [rows, groups]: sum of x over each group
   float* x_f32 = kReadsFp32X ? scratch + rows * groups : nullptr;  // [rows, K]: where the AVX2 blocks broadcast x
   for (int64_t i = 0; i < rows * groups; ++i) {
@@ -418,8 +307,7 @@ float* scratch_floats(int64_t count) {
 
 namespace {
 
-at::Tensor int4_dot_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t group_size,
-                       bool int8_x) {
+at::Tensor int4_dot_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
               "int4_dot_mm: x must be a contiguous 2-D bfloat16 CPU tensor");
   const int64_t rows = x.size(0), K = x.size(1);
@@ -436,21 +324,16 @@ at::Tensor int4_dot_mm(const at::Tensor& x, const at::Tensor& packed, const at::
   specdec::int4_dot(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), rows, K, packed.const_data_ptr<uint8_t>(),
                     reinterpret_cast<const uint16_t*>(sz.const_data_ptr()), blocks, group_size,
                     reinterpret_cast<uint16_t*>(y.data_ptr()),
-                    specdec::scratch_floats(specdec::int4_dot_scratch(rows, K, group_size)), int8_x);
+                    specdec::scratch_floats(specdec::int4_dot_scratch(rows, K, group_size)));
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(specdec, m) {
-  m.def("int4_dot_mm(Tensor x, Tensor packed, Tensor sz, int group_size, bool int8_x=False) -> Tensor");
-  m.def("int4_dot_has_int8() -> bool");
+  m.def("int4_dot_mm(Tensor x, Tensor packed, Tensor sz, int group_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("int4_dot_mm", &int4_dot_mm);
-}
-
-TORCH_LIBRARY_IMPL(specdec, CompositeExplicitAutograd, m) {
-  m.impl("int4_dot_has_int8", &specdec::int4_dot_has_int8);
 }

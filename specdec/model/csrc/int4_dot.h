@@ -21,18 +21,12 @@ inline uint16_t float_to_bf16(float value) {
 
 // out [rows, blocks * 64] = x [rows, K] @ W^T, bf16 in and out, W in int4_dot.cpp's packed layout
 // (codes [blocks, K / 4, 128], scales and offsets [blocks, K / group_size, 2, 64]). `scratch`
-// holds `int4_dot_scratch(rows, K, group_size)` floats. With `int8_x` each row of x is first
-// quantized to int8 per weight group (only where `int4_dot_has_int8`: an AVX-512 VNNI build).
-// Runs on at::parallel_for's threads.
+// holds `int4_dot_scratch(rows, K, group_size)` floats. Runs on at::parallel_for's threads.
 void int4_dot(const uint16_t* x, int64_t rows, int64_t K, const uint8_t* codes, const uint16_t* scales,
-              int64_t blocks, int64_t group_size, uint16_t* out, float* scratch, bool int8_x = false);
-
-bool int4_dot_has_int8();
+              int64_t blocks, int64_t group_size, uint16_t* out, float* scratch);
 
 inline int64_t int4_dot_scratch(int64_t rows, int64_t K, int64_t group_size) {
-  // Each row's group sums, then the row in fp32 (AVX2 build); or, with int8 x, the groups'
-  // scaled sums and scales, then the rows in int8 (a quarter of the fp32 room).
-  return rows * (K / group_size + K);
+  return rows * (K / group_size + K);  // each row's group sums, then the row in fp32 (AVX2 build)
 }
 
 // The calling thread's buffer of at least `count` floats, grown once and then reused.
