@@ -9,7 +9,9 @@ group to int8. Speed: every decoder matmul of the draft (30 layers x 4: q|k|v, o
 down) in turn, as a step reads them, at 1-16 rows of random input; the minimum of `--reps`
 passes for each kernel, interleaved (bf16, int8, bf16). Agreement: teacher-forced greedy
 agreement with the fp32 target (as `quantized_draft.py` measures it) of the int4 draft with
-every matmul on the bf16 kernel, then on the int8 one. Needs a CPU with AVX-512 BF16 and VNNI.
+every matmul on the bf16 kernel, then on the int8 one, over `quantized_draft.py`'s prompts and
+over `specdec bench`'s chat prompts (W1), which differ here. Needs a CPU with AVX-512 BF16 and
+VNNI.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from specdec.model import int4_dot
 from specdec.model.chat import encode_chat
 from specdec.model.quantize_int4 import Int4Linear
 from specdec.model.runtime import build_runtime
+from specdec_bench.workloads import PROMPTS as BENCH_PROMPTS
 
 Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni"]
@@ -83,16 +86,15 @@ def main() -> None:
         first, int8_ms, second = (pass_ms(layers, kernel, rows, args.reps) for kernel in (bf16, int8, bf16))
         print(f"{rows:>4} {min(first, second):>8.2f} {int8_ms:>8.2f} {int8_ms / min(first, second):>12.2f}")
     tokenizer = target.loaded.tokenizer
-    judged: dict[str, list[float]] = {"bf16": [], "int8": []}
-    for prompt in (encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS):
-        reference, _ = greedy_decode(target, prompt, args.tokens)
-        for name, kernel in (("bf16", bf16), ("int8", int8)):
-            with every_row_through(kernel):
-                judged[name].append(agreement(draft, prompt, reference))
-    for name, values in judged.items():
-        print(f"greedy agreement, {name} activations: {sum(values) / len(values):.3f} "
-              f"({', '.join(f'{v:.3f}' for v in values)}; {len(values) * args.tokens} tokens)")
-
+    for prompt_set, texts in (("quantized_draft.py's prompts", PROMPTS), ("the bench's chat prompts", BENCH_PROMPTS)):
+        judged: dict[str, list[float]] = {"bf16": [], "int8": []}
+        for prompt in (encode_chat(tokenizer, [{"role": "user", "content": text}]) for text in texts):
+            reference, _ = greedy_decode(target, prompt, args.tokens)
+            for name, kernel in (("bf16", bf16), ("int8", int8)):
+                with every_row_through(kernel):
+                    judged[name].append(agreement(draft, prompt, reference))
+        print(f"greedy agreement over {prompt_set} ({len(texts)} x {args.tokens} tokens): " + ", ".join(
+            f"{name} activations {sum(values) / len(values):.3f}" for name, values in judged.items()))
 
 if __name__ == "__main__":
     main()
