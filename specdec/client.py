@@ -34,8 +34,8 @@ VERIFICATIONS = {"rejection": gateway_pb2.VERIFICATION_REJECTION, "drawn": gatew
 #: has sent a token is never retried (gRPC commits a call at its first response). Until the
 #: balancer's next health check the draining gateway still gets calls, and a least-connections
 #: balancer gives it every retry (it refuses at once, so it holds the fewest): gRPC waits
-#: random(0, 0.5 s × 2^n) before retry n + 1, so four retries rarely all fall within a 500 ms
-#: check interval (about 1 in 10^4 refused calls; with 0.2 s, 1 in 200, and a drain test lost one).
+#: random(0, 0.5 s × 2^n) before retry n + 1, so that four retries outlast a check interval
+#: (docs/deployment.md#behind-a-load-balancer).
 RETRY_POLICY = {"maxAttempts": 5, "initialBackoff": "0.5s", "maxBackoff": "4s", "backoffMultiplier": 2,
                 "retryableStatusCodes": ["UNAVAILABLE"]}
 CHANNEL_OPTIONS = [
