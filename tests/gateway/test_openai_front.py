@@ -14,13 +14,13 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 import aiohttp
-import pydantic
 import pytest
 
 # A dev extra: where it is missing (the GPU machine runs the suite's collection with its own
 # packages), this module is skipped rather than stopping the collection.
 pytest.importorskip("openai", reason="the pip package openai is needed (a dev extra)")
 import openai  # noqa: E402
+import pydantic  # noqa: E402  (an openai dependency)
 from openai.types.chat import ChatCompletionMessageParam  # noqa: E402
 
 from specdec.client import SpecdecClient
