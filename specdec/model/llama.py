@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +106,23 @@ class StepRunner(LayerRunner, Protocol):
     def takes(self, hidden: torch.Tensor, inputs: LayerInputs) -> bool: ...
 
 
+@runtime_checkable
+class CompilingRunner(LayerRunner, Protocol):
+    """A layer runner that compiles some step shapes (`specdec.tuning.compiled_layers`)."""
+
+    def compiles(self, requests: int, width: int) -> bool:
+        """Whether a forward of `requests` chunks of up to `width` tokens runs compiled."""
+        ...
+
+
+class StepReplay(Protocol):
+    """Verify and decode steps padded to a bucket and replayed (`specdec.model.cuda_graphs`)."""
+
+    def shape_for(self, chunks: list[tuple[str, list[int]]]) -> StepShape | None: ...
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+
 class PagedLlama:
     """Runs a loaded Llama `transformers` model over a `PagedKVCache`.
 
@@ -140,6 +157,9 @@ class PagedLlama:
         #: Runs the forwards it takes in place of `layer_runner` (start-up installs one where it
         #: measures faster: `StartupTuner.native_steps`).
         self.step_runner: StepRunner | None = None
+        #: Replays verify and decode steps from CUDA graphs (the engine installs them on CUDA,
+        #: before start-up times anything, so every timing runs the steps as served).
+        self.step_graphs: StepReplay | None = None
         #: The attention kernel of every layer (`specdec.model.attention`): the device's default
         #: until start-up chooses (`StartupTuner.attention`).
         self.attention: PagedAttention = make_attention(default_kernel(decoder.embed_tokens.weight.device))
@@ -182,9 +202,13 @@ class PagedLlama:
         for `logits="all"`. A chunk longer than `chunk_tokens` runs as pieces, one forward a
         piece (`chunk_rounds`), with the same results in bounded memory. `prompt=False` (verify and
         decode steps) lets wide inputs take the matmul kernel measured fastest; a prompt's keep
-        the one whose rounding matches transformers' (`specdec.model.linear`).
+        the one whose rounding matches transformers' (`specdec.model.linear`). A step that
+        `replays` runs padded to its bucket, from `step_graphs`.
         """
         check_chunks(chunks)
+        replayed = None if prompt else self._replay(cache, chunks, logits)
+        if replayed is not None:
+            return replayed
         starts = [cache.blocks.length(slot_id) - len(tokens) for slot_id, tokens in chunks]
         out: list[list[torch.Tensor]] = [[] for _ in chunks]
         for pieces in chunk_rounds(chunks, starts, chunk_tokens):
@@ -199,6 +223,26 @@ class PagedLlama:
             for piece, part in zip(pieces, parts):
                 out[piece.chunk].append(part)
         return [parts[0] if len(parts) == 1 else torch.cat(parts) for parts in out]
+
+    def _replay(self, cache: PagedKVCache, chunks: list[tuple[str, list[int]]], logits: LogitRows
+                ) -> list[torch.Tensor] | None:
+        """`compute`'s result for a step that `replays` and fits a bucket of `step_graphs`; None
+        for any other step."""
+        graphs = self.step_graphs
+        shape = graphs.shape_for(chunks) if graphs is not None and self.replays(chunks) else None
+        if graphs is None or shape is None:
+            return None
+        per_chunk = self.compute_fixed(cache, chunks, shape, graphs.run)  # [len(tokens), vocab] each
+        return per_chunk if logits == "all" else [rows[-1] for rows in per_chunk]
+
+    def replays(self, chunks: list[tuple[str, list[int]]]) -> bool:
+        """Whether a step over `chunks` replays `step_graphs`: there are graphs, and the layer
+        runner does not compile this step's shape (a compiled step makes no graph of its own)."""
+        if self.step_graphs is None:
+            return False
+        runner = self.layer_runner
+        width = max(len(tokens) for _, tokens in chunks)
+        return not (isinstance(runner, CompilingRunner) and runner.compiles(len(chunks), width))
 
     @torch.inference_mode()
     def compute_fixed(

@@ -62,13 +62,14 @@ class ModelEngine:
         self.tuner = runtime.tuner if isinstance(runtime.tuner, StartupTuner) else StartupTuner()
         self.tuner.attention(self.model, config.attention)
         self.tuner.note("prefill_chunk_tokens", config.prefill_chunk_tokens, "flag")
+        # Before anything is timed: on CUDA an uncompiled step is served from its graph.
+        self.model.step_graphs = self._step_graphs(config)
         self.tuner.layer_path(self.model, self.cache, config.compile, config.compile_budget_s, config.measure_costs)
         self.tuner.native_steps(self.model, self.cache, config.native_steps, config.measure_costs)
         #: The one shape of every verify and decode forward, or None: each forward its own
         #: (`specdec.model.forward_batch.StepShape`; the target's --batch-invariant).
         self.step_shape: StepShape | None = None
-        #: Verify and decode steps replayed from CUDA graphs (on CUDA, eager layers, --cuda-graphs).
-        self.graphs = self._step_graphs(config)
+        self._note_graphs(config)
         #: Forward costs measured on this machine at start-up (empty when disabled).
         self.forward_costs: tuple[ForwardCost, ...] = self.tuner.forward_costs(
             self.model, self.cache, max_batch=config.max_slots, max_tokens=config.max_speculative_tokens + 1,
@@ -321,31 +322,34 @@ class ModelEngine:
             release_threads()
 
     def _step_graphs(self, config: ModelServiceConfig) -> StepGraphs | None:
-        """CUDA graphs of the steps where they run: on CUDA, over eager layers (a compiled layer
-        runner makes its own), unless --no-cuda-graphs."""
-        device = self.model.embed_tokens.weight.device
-        eager = self.model.layer_runner == self.model.eager_layers
-        wanted = config.cuda_graphs and device.type == "cuda" and eager
-        why = "" if wanted or not config.cuda_graphs else (device.type if device.type != "cuda" else "compiled layers")
-        self.tuner.note("cuda_graphs", wanted, "fixed" if config.cuda_graphs else "flag", why)
-        if not wanted:
+        """CUDA graphs of the verify and decode steps: on CUDA, unless --no-cuda-graphs. A step
+        the layer runner compiles runs without them (`PagedLlama.replays`)."""
+        if not (config.cuda_graphs and self.cache.device.type == "cuda"):
             return None
         return StepGraphs(
             self.model, self.cache, max_requests=config.max_slots, max_tokens=config.max_speculative_tokens + 1,
             max_blocks=-(-self.max_seq_len // self.cache.block_size), capture=True,
         )
 
+    def _note_graphs(self, config: ModelServiceConfig) -> None:
+        """The start-up line's cuda_graphs entry, once the compiled steps are chosen."""
+        graphs = self.model.step_graphs is not None
+        if not graphs:
+            why = self.cache.device.type if config.cuda_graphs else ""
+        else:
+            compiled = self.tuner.compiled_steps(self.model)
+            why = f"except the compiled {', '.join(compiled)}" if compiled else ""
+        self.tuner.note("cuda_graphs", graphs, "fixed" if config.cuda_graphs else "flag", why)
+
     def _forward(self, chunks: list[tuple[str, list[int]]], logits: LogitRows, prompt: bool) -> list[torch.Tensor]:
-        """The forwards of `_run`: verify and decode steps in `step_shape` when there is one, else
-        in a bucket of `graphs` when there are graphs and the step fits one."""
-        # Compiled layers installed after start-up (`model_service`) replace the graphs.
-        graphs = self.graphs if self.model.layer_runner == self.model.eager_layers else None
-        shape = None if prompt else self.step_shape or (graphs.shape_for(chunks) if graphs is not None else None)
-        if shape is None:
+        """The forwards of `_run`: verify and decode steps in `step_shape` when there is one (from
+        its CUDA graph where the step replays one), else as `PagedLlama.compute` runs them."""
+        if prompt or self.step_shape is None:
             return self.model.compute(self.cache, chunks, logits=logits, prompt=prompt,
                                       chunk_tokens=self.config.prefill_chunk_tokens)
-        run = graphs.run if graphs is not None else None
-        rows = self.model.compute_fixed(self.cache, chunks, shape, run)  # [len(tokens), vocab] each
+        graphs = self.model.step_graphs
+        run = graphs.run if graphs is not None and self.model.replays(chunks) else None
+        rows = self.model.compute_fixed(self.cache, chunks, self.step_shape, run)  # [len(tokens), vocab] each
         return rows if logits == "all" else [chunk_rows[-1] for chunk_rows in rows]
 
     def _run(

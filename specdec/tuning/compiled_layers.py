@@ -6,8 +6,10 @@ gather, softmax, SiLU), each its own kernel launch between the matmuls. Compiled
 between two matmuls become one generated kernel, and a group of up to ten layers runs as one
 call (on the CPU with a C++ wrapper: `compile_options`). Whether that pays depends on the CPU
 (or GPU), its compiler and the model, so "auto" compiles, times both paths side by side and
-keeps the faster; compilation that fails (no C++ compiler, an op the compiler does not know
-on this device) leaves the model eager with a warning. An int4 draft on a CPU may serve these
+keeps the faster. On CUDA the uncompiled path replays its steps from CUDA graphs (which a
+compiled step gives up), so that is what a compiled step is timed against. Compilation
+that fails (no C++ compiler, an op the compiler does not know on this device) leaves the
+model eager with a warning. An int4 draft on a CPU may serve these
 forwards with one native call instead (`specdec.model.native_steps`, also decided by timing);
 the graphs are built and timed with it set aside (`layers_only`).
 
@@ -116,6 +118,9 @@ class CompiledLayers:
         #: Pools whose K/V tensors are already marked dynamic in their row count.
         self._dynamic_pools: weakref.WeakSet[PagedKVCache] = weakref.WeakSet()
 
+    def compiles(self, requests: int, width: int) -> bool:
+        return shape_class(requests, width) in self.shapes
+
     def step_names(self) -> tuple[str, ...]:
         return tuple(shape_name(shape) for shape in sorted(self.shapes))
 
@@ -175,9 +180,11 @@ def compiled_pays(eager_s: float, compiled_s: float) -> bool:
     return compiled_s < (1 - MIN_GAIN) * eager_s
 
 
-def times_detail(key: str, eager_s: float, compiled_s: float) -> str:
-    """One timed shape for the start-up log line."""
-    return f"{key} eager / compiled {eager_s * 1e3:.1f} / {compiled_s * 1e3:.1f} ms"
+def times_detail(key: str, eager_s: float, compiled_s: float, forward: PagedLlama) -> str:
+    """One timed shape for the start-up log line; the uncompiled path is "graphs" where
+    `forward` replays its steps from CUDA graphs."""
+    baseline = "eager" if forward.step_graphs is None else "graphs"
+    return f"{key} {baseline} / compiled {eager_s * 1e3:.1f} / {compiled_s * 1e3:.1f} ms"
 
 
 @dataclass
@@ -291,7 +298,7 @@ def step_slots(forward: PagedLlama, cache: PagedKVCache) -> Iterator[Callable[..
         def step(requests: int, width: int, context: int = TIMING_CONTEXT) -> None:
             for slot in slots[:requests]:
                 cache.blocks.truncate_to(slot, context)
-            forward.run(cache, [(slot, prompt[context : context + width]) for slot in slots[:requests]])
+            forward.run(cache, [(slot, prompt[context : context + width]) for slot in slots[:requests]], prompt=False)
 
         yield step
 

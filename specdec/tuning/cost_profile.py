@@ -127,7 +127,7 @@ def step_seconds(forward: PagedLlama, cache: PagedKVCache, repeats: int = SPOT_R
 
         def step() -> None:
             cache.blocks.truncate_to(slot, CONTEXT_LEN)
-            forward.run(cache, [(slot, prompt[CONTEXT_LEN:])])
+            forward.run(cache, [(slot, prompt[CONTEXT_LEN:])], prompt=False)
 
         sync = synchronizer(forward.embed_tokens.weight.device)
         return interleaved_times({"step": step}, repeats=repeats, sync=sync)["step"]

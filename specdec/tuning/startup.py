@@ -250,7 +250,7 @@ class StartupTuner:
             return
         self.values["compiled_steps"] = chosen.decisions
         self.measured |= chosen.measured
-        detail = ", ".join(times_detail(key, *times) for key, times in chosen.times.items())
+        detail = ", ".join(times_detail(key, *times, forward) for key, times in chosen.times.items())
         if chosen.compile_s:
             detail = f"graphs built in {chosen.compile_s:.1f} s" + (f", {detail}" if detail else "")
         self.note("compiled_steps", steps, "measured" if chosen.measured else "cached", detail)
@@ -354,7 +354,7 @@ class StartupTuner:
             decisions[key] = compiled_pays(eager, compiled)
             if not decisions[key]:
                 self.runner.shapes.discard(shape)
-            self.loaded_detail.append(times_detail(key, eager, compiled))
+            self.loaded_detail.append(times_detail(key, eager, compiled, self.runner.model))
         if shape in self.runner.shapes or key in self.native_unconfirmed:
             self._confirm_native(self.runner.model, cache, [shape], compiled=shape in self.runner.shapes)
         if (key in times or self.values.get("native_steps") != settled) and self.store is not None \

@@ -77,3 +77,44 @@ def test_padded_steps_give_the_ordinary_logits_and_cache(device: torch.device) -
         rows = torch.tensor(ordinary.blocks.positions(slot_id), device=device)
         for mine, theirs in zip(padded.kv, ordinary.kv):
             torch.testing.assert_close(mine.index_select(0, rows), theirs.index_select(0, rows), rtol=0, atol=1e-5)
+
+
+class CompilesOneTokenSteps:
+    """A layer runner standing in for compiled layers: 1-token steps are "compiled"."""
+
+    def __init__(self, forward: PagedLlama) -> None:
+        self.forward = forward
+
+    def __call__(self, *args: object) -> torch.Tensor:
+        return self.forward.eager_layers(*args)  # type: ignore[arg-type]
+
+    def compiles(self, requests: int, width: int) -> bool:
+        return width == 1
+
+
+def test_installed_graphs_serve_the_steps_no_compiled_layer_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`PagedLlama.step_graphs` serves `compute`'s steps (not prompts), as `compute_fixed` with the
+    same logits, except the step shapes the layer runner compiles."""
+    ordinary, replaying = _model(torch.device("cpu")), _model(torch.device("cpu"))  # the same weights
+    ordinary_cache, cache = _prefilled(ordinary), _prefilled(replaying)
+    graphs = _graphs(replaying, cache)
+    replays: list[tuple[int, ...]] = []
+    run = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda batch: replays.append(tuple(batch.input_ids.shape)) or run(batch))
+    replaying.step_graphs = graphs
+
+    def both(chunks: list[tuple[str, list[int]]], prompt: bool) -> None:
+        want = ordinary.run(ordinary_cache, chunks, logits="all", prompt=prompt)
+        got = replaying.run(cache, chunks, logits="all", prompt=prompt)
+        for w, g in zip(want, got, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-4)
+
+    both([("a", [11, 12])], prompt=True)
+    assert replays == []  # a prompt never replays
+    both([("a", [13]), ("b", [14, 15, 16])], prompt=False)
+    assert replays == [(2, 4)]
+    replaying.layer_runner = CompilesOneTokenSteps(replaying)
+    both([("c", [17])], prompt=False)
+    assert replays == [(2, 4)]  # compiled: no replay
+    both([("c", [18, 19])], prompt=False)
+    assert replays == [(2, 4), (1, 2)]

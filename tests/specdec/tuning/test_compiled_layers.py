@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from specdec.kv_cache.paged_cache import PagedKVCache
+from specdec.model.cuda_graphs import StepGraphs
+from specdec.model.forward_batch import ForwardBatch
 from specdec.model.llama import PagedLlama
 from specdec.model.quantize import quantize_int8
 from specdec.model.quantize_int4 import quantize_int4
@@ -304,6 +306,46 @@ def test_auto_keeps_the_shapes_measured_faster(runner: CompiledLayers, monkeypat
     assert chosen.measured and chosen.path == "compiled" and runner.shapes == {(1, 1), (2, 1)}
     assert chosen.decisions == {"1x1": True, "1x2": False, "2x1": True, "2x2": False, "1x3": False, "2x3": False}
     assert forward.layer_runner is runner and set(chosen.times) == {shape_key(s) for s in SHAPES}
+
+
+def test_compiled_steps_are_timed_against_the_step_graphs_where_installed(
+    runner: CompiledLayers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA an uncompiled step replays its CUDA graph, so that is what "auto" times a compiled
+    step against (here `StepGraphs` without capture: the same padded path, eagerly)."""
+    forward = runner.model
+    cache = forward.new_cache(token_budget=1024)
+    graphs = StepGraphs(forward, cache, max_requests=4, max_tokens=17, max_blocks=64, capture=True)
+    replays = 0
+    run = graphs.run
+
+    def counting(batch: ForwardBatch) -> torch.Tensor:
+        nonlocal replays
+        replays += 1
+        return run(batch)
+
+    def replays_per_call(candidates: dict[object, Callable[[], object]], *, setup: Callable[[object], None],
+                         **kwargs: object) -> dict[object, float]:
+        """Each candidate called once: its "seconds" are the replays it made."""
+        counts = {}
+        for key, call in candidates.items():
+            setup(key)
+            before = replays
+            call()
+            counts[key] = float(replays - before)
+        return counts
+
+    monkeypatch.setattr(graphs, "run", counting)
+    monkeypatch.setattr(compiled_layers, "interleaved_times", replays_per_call)
+    forward.step_graphs = graphs
+    try:
+        chosen = choose_layer_path(forward, cache, "auto", budget_s=math.inf, runner=runner)
+    finally:
+        forward.step_graphs = None
+    assert chosen.times == {shape_key(shape): (1.0, 0.0) for shape in SHAPES}
+    forward.step_graphs = graphs
+    assert compiled_layers.times_detail("1x1", 2e-3, 1e-3, forward) == "1x1 graphs / compiled 2.0 / 1.0 ms"
+    forward.step_graphs = None
 
 
 def test_auto_reuses_known_decisions_without_timing(runner: CompiledLayers, monkeypatch: pytest.MonkeyPatch) -> None:
