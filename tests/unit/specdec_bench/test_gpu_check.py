@@ -14,7 +14,7 @@ import pytest
 
 from specdec.model.llama import PagedLlama
 from specdec_bench.gpu.carry import check_size, folder_bytes
-from specdec_bench.gpu.check import StagePlan, StageResult, StageStatus, run_stages
+from specdec_bench.gpu.check import StagePlan, StageResult, StageStatus, chosen_stages, run_stages, time_boxes
 from specdec_bench.gpu.config import GPU, SMALL, GpuCheckConfig, Stage
 from specdec_bench.gpu.services import GreedyComparison, round_ms_per_token
 from specdec_bench.gpu.stages import _pytest_counts
@@ -54,6 +54,19 @@ def test_stages_run_time_boxed_and_one_failing_or_hanging_stops_none(tmp_path: P
     assert results[3].error == "exited with code 3"
     # The time the two quick stages left unused went to the last one.
     assert results[3].time_box_s > 22
+
+
+def test_a_rerun_of_some_stages_runs_the_preflight_first_and_shares_the_whole_checks_time() -> None:
+    assert chosen_stages("") == list(Stage)
+    stages = chosen_stages("service_defaults, greedy_exact")
+    assert stages == [Stage.PREFLIGHT, Stage.GREEDY_EXACT, Stage.SERVICE_DEFAULTS]
+    boxes, own = time_boxes(GPU, stages), GPU.time_box_s
+    assert sum(boxes.values()) == pytest.approx(sum(own.values()))
+    assert boxes[Stage.SERVICE_DEFAULTS] / boxes[Stage.GREEDY_EXACT] == pytest.approx(
+        own[Stage.SERVICE_DEFAULTS] / own[Stage.GREEDY_EXACT])
+    assert time_boxes(GPU, list(Stage)) == own
+    with pytest.raises(ValueError):
+        chosen_stages("greedy")
 
 
 def _running(pid: int) -> bool:
