@@ -11,10 +11,11 @@
 // rounded to bf16 only where a matmul takes its input (and at the end): where the eager bf16
 // forward (specdec.model.llama) rounds every op's output, this is closer to the fp32 forward
 // of the same weights, and its greedy drafts agreed with the target as often as the compiled
-// layers' did (docs/performance.md#native-draft-steps). The matmuls run on
-// at::parallel_for's threads (int4_dot.cpp); attention splits its rows over them once the
-// contexts are long enough to pay for the fork; the rest is a few thousand elements a layer
-// and stays on the calling thread. Elementwise work runs on 16-float vectors.
+// layers' did (docs/performance.md#native-draft-steps). One OpenMP team (ATen's threads) runs
+// the whole call, with a barrier between phases rather than a fork and join per matmul: each
+// thread computes its share of each matmul's output blocks (int4_dot.cpp), of attention's
+// (row, KV head) pairs, of SwiGLU's columns and of the rows' norms and residual adds.
+// Elementwise work runs on 16-float vectors.
 //
 // Weights come as a table of addresses, built once by the Python side, which keeps the tensors
 // alive: table int64 [layers, 4 matmuls (q|k|v, o, gate|up, down), 5] = (codes, scales and
@@ -22,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -29,6 +31,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
+#include <utility>
 #include <vector>
 
 #include "int4_dot.h"
@@ -37,8 +41,6 @@ namespace {
 
 constexpr int kMatmuls = 4, kFields = 5;
 enum Matmul { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
-// Attention runs on one thread below this many multiply-adds a step (a fork costs microseconds).
-constexpr int64_t kParallelAttention = 1 << 20;
 // Query heads and their values (heads times head size) that `attend` holds on its stack.
 constexpr int64_t kMaxHeads = 128;
 constexpr int64_t kMaxHeadValues = 4096;
@@ -122,9 +124,23 @@ Weights weights_of(const int64_t* table, int64_t layer, Matmul m) {
   return {reinterpret_cast<const uint8_t*>(row[0]), reinterpret_cast<const uint16_t*>(row[1]), row[2], row[3], row[4]};
 }
 
-void matmul(const Weights& w, const uint16_t* x, int64_t rows, uint16_t* y) {
-  specdec::int4_dot(x, rows, w.inputs, w.codes, w.scales, w.blocks, w.group_size, y,
-                    specdec::scratch_floats(specdec::int4_dot_scratch(rows, w.inputs, w.group_size)));
+// Thread `me` of `team`'s even share [first, last) of `n` items.
+inline std::pair<int64_t, int64_t> share(int64_t n, int64_t me, int64_t team) {
+  return {n * me / team, n * (me + 1) / team};
+}
+
+// x [rows, K] summed into the calling thread's scratch for int4_dot_blocks (a few thousand
+// floats: each thread prepares its own rather than wait at a barrier for one copy).
+const float* prepared(const Weights& w, const uint16_t* x, int64_t rows) {
+  float* scratch = specdec::scratch_floats(specdec::int4_dot_scratch(rows, w.inputs, w.group_size));
+  specdec::int4_dot_prepare(x, rows, w.inputs, w.group_size, scratch);
+  return scratch;
+}
+
+// Output blocks [first, last) of y [rows, outputs] = x @ W^T.
+void matmul_blocks(const Weights& w, const uint16_t* x, int64_t rows, uint16_t* y, const float* scratch,
+                   int64_t first, int64_t last) {
+  specdec::int4_dot_blocks(x, rows, w.inputs, w.codes, w.scales, w.blocks, w.group_size, y, scratch, first, last);
 }
 
 // RMSNorm of one row of the fp32 residual stream, times the weight, rounded to bf16 (the next
@@ -156,13 +172,13 @@ void rope(uint16_t* x, int64_t heads, int64_t dim, const uint16_t* cos, const ui
 // Floats a row of scores takes: the context rounded up to whole vectors.
 inline int64_t scores_per_row(int64_t length) { return (length + 15) / 16 * 16; }
 
-// silu(gate) * up for `size` gates followed by as many ups, in fp32, rounded once to bf16 (the
-// down projection's input); `size` a multiple of 16.
-void swiglu(const uint16_t* gate_up, int64_t size, uint16_t* out) {
-  for (int64_t i = 0; i < size; i += kLanes) {
-    const f32x16 g = load_bf16x16(gate_up + i);
+// silu(gate) * up for `count` gates and as many ups, in fp32, rounded once to bf16 (the down
+// projection's input); `count` a multiple of 16.
+void swiglu(const uint16_t* gate, const uint16_t* up, int64_t count, uint16_t* out) {
+  for (int64_t i = 0; i < count; i += kLanes) {
+    const f32x16 g = load_bf16x16(gate + i);
     const f32x16 silu = g / (1.0f + exp16(-g));
-    store_bf16x16(out + i, silu * load_bf16x16(gate_up + size + i));
+    store_bf16x16(out + i, silu * load_bf16x16(up + i));
   }
 }
 
@@ -190,44 +206,52 @@ struct Context {
   int64_t length;
 };
 
-// Every query head of one token over its request's context: q [heads, dim] bf16 -> out [heads, dim]
-// bf16, dim a multiple of 16, in fp32. The pool is [rows, 2, kv_heads, dim] bf16, head h reading
-// KV head h / (heads / kv_heads). Each pass reads a row's keys (or values) of every KV head
-// at once, a contiguous piece, where a pass per KV head would stride over the pool three times.
-void attend(const uint16_t* q, int64_t heads, int64_t kv_heads, int64_t dim, const uint16_t* pool,
-            const Context& context, float* scores /* [heads, scores_per_row(L)] */, uint16_t* out) {
+// The query heads of KV heads [kv_first, kv_last) of one token over its request's context:
+// q [heads, dim] bf16 -> out [heads, dim] bf16 (those heads' rows only), dim a multiple of 16,
+// in fp32. The pool is [rows, 2, kv_heads, dim] bf16, head h reading KV head h / (heads /
+// kv_heads). Each pass reads a row's keys (or values) of all those KV heads at once, a
+// contiguous piece, where a pass per KV head would stride over the pool once per head.
+void attend(const uint16_t* q, int64_t heads, int64_t kv_heads, int64_t kv_first, int64_t kv_last, int64_t dim,
+            const uint16_t* pool, const Context& context, float* scores /* [heads, scores_per_row(L)] */,
+            uint16_t* out) {
   const int64_t groups = heads / kv_heads, vectors = dim / kLanes, row_stride = 2 * kv_heads * dim;
+  const int64_t first = kv_first * groups, last = kv_last * groups;  // the query heads
+  const int64_t piece_bytes = (kv_last - kv_first) * dim * 2;         // their keys (or values) in a row
   const int64_t per_row = scores_per_row(context.length);
   const float scale = 1.0f / std::sqrt(float(dim));
   const float minus_inf = -std::numeric_limits<float>::infinity();
   f32x16 query[kMaxHeadValues / kLanes], acc[kMaxHeadValues / kLanes], dots[kMaxHeads];
-  for (int64_t i = 0; i < heads * vectors; ++i) query[i] = load_bf16x16(q + i * kLanes) * scale, acc[i] = f32x16{};
+  for (int64_t i = first * vectors; i < last * vectors; ++i)
+    query[i] = load_bf16x16(q + i * kLanes) * scale, acc[i] = f32x16{};
   float most[kMaxHeads];
   std::fill(most, most + heads, minus_inf);
-  for (int64_t h = 0; h < heads; ++h) std::fill(scores + h * per_row + context.length, scores + (h + 1) * per_row, minus_inf);
+  for (int64_t h = first; h < last; ++h)
+    std::fill(scores + h * per_row + context.length, scores + (h + 1) * per_row, minus_inf);
   for (int64_t l = 0; l < context.length; ++l) {
     if (context.bias[l] == minus_inf) {
-      for (int64_t h = 0; h < heads; ++h) scores[h * per_row + l] = minus_inf;
+      for (int64_t h = first; h < last; ++h) scores[h * per_row + l] = minus_inf;
       continue;
     }
     const uint16_t* keys = pool + context.rows[l] * row_stride;  // [kv_heads, dim], then the values
     if (l + kPrefetchRows < context.length) {  // a later row's keys and values, on their way from L3
-      const char* later = reinterpret_cast<const char*>(pool + context.rows[l + kPrefetchRows] * row_stride);
-      for (int64_t byte = 0; byte < row_stride * 2; byte += 64) __builtin_prefetch(later + byte);
+      const uint16_t* later = pool + context.rows[l + kPrefetchRows] * row_stride + kv_first * dim;
+      for (const uint16_t* piece : {later, later + kv_heads * dim})
+        for (int64_t byte = 0; byte < piece_bytes; byte += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(piece) + byte);
     }
-    for (int64_t h = 0; h < heads; ++h) dots[h] = f32x16{};
-    for (int64_t kv = 0; kv < kv_heads; ++kv)
+    for (int64_t h = first; h < last; ++h) dots[h] = f32x16{};
+    for (int64_t kv = kv_first; kv < kv_last; ++kv)
       for (int64_t c = 0; c < vectors; ++c) {
         const f32x16 k = load_bf16x16(keys + kv * dim + c * kLanes);
         for (int64_t g = 0; g < groups; ++g) dots[kv * groups + g] += query[(kv * groups + g) * vectors + c] * k;
       }
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = first; h < last; ++h) {
       const float score = sum_lanes(dots[h]) + context.bias[l];
       scores[h * per_row + l] = score;
       most[h] = std::max(most[h], score);
     }
   }
-  for (int64_t h = 0; h < heads; ++h) {  // the row is padded with -inf to whole vectors
+  for (int64_t h = first; h < last; ++h) {  // the row is padded with -inf to whole vectors
     float* row = scores + h * per_row;
     f32x16 total{};
     for (int64_t l = 0; l < context.length; l += kLanes) {
@@ -243,7 +267,7 @@ void attend(const uint16_t* q, int64_t heads, int64_t kv_heads, int64_t dim, con
   for (int64_t l = 0; l < context.length; ++l) {
     if (context.bias[l] == minus_inf) continue;
     const uint16_t* values = pool + context.rows[l] * row_stride + kv_heads * dim;  // [kv_heads, dim]
-    for (int64_t kv = 0; kv < kv_heads; ++kv)
+    for (int64_t kv = kv_first; kv < kv_last; ++kv)
       for (int64_t c = 0; c < vectors; ++c) {
         const f32x16 v = load_bf16x16(values + kv * dim + c * kLanes);
         for (int64_t g = 0; g < groups; ++g) {
@@ -252,7 +276,99 @@ void attend(const uint16_t* q, int64_t heads, int64_t kv_heads, int64_t dim, con
         }
       }
   }
-  for (int64_t i = 0; i < heads * vectors; ++i) store_bf16x16(out + i * kLanes, acc[i]);
+  for (int64_t i = first * vectors; i < last * vectors; ++i) store_bf16x16(out + i * kLanes, acc[i]);
+}
+
+// One call's sizes, inputs and intermediates (the calling thread's `Buffers`), which every
+// thread of the team reads and writes its share of.
+struct Step {
+  int64_t rows, tokens, size, heads, kv_heads, dim, qkv_width, intermediate, length;
+  float eps;
+  const int64_t* weights = nullptr;  // the table [layers, 4, 5]
+  const uint16_t *norms = nullptr, *cos = nullptr, *sin = nullptr;
+  const int64_t *writes = nullptr, *context_rows = nullptr;
+  const float* masks = nullptr;
+  float *residual = nullptr, *scores = nullptr;  // residual: the fp32 stream [N, h]
+  uint16_t *normed = nullptr, *qkv = nullptr, *attended = nullptr, *projected = nullptr, *activated = nullptr;
+};
+
+// Thread `me`'s share of attention: (row, KV head) pairs [first, last), a row's run of KV heads
+// in one pass.
+void attention_part(const Step& s, const uint16_t* pool, int64_t first, int64_t last) {
+  for (int64_t unit = first; unit < last;) {
+    const int64_t r = unit / s.kv_heads, kv = unit % s.kv_heads, kv_last = std::min(s.kv_heads, kv + last - unit);
+    const Context context{s.context_rows + r / s.tokens * s.length, s.masks + r * s.length, s.length};
+    attend(s.qkv + r * s.qkv_width, s.heads, s.kv_heads, kv, kv_last, s.dim, pool, context,
+           s.scores + r * s.heads * scores_per_row(s.length), s.attended + r * s.heads * s.dim);
+    unit += kv_last - kv;
+  }
+}
+
+// Thread `me` of `team`'s share of q|k|v for every row: whole heads (the fewest blocks that
+// hold whole heads, at a time), then RoPE on its query and key heads and its key and value
+// heads written to the pool, so no other thread's output is needed before the barrier.
+void qkv_part(const Step& s, const Weights& w, uint16_t* pool, int64_t me, int64_t team) {
+  const int64_t unit = std::lcm(s.dim, specdec::kBlockOut) / specdec::kBlockOut;  // blocks
+  const auto [first, last] = share(w.blocks / unit, me, team);
+  matmul_blocks(w, s.normed, s.rows, s.qkv, prepared(w, s.normed, s.rows), first * unit, last * unit);
+  const int64_t heads_per_unit = unit * specdec::kBlockOut / s.dim;
+  const int64_t head_first = first * heads_per_unit, head_last = last * heads_per_unit;
+  const int64_t rope_last = std::min(head_last, s.heads + s.kv_heads), kv_first = std::max(head_first, s.heads);
+  for (int64_t r = 0; r < s.rows; ++r) {
+    uint16_t* token = s.qkv + r * s.qkv_width;  // q [H, D], k [Hkv, D], v [Hkv, D]
+    if (rope_last > head_first)
+      rope(token + head_first * s.dim, rope_last - head_first, s.dim, s.cos + r * s.dim, s.sin + r * s.dim);
+    if (s.writes[r] >= 0 && head_last > kv_first)  // a pool row is [k heads, v heads], as q|k|v's tail
+      std::memcpy(pool + s.writes[r] * 2 * s.kv_heads * s.dim + (kv_first - s.heads) * s.dim,
+                  token + kv_first * s.dim, (head_last - kv_first) * s.dim * sizeof(uint16_t));
+  }
+}
+
+// Thread `me`'s share of gate|up and SwiGLU: gate blocks [first, last) and the up blocks of
+// the same columns, so its SwiGLU columns need no other thread's output.
+void gate_up_part(const Step& s, const Weights& w, int64_t me, int64_t team) {
+  const int64_t half = w.blocks / 2;  // gate blocks, then as many up blocks
+  const auto [first, last] = share(half, me, team);
+  const float* scratch = prepared(w, s.normed, s.rows);
+  matmul_blocks(w, s.normed, s.rows, s.projected, scratch, first, last);
+  matmul_blocks(w, s.normed, s.rows, s.projected, scratch, half + first, half + last);
+  const int64_t column = first * specdec::kBlockOut, columns = (last - first) * specdec::kBlockOut;
+  for (int64_t r = 0; r < s.rows; ++r) {
+    const uint16_t* gate = s.projected + r * 2 * s.intermediate + column;
+    swiglu(gate, gate + s.intermediate, columns, s.activated + r * s.intermediate + column);
+  }
+}
+
+// Thread `me` of `team`'s share of one decoder layer; a barrier wherever the next phase reads
+// what other threads wrote. A thread's rows are the same in every phase, so a residual add
+// and the next norm of the same rows need none.
+void layer_part(const Step& s, int64_t layer, uint16_t* pool, int64_t me, int64_t team) {
+  const auto [row_first, row_last] = share(s.rows, me, team);
+  const uint16_t* input_norm = s.norms + layer * 2 * s.size;
+  for (int64_t r = row_first; r < row_last; ++r)
+    rms_norm(s.residual + r * s.size, input_norm, s.size, s.eps, s.normed + r * s.size);
+#pragma omp barrier
+  qkv_part(s, weights_of(s.weights, layer, kQkv), pool, me, team);
+#pragma omp barrier  // every row's key and value is in the pool before any query reads it
+  const auto [unit_first, unit_last] = share(s.rows * s.kv_heads, me, team);
+  attention_part(s, pool, unit_first, unit_last);
+#pragma omp barrier
+  const Weights o = weights_of(s.weights, layer, kO);
+  const auto [o_first, o_last] = share(o.blocks, me, team);
+  matmul_blocks(o, s.attended, s.rows, s.projected, prepared(o, s.attended, s.rows), o_first, o_last);
+#pragma omp barrier
+  for (int64_t r = row_first; r < row_last; ++r) {
+    for (int64_t i = r * s.size; i < (r + 1) * s.size; ++i) s.residual[i] += bf16_to_float(s.projected[i]);
+    rms_norm(s.residual + r * s.size, input_norm + s.size, s.size, s.eps, s.normed + r * s.size);
+  }
+#pragma omp barrier
+  gate_up_part(s, weights_of(s.weights, layer, kGateUp), me, team);
+#pragma omp barrier
+  const Weights down = weights_of(s.weights, layer, kDown);
+  const auto [down_first, down_last] = share(down.blocks, me, team);
+  matmul_blocks(down, s.activated, s.rows, s.projected, prepared(down, s.activated, s.rows), down_first, down_last);
+#pragma omp barrier
+  for (int64_t i = row_first * s.size; i < row_last * s.size; ++i) s.residual[i] += bf16_to_float(s.projected[i]);
 }
 
 at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
@@ -307,57 +423,36 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
                 "decode_layers: layer ", layer, "'s matmul shapes do not fit the model");
   }
   const int64_t intermediate = weights_of(weights, 0, kDown).inputs;
-  TORCH_CHECK(intermediate % kLanes == 0, "decode_layers: the MLP's width must be a multiple of 16");
+  // Whole blocks, as int4dot's gate and up projections have: a thread's SwiGLU columns are its gate blocks'.
+  TORCH_CHECK(intermediate % specdec::kBlockOut == 0, "decode_layers: the MLP's width must be a multiple of 64");
 
   at::Tensor hidden = at::empty_like(hidden_in);
   auto* out = reinterpret_cast<uint16_t*>(hidden.data_ptr());
   const auto* in = reinterpret_cast<const uint16_t*>(hidden_in.const_data_ptr());
-  Buffers& buffer = buffers();
-  float* h = sized(buffer.residual, rows * size);  // the residual stream, fp32
-  for (int64_t i = 0; i < rows * size; ++i) h[i] = bf16_to_float(in[i]);
-  uint16_t* normed = sized(buffer.normed, rows * size);
-  uint16_t* qkv = sized(buffer.qkv, rows * qkv_width);
-  uint16_t* attended = sized(buffer.attended, rows * num_heads * dim);
-  uint16_t* projected = sized(buffer.projected, rows * std::max<int64_t>(size, 2 * intermediate));
-  uint16_t* activated = sized(buffer.activated, rows * intermediate);
-  float* scores = sized(buffer.scores, rows * num_heads * scores_per_row(length));
-  const auto* masks = bias.const_data_ptr<float>();
-  const auto* cos_p = reinterpret_cast<const uint16_t*>(cos.const_data_ptr());
-  const auto* sin_p = reinterpret_cast<const uint16_t*>(sin.const_data_ptr());
-  const auto* norm_p = reinterpret_cast<const uint16_t*>(norms.const_data_ptr());
-  const float epsilon = float(eps);
-  const int64_t grain = rows * num_heads * length * dim * 2 >= kParallelAttention ? 1 : rows;
-
-  for (int64_t layer = 0; layer < layers; ++layer) {
-    auto* pool = reinterpret_cast<uint16_t*>(kv[layer].data_ptr());
-    const int64_t row_stride = 2 * num_kv_heads * dim;
-    const uint16_t* input_norm = norm_p + layer * 2 * size;
-    for (int64_t r = 0; r < rows; ++r) rms_norm(h + r * size, input_norm, size, epsilon, normed + r * size);
-    matmul(weights_of(weights, layer, kQkv), normed, rows, qkv);
-    for (int64_t r = 0; r < rows; ++r) {  // every row's key and value is in the pool before any query reads it
-      uint16_t* token = qkv + r * qkv_width;  // q [H, D], k [Hkv, D], v [Hkv, D]
-      rope(token, num_heads + num_kv_heads, dim, cos_p + r * dim, sin_p + r * dim);
-      if (writes[r] >= 0)
-        std::memcpy(pool + writes[r] * row_stride, token + num_heads * dim, row_stride * sizeof(uint16_t));
-    }
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const Context context{context_rows + r / tokens * length, masks + r * length, length};
-        attend(qkv + r * qkv_width, num_heads, num_kv_heads, dim, pool, context,
-               scores + r * num_heads * scores_per_row(length), attended + r * num_heads * dim);
-      }
-    });
-    matmul(weights_of(weights, layer, kO), attended, rows, projected);
-    for (int64_t i = 0; i < rows * size; ++i) h[i] += bf16_to_float(projected[i]);
-    for (int64_t r = 0; r < rows; ++r)
-      rms_norm(h + r * size, input_norm + size, size, epsilon, normed + r * size);
-    matmul(weights_of(weights, layer, kGateUp), normed, rows, projected);
-    for (int64_t r = 0; r < rows; ++r)
-      swiglu(projected + r * 2 * intermediate, intermediate, activated + r * intermediate);
-    matmul(weights_of(weights, layer, kDown), activated, rows, projected);
-    for (int64_t i = 0; i < rows * size; ++i) h[i] += bf16_to_float(projected[i]);
+  Buffers& buffer = buffers();  // the calling thread's, shared with the team
+  Step step{rows, tokens, size, num_heads, num_kv_heads, dim, qkv_width, intermediate, length, float(eps)};
+  step.weights = weights;
+  step.norms = reinterpret_cast<const uint16_t*>(norms.const_data_ptr());
+  step.cos = reinterpret_cast<const uint16_t*>(cos.const_data_ptr());
+  step.sin = reinterpret_cast<const uint16_t*>(sin.const_data_ptr());
+  step.writes = writes;
+  step.context_rows = context_rows;
+  step.masks = bias.const_data_ptr<float>();
+  step.residual = sized(buffer.residual, rows * size);
+  step.normed = sized(buffer.normed, rows * size);
+  step.qkv = sized(buffer.qkv, rows * qkv_width);
+  step.attended = sized(buffer.attended, rows * num_heads * dim);
+  step.projected = sized(buffer.projected, rows * std::max<int64_t>(size, 2 * intermediate));
+  step.activated = sized(buffer.activated, rows * intermediate);
+  step.scores = sized(buffer.scores, rows * num_heads * scores_per_row(length));
+  for (int64_t i = 0; i < rows * size; ++i) step.residual[i] = bf16_to_float(in[i]);
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+    for (int64_t layer = 0; layer < layers; ++layer)
+      layer_part(step, layer, reinterpret_cast<uint16_t*>(kv[layer].data_ptr()), me, team);
   }
-  for (int64_t i = 0; i < rows * size; ++i) out[i] = float_to_bf16(h[i]);
+  for (int64_t i = 0; i < rows * size; ++i) out[i] = float_to_bf16(step.residual[i]);
   return hidden;
 }
 

@@ -270,9 +270,8 @@ constexpr bool kReadsFp32X = true;
 
 namespace specdec {
 
-void int4_dot(const uint16_t* x_bf16, int64_t rows, int64_t K, const uint8_t* codes, const uint16_t* scales,
-              int64_t blocks, int64_t group_size, uint16_t* out, float* scratch) {
-  const int64_t N = blocks * kBlockOut, groups = K / group_size, chunks = K / 4;
+void int4_dot_prepare(const uint16_t* x_bf16, int64_t rows, int64_t K, int64_t group_size, float* scratch) {
+  const int64_t groups = K / group_size;
   float* x_sums = scratch;                                          // [rows, groups]: sum of x over each group
   float* x_f32 = kReadsFp32X ? scratch + rows * groups : nullptr;  // [rows, K]: where the AVX2 blocks broadcast x
   for (int64_t i = 0; i < rows * groups; ++i) {
@@ -284,16 +283,29 @@ void int4_dot(const uint16_t* x_bf16, int64_t rows, int64_t K, const uint8_t* co
     }
     x_sums[i] = sum;
   }
-  at::parallel_for(0, blocks, 0, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      for (int64_t r = 0; r < rows; r += kMaxRows) {
-        const int64_t n = std::min<int64_t>(kMaxRows, rows - r);
-        const float* x_rows = kReadsFp32X ? x_f32 + r * K : nullptr;
-        kBlockFns[n - 1](x_bf16 + r * K, x_rows, K, x_sums + r * groups, groups,
-                         codes + b * chunks * kChunkBytes, scales + b * groups * 2 * kBlockOut,
-                         out + r * N + b * kBlockOut, N, groups, group_size / 4);
-      }
+}
+
+void int4_dot_blocks(const uint16_t* x_bf16, int64_t rows, int64_t K, const uint8_t* codes, const uint16_t* scales,
+                     int64_t blocks, int64_t group_size, uint16_t* out, const float* scratch, int64_t first,
+                     int64_t last) {
+  const int64_t N = blocks * kBlockOut, groups = K / group_size, chunks = K / 4;
+  const float* x_sums = scratch;
+  const float* x_f32 = kReadsFp32X ? scratch + rows * groups : nullptr;
+  for (int64_t b = first; b < last; ++b) {
+    for (int64_t r = 0; r < rows; r += kMaxRows) {
+      const int64_t n = std::min<int64_t>(kMaxRows, rows - r);
+      const float* x_rows = kReadsFp32X ? x_f32 + r * K : nullptr;
+      kBlockFns[n - 1](x_bf16 + r * K, x_rows, K, x_sums + r * groups, groups, codes + b * chunks * kChunkBytes,
+                       scales + b * groups * 2 * kBlockOut, out + r * N + b * kBlockOut, N, groups, group_size / 4);
     }
+  }
+}
+
+void int4_dot(const uint16_t* x_bf16, int64_t rows, int64_t K, const uint8_t* codes, const uint16_t* scales,
+              int64_t blocks, int64_t group_size, uint16_t* out, float* scratch) {
+  int4_dot_prepare(x_bf16, rows, K, group_size, scratch);
+  at::parallel_for(0, blocks, 0, [&](int64_t begin, int64_t end) {
+    int4_dot_blocks(x_bf16, rows, K, codes, scales, blocks, group_size, out, scratch, begin, end);
   });
 }
 

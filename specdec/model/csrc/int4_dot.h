@@ -25,6 +25,14 @@ inline uint16_t float_to_bf16(float value) {
 void int4_dot(const uint16_t* x, int64_t rows, int64_t K, const uint8_t* codes, const uint16_t* scales,
               int64_t blocks, int64_t group_size, uint16_t* out, float* scratch);
 
+// int4_dot in two parts, for a caller that splits the blocks over threads it already runs:
+// `int4_dot_prepare` fills `scratch` from x (each thread its own, or one shared once ready),
+// `int4_dot_blocks` computes the output blocks [first, last) on the calling thread.
+void int4_dot_prepare(const uint16_t* x, int64_t rows, int64_t K, int64_t group_size, float* scratch);
+void int4_dot_blocks(const uint16_t* x, int64_t rows, int64_t K, const uint8_t* codes, const uint16_t* scales,
+                     int64_t blocks, int64_t group_size, uint16_t* out, const float* scratch, int64_t first,
+                     int64_t last);
+
 inline int64_t int4_dot_scratch(int64_t rows, int64_t K, int64_t group_size) {
   return rows * (K / group_size + K);  // each row's group sums, then the row in fp32 (AVX2 build)
 }
