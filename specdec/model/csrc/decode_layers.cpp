@@ -13,9 +13,10 @@
 // of the same weights, and its greedy drafts agreed with the target as often as the compiled
 // layers' did (docs/performance.md#native-draft-steps). One OpenMP team (ATen's threads) runs
 // the whole call, with a barrier between phases rather than a fork and join per matmul: each
-// thread computes its share of each matmul's output blocks (int4_dot.cpp), of attention's
-// (row, KV head) pairs, of SwiGLU's columns and of the rows' norms and residual adds.
-// Elementwise work runs on 16-float vectors.
+// thread computes its share of each matmul's output blocks (int4_dot.cpp), with RoPE and the
+// pool writes of the heads among them and SwiGLU of the gate columns among them, of
+// attention's (row, KV head) pairs, and of the rows' norms and residual adds. Elementwise work
+// runs on 16-float vectors.
 //
 // Weights come as a table of addresses, built once by the Python side, which keeps the tensors
 // alive: table int64 [layers, 4 matmuls (q|k|v, o, gate|up, down), 5] = (codes, scales and
@@ -292,8 +293,8 @@ struct Step {
   uint16_t *normed = nullptr, *qkv = nullptr, *attended = nullptr, *projected = nullptr, *activated = nullptr;
 };
 
-// Thread `me`'s share of attention: (row, KV head) pairs [first, last), a row's run of KV heads
-// in one pass.
+// A thread's share of attention: (row, KV head) pairs [first, last), a row's run of KV heads in
+// one pass.
 void attention_part(const Step& s, const uint16_t* pool, int64_t first, int64_t last) {
   for (int64_t unit = first; unit < last;) {
     const int64_t r = unit / s.kv_heads, kv = unit % s.kv_heads, kv_last = std::min(s.kv_heads, kv + last - unit);
