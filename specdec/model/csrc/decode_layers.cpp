@@ -130,13 +130,6 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int64_t me, int64_t team) {
   return {n * me / team, n * (me + 1) / team};
 }
 
-// x [rows, K] summed into the calling thread's scratch for int4_dot_blocks (a few thousand
-// floats: each thread prepares its own rather than wait at a barrier for one copy).
-const float* prepared(const Weights& w, const uint16_t* x, int64_t rows) {
-  float* scratch = specdec::scratch_floats(specdec::int4_dot_scratch(rows, w.inputs, w.group_size));
-  specdec::int4_dot_prepare(x, rows, w.inputs, w.group_size, scratch);
-  return scratch;
-}
 
 // Output blocks [first, last) of y [rows, outputs] = x @ W^T.
 void matmul_blocks(const Weights& w, const uint16_t* x, int64_t rows, uint16_t* y, const float* scratch,
@@ -186,7 +179,7 @@ void swiglu(const uint16_t* gate, const uint16_t* up, int64_t count, uint16_t* o
 // The calling thread's intermediates, grown to the largest call so far and reused: a step
 // allocates nothing but its output.
 struct Buffers {
-  std::vector<float> residual, scores;
+  std::vector<float> residual, scores, sums;
   std::vector<uint16_t> normed, qkv, attended, projected, activated;
 };
 
@@ -290,8 +283,18 @@ struct Step {
   const int64_t *writes = nullptr, *context_rows = nullptr;
   const float* masks = nullptr;
   float *residual = nullptr, *scores = nullptr;  // residual: the fp32 stream [N, h]
+  float* sums = nullptr;                          // [threads, sums_stride]: each thread's int4_dot scratch
+  int64_t sums_stride = 0;
   uint16_t *normed = nullptr, *qkv = nullptr, *attended = nullptr, *projected = nullptr, *activated = nullptr;
 };
+
+// x [rows, K] summed into thread `me`'s scratch for int4_dot_blocks (a few thousand floats:
+// each thread prepares its own rather than wait at a barrier for one copy).
+const float* prepared(const Step& s, const Weights& w, const uint16_t* x, int64_t me) {
+  float* scratch = s.sums + me * s.sums_stride;
+  specdec::int4_dot_prepare(x, s.rows, w.inputs, w.group_size, scratch);
+  return scratch;
+}
 
 // A thread's share of attention: (row, KV head) pairs [first, last), a row's run of KV heads in
 // one pass.
@@ -311,7 +314,7 @@ void attention_part(const Step& s, const uint16_t* pool, int64_t first, int64_t 
 void qkv_part(const Step& s, const Weights& w, uint16_t* pool, int64_t me, int64_t team) {
   const int64_t unit = std::lcm(s.dim, specdec::kBlockOut) / specdec::kBlockOut;  // blocks
   const auto [first, last] = share(w.blocks / unit, me, team);
-  matmul_blocks(w, s.normed, s.rows, s.qkv, prepared(w, s.normed, s.rows), first * unit, last * unit);
+  matmul_blocks(w, s.normed, s.rows, s.qkv, prepared(s, w, s.normed, me), first * unit, last * unit);
   const int64_t heads_per_unit = unit * specdec::kBlockOut / s.dim;
   const int64_t head_first = first * heads_per_unit, head_last = last * heads_per_unit;
   const int64_t rope_last = std::min(head_last, s.heads + s.kv_heads), kv_first = std::max(head_first, s.heads);
@@ -330,7 +333,7 @@ void qkv_part(const Step& s, const Weights& w, uint16_t* pool, int64_t me, int64
 void gate_up_part(const Step& s, const Weights& w, int64_t me, int64_t team) {
   const int64_t half = w.blocks / 2;  // gate blocks, then as many up blocks
   const auto [first, last] = share(half, me, team);
-  const float* scratch = prepared(w, s.normed, s.rows);
+  const float* scratch = prepared(s, w, s.normed, me);
   matmul_blocks(w, s.normed, s.rows, s.projected, scratch, first, last);
   matmul_blocks(w, s.normed, s.rows, s.projected, scratch, half + first, half + last);
   const int64_t column = first * specdec::kBlockOut, columns = (last - first) * specdec::kBlockOut;
@@ -356,7 +359,7 @@ void layer_part(const Step& s, int64_t layer, uint16_t* pool, int64_t me, int64_
 #pragma omp barrier
   const Weights o = weights_of(s.weights, layer, kO);
   const auto [o_first, o_last] = share(o.blocks, me, team);
-  matmul_blocks(o, s.attended, s.rows, s.projected, prepared(o, s.attended, s.rows), o_first, o_last);
+  matmul_blocks(o, s.attended, s.rows, s.projected, prepared(s, o, s.attended, me), o_first, o_last);
 #pragma omp barrier
   for (int64_t r = row_first; r < row_last; ++r) {
     for (int64_t i = r * s.size; i < (r + 1) * s.size; ++i) s.residual[i] += bf16_to_float(s.projected[i]);
@@ -367,7 +370,7 @@ void layer_part(const Step& s, int64_t layer, uint16_t* pool, int64_t me, int64_
 #pragma omp barrier
   const Weights down = weights_of(s.weights, layer, kDown);
   const auto [down_first, down_last] = share(down.blocks, me, team);
-  matmul_blocks(down, s.activated, s.rows, s.projected, prepared(down, s.activated, s.rows), down_first, down_last);
+  matmul_blocks(down, s.activated, s.rows, s.projected, prepared(s, down, s.activated, me), down_first, down_last);
 #pragma omp barrier
   for (int64_t i = row_first * s.size; i < row_last * s.size; ++i) s.residual[i] += bf16_to_float(s.projected[i]);
 }
@@ -446,8 +449,15 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
   step.projected = sized(buffer.projected, rows * std::max<int64_t>(size, 2 * intermediate));
   step.activated = sized(buffer.activated, rows * intermediate);
   step.scores = sized(buffer.scores, rows * num_heads * scores_per_row(length));
+  const int64_t threads = at::get_num_threads();
+  for (int64_t layer = 0; layer < layers; ++layer)
+    for (int m = 0; m < kMatmuls; ++m) {
+      const Weights w = weights_of(weights, layer, Matmul(m));
+      step.sums_stride = std::max(step.sums_stride, specdec::int4_dot_scratch(rows, w.inputs, w.group_size));
+    }
+  step.sums = sized(buffer.sums, threads * step.sums_stride);  // nothing is allocated inside the team
   for (int64_t i = 0; i < rows * size; ++i) step.residual[i] = bf16_to_float(in[i]);
-#pragma omp parallel num_threads(at::get_num_threads())
+#pragma omp parallel num_threads(threads)
   {
     const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
     for (int64_t layer = 0; layer < layers; ++layer)
