@@ -301,9 +301,9 @@ class RoundCostModel:
         widest (the engine pads a batch's chunks to the longest: a narrower request saves none
         of the forward); in a multi-step plain round (every K is 0, request i decodes steps[i]
         tokens), step j runs over the requests with steps >= j."""
-        drafted = sum(ks)
-        if steps is None or drafted > 0 or max(steps, default=1) <= 1:
-            return self.target.seconds(len(ks), 1 + max(ks, default=0))
+        widest = max(ks, default=0)
+        if steps is None or widest > 0 or max(steps, default=1) <= 1:
+            return self.target.seconds(len(ks), 1 + widest)
         return _one_token_steps(self.target, steps, first=1)
 
     def draft_seconds(

@@ -229,8 +229,10 @@ class PagedLlama:
         """`compute`'s result for a step that `replays` and fits a bucket of `step_graphs`; None
         for any other step."""
         graphs = self.step_graphs
-        shape = graphs.shape_for(chunks) if graphs is not None and self.replays(chunks) else None
-        if graphs is None or shape is None:
+        if graphs is None or not self.replays(chunks):
+            return None
+        shape = graphs.shape_for(chunks)
+        if shape is None:
             return None
         per_chunk = self.compute_fixed(cache, chunks, shape, graphs.run)  # [len(tokens), vocab] each
         return per_chunk if logits == "all" else [rows[-1] for rows in per_chunk]
