@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 #: Compiled into one library: the matmul, and the decode step that calls it (`specdec.model.native_steps`).
-SOURCES = (CSRC / "int4_dot.cpp", CSRC / "decode_layers.cpp")
-HEADERS = (CSRC / "int4_dot.h",)
+SOURCES = (CSRC / "int4_dot.cpp", CSRC / "decode_layers.cpp", CSRC / "decode_attention.cpp")
+HEADERS = (CSRC / "int4_dot.h", CSRC / "decode_common.h", CSRC / "decode_attention.h")
 #: Outputs per block of the packed layout: the op needs ``out % OUT_BLOCK == 0``.
 OUT_BLOCK = 64
 #: Per instruction set the kernel is built for, best first: the CPU flags (as /proc/cpuinfo

@@ -27,6 +27,8 @@ from specdec.model.llama import LayerInputs, PagedLlama
 from specdec.model.quantize_int4 import Int4Linear
 from specdec.model.step_shapes import MANY, MULTI, SHAPES, Shape, shape_class
 
+#: The widest head the attention kernel takes (`attention_takes_dim` in csrc/decode_attention.cpp).
+MAX_HEAD_DIM = 128
 #: The shape classes it can take: all but a batch of wider forwards, whose 3 requests × 9
 #: tokens that time the class are past `MAX_NARROW_ROWS` rows.
 NATIVE_SHAPES = tuple(shape for shape in SHAPES if shape != (MANY, MULTI))
@@ -40,6 +42,8 @@ def unsupported(model: PagedLlama) -> str:
         return f"{model.dtype} activations, not bfloat16"
     if not int4_dot.available():
         return "no int4dot kernel on this CPU"
+    if model.head_dim % 16 or model.head_dim > MAX_HEAD_DIM:
+        return f"heads of {model.head_dim} values (the kernel takes multiples of 16 up to {MAX_HEAD_DIM})"
     for layer in model.layers:
         for module in (layer.qkv, layer.o, layer.gate_up, layer.down):
             if not isinstance(module, Int4Linear) or module.bias is not None:

@@ -15,8 +15,8 @@
 // the whole call, with a barrier between phases rather than a fork and join per matmul: each
 // thread computes its share of each matmul's output blocks (int4_dot.cpp), with RoPE and the
 // pool writes of the heads among them and SwiGLU of the gate columns among them, of
-// attention's (row, KV head) pairs, and of the rows' norms and residual adds. Elementwise work
-// runs on 16-float vectors.
+// attention's units (decode_attention.cpp), and of the rows' norms and residual adds.
+// Elementwise work runs on 16-float vectors (decode_common.h).
 //
 // Weights come as a table of addresses, built once by the Python side, which keeps the tensors
 // alive: table int64 [layers, 4 matmuls (q|k|v, o, gate|up, down), 5] = (codes, scales and
@@ -31,87 +31,26 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <numeric>
 #include <utility>
 #include <vector>
 
+#include "decode_attention.h"
+#include "decode_common.h"
 #include "int4_dot.h"
 
 namespace {
 
 constexpr int kMatmuls = 4, kFields = 5;
 enum Matmul { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
-// Query heads and their values (heads times head size) that `attend` holds on its stack.
-constexpr int64_t kMaxHeads = 128;
-constexpr int64_t kMaxHeadValues = 4096;
-// How many rows ahead the keys pass prefetches a row (its keys and values): the pool is read
-// from L3 or memory, and without it attention took twice as long.
-constexpr int64_t kPrefetchRows = 8;
-
 using specdec::bf16_to_float;
 using specdec::float_to_bf16;
-
-// 16 floats in one vector: GCC's vector extensions compile it to one zmm register with
-// AVX-512, two ymm with AVX2, so one source serves both builds.
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-constexpr int64_t kLanes = 16;
-
-inline f32x16 load_bf16x16(const uint16_t* p) {
-  u16x16 half;
-  std::memcpy(&half, p, sizeof half);
-  return (f32x16)(__builtin_convertvector(half, u32x16) << 16);
-}
-
-// Each lane rounded to bf16 (nearest even; a NaN stays a NaN), as `float_to_bf16` does.
-inline u16x16 to_bf16x16(f32x16 v) {
-  const u32x16 bits = (u32x16)v;
-  const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const u32x16 nan = (bits >> 16) | 0x40u;
-  return __builtin_convertvector((bits & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded, u16x16);
-}
-
-inline void store_bf16x16(uint16_t* p, f32x16 v) {
-  const u16x16 half = to_bf16x16(v);
-  std::memcpy(p, &half, sizeof half);
-}
-
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
-
-// The sum of the 16 lanes as a tree of halves (a loop over the lanes would add them one after
-// another: a chain of 16 dependent additions per score).
-inline float sum_lanes(f32x16 v) {
-  const f32x8 eight = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                      __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f32x4 four = __builtin_shufflevector(eight, eight, 0, 1, 2, 3) + __builtin_shufflevector(eight, eight, 4, 5, 6, 7);
-  return (four[0] + four[2]) + (four[1] + four[3]);
-}
-
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-// e^x in each lane, to about 2 fp32 ulp (Cephes' expf: x = n ln 2 + r, a degree-6 polynomial in
-// r, 2^n put into the exponent), 0 below e^-87 (a masked score's weight); std::exp one value
-// at a time was half of a step's attention and SiLU.
-inline f32x16 exp16(f32x16 x) {
-  const f32x16 low = x < -87.0f ? f32x16{} + 1.0f : f32x16{};  // 1 where the result is 0
-  x = x < -87.0f ? f32x16{} - 87.0f : x;
-  x = x > 88.0f ? f32x16{} + 88.0f : x;
-  const f32x16 shift = f32x16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const f32x16 n = (x * 1.44269504088896341f + shift) - shift;
-  const f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  f32x16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  const f32x16 result = p * (f32x16)bits;
-  return low != 0.0f ? f32x16{} : result;
-}
+using specdec::exp16;
+using specdec::f32x16;
+using specdec::kLanes;
+using specdec::load_bf16x16;
+using specdec::share;
+using specdec::store_bf16x16;
 
 struct Weights {
   const uint8_t* codes;
@@ -125,10 +64,6 @@ Weights weights_of(const int64_t* table, int64_t layer, Matmul m) {
   return {reinterpret_cast<const uint8_t*>(row[0]), reinterpret_cast<const uint16_t*>(row[1]), row[2], row[3], row[4]};
 }
 
-// Thread `me` of `team`'s even share [first, last) of `n` items.
-inline std::pair<int64_t, int64_t> share(int64_t n, int64_t me, int64_t team) {
-  return {n * me / team, n * (me + 1) / team};
-}
 
 
 // Output blocks [first, last) of y [rows, outputs] = x @ W^T.
@@ -163,9 +98,6 @@ void rope(uint16_t* x, int64_t heads, int64_t dim, const uint16_t* cos, const ui
   }
 }
 
-// Floats a row of scores takes: the context rounded up to whole vectors.
-inline int64_t scores_per_row(int64_t length) { return (length + 15) / 16 * 16; }
-
 // silu(gate) * up for `count` gates and as many ups, in fp32, rounded once to bf16 (the down
 // projection's input); `count` a multiple of 16.
 void swiglu(const uint16_t* gate, const uint16_t* up, int64_t count, uint16_t* out) {
@@ -179,7 +111,7 @@ void swiglu(const uint16_t* gate, const uint16_t* up, int64_t count, uint16_t* o
 // The calling thread's intermediates, grown to the largest call so far and reused: a step
 // allocates nothing but its output.
 struct Buffers {
-  std::vector<float> residual, scores, sums;
+  std::vector<float> residual, scores, partials, sums;
   std::vector<uint16_t> normed, qkv, attended, projected, activated;
 };
 
@@ -194,85 +126,6 @@ T* sized(std::vector<T>& buffer, int64_t count) {
   return buffer.data();
 }
 
-struct Context {
-  const int64_t* rows;  // [L] pool row of each key position
-  const float* bias;    // [L] 0 where the query sees the key, -inf elsewhere
-  int64_t length;
-};
-
-// The query heads of KV heads [kv_first, kv_last) of one token over its request's context:
-// q [heads, dim] bf16 -> out [heads, dim] bf16 (those heads' rows only), dim a multiple of 16,
-// in fp32. The pool is [rows, 2, kv_heads, dim] bf16, head h reading KV head h / (heads /
-// kv_heads). Each pass reads a row's keys (or values) of all those KV heads at once, a
-// contiguous piece, where a pass per KV head would stride over the pool once per head.
-void attend(const uint16_t* q, int64_t heads, int64_t kv_heads, int64_t kv_first, int64_t kv_last, int64_t dim,
-            const uint16_t* pool, const Context& context, float* scores /* [heads, scores_per_row(L)] */,
-            uint16_t* out) {
-  const int64_t groups = heads / kv_heads, vectors = dim / kLanes, row_stride = 2 * kv_heads * dim;
-  const int64_t first = kv_first * groups, last = kv_last * groups;  // the query heads
-  const int64_t piece_bytes = (kv_last - kv_first) * dim * 2;         // their keys (or values) in a row
-  const int64_t per_row = scores_per_row(context.length);
-  const float scale = 1.0f / std::sqrt(float(dim));
-  const float minus_inf = -std::numeric_limits<float>::infinity();
-  f32x16 query[kMaxHeadValues / kLanes], acc[kMaxHeadValues / kLanes], dots[kMaxHeads];
-  for (int64_t i = first * vectors; i < last * vectors; ++i)
-    query[i] = load_bf16x16(q + i * kLanes) * scale, acc[i] = f32x16{};
-  float most[kMaxHeads];
-  std::fill(most, most + heads, minus_inf);
-  for (int64_t h = first; h < last; ++h)
-    std::fill(scores + h * per_row + context.length, scores + (h + 1) * per_row, minus_inf);
-  for (int64_t l = 0; l < context.length; ++l) {
-    if (context.bias[l] == minus_inf) {
-      for (int64_t h = first; h < last; ++h) scores[h * per_row + l] = minus_inf;
-      continue;
-    }
-    const uint16_t* keys = pool + context.rows[l] * row_stride;  // [kv_heads, dim], then the values
-    if (l + kPrefetchRows < context.length) {  // a later row's keys and values, on their way from L3
-      const uint16_t* later = pool + context.rows[l + kPrefetchRows] * row_stride + kv_first * dim;
-      for (const uint16_t* piece : {later, later + kv_heads * dim})
-        for (int64_t byte = 0; byte < piece_bytes; byte += 64)
-          __builtin_prefetch(reinterpret_cast<const char*>(piece) + byte);
-    }
-    for (int64_t h = first; h < last; ++h) dots[h] = f32x16{};
-    for (int64_t kv = kv_first; kv < kv_last; ++kv)
-      for (int64_t c = 0; c < vectors; ++c) {
-        const f32x16 k = load_bf16x16(keys + kv * dim + c * kLanes);
-        for (int64_t g = 0; g < groups; ++g) dots[kv * groups + g] += query[(kv * groups + g) * vectors + c] * k;
-      }
-    for (int64_t h = first; h < last; ++h) {
-      const float score = sum_lanes(dots[h]) + context.bias[l];
-      scores[h * per_row + l] = score;
-      most[h] = std::max(most[h], score);
-    }
-  }
-  for (int64_t h = first; h < last; ++h) {  // the row is padded with -inf to whole vectors
-    float* row = scores + h * per_row;
-    f32x16 total{};
-    for (int64_t l = 0; l < context.length; l += kLanes) {
-      f32x16 v;
-      std::memcpy(&v, row + l, sizeof v);
-      v = exp16(v - most[h]);
-      std::memcpy(row + l, &v, sizeof v);
-      total += v;
-    }
-    const float inverse = 1.0f / sum_lanes(total);
-    for (int64_t l = 0; l < context.length; ++l) row[l] *= inverse;
-  }
-  for (int64_t l = 0; l < context.length; ++l) {
-    if (context.bias[l] == minus_inf) continue;
-    const uint16_t* values = pool + context.rows[l] * row_stride + kv_heads * dim;  // [kv_heads, dim]
-    for (int64_t kv = kv_first; kv < kv_last; ++kv)
-      for (int64_t c = 0; c < vectors; ++c) {
-        const f32x16 v = load_bf16x16(values + kv * dim + c * kLanes);
-        for (int64_t g = 0; g < groups; ++g) {
-          const int64_t h = kv * groups + g;
-          acc[h * vectors + c] += scores[h * per_row + l] * v;
-        }
-      }
-  }
-  for (int64_t i = first * vectors; i < last * vectors; ++i) store_bf16x16(out + i * kLanes, acc[i]);
-}
-
 // One call's sizes, inputs and intermediates (the calling thread's `Buffers`), which every
 // thread of the team reads and writes its share of.
 struct Step {
@@ -280,10 +133,10 @@ struct Step {
   float eps;
   const int64_t* weights = nullptr;  // the table [layers, 4, 5]
   const uint16_t *norms = nullptr, *cos = nullptr, *sin = nullptr;
-  const int64_t *writes = nullptr, *context_rows = nullptr;
-  const float* masks = nullptr;
-  float *residual = nullptr, *scores = nullptr;  // residual: the fp32 stream [N, h]
-  float* sums = nullptr;                          // [threads, sums_stride]: each thread's int4_dot scratch
+  const int64_t* writes = nullptr;
+  specdec::AttentionStep attention{};  // all but its pool, which is each layer's
+  float* residual = nullptr;           // the fp32 stream [N, h]
+  float* sums = nullptr;               // [threads, sums_stride]: each thread's int4_dot scratch
   int64_t sums_stride = 0;
   uint16_t *normed = nullptr, *qkv = nullptr, *attended = nullptr, *projected = nullptr, *activated = nullptr;
 };
@@ -294,18 +147,6 @@ const float* prepared(const Step& s, const Weights& w, const uint16_t* x, int64_
   float* scratch = s.sums + me * s.sums_stride;
   specdec::int4_dot_prepare(x, s.rows, w.inputs, w.group_size, scratch);
   return scratch;
-}
-
-// A thread's share of attention: (row, KV head) pairs [first, last), a row's run of KV heads in
-// one pass.
-void attention_part(const Step& s, const uint16_t* pool, int64_t first, int64_t last) {
-  for (int64_t unit = first; unit < last;) {
-    const int64_t r = unit / s.kv_heads, kv = unit % s.kv_heads, kv_last = std::min(s.kv_heads, kv + last - unit);
-    const Context context{s.context_rows + r / s.tokens * s.length, s.masks + r * s.length, s.length};
-    attend(s.qkv + r * s.qkv_width, s.heads, s.kv_heads, kv, kv_last, s.dim, pool, context,
-           s.scores + r * s.heads * scores_per_row(s.length), s.attended + r * s.heads * s.dim);
-    unit += kv_last - kv;
-  }
 }
 
 // Thread `me` of `team`'s share of q|k|v for every row: whole heads (the fewest blocks that
@@ -345,8 +186,9 @@ void gate_up_part(const Step& s, const Weights& w, int64_t me, int64_t team) {
 
 // Thread `me` of `team`'s share of one decoder layer; a barrier wherever the next phase reads
 // what other threads wrote. A thread's rows are the same in every phase, so a residual add
-// and the next norm of the same rows need none.
-void layer_part(const Step& s, int64_t layer, uint16_t* pool, int64_t me, int64_t team) {
+// and the next norm of the same rows need none. Attention cuts each context into `chunks`
+// pieces (`specdec::context_chunks`), merged after a barrier of their own.
+void layer_part(const Step& s, int64_t layer, uint16_t* pool, int64_t chunks, int64_t me, int64_t team) {
   const auto [row_first, row_last] = share(s.rows, me, team);
   const uint16_t* input_norm = s.norms + layer * 2 * s.size;
   for (int64_t r = row_first; r < row_last; ++r)
@@ -354,9 +196,14 @@ void layer_part(const Step& s, int64_t layer, uint16_t* pool, int64_t me, int64_
 #pragma omp barrier
   qkv_part(s, weights_of(s.weights, layer, kQkv), pool, me, team);
 #pragma omp barrier  // every row's key and value is in the pool before any query reads it
-  const auto [unit_first, unit_last] = share(s.rows * s.kv_heads, me, team);
-  attention_part(s, pool, unit_first, unit_last);
+  specdec::AttentionStep attention = s.attention;
+  attention.pool = pool;
+  specdec::attention_part(attention, chunks, me, team);
 #pragma omp barrier
+  if (chunks > 1) {  // the same on every thread
+    specdec::merge_part(attention, chunks, me, team);
+#pragma omp barrier
+  }
   const Weights o = weights_of(s.weights, layer, kO);
   const auto [o_first, o_last] = share(o.blocks, me, team);
   matmul_blocks(o, s.attended, s.rows, s.projected, prepared(s, o, s.attended, me), o_first, o_last);
@@ -393,8 +240,7 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
               "decode_layers: norms must be contiguous bfloat16 [layers, 2, hidden]");
   TORCH_CHECK(layers > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0, "decode_layers: bad head counts");
   const int64_t dim = kv[0].size(3);
-  TORCH_CHECK(num_heads <= kMaxHeads && num_heads * dim <= kMaxHeadValues && dim % kLanes == 0,
-              "decode_layers: ", num_heads, " query heads of ", dim, " are past this kernel's limits");
+  TORCH_CHECK(specdec::attention_takes_dim(dim), "decode_layers: heads of ", dim, " values are past this kernel's limits");
   TORCH_CHECK(cos.numel() == rows * dim && sin.numel() == rows * dim && cos.is_contiguous() && sin.is_contiguous() &&
                   cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
               "decode_layers: cos and sin must be contiguous bfloat16 [N, head_dim]");
@@ -440,16 +286,17 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
   step.cos = reinterpret_cast<const uint16_t*>(cos.const_data_ptr());
   step.sin = reinterpret_cast<const uint16_t*>(sin.const_data_ptr());
   step.writes = writes;
-  step.context_rows = context_rows;
-  step.masks = bias.const_data_ptr<float>();
   step.residual = sized(buffer.residual, rows * size);
   step.normed = sized(buffer.normed, rows * size);
   step.qkv = sized(buffer.qkv, rows * qkv_width);
   step.attended = sized(buffer.attended, rows * num_heads * dim);
   step.projected = sized(buffer.projected, rows * std::max<int64_t>(size, 2 * intermediate));
   step.activated = sized(buffer.activated, rows * intermediate);
-  step.scores = sized(buffer.scores, rows * num_heads * scores_per_row(length));
   const int64_t threads = at::get_num_threads();
+  const int64_t chunks = specdec::context_chunks(rows, num_kv_heads, length, threads);
+  step.attention = {rows, tokens, num_heads, num_kv_heads, dim, length, step.qkv, qkv_width, nullptr, context_rows,
+                    bias.const_data_ptr<float>(), sized(buffer.scores, rows * num_heads * specdec::scores_per_row(length)),
+                    sized(buffer.partials, specdec::partial_floats(rows, num_heads, dim, chunks)), step.attended};
   for (int64_t layer = 0; layer < layers; ++layer)
     for (int m = 0; m < kMatmuls; ++m) {
       const Weights w = weights_of(weights, layer, Matmul(m));
@@ -460,8 +307,9 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
 #pragma omp parallel num_threads(threads)
   {
     const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t team_chunks = team == threads ? chunks : 1;  // the partials are sized for `threads`
     for (int64_t layer = 0; layer < layers; ++layer)
-      layer_part(step, layer, reinterpret_cast<uint16_t*>(kv[layer].data_ptr()), me, team);
+      layer_part(step, layer, reinterpret_cast<uint16_t*>(kv[layer].data_ptr()), team_chunks, me, team);
   }
   for (int64_t i = 0; i < rows * size; ++i) out[i] = float_to_bf16(step.residual[i]);
   return hidden;

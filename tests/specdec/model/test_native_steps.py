@@ -42,14 +42,21 @@ TUNING_KEY = TuningKey(machine="m", torch="t", model="tiny", weights="w", dtype=
 CONTEXTS = (1, 15, 16, 37)
 
 
-def int4_llama(num_layers: int = 3, *, reference: bool = False) -> PagedLlama:
+def int4_llama(num_layers: int = 3, *, reference: bool = False, sharpness: float = 1.0,
+               head_dim: int = 32) -> PagedLlama:
     """A random Llama in bf16 with int4 projections on the int4dot kernel: 4 query heads and 2
-    KV heads of 32, MLP 256 wide (every width a multiple of 64, as int4dot needs). The
-    `reference`: the same int4 weights with fp32 activations, on the dequantizing kernel."""
+    KV heads of `head_dim`, MLP 256 wide (every width a multiple of 64, as int4dot needs). The
+    `reference`: the same int4 weights with fp32 activations, on the dequantizing kernel.
+    `sharpness` scales the query and key projections: random weights attend almost evenly,
+    and scores `sharpness`² times as large pick out a few positions."""
     config = tiny_llama(num_layers).config
-    config.hidden_size, config.intermediate_size, config.head_dim = 128, 256, 32
+    config.hidden_size, config.intermediate_size, config.head_dim = 128, 256, head_dim
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(sharpness)
+            layer.self_attn.k_proj.weight.mul_(sharpness)
     quantize_int4(model, include_lm_head=False, kernel="dequant" if reference else "int4dot")
     return PagedLlama(model.float() if reference else model)
 
@@ -81,15 +88,21 @@ def forward_logits(
 #: one with a chunk shorter than the other (a padding row that writes nothing).
 FORWARDS = (((1, 1),), ((37, 1),), tuple((context, 1) for context in CONTEXTS), ((20, 2),), ((5, 5),),
             ((15, 2), (37, 1)), ((3, 4), (20, 4)))
+#: Long enough for attention to cut each context into pieces where its units do not divide
+#: evenly over the threads (`context_chunks` in csrc/decode_attention.cpp: 64 positions a piece).
+LONG_FORWARDS = (((200, 1),), ((150, 2), (300, 1)))
+#: Query and key scale of the model those forwards run (`int4_llama`).
+SHARPNESS = 4.0
 
 
-def check_parity(model: PagedLlama, reference: PagedLlama) -> None:
+def check_parity(model: PagedLlama, reference: PagedLlama,
+                 forwards: tuple[tuple[tuple[int, int], ...], ...] = FORWARDS) -> None:
     """The native forward is as close to `reference` (the same weights with fp32 activations)
     as the eager bf16 forward is, within a bf16 step: it keeps the residual stream and the
     elementwise math in fp32 (rounding only a matmul's input and the result), where eager rounds
     every op's output, so the two differ by about a step but a wrong mask, position or row
     would put it far off."""
-    for chunks in FORWARDS:
+    for chunks in forwards:
         want, want_kv = forward_logits(reference, chunks, native=False)
         eager, eager_kv = forward_logits(model, chunks, native=False)
         got, got_kv = forward_logits(model, chunks, native=True)
@@ -106,6 +119,21 @@ def test_native_forwards_are_as_close_to_fp32_as_the_eager_layers(kernel: Attent
     model.attention = reference.attention = make_attention(kernel)
     assert unsupported(model) == ""
     check_parity(model, reference)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [2, 3])
+def test_attention_over_a_context_cut_into_pieces_is_as_close(threads: int) -> None:
+    """2 KV heads over 3 threads: a row's units do not divide evenly, so each long context is
+    cut into 3 pieces whose sums are merged; over 2 threads it is not cut. Either way as close
+    to fp32 as the eager layers."""
+    model, reference = int4_llama(sharpness=SHARPNESS), int4_llama(reference=True, sharpness=SHARPNESS)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_parity(model, reference, LONG_FORWARDS)
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_kernel
@@ -145,6 +173,7 @@ def test_models_it_cannot_run_are_refused_with_the_reason() -> None:
         NativeSteps(float_model)
     dense = PagedLlama(tiny_llama(1).to(torch.bfloat16))
     assert "int4" in unsupported(dense)
+    assert "heads of 160 values" in unsupported(int4_llama(1, head_dim=160))
 
 
 @needs_kernel
