@@ -5,8 +5,8 @@
 // the scores into weights exp(score - largest) and sums them, the values pass adds up the
 // weighted values. A pass holds its heads' queries, then their value sums, in registers (a template per
 // head size and heads a pass): kept in arrays on the stack, every multiply-add stored and
-// reloaded its accumulator, and a long context's attention took twice the time; now it reads
-// the pool at about memory speed (docs/performance.md#native-draft-steps).
+// reloaded its accumulator, and a long context's attention took twice the time
+// (docs/performance.md#native-draft-steps).
 //
 // A 1-token step of a model with 3 KV heads has 3 units, which 2 threads split 2 : 1; so where
 // the units do not divide evenly over the team, each context is cut into pieces that make
@@ -32,8 +32,8 @@ constexpr int64_t kPrefetchRows = 8;
 // width and spills some; 4 or 8 vectors timed no better there.
 constexpr int kHeld = 16;
 constexpr int64_t kMaxVectors = 8;  // heads of up to 128 values
-// Positions a piece of a cut context has at least: below that, merging costs more than an
-// uneven split (docs/performance.md#native-draft-steps).
+// Positions a piece of a cut context has at least: the cut paid at 2,000 positions and gained
+// nothing at 128 (docs/performance.md#native-draft-steps).
 constexpr int64_t kMinPiece = 64;
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
