@@ -64,8 +64,6 @@ Weights weights_of(const int64_t* table, int64_t layer, Matmul m) {
   return {reinterpret_cast<const uint8_t*>(row[0]), reinterpret_cast<const uint16_t*>(row[1]), row[2], row[3], row[4]};
 }
 
-
-
 // Output blocks [first, last) of y [rows, outputs] = x @ W^T.
 void matmul_blocks(const Weights& w, const uint16_t* x, int64_t rows, uint16_t* y, const float* scratch,
                    int64_t first, int64_t last) {
