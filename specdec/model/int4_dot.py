@@ -37,7 +37,8 @@ from specdec.model.loader import building, default_cache_dir
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-#: Compiled into one library: the matmul, and the decode step that calls it (`specdec.model.native_steps`).
+#: Compiled into one library: the matmul, and the decode step that calls it with its attention
+#: (`specdec.model.native_steps`).
 SOURCES = (CSRC / "int4_dot.cpp", CSRC / "decode_layers.cpp", CSRC / "decode_attention.cpp")
 HEADERS = (CSRC / "int4_dot.h", CSRC / "decode_common.h", CSRC / "decode_attention.h")
 #: Outputs per block of the packed layout: the op needs ``out % OUT_BLOCK == 0``.

@@ -1,10 +1,10 @@
-"""Tests for the native decoding forward (`specdec.model.native_steps`, `csrc/decode_layers.cpp`):
-logits and keys and values as close to an fp32 forward of the same int4 weights as the eager
-layers' are, for steps, round openings and guessed forwards, one request or a batch, over
-contexts that cross block boundaries, with either attention kernel; the real draft's steps;
-which forwards it takes and what it refuses; and the start-up choice per shape class
-(`StartupTuner.native_steps`). The AVX2 build is checked too, in a process that asks for it
-(`SPECDEC_INT4DOT_ISA`)."""
+"""Tests for the native decoding forward (`specdec.model.native_steps`, `csrc/decode_layers.cpp`
+and `decode_attention.cpp`): logits and keys and values as close to an fp32 forward of the same
+int4 weights as the eager layers' are, for steps, round openings and guessed forwards, one
+request or a batch, over contexts that cross block boundaries or are cut into pieces between
+threads, with either attention kernel; the real draft's steps; which forwards it takes and what
+it refuses; and the start-up choice per shape class (`StartupTuner.native_steps`). The AVX2
+build is checked too, in a process that asks for it (`SPECDEC_INT4DOT_ISA`)."""
 
 from __future__ import annotations
 
