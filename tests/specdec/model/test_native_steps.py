@@ -43,14 +43,15 @@ CONTEXTS = (1, 15, 16, 37)
 
 
 def int4_llama(num_layers: int = 3, *, reference: bool = False, sharpness: float = 1.0,
-               head_dim: int = 32) -> PagedLlama:
-    """A random Llama in bf16 with int4 projections on the int4dot kernel: 4 query heads and 2
-    KV heads of `head_dim`, MLP 256 wide (every width a multiple of 64, as int4dot needs). The
-    `reference`: the same int4 weights with fp32 activations, on the dequantizing kernel.
-    `sharpness` scales the query and key projections: random weights attend almost evenly,
-    and scores `sharpness`² times as large pick out a few positions."""
+               head_dim: int = 32, query_heads: int = 4) -> PagedLlama:
+    """A random Llama in bf16 with int4 projections on the int4dot kernel: `query_heads` query
+    heads and 2 KV heads of `head_dim`, MLP 256 wide (every width a multiple of 64, as int4dot
+    needs). The `reference`: the same int4 weights with fp32 activations, on the dequantizing
+    kernel. `sharpness` scales the query and key projections: random weights attend almost
+    evenly, and scores `sharpness`² times as large pick out a few positions."""
     config = tiny_llama(num_layers).config
     config.hidden_size, config.intermediate_size, config.head_dim = 128, 256, head_dim
+    config.num_attention_heads = query_heads
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     with torch.no_grad():
@@ -134,6 +135,16 @@ def test_attention_over_a_context_cut_into_pieces_is_as_close(threads: int) -> N
         check_parity(model, reference, LONG_FORWARDS)
     finally:
         torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_heads_of_128_values_take_a_kv_heads_queries_in_two_passes() -> None:
+    """Heads of 128 values leave registers for 2 query heads a pass (`kHeadsPerPass` in
+    csrc/decode_attention.cpp), so a KV head's 3 query heads take a pass of 2 and one of 1."""
+    model = int4_llama(2, sharpness=SHARPNESS, head_dim=128, query_heads=6)
+    reference = int4_llama(2, reference=True, sharpness=SHARPNESS, head_dim=128, query_heads=6)
+    assert unsupported(model) == ""
+    check_parity(model, reference, FORWARDS[:4] + LONG_FORWARDS)
 
 
 @needs_kernel
