@@ -10,9 +10,9 @@ as `PagedLlama.eager_layers`' are (tests/specdec/model/test_native_steps.py).
 It takes what the draft runs: bf16 activations and KV pool, every projection an `Int4Linear`
 on the int4dot kernel with no bias, a CPU, and forwards over a cached context (the attention's
 MASKED layout: a drafting step, a round's opening feed, a guessed forward) of at most
-`MAX_NARROW_ROWS` tokens in all, where the int4 layers keep their narrow kernel. A prompt or a
-wider forward goes to the model's layer runner, and so does a shape class (`step_shapes`) the
-start-up tuner did not give it (`StartupTuner.native_steps`, by timing).
+`MAX_ROWS` tokens in all. A prompt or a wider forward goes to the model's layer runner, and
+so does a shape class (`step_shapes`) the start-up tuner did not give it
+(`StartupTuner.native_steps`, by timing).
 """
 
 from __future__ import annotations
@@ -22,15 +22,19 @@ import torch
 from specdec.kv_cache.paged_cache import PagedKVCache
 from specdec.model import int4_dot
 from specdec.model.attention import ContextLayout
-from specdec.model.linear import MAX_NARROW_ROWS
 from specdec.model.llama import LayerInputs, PagedLlama
 from specdec.model.quantize_int4 import Int4Linear
-from specdec.model.step_shapes import MANY, MULTI, SHAPES, Shape, shape_class
+from specdec.model.step_shapes import MANY, MAX_MULTI, MULTI, SHAPES, Shape, shape_class
 
+#: The most tokens a forward it takes holds in all: a single request's widest feed, 16 accepted
+#: tokens the draft did not draft (a lookup's) and the bonus token. The layer path ran that one
+#: eager, as its int4 layers may switch kernels past 16 rows, at 1.7x the native call's time
+#: (docs/performance.md#native-draft-steps).
+MAX_ROWS = MAX_MULTI
 #: The widest head the attention kernel takes (`attention_takes_dim` in csrc/decode_attention.cpp).
 MAX_HEAD_DIM = 128
 #: The shape classes it can take: all but a batch of wider forwards, whose 3 requests × 9
-#: tokens that time the class are past `MAX_NARROW_ROWS` rows.
+#: tokens that time the class are past `MAX_ROWS`.
 NATIVE_SHAPES = tuple(shape for shape in SHAPES if shape != (MANY, MULTI))
 
 
@@ -77,9 +81,9 @@ class NativeSteps:
 
     def takes(self, hidden: torch.Tensor, inputs: LayerInputs) -> bool:
         """Whether this runner serves a forward: cached context, a class in `shapes`, at most
-        `MAX_NARROW_ROWS` tokens in all."""
+        `MAX_ROWS` tokens in all."""
         bsz, width = hidden.shape[:2]
-        return (inputs.attention.layout is ContextLayout.MASKED and bsz * width <= MAX_NARROW_ROWS
+        return (inputs.attention.layout is ContextLayout.MASKED and bsz * width <= MAX_ROWS
                 and shape_class(bsz, width) in self.shapes)
 
     @torch.inference_mode()

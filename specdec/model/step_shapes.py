@@ -20,7 +20,7 @@ MULTI = 3
 #: The widest forward of those classes: a verify at the services' largest K (16) and its
 #: bonus position. Past `MAX_NARROW_ROWS` rows an int4 layer may take its wide kernel, which
 #: the graph traced at `MULTI_TIMING_WIDTH` guards against: there a draft's single 17-token
-#: forward runs eager.
+#: forward runs eager, unless the native call takes it (`specdec.model.native_steps`).
 MAX_MULTI = MAX_NARROW_ROWS + 1
 #: The width that builds and times the MULTI classes: a drawn token and 8 guessed ones,
 #: the draft's default guess.

@@ -86,9 +86,9 @@ def forward_logits(
 
 #: Decoding forwards, a (context, new tokens) chunk a request: 1-token steps inside a block, at
 #: its end and across several; a round's 2-token opening; a guessed forward; batches of them,
-#: one with a chunk shorter than the other (a padding row that writes nothing).
+#: one with a chunk shorter than the other (a padding row that writes nothing); the widest feed.
 FORWARDS = (((1, 1),), ((37, 1),), tuple((context, 1) for context in CONTEXTS), ((20, 2),), ((5, 5),),
-            ((15, 2), (37, 1)), ((3, 4), (20, 4)))
+            ((15, 2), (37, 1)), ((3, 4), (20, 4)), ((20, 17),))
 #: Long enough for attention to cut each context into pieces where its units do not divide
 #: evenly over the threads (`context_chunks` in csrc/decode_attention.cpp: 64 positions a piece).
 LONG_FORWARDS = (((200, 1),), ((150, 2), (300, 1)))
@@ -148,13 +148,16 @@ def test_heads_of_128_values_take_a_kv_heads_queries_in_two_passes() -> None:
 
 
 @needs_kernel
-def test_it_serves_only_the_classes_it_was_given_up_to_16_rows() -> None:
+def test_it_serves_only_the_classes_it_was_given_up_to_17_rows() -> None:
+    """Up to a single request's widest feed: 16 accepted tokens of a lookup and the bonus token."""
     model = int4_llama(1)
-    runner = NativeSteps(model, shapes=((1, 1), (MANY, 2)))
+    runner = NativeSteps(model, shapes=((1, 1), (MANY, 2), (1, MULTI)))
     cache = model.new_cache(token_budget=1024)
     for slot in "abcdefghi":
         cache.blocks.allocate(slot)
-        model.run(cache, [(slot, [1, 2, 3])])  # prompts: the layer runner's
+        # Prompts: the layer runner's. c's is long enough for its 17-token step to read its
+        # context through a mask (SDPA's own layout for a chunk of over half its context).
+        model.run(cache, [(slot, list(range(1, 41)) if slot == "c" else [1, 2, 3])])
     model.step_runner = runner
     calls: list[int] = []
     real = torch.ops.specdec.decode_layers
@@ -167,11 +170,12 @@ def test_it_serves_only_the_classes_it_was_given_up_to_16_rows() -> None:
     try:
         model.run(cache, [("a", [4])], prompt=False)  # (1, 1)
         model.run(cache, [("a", [5]), ("b", [4, 5])], prompt=False)  # (MANY, 2)
-        assert len(calls) == 2
+        model.run(cache, [("c", list(range(10, 27)))], prompt=False)  # (1, MULTI), 17 rows
+        assert len(calls) == 3
         model.run(cache, [("a", [6, 7])], prompt=False)  # (1, 2): not given
         model.run(cache, [("a", [8]), ("b", [6])], prompt=False)  # (MANY, 1): not given
         model.run(cache, [(slot, [9, 9]) for slot in "abcdefghi"], prompt=False)  # (MANY, 2), but 18 rows
-        assert len(calls) == 2
+        assert len(calls) == 3
     finally:
         torch.ops.specdec.decode_layers = original
 
