@@ -188,6 +188,7 @@ int64_t context_chunks(int64_t rows, int64_t kv_heads, int64_t length, int64_t t
 void attention_part(const AttentionStep& a, int64_t chunks, int64_t me, int64_t team) {
   const int64_t groups = a.heads / a.kv_heads, vectors = a.dim / kLanes, per_pass = heads_per_pass(vectors);
   const int64_t per_row = scores_per_row(a.length), row_stride = 2 * a.kv_heads * a.dim;
+  const float scale = 1.0f / std::sqrt(float(a.dim));
   const auto [first, last] = share(a.rows * a.kv_heads * chunks, me, team);
   for (int64_t unit = first; unit < last; ++unit) {
     const int64_t r = unit / (a.kv_heads * chunks), kv = unit / chunks % a.kv_heads, piece = unit % chunks;
@@ -196,8 +197,7 @@ void attention_part(const AttentionStep& a, int64_t chunks, int64_t me, int64_t 
       const int64_t h = kv * groups + g, heads = std::min(per_pass, groups - g);
       Pass pass{a.queries + r * a.query_stride + h * a.dim, a.pool + kv * a.dim, a.pool + (a.kv_heads + kv) * a.dim,
                 row_stride, a.context_rows + r / a.tokens * a.length, a.masks + r * a.length, from, to,
-                a.scores + (r * a.heads + h) * per_row, per_row, nullptr, nullptr, chunks * (a.dim + 2),
-                1.0f / std::sqrt(float(a.dim))};
+                a.scores + (r * a.heads + h) * per_row, per_row, nullptr, nullptr, chunks * (a.dim + 2), scale};
       if (chunks == 1)
         pass.out = a.out + (r * a.heads + h) * a.dim;
       else

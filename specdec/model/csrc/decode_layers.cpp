@@ -127,7 +127,7 @@ T* sized(std::vector<T>& buffer, int64_t count) {
 // One call's sizes, inputs and intermediates (the calling thread's `Buffers`), which every
 // thread of the team reads and writes its share of.
 struct Step {
-  int64_t rows, tokens, size, heads, kv_heads, dim, qkv_width, intermediate, length;
+  int64_t rows, size, heads, kv_heads, dim, qkv_width, intermediate;
   float eps;
   const int64_t* weights = nullptr;  // the table [layers, 4, 5]
   const uint16_t *norms = nullptr, *cos = nullptr, *sin = nullptr;
@@ -278,7 +278,7 @@ at::Tensor decode_layers(const at::Tensor& hidden_in, const at::Tensor& cos, con
   auto* out = reinterpret_cast<uint16_t*>(hidden.data_ptr());
   const auto* in = reinterpret_cast<const uint16_t*>(hidden_in.const_data_ptr());
   Buffers& buffer = buffers();  // the calling thread's, shared with the team
-  Step step{rows, tokens, size, num_heads, num_kv_heads, dim, qkv_width, intermediate, length, float(eps)};
+  Step step{rows, size, num_heads, num_kv_heads, dim, qkv_width, intermediate, float(eps)};
   step.weights = weights;
   step.norms = reinterpret_cast<const uint16_t*>(norms.const_data_ptr());
   step.cos = reinterpret_cast<const uint16_t*>(cos.const_data_ptr());
